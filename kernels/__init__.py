@@ -1,0 +1,20 @@
+"""MoE runtime kernels: routing, permute, grouped expert MLP, unpermute, RMSNorm, paged attention.
+
+Each operation has a fast torch implementation (the CPU path), a naive `reference` oracle and a
+Triton twin (imported lazily: importing this package never imports triton). Pick a family with
+`get_kernels(device)`.
+"""
+from .expert_mlp import expert_mlp, masked_expert_mlp
+from .fused_moe import fused_moe
+from .kernel_set import KernelSet, get_kernels
+from .paged_attention import paged_decode_attention
+from .permute import PermutePlan, permute_by_expert
+from .rms_norm import NormOutput, fused_add_rms_norm, rms_norm
+from .routing import RoutingConfig, TopK, select_experts
+from .unpermute import unpermute_reduce
+
+__all__ = [
+    "KernelSet", "NormOutput", "PermutePlan", "RoutingConfig", "TopK",
+    "expert_mlp", "fused_add_rms_norm", "fused_moe", "get_kernels", "masked_expert_mlp",
+    "paged_decode_attention", "permute_by_expert", "rms_norm", "select_experts", "unpermute_reduce",
+]

@@ -1,0 +1,89 @@
+"""Choosing the implementation family (triton / torch / reference) for a device."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KERNEL_FAMILIES = ("triton", "torch", "reference")
+ENV_OVERRIDE = "MOE_KERNELS"
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    name: str
+    select_experts: Callable
+    permute_by_expert: Callable
+    expert_mlp: Callable
+    masked_expert_mlp: Callable
+    unpermute_reduce: Callable
+    fused_moe: Callable
+    rms_norm: Callable
+    fused_add_rms_norm: Callable
+    paged_decode_attention: Callable
+
+
+def torch_kernels() -> KernelSet:
+    from .expert_mlp import expert_mlp, masked_expert_mlp
+    from .fused_moe import fused_moe
+    from .paged_attention import paged_decode_attention
+    from .permute import permute_by_expert
+    from .rms_norm import fused_add_rms_norm, rms_norm
+    from .routing import select_experts
+    from .unpermute import unpermute_reduce
+
+    return KernelSet("torch", select_experts, permute_by_expert, expert_mlp, masked_expert_mlp,
+                     unpermute_reduce, fused_moe, rms_norm, fused_add_rms_norm, paged_decode_attention)
+
+
+def reference_kernels() -> KernelSet:
+    from . import reference
+    from .routing import select_experts
+
+    return KernelSet("reference", select_experts, reference.permute_by_expert, reference.expert_mlp,
+                     reference.masked_expert_mlp, reference.unpermute_reduce, reference.fused_moe,
+                     reference.rms_norm, reference.fused_add_rms_norm, reference.paged_decode_attention)
+
+
+def triton_kernels() -> KernelSet:
+    from .triton_impl.kernel_set import triton_kernel_set   # imports triton: only when asked for
+
+    return triton_kernel_set()
+
+
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def log_choice_once(name: str, device: str, reason: str) -> None:
+    logger.info("MoE kernels: %s on %s (%s)", name, device, reason)
+
+
+def get_kernels(device: torch.device | str, prefer: str = "auto") -> KernelSet:
+    """Pick the kernel family: "auto" = triton on CUDA when triton imports, else torch.
+
+    The environment variable MOE_KERNELS (triton / torch / reference) overrides "auto" only.
+    """
+    device = torch.device(device)
+    reason = "requested"
+    if prefer == "auto" and os.environ.get(ENV_OVERRIDE):
+        prefer, reason = os.environ[ENV_OVERRIDE].strip().lower(), f"{ENV_OVERRIDE} environment variable"
+        if prefer not in KERNEL_FAMILIES + ("auto",):
+            raise ValueError(f"{ENV_OVERRIDE}={prefer!r} is not one of {KERNEL_FAMILIES + ('auto',)}")
+    if prefer == "auto":
+        use_triton = device.type == "cuda" and triton_importable()
+        prefer, reason = ("triton", "CUDA device with triton") if use_triton else ("torch", f"{device.type} device")
+    builders = {"triton": triton_kernels, "torch": torch_kernels, "reference": reference_kernels}
+    if prefer not in builders:
+        raise ValueError(f"get_kernels(prefer={prefer!r}): expected 'auto' or one of {KERNEL_FAMILIES}")
+    kernels = builders[prefer]()
+    log_choice_once(kernels.name, str(device), reason)
+    return kernels

@@ -1,0 +1,52 @@
+"""Single-token (decode) attention over a paged KV cache, vectorized torch version."""
+from __future__ import annotations
+
+import torch
+
+
+def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(
+            f"k_cache [blocks, block_size, Hkv, D] and v_cache [blocks, block_size, Hkv, Dv] disagree: "
+            f"{tuple(k_cache.shape)} vs {tuple(v_cache.shape)}"
+        )
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"q head dim {q.shape[2]} != k_cache head dim {k_cache.shape[3]}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
+    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
+        raise ValueError(
+            f"block_tables must be [B={q.shape[0]}, max_blocks] and context_lens [B], got "
+            f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}"
+        )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,             # [B, Hq, D]
+    k_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, Dv]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:               # [B, Hq, Dv]
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads, v_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    if batch == 0:
+        return q.new_zeros(0, num_q_heads, v_dim)
+    max_len = int(context_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks].long().clamp(min=0)                       # [B, nb]
+    keys = k_cache[tables].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+    values = v_cache[tables].reshape(batch, num_blocks * block_size, num_kv_heads, v_dim)   # [B, L, Hkv, Dv]
+    q_grouped = q.float().view(batch, num_kv_heads, group, head_dim)                # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,blhd->bhgl", q_grouped, keys.float()) * scale      # [B, Hkv, G, L]
+    positions = torch.arange(num_blocks * block_size, device=q.device)
+    valid = positions[None, :] < context_lens.long()[:, None]                       # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)                          # empty contexts -> 0
+    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())                   # [B, Hkv, G, Dv]
+    return out.reshape(batch, num_q_heads, v_dim).to(q.dtype)

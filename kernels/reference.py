@@ -1,0 +1,99 @@
+"""Naive oracle implementations: every expert on every token, per-sequence attention loops.
+
+Slow on purpose and written to be obviously right; the fast paths and Triton twins are tested
+against these. Routing has no separate naive twin: `routing.select_experts` is itself held
+against the transformers router modules.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .expert_mlp import check_expert_weights
+from .permute import PermutePlan, offsets_from_counts
+from .rms_norm import NormOutput
+
+
+def all_experts_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """[T, H] -> [E, T, H]: every expert applied to every row, in fp32."""
+    intermediate = check_expert_weights(x.shape[-1], w13, w2)
+    gate_up = torch.einsum("th,eih->eti", x.float(), w13.float())              # [E, T, 2I]
+    activated = F.silu(gate_up[..., :intermediate]) * gate_up[..., intermediate:]  # [E, T, I]
+    return torch.einsum("eti,ehi->eth", activated, w2.float())                # [E, T, H]
+
+
+def permute_by_expert(topk_ids: torch.Tensor, num_experts: int) -> PermutePlan:
+    flat_ids = topk_ids.reshape(-1).tolist()
+    top_k = max(topk_ids.shape[1], 1)
+    rows = [(expert, flat) for flat, expert in enumerate(flat_ids) if 0 <= expert < num_experts]
+    rows.sort(key=lambda row: row[0])                                         # Python sort is stable
+    flat_index = torch.tensor([flat for _, flat in rows], dtype=torch.int64, device=topk_ids.device)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=topk_ids.device)
+    for expert, _ in rows:
+        counts[expert] += 1
+    return PermutePlan(flat_index // top_k, flat_index, counts, offsets_from_counts(counts))
+
+
+def expert_mlp(x_sorted, counts, w13, w2) -> torch.Tensor:
+    expert_of_row = torch.repeat_interleave(torch.arange(w13.shape[0], device=counts.device), counts)  # [N]
+    every = all_experts_mlp(x_sorted, w13, w2)                                # [E, N, H]
+    rows = torch.arange(x_sorted.shape[0], device=x_sorted.device)
+    return every[expert_of_row, rows].to(x_sorted.dtype)
+
+
+def masked_expert_mlp(x, counts, w13, w2) -> torch.Tensor:
+    out = torch.zeros(*x.shape[:2], w2.shape[1], dtype=x.dtype, device=x.device)  # [E, M, H]
+    for expert in range(x.shape[0]):
+        every = all_experts_mlp(x[expert], w13, w2)                           # [E, M, H]
+        count = int(counts[expert])
+        out[expert, :count] = every[expert, :count].to(x.dtype)
+    return out
+
+
+def unpermute_reduce(out_sorted, plan: PermutePlan, weights, num_tokens: int) -> torch.Tensor:
+    y = torch.zeros(num_tokens, out_sorted.shape[1], dtype=torch.float32, device=out_sorted.device)
+    flat_weights = weights.reshape(-1).float()
+    for row in range(out_sorted.shape[0]):
+        flat = int(plan.flat_index[row])
+        y[int(plan.token_index[row])] += flat_weights[flat] * out_sorted[row].float()
+    return y.to(out_sorted.dtype)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """y[t] = sum_k w[t,k] * expert_{ids[t,k]}(x[t]), with every expert computed on every token."""
+    num_experts = w13.shape[0]
+    every = all_experts_mlp(x, w13, w2)                                       # [E, T, H]
+    valid = (topk_ids >= 0) & (topk_ids < num_experts)                       # [T, K]
+    one_hot = F.one_hot(topk_ids.clamp(0, num_experts - 1).long(), num_experts).float()  # [T, K, E]
+    mixing = (one_hot * (topk_weights.float() * valid)[..., None]).sum(dim=1)  # [T, E]
+    return torch.einsum("te,eth->th", mixing, every).to(x.dtype)
+
+
+def rms_norm(x, weight, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    variance = (x32 * x32).sum(-1, keepdim=True) / x.shape[-1]
+    return weight * (x32 / torch.sqrt(variance + eps)).to(x.dtype)
+
+
+def fused_add_rms_norm(x, residual, weight, eps: float) -> NormOutput:
+    summed = x + residual
+    return NormOutput(out=rms_norm(summed, weight, eps), residual=summed)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    batch, num_q_heads, _ = q.shape
+    block_size, num_kv_heads, v_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    out = torch.zeros(batch, num_q_heads, v_dim, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        length = int(context_lens[b])
+        if length == 0:
+            continue
+        positions = torch.arange(length, device=q.device)
+        blocks = block_tables[b].long()[positions // block_size]
+        keys = k_cache[blocks, positions % block_size].float()               # [L, Hkv, D]
+        values = v_cache[blocks, positions % block_size].float()             # [L, Hkv, Dv]
+        for head in range(num_q_heads):
+            kv_head = head // (num_q_heads // num_kv_heads)
+            scores = keys[:, kv_head] @ q[b, head].float() * scale           # [L]
+            out[b, head] = torch.softmax(scores, dim=0) @ values[:, kv_head]
+    return out.to(q.dtype)
