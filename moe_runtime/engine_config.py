@@ -1,0 +1,42 @@
+"""Engine settings: one dataclass the API, the CLI and the workers share."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_runtime.errors import InvalidRequestError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "auto"                 # "cpu" | "cuda" | "auto"
+    dtype: str = "auto"                  # "auto" = the checkpoint's torch_dtype (fp32 if unset)
+    block_size: int = 16
+    kv_cache_memory: int = 256 * 2**20   # bytes of KV cache per DP worker
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None     # default: the model's max_position_embeddings
+    kernels: str = "auto"                # "auto" | "torch" | "triton" | "reference"
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            return torch.device(self.device)
+        except RuntimeError as exc:
+            raise InvalidRequestError(f"device={self.device!r} is not a torch device: {exc}") from exc
+
+    def resolved_dtype(self, hf_config) -> torch.dtype:
+        if self.dtype == "auto":
+            found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+            if isinstance(found, torch.dtype):
+                return found
+            return DTYPES.get(str(found), torch.float32)
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype={self.dtype!r} is not supported; choose one of {sorted(DTYPES)} or 'auto'")
+        return DTYPES[self.dtype]

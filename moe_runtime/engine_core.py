@@ -1,0 +1,189 @@
+"""One DP worker's engine: model, KV cache, scheduler, sampler, detokenizer; `step()` advances every request."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from moe_runtime.block_manager import BlockManager
+from moe_runtime.checkpoint import CheckpointReader
+from moe_runtime.detokenizer import Detokenizer, cut_at_stop
+from moe_runtime.engine_config import EngineConfig
+from moe_runtime.errors import InvalidRequestError
+from moe_runtime.model_config import architecture_of, load_hf_config
+from moe_runtime.model_runner import ModelRunner, kv_blocks_for_budget
+from moe_runtime.models.decoder import BuildContext
+from moe_runtime.models.registry import build_model
+from moe_runtime.moe_executor import LocalMoEExecutor
+from moe_runtime.outputs import RequestOutput
+from moe_runtime.parallel_context import ParallelContext
+from moe_runtime.sampler import Sampler
+from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.scheduler import Scheduler, SchedulerConfig
+from moe_runtime.sequence import FinishReason, Sequence
+from moe_runtime.weight_loading import load_model_weights
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(checkpoint_dir: Path):
+    """The checkpoint's tokenizer (local files only), or None when it ships none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(checkpoint_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        logger.warning("no tokenizer in %s (%s): only token-id prompts will work", checkpoint_dir, exc)
+        return None
+
+
+def eos_token_ids(checkpoint_dir: Path, hf_config, tokenizer) -> set[int]:
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        found = GenerationConfig.from_pretrained(str(checkpoint_dir), local_files_only=True).eos_token_id
+    except OSError:
+        found = getattr(hf_config, "eos_token_id", None)
+    if found is None and tokenizer is not None:
+        found = tokenizer.eos_token_id
+    if isinstance(found, int):
+        ids.add(found)
+    elif found:
+        ids.update(int(i) for i in found)
+    return ids
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None, executor=None):
+        from kernels import get_kernels
+
+        started = time.perf_counter()
+        self.config = config
+        self.checkpoint_dir = Path(config.model)
+        self.hf_config = load_hf_config(self.checkpoint_dir)
+        self.architecture = architecture_of(self.hf_config)
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(self.hf_config)
+        self.parallel = parallel or ParallelContext.single(self.device)
+        self.kernels = get_kernels(self.device, config.kernels)
+        self.executor = executor or LocalMoEExecutor(self.kernels)
+        ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device)
+        reader = CheckpointReader.open(self.checkpoint_dir)
+        self.model = build_model(self.architecture, self.hf_config, ctx)
+        load_model_weights(self.model, reader)
+        self.model.eval()
+        self.tokenizer = load_tokenizer(self.checkpoint_dir)
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.eos_ids = eos_token_ids(self.checkpoint_dir, self.hf_config, self.tokenizer)
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
+        num_blocks = kv_blocks_for_budget(self.model, config.kv_cache_memory, config.block_size, self.dtype)
+        if num_blocks < 1:
+            raise InvalidRequestError(
+                f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of {config.block_size} tokens"
+            )
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.block_manager
+        )
+        self.sampler = Sampler()
+        self._arrivals = 0
+        self._sequences: dict[str, Sequence] = {}
+        logger.info("engine ready: %s (%s, %s, kernels=%s) in %.2fs", self.architecture, self.device,
+                    self.dtype, self.kernels.name, time.perf_counter() - started)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        if total > self.kv_capacity_tokens:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens exceeds the KV cache ({self.kv_capacity_tokens} tokens); "
+                f"raise kv_cache_memory"
+            )
+        if params.stop and self.detokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and the checkpoint has none")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._sequences:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate_request(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival=self._arrivals)
+        self._arrivals += 1
+        self._sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        self._sequences.pop(request_id, None)
+        return seq is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that advanced."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        logits = self.runner.execute(batch.seqs)
+        sampled = self.sampler(logits, batch.seqs)
+        outputs = []
+        for seq, token, logprob in zip(batch.seqs, sampled.token_ids, sampled.logprobs):
+            seq.output_token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._sequences.pop(seq.request_id, None)
+            outputs.append(self._output(seq, [token]))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        generated = len(seq.output_token_ids)
+        if self.detokenizer is not None:
+            previous_len = len(seq.text)
+            seq.text = self.detokenizer.decode(seq.output_token_ids)
+            if params.stop and generated >= params.min_tokens:
+                match = cut_at_stop(seq.text, params.stop, previous_len)
+                if match.matched:
+                    seq.text = match.text
+                    return FinishReason.STOP
+        if generated >= params.min_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+                return FinishReason.STOP
+        if generated >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=seq.text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            num_preemptions=seq.num_preemptions,
+            new_token_ids=new_tokens,
+        )

@@ -1,0 +1,51 @@
+"""One layer's paged KV cache: [num_blocks, block_size, kv_heads, dim] tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer stores per token. `value_dim=None`: keys only (MLA latent)."""
+
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int | None
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        per_head = self.key_dim + (self.value_dim or 0)
+        return self.num_kv_heads * per_head * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass
+class LayerKVCache:
+    keys: torch.Tensor                 # [num_blocks, block_size, kv_heads, key_dim]
+    values: torch.Tensor | None        # [num_blocks, block_size, kv_heads, value_dim]
+
+    @classmethod
+    def allocate(cls, spec: KVCacheSpec, num_blocks: int, block_size: int, dtype, device) -> "LayerKVCache":
+        keys = torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.key_dim, dtype=dtype, device=device)
+        values = None
+        if spec.value_dim is not None:
+            values = torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.value_dim, dtype=dtype, device=device)
+        return cls(keys, values)
+
+    def write(self, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> None:
+        """Store new tokens' keys [T, kv_heads, key_dim] (and values) at their flat slots [T]."""
+        if slot_mapping.numel() == 0:
+            return
+        flat_keys = self.keys.view(-1, *self.keys.shape[2:])
+        flat_keys.index_copy_(0, slot_mapping, keys.to(flat_keys.dtype))
+        if values is not None:
+            flat_values = self.values.view(-1, *self.values.shape[2:])
+            flat_values.index_copy_(0, slot_mapping, values.to(flat_values.dtype))
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Keys [S, kv_heads, key_dim] (and values) at flat slots [S]."""
+        keys = self.keys.view(-1, *self.keys.shape[2:]).index_select(0, slots)
+        values = None
+        if self.values is not None:
+            values = self.values.view(-1, *self.values.shape[2:]).index_select(0, slots)
+        return keys, values

@@ -1,0 +1,129 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of compressed latents.
+
+The cache holds, per token, one "head" of [kv_lora_rank latent | qk_rope_head_dim rotated key].
+Prefill expands the latents with kv_b_proj; decode absorbs kv_b_proj into the query and the
+output (attention runs in the latent space, MQA with 1 KV head), the layout DeepSeek serves with.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe_runtime.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_ops import varlen_causal_attention
+from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
+from moe_runtime.layers.linear import Linear
+from moe_runtime.layers.norm import RMSNorm
+from moe_runtime.layers.rotary import RotaryEmbedding
+
+LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    attention_bias: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+def mla_softmax_scale(hf_config, qk_head_dim: int) -> float:
+    """qk_head_dim**-0.5, times yarn's mscale**2 when the rope is scaled (as transformers does)."""
+    scale = qk_head_dim ** -0.5
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        mscale_all_dim = params.get("mscale_all_dim", 0)
+        factor = params.get("factor", 1.0)
+        if mscale_all_dim and factor > 1:
+            mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale = scale * mscale * mscale
+    return scale
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, shape: MLAShape, rotary: RotaryEmbedding, scale: float, kernels, dtype, device=None):
+        super().__init__()
+        s = shape
+        self.shape = s
+        if s.q_lora_rank is None:
+            self.q_proj = Linear(s.hidden_size, s.num_heads * s.qk_head_dim, False, dtype, device)
+        else:
+            self.q_a_proj = Linear(s.hidden_size, s.q_lora_rank, s.attention_bias, dtype, device)
+            self.q_a_layernorm = RMSNorm(s.q_lora_rank, LATENT_NORM_EPS, kernels, dtype, device)
+            self.q_b_proj = Linear(s.q_lora_rank, s.num_heads * s.qk_head_dim, False, dtype, device)
+        self.kv_a_proj_with_mqa = Linear(s.hidden_size, s.kv_lora_rank + s.qk_rope_head_dim, s.attention_bias, dtype, device)
+        self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, LATENT_NORM_EPS, kernels, dtype, device)
+        self.kv_b_proj = Linear(s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), False, dtype, device)
+        self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, s.attention_bias, dtype, device)
+        self.rotary = rotary
+        self.scale = scale
+        self._kernels = kernels
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(1, self.shape.kv_lora_rank + self.shape.qk_rope_head_dim, None)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, heads, qk_head_dim]
+        s = self.shape
+        if s.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], s.num_heads, s.qk_head_dim)
+
+    def _kv_b_split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj as W_UK [heads, nope, L] and W_UV [heads, v, L]."""
+        s = self.shape
+        w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        return w[:, : s.qk_nope_head_dim], w[:, s.qk_nope_head_dim :]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache):
+        s = self.shape
+        num_tokens = x.shape[0]
+        q = self._queries(x)
+        q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)  # [T, h, nope], [T, h, rope]
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)                                      # [T, L]
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None, :])               # [T, h, rope], [T, 1, rope]
+        cache.write(batch.slot_mapping, torch.cat([latent[:, None, :], k_pe], dim=-1))
+        if num_tokens == 0:
+            out = x.new_zeros(0, s.num_heads, s.v_head_dim)
+        elif batch.is_decode:
+            out = self._decode_absorbed(q_nope, q_pe, batch, cache)
+        else:
+            out = self._prefill_expanded(torch.cat([q_nope, q_pe], dim=-1), batch, cache)
+        return self.o_proj(out.reshape(num_tokens, s.num_heads * s.v_head_dim))
+
+    def _prefill_expanded(self, q: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache) -> torch.Tensor:
+        s = self.shape
+
+        def fetch(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+            entries, _ = cache.gather(batch.context_slots(seq))                   # [S, 1, L + rope]
+            latent, k_pe = entries[:, 0].split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+            kv = self.kv_b_proj(latent).view(-1, s.num_heads, s.qk_nope_head_dim + s.v_head_dim)
+            k_nope, values = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
+            keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, s.num_heads, -1)], dim=-1)
+            return keys, values                                                   # [S, h, qk], [S, h, v]
+
+        return varlen_causal_attention(q, batch, fetch, self.scale)
+
+    def _decode_absorbed(self, q_nope, q_pe, batch: AttentionBatch, cache: LayerKVCache) -> torch.Tensor:
+        s = self.shape
+        w_uk, w_uv = self._kv_b_split()
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)                     # [T, h, L]
+        q_full = torch.cat([q_latent, q_pe], dim=-1)                              # [T, h, L + rope]
+        latent_values = cache.keys[..., : s.kv_lora_rank]                         # [NB, BS, 1, L] view
+        out_latent = self._kernels.paged_decode_attention(
+            q_full, cache.keys, latent_values, batch.block_tables, batch.context_lens_tensor, self.scale
+        )                                                                         # [T, h, L]
+        return torch.einsum("thl,hvl->thv", out_latent, w_uv)                     # [T, h, v]

@@ -1,0 +1,63 @@
+"""DeepSeek-V2 / V3: MLA attention, grouped top-k routing, shared experts, first-k dense layers."""
+from __future__ import annotations
+
+from kernels import RoutingConfig
+from moe_runtime.layers.experts import DenseMLP
+from moe_runtime.layers.mla import MLAShape, MultiHeadLatentAttention, mla_softmax_scale
+from moe_runtime.layers.moe import MoEShape, SparseMoE
+from moe_runtime.models.common import rotary_for
+from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, DecoderStack
+
+
+def deepseek_v2_routing(cfg) -> RoutingConfig:
+    """transformers' V2 router: softmax, optional group-limited greedy (group max), always scaled, no renorm."""
+    grouped = cfg.topk_method == "group_limited_greedy"
+    return RoutingConfig(
+        top_k=cfg.num_experts_per_tok, scoring="softmax", renormalize=False,
+        num_groups=cfg.n_group if grouped else 1, topk_groups=cfg.topk_group if grouped else 1,
+        group_score="max", routed_scaling_factor=cfg.routed_scaling_factor,
+    )
+
+
+def deepseek_v3_routing(cfg) -> RoutingConfig:
+    return RoutingConfig(
+        top_k=cfg.num_experts_per_tok, scoring="sigmoid", renormalize=bool(cfg.norm_topk_prob),
+        num_groups=cfg.n_group or 1, topk_groups=cfg.topk_group or 1, group_score="top2_sum",
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
+
+
+def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: bool, interleaved_rope: bool) -> CausalLM:
+    shape = MLAShape(
+        hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        attention_bias=bool(getattr(cfg, "attention_bias", False)),
+    )
+    scale = mla_softmax_scale(cfg, shape.qk_head_dim)
+    moe_shape = MoEShape(
+        cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size,
+        shared_intermediate_size=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0),
+        shared_name="shared_experts", correction_bias=correction_bias,
+    )
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        attention = MultiHeadLatentAttention(
+            shape, rotary_for(cfg, cfg.qk_rope_head_dim, interleaved_rope), scale, ctx.kernels, ctx.dtype, ctx.device
+        )
+        if i >= (cfg.first_k_dense_replace or 0):
+            mlp = SparseMoE(i, moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device)
+        else:
+            mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx.kernels, ctx.dtype, ctx.device)
+        layers.append(DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx))
+    stack = DecoderStack(cfg.vocab_size, cfg.hidden_size, layers, cfg.rms_norm_eps, ctx)
+    return CausalLM(cfg, stack, cfg.tie_word_embeddings, ctx)
+
+
+def build_deepseek_v2(cfg, ctx: BuildContext) -> CausalLM:
+    return _build(cfg, ctx, deepseek_v2_routing(cfg), correction_bias=False, interleaved_rope=True)
+
+
+def build_deepseek_v3(cfg, ctx: BuildContext) -> CausalLM:
+    return _build(cfg, ctx, deepseek_v3_routing(cfg), correction_bias=True,
+                  interleaved_rope=bool(getattr(cfg, "rope_interleave", True)))

@@ -1,0 +1,32 @@
+"""Dense Llama / Qwen2 / Mistral: GQA attention and a SiLU MLP run as a single expert."""
+from __future__ import annotations
+
+from moe_runtime.layers.experts import DenseMLP
+from moe_runtime.models.common import gqa_attention
+from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, DecoderStack
+
+
+def build_dense(cfg, ctx: BuildContext, *, qkv_bias: bool, o_bias: bool = False) -> CausalLM:
+    layers = [
+        DecoderLayer(
+            gqa_attention(cfg, i, ctx, qkv_bias=qkv_bias, o_bias=o_bias),
+            DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx.kernels, ctx.dtype, ctx.device),
+            cfg.hidden_size, cfg.rms_norm_eps, ctx,
+        )
+        for i in range(cfg.num_hidden_layers)
+    ]
+    stack = DecoderStack(cfg.vocab_size, cfg.hidden_size, layers, cfg.rms_norm_eps, ctx)
+    return CausalLM(cfg, stack, cfg.tie_word_embeddings, ctx)
+
+
+def build_llama(cfg, ctx: BuildContext) -> CausalLM:
+    bias = bool(getattr(cfg, "attention_bias", False))
+    return build_dense(cfg, ctx, qkv_bias=bias, o_bias=bias)
+
+
+def build_qwen2(cfg, ctx: BuildContext) -> CausalLM:
+    return build_dense(cfg, ctx, qkv_bias=True)
+
+
+def build_mistral(cfg, ctx: BuildContext) -> CausalLM:
+    return build_dense(cfg, ctx, qkv_bias=False)

@@ -1,0 +1,23 @@
+"""Mixtral: GQA attention, softmax top-k (always renormalized) over w1/w3/w2 experts."""
+from __future__ import annotations
+
+from kernels import RoutingConfig
+from moe_runtime.layers.experts import MIXTRAL_NAMING
+from moe_runtime.layers.moe import MoEShape, SparseMoE
+from moe_runtime.models.common import gqa_attention
+from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, DecoderStack
+
+
+def build_mixtral(cfg, ctx: BuildContext) -> CausalLM:
+    routing = RoutingConfig(top_k=cfg.num_experts_per_tok, scoring="softmax", renormalize=True)
+    shape = MoEShape(cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size)
+    layers = [
+        DecoderLayer(
+            gqa_attention(cfg, i, ctx),
+            SparseMoE(i, shape, routing, ctx.executor, ctx.kernels, MIXTRAL_NAMING, ctx.dtype, ctx.device),
+            cfg.hidden_size, cfg.rms_norm_eps, ctx, mlp_name="block_sparse_moe",
+        )
+        for i in range(cfg.num_hidden_layers)
+    ]
+    stack = DecoderStack(cfg.vocab_size, cfg.hidden_size, layers, cfg.rms_norm_eps, ctx)
+    return CausalLM(cfg, stack, cfg.tie_word_embeddings, ctx)

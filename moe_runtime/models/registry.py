@@ -1,0 +1,35 @@
+"""Architecture name (config.json `architectures[0]`) -> model builder."""
+from __future__ import annotations
+
+from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.models.decoder import BuildContext, CausalLM
+
+
+def _builders():
+    from moe_runtime.models import deepseek, llama, mixtral, qwen_moe
+
+    return {
+        "LlamaForCausalLM": llama.build_llama,
+        "Qwen2ForCausalLM": llama.build_qwen2,
+        "MistralForCausalLM": llama.build_mistral,
+        "MixtralForCausalLM": mixtral.build_mixtral,
+        "Qwen2MoeForCausalLM": qwen_moe.build_qwen2_moe,
+        "Qwen3MoeForCausalLM": qwen_moe.build_qwen3_moe,
+        "OlmoeForCausalLM": qwen_moe.build_olmoe,
+        "DeepseekV2ForCausalLM": deepseek.build_deepseek_v2,
+        "DeepseekV3ForCausalLM": deepseek.build_deepseek_v3,
+    }
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_builders())
+
+
+def build_model(architecture: str, hf_config, ctx: BuildContext) -> CausalLM:
+    builders = _builders()
+    if architecture not in builders:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} (config.json 'architectures') is not supported; "
+            f"supported: {', '.join(sorted(builders))}"
+        )
+    return builders[architecture](hf_config, ctx)
