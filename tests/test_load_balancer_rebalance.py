@@ -1,0 +1,156 @@
+import pytest
+import torch
+
+from load_balancer import Placement, balancedness, plan_migration, rebalance, static_placement
+
+# (experts, slots, ranks, nodes, groups)
+LAYOUTS = [
+    (8, 8, 4, 1, None),
+    (8, 12, 4, 1, None),
+    (16, 24, 8, 2, None),
+    (16, 24, 8, 2, 4),
+    (12, 24, 6, 3, 3),
+    (6, 18, 3, 1, None),  # every expert could take a replica on every rank
+]
+
+
+def zipf_load(layers, experts, exponent, generator):
+    ranks = torch.arange(1, experts + 1, dtype=torch.float64)
+    rows = [(ranks**-exponent)[torch.randperm(experts, generator=generator)] for _ in range(layers)]
+    return torch.stack(rows) * 1000
+
+
+def random_load(layers, experts, generator):
+    kind = int(torch.randint(0, 3, (1,), generator=generator))
+    if kind == 0:
+        return zipf_load(layers, experts, 0.5 + 1.5 * torch.rand(1, generator=generator).item(), generator)
+    if kind == 1:  # a few experts get everything, some get nothing
+        load = torch.zeros(layers, experts, dtype=torch.float64)
+        hot = torch.randint(0, experts, (layers, 2), generator=generator)
+        return load.scatter_(1, hot, 500.0)
+    return torch.rand(layers, experts, generator=generator, dtype=torch.float64) * 100
+
+
+def assert_valid(placement: Placement, experts, slots, ranks):
+    assert placement.phy2log.shape[1] == slots
+    assert placement.logcnt.shape[1] == experts
+    assert (placement.logcnt >= 1).all(), "every expert needs a slot"
+    assert (placement.logcnt.sum(1) == slots).all(), "slots exactly filled"
+    recount = torch.zeros_like(placement.logcnt).scatter_add_(
+        1, placement.phy2log, torch.ones_like(placement.phy2log)
+    )
+    assert torch.equal(recount, placement.logcnt)
+    for layer in range(placement.num_layers):
+        for expert in range(experts):
+            listed = placement.log2phy[layer, expert]
+            listed = listed[listed >= 0]
+            assert listed.numel() == placement.logcnt[layer, expert]
+            assert (placement.phy2log[layer, listed] == expert).all()
+            replica_ranks = listed // (slots // ranks)
+            assert replica_ranks.unique().numel() == replica_ranks.numel(), "replicas share a rank"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_random_loads_give_valid_placements(layout):
+    experts, slots, ranks, nodes, groups = layout
+    generator = torch.Generator().manual_seed(experts * 1000 + slots)
+    for _ in range(8):
+        load = random_load(3, experts, generator)
+        placement = rebalance(load, slots, ranks, nodes, num_groups=groups)
+        assert_valid(placement, experts, slots, ranks)
+        # From a placement in force (the static one or the last result), still valid.
+        again = rebalance(random_load(3, experts, generator), slots, ranks, nodes, previous=placement, num_groups=groups)
+        assert_valid(again, experts, slots, ranks)
+
+
+def test_hierarchical_keeps_each_group_on_one_node():
+    experts, slots, ranks, nodes, groups = 16, 24, 8, 2, 4
+    generator = torch.Generator().manual_seed(3)
+    previous = None
+    for _ in range(6):
+        load = zipf_load(2, experts, 1.2, generator)
+        placement = rebalance(load, slots, ranks, nodes, previous=previous, num_groups=groups)
+        slot_node = torch.arange(slots) // (slots // nodes)
+        group = placement.phy2log // (experts // groups)  # [L, P]
+        for layer in range(2):
+            for g in range(groups):
+                assert slot_node[group[layer] == g].unique().numel() == 1
+        previous = placement
+
+
+@pytest.mark.parametrize("exponent", [0.8, 1.2, 1.5])
+def test_beats_static_on_skewed_load(exponent):
+    generator = torch.Generator().manual_seed(int(exponent * 10))
+    experts, slots, ranks = 32, 40, 8
+    load = zipf_load(4, experts, exponent, generator)
+    placement = rebalance(load, slots, ranks)
+    static = static_placement(4, experts, slots, ranks)
+    ours, baseline = balancedness(load, placement), balancedness(load, static)
+    assert (ours >= baseline).all()
+    assert ours.mean() > baseline.mean() + 0.1
+    assert ours.min() > 0.9
+
+
+def test_hot_expert_gets_replicas_on_distinct_ranks():
+    load = torch.ones(1, 8, dtype=torch.float64)
+    load[0, 5] = 100.0
+    placement = rebalance(load, num_slots=16, num_ranks=4)
+    assert int(placement.logcnt[0, 5]) == 4  # capped at one replica per rank
+    assert sorted((placement.log2phy[0, 5] // 4).tolist()) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_same_load_again_moves_nothing(layout):
+    experts, slots, ranks, nodes, groups = layout
+    generator = torch.Generator().manual_seed(11)
+    for _ in range(4):
+        load = random_load(3, experts, generator)
+        first = rebalance(load, slots, ranks, nodes, num_groups=groups)
+        second = rebalance(load, slots, ranks, nodes, previous=first, num_groups=groups)
+        assert second.stats.experts_moved.sum() == 0
+        assert torch.equal(second.phy2log, first.phy2log)
+
+
+def test_small_drift_moves_few_experts_and_stays_balanced():
+    experts, slots, ranks = 32, 40, 8
+    generator = torch.Generator().manual_seed(5)
+    load = zipf_load(2, experts, 1.2, generator)
+    first = rebalance(load, slots, ranks)
+    drifted = load * (1 + 0.05 * torch.rand(load.shape, generator=generator, dtype=torch.float64))
+    fresh = rebalance(drifted, slots, ranks)
+    kept = rebalance(drifted, slots, ranks, previous=first)
+    moved_fresh = plan_migration(first, fresh).num_moved
+    moved_kept = plan_migration(first, kept).num_moved
+    assert moved_kept == int(kept.stats.experts_moved.sum())
+    assert moved_kept < moved_fresh
+    assert balancedness(drifted, kept).mean() > balancedness(drifted, fresh).mean() - 0.02
+
+
+def test_min_gain_per_move_zero_takes_fresh_quality():
+    experts, slots, ranks = 16, 24, 4
+    generator = torch.Generator().manual_seed(9)
+    old_load, new_load = zipf_load(2, experts, 1.2, generator), zipf_load(2, experts, 1.2, generator)
+    previous = rebalance(old_load, slots, ranks)
+    eager = rebalance(new_load, slots, ranks, previous=previous, min_gain_per_move=0.0)
+    fresh = rebalance(new_load, slots, ranks)
+    assert (balancedness(new_load, eager) >= balancedness(new_load, fresh) - 1e-9).all()
+    lazy = rebalance(new_load, slots, ranks, previous=previous, min_gain_per_move=10.0)
+    assert torch.equal(lazy.phy2log, previous.phy2log)
+
+
+def test_rebalance_errors_name_the_argument():
+    load = torch.ones(2, 8)
+    with pytest.raises(ValueError, match="num_slots .10. must be divisible by num_ranks .4."):
+        rebalance(load, num_slots=10, num_ranks=4)
+    with pytest.raises(ValueError, match="num_slots .4. < num_experts .8."):
+        rebalance(load, num_slots=4, num_ranks=2)
+    with pytest.raises(ValueError, match="more than 2 replicas"):
+        rebalance(load, num_slots=20, num_ranks=2)
+    with pytest.raises(ValueError, match="num_groups"):
+        rebalance(load, num_slots=8, num_ranks=4, num_nodes=2, num_groups=3)
+    with pytest.raises(ValueError, match="load must be"):
+        rebalance(torch.ones(8), num_slots=8, num_ranks=4)
+    with pytest.raises(ValueError, match="NaN"):
+        rebalance(torch.full((2, 8), float("nan")), num_slots=8, num_ranks=4)
+    with pytest.raises(ValueError, match="previous.phy2log"):
+        rebalance(load, 8, 4, previous=static_placement(3, 8, 8, 4))
