@@ -1,0 +1,29 @@
+"""The Triton KernelSet (imports triton)."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..kernel_set import KernelSet
+from . import align, fused_moe, grouped_gemm, paged_attention, rms_norm, routing, unpermute
+
+
+def running_in_interpreter() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+def triton_kernel_set() -> KernelSet:
+    if not torch.cuda.is_available() and not running_in_interpreter():
+        raise RuntimeError("Triton kernels need a CUDA device (or TRITON_INTERPRET=1 set before import, for tests)")
+    return KernelSet(
+        name="triton",
+        select_experts=routing.select_experts,
+        permute_by_expert=align.permute_by_expert,
+        expert_mlp=grouped_gemm.expert_mlp,
+        masked_expert_mlp=grouped_gemm.masked_expert_mlp,
+        unpermute_reduce=unpermute.unpermute_reduce,
+        fused_moe=fused_moe.fused_moe,
+        rms_norm=rms_norm.rms_norm,
+        fused_add_rms_norm=rms_norm.fused_add_rms_norm,
+        paged_decode_attention=paged_attention.paged_decode_attention,
+    )
