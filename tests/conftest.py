@@ -1,0 +1,18 @@
+"""Session fixtures shared by the test suite: the tiny tokenizer and tiny checkpoints."""
+
+import pytest
+from tiny_checkpoints import TinyCheckpointFactory, tiny_tokenizer
+
+from moe_runtime.tokenizer_training import save_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    """A small byte-level BPE tokenizer (vocab 512) saved with `save_pretrained`."""
+    return save_tokenizer(tiny_tokenizer(), tmp_path_factory.mktemp("tiny_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory, tiny_tokenizer_dir):
+    """`factory(arch, *, sharded=False, seed=0, **config_overrides) -> Path`, each built once per session."""
+    return TinyCheckpointFactory(tmp_path_factory.mktemp("tiny_checkpoints"), tiny_tokenizer_dir)
