@@ -1,0 +1,53 @@
+"""Configuration of a dispatcher: which backend, which group, which shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+BACKEND_AUTO = "auto"
+BACKEND_LOCAL = "local"
+BACKEND_ALL_TO_ALL = "all_to_all"
+BACKEND_ALLGATHER = "allgather"
+BACKEND_DEEPEP = "deepep"                          # normal or low-latency, chosen by phase
+BACKEND_DEEPEP_NORMAL = "deepep_normal"            # throughput kernels (prefill)
+BACKEND_DEEPEP_LOW_LATENCY = "deepep_low_latency"  # masked layout, bounded tokens (decode)
+
+BACKENDS = (BACKEND_AUTO, BACKEND_LOCAL, BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_DEEPEP,
+            BACKEND_DEEPEP_NORMAL, BACKEND_DEEPEP_LOW_LATENCY)
+
+PHASE_PREFILL = "prefill"
+PHASE_DECODE = "decode"
+PHASES = (None, PHASE_PREFILL, PHASE_DECODE)
+
+
+@dataclasses.dataclass
+class DispatchConfig:
+    backend: str                     # one of BACKENDS
+    world_size: int                  # ranks in the expert-parallel group
+    rank: int                        # this rank's index in that group
+    group: object | None             # torch.distributed ProcessGroup; None = default group
+    num_slots: int                   # physical expert slots over the whole group
+    hidden_size: int
+    dtype: torch.dtype = torch.bfloat16
+    device: torch.device | str = "cpu"
+    phase: str | None = None         # "prefill" | "decode" | None (mixed / unknown)
+    max_tokens_per_rank: int | None = None  # bound on T per call; required for deepep low-latency
+    send_once: bool = True           # all_to_all: send a token once per destination rank
+    deepep_buffer_cls: type | None = None   # stand-in for deep_ep.Buffer (tests); None = real one
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"DispatchConfig.backend {self.backend!r} is not one of {BACKENDS}")
+        if self.phase not in PHASES:
+            raise ValueError(f"DispatchConfig.phase {self.phase!r} is not one of {PHASES}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"DispatchConfig.rank {self.rank} is outside world_size "
+                             f"{self.world_size}")
+        if self.hidden_size < 1:
+            raise ValueError(f"DispatchConfig.hidden_size must be >= 1, got {self.hidden_size}")
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
+            raise ValueError(f"DispatchConfig.max_tokens_per_rank must be >= 1, got "
+                             f"{self.max_tokens_per_rank}")
+        self.device = torch.device(self.device)

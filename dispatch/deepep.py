@@ -1,0 +1,152 @@
+"""Adapter from the dispatch contract to DeepEP's `deep_ep.Buffer` (V1 API).
+
+Two modes, following DeepEP's own split:
+- normal (prefill): `get_dispatch_layout` + `dispatch` send each token once per destination rank;
+  received rows carry `recv_topk_idx` already translated to local expert ids (-1 = not here) and
+  `recv_topk_weights` (0 there). We expand them into the contiguous layout grouped by local
+  expert, and on combine fold the expert outputs back into one weighted row per received token,
+  because DeepEP's normal `combine` sums rows without weights.
+- low-latency (decode): `low_latency_dispatch` returns the masked layout
+  `[E_local, max_tokens_per_rank * R, H]` with per-expert counts; `low_latency_combine` applies the
+  routing weights itself. The number of tokens per call is bounded by `max_tokens_per_rank`.
+
+`deep_ep` is imported only when a dispatcher is built without an injected buffer class, so
+`import dispatch` never needs it. Tests inject a stand-in with DeepEP's documented return layout
+(see dispatch/deepep_emulation.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dispatch.base import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchOutput, DispatchStats,
+                           Dispatcher)
+from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
+from dispatch.slots import SlotPlacement, check_dispatch_inputs
+
+MODE_NORMAL = "normal"
+MODE_LOW_LATENCY = "low_latency"
+
+
+def import_deep_ep_buffer() -> type:
+    """`deep_ep.Buffer`, with an error that says what to install when it is missing."""
+    try:
+        from deep_ep import Buffer
+    except ImportError as err:
+        raise ImportError("dispatch backend 'deepep' needs the deep_ep package (DeepEP, "
+                          "https://github.com/deepseek-ai/DeepEP); install it or pick "
+                          "backend 'all_to_all'") from err
+    return Buffer
+
+
+def deep_ep_importable() -> bool:
+    try:
+        import_deep_ep_buffer()
+    except ImportError:
+        return False
+    return True
+
+
+@dataclasses.dataclass
+class _NormalHandle:
+    deepep_handle: object
+    grouping: ExpertGrouping  # over the received rows
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class _LowLatencyHandle:
+    deepep_handle: object
+    topk_idx: torch.Tensor      # [T, K] int64
+    topk_weights: torch.Tensor  # [T, K] float32
+
+
+class DeepEPDispatcher(Dispatcher):
+    def __init__(self, placement: SlotPlacement, group, hidden_size: int, dtype: torch.dtype,
+                 mode: str = MODE_NORMAL, max_tokens_per_rank: int | None = None,
+                 buffer_cls: type | None = None):
+        if mode not in (MODE_NORMAL, MODE_LOW_LATENCY):
+            raise ValueError(f"DeepEPDispatcher mode {mode!r} is not 'normal' or 'low_latency'")
+        if mode == MODE_LOW_LATENCY and max_tokens_per_rank is None:
+            raise ValueError("DeepEPDispatcher low_latency mode needs max_tokens_per_rank "
+                             "(DispatchConfig.max_tokens_per_rank)")
+        self.placement = placement
+        self.group = group
+        self.hidden_size = hidden_size
+        self.mode = mode
+        self._max_tokens = max_tokens_per_rank
+        buffer_cls = buffer_cls if buffer_cls is not None else import_deep_ep_buffer()
+        self.buffer = self._make_buffer(buffer_cls, hidden_size * dtype.itemsize)
+        self._stats: DispatchStats | None = None
+
+    def _make_buffer(self, buffer_cls: type, hidden_bytes: int):
+        num_ranks = self.placement.world_size
+        if self.mode == MODE_NORMAL:
+            num_nvl_bytes = num_rdma_bytes = 0
+            for config in (buffer_cls.get_dispatch_config(num_ranks),
+                           buffer_cls.get_combine_config(num_ranks)):
+                num_nvl_bytes = max(num_nvl_bytes,
+                                    config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+                num_rdma_bytes = max(num_rdma_bytes,
+                                     config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
+            return buffer_cls(self.group, num_nvl_bytes, num_rdma_bytes)
+        num_rdma_bytes = buffer_cls.get_low_latency_rdma_size_hint(
+            self._max_tokens, self.hidden_size, num_ranks, self.placement.num_slots)
+        # DeepEP's low-latency mode wants one queue pair per local expert.
+        return buffer_cls(self.group, 0, num_rdma_bytes, low_latency_mode=True,
+                          num_qps_per_rank=self.placement.slots_per_rank)
+
+    def layout(self) -> str:
+        return LAYOUT_CONTIGUOUS if self.mode == MODE_NORMAL else LAYOUT_MASKED
+
+    def max_tokens_per_rank(self) -> int | None:
+        return self._max_tokens if self.mode == MODE_LOW_LATENCY else None
+
+    @property
+    def last_stats(self) -> DispatchStats | None:
+        return self._stats
+
+    def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
+        check_dispatch_inputs(x, slot_ids, weights, self.placement.num_slots, self.hidden_size)
+        self._stats = DispatchStats(pairs_routed=int((slot_ids >= 0).sum()))
+        weights = weights.to(torch.float32)
+        if self.mode == MODE_NORMAL:
+            return self._dispatch_normal(x, slot_ids, weights)
+        return self._dispatch_low_latency(x, slot_ids, weights)
+
+    def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
+        if isinstance(handle, _NormalHandle):
+            partial = reduce_grouped(expert_out, handle.grouping, handle.dtype)   # [Rn, H]
+            combined_x, _, _ = self.buffer.combine(partial, handle.deepep_handle)
+            return combined_x
+        combined_x, _, _ = self.buffer.low_latency_combine(
+            expert_out, handle.topk_idx, handle.topk_weights, handle.deepep_handle)
+        return combined_x
+
+    def _dispatch_normal(self, x, slot_ids, weights) -> DispatchOutput:
+        num_slots = self.placement.num_slots
+        (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+         is_token_in_rank, _) = self.buffer.get_dispatch_layout(slot_ids, num_slots)
+        recv_x, recv_topk_idx, recv_topk_weights, _, deepep_handle, _ = self.buffer.dispatch(
+            x, num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
+            topk_idx=slot_ids, topk_weights=weights)
+        # recv_topk_idx [Rn, K]: local expert ids on this rank, -1 elsewhere.
+        grouping = group_by_local_expert(recv_topk_idx.to(torch.int64), recv_topk_weights,
+                                         self.placement.slots_per_rank)
+        return DispatchOutput(recv_x=gather_grouped(recv_x, grouping),
+                              tokens_per_local_expert=grouping.tokens_per_local_expert,
+                              handle=_NormalHandle(deepep_handle, grouping, x.dtype))
+
+    def _dispatch_low_latency(self, x, slot_ids, weights) -> DispatchOutput:
+        if x.shape[0] > self._max_tokens:
+            raise ValueError(f"dispatch: x has {x.shape[0]} tokens, more than this low-latency "
+                             f"dispatcher's max_tokens_per_rank={self._max_tokens}")
+        recv_x, recv_count, deepep_handle, _, _ = self.buffer.low_latency_dispatch(
+            x, slot_ids, self._max_tokens, self.placement.num_slots, use_fp8=False)
+        return DispatchOutput(recv_x=recv_x,                         # [E_local, M, H]
+                              tokens_per_local_expert=recv_count.to(torch.int64),
+                              handle=_LowLatencyHandle(deepep_handle, slot_ids, weights))

@@ -1,0 +1,226 @@
+"""A torch.distributed emulation of `deep_ep.Buffer`'s documented V1 interface, for CPU tests.
+
+It honours the return layouts DeepEP documents for the calls our adapter makes, so the adapter
+can be held against the dispatch contract on gloo without GPUs:
+
+- `get_dispatch_layout(topk_idx, num_experts)` -> (num_tokens_per_rank [R] int32, None,
+  num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)
+- `dispatch(x, num_tokens_per_rank=, num_tokens_per_rdma_rank=, is_token_in_rank=,
+  num_tokens_per_expert=, topk_idx=, topk_weights=, expert_alignment=)` -> (recv_x [Rn, H],
+  recv_topk_idx [Rn, K] local expert ids or -1, recv_topk_weights [Rn, K] (0 where -1),
+  num_recv_tokens_per_expert_list, handle, event); each token reaches a rank once.
+- `combine(x [Rn, H], handle, topk_weights=None)` -> (combined_x [T, H] unweighted sum,
+  combined_topk_weights or None, event)
+- `low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+  use_fp8=False)` -> (recv_x [E_local, max * R, H], recv_count [E_local] int32, handle, event,
+  hook); one row per (token, expert) pair. Rows past recv_count are NaN, so a consumer that reads
+  them is caught.
+- `low_latency_combine(x [E_local, max * R, H], topk_idx, topk_weights, handle)` ->
+  (combined_x [T, H] weighted sum, event, hook)
+
+Not emulated: FP8, cached-handle dispatch, internode RDMA, async events, hooks' overlap.
+Its handles are its own (opaque to callers, as DeepEP's are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from dispatch.collectives import (ColumnSpec, all_to_all_rows, exchange_counts, pack_rows,
+                                  unpack_rows)
+
+
+class EmulatedEvent:
+    """Stands in for deep_ep's EventOverlap: everything here is already complete."""
+
+    def current_stream_wait(self) -> None:
+        return None
+
+
+class _SizeHintConfig:
+    """Stands in for deep_ep.Config's buffer-size hints (the emulation needs no buffers)."""
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return 0
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return 0
+
+
+@dataclasses.dataclass
+class _NormalHandle:
+    send_token_index: torch.Tensor  # [S]
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+
+
+@dataclasses.dataclass
+class _LowLatencyHandle:
+    send_token_index: torch.Tensor  # [P] token of each sent (token, k) pair
+    send_k: torch.Tensor            # [P] its k
+    send_splits: list[int]
+    recv_splits: list[int]
+    recv_expert: torch.Tensor       # [Pr] local expert of each received pair
+    recv_position: torch.Tensor     # [Pr] its row in recv_x[expert]
+    num_tokens: int
+
+
+class EmulatedDeepEPBuffer:
+    num_sms: int = 20
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 12, **_ignored):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> _SizeHintConfig:
+        return _SizeHintConfig()
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> _SizeHintConfig:
+        return _SizeHintConfig()
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        return 0
+
+    # ---------------------------------------------------------------- normal (throughput) mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event=None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        experts_per_rank = num_experts // self.group_size
+        valid = topk_idx >= 0
+        dest = torch.where(valid, topk_idx // experts_per_rank, -1)                  # [T, K]
+        ranks = torch.arange(self.group_size, device=topk_idx.device)
+        is_token_in_rank = (dest.unsqueeze(-1) == ranks).any(dim=1)                 # [T, R]
+        num_tokens_per_rank = is_token_in_rank.sum(dim=0).to(torch.int32)
+        num_tokens_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts)
+        return (num_tokens_per_rank, None, num_tokens_per_expert.to(torch.int32),
+                is_token_in_rank, EmulatedEvent())
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment: int = 1, config=None,
+                 previous_event=None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        if handle is not None:
+            raise NotImplementedError("EmulatedDeepEPBuffer: cached-handle dispatch")
+        if isinstance(x, tuple):
+            raise NotImplementedError("EmulatedDeepEPBuffer: FP8 dispatch")
+        for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
+                            ("is_token_in_rank", is_token_in_rank),
+                            ("num_tokens_per_expert", num_tokens_per_expert),
+                            ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if value is None:
+                raise ValueError(f"EmulatedDeepEPBuffer.dispatch: {name} is required")
+        num_topk = topk_idx.shape[1]
+        experts_per_rank = num_tokens_per_expert.numel() // self.group_size
+        dest_rank, token = is_token_in_rank.t().nonzero(as_tuple=True)             # rank-major
+        begin = (dest_rank * experts_per_rank).unsqueeze(1)                        # [S, 1]
+        idx = topk_idx[token]                                                      # [S, K]
+        local = torch.where((idx >= begin) & (idx < begin + experts_per_rank), idx - begin, -1)
+        weight = torch.where(local >= 0, topk_weights[token].to(torch.float32), 0.0)
+
+        send_counts = num_tokens_per_rank.to(torch.int64)
+        send_splits = send_counts.tolist()
+        recv_splits = exchange_counts(send_counts, self.group).tolist()
+        specs = [ColumnSpec(x.dtype, x.shape[1]), ColumnSpec(torch.int64, num_topk),
+                 ColumnSpec(torch.float32, num_topk)]
+        received = all_to_all_rows(pack_rows(x[token], local, weight), send_splits,
+                                   recv_splits, self.group)
+        recv_x, recv_topk_idx, recv_topk_weights = unpack_rows(received, specs)
+
+        per_expert = torch.bincount(recv_topk_idx[recv_topk_idx >= 0],
+                                    minlength=experts_per_rank)
+        aligned = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+        handle = _NormalHandle(token, send_splits, recv_splits, x.shape[0])
+        return (recv_x, recv_topk_idx, recv_topk_weights, aligned.tolist(), handle,
+                EmulatedEvent())
+
+    def combine(self, x, handle: _NormalHandle, topk_weights=None, config=None,
+                previous_event=None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Sums (without weights) the rows each rank sends back for a token."""
+        returned = all_to_all_rows(x, handle.recv_splits, handle.send_splits, self.group)
+        acc_dtype = torch.promote_types(x.dtype, torch.float32)
+        combined = torch.zeros(handle.num_tokens, x.shape[1], dtype=acc_dtype, device=x.device)
+        combined.index_add_(0, handle.send_token_index, returned.to(acc_dtype))
+        combined_weights = None
+        if topk_weights is not None:
+            back = all_to_all_rows(topk_weights, handle.recv_splits, handle.send_splits,
+                                   self.group)
+            combined_weights = torch.zeros(handle.num_tokens, topk_weights.shape[1],
+                                           dtype=topk_weights.dtype, device=x.device)
+            combined_weights.index_add_(0, handle.send_token_index, back)
+        return combined.to(x.dtype), combined_weights, EmulatedEvent()
+
+    # ---------------------------------------------------------------- low-latency mode
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, use_fp8: bool = True, async_finish: bool = False,
+                             return_recv_hook: bool = False, **_ignored):
+        if use_fp8:
+            raise NotImplementedError("EmulatedDeepEPBuffer: FP8 low-latency dispatch")
+        if x.shape[0] > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"EmulatedDeepEPBuffer: {x.shape[0]} tokens exceed "
+                             f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
+        num_ranks = self.group_size
+        experts_per_rank = num_experts // num_ranks
+        pair_token, pair_k = (topk_idx >= 0).nonzero(as_tuple=True)
+        pair_expert = topk_idx[pair_token, pair_k]
+        order = torch.sort(pair_expert, stable=True).indices   # rank-major, expert, then token
+        pair_token, pair_k, pair_expert = pair_token[order], pair_k[order], pair_expert[order]
+        send_counts = torch.bincount(pair_expert // experts_per_rank, minlength=num_ranks)
+        send_splits = send_counts.to(torch.int64).tolist()
+        recv_splits = exchange_counts(send_counts.to(torch.int64), self.group).tolist()
+        specs = [ColumnSpec(x.dtype, x.shape[1]), ColumnSpec(torch.int64, 1)]
+        local = (pair_expert % experts_per_rank).unsqueeze(1)
+        received = all_to_all_rows(pack_rows(x[pair_token], local), send_splits, recv_splits,
+                                   self.group)
+        recv_rows, recv_local = unpack_rows(received, specs)
+        recv_local = recv_local.view(-1)
+
+        # Pack per local expert: source rank ascending, then token order (received order).
+        regroup = torch.sort(recv_local, stable=True).indices
+        recv_count = torch.bincount(recv_local, minlength=experts_per_rank)
+        starts = torch.cumsum(recv_count, 0) - recv_count
+        sorted_expert = recv_local[regroup]
+        sorted_position = torch.arange(regroup.numel(), device=x.device) - starts[sorted_expert]
+        position = torch.empty_like(recv_local)
+        position[regroup] = sorted_position
+
+        capacity = num_max_dispatch_tokens_per_rank * num_ranks
+        packed = torch.full((experts_per_rank, capacity, x.shape[1]), float("nan"),
+                            dtype=x.dtype, device=x.device)
+        packed[recv_local, position] = recv_rows
+        handle = _LowLatencyHandle(pair_token, pair_k, send_splits, recv_splits, recv_local,
+                                   position, x.shape[0])
+        hook = (lambda: None) if return_recv_hook else None
+        return packed, recv_count.to(torch.int32), handle, EmulatedEvent(), hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle: _LowLatencyHandle,
+                            zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out=None, **_ignored):
+        """Sends each pair's expert output home and reduces it there with its top-k weight."""
+        rows = x[handle.recv_expert, handle.recv_position]                          # [Pr, H]
+        returned = all_to_all_rows(rows, handle.recv_splits, handle.send_splits, self.group)
+        acc_dtype = torch.promote_types(x.dtype, torch.float32)
+        weight = topk_weights[handle.send_token_index, handle.send_k].to(acc_dtype)
+        combined = torch.zeros(handle.num_tokens, x.shape[2], dtype=acc_dtype, device=x.device)
+        combined.index_add_(0, handle.send_token_index, returned.to(acc_dtype) * weight[:, None])
+        combined = combined.to(x.dtype)
+        if out is not None:
+            out.copy_(combined)
+            combined = out
+        hook = (lambda: None) if return_recv_hook else None
+        return combined, EmulatedEvent(), hook

@@ -1,0 +1,64 @@
+"""Building a dispatcher from a DispatchConfig, and choosing a backend for 'auto'."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dispatch.all_to_all import AllToAllDispatcher
+from dispatch.allgather import AllGatherDispatcher
+from dispatch.base import Dispatcher
+from dispatch.config import (BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_AUTO, BACKEND_DEEPEP,
+                             BACKEND_DEEPEP_LOW_LATENCY, BACKEND_DEEPEP_NORMAL, BACKEND_LOCAL,
+                             BACKENDS, PHASE_DECODE, PHASES, DispatchConfig)
+from dispatch.deepep import MODE_LOW_LATENCY, MODE_NORMAL, DeepEPDispatcher, deep_ep_importable
+from dispatch.local import LocalDispatcher
+from dispatch.slots import SlotPlacement
+
+logger = logging.getLogger(__name__)
+
+
+def select_backend(name: str, device: torch.device | str, world_size: int,
+                   phase: str | None = None) -> str:
+    """Resolve a backend name to a concrete one.
+
+    'auto': local for one rank; all_to_all on CPU (gloo); on CUDA, DeepEP normal for prefill
+    (and unknown/mixed phases) or low-latency for decode when deep_ep imports, else all_to_all.
+    'deepep' picks its mode by phase the same way. Concrete names pass through, checked.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"dispatch backend {name!r} is not one of {BACKENDS}")
+    if phase not in PHASES:
+        raise ValueError(f"dispatch phase {phase!r} is not one of {PHASES}")
+    device = torch.device(device)
+    deepep_by_phase = BACKEND_DEEPEP_LOW_LATENCY if phase == PHASE_DECODE else BACKEND_DEEPEP_NORMAL
+    if name == BACKEND_AUTO:
+        if world_size == 1:
+            return BACKEND_LOCAL
+        if device.type == "cuda" and deep_ep_importable():
+            return deepep_by_phase
+        return BACKEND_ALL_TO_ALL
+    if name == BACKEND_DEEPEP:
+        return deepep_by_phase
+    if name == BACKEND_LOCAL and world_size != 1:
+        raise ValueError(f"dispatch backend 'local' needs world_size 1, got {world_size}")
+    return name
+
+
+def make_dispatcher(config: DispatchConfig) -> Dispatcher:
+    backend = select_backend(config.backend, config.device, config.world_size, config.phase)
+    placement = SlotPlacement(config.num_slots, config.world_size)
+    logger.info("dispatch backend %s (asked %s) on rank %d/%d, %d slots", backend,
+                config.backend, config.rank, config.world_size, config.num_slots)
+    if backend == BACKEND_LOCAL:
+        return LocalDispatcher(config.num_slots, config.hidden_size)
+    if backend == BACKEND_ALL_TO_ALL:
+        return AllToAllDispatcher(placement, config.rank, config.group, config.hidden_size,
+                                  send_once=config.send_once)
+    if backend == BACKEND_ALLGATHER:
+        return AllGatherDispatcher(placement, config.rank, config.group, config.hidden_size)
+    mode = MODE_LOW_LATENCY if backend == BACKEND_DEEPEP_LOW_LATENCY else MODE_NORMAL
+    return DeepEPDispatcher(placement, config.group, config.hidden_size, config.dtype, mode=mode,
+                            max_tokens_per_rank=config.max_tokens_per_rank,
+                            buffer_cls=config.deepep_buffer_cls)

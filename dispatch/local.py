@@ -1,0 +1,45 @@
+"""Single-rank dispatcher: no communication, (token, k) pairs grouped by slot."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dispatch.base import LAYOUT_CONTIGUOUS, DispatchOutput, DispatchStats, Dispatcher
+from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
+from dispatch.slots import SlotPlacement, check_dispatch_inputs
+
+
+@dataclasses.dataclass
+class _LocalHandle:
+    grouping: ExpertGrouping
+    dtype: torch.dtype
+
+
+class LocalDispatcher(Dispatcher):
+    """World size 1: every slot is a local expert."""
+
+    def __init__(self, num_slots: int, hidden_size: int | None = None):
+        self.placement = SlotPlacement(num_slots, world_size=1)
+        self.hidden_size = hidden_size
+        self._stats: DispatchStats | None = None
+
+    def layout(self) -> str:
+        return LAYOUT_CONTIGUOUS
+
+    @property
+    def last_stats(self) -> DispatchStats | None:
+        return self._stats
+
+    def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
+        check_dispatch_inputs(x, slot_ids, weights, self.placement.num_slots, self.hidden_size)
+        local_expert = self.placement.local_expert_of(slot_ids)     # [T, K]
+        grouping = group_by_local_expert(local_expert, weights, self.placement.slots_per_rank)
+        self._stats = DispatchStats(pairs_routed=int(grouping.row_index.numel()))
+        return DispatchOutput(recv_x=gather_grouped(x, grouping),
+                              tokens_per_local_expert=grouping.tokens_per_local_expert,
+                              handle=_LocalHandle(grouping, x.dtype))
+
+    def combine(self, expert_out: torch.Tensor, handle: _LocalHandle) -> torch.Tensor:
+        return reduce_grouped(expert_out, handle.grouping, handle.dtype)
