@@ -1,0 +1,171 @@
+"""Backend selection, capabilities, input errors, DeepEP's absence, and send-once traffic stats."""
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dispatch.factory
+from dispatch import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchConfig, LocalDispatcher,
+                      SlotPlacement, make_dispatcher, select_backend)
+from dispatch.deepep_emulation import EmulatedDeepEPBuffer
+from multirank import MultiRankError, ranks  # noqa: F401  (fixture)
+
+
+# ------------------------------------------------------------------------ backend selection
+def test_auto_picks_local_for_one_rank_and_all_to_all_on_cpu():
+    assert select_backend("auto", "cpu", 1) == "local"
+    assert select_backend("auto", "cpu", 4, "prefill") == "all_to_all"
+    assert select_backend("auto", "cpu", 4, "decode") == "all_to_all"
+
+
+def test_auto_on_cuda_without_deep_ep_falls_back_to_all_to_all(monkeypatch):
+    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda: False)
+    assert select_backend("auto", "cuda", 8, "decode") == "all_to_all"
+
+
+def test_auto_on_cuda_with_deep_ep_picks_mode_by_phase(monkeypatch):
+    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda: True)
+    assert select_backend("auto", "cuda", 8, "prefill") == "deepep_normal"
+    assert select_backend("auto", "cuda", 8, None) == "deepep_normal"
+    assert select_backend("auto", "cuda", 8, "decode") == "deepep_low_latency"
+    assert select_backend("auto", "cuda", 1, "decode") == "local"
+
+
+def test_named_backends_pass_through_and_bad_names_are_rejected():
+    assert select_backend("allgather", "cpu", 2) == "allgather"
+    assert select_backend("deepep", "cpu", 2, "decode") == "deepep_low_latency"
+    with pytest.raises(ValueError, match="'nccl_magic'"):
+        select_backend("nccl_magic", "cpu", 2)
+    with pytest.raises(ValueError, match="phase 'training'"):
+        select_backend("auto", "cpu", 2, "training")
+    with pytest.raises(ValueError, match="'local' needs world_size 1"):
+        select_backend("local", "cpu", 2)
+
+
+def test_deep_ep_is_optional():
+    assert "deep_ep" not in sys.modules  # importing dispatch did not pull it in
+    if dispatch.factory.deep_ep_importable():
+        pytest.skip("deep_ep is installed here")
+    with pytest.raises(ImportError, match="deep_ep"):
+        make_dispatcher(DispatchConfig("deepep_normal", 2, 0, None, 8, 16))
+
+
+# ------------------------------------------------------------------------ capabilities
+class _NoCommBuffer(EmulatedDeepEPBuffer):
+    """Constructible without a process group: enough to inspect an adapter's capabilities."""
+
+    def __init__(self, group, *args, **kwargs):
+        self.group, self.rank, self.group_size = group, 0, 2
+
+
+def test_capabilities_are_methods():
+    local = make_dispatcher(DispatchConfig("local", 1, 0, None, 4, 8))
+    assert (local.layout(), local.max_tokens_per_rank(), local.supports_async()) == \
+        (LAYOUT_CONTIGUOUS, None, False)
+    low_latency = make_dispatcher(DispatchConfig("deepep", 2, 0, None, 4, 8, phase="decode",
+                                                 max_tokens_per_rank=32,
+                                                 deepep_buffer_cls=_NoCommBuffer))
+    assert (low_latency.layout(), low_latency.max_tokens_per_rank()) == (LAYOUT_MASKED, 32)
+    normal = make_dispatcher(DispatchConfig("deepep", 2, 0, None, 4, 8, phase="prefill",
+                                            deepep_buffer_cls=_NoCommBuffer))
+    assert (normal.layout(), normal.max_tokens_per_rank()) == (LAYOUT_CONTIGUOUS, None)
+
+
+def test_low_latency_needs_a_token_bound():
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        make_dispatcher(DispatchConfig("deepep_low_latency", 2, 0, None, 4, 8,
+                                       deepep_buffer_cls=_NoCommBuffer))
+
+
+# ------------------------------------------------------------------------ input errors
+@pytest.fixture
+def local():
+    return LocalDispatcher(num_slots=4, hidden_size=8)
+
+
+def _inputs(tokens=3, k=2):
+    return torch.randn(tokens, 8), torch.zeros(tokens, k, dtype=torch.int64), torch.ones(tokens, k)
+
+
+@pytest.mark.parametrize("mutate, culprit", [
+    (lambda x, s, w: (x[0], s, w), "x must be"),
+    (lambda x, s, w: (x[:, :4], s, w), "hidden_size=8"),
+    (lambda x, s, w: (x, s[:2], w), "slot_ids must be"),
+    (lambda x, s, w: (x, s.int(), w), "slot_ids must be int64"),
+    (lambda x, s, w: (x, s, w[:, :1]), "weights must have the shape"),
+    (lambda x, s, w: (x, s + 4, w), "slot_ids holds slot 4"),
+])
+def test_bad_inputs_name_the_tensor_at_fault(local, mutate, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        local.dispatch(*mutate(*_inputs()))
+
+
+def test_combine_rejects_wrongly_shaped_expert_output(local):
+    out = local.dispatch(*_inputs())
+    with pytest.raises(ValueError, match="expert_out"):
+        local.combine(out.recv_x[1:], out.handle)
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError, match="rank 2 is outside world_size 2"):
+        DispatchConfig("auto", 2, 2, None, 8, 16)
+    with pytest.raises(ValueError, match="DispatchConfig.backend"):
+        DispatchConfig("fast", 2, 0, None, 8, 16)
+    with pytest.raises(ValueError, match="multiple of world_size"):
+        SlotPlacement(num_slots=6, world_size=4)
+
+
+# ------------------------------------------------------------------------ multi-rank behaviour
+def _too_many_tokens_for_low_latency():
+    rank = dist.get_rank()
+    dispatcher = make_dispatcher(DispatchConfig("deepep_low_latency", 2, rank, None, 4, 8,
+                                                max_tokens_per_rank=2,
+                                                deepep_buffer_cls=EmulatedDeepEPBuffer))
+    x, slots, weights = _inputs(tokens=3)
+    dispatcher.dispatch(x, slots, weights)
+
+
+def test_low_latency_rejects_more_tokens_than_its_bound(ranks):
+    with pytest.raises(MultiRankError, match="max_tokens_per_rank=2"):
+        ranks(2).run(_too_many_tokens_for_low_latency)
+
+
+def _send_once_stats(send_once: bool):
+    """Rank 0 routes token 0 to slots {0, 1, 2} (rank 0) + {3} (rank 1), token 1 to {4, 5}."""
+    rank = dist.get_rank()
+    hidden = 16
+    dispatcher = make_dispatcher(DispatchConfig("all_to_all", 2, rank, None, 6, hidden,
+                                                torch.float32, send_once=send_once))
+    if rank == 0:
+        slots = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1]])
+    else:
+        slots = torch.tensor([[3, 4, 5, 0]])
+    x = torch.randn(slots.shape[0], hidden)
+    weights = torch.rand(slots.shape)
+    out = dispatcher.dispatch(x, slots, weights)
+    y = dispatcher.combine(out.recv_x * 2.0, out.handle)  # expert = doubling
+    expected = 2.0 * torch.where(slots >= 0, weights, 0.0).sum(dim=1, keepdim=True) * x
+    torch.testing.assert_close(y, expected)
+    return dataclasses.asdict(dispatcher.last_stats)
+
+
+def test_all_to_all_sends_each_token_once_per_rank(ranks):
+    deduped = ranks(2).run(_send_once_stats, True)
+    per_pair = ranks(2).run(_send_once_stats, False)
+    row_bytes = 16 * 4
+    # rank 0: token 0 -> ranks {0, 1}, token 1 -> rank {1}: 3 rows for 6 pairs.
+    assert deduped[0]["pairs_routed"] == 6 and deduped[0]["rows_sent"] == 3
+    assert deduped[0]["rows_sent_remote"] == 2
+    # rank 1: token 0 -> ranks {1, 0}: 2 rows for 4 pairs.
+    assert deduped[1]["pairs_routed"] == 4 and deduped[1]["rows_sent"] == 2
+    assert [s["rows_sent"] for s in per_pair] == [6, 4]
+    assert [s["bytes_saved_by_dedup"] for s in per_pair] == [0, 0]
+    # Saved: dispatch rows not sent plus combine rows not returned (rank 0 receives token 0 of
+    # rank 1 for 1 pair and its own token 0 for 3 pairs: 2 rows instead of 4).
+    assert deduped[0]["bytes_saved_by_dedup"] == ((6 - 3) + (4 - 2)) * row_bytes
+    for dedup, naive in zip(deduped, per_pair):
+        assert dedup["dispatch_bytes"] < naive["dispatch_bytes"]
+        assert dedup["combine_bytes"] < naive["combine_bytes"]
