@@ -124,7 +124,6 @@ TINY_ARCHS: dict[str, TinyArch] = {
                 num_experts=8,
                 num_experts_per_tok=2,
                 norm_topk_prob=False,
-                pad_token_id=None,  # set from the tokenizer below
             ),
             "8 experts top-2, q/k RMSNorm over the whole projection, MHA",
         ),
@@ -201,9 +200,7 @@ def tiny_config(arch: str, tokenizer, **overrides):
     """The transformers config of the tiny `arch` model, its vocab and special ids from `tokenizer`."""
     import transformers
 
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny arch {arch!r}; known: {sorted(TINY_ARCHS)}")
-    spec = TINY_ARCHS[arch]
+    spec = _arch_spec(arch)
     kwargs = {**_COMMON, **spec.config}
     kwargs.update(
         vocab_size=len(tokenizer),
@@ -239,6 +236,7 @@ def build_tiny_checkpoint(
     `max_shard_size`: passed to `save_pretrained` to write a sharded checkpoint with an index.
     `overrides`: config arguments replacing the registry's (e.g. num_hidden_layers=4).
     """
+    _arch_spec(arch)  # fail on a bad name before training a tokenizer
     path = Path(path)
     tokenizer_dir = Path(tokenizer) if isinstance(tokenizer, (str, Path)) else None
     tokenizer = _as_tokenizer(tokenizer)
@@ -350,6 +348,12 @@ def hf_greedy(path: str | Path, prompts_token_ids: list[list[int]], max_new_toke
 def hf_prefill_logits(path: str | Path, token_ids: list[int]) -> torch.Tensor:
     """transformers' fp32 logits `[T, V]` for every position of one prompt."""
     return HFOracle(path).prefill_logits(token_ids)
+
+
+def _arch_spec(arch: str) -> TinyArch:
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; known: {sorted(TINY_ARCHS)}")
+    return TINY_ARCHS[arch]
 
 
 def _as_tokenizer(tokenizer):
