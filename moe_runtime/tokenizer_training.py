@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import logging
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class TokenizerSpec:
 
     vocab_size: int = 4096
     corpus_modules: tuple[str, ...] = CORPUS_MODULES
-    special_tokens: tuple[str, ...] = field(default=SPECIAL_TOKENS)
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS
     model_max_length: int = 2048
 
 
