@@ -169,3 +169,19 @@ def test_all_to_all_sends_each_token_once_per_rank(ranks):
     for dedup, naive in zip(deduped, per_pair):
         assert dedup["dispatch_bytes"] < naive["dispatch_bytes"]
         assert dedup["combine_bytes"] < naive["combine_bytes"]
+
+
+def test_combine_reduction_in_small_chunks_matches_one_pass(monkeypatch):
+    import dispatch.grouping
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 8, generator=gen)
+    slots = torch.randint(-1, 6, (40, 3), generator=gen)
+    weights = torch.rand(40, 3, generator=gen)
+    dispatcher = LocalDispatcher(num_slots=6)
+    out = dispatcher.dispatch(x, slots, weights)
+    one_pass = dispatcher.combine(out.recv_x * 3.0, out.handle)
+    monkeypatch.setattr(dispatch.grouping, "REDUCE_CHUNK_ELEMENTS", 8 * 7)  # 7 rows per chunk
+    chunked = dispatcher.combine(out.recv_x * 3.0, out.handle)
+    expected = 3.0 * torch.where(slots >= 0, weights, 0.0).sum(dim=1, keepdim=True) * x
+    torch.testing.assert_close(chunked, one_pass)
+    torch.testing.assert_close(chunked, expected)
