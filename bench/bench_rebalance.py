@@ -5,7 +5,8 @@ is rebalanced once per round on the load of the round just finished:
   before  balancedness of the placement in force on that load
   after   balancedness of the new placement on the same load (fit)
   next    balancedness of the new placement on the next round's load (what it serves)
-  moved   expert weights rewritten per rebalance, all layers
+  moved   expert weights rewritten per rebalance, all layers (moved>1: rounds after the
+          first, which starts from the static placement)
   coloc   replicas sharing a rank with a replica of the same expert
 Balancedness = mean / max of per-rank load per layer, averaged over layers and
 rounds (1.0 = perfect). Traces: stationary Zipf loads (s = 0.8, 1.2, 1.5), a hot
@@ -64,6 +65,7 @@ class Row:
     after: float
     next: float
     moved_per_rebalance: float
+    moved_after_first: float  # mean over rebalances after the first (which starts from static)
     colocated_per_rebalance: float
     seconds_per_rebalance: float
 
@@ -128,9 +130,10 @@ def run_method(method: str, loads: list[torch.Tensor], layout: LayoutSpec, min_g
         elif method == "rebalance (no prev)":
             new = rebalance(load, layout.slots, layout.ranks, layout.nodes, num_groups=layout.groups)
         else:
+            gain = 0.0 if method == "rebalance (gain=0)" else min_gain
             new = rebalance(
                 load, layout.slots, layout.ranks, layout.nodes,
-                previous=placement, num_groups=layout.groups, min_gain_per_move=min_gain,
+                previous=placement, num_groups=layout.groups, min_gain_per_move=gain,
             )
         seconds.append(time.perf_counter() - start)
         after.append(float(balancedness(load, new).mean()))
@@ -139,7 +142,11 @@ def run_method(method: str, loads: list[torch.Tensor], layout: LayoutSpec, min_g
         coloc.append(int(new.colocated_replicas().sum()))
         placement = new
     mean = lambda values: sum(values) / len(values)  # noqa: E731
-    return Row("", layout.name, method, len(before), mean(before), mean(after), mean(nxt), mean(moved), mean(coloc), mean(seconds))
+    steady = mean(moved[1:]) if len(moved) > 1 else float("nan")
+    return Row(
+        "", layout.name, method, len(before), mean(before), mean(after), mean(nxt),
+        mean(moved), steady, mean(coloc), mean(seconds),
+    )
 
 
 # --------------------------------------------------------------------------- recorder overhead
@@ -206,7 +213,7 @@ def main() -> None:
         LayoutSpec("256e/288s/32r/4n global", 256, 288, 32, 4, None),
         LayoutSpec("256e/288s/32r/4n 8grp", 256, 288, 32, 4, 8),
     ]
-    methods = ["static", "eplb", "rebalance (no prev)", "rebalance"]
+    methods = ["static", "eplb", "rebalance (no prev)", "rebalance (gain=0)", "rebalance"]
     rows: list[Row] = []
     notes: list[str] = []
 
@@ -259,7 +266,7 @@ def main() -> None:
 
 def _summary(rows: list[Row]) -> dict:
     by_key = {(r.trace, r.layout, r.method): r for r in rows}
-    lines, pairs = ["", "rebalance vs eplb (same trace, layout, slot count):"], []
+    lines, pairs = ["", "rebalance vs eplb, ours/eplb (same trace, layout, slot count):"], []
     for (trace, layout, method), ours in by_key.items():
         if method != "rebalance":
             continue
@@ -269,13 +276,15 @@ def _summary(rows: list[Row]) -> dict:
             "after_ours": ours.after, "after_eplb": eplb.after,
             "next_ours": ours.next, "next_eplb": eplb.next,
             "moved_ours": ours.moved_per_rebalance, "moved_eplb": eplb.moved_per_rebalance,
+            "moved_after_first_ours": ours.moved_after_first, "moved_after_first_eplb": eplb.moved_after_first,
             "moved_ratio_eplb_over_ours": eplb.moved_per_rebalance / max(ours.moved_per_rebalance, 1e-9),
             "colocated_eplb": eplb.colocated_per_rebalance,
         }
         pairs.append(pair)
         lines.append(
-            f"  {trace:18s} {layout:26s} next {ours.next:.3f} vs {eplb.next:.3f} "
-            f"({ours.next / eplb.next:.3f}x), moved {ours.moved_per_rebalance:7.1f} vs {eplb.moved_per_rebalance:7.1f} "
+            f"  {trace:16s} {layout:24s} after {ours.after:.3f}/{eplb.after:.3f} ({ours.after / eplb.after:.3f}x) "
+            f"next {ours.next:.3f}/{eplb.next:.3f} ({ours.next / eplb.next:.3f}x) "
+            f"moved {ours.moved_per_rebalance:6.1f}/{eplb.moved_per_rebalance:6.1f} "
             f"({pair['moved_ratio_eplb_over_ours']:.1f}x fewer), eplb co-located {eplb.colocated_per_rebalance:.1f}"
         )
     return {"pairs": pairs, "lines": lines}
@@ -283,15 +292,15 @@ def _summary(rows: list[Row]) -> dict:
 
 def _header() -> str:
     return (
-        f"{'trace':18s} {'layout':26s} {'method':18s} {'rounds':>6s} {'before':>7s} {'after':>7s} "
-        f"{'next':>7s} {'moved':>8s} {'coloc':>6s} {'s/rebal':>8s}"
+        f"{'trace':18s} {'layout':26s} {'method':19s} {'rounds':>6s} {'before':>7s} {'after':>7s} "
+        f"{'next':>7s} {'moved':>8s} {'moved>1':>8s} {'coloc':>6s} {'s/rebal':>8s}"
     )
 
 
 def _format(row: Row) -> str:
     return (
-        f"{row.trace:18s} {row.layout:26s} {row.method:18s} {row.rounds:6d} {row.before:7.3f} {row.after:7.3f} "
-        f"{row.next:7.3f} {row.moved_per_rebalance:8.1f} {row.colocated_per_rebalance:6.1f} {row.seconds_per_rebalance:8.2f}"
+        f"{row.trace:18s} {row.layout:26s} {row.method:19s} {row.rounds:6d} {row.before:7.3f} {row.after:7.3f} "
+        f"{row.next:7.3f} {row.moved_per_rebalance:8.1f} {row.moved_after_first:8.1f} {row.colocated_per_rebalance:6.1f} {row.seconds_per_rebalance:8.2f}"
     )
 
 

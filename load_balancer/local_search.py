@@ -159,6 +159,10 @@ class LayerSearch:
         new = np.concatenate(
             [np.tile(np.arange(self.num_experts), size), np.tile(peak_experts, self.num_slots)]
         )
+        return self.evaluate_retargets(slot, new)
+
+    def evaluate_retargets(self, slot: np.ndarray, new: np.ndarray):
+        """(new max, new sum of squares, Move factory) for the valid (slot -> new expert) rewrites."""
         old = self.slot_expert[slot]
         rank = self.slot_rank[slot]
         count = self.count
@@ -187,3 +191,24 @@ class LayerSearch:
             (after**2).sum(1),
             lambda k: Move(int(slot[k]), int(new[k])),
         )
+
+    def move_towards_counts(self, target: np.ndarray) -> int:
+        """Retarget slots from over- to under-replicated experts (vs `target` [E]).
+
+        Each step takes the rewrite with the lowest resulting peak. Stops when
+        counts match or no allowed rewrite is left; returns the rewrites made.
+        """
+        done = 0
+        while True:
+            surplus = np.flatnonzero(self.count > target)
+            deficit = np.flatnonzero(self.count < target)
+            if surplus.size == 0 or deficit.size == 0:
+                return done
+            slot = np.flatnonzero(np.isin(self.slot_expert, surplus))
+            new_max, new_sumsq, moves = self.evaluate_retargets(
+                np.repeat(slot, deficit.size), np.tile(deficit, slot.size)
+            )
+            if new_max.size == 0:
+                return done
+            self.apply(moves(int(np.lexsort((new_sumsq, new_max))[0])))
+            done += 1

@@ -8,6 +8,9 @@ Per layer, three candidates compete when a placement is already in force:
   relabelled to overlap the placement in force.
 The winner maximises balancedness - min_gain_per_move * experts moved, so an
 expert is moved only when it buys at least `min_gain_per_move` balancedness.
+The default scales with 1 / num_ranks: copies to different ranks run in
+parallel, so one copy per rank (one "copy round") must buy
+DEFAULT_GAIN_PER_COPY_ROUND balancedness.
 
 Hierarchical mode (num_groups given, num_nodes > 1, groups divisible by nodes):
 whole expert groups are packed onto nodes first and every replica of an expert
@@ -33,7 +36,7 @@ from load_balancer.replication import greedy_replica_counts
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MIN_GAIN_PER_MOVE = 0.002
+DEFAULT_GAIN_PER_COPY_ROUND = 0.005
 
 
 @dataclass(frozen=True)
@@ -71,18 +74,21 @@ def rebalance(
     previous: Optional[Placement] = None,
     *,
     num_groups: Optional[int] = None,
-    min_gain_per_move: float = DEFAULT_MIN_GAIN_PER_MOVE,
+    min_gain_per_move: Optional[float] = None,
     max_search_steps: Optional[int] = None,
 ) -> Placement:
     """New placement for `load`; with `previous`, moves only experts that pay.
 
     min_gain_per_move: balancedness (mean/max per-rank load, per layer) an
-    expert move must buy; 0 takes any improvement.
+    expert move must buy; 0 takes any improvement; default
+    DEFAULT_GAIN_PER_COPY_ROUND / num_ranks.
     max_search_steps: local-search moves per layer and candidate (default 4 * P).
     """
     load = check_load(load)
     num_layers, num_experts = load.shape
     layout = _layout(num_experts, num_slots, num_ranks, num_nodes, num_groups)
+    if min_gain_per_move is None:
+        min_gain_per_move = DEFAULT_GAIN_PER_COPY_ROUND / num_ranks
     if min_gain_per_move < 0:
         raise ValueError(f"min_gain_per_move must be >= 0, got {min_gain_per_move}")
     steps = 4 * num_slots if max_search_steps is None else max_search_steps
@@ -140,13 +146,21 @@ def _rebalance_layer(load, layout: Layout, prev, min_gain_per_move, steps) -> _C
     if allowed is not None:  # `prev` obeys this layout, so keeping or editing it is an option
         candidates.append(_Candidate(prev, _balancedness(load, prev, layout.num_ranks), 0))
         candidates.append(_improve_in_place(prev, load, layout, allowed, min_gain_per_move, steps))
+        target = np.bincount(fresh_search.slot_expert, minlength=layout.num_experts)
+        candidates.append(_improve_in_place(prev, load, layout, allowed, min_gain_per_move, steps, target))
     return max(candidates, key=lambda c: (c.score(min_gain_per_move), -c.moved))
 
 
-def _improve_in_place(prev, load, layout, allowed, min_gain_per_move, steps) -> _Candidate:
-    """Local search from `prev`; returns the best-scoring point along its path."""
+def _improve_in_place(prev, load, layout, allowed, min_gain_per_move, steps, target_counts=None) -> _Candidate:
+    """Local search from `prev`; returns the best-scoring point along its path.
+
+    With `target_counts` [E], first rewrite slots until replica counts match
+    them (those moves are kept whatever they score), then search.
+    """
     search = LayerSearch(prev, load, layout.num_ranks, layout.max_replicas, allowed)
-    best = _Candidate(prev, search.balancedness(), 0)
+    if target_counts is not None:
+        search.move_towards_counts(target_counts)
+    best = _Candidate(search.slot_expert.copy(), search.balancedness(), int((search.slot_expert != prev).sum()))
     for _ in range(steps):
         move = search.best_move()
         if move is None:
