@@ -88,8 +88,14 @@ class CheckpointReader:
 
 def read_rows(reader: CheckpointReader, name: str, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of dim 0 of a tensor, without reading the rest (fused expert tensors)."""
+    return read_slice(reader, name, 0, start, stop)
+
+
+def read_slice(reader: CheckpointReader, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+    """[start, stop) along `dim` (0 or 1) of a tensor, reading only that part (tensor-parallel shards)."""
     handle = reader._handle(name)
-    tensor = handle.get_slice(name)[start:stop]
+    view = handle.get_slice(name)
+    tensor = view[start:stop] if dim == 0 else view[:, start:stop]
     reader.bytes_read += tensor.numel() * tensor.element_size()
     reader.tensors_read += 1
     return tensor

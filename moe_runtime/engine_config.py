@@ -22,6 +22,25 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     kernels: str = "auto"                # "auto" | "torch" | "triton" | "reference"
+    # Parallel layout: world = ep ranks; dp_attn DP attention workers of ep // dp_attn ranks each.
+    ep: int = 1
+    dp_attn: int = 1
+    a2a_backend: str = "auto"            # "auto" | "local" | "all_to_all" | "allgather" | "deepep"
+    num_redundant_experts: int = 0       # extra physical expert slots for replicas of hot experts
+    # Multi-process start-up: rendezvous for torch.distributed (env://), chosen free when None.
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    worker_timeout_s: float = 600.0      # a collective stuck this long is a dead job
+
+    @property
+    def world_size(self) -> int:
+        return self.ep
+
+    @property
+    def attn_tp(self) -> int:
+        return self.ep // max(self.dp_attn, 1)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -11,6 +11,7 @@ from moe_runtime.block_manager import BlockManager
 from moe_runtime.checkpoint import CheckpointReader
 from moe_runtime.detokenizer import Detokenizer, cut_at_stop
 from moe_runtime.engine_config import EngineConfig
+from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.model_config import architecture_of, load_hf_config
 from moe_runtime.model_runner import ModelRunner, kv_blocks_for_budget
@@ -21,7 +22,7 @@ from moe_runtime.outputs import RequestOutput
 from moe_runtime.parallel_context import ParallelContext
 from moe_runtime.sampler import Sampler
 from moe_runtime.sampling_params import SamplingParams
-from moe_runtime.scheduler import Scheduler, SchedulerConfig
+from moe_runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moe_runtime.sequence import FinishReason, Sequence
 from moe_runtime.weight_loading import load_model_weights
 
@@ -57,7 +58,7 @@ def eos_token_ids(checkpoint_dir: Path, hf_config, tokenizer) -> set[int]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None, executor=None):
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None, executor_factory=None):
         from kernels import get_kernels
 
         started = time.perf_counter()
@@ -69,10 +70,13 @@ class EngineCore:
         self.dtype = config.resolved_dtype(self.hf_config)
         self.parallel = parallel or ParallelContext.single(self.device)
         self.kernels = get_kernels(self.device, config.kernels)
-        self.executor = executor or LocalMoEExecutor(self.kernels)
+        self.executor = (executor_factory(self.kernels, self.hf_config, self.dtype) if executor_factory
+                         else LocalMoEExecutor(self.kernels))
         ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device)
         reader = CheckpointReader.open(self.checkpoint_dir)
         self.model = build_model(self.architecture, self.hf_config, ctx)
+        if hasattr(self.executor, "finalize"):
+            self.executor.finalize()
         load_model_weights(self.model, reader)
         self.model.eval()
         self.tokenizer = load_tokenizer(self.checkpoint_dir)
@@ -93,6 +97,8 @@ class EngineCore:
         self.sampler = Sampler()
         self._arrivals = 0
         self._sequences: dict[str, Sequence] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
         logger.info("engine ready: %s (%s, %s, kernels=%s) in %.2fs", self.architecture, self.device,
                     self.dtype, self.kernels.name, time.perf_counter() - started)
 
@@ -128,6 +134,7 @@ class EngineCore:
         self._arrivals += 1
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
+        self._prompt_tokens += len(prompt_token_ids)
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)
@@ -142,9 +149,24 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        logits = self.runner.execute(batch.seqs)
+        return self.execute(batch)
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self.scheduler.schedule()
+
+    def execute(self, batch: ScheduledBatch | None, phase: str | None = None) -> list[RequestOutput]:
+        """Run `batch` through the model; None runs an empty batch (0 tokens) through every layer, so a
+        DP worker with nothing to do still joins every collective of a lock-step."""
+        seqs = batch.seqs if batch is not None else []
+        phase = phase or ("prefill" if batch is None or batch.is_prefill else "decode")
+        self.executor.begin_step(phase)
+        logits = self.runner.execute(seqs)
+        self.executor.end_step()
+        if not seqs:
+            return []
         sampled = self.sampler(logits, batch.seqs)
         outputs = []
+        self._generation_tokens += len(batch.seqs)
         for seq, token, logprob in zip(batch.seqs, sampled.token_ids, sampled.logprobs):
             seq.output_token_ids.append(token)
             if logprob is not None:
@@ -155,6 +177,46 @@ class EngineCore:
                 self._sequences.pop(seq.request_id, None)
             outputs.append(self._output(seq, [token]))
         return outputs
+
+    def worker_stats(self) -> WorkerStats:
+        return WorkerStats(
+            dp_rank=self.parallel.dp_rank,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.block_manager.num_blocks,
+            kv_blocks_free=self.block_manager.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats([self.worker_stats()], self._prompt_tokens, self._generation_tokens)
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(True)
+
+    def expert_load(self, group=None):
+        """The expert-load snapshot (summed over `group`'s ranks when given), or None for a dense model."""
+        recorder = getattr(self.executor, "recorder", None)
+        return None if recorder is None else recorder.snapshot(group=group)
+
+    def resident_expert_bytes(self) -> tuple[int, int]:
+        """(bytes of routed-expert weights on this rank, bytes of all routed experts in the model)."""
+        from moe_runtime.layers.experts import StackedExperts
+
+        local = total = 0
+        for module in self.model.modules():
+            if isinstance(module, StackedExperts):
+                local += module.resident_bytes()
+                per_expert = module.resident_bytes() // max(len(module.expert_ids), 1)
+                total += per_expert * self.parallel_num_experts(module)
+        return local, total
+
+    def parallel_num_experts(self, experts) -> int:
+        executor_experts = getattr(self.executor, "num_experts", None)
+        return executor_experts or len(experts.expert_ids)
+
+    def shutdown(self) -> None:
+        self._sequences.clear()
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params

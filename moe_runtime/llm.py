@@ -23,10 +23,15 @@ class LLM:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown option(s) {unknown}; known: {sorted(known - {'model'})}")
-        from moe_runtime.engine_core import EngineCore
-
         self.config = EngineConfig(model=str(model), **kwargs)
-        self._engine = EngineCore(self.config)
+        if self.config.world_size > 1:
+            from moe_runtime.multiprocess_engine import MultiprocessEngine
+
+            self._engine = MultiprocessEngine(self.config)
+        else:
+            from moe_runtime.engine_core import EngineCore
+
+            self._engine = EngineCore(self.config)
         self._request_ids = itertools.count()
 
     @property
@@ -68,7 +73,9 @@ class LLM:
         return [finished[r] for r in request_ids]
 
     def shutdown(self) -> None:
-        self._engine = None
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
 
     def __enter__(self) -> "LLM":
         return self

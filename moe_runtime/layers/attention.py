@@ -1,15 +1,21 @@
-"""Multi-head / grouped-query attention over the paged KV cache (Llama, Qwen, Mixtral, OLMoE)."""
+"""Multi-head / grouped-query attention over the paged KV cache (Llama, Qwen, Mixtral, OLMoE).
+
+With attention tensor parallelism (a DP attention worker spanning several ranks) each rank holds
+a slice of the heads: q/k/v are column parallel, o_proj row parallel with one all-reduce. When
+there are fewer KV heads than ranks, KV heads are replicated (rank r uses head r // (tp / Hkv)).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe_runtime.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_ops import varlen_causal_attention, window_exceeded
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
-from moe_runtime.layers.linear import Linear
+from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.layers.rotary import RotaryEmbedding
 
@@ -28,45 +34,109 @@ class AttentionShape:
     sliding_window: int | None = None
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """The heads one attention-TP rank holds."""
+
+    tp_size: int
+    tp_rank: int
+    num_heads: int       # local query heads
+    num_kv_heads: int    # local KV heads
+    q_start: int         # first local query head
+    kv_start: int        # first local KV head
+
+    @classmethod
+    def of(cls, shape: AttentionShape, tp_size: int, tp_rank: int) -> "HeadShard":
+        heads = shape.num_heads // tp_size
+        if shape.num_kv_heads >= tp_size:
+            kv_heads = shape.num_kv_heads // tp_size
+            kv_start = tp_rank * kv_heads
+        else:  # replicate: tp_size // num_kv_heads ranks share each KV head
+            kv_heads = 1
+            kv_start = tp_rank // (tp_size // shape.num_kv_heads)
+        return cls(tp_size, tp_rank, heads, kv_heads, tp_rank * heads, kv_start)
+
+    def rows(self, start_head: int, num_heads: int, head_dim: int) -> LinearShard | None:
+        if self.tp_size == 1:
+            return None
+        return LinearShard(0, start_head * head_dim, (start_head + num_heads) * head_dim)
+
+
+class TensorParallelRMSNorm(nn.Module):
+    """RMSNorm over a dimension split across TP ranks (OLMoE's q/k norm): the variance is all-reduced."""
+
+    def __init__(self, full_dim: int, start: int, stop: int, eps: float, group, dtype, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(stop - start, dtype=dtype, device=device), requires_grad=False)
+        self.full_dim, self.start, self.stop, self.eps, self.group = full_dim, start, stop, eps, group
+
+    def load_weights(self, reader, prefix: str) -> set[str]:
+        from moe_runtime.weight_loading import copy_checked
+
+        copy_checked(self.weight, reader.read(f"{prefix}weight")[self.start : self.stop], f"{prefix}weight",
+                     reader.directory)
+        return {"weight"}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, local_dim]
+        x32 = x.float()
+        square_sum = x32.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(square_sum, group=self.group)
+        normed = x32 * torch.rsqrt(square_sum / self.full_dim + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
 class Attention(nn.Module):
-    def __init__(self, shape: AttentionShape, rotary: RotaryEmbedding, kernels, dtype, device=None):
+    def __init__(self, shape: AttentionShape, rotary: RotaryEmbedding, kernels, dtype, device=None,
+                 tp_size: int = 1, tp_rank: int = 0, tp_group=None):
         super().__init__()
         s = shape
         self.shape = s
-        self.q_proj = Linear(s.hidden_size, s.num_heads * s.head_dim, s.qkv_bias, dtype, device)
-        self.k_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, s.qkv_bias, dtype, device)
-        self.v_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, s.qkv_bias, dtype, device)
-        self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden_size, s.o_bias, dtype, device)
+        self.heads = h = HeadShard.of(s, tp_size, tp_rank)
+        self.tp_group = tp_group
+        d = s.head_dim
+        self.q_proj = Linear(s.hidden_size, s.num_heads * d, s.qkv_bias, dtype, device, h.rows(h.q_start, h.num_heads, d))
+        kv_rows = h.rows(h.kv_start, h.num_kv_heads, d)
+        self.k_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows)
+        self.v_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows)
+        o_cols = None if tp_size == 1 else LinearShard(1, h.q_start * d, (h.q_start + h.num_heads) * d)
+        self.o_proj = Linear(s.num_heads * d, s.hidden_size, s.o_bias, dtype, device, o_cols)
         if s.qk_norm == "per_head":
-            self.q_norm = RMSNorm(s.head_dim, s.norm_eps, kernels, dtype, device)
-            self.k_norm = RMSNorm(s.head_dim, s.norm_eps, kernels, dtype, device)
+            self.q_norm = RMSNorm(d, s.norm_eps, kernels, dtype, device)
+            self.k_norm = RMSNorm(d, s.norm_eps, kernels, dtype, device)
+        elif s.qk_norm == "full" and tp_size == 1:
+            self.q_norm = RMSNorm(s.num_heads * d, s.norm_eps, kernels, dtype, device)
+            self.k_norm = RMSNorm(s.num_kv_heads * d, s.norm_eps, kernels, dtype, device)
         elif s.qk_norm == "full":
-            self.q_norm = RMSNorm(s.num_heads * s.head_dim, s.norm_eps, kernels, dtype, device)
-            self.k_norm = RMSNorm(s.num_kv_heads * s.head_dim, s.norm_eps, kernels, dtype, device)
+            if s.num_kv_heads < tp_size:
+                raise ValueError("a q/k norm over the whole projection needs at least one KV head per TP rank")
+            self.q_norm = TensorParallelRMSNorm(s.num_heads * d, h.q_start * d, (h.q_start + h.num_heads) * d,
+                                                s.norm_eps, tp_group, dtype, device)
+            self.k_norm = TensorParallelRMSNorm(s.num_kv_heads * d, h.kv_start * d,
+                                                (h.kv_start + h.num_kv_heads) * d, s.norm_eps, tp_group, dtype, device)
         self.rotary = rotary
-        self.scale = s.head_dim ** -0.5
+        self.scale = d ** -0.5
         self._kernels = kernels
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.shape.num_kv_heads, self.shape.head_dim, self.shape.head_dim)
+        return KVCacheSpec(self.heads.num_kv_heads, self.shape.head_dim, self.shape.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache):
-        s = self.shape
+        s, h = self.shape, self.heads
         num_tokens = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, hq*D], [T, hkv*D], [T, hkv*D]
         if s.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if s.clip_qkv is not None:
             q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
-        q = q.view(num_tokens, s.num_heads, s.head_dim)
-        k = k.view(num_tokens, s.num_kv_heads, s.head_dim)
-        v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+        q = q.view(num_tokens, h.num_heads, s.head_dim)
+        k = k.view(num_tokens, h.num_kv_heads, s.head_dim)
+        v = v.view(num_tokens, h.num_kv_heads, s.head_dim)
         if s.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         cache.write(batch.slot_mapping, k, v)
         if num_tokens == 0:
-            out = q.new_zeros(0, s.num_heads, s.head_dim)
+            out = q.new_zeros(0, h.num_heads, s.head_dim)
         elif batch.is_decode and not window_exceeded(batch, s.sliding_window):
             out = self._kernels.paged_decode_attention(
                 q, cache.keys, cache.values, batch.block_tables, batch.context_lens_tensor, self.scale
@@ -75,4 +145,7 @@ class Attention(nn.Module):
             out = varlen_causal_attention(
                 q, batch, lambda seq: cache.gather(batch.context_slots(seq)), self.scale, s.sliding_window
             )
-        return self.o_proj(out.reshape(num_tokens, s.num_heads * s.head_dim))
+        out = self.o_proj(out.reshape(num_tokens, h.num_heads * s.head_dim))
+        if h.tp_size > 1:
+            out = self.o_proj.reduce(out, self.tp_group)
+        return out

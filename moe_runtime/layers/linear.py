@@ -1,21 +1,67 @@
-"""A linear layer whose weights come from the checkpoint (no random init at construction)."""
+"""Linear and embedding layers whose weights come from the checkpoint (no random init).
+
+A tensor-parallel rank holds a shard: `LinearShard(dim=0)` keeps output rows [start, stop)
+(column parallel), `dim=1` keeps input columns (row parallel: partial sums, the caller all-reduces).
+Only that shard is read from the checkpoint.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_runtime.checkpoint import CheckpointReader, read_slice
+from moe_runtime.weight_loading import copy_checked
+
+
+@dataclass(frozen=True)
+class LinearShard:
+    dim: int      # 0: output rows; 1: input columns
+    start: int
+    stop: int
+
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None,
+                 shard: LinearShard | None = None):
         super().__init__()
+        self.shard = shard
+        if shard is not None and shard.dim == 0:
+            out_features = shard.stop - shard.start
+        if shard is not None and shard.dim == 1:
+            in_features = shard.stop - shard.start
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
 
+    def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
+        loaded = set()
+        for name, param in (("weight", self.weight), ("bias", self.bias)):
+            if param is None:
+                continue
+            full = f"{prefix}{name}"
+            if self.shard is None or (name == "bias" and self.shard.dim == 1):
+                tensor = reader.read(full)  # a row-parallel bias is whole (added once, after the reduce)
+            else:
+                tensor = read_slice(reader, full, self.shard.dim, self.shard.start, self.shard.stop)
+            copy_checked(param, tensor, full, reader.directory)
+            loaded.add(name)
+        return loaded
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.shard is not None and self.shard.dim == 1:
+            return F.linear(x, self.weight)  # partial sum: see `reduce`
         return F.linear(x, self.weight, self.bias)
+
+    def reduce(self, partial: torch.Tensor, group) -> torch.Tensor:
+        """Row parallel: sum the ranks' partial outputs, then add the bias once."""
+        import torch.distributed as dist
+
+        dist.all_reduce(partial, group=group)
+        return partial if self.bias is None else partial + self.bias
 
 
 class Embedding(nn.Module):

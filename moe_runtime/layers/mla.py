@@ -15,7 +15,7 @@ from torch import nn
 from moe_runtime.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_ops import varlen_causal_attention
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
-from moe_runtime.layers.linear import Linear
+from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.layers.rotary import RotaryEmbedding
 
@@ -52,20 +52,32 @@ def mla_softmax_scale(hf_config, qk_head_dim: int) -> float:
 
 
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, shape: MLAShape, rotary: RotaryEmbedding, scale: float, kernels, dtype, device=None):
+    def __init__(self, shape: MLAShape, rotary: RotaryEmbedding, scale: float, kernels, dtype, device=None,
+                 tp_size: int = 1, tp_rank: int = 0, tp_group=None):
         super().__init__()
         s = shape
         self.shape = s
+        self.tp_size, self.tp_group = tp_size, tp_group
+        self.num_heads = heads = s.num_heads // tp_size   # local heads; the latent cache is per rank, whole
+        first = tp_rank * heads
+
+        def head_rows(per_head: int) -> LinearShard | None:
+            return None if tp_size == 1 else LinearShard(0, first * per_head, (first + heads) * per_head)
+
         if s.q_lora_rank is None:
-            self.q_proj = Linear(s.hidden_size, s.num_heads * s.qk_head_dim, False, dtype, device)
+            self.q_proj = Linear(s.hidden_size, s.num_heads * s.qk_head_dim, False, dtype, device,
+                                 head_rows(s.qk_head_dim))
         else:
             self.q_a_proj = Linear(s.hidden_size, s.q_lora_rank, s.attention_bias, dtype, device)
             self.q_a_layernorm = RMSNorm(s.q_lora_rank, LATENT_NORM_EPS, kernels, dtype, device)
-            self.q_b_proj = Linear(s.q_lora_rank, s.num_heads * s.qk_head_dim, False, dtype, device)
+            self.q_b_proj = Linear(s.q_lora_rank, s.num_heads * s.qk_head_dim, False, dtype, device,
+                                   head_rows(s.qk_head_dim))
         self.kv_a_proj_with_mqa = Linear(s.hidden_size, s.kv_lora_rank + s.qk_rope_head_dim, s.attention_bias, dtype, device)
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, LATENT_NORM_EPS, kernels, dtype, device)
-        self.kv_b_proj = Linear(s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), False, dtype, device)
-        self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, s.attention_bias, dtype, device)
+        self.kv_b_proj = Linear(s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), False, dtype, device,
+                                head_rows(s.qk_nope_head_dim + s.v_head_dim))
+        o_cols = None if tp_size == 1 else LinearShard(1, first * s.v_head_dim, (first + heads) * s.v_head_dim)
+        self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, s.attention_bias, dtype, device, o_cols)
         self.rotary = rotary
         self.scale = scale
         self._kernels = kernels
@@ -79,12 +91,12 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(x.shape[0], s.num_heads, s.qk_head_dim)
+        return q.view(x.shape[0], self.num_heads, s.qk_head_dim)
 
     def _kv_b_split(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as W_UK [heads, nope, L] and W_UV [heads, v, L]."""
         s = self.shape
-        w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(self.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         return w[:, : s.qk_nope_head_dim], w[:, s.qk_nope_head_dim :]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache):
@@ -97,12 +109,15 @@ class MultiHeadLatentAttention(nn.Module):
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None, :])               # [T, h, rope], [T, 1, rope]
         cache.write(batch.slot_mapping, torch.cat([latent[:, None, :], k_pe], dim=-1))
         if num_tokens == 0:
-            out = x.new_zeros(0, s.num_heads, s.v_head_dim)
+            out = x.new_zeros(0, self.num_heads, s.v_head_dim)
         elif batch.is_decode:
             out = self._decode_absorbed(q_nope, q_pe, batch, cache)
         else:
             out = self._prefill_expanded(torch.cat([q_nope, q_pe], dim=-1), batch, cache)
-        return self.o_proj(out.reshape(num_tokens, s.num_heads * s.v_head_dim))
+        out = self.o_proj(out.reshape(num_tokens, self.num_heads * s.v_head_dim))
+        if self.tp_size > 1:
+            out = self.o_proj.reduce(out, self.tp_group)
+        return out
 
     def _prefill_expanded(self, q: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache) -> torch.Tensor:
         s = self.shape
@@ -110,9 +125,9 @@ class MultiHeadLatentAttention(nn.Module):
         def fetch(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
             entries, _ = cache.gather(batch.context_slots(seq))                   # [S, 1, L + rope]
             latent, k_pe = entries[:, 0].split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
-            kv = self.kv_b_proj(latent).view(-1, s.num_heads, s.qk_nope_head_dim + s.v_head_dim)
+            kv = self.kv_b_proj(latent).view(-1, self.num_heads, s.qk_nope_head_dim + s.v_head_dim)
             k_nope, values = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
-            keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, s.num_heads, -1)], dim=-1)
+            keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
             return keys, values                                                   # [S, h, qk], [S, h, v]
 
         return varlen_causal_attention(q, batch, fetch, self.scale)

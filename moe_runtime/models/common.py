@@ -42,4 +42,6 @@ def gqa_attention(cfg, layer_index: int, ctx: BuildContext, *, qkv_bias: bool = 
         clip_qkv=getattr(cfg, "clip_qkv", None),
         sliding_window=sliding_window_of(cfg, layer_index),
     )
-    return Attention(shape, rotary_for(cfg, head_dim), ctx.kernels, ctx.dtype, ctx.device)
+    p = ctx.parallel
+    return Attention(shape, rotary_for(cfg, head_dim), ctx.kernels, ctx.dtype, ctx.device,
+                     p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group)

@@ -59,10 +59,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf_config = hf_config
         self.model = stack
-        self.lm_head = Linear(stack.embed_tokens.weight.shape[1], stack.embed_tokens.weight.shape[0], False,
-                              ctx.dtype, ctx.device)
-        if tie_word_embeddings:
-            self.lm_head.weight = stack.embed_tokens.weight
+        self.lm_head = None
+        if not tie_word_embeddings:
+            vocab, hidden = stack.embed_tokens.weight.shape
+            self.lm_head = Linear(hidden, vocab, False, ctx.dtype, ctx.device)
 
     @property
     def num_layers(self) -> int:
@@ -79,4 +79,5 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V] fp32
-        return F.linear(hidden, self.lm_head.weight).float()
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

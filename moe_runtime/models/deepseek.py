@@ -43,7 +43,8 @@ def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: b
     layers = []
     for i in range(cfg.num_hidden_layers):
         attention = MultiHeadLatentAttention(
-            shape, rotary_for(cfg, cfg.qk_rope_head_dim, interleaved_rope), scale, ctx.kernels, ctx.dtype, ctx.device
+            shape, rotary_for(cfg, cfg.qk_rope_head_dim, interleaved_rope), scale, ctx.kernels, ctx.dtype, ctx.device,
+            ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group,
         )
         if i >= (cfg.first_k_dense_replace or 0):
             mlp = SparseMoE(i, moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device)

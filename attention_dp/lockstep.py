@@ -1,0 +1,86 @@
+"""The worker loop: all ranks step together, and a rank with nothing to do runs an empty batch.
+
+Every iteration the ranks join one small all-reduce that agrees on (a) how many broadcast
+commands every rank has received, so all ranks apply exactly the same commands at the same step
+boundary, and (b) whether any rank has work. If any has, every rank runs a forward step (an empty
+one when its own DP worker is idle), so no collective in the MoE layers ever waits on an idle
+rank. When nobody has work, ranks block on their command queue instead of spinning.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+
+import torch
+import torch.distributed as dist
+
+from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, Shutdown, SnapshotExpertLoad,
+                                   StepOutputs)
+
+logger = logging.getLogger(__name__)
+
+
+class LockstepLoop:
+    def __init__(self, core, commands, results, parallel):
+        self.core = core
+        self.commands = commands
+        self.results = results
+        self.parallel = parallel
+        self.reports_outputs = parallel.attn_tp_rank == 0  # one rank per DP worker talks to the front
+        self._received: list = []
+        self._applied = 0
+        self.steps = 0
+
+    def run(self) -> None:
+        busy = False
+        while True:
+            if not busy and self._applied == len(self._received):
+                self._received.append(self.commands.get())  # everyone idle: wait for the front
+            self._drain()
+            agreed, anyone_busy = self._agree()
+            new = self._received[self._applied : agreed]
+            self._applied = agreed
+            for command in new:
+                if isinstance(command, Shutdown):
+                    return
+                self._apply(command)
+            busy = anyone_busy or any(isinstance(c, AddRequest) for c in new)
+            if busy:
+                self._step()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._received.append(self.commands.get_nowait())
+            except queue.Empty:
+                return
+
+    def _agree(self) -> tuple[int, bool]:
+        flags = torch.tensor([-len(self._received), int(self.core.has_unfinished())], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return int(-flags[0]), bool(flags[1])
+
+    def _apply(self, command) -> None:
+        if isinstance(command, AddRequest):
+            if command.dp_rank == self.parallel.dp_rank:
+                self.core.add_request(command.request_id, command.prompt_token_ids, command.params)
+        elif isinstance(command, AbortRequest):
+            self.core.abort(command.request_id)
+        elif isinstance(command, SnapshotExpertLoad):
+            snapshot = self.core.expert_load(group=dist.group.WORLD)
+            if self.parallel.rank == 0:
+                self.results.put(ExpertLoadReport(snapshot))
+        else:
+            raise TypeError(f"unknown command {command!r}")
+
+    def _step(self) -> None:
+        batch = self.core.schedule()
+        phase = "prefill" if batch is None or batch.is_prefill else "decode"
+        if self.core.executor.needs_phase_agreement():
+            flag = torch.tensor([int(phase == "prefill")], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            phase = "prefill" if flag.item() else "decode"
+        outputs = self.core.execute(batch, phase)
+        self.steps += 1
+        if self.reports_outputs and batch is not None:
+            self.results.put(StepOutputs(self.parallel.rank, self.parallel.dp_rank, outputs, self.core.worker_stats()))

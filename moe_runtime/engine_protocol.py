@@ -1,0 +1,63 @@
+"""The engine face every front end uses (LLM, the async server engine): one process or many.
+
+Implemented by `EngineCore` (one rank, in process) and by the multi-process expert-parallel
+engine. Not thread-safe: one thread drives it (add_request/abort/step between steps).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from moe_runtime.outputs import RequestOutput
+from moe_runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class WorkerStats:
+    """One DP attention worker's queue and KV cache."""
+
+    dp_rank: int
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_blocks_free / max(self.kv_blocks_total, 1)
+
+
+@dataclass
+class EngineStats:
+    workers: list[WorkerStats] = field(default_factory=list)
+    prompt_tokens: int = 0          # prompt tokens of admitted requests, since start
+    generation_tokens: int = 0      # tokens generated, since start
+
+    @property
+    def running(self) -> int:
+        return sum(w.running for w in self.workers)
+
+    @property
+    def waiting(self) -> int:
+        return sum(w.waiting for w in self.workers)
+
+
+@dataclass
+class EngineHealth:
+    healthy: bool
+    detail: str = "ok"
+
+
+class Engine(Protocol):
+    tokenizer: object
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def abort(self, request_id: str) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished(self) -> bool: ...
+    def stats(self) -> EngineStats: ...
+    def health(self) -> EngineHealth: ...
+    def expert_load(self): ...
+    def shutdown(self) -> None: ...

@@ -1,0 +1,285 @@
+"""The front of a multi-rank job: starts one worker process per rank, routes requests to DP
+attention workers, collects their outputs, and detects dead ranks.
+
+Implements the same `Engine` face as the in-process `EngineCore`, so `LLM` and the server drive
+either one. Commands are broadcast to every rank (each applies them at the same lock-step
+boundary); a request lives on the ranks of the DP worker the router chose.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import queue
+import random
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, Shutdown, SnapshotExpertLoad,
+                                   StepOutputs, WorkerFailed, WorkerReady)
+from attention_dp.router import DPRouter
+from moe_runtime.distributed import free_port
+from moe_runtime.engine_config import EngineConfig
+from moe_runtime.engine_core import load_tokenizer
+from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
+from moe_runtime.errors import EngineDeadError, InvalidRequestError
+from moe_runtime.model_config import load_hf_config
+from moe_runtime.outputs import RequestOutput
+from moe_runtime.parallel_layout import ParallelLayout
+from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.worker import WorkerSpec, worker_main
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05
+
+
+@contextmanager
+def main_module_hidden():
+    """Start workers without re-running the user's script in them.
+
+    Spawned children normally re-import `__main__` (so a script without an `if __name__ ==
+    "__main__"` guard would start the job again in every worker). The workers' entry point lives
+    in this package and needs nothing from `__main__`, so its file is hidden while they start.
+    """
+    main = sys.modules.get("__main__")
+    saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
+    try:
+        if "__file__" in saved:
+            delattr(main, "__file__")
+        main.__spec__ = None
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
+
+
+class MultiprocessEngine:
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0):
+        self.config = config
+        self.hf_config = load_hf_config(config.model)
+        self.layout = ParallelLayout(config.ep, config.dp_attn, config.num_redundant_experts)
+        self.layout.validate(self.hf_config)
+        self.vocab_size = self.hf_config.vocab_size
+        self.tokenizer = load_tokenizer(Path(config.model))
+        self._dead: str | None = None
+        self._stashed: list[StepOutputs] = []
+        self._pending: set[str] = set()
+        self._worker_stats: dict[int, WorkerStats] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._seeds = random.Random()
+        self._start_workers(startup_timeout_s)
+
+    # ---- start-up and tear-down -------------------------------------------------------------
+    def _start_workers(self, timeout_s: float) -> None:
+        world = self.layout.world_size
+        context = mp.get_context("spawn")
+        self._results = context.Queue()
+        self._commands = [context.Queue() for _ in range(world)]
+        port = self.config.master_port or free_port(self.config.master_addr)
+        threads = max(1, (os.cpu_count() or 1) // world)
+        level = logging.getLogger().getEffectiveLevel()
+        self._processes = []
+        for rank in range(world):
+            spec = WorkerSpec(rank, world, self.config, self.config.master_addr, port, threads, os.getpid(), level)
+            process = context.Process(target=worker_main, args=(spec, self._commands[rank], self._results),
+                                      name=f"moe-worker-{rank}", daemon=True)
+            with main_module_hidden():
+                process.start()
+            self._processes.append(process)
+        logger.info("started %d worker ranks (ep=%d, dp_attn=%d, attention TP=%d), rendezvous %s:%d",
+                    world, self.layout.ep, self.layout.dp_attn, self.layout.attn_tp, self.config.master_addr, port)
+        self.ready: dict[int, WorkerReady] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(self.ready) < world:
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"worker ranks {sorted(set(range(world)) - set(self.ready))} "
+                                          f"did not start within {timeout_s:.0f}s")
+                message = self._next_message(timeout=0.5)
+                if isinstance(message, WorkerReady):
+                    self.ready[message.rank] = message
+                    logger.info("rank %d ready (%d/%d)", message.rank, len(self.ready), world)
+        except BaseException:
+            self._kill_workers()
+            raise
+        first = self.ready[0]
+        self.block_size = first.block_size
+        self.num_kv_blocks = min(r.num_kv_blocks for r in self.ready.values())
+        self.max_model_len = first.max_model_len
+        self.router = DPRouter.for_workers(self.layout.dp_attn, self.num_kv_blocks)
+
+    def _kill_workers(self) -> None:
+        for process in self._processes:
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + 5
+        for process in self._processes:
+            process.join(timeout=max(deadline - time.monotonic(), 0.1))
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=1)
+
+    def shutdown(self) -> None:
+        if not getattr(self, "_processes", None):
+            return
+        if self._dead is None:
+            for commands in self._commands:
+                commands.put(Shutdown())
+            deadline = time.monotonic() + 10
+            for process in self._processes:
+                process.join(timeout=max(deadline - time.monotonic(), 0.1))
+        self._kill_workers()
+        for q in [self._results, *self._commands]:
+            q.cancel_join_thread()
+            q.close()
+        self._processes = []
+
+    # ---- messages from the workers -----------------------------------------------------------
+    def _next_message(self, timeout: float):
+        """The next message from any worker; raises EngineDeadError if a rank failed or died."""
+        try:
+            message = self._results.get(timeout=timeout)
+        except queue.Empty:
+            self._check_alive()
+            return None
+        if isinstance(message, WorkerFailed):
+            self._die(f"worker rank {message.rank} failed: {message.error}", message.traceback)
+        return message
+
+    def _check_alive(self) -> None:
+        for rank, process in enumerate(self._processes):
+            if not process.is_alive():
+                self._report_failure_sent_before_exit()
+                self._die(f"worker rank {rank} died (exit code {process.exitcode})")
+
+    def _report_failure_sent_before_exit(self) -> None:
+        """A rank that raised sends WorkerFailed and then exits: prefer its message to a bare exit code."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                message = self._results.get(timeout=0.1)
+            except queue.Empty:
+                return
+            if isinstance(message, WorkerFailed):
+                self._die(f"worker rank {message.rank} failed: {message.error}", message.traceback)
+            if isinstance(message, StepOutputs):
+                self._stashed.append(message)
+
+    def _die(self, reason: str, detail: str = ""):
+        if self._dead is None:
+            self._dead = reason
+            logger.error("%s; stopping the other ranks%s", reason, f"\n{detail}" if detail else "")
+            self._kill_workers()
+        raise EngineDeadError(self._dead)
+
+    # ---- the Engine face ---------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                      f"= {total} exceeds max_model_len {self.max_model_len}")
+        if total > self.kv_capacity_tokens:
+            raise InvalidRequestError(f"prompt + max_tokens = {total} tokens exceeds a DP worker's KV cache "
+                                      f"({self.kv_capacity_tokens} tokens); raise kv_cache_memory")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if request_id in self._pending:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate_request(prompt_token_ids, params)
+        if params.seed is None:  # the ranks of a DP worker must draw the same samples
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+        decision = self.router.choose(request_id, len(prompt_token_ids))
+        command = AddRequest(request_id, list(prompt_token_ids), params, decision.dp_rank)
+        for commands in self._commands:
+            commands.put(command)
+        self._pending.add(request_id)
+        self._prompt_tokens += len(prompt_token_ids)
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self._pending or self._dead is not None:
+            return False
+        for commands in self._commands:
+            commands.put(AbortRequest(request_id))
+        self._pending.discard(request_id)
+        self.router.release(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """Outputs the workers produced since the last call; waits briefly for at least one."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        batches = self._stashed
+        self._stashed = []
+        if not batches and self._pending:
+            message = self._next_message(timeout=POLL_S)
+            while message is not None:
+                if isinstance(message, StepOutputs):
+                    batches.append(message)
+                message = self._next_message(timeout=0) if not self._results.empty() else None
+        outputs = []
+        for batch in batches:
+            self._worker_stats[batch.dp_rank] = batch.stats
+            self.router.report_kv(batch.dp_rank, batch.stats.kv_blocks_free, batch.stats.kv_blocks_total)
+            for output in batch.outputs:
+                if output.request_id not in self._pending:
+                    continue  # aborted meanwhile
+                self._generation_tokens += len(output.new_token_ids)
+                self.router.grow(output.request_id, len(output.new_token_ids))
+                if output.finished:
+                    self._pending.discard(output.request_id)
+                    self.router.release(output.request_id)
+                outputs.append(output)
+        return outputs
+
+    def expert_load(self):
+        """Expert-load counts summed over every rank (a lock-step command: all ranks join)."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        for commands in self._commands:
+            commands.put(SnapshotExpertLoad())
+        deadline = time.monotonic() + self.config.worker_timeout_s
+        while time.monotonic() < deadline:
+            message = self._next_message(timeout=0.5)
+            if isinstance(message, ExpertLoadReport):
+                return message.snapshot
+            if isinstance(message, StepOutputs):
+                self._stashed.append(message)
+        raise EngineDeadError("no expert-load report from rank 0 in time")
+
+    def stats(self) -> EngineStats:
+        workers = []
+        for dp in range(self.layout.dp_attn):
+            stats = self._worker_stats.get(dp) or WorkerStats(dp, 0, 0, self.num_kv_blocks, self.num_kv_blocks, 0)
+            load = self.router.loads[dp]
+            workers.append(dataclasses.replace(stats, running=stats.running, waiting=stats.waiting)
+                           if load.requests else dataclasses.replace(stats, running=0, waiting=0))
+        return EngineStats(workers, self._prompt_tokens, self._generation_tokens)
+
+    def health(self) -> EngineHealth:
+        if self._dead is None:
+            for rank, process in enumerate(self._processes):
+                if not process.is_alive():
+                    self._dead = f"worker rank {rank} died (exit code {process.exitcode})"
+        return EngineHealth(self._dead is None, self._dead or "ok")
+
+    def resident_expert_bytes(self) -> dict[int, tuple[int, int]]:
+        return {rank: (r.expert_bytes, r.total_expert_bytes) for rank, r in self.ready.items()}
