@@ -1,8 +1,8 @@
 """Multi-rank test harness: a pool of gloo worker processes that runs functions on every rank.
 
-A pool of N spawned processes is started once per pytest session per world size and reused by
-every test that asks for it, so the cost of starting N Python interpreters, importing torch and
-rendezvousing a process group is paid once.
+A pool of N worker processes is started once per pytest session per world size and reused by
+every test that asks for it, so the cost of starting N processes and rendezvousing a process
+group is paid once.
 
     from multirank import ranks  # noqa: F401  (pytest fixture)
 
@@ -23,8 +23,9 @@ Guarantees:
 - an exception on any rank fails the call with that rank's traceback (all failing ranks are shown);
 - a rank that does not answer within the timeout fails the call instead of hanging it, and so does a
   rank process that dies;
-- after a failure that may leave ranks out of step (a hang, a death, or only some ranks raising)
-  the pool is torn down and restarted on the next call;
+- after a failure that may leave ranks out of step (a rank hung or died, typically in a collective
+  that a failed rank never joined) the pool is torn down and restarted on the next call; when
+  every rank answered (some raised, some returned) the ranks are in step and the pool is kept;
 - processes are always torn down at the end of the session (and are daemons besides).
 """
 
@@ -37,6 +38,7 @@ import os
 import pickle
 import queue
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -70,7 +72,29 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, port: int, tasks, replies) -> None:
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exit_when_owner_dies(owner_pid: int, poll_s: float = 1.0) -> None:
+    """A worker whose pool owner vanished (e.g. pytest killed with SIGKILL) exits instead of
+    lingering: its real parent is the forkserver, which outlives the owner in that case."""
+
+    def watch():
+        while _process_exists(owner_pid):
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
+def _worker_main(rank: int, world_size: int, port: int, owner_pid: int, tasks, replies) -> None:
     """Entry point of one rank: initialise gloo, then serve tasks until told to stop (None)."""
     import torch
     import torch.distributed as dist
@@ -81,6 +105,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, replies) -> None:
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
+    _exit_when_owner_dies(owner_pid)
     try:
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
         replies.put(_Reply(rank, True, pickle.dumps("ready")))
@@ -143,7 +168,8 @@ class RankPool:
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
             self._ctx.Process(target=_worker_main, name=f"multirank-{self.world_size}-r{rank}",
-                              args=(rank, self.world_size, port, self._tasks[rank], self._replies),
+                              args=(rank, self.world_size, port, os.getpid(), self._tasks[rank],
+                                    self._replies),
                               daemon=True)
             for rank in range(self.world_size)
         ]
@@ -229,9 +255,8 @@ class RankPool:
         if not failed and not missing:
             return [pickle.loads(replies[r].payload) for r in range(self.world_size)]
 
-        # Ranks out of step: the next call gets a fresh pool. If every rank raised, the group is
-        # still consistent and could be kept, but a fresh start is the safe default.
-        self._healthy = bool(failed) and not missing
+        # Every rank answered: they are in step, keep the pool. A missing rank: restart next call.
+        self._healthy = not missing
         message = [f"{what}: failed on ranks {failed}" if failed else f"{what}: no failure report"]
         for rank in missing:
             proc = self._procs[rank] if rank < len(self._procs) else None
