@@ -5,10 +5,16 @@ replicas on distinct ranks:
 - swap: exchange the experts of a slot on the heaviest rank and a slot elsewhere;
 - retarget: rewrite one slot from an expert with >= 2 replicas to another expert
   (changes replica counts, so the per-replica load of both experts).
-Only moves that touch the heaviest rank (a slot on it, or a replica of an expert
+The objective is a rank's *risk*: its load plus `load_noise` times the standard
+deviation its load would have if every expert's load moved by a relative
+`load_noise` independently (sqrt of the sum of squared per-replica loads). With
+load_noise 0 this is plain per-rank load; above 0 it prefers placements whose
+peak ranks are not made of one big replica that a small shift in load would
+overflow, which keeps balance better on the load that actually comes next.
+Only moves that touch the riskiest rank (a slot on it, or a replica of an expert
 it holds) are considered: no other move can lower the maximum. A move is taken
-when it lowers the maximum, or keeps it and lowers the sum of squared rank
-loads (which walks off plateaus where several ranks tie for the maximum).
+when it lowers the maximum risk, or keeps it and lowers the sum of squared
+risks (which walks off plateaus where several ranks tie for the maximum).
 (max, sum of squares) strictly decreases, so the search cannot cycle.
 """
 
@@ -37,7 +43,9 @@ class LayerSearch:
         num_ranks: int,
         max_replicas: int,
         allowed: Optional[np.ndarray] = None,  # [E, W] bool: expert may live on rank
+        load_noise: float = 0.0,
     ):
+        self.load_noise = load_noise
         self.slot_expert = slot_expert.astype(np.int64).copy()
         self.load = load.astype(np.float64)
         self.num_experts = load.shape[0]
@@ -56,12 +64,24 @@ class LayerSearch:
 
     def _refresh(self) -> None:
         self.per_replica = self.load / self.count  # [E]
-        self.rank_load = np.bincount(
-            self.slot_rank, weights=self.per_replica[self.slot_expert], minlength=self.num_ranks
-        )  # [W]
+        per_slot = self.per_replica[self.slot_expert]  # [P]
+        self.rank_load = np.bincount(self.slot_rank, weights=per_slot, minlength=self.num_ranks)  # [W]
+        self.rank_square = np.bincount(self.slot_rank, weights=per_slot**2, minlength=self.num_ranks)  # [W]
+        self.rank_risk = self._risk(self.rank_load, self.rank_square)  # [W]
+
+    def _risk(self, load: np.ndarray, square: np.ndarray) -> np.ndarray:
+        if self.load_noise == 0:
+            return load
+        return load + self.load_noise * np.sqrt(np.maximum(square, 0.0))
 
     def balancedness(self) -> float:
+        """mean / max per-rank load (1.0 = perfect)."""
         peak = self.rank_load.max()
+        return 1.0 if peak <= 0 else float(self.rank_load.mean() / peak)
+
+    def risk_balancedness(self) -> float:
+        """mean load / max risk: what the search maximises (= balancedness at load_noise 0)."""
+        peak = self.rank_risk.max()
         return 1.0 if peak <= 0 else float(self.rank_load.mean() / peak)
 
     def run(self, max_steps: int) -> int:
@@ -91,12 +111,12 @@ class LayerSearch:
         self._refresh()
 
     def best_move(self) -> Optional[Move]:
-        loads = self.rank_load
-        peak_rank = int(np.argmax(loads))
-        peak = loads[peak_rank]
+        risks = self.rank_risk
+        peak_rank = int(np.argmax(risks))
+        peak = risks[peak_rank]
         if peak <= 0:
             return None
-        sumsq = float((loads**2).sum())
+        sumsq = float((risks**2).sum())
         candidates = [self._swap_candidates(peak_rank), self._retarget_candidates(peak_rank)]
         best: Optional[tuple] = None
         for new_max, new_sumsq, moves in candidates:
@@ -130,17 +150,17 @@ class LayerSearch:
             & self.allowed[b, peak_rank]
             & self.allowed[a, other_rank]
         )  # [S, P-S]
-        loads = self.rank_load
-        new_peak = loads[peak_rank] - w[a] + w[b]
-        new_other = loads[other_rank] - w[b] + w[a]
+        loads, squares, risks = self.rank_load, self.rank_square, self.rank_risk
+        new_peak = self._risk(loads[peak_rank] - w[a] + w[b], squares[peak_rank] - w[a] ** 2 + w[b] ** 2)
+        new_other = self._risk(loads[other_rank] - w[b] + w[a], squares[other_rank] - w[b] ** 2 + w[a] ** 2)
         # Max over ranks untouched by the swap: skip the peak rank and the partner rank.
-        ranked = np.argsort(-loads, kind="stable")
+        ranked = np.argsort(-risks, kind="stable")
         rest = ranked[ranked != peak_rank]
-        first, second = loads[rest[0]], (loads[rest[1]] if rest.size > 1 else 0.0)
+        first, second = risks[rest[0]], (risks[rest[1]] if rest.size > 1 else 0.0)
         untouched = np.where(other_rank == rest[0], second, first)
         new_max = np.maximum(np.maximum(new_peak, new_other), untouched)
-        sumsq = (loads**2).sum()
-        new_sumsq = sumsq - loads[peak_rank] ** 2 - loads[other_rank] ** 2 + new_peak**2 + new_other**2
+        sumsq = (risks**2).sum()
+        new_sumsq = sumsq - risks[peak_rank] ** 2 - risks[other_rank] ** 2 + new_peak**2 + new_other**2
         rows, cols = np.nonzero(valid)
         return (
             new_max[rows, cols],
@@ -186,6 +206,13 @@ class LayerSearch:
         )  # [C, W]
         delta[np.arange(slot.size), rank] += new_after - old_after
         after = self.rank_load[None, :] + delta
+        if self.load_noise:
+            square_delta = (
+                self.hold[old] * (old_after**2 - w[old] ** 2)[:, None]
+                + self.hold[new] * (new_after**2 - w[new] ** 2)[:, None]
+            )  # [C, W]
+            square_delta[np.arange(slot.size), rank] += new_after**2 - old_after**2
+            after = self._risk(after, self.rank_square[None, :] + square_delta)
         return (
             after.max(1),
             (after**2).sum(1),

@@ -1,13 +1,18 @@
 """Replicate hot experts and pack slots onto ranks so per-rank load is even.
 
-Per layer, three candidates compete when a placement is already in force:
-- keep it (0 experts moved);
-- improve it in place with local search, stopping at the point of the search
-  path where (balancedness - min_gain_per_move * experts moved) is best;
-- a fresh placement (greedy replication + balanced packing + local search),
-  relabelled to overlap the placement in force.
-The winner maximises balancedness - min_gain_per_move * experts moved, so an
-expert is moved only when it buys at least `min_gain_per_move` balancedness.
+Per layer, a fresh placement is built first: greedy replication, balanced
+packing, then local search. When a placement is already in force, three
+candidates compete:
+- keep it or improve it in place with local search, stopping at the point of
+  the search path (its start included) where
+  balancedness - min_gain_per_move * experts moved is best;
+- the same, after first rewriting just enough slots to adopt the fresh
+  placement's replica counts;
+- the fresh placement, relabelled (ranks permuted, slots reordered) to overlap
+  the placement in force.
+The winner maximises balancedness - min_gain_per_move * experts moved (with
+load_noise > 0, a risk-adjusted balancedness), so an expert is moved only when
+it buys at least `min_gain_per_move` balancedness.
 The default scales with 1 / num_ranks: copies to different ranks run in
 parallel, so one copy per rank (one "copy round") must buy
 DEFAULT_GAIN_PER_COPY_ROUND balancedness.
@@ -37,6 +42,7 @@ from load_balancer.replication import greedy_replica_counts
 logger = logging.getLogger(__name__)
 
 DEFAULT_GAIN_PER_COPY_ROUND = 0.005
+DEFAULT_LOAD_NOISE = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ def rebalance(
     *,
     num_groups: Optional[int] = None,
     min_gain_per_move: Optional[float] = None,
+    load_noise: float = DEFAULT_LOAD_NOISE,
     max_search_steps: Optional[int] = None,
 ) -> Placement:
     """New placement for `load`; with `previous`, moves only experts that pay.
@@ -82,6 +89,9 @@ def rebalance(
     min_gain_per_move: balancedness (mean/max per-rank load, per layer) an
     expert move must buy; 0 takes any improvement; default
     DEFAULT_GAIN_PER_COPY_ROUND / num_ranks.
+    load_noise: expected relative change of each expert's load before the next
+    rebalance; placements are scored on rank load + load_noise x its standard
+    deviation under such changes (0: fit `load` exactly, however fragile).
     max_search_steps: local-search moves per layer and candidate (default 4 * P).
     """
     load = check_load(load)
@@ -91,6 +101,8 @@ def rebalance(
         min_gain_per_move = DEFAULT_GAIN_PER_COPY_ROUND / num_ranks
     if min_gain_per_move < 0:
         raise ValueError(f"min_gain_per_move must be >= 0, got {min_gain_per_move}")
+    if load_noise < 0:
+        raise ValueError(f"load_noise must be >= 0, got {load_noise}")
     steps = 4 * num_slots if max_search_steps is None else max_search_steps
     if previous is not None:
         _check_previous(previous, num_layers, num_experts, num_slots, num_ranks)
@@ -101,8 +113,8 @@ def rebalance(
     moved = torch.zeros(num_layers, dtype=torch.long)
     for layer in range(num_layers):
         layer_load = load[layer].numpy()
-        prev = None if previous is None else previous.phy2log[layer].numpy()
-        choice = _rebalance_layer(layer_load, layout, prev, min_gain_per_move, steps)
+        prev = None if previous is None else previous.phy2log[layer].cpu().numpy()
+        choice = _rebalance_layer(layer_load, layout, prev, _Scoring(min_gain_per_move, load_noise, steps))
         phy2log[layer] = choice.slot_expert
         after[layer] = choice.balancedness
         moved[layer] = choice.moved
@@ -119,55 +131,70 @@ def rebalance(
 
 
 @dataclass(frozen=True)
+class _Scoring:
+    min_gain_per_move: float
+    load_noise: float
+    steps: int
+
+
+@dataclass(frozen=True)
 class _Candidate:
     slot_expert: np.ndarray  # [P]
-    balancedness: float
+    balancedness: float  # mean / max rank load on the given load
+    risk_balancedness: float  # mean / max rank risk: what candidates compete on
     moved: int
 
-    def score(self, min_gain_per_move: float) -> float:
-        return self.balancedness - min_gain_per_move * self.moved
+    @classmethod
+    def of(cls, search: LayerSearch, prev: Optional[np.ndarray]) -> "_Candidate":
+        moved = 0 if prev is None else int((search.slot_expert != prev).sum())
+        return cls(search.slot_expert.copy(), search.balancedness(), search.risk_balancedness(), moved)
+
+    def score(self, scoring: _Scoring) -> float:
+        return self.risk_balancedness - scoring.min_gain_per_move * self.moved
 
 
-def _rebalance_layer(load, layout: Layout, prev, min_gain_per_move, steps) -> _Candidate:
+def _rebalance_layer(load, layout: Layout, prev, scoring: _Scoring) -> _Candidate:
     packed = _fresh_layer(load, layout)
-    fresh_search = LayerSearch(
-        packed, load, layout.num_ranks, layout.max_replicas, _allowed_from(packed, layout)
-    )
-    fresh_search.run(steps)
+    fresh_search = _search(packed, load, layout, _allowed_from(packed, layout), scoring)
+    fresh_search.run(scoring.steps)
     if prev is None:
-        return _Candidate(fresh_search.slot_expert, fresh_search.balancedness(), 0)
+        return _Candidate.of(fresh_search, None)
 
-    fresh = align_to_previous(
-        fresh_search.slot_expert, prev, layout.num_experts, layout.num_ranks,
+    fresh = _Candidate.of(fresh_search, None)
+    aligned = align_to_previous(
+        fresh.slot_expert, prev, layout.num_experts, layout.num_ranks,
         layout.ranks_per_node if layout.hierarchical else None,
-    )
-    candidates = [_Candidate(fresh, fresh_search.balancedness(), int((fresh != prev).sum()))]
+    )  # a relabelling of ranks and slots: balancedness unchanged
+    candidates = [_Candidate(aligned, fresh.balancedness, fresh.risk_balancedness, int((aligned != prev).sum()))]
     allowed = _allowed_from(prev, layout)
     if allowed is not None:  # `prev` obeys this layout, so keeping or editing it is an option
-        candidates.append(_Candidate(prev, _balancedness(load, prev, layout.num_ranks), 0))
-        candidates.append(_improve_in_place(prev, load, layout, allowed, min_gain_per_move, steps))
+        candidates.append(_improve_in_place(prev, load, layout, allowed, scoring))
         target = np.bincount(fresh_search.slot_expert, minlength=layout.num_experts)
-        candidates.append(_improve_in_place(prev, load, layout, allowed, min_gain_per_move, steps, target))
-    return max(candidates, key=lambda c: (c.score(min_gain_per_move), -c.moved))
+        candidates.append(_improve_in_place(prev, load, layout, allowed, scoring, target))
+    return max(candidates, key=lambda c: (c.score(scoring), -c.moved))
 
 
-def _improve_in_place(prev, load, layout, allowed, min_gain_per_move, steps, target_counts=None) -> _Candidate:
+def _search(slot_expert, load, layout: Layout, allowed, scoring: _Scoring) -> LayerSearch:
+    return LayerSearch(slot_expert, load, layout.num_ranks, layout.max_replicas, allowed, scoring.load_noise)
+
+
+def _improve_in_place(prev, load, layout, allowed, scoring: _Scoring, target_counts=None) -> _Candidate:
     """Local search from `prev`; returns the best-scoring point along its path.
 
     With `target_counts` [E], first rewrite slots until replica counts match
     them (those moves are kept whatever they score), then search.
     """
-    search = LayerSearch(prev, load, layout.num_ranks, layout.max_replicas, allowed)
+    search = _search(prev, load, layout, allowed, scoring)
     if target_counts is not None:
         search.move_towards_counts(target_counts)
-    best = _Candidate(search.slot_expert.copy(), search.balancedness(), int((search.slot_expert != prev).sum()))
-    for _ in range(steps):
+    best = _Candidate.of(search, prev)
+    for _ in range(scoring.steps):
         move = search.best_move()
         if move is None:
             break
         search.apply(move)
-        point = _Candidate(search.slot_expert.copy(), search.balancedness(), int((search.slot_expert != prev).sum()))
-        if point.score(min_gain_per_move) > best.score(min_gain_per_move) + 1e-12:
+        point = _Candidate.of(search, prev)
+        if point.score(scoring) > best.score(scoring) + 1e-12:
             best = point
     return best
 

@@ -2,9 +2,10 @@
 
 Hot path cost per MoE layer and step: one `index_add_` into a preallocated
 tensor for logical experts, and one more when physical slots are recorded.
-No host sync, no Python loop over experts. Counts of the step in progress go
-to one row of a ring buffer of `window + 1` steps; `end_step()` folds that row
-into the running totals and clears the next one.
+No host sync, no Python loop over experts. The step in progress is counted
+into fixed buffers (same addresses every step, so `record` can sit inside a
+captured CUDA graph); `end_step()` copies them into a ring of `window` steps,
+adds them to the running totals and clears them.
 """
 
 from __future__ import annotations
@@ -60,14 +61,14 @@ class ExpertLoadRecorder:
         self.window = window
         self.device = torch.device(device)
         self.placement = placement or static_placement(num_layers, num_experts, num_slots, num_ranks)
-        ring = window + 1  # `window` finished steps + the one being recorded
-        self._expert_ring = torch.zeros(ring, num_layers, num_experts, dtype=torch.long, device=self.device)
-        self._slot_ring = torch.zeros(ring, num_layers, num_slots, dtype=torch.long, device=self.device)
+        self._expert_step = torch.zeros(num_layers, num_experts, dtype=torch.long, device=self.device)
+        self._slot_step = torch.zeros(num_layers, num_slots, dtype=torch.long, device=self.device)
+        self._expert_ring = torch.zeros(window, num_layers, num_experts, dtype=torch.long, device=self.device)
+        self._slot_ring = torch.zeros(window, num_layers, num_slots, dtype=torch.long, device=self.device)
         self._expert_totals = torch.zeros(num_layers, num_experts, dtype=torch.long, device=self.device)
-        self._slot_totals = torch.zeros(num_layers, num_slots, dtype=torch.long, device=self.device)
         self._one = torch.ones(1, dtype=torch.long, device=self.device)
         self._slots_seen = False
-        self._row = 0
+        self._row = 0  # ring row the next finished step goes to
         self.steps = 0
 
     def set_placement(self, placement: Placement) -> None:
@@ -82,26 +83,26 @@ class ExpertLoadRecorder:
     def record(self, layer: int, logical_ids: torch.Tensor, slot_ids: Optional[torch.Tensor] = None) -> None:
         """Count one MoE layer's routing of this step: logical_ids / slot_ids [T, K]."""
         ids = logical_ids.reshape(-1)
-        self._expert_ring[self._row, layer].index_add_(0, ids, self._one.expand(ids.numel()))
+        self._expert_step[layer].index_add_(0, ids, self._one.expand(ids.numel()))
         if slot_ids is not None:
             slots = slot_ids.reshape(-1)
-            self._slot_ring[self._row, layer].index_add_(0, slots, self._one.expand(slots.numel()))
+            self._slot_step[layer].index_add_(0, slots, self._one.expand(slots.numel()))
             self._slots_seen = True
 
     def end_step(self) -> None:
         """Close the step being recorded (call once per forward step, after the last layer)."""
-        self._expert_totals += self._expert_ring[self._row]
-        self._slot_totals += self._slot_ring[self._row]
-        self._row = (self._row + 1) % (self.window + 1)
-        self._expert_ring[self._row].zero_()
-        self._slot_ring[self._row].zero_()
+        self._expert_ring[self._row].copy_(self._expert_step)
+        self._slot_ring[self._row].copy_(self._slot_step)
+        self._expert_totals += self._expert_step
+        self._expert_step.zero_()
+        self._slot_step.zero_()
+        self._row = (self._row + 1) % self.window
         self.steps += 1
 
     def window_steps(self) -> torch.Tensor:
         """[S, L, E] per-step logical counts of the finished steps in the window, oldest first."""
-        ring = self.window + 1
         count = min(self.steps, self.window)
-        rows = [(self._row - count + i) % ring for i in range(count)]
+        rows = [(self._row - count + i) % self.window for i in range(count)]
         return self._expert_ring[rows].cpu()
 
     def snapshot(self, group=None) -> ExpertLoadSnapshot:
@@ -135,8 +136,6 @@ class ExpertLoadRecorder:
         )
 
     def _window_mask(self) -> torch.Tensor:
-        ring = self.window + 1
-        mask = torch.zeros(ring, dtype=torch.bool)
-        for i in range(min(self.steps, self.window)):
-            mask[(self._row - 1 - i) % ring] = True
+        mask = torch.zeros(self.window, dtype=torch.bool)
+        mask[(self._row - 1 - torch.arange(min(self.steps, self.window))) % self.window] = True
         return mask.to(self.device)

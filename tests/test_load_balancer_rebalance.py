@@ -50,17 +50,22 @@ def assert_valid(placement: Placement, experts, slots, ranks):
             assert replica_ranks.unique().numel() == replica_ranks.numel(), "replicas share a rank"
 
 
+@pytest.mark.parametrize("load_noise", [0.0, 0.1])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_random_loads_give_valid_placements(layout):
+def test_random_loads_give_valid_placements(layout, load_noise):
     experts, slots, ranks, nodes, groups = layout
     generator = torch.Generator().manual_seed(experts * 1000 + slots)
     for _ in range(8):
         load = random_load(3, experts, generator)
-        placement = rebalance(load, slots, ranks, nodes, num_groups=groups)
+        placement = rebalance(load, slots, ranks, nodes, num_groups=groups, load_noise=load_noise)
         assert_valid(placement, experts, slots, ranks)
         # From a placement in force (the static one or the last result), still valid.
-        again = rebalance(random_load(3, experts, generator), slots, ranks, nodes, previous=placement, num_groups=groups)
+        again = rebalance(
+            random_load(3, experts, generator), slots, ranks, nodes,
+            previous=placement, num_groups=groups, load_noise=load_noise,
+        )
         assert_valid(again, experts, slots, ranks)
+        assert torch.equal(again.stats.experts_moved, (again.phy2log != placement.phy2log).sum(1))
 
 
 def test_hierarchical_keeps_each_group_on_one_node():
@@ -89,6 +94,24 @@ def test_beats_static_on_skewed_load(exponent):
     assert (ours >= baseline).all()
     assert ours.mean() > baseline.mean() + 0.1
     assert ours.min() > 0.9
+
+
+def max_rank_risk(load, placement, noise):
+    """max over ranks of load + noise * sqrt(sum of squared per-replica loads), layer 0."""
+    per_slot = (load[0] / placement.logcnt[0])[placement.phy2log[0]].view(placement.num_ranks, -1)
+    return (per_slot.sum(-1) + noise * per_slot.pow(2).sum(-1).sqrt()).max().item()
+
+
+def test_load_noise_prefers_placements_robust_to_load_shifts():
+    # Two placements fit this load equally well (max rank load 11); with load_noise the
+    # one whose peak rank is not dominated by a single big replica is chosen.
+    load = torch.tensor([[4.0, 2.0, 2.0, 6.0, 7.0]], dtype=torch.float64)
+    plain = rebalance(load, num_slots=6, num_ranks=2, load_noise=0.0)
+    careful = rebalance(load, num_slots=6, num_ranks=2, load_noise=0.5)
+    assert balancedness(load, careful).item() == pytest.approx(balancedness(load, plain).item())
+    assert max_rank_risk(load, careful, 0.5) < max_rank_risk(load, plain, 0.5) - 0.05
+    with pytest.raises(ValueError, match="load_noise"):
+        rebalance(load, num_slots=6, num_ranks=2, load_noise=-1.0)
 
 
 def test_hot_expert_gets_replicas_on_distinct_ranks():
