@@ -1,8 +1,9 @@
 """All-gather dispatcher: every rank sees every token, computes its own experts, reduce-scatters.
 
-Moves more bytes than all-to-all for large batches, but needs no routing-dependent split sizes
-and only two collectives with fixed shapes, which suits attention-TP groups (where the tokens
-are already replicated) and tiny decode batches.
+Moves more bytes than all-to-all when tokens reach few ranks, but its collectives have shapes
+that do not depend on routing (no count exchange feeding split sizes), which suits small groups
+such as attention-TP groups and tiny decode batches. Uneven token counts are padded to the
+largest rank's; gloo's missing or uneven reduce-scatter falls back to all-reduce + slice.
 """
 
 from __future__ import annotations
