@@ -17,8 +17,16 @@ def unpermute_reduce(
     if weights.dim() != 2 or weights.shape[0] != num_tokens:
         raise ValueError(f"weights must be [T={num_tokens}, K], got shape {tuple(weights.shape)}")
     top_k, hidden = weights.shape[1], out_sorted.shape[1]
-    flat_weights = weights.reshape(-1).float()                              # [T*K]
-    # Scatter rows to their (token, k) slot, then sum over k: deterministic, fp32 accumulation.
-    slots = torch.zeros(num_tokens * top_k, hidden, dtype=torch.float32, device=out_sorted.device)  # [T*K, H]
-    slots[plan.flat_index] = out_sorted.float() * flat_weights[plan.flat_index].unsqueeze(1)
-    return slots.view(num_tokens, top_k, hidden).sum(dim=1).to(out_sorted.dtype)
+    if plan.num_rows == 0:
+        return torch.zeros(num_tokens, hidden, dtype=out_sorted.dtype, device=out_sorted.device)
+    # Gather each (token, k) pair's row (dropped pairs read row 0 with weight 0), then one batched
+    # [1, K] @ [K, H] per token: no [T*K, H] zero-fill or scatter, fp32 accumulation.
+    row_of_pair = torch.zeros(num_tokens * top_k, dtype=torch.int64, device=out_sorted.device)      # [T*K]
+    row_of_pair[plan.flat_index] = torch.arange(plan.num_rows, device=out_sorted.device)
+    kept_weights = torch.zeros(num_tokens * top_k, dtype=torch.float32, device=out_sorted.device)   # [T*K]
+    kept_weights[plan.flat_index] = weights.reshape(-1).float()[plan.flat_index]
+    pair_rows = out_sorted[row_of_pair].view(num_tokens, top_k, hidden)                               # [T, K, H]
+    if pair_rows.dtype != torch.float32:
+        pair_rows = pair_rows.float()
+    y = torch.bmm(kept_weights.view(num_tokens, 1, top_k), pair_rows)                                 # [T, 1, H]
+    return y.view(num_tokens, hidden).to(out_sorted.dtype)
