@@ -1,8 +1,8 @@
 """All-gather dispatcher: every rank sees every token, computes its own experts, reduce-scatters.
 
-Moves more bytes than all-to-all when tokens reach few ranks, but its collectives have shapes
-that do not depend on routing (no count exchange feeding split sizes), which suits small groups
-such as attention-TP groups and tiny decode batches. Uneven token counts are padded to the
+Moves more bytes than all-to-all when tokens reach few ranks, but its collectives move equal
+blocks per rank whose size does not depend on routing (only token counts are exchanged), which
+suits small groups such as attention-TP groups and tiny decode batches. Uneven token counts are padded to the
 largest rank's; gloo's missing or uneven reduce-scatter falls back to all-reduce + slice.
 """
 
