@@ -47,7 +47,15 @@ def select_backend(name: str, device: torch.device | str, world_size: int,
 
 
 def make_dispatcher(config: DispatchConfig) -> Dispatcher:
+    """The dispatcher for `config`. When 'auto' or 'deepep' would pick DeepEP low-latency but
+    `max_tokens_per_rank` is unset, DeepEP normal mode is used instead (an explicit
+    'deepep_low_latency' without a bound is an error)."""
     backend = select_backend(config.backend, config.device, config.world_size, config.phase)
+    if (backend == BACKEND_DEEPEP_LOW_LATENCY and config.max_tokens_per_rank is None
+            and config.backend in (BACKEND_AUTO, BACKEND_DEEPEP)):
+        # Low-latency kernels need a token bound; without one, a derived choice uses normal mode.
+        logger.info("dispatch: no max_tokens_per_rank for DeepEP low-latency; using normal mode")
+        backend = BACKEND_DEEPEP_NORMAL
     placement = SlotPlacement(config.num_slots, config.world_size)
     logger.info("dispatch backend %s (asked %s) on rank %d/%d, %d slots", backend,
                 config.backend, config.rank, config.world_size, config.num_slots)

@@ -185,3 +185,16 @@ def test_combine_reduction_in_small_chunks_matches_one_pass(monkeypatch):
     expected = 3.0 * torch.where(slots >= 0, weights, 0.0).sum(dim=1, keepdim=True) * x
     torch.testing.assert_close(chunked, one_pass)
     torch.testing.assert_close(chunked, expected)
+
+
+def test_derived_low_latency_choice_without_token_bound_uses_normal_mode(monkeypatch):
+    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda: True)
+    for backend in ("auto", "deepep"):
+        unbounded = make_dispatcher(DispatchConfig(backend, 2, 0, None, 4, 8, device="cuda",
+                                                   phase="decode",
+                                                   deepep_buffer_cls=_NoCommBuffer))
+        assert unbounded.layout() == LAYOUT_CONTIGUOUS
+    bounded = make_dispatcher(DispatchConfig("auto", 2, 0, None, 4, 8, device="cuda",
+                                             phase="decode", max_tokens_per_rank=64,
+                                             deepep_buffer_cls=_NoCommBuffer))
+    assert bounded.layout() == LAYOUT_MASKED
