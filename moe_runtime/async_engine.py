@@ -1,0 +1,371 @@
+"""Drive an `Engine` from asyncio: one thread owns the engine, the event loop talks to it through queues.
+
+The engine is not thread-safe, so a single background thread calls every engine method. The
+event loop hands it commands (add, abort, stop) through a thread-safe queue, applied between
+steps; after each step the thread posts every request's output back to the event loop of the
+coroutine that submitted it, and refreshes the stats/health/expert-load snapshots that the
+event loop reads without touching the engine.
+
+When the engine dies (`step()` raises, or `health()` turns unhealthy) every in-flight request
+ends with `EngineDeadError`, later submissions fail at once, and `health()` says why: nothing
+waits forever on a dead engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from moe_runtime.engine_protocol import Engine, EngineHealth, EngineStats
+from moe_runtime.errors import EngineDeadError, MoERuntimeError
+from moe_runtime.outputs import RequestOutput
+from moe_runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(MoERuntimeError):
+    """Too many requests are waiting for their first token; retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class AsyncEngineConfig:
+    max_queue: int | None = None         # requests waiting for their first token; None = unbounded
+    retry_after_s: int = 1               # what a QueueFullError tells the client to wait
+    idle_poll_s: float = 0.1             # how often an idle engine thread checks health and commands
+    expert_load_refresh_s: float = 1.0   # how often the expert-load snapshot is refreshed
+
+    def __post_init__(self) -> None:
+        if self.max_queue is not None and self.max_queue < 1:
+            raise ValueError(f"max_queue={self.max_queue}: must be >= 1 (or None for no bound)")
+
+
+class RequestStream:
+    """The outputs of one request, in the order the engine produced them (an async iterator).
+
+    Outputs are cumulative (token_ids, text, logprobs hold everything so far), so when the consumer
+    falls behind, the outputs waiting for it are merged into one (their `new_token_ids` joined).
+    The last output has `finished=True`; an engine failure raises `EngineDeadError` instead.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.loop = loop
+        self.finished = False
+        self.started = False                           # first output delivered (loop side)
+        self.last_output: RequestOutput | None = None  # engine-thread side: latest output produced
+        self.token_times: list[float] = []             # perf_counter when each token reached the loop
+        self._items: asyncio.Queue = asyncio.Queue()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._items.get()
+        while not isinstance(item, BaseException) and not item.finished and not self._items.empty():
+            newer = self._items.get_nowait()
+            if isinstance(newer, BaseException):
+                item = newer
+                break
+            item = dataclasses.replace(newer, new_token_ids=item.new_token_ids + newer.new_token_ids)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        """Event-loop side: queue one output (or the error that ends the request)."""
+        if isinstance(item, RequestOutput) and item.new_token_ids:
+            now = time.perf_counter()
+            self.token_times.extend(now for _ in item.new_token_ids)
+        self._items.put_nowait(item)
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    params: SamplingParams
+    admitted: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    """An `Engine` behind an asyncio face. Call `start()` once, `shutdown()` at the end."""
+
+    def __init__(self, engine: Engine, config: AsyncEngineConfig = AsyncEngineConfig()):
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()          # guards _dead_detail and the hand-off of commands
+        self._dead_detail: str | None = None
+        self._streams: dict[str, RequestStream] = {}   # engine thread only
+        self._unstarted = 0                    # submitted, no output yet (guarded by _lock)
+        self._stats = EngineStats()
+        self._health = EngineHealth(True)
+        self._expert_load = None
+        self._expert_load_at = float("-inf")
+        self._thread: threading.Thread | None = None
+        self._stop_requested = False           # set by begin_shutdown (a plain store: signal-safe)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> "AsyncEngine":
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() called twice")
+        self._refresh_snapshots(force_expert_load=True)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread: in-flight requests end with `EngineDeadError`; then `engine.shutdown()`."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._commands.put(_Stop())
+            thread.join(timeout_s)
+            if thread.is_alive():
+                logger.error("engine thread did not stop within %.1fs (a step is stuck)", timeout_s)
+                return
+        self._fail_everything("the server is shutting down")
+        try:
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001 - shutting down anyway; say what went wrong
+            logger.exception("engine.shutdown() failed")
+
+    def begin_shutdown(self) -> None:
+        """Thread- and signal-safe: ask the engine thread to stop (in-flight requests end with an error)."""
+        self._stop_requested = True
+
+    # ---- event-loop API --------------------------------------------------------------------
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Admit a request; returns its output stream once the engine accepted it.
+
+        Raises `InvalidRequestError` (the engine's validation), `QueueFullError`, `EngineDeadError`.
+        """
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, list(prompt_token_ids), loop)
+        admitted: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._dead_detail is not None:
+                raise EngineDeadError(f"the engine is not running: {self._dead_detail}")
+            limit = self.config.max_queue
+            if limit is not None and self._unstarted >= limit:
+                raise QueueFullError(
+                    f"{self._unstarted} requests are already waiting for their first token "
+                    f"(--max-queue {limit}); retry later",
+                    self.config.retry_after_s,
+                )
+            self._unstarted += 1
+            self._commands.put(_Add(stream, params, admitted))
+        try:
+            await asyncio.wrap_future(admitted)
+        except BaseException:
+            if not admitted.done() or admitted.exception() is None:
+                self.abort(request_id)  # cancelled while waiting: the engine may still admit it
+            self._mark_started(stream)
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs step by step (the last has finished=True).
+
+        Leaving the loop early (break, cancellation, client gone) aborts the request.
+        """
+        stream = await self.submit(request_id, prompt_token_ids, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its KV blocks are freed between steps); unknown ids are ignored."""
+        self._commands.put(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def health(self) -> EngineHealth:
+        with self._lock:
+            if self._dead_detail is not None:
+                return EngineHealth(False, self._dead_detail)
+        return self._health
+
+    def expert_load(self):
+        """The latest `ExpertLoadSnapshot` (refreshed every `expert_load_refresh_s`), or None."""
+        return self._expert_load
+
+    @property
+    def num_unstarted(self) -> int:
+        """Requests submitted that have not produced their first output yet (the queue `max_queue` bounds)."""
+        return self._unstarted
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop_requested:
+                busy = self.engine.has_unfinished()
+                if not self._apply_commands(block=not busy):
+                    break
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+                self._refresh_snapshots()
+                if not self._health.healthy:
+                    raise EngineDeadError(self._health.detail)
+        except EngineDeadError as exc:
+            logger.error("engine died: %s", exc)
+            self._die(str(exc))
+            return
+        except BaseException as exc:  # noqa: BLE001 - any crash leaves the engine in an unknown state
+            logger.exception("engine thread crashed")
+            self._die(f"engine thread crashed: {exc!r}")
+            return
+        self._die("the server is shutting down")
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands; wait up to idle_poll_s for one when `block`. False on stop."""
+        try:
+            command = self._commands.get(timeout=self.config.idle_poll_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, command: _Add) -> None:
+        stream = command.stream
+        try:
+            if stream.request_id in self._streams:
+                raise ValueError(f"request id {stream.request_id!r} is already in use")
+            self.engine.add_request(stream.request_id, stream.prompt_token_ids, command.params)
+        except EngineDeadError:
+            command.admitted.set_exception(EngineDeadError("the engine died while admitting the request"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - validation errors go back to the caller
+            command.admitted.set_exception(exc)
+            return
+        self._streams[stream.request_id] = stream
+        command.admitted.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        last = stream.last_output
+        final = RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=stream.prompt_token_ids,
+            token_ids=list(last.token_ids) if last else [],
+            text=last.text if last else "",
+            finished=True,
+            finish_reason="abort",
+            logprobs=last.logprobs if last else None,
+            num_preemptions=last.num_preemptions if last else 0,
+            new_token_ids=[],
+        )
+        self._post([(stream, final)])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        items = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted between the step and now
+            stream.last_output = output
+            if output.finished:
+                del self._streams[output.request_id]
+            items.append((stream, output))
+        self._post(items)
+
+    def _post(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        """Hand items to their event loops: one wake-up per loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._receive, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                logger.debug("dropping %d outputs for a closed event loop", len(batch))
+
+    def _receive(self, batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        """Event-loop side of `_post`."""
+        for stream, item in batch:
+            self._mark_started(stream)
+            stream._put(item)
+
+    def _mark_started(self, stream: RequestStream) -> None:
+        with self._lock:
+            if not stream.started:
+                stream.started = True
+                self._unstarted -= 1
+
+    def _refresh_snapshots(self, force_expert_load: bool = False) -> None:
+        self._stats = self.engine.stats()
+        self._health = self.engine.health()
+        now = time.monotonic()
+        if force_expert_load or now - self._expert_load_at >= self.config.expert_load_refresh_s:
+            self._expert_load = self.engine.expert_load()
+            self._expert_load_at = now
+
+    def _die(self, detail: str) -> None:
+        with self._lock:
+            if self._dead_detail is None:
+                self._dead_detail = detail
+        self._fail_everything(detail)
+
+    def _fail_everything(self, detail: str) -> None:
+        """End every in-flight and queued request with EngineDeadError (engine thread or after it stopped)."""
+        with self._lock:
+            if self._dead_detail is None:
+                self._dead_detail = detail
+        failures = []
+        for stream in self._streams.values():
+            failures.append((stream, EngineDeadError(f"the request was cut short: {detail}")))
+        self._streams.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add) and not command.admitted.done():
+                command.admitted.set_exception(EngineDeadError(f"the engine is not running: {detail}"))
+        self._post(failures)
