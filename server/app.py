@@ -1,0 +1,172 @@
+"""The FastAPI app: OpenAI completions and chat (plain and SSE), models, health, metrics, expert load.
+
+`build_app` takes a started `AsyncEngine`; the caller owns its lifecycle. Extra routers and
+mounts (the dashboard) plug in through `extra_routers` / `mounts`; they find the engine and the
+metrics on `app.state.async_engine` and `app.state.metrics`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from moe_runtime.async_engine import AsyncEngine
+from moe_runtime.errors import MoERuntimeError
+from server.auth import api_key_dependency
+from server.chat import ChatFormatter
+from server.completions import CompletionFormatter
+from server.errors import APIError, as_api_error, install_error_handlers
+from server.generation import Generation
+from server.logprobs import TokenNamer
+from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.request_conversion import ModelInfo, chat_choices, completion_choices
+from server.sse import EventStreamResponse, sse_stream
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class Mount:
+    """An ASGI app (e.g. `StaticFiles(directory=...)`) mounted under `path`."""
+
+    path: str
+    app: object
+    name: str | None = None
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    extra_routers: Sequence[APIRouter] = (),
+    mounts: Sequence[Mount] = (),
+) -> FastAPI:
+    app = FastAPI(title="moe-runtime", version="0.1.0")
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics = ServerMetrics()
+    model = ModelInfo(served_model_name, async_engine.max_model_len, async_engine.tokenizer)
+    namer = TokenNamer(async_engine.tokenizer)
+    install_error_handlers(app)
+
+    app.add_middleware(RefusalCounter, metrics=metrics)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_dependency(api_key))])
+
+    @v1.get("/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=async_engine.max_model_len)])
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        generation = Generation(async_engine, f"cmpl-{uuid.uuid4().hex}", completion_choices(body, model), metrics)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        formatter = CompletionFormatter(generation, served_model_name, namer, body.logprobs is not None, include_usage)
+        return await respond(generation, formatter, body.stream, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        generation = Generation(async_engine, f"chatcmpl-{uuid.uuid4().hex}", chat_choices(body, model), metrics)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        formatter = ChatFormatter(generation, served_model_name, namer, body.logprobs, include_usage)
+        return await respond(generation, formatter, body.stream, request)
+
+    async def respond(generation: Generation, formatter, stream: bool, request: Request) -> Response:
+        try:
+            await generation.start()
+        except MoERuntimeError as exc:  # refused: invalid, queue full, engine dead
+            raise as_api_error(exc) from exc
+        if stream:
+            return EventStreamResponse(
+                sse_stream(generation, metrics, formatter.opening, formatter.chunks, formatter.closing))
+        watcher = asyncio.create_task(abort_on_disconnect(request, generation))
+        try:
+            async for event in generation.events():
+                formatter.add(event)
+        except MoERuntimeError as exc:  # the engine died under the request
+            raise as_api_error(exc) from exc
+        finally:
+            watcher.cancel()
+            generation.close()
+        if any(t.finish_reason == "abort" for t in generation.trackers.values()):
+            metrics.requests.inc("aborted")
+            return JSONResponse(APIError(499, "the client closed the request", "aborted").body(), status_code=499)
+        metrics.requests.inc("success")
+        return formatter.response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        state = async_engine.health()
+        if state.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "detail": state.detail}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return PlainTextResponse(metrics.render(async_engine), media_type=CONTENT_TYPE)
+
+    @v1.get("/expert_load")
+    async def expert_load() -> Response:
+        snapshot = async_engine.expert_load()
+        if snapshot is None:
+            return APIError(404, "this engine records no expert load (a single-rank engine, or no MoE layers)",
+                            "not_found_error", None, "no_expert_load").response()
+        return JSONResponse(snapshot.to_dict())
+
+    app.include_router(v1)
+    for router in extra_routers:
+        app.include_router(router)
+    for mount in mounts:
+        app.mount(mount.path, mount.app, name=mount.name)
+    return app
+
+
+class RefusalCounter:
+    """ASGI middleware: count every POST /v1 request answered with an error status.
+
+    The handlers count their own outcomes (success, aborted, errors inside a stream). A plain ASGI
+    middleware, not `BaseHTTPMiddleware`, so streamed bodies and client disconnects pass straight through.
+    """
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+
+        async def send_counting(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400 and message["status"] != 499:
+                self.metrics.requests.inc(status_label(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, send_counting)
+
+
+def status_label(http_status: int) -> str:
+    if http_status == 429:
+        return "rejected"
+    if http_status == 401:
+        return "unauthorized"
+    if http_status < 500:
+        return "bad_request"
+    return "error"
+
+
+async def abort_on_disconnect(request: Request, generation: Generation) -> None:
+    """A plain (non-streamed) request whose client left is aborted: nobody will read its answer."""
+    while not generation.finished:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        if await request.is_disconnected():
+            logger.info("client of %s disconnected; aborting", generation.request_id)
+            generation.close()
+            return

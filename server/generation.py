@@ -1,0 +1,136 @@
+"""The engine requests behind one API call: one per choice (n choices x prompts), their merged events.
+
+`Generation` submits every choice, yields `ChoiceEvent`s in arrival order, records TTFT / ITL /
+end-to-end latency, and on `close()` aborts whatever has not finished (client gone, error), so
+the KV blocks of an abandoned request are freed at the next engine step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from moe_runtime.async_engine import AsyncEngine, RequestStream
+from moe_runtime.sampling_params import SamplingParams
+from server.deltas import ChoiceDelta, ChoiceTracker
+from server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChoiceSpec:
+    index: int                  # the choice's index in the response
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    delta: ChoiceDelta
+
+
+@dataclass
+class Generation:
+    async_engine: AsyncEngine
+    request_id: str
+    choices: list[ChoiceSpec]
+    metrics: ServerMetrics
+    arrival: float = field(default_factory=time.perf_counter)
+    trackers: dict[int, ChoiceTracker] = field(default_factory=dict)
+    _streams: dict[int, RequestStream] = field(default_factory=dict)
+    _timed_tokens: dict[int, int] = field(default_factory=dict)   # tokens whose latency is recorded
+    _pumps: list[asyncio.Task] = field(default_factory=list)
+    _closed: bool = False
+
+    async def start(self) -> None:
+        """Submit every choice; if one is refused, abort the others and re-raise."""
+        try:
+            for spec in self.choices:
+                stream = await self.async_engine.submit(f"{self.request_id}-{spec.index}", spec.prompt_token_ids,
+                                                        spec.params)
+                self._streams[spec.index] = stream
+                self.trackers[spec.index] = ChoiceTracker(list(spec.params.stop))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Each distinct prompt counts once, however many choices it has (as OpenAI counts)."""
+        seen = {spec.prompt_index: len(spec.prompt_token_ids) for spec in self.choices}
+        return sum(seen.values())
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(tracker.num_tokens for tracker in self.trackers.values())
+
+    @property
+    def finished(self) -> bool:
+        return all(stream.finished for stream in self._streams.values())
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Every choice's deltas until all have finished; raises what a stream raised (EngineDeadError)."""
+        if len(self._streams) == 1:
+            (index, stream), = self._streams.items()
+            async for output in stream:
+                yield self._event(index, output)
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+        self._pumps = [asyncio.create_task(self._pump(index, stream, merged))
+                       for index, stream in self._streams.items()]
+        remaining = len(self._pumps)
+        while remaining:
+            index, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield self._event(index, item)
+
+    def close(self) -> None:
+        """Abort every unfinished choice and stop the pumps (safe to call more than once)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._pumps:
+            task.cancel()
+        for stream in self._streams.values():
+            if not stream.finished:
+                self.async_engine.abort(stream.request_id)
+                self.metrics.finish_reasons.inc("abort")
+
+    @staticmethod
+    async def _pump(index: int, stream: RequestStream, merged: asyncio.Queue) -> None:
+        try:
+            async for output in stream:
+                merged.put_nowait((index, output))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            merged.put_nowait((index, exc))
+            return
+        merged.put_nowait((index, None))
+
+    def _event(self, index: int, output) -> ChoiceEvent:
+        delta = self.trackers[index].advance(output)
+        self._record_timing(index, delta.finish_reason)
+        return ChoiceEvent(index, delta)
+
+    def _record_timing(self, index: int, finish_reason: str | None) -> None:
+        """TTFT and inter-token gaps from the times tokens reached the event loop (exact even when merged)."""
+        times = self._streams[index].token_times
+        seen = self._timed_tokens.get(index, 0)
+        if times and seen == 0:
+            self.metrics.ttft.observe(times[0] - self.arrival)
+            seen = 1
+        for i in range(max(seen, 1), len(times)):
+            self.metrics.itl.observe(times[i] - times[i - 1])
+        self._timed_tokens[index] = len(times)
+        if finish_reason is not None:
+            self.metrics.finish_reasons.inc(finish_reason)
+            if finish_reason != "abort" and times:
+                self.metrics.e2e.observe(times[-1] - self.arrival)

@@ -1,0 +1,138 @@
+"""From an API request to engine work: the model check, prompt token ids, one `ChoiceSpec` per choice.
+
+Every refusal is an `APIError` naming the parameter at fault.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_runtime.errors import InvalidRequestError
+from moe_runtime.sampling_params import SamplingParams
+from server.errors import APIError, bad_request
+from server.generation import ChoiceSpec
+from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    served_model_name: str
+    max_model_len: int
+    tokenizer: object
+
+
+def check_model(requested: str | None, model: ModelInfo) -> None:
+    if requested is not None and requested != model.served_model_name:
+        raise APIError(404, f"model {requested!r} does not exist; this server serves {model.served_model_name!r}",
+                       "invalid_request_error", "model", "model_not_found")
+
+
+def check_supported(request: SamplingFields) -> None:
+    for name, value in request.unsupported_settings().items():
+        raise bad_request(f"{name}={value!r} is not supported by this server", name, "unsupported_parameter")
+
+
+def completion_prompts(request: CompletionRequest, model: ModelInfo) -> list[list[int]]:
+    """The request's prompts as token ids (a single prompt is a list of one)."""
+    prompt = request.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("prompt is an empty list: give a string, a list of token ids, or a list of those", "prompt")
+    token_ids = []
+    for i, one in enumerate(prompts):
+        if isinstance(one, str):
+            if model.tokenizer is None:
+                raise bad_request("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
+            one = model.tokenizer.encode(one)
+        if not one:
+            raise bad_request(f"prompt {i} is empty", "prompt")
+        token_ids.append(list(one))
+    return token_ids
+
+
+def chat_prompt(request: ChatCompletionRequest, model: ModelInfo) -> list[int]:
+    """The conversation rendered with the tokenizer's chat template, ending in the assistant header."""
+    tokenizer = model.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template: use /v1/completions", "messages", "no_chat_template")
+    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - the template's own error names what it rejects
+        raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_context(prompt_len: int, max_tokens: int, model: ModelInfo, prompt_param: str,
+                  max_tokens_param: str) -> None:
+    if prompt_len >= model.max_model_len:
+        raise bad_request(
+            f"{prompt_param} has {prompt_len} tokens, which leaves no room to generate within the model's context "
+            f"of {model.max_model_len} tokens", prompt_param, "context_length_exceeded")
+    if prompt_len + max_tokens > model.max_model_len:
+        raise bad_request(
+            f"{prompt_param} ({prompt_len} tokens) + {max_tokens_param} ({max_tokens}) = {prompt_len + max_tokens} "
+            f"exceeds the model's context of {model.max_model_len} tokens", max_tokens_param, "context_length_exceeded")
+
+
+def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if any(not s for s in stop):
+        raise bad_request("stop strings must be non-empty", "stop")
+    if request.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if request.top_k in (None, 0) else request.top_k,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=list(request.stop_token_ids or []),
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            min_tokens=request.min_tokens,
+        )
+    except InvalidRequestError as exc:
+        message = str(exc)
+        param = message[len("SamplingParams."):].split("=", 1)[0] if message.startswith("SamplingParams.") else None
+        raise bad_request(message, param) from exc
+
+
+def choice_specs(request: SamplingFields, prompts: list[list[int]], max_tokens: int,
+                 logprobs: int | None) -> list[ChoiceSpec]:
+    """n choices per prompt; with a seed, choice j of a prompt uses seed + j (reproducible, distinct)."""
+    specs = []
+    for prompt_index, prompt in enumerate(prompts):
+        for j in range(request.n):
+            seed = None if request.seed is None else request.seed + j
+            index = prompt_index * request.n + j
+            specs.append(ChoiceSpec(index, prompt_index, prompt, sampling_params(request, max_tokens, logprobs, seed)))
+    return specs
+
+
+def completion_choices(request: CompletionRequest, model: ModelInfo) -> list[ChoiceSpec]:
+    check_model(request.model, model)
+    check_supported(request)
+    prompts = completion_prompts(request, model)
+    max_tokens = request.max_tokens or 16
+    for prompt in prompts:
+        check_context(len(prompt), max_tokens, model, "prompt", "max_tokens")
+    return choice_specs(request, prompts, max_tokens, request.logprobs)
+
+
+def chat_choices(request: ChatCompletionRequest, model: ModelInfo) -> list[ChoiceSpec]:
+    check_model(request.model, model)
+    check_supported(request)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    prompt = chat_prompt(request, model)
+    asked = request.max_completion_tokens or request.max_tokens
+    param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+    max_tokens = asked if asked is not None else max(model.max_model_len - len(prompt), 1)
+    check_context(len(prompt), max_tokens, model, "messages", param)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return choice_specs(request, [prompt], max_tokens, logprobs)
