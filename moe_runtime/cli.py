@@ -1,0 +1,334 @@
+"""`moe-serve`: load a model and serve the OpenAI-compatible HTTP API.
+
+    moe-serve                                   # the embedded demo model on 127.0.0.1:8000
+    moe-serve --model /path/to/hf-checkpoint --port 8080 --api-key secret
+    moe-serve --dp-attn 8 --ep 8 ...            # multi-process expert parallel (see build_engine)
+
+`python -m moe_runtime.cli --help` lists every flag.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import signal
+import socket
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import uvicorn
+
+from moe_runtime.engine_config import DTYPES, EngineConfig
+from moe_runtime.engine_protocol import Engine
+from moe_runtime.errors import MoERuntimeError
+
+logger = logging.getLogger("moe_runtime.cli")
+
+DEMO_SERVED_NAME = "moe-runtime-demo"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+class ServeConfigError(MoERuntimeError):
+    """A flag value (or a combination of flags) the launcher cannot run with; the message names the flag."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '512M', '2G', '1.5GiB', '268435456' (binary units: 1K = 1024)."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use bytes or a number with K/M/G/T, e.g. 512M, 2G")
+    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535)")
+    return value
+
+
+def a2a_backends() -> tuple[str, ...]:
+    from dispatch.config import BACKENDS
+
+    return BACKENDS
+
+
+@dataclass
+class ServeConfig:
+    """Everything `moe-serve` was asked for; `engine_config()` is the part the engine takes."""
+
+    model: str | None = None              # None = the embedded demo model
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 512
+    # engine
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    kv_cache_memory: int = 256 * 2**20
+    block_size: int = 16
+    kernels: str = "auto"
+    # parallel layout (multi-process engine)
+    dp_attn: int = 1
+    ep: int = 1
+    tp: int = 1
+    pp: int = 1
+    a2a_backend: str = "auto"
+    num_redundant_experts: int = 0
+    eplb_interval: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    log_level: str = "info"
+
+    @property
+    def multi_process(self) -> bool:
+        return max(self.dp_attn, self.ep, self.tp, self.pp, self.nnodes) > 1
+
+    def validate(self) -> None:
+        if self.node_rank >= self.nnodes:
+            raise ServeConfigError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
+        if self.dp_attn > 1 and self.ep % self.dp_attn and self.dp_attn % self.ep:
+            raise ServeConfigError(f"--dp-attn {self.dp_attn} and --ep {self.ep}: one must divide the other")
+        if self.ep == 1 and self.num_redundant_experts:
+            raise ServeConfigError(f"--num-redundant-experts {self.num_redundant_experts} needs --ep > 1 "
+                                   "(redundant copies spread load over ranks; one rank has nothing to spread)")
+        if self.ep == 1 and self.eplb_interval:
+            raise ServeConfigError(f"--eplb-interval {self.eplb_interval} needs --ep > 1 (one rank has nothing to rebalance)")
+        if self.ep == 1 and self.a2a_backend not in ("auto", "local"):
+            raise ServeConfigError(f"--a2a-backend {self.a2a_backend} needs --ep > 1; with one rank it is 'local'")
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ServeConfigError(f"--model {self.model}: no such checkpoint directory")
+
+    def engine_config(self, model_path: str) -> EngineConfig:
+        return EngineConfig(
+            model=model_path,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            kv_cache_memory=self.kv_cache_memory,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            kernels=self.kernels,
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServeConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moe-serve",
+        description="Serve a Mixture-of-Experts model over an OpenAI-compatible HTTP API "
+                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /v1/expert_load).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = ServeConfig()
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None,
+                   help="HF checkpoint directory (config.json, safetensors, tokenizer); "
+                        "default: the embedded demo model, built into the cache on first use")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients use; default: the checkpoint directory's name "
+                        f"('{DEMO_SERVED_NAME}' for the demo)")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", *sorted(DTYPES)],
+                   help="weight/activation dtype; auto = the checkpoint's")
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
+    g.add_argument("--kernels", default=d.kernels, choices=["auto", "torch", "triton", "reference"],
+                   help="MoE/attention kernel implementation")
+
+    g = p.add_argument_group("scheduling and memory")
+    g.add_argument("--max-num-seqs", type=_positive, default=d.max_num_seqs, help="requests in one batch per DP worker")
+    g.add_argument("--max-num-batched-tokens", type=_positive, default=d.max_num_batched_tokens,
+                   help="prompt tokens in one prefill batch")
+    g.add_argument("--max-model-len", type=_positive, default=None,
+                   help="context length (prompt + output); default: the model's max_position_embeddings")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=d.kv_cache_memory,
+                   help="KV cache per DP worker: bytes or a size such as 512M, 2G")
+    g.add_argument("--block-size", type=_positive, default=d.block_size, help="tokens per KV cache block")
+    g.add_argument("--max-queue", type=_positive, default=d.max_queue,
+                   help="requests that may wait for their first token; more get HTTP 429 with Retry-After")
+
+    g = p.add_argument_group("parallelism (more than 1 starts one worker process per rank)")
+    g.add_argument("--dp-attn", type=_positive, default=d.dp_attn, help="data-parallel attention workers")
+    g.add_argument("--ep", type=_positive, default=d.ep, help="expert-parallel ranks")
+    g.add_argument("--tp", type=_positive, default=d.tp, help="tensor-parallel size")
+    g.add_argument("--pp", type=_positive, default=d.pp, help="pipeline-parallel stages")
+    g.add_argument("--a2a-backend", default=d.a2a_backend, choices=a2a_backends(),
+                   help="token dispatch/combine backend between expert-parallel ranks")
+    g.add_argument("--num-redundant-experts", type=_non_negative, default=d.num_redundant_experts,
+                   help="extra expert slots per MoE layer for replicas of hot experts")
+    g.add_argument("--eplb-interval", type=_non_negative, default=d.eplb_interval,
+                   help="engine steps between expert rebalances; 0 = never")
+    g.add_argument("--nnodes", type=_positive, default=d.nnodes, help="nodes in the job")
+    g.add_argument("--node-rank", type=_non_negative, default=d.node_rank, help="this node's rank")
+    g.add_argument("--master-addr", default=d.master_addr, help="rendezvous address (torch.distributed env://)")
+    g.add_argument("--master-port", type=_port, default=d.master_port, help="rendezvous port")
+
+    g = p.add_argument_group("HTTP")
+    g.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0 for every interface)")
+    g.add_argument("--port", type=_port, default=d.port, help="port to listen on; 0 picks a free one")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 routes (health and metrics stay open)")
+    g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def resolve_model(config: ServeConfig) -> tuple[str, str]:
+    """(checkpoint path, served model name); builds the demo model on first use."""
+    if config.model is None:
+        from moe_runtime.demo import ensure_demo_model
+
+        logger.info("no --model given: using the embedded demo model (built on first use)")
+        path = str(ensure_demo_model())
+        return path, config.served_model_name or DEMO_SERVED_NAME
+    path = str(Path(config.model).expanduser().resolve())
+    return path, config.served_model_name or Path(path).name
+
+
+def build_engine(config: ServeConfig, model_path: str) -> Engine:
+    """The engine `moe-serve` runs: in-process for one rank, the multi-process EP engine otherwise."""
+    if config.multi_process:
+        # The multi-process expert-parallel engine (one worker per rank, DP attention, EP dispatch) is
+        # built here once it exists: it takes config.engine_config(model_path) plus dp_attn, ep, tp, pp,
+        # a2a_backend, num_redundant_experts, eplb_interval, nnodes, node_rank, master_addr, master_port.
+        raise ServeConfigError(
+            f"--dp-attn {config.dp_attn} --ep {config.ep} --tp {config.tp} --pp {config.pp} --nnodes {config.nnodes}: "
+            "the multi-process engine is not available yet; run with all of them at 1")
+    from moe_runtime.engine_core import EngineCore
+
+    return EngineCore(config.engine_config(model_path))
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServeConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(config: ServeConfig) -> int:
+    from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
+    from server.app import build_app
+
+    config.validate()
+    sock = bind_socket(config.host, config.port)  # fail on a taken port before loading anything
+    host, port = sock.getsockname()[:2]
+    model_path, served_name = resolve_model(config)
+    logger.info("loading %s from %s", served_name, model_path)
+    engine = build_engine(config, model_path)
+    async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=config.max_queue)).start()
+    app = build_app(async_engine, served_name, api_key=config.api_key)
+    server = _Server(uvicorn.Config(app, log_level=config.log_level, access_log=config.log_level == "debug",
+                                    timeout_graceful_shutdown=5, lifespan="off"),
+                     on_exit=async_engine.begin_shutdown)
+
+    async def announce() -> None:
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.02)
+        if server.started:
+            print(f"moe-serve: serving {served_name!r} on http://{_url_host(host)}:{port} (Ctrl-C to stop)", flush=True)
+
+    async def run() -> None:
+        announcer = asyncio.create_task(announce())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            announcer.cancel()
+
+    # uvicorn handles SIGINT/SIGTERM itself (graceful HTTP shutdown), then restores these handlers and
+    # raises the signal again: the handler below turns that SIGTERM into an exception, so the engine
+    # (and, multi-process, its workers) is always shut down below instead of the process just dying.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        asyncio.run(run())
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        async_engine.shutdown()
+        sock.close()
+        logger.info("stopped")
+    return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (after uvicorn's graceful shutdown)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that also tells the engine to stop when a signal arrives (in-flight requests end)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServeConfig.from_args(args)
+    try:
+        return serve(config)
+    except MoERuntimeError as exc:
+        parser.exit(2, f"moe-serve: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
