@@ -1,0 +1,199 @@
+"""Server test harness: the real `moe-serve` in a subprocess, and fake engines for in-process app tests.
+
+`ServerProcess` starts `python -m moe_runtime.cli` on a free loopback port (`--port 0`; the
+launcher prints the port it got), waits for /health to answer 200, and stops it with SIGTERM
+(SIGKILL if it hangs), reporting the exit code so a test can hold the shutdown to account.
+
+`FakeEngine` implements the `Engine` protocol in pure Python with a predictable token stream
+(token i of a request = prompt[-1] + 1 + i, text = the tokens joined by spaces) and switches to
+make it die (`die_at_step`, `crash_at_step`, `health_fails_at_step`); `step_delay_s` paces it.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
+from moe_runtime.errors import EngineDeadError, InvalidRequestError
+from moe_runtime.outputs import RequestOutput
+from moe_runtime.sampling_params import SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LISTENING = re.compile(r"moe-serve: serving .* on http://([^\s]+):(\d+)")
+
+
+class ServerProcess:
+    """A `moe-serve` subprocess. Use as a context manager, or `start()` / `stop()`."""
+
+    def __init__(self, args: list[str], startup_timeout_s: float = 120.0, env: dict[str, str] | None = None):
+        self.args = list(args)
+        self.startup_timeout_s = startup_timeout_s
+        self.env = env
+        self.process: subprocess.Popen | None = None
+        self.base_url = ""
+        self.log: collections.deque[str] = collections.deque(maxlen=400)
+        self._listening = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> "ServerProcess":
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(self.env or {}))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", "moe_runtime.cli", "--host", "127.0.0.1", "--port", "0", *self.args]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=env, cwd=REPO_ROOT)
+        self._reader = threading.Thread(target=self._read_output, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self._listening.wait(0.1):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"moe-serve exited with {self.process.returncode} before listening:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"moe-serve did not listen within {self.startup_timeout_s}s:\n{self.tail()}")
+        while True:  # listening is announced once uvicorn is up; /health must agree
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"/health never answered 200:\n{self.tail()}")
+            time.sleep(0.1)
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM, wait, SIGKILL if needed; returns the exit code (None if it had to be killed)."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+            return None
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(list(self.log)[-lines:])
+
+    def _read_output(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self.log.append(line.rstrip("\n"))
+            match = LISTENING.search(line)
+            if match and not self._listening.is_set():
+                self.base_url = f"http://{match.group(1)}:{match.group(2)}"
+                self._listening.set()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ---- a fake engine for in-process app tests ----------------------------------------------------
+
+@dataclass
+class _FakeRequest:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+
+
+class FakeEngine:
+    """A pure-Python `Engine`: one token per running request per step, `max_running` at a time."""
+
+    def __init__(self, max_running: int = 8, step_delay_s: float = 0.0, vocab_size: int = 1000,
+                 max_model_len: int = 100_000, die_at_step: int | None = None, crash_at_step: int | None = None,
+                 health_fails_at_step: int | None = None, expert_load=None):
+        self.tokenizer = None
+        self.max_model_len = max_model_len
+        self.max_running = max_running
+        self.step_delay_s = step_delay_s
+        self.vocab_size = vocab_size
+        self.die_at_step = die_at_step
+        self.crash_at_step = crash_at_step
+        self.health_fails_at_step = health_fails_at_step
+        self.snapshot = expert_load
+        self.steps = 0
+        self.waiting: collections.deque[_FakeRequest] = collections.deque()
+        self.running: list[_FakeRequest] = []
+        self.aborted: list[str] = []
+        self.shut_down = False
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    @staticmethod
+    def expected_tokens(prompt: list[int], n: int) -> list[int]:
+        return [prompt[-1] + 1 + i for i in range(n)]
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token id outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
+        self.waiting.append(_FakeRequest(request_id, list(prompt_token_ids), params))
+        self.prompt_tokens += len(prompt_token_ids)
+
+    def abort(self, request_id: str) -> bool:
+        for queue in (self.waiting, self.running):
+            for request in list(queue):
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.aborted.append(request_id)
+                    return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        if self.die_at_step is not None and self.steps >= self.die_at_step:
+            raise EngineDeadError("rank 1 died (fake)")
+        if self.crash_at_step is not None and self.steps >= self.crash_at_step:
+            raise RuntimeError("fake engine bug")
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        while self.waiting and len(self.running) < self.max_running:
+            self.running.append(self.waiting.popleft())
+        outputs = []
+        for request in list(self.running):
+            token = request.prompt[-1] + 1 + len(request.tokens)
+            request.tokens.append(token)
+            self.generation_tokens += 1
+            finished = len(request.tokens) >= request.params.max_tokens
+            if finished:
+                self.running.remove(request)
+            outputs.append(RequestOutput(
+                request_id=request.request_id, prompt_token_ids=request.prompt, token_ids=list(request.tokens),
+                text=" ".join(str(t) for t in request.tokens), finished=finished,
+                finish_reason="length" if finished else None, new_token_ids=[token]))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats([WorkerStats(0, len(self.running), len(self.waiting), 100, 100 - len(self.running), 0)],
+                           self.prompt_tokens, self.generation_tokens)
+
+    def health(self) -> EngineHealth:
+        if self.health_fails_at_step is not None and self.steps >= self.health_fails_at_step:
+            return EngineHealth(False, "rank 3 stopped answering (fake)")
+        return EngineHealth(True)
+
+    def expert_load(self):
+        return self.snapshot
+
+    def shutdown(self) -> None:
+        self.shut_down = True

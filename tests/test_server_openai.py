@@ -1,0 +1,326 @@
+"""The real `moe-serve` on a tiny MoE checkpoint, driven with the official `openai` client and raw HTTP.
+
+One server for the module (`--max-num-seqs 4 --max-queue 8 --api-key`); greedy answers are held
+against the offline `LLM` API on the same checkpoint.
+"""
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_harness import ServerProcess
+
+from moe_runtime import LLM, SamplingParams
+from server.metrics import parse_samples
+
+pytestmark = pytest.mark.timeout(180)
+
+API_KEY = "test-key"
+MODEL = "tiny-moe"
+MAX_NUM_SEQS = 4
+MAX_QUEUE = 8
+KV_MEMORY = "16M"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint_factory):
+    return tiny_checkpoint_factory("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    process = ServerProcess(["--model", str(checkpoint), "--device", "cpu", "--served-model-name", MODEL,
+                             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue", str(MAX_QUEUE),
+                             "--kv-cache-memory", KV_MEMORY, "--api-key", API_KEY, "--log-level", "warning"])
+    process.start()
+    yield process
+    code = process.stop()
+    assert code == 0, f"moe-serve did not shut down cleanly on SIGTERM (exit {code}):\n{process.tail()}"
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    with LLM(str(checkpoint), device="cpu", kv_cache_memory=16 * 2**20, max_num_seqs=MAX_NUM_SEQS) as offline:
+        yield offline
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        yield c
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def metrics(http) -> dict[str, float]:
+    return parse_samples(http.get("/metrics").text)
+
+
+FREE = 'moe_kv_blocks_free{dp_rank="0"}'
+RUNNING = 'moe_num_requests_running{dp_rank="0"}'
+
+
+def wait_for_idle_kv(http, free_blocks: float, timeout_s: float = 20.0) -> dict[str, float]:
+    """Metrics once nothing runs and `free_blocks` KV blocks are free again (fails after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = metrics(http)
+        if samples[RUNNING] == 0 and samples[FREE] == free_blocks:
+            return samples
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks not released: {samples[FREE]} free, {free_blocks} at the start, "
+                                 f"{samples[RUNNING]} running")
+        time.sleep(0.05)
+
+
+# ---- happy paths ---------------------------------------------------------------------------
+
+def test_models_lists_the_served_model(client, llm):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == llm.engine.max_model_len
+
+
+@pytest.mark.parametrize("prompt", ["The quick brown fox", [5, 17, 42, 99, 3, 250]])
+def test_completion_greedy_equals_the_llm_api(client, llm, prompt):
+    expected = llm.generate(prompt, greedy(12))[0]
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert choice.text == expected.text
+    assert choice.finish_reason == "length"
+    assert response.usage.completion_tokens == 12
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_chat_greedy_equals_the_llm_api_on_the_chat_template(client, llm):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}]
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    expected = llm.generate([prompt_ids], greedy(10))[0]
+
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.text
+    assert response.usage.prompt_tokens == len(prompt_ids)
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.total_tokens == len(prompt_ids) + 10
+
+
+def test_concurrent_streaming_clients_each_get_their_greedy_answer(server, llm):
+    prompts = [[7, 8, 9], list(range(30, 70)), [400, 12, 12, 12], [77], list(range(100, 112)), [5, 6]]
+    expected = [o.text for o in llm.generate(prompts, greedy(16))]
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        own = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        stream = own.completions.create(model=MODEL, prompt=prompts[i], max_tokens=16, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+        results[i] = "".join(c.choices[0].text for c in stream)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results.get(i) for i in range(len(prompts))] == expected
+
+
+def test_n_seeded_choices_are_distinct_and_reproducible(client):
+    def ask():
+        response = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8, n=3, seed=11,
+                                             temperature=1.0, extra_body={"ignore_eos": True})
+        return [(c.index, c.text) for c in sorted(response.choices, key=lambda c: c.index)]
+
+    first, second = ask(), ask()
+    assert first == second
+    assert [i for i, _ in first] == [0, 1, 2]
+    assert len({text for _, text in first}) > 1
+
+
+def test_logprobs_in_both_shapes(client, llm):
+    response = client.completions.create(model=MODEL, prompt=[5, 17, 42], max_tokens=5, temperature=0, logprobs=3,
+                                         extra_body={"ignore_eos": True})
+    lp = response.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and chosen == pytest.approx(max(top.values()))  # greedy picks the top token
+    assert "".join(lp.tokens) == response.choices[0].text
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
+    assert all(entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob for entry in content)
+
+
+def test_stop_string_cuts_the_answer_streamed_or_not(client, llm):
+    prompt = [9, 99, 199, 299]
+    full = llm.generate([prompt], greedy(24))[0].text
+    candidates = [full[k:k + 2] for k in range(2, len(full) - 2)
+                  if full[k:k + 2].isprintable() and full[k:k + 2].isascii() and full[k:k + 2].strip()]
+    assert candidates, f"no usable stop string in {full!r}"
+    stop = candidates[0]
+    expected = full[: full.find(stop)]
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                      extra_body={"ignore_eos": True})
+    assert plain.choices[0].text == expected and plain.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream) == expected
+
+
+# ---- refusals ------------------------------------------------------------------------------
+
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "foo": 1}, 400, "foo"),
+    ({"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
+    ({"max_tokens": 5}, 400, "prompt"),
+    ({"prompt": list(range(1, 600))}, 400, "prompt"),
+    ({"prompt": [1, 2, 3], "max_tokens": 600}, 400, "max_tokens"),
+    ({"prompt": [1, 100000]}, 400, "prompt"),
+    ({"prompt": "x", "model": "gpt-9"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD_COMPLETIONS, ids=[p for _, _, p in BAD_COMPLETIONS])
+def test_bad_completion_requests_are_refused_naming_the_parameter(http, body, status, param):
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and param in error["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi" * 400}]}, "messages"),
+])
+def test_bad_chat_requests_are_refused_naming_the_parameter(http, body, param):
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_malformed_json_is_a_400_and_the_server_keeps_serving(http, client):
+    response = http.post("/v1/completions", content=b'{"prompt": "x", ', headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
+    assert client.completions.create(model=MODEL, prompt="still", max_tokens=2).choices[0].text is not None
+
+
+def test_api_key_is_required_on_v1_only(server):
+    no_key = httpx.get(server.base_url + "/v1/models")
+    wrong = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x"},
+                       headers={"Authorization": "Bearer nope"})
+    assert no_key.status_code == 401 and wrong.status_code == 401
+    assert wrong.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.base_url + "/metrics").status_code == 200
+
+
+def test_expert_load_without_a_recorder_is_a_404_error_body(http):
+    response = http.get("/v1/expert_load")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "no_expert_load"
+
+
+# ---- disconnects, queue, metrics -----------------------------------------------------------
+
+def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(http):
+    start = wait_for_idle_kv(http, metrics(http)[FREE])
+    free_at_start = start[FREE]
+    aborted_before = start.get('moe_requests_total{status="aborted"}', 0)
+    body = {"prompt": list(range(10, 60)), "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        received = 0
+        for line in response.iter_lines():
+            if line.startswith("data: ") and "choices" in line:
+                received += 1
+            if received >= 3:
+                break
+        during = metrics(http)
+        assert during[FREE] < free_at_start  # the request holds blocks
+    after = wait_for_idle_kv(http, free_at_start)
+    assert after['moe_requests_total{status="aborted"}'] == aborted_before + 1
+    assert after['moe_request_finish_total{reason="abort"}'] >= 1
+    assert after["moe_generation_tokens_total"] - start["moe_generation_tokens_total"] < 400
+
+
+def test_queue_full_is_429_with_retry_after(server, http):
+    free_at_start = metrics(http)[FREE]
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 400, "stream": True, "ignore_eos": True}
+
+    async def one(client: httpx.AsyncClient):
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+            return response.status_code, response.headers.get("retry-after"), response.content if \
+                response.status_code != 200 else b""
+        # leaving the block closes the connection: the accepted streams are aborted
+
+    async def burst():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=60, limits=limits) as client:
+            return await asyncio.gather(*(one(client) for _ in range(20)))
+
+    results = asyncio.run(burst())
+    accepted = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 429]
+    assert len(accepted) + len(refused) == 20
+    assert len(accepted) >= MAX_QUEUE and refused, [r[0] for r in results]
+    assert all(retry == "1" for _, retry, _ in refused)
+    assert json.loads(refused[0][2])["error"]["code"] == "queue_full"
+    samples = wait_for_idle_kv(http, free_at_start)
+    assert samples['moe_requests_total{status="rejected"}'] == len(refused)
+
+
+def test_metrics_report_requests_tokens_and_latency(http, client):
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=4, extra_body={"ignore_eos": True})
+    samples = metrics(http)
+    assert samples['moe_requests_total{status="success"}'] >= 1
+    assert samples['moe_requests_total{status="bad_request"}'] >= 1
+    assert samples["moe_time_to_first_token_seconds_count"] >= 1
+    assert samples["moe_inter_token_latency_seconds_count"] >= 3
+    assert samples["moe_generation_tokens_total"] >= 4 and samples["moe_prompt_tokens_total"] >= 1
+    assert samples["moe_engine_healthy"] == 1
+    assert 0 <= samples['moe_kv_cache_usage_ratio{dp_rank="0"}'] <= 1
