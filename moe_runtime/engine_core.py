@@ -20,6 +20,7 @@ from moe_runtime.models.registry import build_model
 from moe_runtime.moe_executor import LocalMoEExecutor
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.parallel_context import ParallelContext
+from moe_runtime.parallel_layout import ParallelLayout
 from moe_runtime.sampler import Sampler
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -66,6 +67,7 @@ class EngineCore:
         self.checkpoint_dir = Path(config.model)
         self.hf_config = load_hf_config(self.checkpoint_dir)
         self.architecture = architecture_of(self.hf_config)
+        ParallelLayout(config.ep, config.dp_attn, config.num_redundant_experts).validate(self.hf_config)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.hf_config)
         self.parallel = parallel or ParallelContext.single(self.device)

@@ -148,8 +148,19 @@ class MultiprocessEngine:
             self._check_alive()
             return None
         if isinstance(message, WorkerFailed):
-            self._die(f"worker rank {message.rank} failed: {message.error}", message.traceback)
+            self._die(self._root_cause(message), message.traceback)
         return message
+
+    def _root_cause(self, failed: WorkerFailed) -> str:
+        """A rank whose collective broke because a peer died reports first: name the dead peer."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            for rank, process in enumerate(self._processes):
+                if rank != failed.rank and process.exitcode not in (None, 1):
+                    return (f"worker rank {rank} died (exit code {process.exitcode}); "
+                            f"rank {failed.rank} then failed: {failed.error}")
+            time.sleep(0.05)
+        return f"worker rank {failed.rank} failed: {failed.error}"
 
     def _check_alive(self) -> None:
         for rank, process in enumerate(self._processes):
@@ -166,7 +177,7 @@ class MultiprocessEngine:
             except queue.Empty:
                 return
             if isinstance(message, WorkerFailed):
-                self._die(f"worker rank {message.rank} failed: {message.error}", message.traceback)
+                self._die(self._root_cause(message), message.traceback)
             if isinstance(message, StepOutputs):
                 self._stashed.append(message)
 
