@@ -49,6 +49,24 @@ class EngineHealth:
     detail: str = "ok"
 
 
+@dataclass
+class RebalanceEvent:
+    """One rebalance of the expert placement (successful or not)."""
+
+    index: int
+    trigger: str                    # "interval" | "threshold" | "manual"
+    started_at: float               # unix time
+    duration_s: float
+    experts_moved: int              # expert weights copied between ranks
+    balancedness_before: float      # mean over MoE layers, on the window the plan was made from
+    balancedness_after: float       # the same load under the new placement
+    ok: bool = True
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
 class Engine(Protocol):
     tokenizer: object
     max_model_len: int
@@ -59,5 +77,7 @@ class Engine(Protocol):
     def has_unfinished(self) -> bool: ...
     def stats(self) -> EngineStats: ...
     def health(self) -> EngineHealth: ...
-    def expert_load(self): ...
+    def expert_load(self): ...                          # load_balancer.ExpertLoadSnapshot | None
+    def rebalance_now(self) -> RebalanceEvent: ...      # plan + migrate now (EP with >1 rank)
+    def rebalance_events(self) -> list[RebalanceEvent]: ...
     def shutdown(self) -> None: ...
