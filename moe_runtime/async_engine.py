@@ -43,7 +43,8 @@ class AsyncEngineConfig:
     max_queue: int | None = None         # requests waiting for their first token; None = unbounded
     retry_after_s: int = 1               # what a QueueFullError tells the client to wait
     idle_poll_s: float = 0.1             # how often an idle engine thread checks health and commands
-    expert_load_refresh_s: float = 1.0   # how often the expert-load snapshot is refreshed
+    expert_load_refresh_s: float = 1.0   # how often the expert-load snapshot is refreshed while wanted
+    expert_load_interest_s: float = 30.0 # refresh only while someone asked for it this recently
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
@@ -108,6 +109,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _RefreshExpertLoad:
+    done: concurrent.futures.Future
+
+
 class _Stop:
     pass
 
@@ -129,6 +135,7 @@ class AsyncEngine:
         self._health = EngineHealth(True)
         self._expert_load = None
         self._expert_load_at = float("-inf")
+        self._expert_load_wanted_at = float("-inf")   # a plain float store from the loop thread
         self._thread: threading.Thread | None = None
         self._stop_requested = False           # set by begin_shutdown (a plain store: signal-safe)
 
@@ -220,8 +227,26 @@ class AsyncEngine:
         return self._health
 
     def expert_load(self):
-        """The latest `ExpertLoadSnapshot` (refreshed every `expert_load_refresh_s`), or None."""
+        """The latest `ExpertLoadSnapshot`, or None.
+
+        Taking one can be a lock-step command across every rank, so the engine thread refreshes it
+        (every `expert_load_refresh_s`) only while callers keep asking for it.
+        """
+        self._expert_load_wanted_at = time.monotonic()
         return self._expert_load
+
+    async def fresh_expert_load(self, timeout_s: float = 10.0):
+        """An expert-load snapshot taken now (between steps); the cached one if the engine is slow to answer."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._dead_detail is not None:
+                return self.expert_load()
+            self._commands.put(_RefreshExpertLoad(done))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
+        except (asyncio.TimeoutError, MoERuntimeError):
+            pass
+        return self.expert_load()
 
     @property
     def num_unstarted(self) -> int:
@@ -264,6 +289,8 @@ class AsyncEngine:
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._abort(command.request_id)
+            elif isinstance(command, _RefreshExpertLoad):
+                self._refresh_expert_load(command.done)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -283,6 +310,15 @@ class AsyncEngine:
             return
         self._streams[stream.request_id] = stream
         command.admitted.set_result(None)
+
+    def _refresh_expert_load(self, done: concurrent.futures.Future) -> None:
+        try:
+            self._expert_load = self.engine.expert_load()
+        except BaseException as exc:
+            done.set_exception(EngineDeadError(f"expert load unavailable: {exc}"))
+            raise
+        self._expert_load_at = time.monotonic()
+        done.set_result(None)
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -342,7 +378,9 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         self._health = self.engine.health()
         now = time.monotonic()
-        if force_expert_load or now - self._expert_load_at >= self.config.expert_load_refresh_s:
+        wanted = now - self._expert_load_wanted_at < self.config.expert_load_interest_s
+        stale = now - self._expert_load_at >= self.config.expert_load_refresh_s
+        if force_expert_load or (wanted and stale):
             self._expert_load = self.engine.expert_load()
             self._expert_load_at = now
 
@@ -368,4 +406,6 @@ class AsyncEngine:
                 break
             if isinstance(command, _Add) and not command.admitted.done():
                 command.admitted.set_exception(EngineDeadError(f"the engine is not running: {detail}"))
+            elif isinstance(command, _RefreshExpertLoad) and not command.done.done():
+                command.done.set_exception(EngineDeadError(detail))
         self._post(failures)

@@ -109,18 +109,21 @@ class ServeConfig:
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_port: int | None = None        # None = a free port (single node)
     log_level: str = "info"
 
     @property
     def multi_process(self) -> bool:
-        return max(self.dp_attn, self.ep, self.tp, self.pp, self.nnodes) > 1
+        return max(self.ep, self.nnodes) > 1
 
     def validate(self) -> None:
         if self.node_rank >= self.nnodes:
             raise ServeConfigError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
-        if self.dp_attn > 1 and self.ep % self.dp_attn and self.dp_attn % self.ep:
-            raise ServeConfigError(f"--dp-attn {self.dp_attn} and --ep {self.ep}: one must divide the other")
+        if self.ep % self.dp_attn:
+            raise ServeConfigError(f"--dp-attn {self.dp_attn} must divide --ep {self.ep} (each DP attention worker "
+                                   f"spans ep / dp_attn ranks)")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ServeConfigError(f"--nnodes {self.nnodes} needs --master-port (every node must meet at the same one)")
         if self.ep == 1 and self.num_redundant_experts:
             raise ServeConfigError(f"--num-redundant-experts {self.num_redundant_experts} needs --ep > 1 "
                                    "(redundant copies spread load over ranks; one rank has nothing to spread)")
@@ -142,6 +145,14 @@ class ServeConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             kernels=self.kernels,
+            ep=self.ep,
+            dp_attn=self.dp_attn,
+            a2a_backend=self.a2a_backend,
+            num_redundant_experts=self.num_redundant_experts,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
         )
 
     @classmethod
@@ -197,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nnodes", type=_positive, default=d.nnodes, help="nodes in the job")
     g.add_argument("--node-rank", type=_non_negative, default=d.node_rank, help="this node's rank")
     g.add_argument("--master-addr", default=d.master_addr, help="rendezvous address (torch.distributed env://)")
-    g.add_argument("--master-port", type=_port, default=d.master_port, help="rendezvous port")
+    g.add_argument("--master-port", type=_port, default=d.master_port,
+                   help="rendezvous port; default: a free one (single node only)")
 
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0 for every interface)")
@@ -222,16 +234,20 @@ def resolve_model(config: ServeConfig) -> tuple[str, str]:
 
 def build_engine(config: ServeConfig, model_path: str) -> Engine:
     """The engine `moe-serve` runs: in-process for one rank, the multi-process EP engine otherwise."""
+    not_yet = [flag for flag, asked in (("--tp", config.tp > 1), ("--pp", config.pp > 1),
+                                        ("--eplb-interval", config.eplb_interval > 0)) if asked]
+    if not_yet:
+        raise ServeConfigError(f"{', '.join(not_yet)}: not available yet in this engine (attention TP comes from "
+                               "--ep / --dp-attn; expert rebalancing runs through the load balancer API)")
+    engine_config = config.engine_config(model_path)
     if config.multi_process:
-        # The multi-process expert-parallel engine (one worker per rank, DP attention, EP dispatch) is
-        # built here once it exists: it takes config.engine_config(model_path) plus dp_attn, ep, tp, pp,
-        # a2a_backend, num_redundant_experts, eplb_interval, nnodes, node_rank, master_addr, master_port.
-        raise ServeConfigError(
-            f"--dp-attn {config.dp_attn} --ep {config.ep} --tp {config.tp} --pp {config.pp} --nnodes {config.nnodes}: "
-            "the multi-process engine is not available yet; run with all of them at 1")
+        from moe_runtime.multiprocess_engine import MultiprocessEngine
+
+        logger.info("starting %d worker processes (ep %d, dp-attn %d)", config.ep, config.ep, config.dp_attn)
+        return MultiprocessEngine(engine_config)
     from moe_runtime.engine_core import EngineCore
 
-    return EngineCore(config.engine_config(model_path))
+    return EngineCore(engine_config)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

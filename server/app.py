@@ -114,7 +114,7 @@ def build_app(
 
     @v1.get("/expert_load")
     async def expert_load() -> Response:
-        snapshot = async_engine.expert_load()
+        snapshot = await async_engine.fresh_expert_load()
         if snapshot is None:
             return APIError(404, "this engine records no expert load (a single-rank engine, or no MoE layers)",
                             "not_found_error", None, "no_expert_load").response()

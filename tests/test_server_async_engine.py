@@ -224,3 +224,35 @@ def test_stats_and_health_snapshots_follow_the_engine():
 def test_max_queue_must_be_positive():
     with pytest.raises(ValueError, match="max_queue"):
         AsyncEngineConfig(max_queue=0)
+
+
+class CountingSnapshots(FakeEngine):
+    def __init__(self):
+        super().__init__()
+        self.snapshots_taken = 0
+
+    def expert_load(self):
+        self.snapshots_taken += 1
+        return self.snapshots_taken
+
+
+def test_expert_load_is_refreshed_only_while_someone_asks():
+    engine = CountingSnapshots()
+    async_engine = started(engine, expert_load_refresh_s=0.01, expert_load_interest_s=0.2)
+
+    async def main():
+        await asyncio.sleep(0.5)                  # nobody asked: only the snapshot taken at start
+        untouched = engine.snapshots_taken
+        first = async_engine.expert_load()
+        await asyncio.sleep(0.1)
+        later = async_engine.expert_load()
+        fresh = await async_engine.fresh_expert_load()
+        return untouched, first, later, fresh
+
+    try:
+        untouched, first, later, fresh = run(main())
+    finally:
+        async_engine.shutdown()
+    assert untouched == 1 and first == 1
+    assert later > first
+    assert fresh > later    # taken on demand, between steps

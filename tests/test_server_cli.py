@@ -46,7 +46,8 @@ def test_flags_map_onto_engine_config(tmp_path):
     (["--num-redundant-experts", "4"], "--num-redundant-experts 4 needs --ep > 1"),
     (["--eplb-interval", "100"], "--eplb-interval 100 needs --ep > 1"),
     (["--a2a-backend", "all_to_all"], "--a2a-backend all_to_all needs --ep > 1"),
-    (["--dp-attn", "3", "--ep", "4"], "one must divide the other"),
+    (["--dp-attn", "3", "--ep", "4"], "--dp-attn 3 must divide --ep 4"),
+    (["--nnodes", "2", "--ep", "4"], "--nnodes 2 needs --master-port"),
     (["--model", "/no/such/dir"], "--model /no/such/dir: no such checkpoint directory"),
 ])
 def test_bad_flag_combinations_name_the_flag(flags, message):
@@ -55,12 +56,24 @@ def test_bad_flag_combinations_name_the_flag(flags, message):
         config.validate()
 
 
-def test_multi_process_layouts_say_they_are_not_available_yet(tmp_path):
-    config = ServeConfig.from_args(build_parser().parse_args(["--ep", "2", "--dp-attn", "2"]))
+@pytest.mark.parametrize("flags,named", [(["--tp", "2"], "--tp"), (["--pp", "2"], "--pp"),
+                                          (["--ep", "2", "--eplb-interval", "50"], "--eplb-interval")])
+def test_layouts_the_engine_cannot_run_yet_say_so(tmp_path, flags, named):
+    config = ServeConfig.from_args(build_parser().parse_args(flags))
     config.validate()
-    assert config.multi_process
-    with pytest.raises(ServeConfigError, match="multi-process engine is not available yet"):
+    with pytest.raises(ServeConfigError, match=f"{named}.*not available yet"):
         build_engine(config, str(tmp_path))
+
+
+def test_expert_parallel_flags_reach_the_engine_config(tmp_path):
+    config = ServeConfig.from_args(build_parser().parse_args(
+        ["--ep", "4", "--dp-attn", "2", "--a2a-backend", "allgather", "--num-redundant-experts", "4",
+         "--master-port", "29555"]))
+    config.validate()
+    engine_config = config.engine_config(str(tmp_path))
+    assert config.multi_process and engine_config.world_size == 4 and engine_config.attn_tp == 2
+    assert (engine_config.a2a_backend, engine_config.num_redundant_experts, engine_config.master_port) == \
+        ("allgather", 4, 29555)
 
 
 @pytest.mark.parametrize("flags", [["--port", "70000"], ["--max-num-seqs", "0"], ["--device", "tpu"],
