@@ -199,7 +199,7 @@ def measure_peak(device: torch.device, dtype: torch.dtype) -> dict:
 
 def repeats_for(tokens: int, spec: LayerSpec, device: torch.device, quick: bool) -> int:
     if device.type == "cuda":
-        return 5 if quick else 20
+        return 3 if quick else 10
     work = tokens * spec.top_k * spec.hidden * spec.intermediate
     if quick:
         return 2

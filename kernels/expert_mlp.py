@@ -34,8 +34,9 @@ def expert_mlp(
         raise ValueError(f"counts must be [E={w13.shape[0]}], got shape {tuple(counts.shape)}")
     out = torch.empty(x_sorted.shape[0], w2.shape[1], dtype=x_sorted.dtype, device=x_sorted.device)  # [N, H]
     ends = torch.cumsum(counts, dim=0)                                     # [E]
-    if int(ends[-1]) != x_sorted.shape[0]:
-        raise ValueError(f"counts sum to {int(ends[-1])} but x_sorted has {x_sorted.shape[0]} rows")
+    total = int(ends[-1]) if ends.numel() else 0
+    if total != x_sorted.shape[0]:
+        raise ValueError(f"counts sum to {total} but x_sorted has {x_sorted.shape[0]} rows")
     busy = torch.nonzero(counts).flatten()                                 # experts that received rows
     for expert, start, end in zip(busy.tolist(), (ends[busy] - counts[busy]).tolist(), ends[busy].tolist()):
         swiglu_expert(x_sorted[start:end], w13[expert], w2[expert], out[start:end])
