@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from moe_runtime.engine_protocol import Engine, EngineHealth, EngineStats
 from moe_runtime.errors import EngineDeadError, MoERuntimeError
@@ -110,7 +110,10 @@ class _Abort:
 
 
 @dataclass
-class _RefreshExpertLoad:
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps; its result or error goes to `done`."""
+
+    fn: Callable[[Engine], Any]
     done: concurrent.futures.Future
 
 
@@ -134,6 +137,7 @@ class AsyncEngine:
         self._stats = EngineStats()
         self._health = EngineHealth(True)
         self._expert_load = None
+        self._rebalance_events: list = []
         self._expert_load_at = float("-inf")
         self._expert_load_wanted_at = float("-inf")   # a plain float store from the loop thread
         self._thread: threading.Thread | None = None
@@ -235,15 +239,28 @@ class AsyncEngine:
         self._expert_load_wanted_at = time.monotonic()
         return self._expert_load
 
-    async def fresh_expert_load(self, timeout_s: float = 10.0):
-        """An expert-load snapshot taken now (between steps); the cached one if the engine is slow to answer."""
+    def rebalance_events(self) -> list:
+        """The engine's `RebalanceEvent`s so far (refreshed with the expert load); [] if it keeps none."""
+        self._expert_load_wanted_at = time.monotonic()
+        return self._rebalance_events
+
+    async def call(self, fn: Callable[[Engine], Any], timeout_s: float | None = None) -> Any:
+        """Run `fn(engine)` on the engine thread between two steps and return its result.
+
+        For the rare engine operations a front end needs beyond requests (e.g. the dashboard's
+        `lambda e: e.rebalance_now()`). Raises what `fn` raised, or `EngineDeadError`.
+        """
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._dead_detail is not None:
-                return self.expert_load()
-            self._commands.put(_RefreshExpertLoad(done))
+                raise EngineDeadError(f"the engine is not running: {self._dead_detail}")
+            self._commands.put(_Call(fn, done))
+        return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
+
+    async def fresh_expert_load(self, timeout_s: float = 10.0):
+        """An expert-load snapshot taken now (between steps); the cached one if the engine is slow or gone."""
         try:
-            await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
+            await self.call(lambda _: self._refresh_load_balancer_views(), timeout_s)
         except (asyncio.TimeoutError, MoERuntimeError):
             pass
         return self.expert_load()
@@ -289,8 +306,8 @@ class AsyncEngine:
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._abort(command.request_id)
-            elif isinstance(command, _RefreshExpertLoad):
-                self._refresh_expert_load(command.done)
+            elif isinstance(command, _Call):
+                self._run_call(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -311,14 +328,22 @@ class AsyncEngine:
         self._streams[stream.request_id] = stream
         command.admitted.set_result(None)
 
-    def _refresh_expert_load(self, done: concurrent.futures.Future) -> None:
+    def _run_call(self, command: _Call) -> None:
         try:
-            self._expert_load = self.engine.expert_load()
-        except BaseException as exc:
-            done.set_exception(EngineDeadError(f"expert load unavailable: {exc}"))
+            result = command.fn(self.engine)
+        except EngineDeadError as exc:
+            command.done.set_exception(exc)
             raise
+        except Exception as exc:  # noqa: BLE001 - the caller's operation failed, the engine did not
+            command.done.set_exception(exc)
+            return
+        command.done.set_result(result)
+
+    def _refresh_load_balancer_views(self) -> None:
+        self._expert_load = self.engine.expert_load()
+        events = getattr(self.engine, "rebalance_events", None)
+        self._rebalance_events = list(events()) if events is not None else []
         self._expert_load_at = time.monotonic()
-        done.set_result(None)
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -381,8 +406,7 @@ class AsyncEngine:
         wanted = now - self._expert_load_wanted_at < self.config.expert_load_interest_s
         stale = now - self._expert_load_at >= self.config.expert_load_refresh_s
         if force_expert_load or (wanted and stale):
-            self._expert_load = self.engine.expert_load()
-            self._expert_load_at = now
+            self._refresh_load_balancer_views()
 
     def _die(self, detail: str) -> None:
         with self._lock:
@@ -406,6 +430,6 @@ class AsyncEngine:
                 break
             if isinstance(command, _Add) and not command.admitted.done():
                 command.admitted.set_exception(EngineDeadError(f"the engine is not running: {detail}"))
-            elif isinstance(command, _RefreshExpertLoad) and not command.done.done():
-                command.done.set_exception(EngineDeadError(detail))
+            elif isinstance(command, _Call) and not command.done.done():
+                command.done.set_exception(EngineDeadError(f"the engine is not running: {detail}"))
         self._post(failures)

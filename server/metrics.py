@@ -140,15 +140,12 @@ def engine_lines(async_engine) -> list[str]:
     for name, help, read, kind in per_worker:
         lines += gauge(PREFIX + name, help, [({"dp_rank": str(w.dp_rank)}, read(w)) for w in stats.workers], kind)
     lines += expert_load_lines(async_engine.expert_load())
+    lines += rebalance_lines(async_engine.rebalance_events())
     return lines
 
 
 def expert_load_lines(snapshot) -> list[str]:
-    """Per-layer balance from an `ExpertLoadSnapshot`, plus rebalance figures when the snapshot carries them.
-
-    Optional snapshot attributes read here: `rebalance_count` (int) and `rebalance_seconds_total`
-    (float) and `last_rebalance_seconds` (float).
-    """
+    """Per-layer balance of an `ExpertLoadSnapshot` (none when the engine records no expert load)."""
     if snapshot is None:
         return []
     balancedness = [float(v) for v in snapshot.balancedness.tolist()]
@@ -159,15 +156,27 @@ def expert_load_lines(snapshot) -> list[str]:
                    [({"layer": str(i)}, v) for i, v in enumerate(max_over_mean)])
     lines += gauge(PREFIX + "expert_load_window_steps", "Steps the expert-load window covers.",
                    [({}, snapshot.window)])
-    optional = [
-        ("rebalance_count", "eplb_rebalances_total", "Expert rebalances done.", "counter"),
-        ("rebalance_seconds_total", "eplb_rebalance_seconds_total", "Time spent rebalancing experts.", "counter"),
-        ("last_rebalance_seconds", "eplb_last_rebalance_seconds", "Duration of the latest expert rebalance.", "gauge"),
-    ]
-    for attribute, name, help, kind in optional:
-        value = getattr(snapshot, attribute, None)
-        if value is not None:
-            lines += gauge(PREFIX + name, help, [({}, value)], kind)
+    return lines
+
+
+def rebalance_lines(events: list) -> list[str]:
+    """Counts and durations of the engine's `RebalanceEvent`s (none when it keeps none)."""
+    if not events:
+        return []
+    by_outcome = {"ok": 0, "failed": 0}
+    for event in events:
+        by_outcome["ok" if event.ok else "failed"] += 1
+    last = events[-1]
+    lines = gauge(PREFIX + "eplb_rebalances_total", "Expert rebalances, by outcome.",
+                  [({"outcome": k}, v) for k, v in by_outcome.items()], "counter")
+    lines += gauge(PREFIX + "eplb_rebalance_seconds_total", "Time spent rebalancing experts.",
+                   [({}, sum(e.duration_s for e in events))], "counter")
+    lines += gauge(PREFIX + "eplb_experts_moved_total", "Expert weights copied between ranks by rebalancing.",
+                   [({}, sum(e.experts_moved for e in events if e.ok))], "counter")
+    lines += gauge(PREFIX + "eplb_last_rebalance_seconds", "Duration of the latest rebalance.",
+                   [({}, last.duration_s)])
+    lines += gauge(PREFIX + "eplb_last_rebalance_balancedness", "Mean balancedness around the latest rebalance.",
+                   [({"when": "before"}, last.balancedness_before), ({"when": "after"}, last.balancedness_after)])
     return lines
 
 

@@ -117,7 +117,7 @@ class FakeEngine:
 
     def __init__(self, max_running: int = 8, step_delay_s: float = 0.0, vocab_size: int = 1000,
                  max_model_len: int = 100_000, die_at_step: int | None = None, crash_at_step: int | None = None,
-                 health_fails_at_step: int | None = None, expert_load=None):
+                 health_fails_at_step: int | None = None, expert_load=None, rebalance_events=()):
         self.tokenizer = None
         self.max_model_len = max_model_len
         self.max_running = max_running
@@ -127,6 +127,7 @@ class FakeEngine:
         self.crash_at_step = crash_at_step
         self.health_fails_at_step = health_fails_at_step
         self.snapshot = expert_load
+        self.events = list(rebalance_events)
         self.steps = 0
         self.waiting: collections.deque[_FakeRequest] = collections.deque()
         self.running: list[_FakeRequest] = []
@@ -194,6 +195,12 @@ class FakeEngine:
 
     def expert_load(self):
         return self.snapshot
+
+    def rebalance_events(self) -> list:
+        return list(self.events)
+
+    def rebalance_now(self):
+        raise InvalidRequestError("the fake engine has one rank: nothing to rebalance")
 
     def shutdown(self) -> None:
         self.shut_down = True

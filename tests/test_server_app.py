@@ -10,6 +10,8 @@ from server_harness import FakeEngine
 
 from load_balancer import ExpertLoadRecorder
 from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
+from moe_runtime.engine_protocol import RebalanceEvent
+from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling_params import SamplingParams
 from server import build_app
 from server.metrics import parse_samples
@@ -109,10 +111,13 @@ def fake_snapshot():
     recorder.record(0, torch.tensor([[0, 1], [0, 0], [0, 2]]))   # rank 0 holds experts 0, 1: 5 of 6
     recorder.record(1, torch.tensor([[0, 2], [1, 3], [0, 3]]))   # 3 / 3: even
     recorder.end_step()
-    snapshot = recorder.snapshot()
-    snapshot.rebalance_count = 3
-    snapshot.rebalance_seconds_total = 0.75
-    return snapshot
+    return recorder.snapshot()
+
+
+def rebalance_event(index: int, ok: bool = True) -> RebalanceEvent:
+    return RebalanceEvent(index=index, trigger="interval", started_at=1.0e9 + index, duration_s=0.25,
+                          experts_moved=4, balancedness_before=0.5, balancedness_after=0.8 + index / 100, ok=ok,
+                          error=None if ok else "rank 1 ran out of memory")
 
 
 def test_expert_load_is_served_as_json_and_as_metrics():
@@ -121,14 +126,29 @@ def test_expert_load_is_served_as_json_and_as_metrics():
     async def scenario(client, _):
         return (await client.get("/v1/expert_load")).json(), (await client.get("/metrics")).text
 
-    body, text = serve(FakeEngine(expert_load=snapshot))(scenario)
+    events = [rebalance_event(0), rebalance_event(1, ok=False), rebalance_event(2)]
+    body, text = serve(FakeEngine(expert_load=snapshot, rebalance_events=events))(scenario)
     assert body == snapshot.to_dict()
     samples = parse_samples(text)
     assert samples['moe_expert_balancedness{layer="0"}'] == pytest.approx(3 / 5)
     assert samples['moe_expert_balancedness{layer="1"}'] == pytest.approx(1.0)
     assert samples['moe_expert_max_over_mean{layer="0"}'] == pytest.approx(5 / 3)
-    assert samples["moe_eplb_rebalances_total"] == 3
+    assert samples['moe_eplb_rebalances_total{outcome="ok"}'] == 2
+    assert samples['moe_eplb_rebalances_total{outcome="failed"}'] == 1
     assert samples["moe_eplb_rebalance_seconds_total"] == 0.75
+    assert samples["moe_eplb_experts_moved_total"] == 8
+    assert samples['moe_eplb_last_rebalance_balancedness{when="after"}'] == pytest.approx(0.82)
+
+
+def test_engine_calls_run_between_steps_and_report_their_errors():
+    async def scenario(_, async_engine):
+        steps = await async_engine.call(lambda engine: engine.steps)
+        with pytest.raises(InvalidRequestError, match="nothing to rebalance"):
+            await async_engine.call(lambda engine: engine.rebalance_now())
+        return steps, async_engine.health().healthy
+
+    steps, healthy = serve(FakeEngine())(scenario)
+    assert steps == 0 and healthy  # a failed operation does not kill the engine
 
 
 def test_no_expert_load_is_a_404_error_body():
