@@ -14,15 +14,17 @@ import queue
 import torch
 import torch.distributed as dist
 
-from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, Shutdown, SnapshotExpertLoad,
-                                   StepOutputs)
+from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, RebalanceNow, RebalanceReport,
+                                   Shutdown, SnapshotExpertLoad, StepOutputs)
+from moe_runtime.engine_protocol import RebalanceEvent
 
 logger = logging.getLogger(__name__)
 
 
 class LockstepLoop:
-    def __init__(self, core, commands, results, parallel):
+    def __init__(self, core, commands, results, parallel, rebalancer=None):
         self.core = core
+        self.rebalancer = rebalancer
         self.commands = commands
         self.results = results
         self.parallel = parallel
@@ -44,7 +46,8 @@ class LockstepLoop:
                 if isinstance(command, Shutdown):
                     return
                 self._apply(command)
-            busy = anyone_busy or any(isinstance(c, AddRequest) for c in new)
+            rebalancing = self.rebalancer is not None and self.rebalancer.in_progress
+            busy = anyone_busy or rebalancing or any(isinstance(c, AddRequest) for c in new)
             if busy:
                 self._step()
 
@@ -66,6 +69,14 @@ class LockstepLoop:
                 self.core.add_request(command.request_id, command.prompt_token_ids, command.params)
         elif isinstance(command, AbortRequest):
             self.core.abort(command.request_id)
+        elif isinstance(command, RebalanceNow):
+            if self.rebalancer is None:
+                if self.parallel.rank == 0:
+                    self.results.put(RebalanceReport(RebalanceEvent(
+                        -1, "manual", 0.0, 0.0, 0, 1.0, 1.0, ok=False,
+                        error="nothing to rebalance: the model has no MoE layers or runs on one rank")))
+            else:
+                self.rebalancer.start("manual", command.fail_on_rank)
         elif isinstance(command, SnapshotExpertLoad):
             snapshot = self.core.expert_load(group=dist.group.WORLD)
             if self.parallel.rank == 0:
@@ -82,5 +93,9 @@ class LockstepLoop:
             phase = "prefill" if flag.item() else "decode"
         outputs = self.core.execute(batch, phase)
         self.steps += 1
+        if self.rebalancer is not None:
+            outcome = self.rebalancer.after_step(self.steps)
+            if outcome is not None and self.parallel.rank == 0:
+                self.results.put(RebalanceReport(RebalanceEvent(self.rebalancer.count - 1, **vars(outcome))))
         if self.reports_outputs and batch is not None:
             self.results.put(StepOutputs(self.parallel.rank, self.parallel.dp_rank, outputs, self.core.worker_stats()))

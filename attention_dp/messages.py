@@ -28,6 +28,13 @@ class SnapshotExpertLoad:
 
 
 @dataclass
+class RebalanceNow:
+    """Plan and migrate now. `fail_on_rank` injects a migration failure there (fault-injection tests)."""
+
+    fail_on_rank: int | None = None
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -55,6 +62,11 @@ class StepOutputs:
 @dataclass
 class ExpertLoadReport:
     snapshot: object            # load_balancer.ExpertLoadSnapshot, summed over ranks
+
+
+@dataclass
+class RebalanceReport:
+    event: object               # moe_runtime.engine_protocol.RebalanceEvent
 
 
 @dataclass

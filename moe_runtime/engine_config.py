@@ -27,6 +27,10 @@ class EngineConfig:
     dp_attn: int = 1
     a2a_backend: str = "auto"            # "auto" | "local" | "all_to_all" | "allgather" | "deepep"
     num_redundant_experts: int = 0       # extra physical expert slots for replicas of hot experts
+    eplb_interval: int = 0               # rebalance experts every N steps (0 = only on demand)
+    eplb_threshold: float = 0.0          # ... or when mean balancedness drops below this (0 = off)
+    eplb_window: int = 128               # steps of expert load the rebalancer plans from
+    eplb_layers_per_step: int = 0        # MoE layers whose weights move per step (0 = all at once)
     # Multi-process start-up: rendezvous for torch.distributed (env://), chosen free when None.
     master_addr: str = "127.0.0.1"
     master_port: int | None = None

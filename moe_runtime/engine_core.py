@@ -78,7 +78,7 @@ class EngineCore:
         reader = CheckpointReader.open(self.checkpoint_dir)
         self.model = build_model(self.architecture, self.hf_config, ctx)
         if hasattr(self.executor, "finalize"):
-            self.executor.finalize()
+            self.executor.finalize(self.model)
         load_model_weights(self.model, reader)
         self.model.eval()
         self.tokenizer = load_tokenizer(self.checkpoint_dir)
@@ -200,6 +200,15 @@ class EngineCore:
         """The expert-load snapshot (summed over `group`'s ranks when given), or None for a dense model."""
         recorder = getattr(self.executor, "recorder", None)
         return None if recorder is None else recorder.snapshot(group=group)
+
+    def rebalance_now(self):
+        from moe_runtime.engine_protocol import RebalanceEvent
+
+        return RebalanceEvent(-1, "manual", time.time(), 0.0, 0, 1.0, 1.0, ok=False,
+                              error="nothing to rebalance on one rank: start with ep > 1")
+
+    def rebalance_events(self) -> list:
+        return []
 
     def resident_expert_bytes(self) -> tuple[int, int]:
         """(bytes of routed-expert weights on this rank, bytes of all routed experts in the model)."""

@@ -37,6 +37,7 @@ class ExpertParallelExecutor:
         self.placement: Placement | None = None
         self.recorder: ExpertLoadRecorder | None = None
         self._dispatchers: dict[str, object] = {}
+        self.experts_by_layer: dict[int, object] = {}  # MoE layer index -> its StackedExperts
         self.phase = "prefill"
 
     @property
@@ -57,20 +58,30 @@ class ExpertParallelExecutor:
         first = self.parallel.ep_rank * self.slots_per_rank
         return template[first : first + self.slots_per_rank].tolist()
 
-    def finalize(self) -> None:
+    def finalize(self, model) -> None:
         """After the model is built: the placement over all MoE layers, the recorder, the dispatchers."""
         if not self.moe_layers:
             return
+        for module in model.modules():
+            if getattr(module, "layer_index", None) in self.moe_layers and hasattr(module, "experts"):
+                self.experts_by_layer[self.moe_layers[module.layer_index]] = module.experts
         p = self.parallel
-        self.placement = static_placement(len(self.moe_layers), self.num_experts, self.num_slots, p.ep_size)
+        placement = static_placement(len(self.moe_layers), self.num_experts, self.num_slots, p.ep_size)
         self.recorder = ExpertLoadRecorder(len(self.moe_layers), self.num_experts, self.num_slots, p.ep_size,
-                                           window=self.record_window, device=p.device, placement=self.placement)
+                                           window=self.record_window, device=p.device, placement=placement)
+        self.set_placement(placement)
         for phase in PHASES:
             self._dispatchers[phase] = make_dispatcher(DispatchConfig(
                 backend=self.backend, world_size=p.ep_size, rank=p.ep_rank, group=p.ep_group,
                 num_slots=self.num_slots, hidden_size=self.hidden_size, dtype=self.dtype, device=p.device,
                 phase=phase,
             ))
+
+    def set_placement(self, placement: Placement) -> None:
+        """Switch to a new placement (its expert weights already in place on every rank)."""
+        self.placement = placement
+        self._layer_placements = [placement.layer(m) for m in range(placement.num_layers)]  # cached: no per-step syncs
+        self.recorder.set_placement(placement)
 
     def begin_step(self, phase: str) -> None:
         """Every rank must use the same backend in a step: the engine passes the agreed phase."""
@@ -97,7 +108,7 @@ class ExpertParallelExecutor:
         num_tokens = x.shape[0]
         start, stop = self._token_share(num_tokens)
         x_share, ids, weights = x[start:stop], topk.ids[start:stop], topk.weights[start:stop]
-        slots = choose_replicas(ids, self.placement.layer(moe_layer), self.parallel.ep_rank, self.slots_per_rank)
+        slots = choose_replicas(ids, self._layer_placements[moe_layer], self.parallel.ep_rank, self.slots_per_rank)
         self.recorder.record(moe_layer, ids, slots)
         dispatcher = self._dispatchers[self.phase]
         out = dispatcher.dispatch(x_share, slots, weights)

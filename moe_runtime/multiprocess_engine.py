@@ -18,13 +18,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, Shutdown, SnapshotExpertLoad,
-                                   StepOutputs, WorkerFailed, WorkerReady)
+from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, RebalanceNow, RebalanceReport,
+                                   Shutdown, SnapshotExpertLoad, StepOutputs, WorkerFailed, WorkerReady)
 from attention_dp.router import DPRouter
 from moe_runtime.distributed import free_port
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_core import load_tokenizer
-from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
+from moe_runtime.engine_protocol import EngineHealth, EngineStats, RebalanceEvent, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.model_config import load_hf_config
 from moe_runtime.outputs import RequestOutput
@@ -69,6 +69,7 @@ class MultiprocessEngine:
         self._stashed: list[StepOutputs] = []
         self._pending: set[str] = set()
         self._worker_stats: dict[int, WorkerStats] = {}
+        self._rebalance_events: list[RebalanceEvent] = []
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._seeds = random.Random()
@@ -149,6 +150,8 @@ class MultiprocessEngine:
             return None
         if isinstance(message, WorkerFailed):
             self._die(self._root_cause(message), message.traceback)
+        if isinstance(message, RebalanceReport):
+            self._rebalance_events.append(message.event)
         return message
 
     def _root_cause(self, failed: WorkerFailed) -> str:
@@ -275,6 +278,29 @@ class MultiprocessEngine:
             if isinstance(message, StepOutputs):
                 self._stashed.append(message)
         raise EngineDeadError("no expert-load report from rank 0 in time")
+
+    def rebalance_now(self, fail_on_rank: int | None = None) -> RebalanceEvent:
+        """Plan from the recorded window and migrate now (all ranks, at one step boundary).
+
+        `fail_on_rank` injects a migration failure on that rank (fault-injection tests): the event
+        then reports ok=False and the previous placement stays in force.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        seen = len(self._rebalance_events)
+        for commands in self._commands:
+            commands.put(RebalanceNow(fail_on_rank))
+        deadline = time.monotonic() + self.config.worker_timeout_s
+        while len(self._rebalance_events) == seen:
+            if time.monotonic() > deadline:
+                raise EngineDeadError("no rebalance report from rank 0 in time")
+            message = self._next_message(timeout=0.5)
+            if isinstance(message, StepOutputs):
+                self._stashed.append(message)
+        return self._rebalance_events[-1]
+
+    def rebalance_events(self) -> list[RebalanceEvent]:
+        return list(self._rebalance_events)
 
     def stats(self) -> EngineStats:
         workers = []

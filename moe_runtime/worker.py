@@ -53,13 +53,24 @@ def worker_main(spec: WorkerSpec, commands, results) -> None:
         local_bytes, total_bytes = core.resident_expert_bytes()
         results.put(WorkerReady(spec.rank, core.parallel.dp_rank, core.block_manager.num_blocks,
                                 core.block_manager.block_size, core.max_model_len, local_bytes, total_bytes))
-        LockstepLoop(core, commands, results, core.parallel).run()
+        LockstepLoop(core, commands, results, core.parallel, build_rebalancer(core, spec.config)).run()
     except BaseException as exc:  # report, then die: the front tears the job down
         results.put(WorkerFailed(spec.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         results.close()
         results.join_thread()
         os._exit(1)
     os._exit(0)
+
+
+def build_rebalancer(core, config: EngineConfig):
+    """The live rebalancer of this rank, or None when there is nothing to balance (dense, one rank)."""
+    from load_balancer.live_rebalancer import LiveRebalancer, RebalancePolicy
+
+    if not getattr(core.executor, "experts_by_layer", None) or core.parallel.ep_size == 1:
+        return None
+    policy = RebalancePolicy(interval_steps=config.eplb_interval, threshold=config.eplb_threshold,
+                             layers_per_step=config.eplb_layers_per_step, num_nodes=config.nnodes)
+    return LiveRebalancer(core.executor, policy, group=core.parallel.ep_group)
 
 
 def build_worker_engine(spec: WorkerSpec):
@@ -80,6 +91,7 @@ def build_worker_engine(spec: WorkerSpec):
     def executor_factory(kernels, hf_config, dtype):
         return ExpertParallelExecutor(kernels, parallel, backend=config.a2a_backend,
                                       num_redundant_experts=config.num_redundant_experts,
-                                      hidden_size=hf_config.hidden_size, dtype=dtype)
+                                      hidden_size=hf_config.hidden_size, dtype=dtype,
+                                      record_window=config.eplb_window)
 
     return EngineCore(config, parallel, executor_factory)
