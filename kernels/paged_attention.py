@@ -39,14 +39,19 @@ def paged_decode_attention(
         return q.new_zeros(0, num_q_heads, v_dim)
     max_len = int(context_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks].long().clamp(min=0)                       # [B, nb]
-    keys = k_cache[tables].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-    values = v_cache[tables].reshape(batch, num_blocks * block_size, num_kv_heads, v_dim)   # [B, L, Hkv, Dv]
+    length = num_blocks * block_size
+    tables = block_tables[:, :num_blocks].long().clamp(min=0).reshape(-1)           # [B * nb]
+    keys = k_cache.index_select(0, tables)                          # [B * nb, bs, Hkv, D]
+    keys = keys.view(batch, length, num_kv_heads, head_dim).transpose(1, 2).float()  # [B, Hkv, L, D]
+    if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride():
+        values = keys[..., :v_dim]                                                  # MLA: values are the latent keys
+    else:
+        values = v_cache.index_select(0, tables).view(batch, length, num_kv_heads, v_dim).transpose(1, 2).float()
     q_grouped = q.float().view(batch, num_kv_heads, group, head_dim)                # [B, Hkv, G, D]
-    scores = torch.einsum("bhgd,blhd->bhgl", q_grouped, keys.float()) * scale      # [B, Hkv, G, L]
-    positions = torch.arange(num_blocks * block_size, device=q.device)
-    valid = positions[None, :] < context_lens.long()[:, None]                       # [B, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    scores = torch.matmul(q_grouped, keys.transpose(-1, -2)).mul_(scale)           # [B, Hkv, G, L]
+    positions = torch.arange(length, device=q.device)
+    invalid = positions[None, :] >= context_lens.long()[:, None]                    # [B, L]
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)                          # empty contexts -> 0
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())                   # [B, Hkv, G, Dv]
+    out = torch.matmul(probs, values)                                               # [B, Hkv, G, Dv]
     return out.reshape(batch, num_q_heads, v_dim).to(q.dtype)

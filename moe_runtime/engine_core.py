@@ -101,6 +101,8 @@ class EngineCore:
         self._sequences: dict[str, Sequence] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._steps = 0
+        self._step_seconds = 0.0
         logger.info("engine ready: %s (%s, %s, kernels=%s) in %.2fs", self.architecture, self.device,
                     self.dtype, self.kernels.name, time.perf_counter() - started)
 
@@ -161,9 +163,12 @@ class EngineCore:
         DP worker with nothing to do still joins every collective of a lock-step."""
         seqs = batch.seqs if batch is not None else []
         phase = phase or ("prefill" if batch is None or batch.is_prefill else "decode")
+        started = time.perf_counter()
         self.executor.begin_step(phase)
         logits = self.runner.execute(seqs)
         self.executor.end_step()
+        self._steps += 1
+        self._step_seconds += time.perf_counter() - started
         if not seqs:
             return []
         sampled = self.sampler(logits, batch.seqs)
@@ -188,6 +193,9 @@ class EngineCore:
             kv_blocks_total=self.block_manager.num_blocks,
             kv_blocks_free=self.block_manager.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            steps=self._steps,
+            step_seconds=self._step_seconds,
+            moe_comm_seconds=getattr(self.executor, "comm_seconds", 0.0),
         )
 
     def stats(self) -> EngineStats:

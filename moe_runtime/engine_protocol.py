@@ -22,6 +22,9 @@ class WorkerStats:
     kv_blocks_total: int
     kv_blocks_free: int
     num_preemptions: int
+    steps: int = 0                  # forward steps run (lock-step ones with empty batches included)
+    step_seconds: float = 0.0       # wall time in forward steps, cumulative
+    moe_comm_seconds: float = 0.0   # ... of which in dispatch + combine (expert-parallel communication)
 
     @property
     def kv_usage(self) -> float:

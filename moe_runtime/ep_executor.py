@@ -9,6 +9,7 @@ and the shares are all-gathered afterwards.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ class ExpertParallelExecutor:
         self._dispatchers: dict[str, object] = {}
         self.experts_by_layer: dict[int, object] = {}  # MoE layer index -> its StackedExperts
         self.phase = "prefill"
+        self.comm_seconds = 0.0  # cumulative wall time in dispatch + combine
 
     @property
     def num_slots(self) -> int:
@@ -111,12 +113,16 @@ class ExpertParallelExecutor:
         slots = choose_replicas(ids, self._layer_placements[moe_layer], self.parallel.ep_rank, self.slots_per_rank)
         self.recorder.record(moe_layer, ids, slots)
         dispatcher = self._dispatchers[self.phase]
+        started = time.perf_counter()
         out = dispatcher.dispatch(x_share, slots, weights)
+        dispatched = time.perf_counter()
         if dispatcher.layout() == LAYOUT_MASKED:
             expert_out = self._kernels.masked_expert_mlp(out.recv_x, out.tokens_per_local_expert, experts.w13, experts.w2)
         else:
             expert_out = self._kernels.expert_mlp(out.recv_x, out.tokens_per_local_expert, experts.w13, experts.w2)
+        computed = time.perf_counter()
         y_share = dispatcher.combine(expert_out, out.handle)                     # [stop - start, H]
+        self.comm_seconds += (dispatched - started) + (time.perf_counter() - computed)
         if self.parallel.attn_tp_size == 1:
             return y_share
         return self._gather_shares(y_share, num_tokens)
