@@ -267,6 +267,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(config: ServeConfig) -> int:
     from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
     from server.app import build_app
+    from server.dashboard import dashboard_router
 
     config.validate()
     sock = bind_socket(config.host, config.port)  # fail on a taken port before loading anything
@@ -275,7 +276,7 @@ def serve(config: ServeConfig) -> int:
     logger.info("loading %s from %s", served_name, model_path)
     engine = build_engine(config, model_path)
     async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=config.max_queue)).start()
-    app = build_app(async_engine, served_name, api_key=config.api_key)
+    app = build_app(async_engine, served_name, api_key=config.api_key, extra_routers=[dashboard_router(config.api_key)])
     server = _Server(uvicorn.Config(app, log_level=config.log_level, access_log=config.log_level == "debug",
                                     timeout_graceful_shutdown=5, lifespan="off"),
                      on_exit=async_engine.begin_shutdown)

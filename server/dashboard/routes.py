@@ -1,0 +1,81 @@
+"""HTTP routes of the expert-load dashboard (plug into `build_app(extra_routers=[dashboard_router()])`).
+
+    GET  /dashboard                  the page (plotly.js charts, polls /dashboard/state)
+    GET  /dashboard/static/<asset>   its script, style and plotly.min.js, all served locally
+    GET  /dashboard/state            everything the page shows, as JSON
+    GET  /dashboard/trace            the recorded expert-load trace (load_balancer.trace JSON), as a download
+    POST /dashboard/rebalance        rebalance the expert placement now (needs the API key when one is set)
+
+Reads are open like /metrics (monitoring); the one action, rebalancing, takes the /v1 API key.
+"""
+from __future__ import annotations
+
+import time
+from importlib import resources
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+
+from server.auth import api_key_dependency
+from server.dashboard.monitor import DashboardConfig, DashboardMonitor
+from server.errors import APIError
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+MEDIA_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+
+
+def plotly_js_path() -> Path:
+    """plotly.min.js as shipped inside the `plotly` Python package (no CDN)."""
+    try:
+        path = Path(str(resources.files("plotly") / "package_data" / "plotly.min.js"))
+    except ModuleNotFoundError as exc:
+        raise RuntimeError("the dashboard needs the `plotly` Python package (pip install plotly)") from exc
+    if not path.is_file():
+        raise RuntimeError(f"the dashboard needs {path} (part of the plotly package); reinstall plotly")
+    return path
+
+
+def dashboard_router(api_key: str | None = None, config: DashboardConfig = DashboardConfig()) -> APIRouter:
+    assets = {"dashboard.js": STATIC_DIR / "dashboard.js", "dashboard.css": STATIC_DIR / "dashboard.css",
+              "plotly.min.js": plotly_js_path()}
+    for name, path in assets.items():
+        if not path.is_file():
+            raise RuntimeError(f"dashboard asset {name} is missing: {path}")
+    page = (STATIC_DIR / "index.html").read_text()
+    router = APIRouter(prefix="/dashboard", tags=["dashboard"])
+
+    def monitor(request: Request) -> DashboardMonitor:
+        """One monitor per app, made on first use (the router does not know its app in advance)."""
+        state = request.app.state
+        if getattr(state, "dashboard_monitor", None) is None:
+            state.dashboard_monitor = DashboardMonitor(state.async_engine, config)
+        return state.dashboard_monitor
+
+    @router.get("", response_class=HTMLResponse, include_in_schema=False)
+    async def dashboard_page() -> HTMLResponse:
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    @router.get("/static/{name}", include_in_schema=False)
+    async def dashboard_asset(name: str) -> FileResponse:
+        path = assets.get(name)
+        if path is None:
+            raise APIError(404, f"no dashboard asset named {name!r}", "not_found_error", "name", "no_such_asset")
+        return FileResponse(path, media_type=MEDIA_TYPES[path.suffix], headers={"Cache-Control": "max-age=3600"})
+
+    @router.get("/state")
+    async def dashboard_state(request: Request) -> JSONResponse:
+        return JSONResponse(monitor(request).state(), headers={"Cache-Control": "no-store"})
+
+    @router.get("/trace")
+    async def dashboard_trace(request: Request) -> JSONResponse:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        return JSONResponse(monitor(request).trace_json(), headers={
+            "Content-Disposition": f'attachment; filename="expert-load-trace-{stamp}.json"',
+            "Cache-Control": "no-store"})
+
+    @router.post("/rebalance", dependencies=[Depends(api_key_dependency(api_key))])
+    async def dashboard_rebalance(request: Request) -> JSONResponse:
+        return JSONResponse({"event": await monitor(request).rebalance_now()})
+
+    return router
