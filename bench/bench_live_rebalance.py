@@ -1,0 +1,308 @@
+"""Live expert rebalancing end to end: decode throughput with the static placement vs after a rebalance.
+
+On the skewed checkpoint of bench/skewed_checkpoint.py (hidden 256, 4 layers, 16 experts top-2, fp32;
+each layer sends ~70% of its top-2 choices to 5 experts that share one rank under the static
+placement), two engines with the same settings (ep=4, dp_attn=4, 4 redundant expert slots):
+  static      never rebalances: the static placement (slot e -> expert e, redundant slots 16..19 ->
+              experts 0..3) stays in force
+  rebalanced  after the same warm-up, `rebalance_now()` plans from the recorded window and moves
+              expert weights between ranks; the timed runs then serve on the new placement
+Repeats alternate between the engines (so load from other processes hits both alike); the best
+repeat counts. Reported per engine: tokens/s (prefill included) and decode tokens/s, the measured
+per-rank expert load of the timed runs (tokens each rank's experts computed, from the recorder's
+physical-slot counts: balancedness = mean/max per layer, averaged over layers, and max/mean), the
+share of step time each rank spends in dispatch + combine (where a rank waits for the straggler),
+the rebalance event (experts moved, duration, balancedness before/after on its planning window),
+and whether the greedy tokens of the two engines are identical.
+
+Then records an expert-load trace from the runtime into bench/traces/recorded.json (the
+load_balancer trace format) for bench/bench_rebalance.py: the engine exposes the recorder's
+window only as sums (`expert_load()`), so the front takes a snapshot after every batch of
+outputs while a workload of two waves of prompts runs; each trace row is the difference of the
+cumulative per-expert totals between consecutive snapshots: the tokens of the one or few
+lock-step steps the ranks ran in between (summed over ranks). The step count of every row is
+written to bench/results/live_rebalance.json.
+
+    python bench/bench_live_rebalance.py            # full run (< 5 min on 2 cores)
+    python bench/bench_live_rebalance.py --quick    # smoke run (does not replace results or the trace)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_ep_decode import StepTime, TimedRun, make_prompts, timed_generate  # noqa: E402
+from bench.skewed_checkpoint import SkewedShape, SkewSpec, build_skewed_checkpoint  # noqa: E402
+from load_balancer import ExpertLoadTrace, Placement, balancedness, max_over_mean, mean_over_max, save_trace  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+TRACE = HERE / "traces" / "recorded.json"
+RECORD_WINDOW = 4096  # steps: more than a run takes, so window sums are cumulative and deltas exact
+
+logger = logging.getLogger("bench_live_rebalance")
+
+
+@dataclass
+class LoadSpan:
+    """Expert load of the ranks over a span of steps (difference of two snapshots)."""
+
+    expert_counts: torch.Tensor  # [L, E] tokens per logical expert, summed over ranks
+    rank_load: torch.Tensor      # [L, W] tokens computed by each rank's experts (physical slots)
+    placement: torch.Tensor      # [L, P] phy2log in force at the end of the span
+
+    @classmethod
+    def between(cls, before, after) -> "LoadSpan":
+        """From two ExpertLoadSnapshot taken while the recorder's window still held every step."""
+        for snapshot in (before, after):
+            if snapshot.window != snapshot.steps:
+                raise RuntimeError(f"the recorder window ({snapshot.window} steps) no longer holds all "
+                                   f"{snapshot.steps} steps: raise RECORD_WINDOW")
+        return cls(after.totals - before.totals, after.rank_load - before.rank_load, after.placement)
+
+    def measured_balancedness(self) -> float:
+        """mean / max of the measured per-rank load, averaged over layers."""
+        return float(mean_over_max(self.rank_load).mean())
+
+    def max_over_mean(self) -> float:
+        return float(max_over_mean(self.rank_load).mean())
+
+    def planned_balancedness(self, num_ranks: int) -> float:
+        """The same logical load under the placement with tokens split evenly over replicas (the planner's model)."""
+        placement = Placement.from_phy2log(self.placement, self.expert_counts.shape[1], num_ranks)
+        return float(balancedness(self.expert_counts.double(), placement).mean())
+
+    def hot_rank_share(self) -> float:
+        """Share of all expert tokens taken by the busiest rank of each layer, averaged over layers."""
+        total = self.rank_load.sum(-1).clamp(min=1)
+        return float((self.rank_load.max(-1).values / total).mean())
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    tok_s: float
+    decode_tok_s: float
+    tok_s_all: list[float]
+    balancedness_measured: float     # timed runs, per-rank tokens from physical-slot counts
+    balancedness_planned: float      # timed runs' logical load under the placement (even replica split)
+    rank_load_max_over_mean: float
+    hot_rank_share: float
+    rank_load_per_layer: list[list[float]]
+    comm_share_per_rank: list[float]  # dispatch + combine / step time, per DP worker (= rank here)
+    ratio_vs_static: float = 1.0
+
+
+@dataclass
+class TraceRecording:
+    path: str
+    rows: int
+    steps_per_row: list[int] = field(default_factory=list)
+    tokens: int = 0
+
+
+def expert_load_span(engine, run) -> tuple[LoadSpan, object]:
+    """Run `run()` between two expert-load snapshots; the span's load and run's result."""
+    before = engine.expert_load()
+    result = run()
+    return LoadSpan.between(before, engine.expert_load()), result
+
+
+def per_rank_comm_share(engine, run) -> tuple[list[StepTime], object]:
+    """Run `run()`; each DP worker's step-time deltas over it and run's result."""
+    before = list(engine.stats().workers)
+    result = run()
+    after = engine.stats().workers
+    deltas = [StepTime(a.steps - b.steps, a.step_seconds - b.step_seconds, a.moe_comm_seconds - b.moe_comm_seconds)
+              for a, b in zip(after, before)]
+    return deltas, result
+
+
+def record_trace(engine, waves: list[list[list[int]]], params, path: Path, num_slots: int, num_ranks: int
+                 ) -> TraceRecording:
+    """Snapshot the expert load after every batch of outputs while `waves` of prompts run one after another;
+    save the per-interval differences of the cumulative totals as an ExpertLoadTrace."""
+    rows, steps_per_row = [], []
+    previous = engine.expert_load()
+    for wave_index, prompts in enumerate(waves):
+        request_ids = [f"trace-{wave_index}-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(request_ids, prompts):
+            engine.add_request(request_id, prompt, params)
+        pending = set(request_ids)
+        while pending:
+            for output in engine.step():
+                if output.finished:
+                    pending.discard(output.request_id)
+            snapshot = engine.expert_load()
+            if snapshot.steps > previous.steps:
+                rows.append(snapshot.totals - previous.totals)  # [L, E]
+                steps_per_row.append(snapshot.steps - previous.steps)
+                previous = snapshot
+    trace = ExpertLoadTrace(torch.stack(rows).long(), num_slots, num_ranks)  # [S, L, E]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_trace(path, trace)
+    return TraceRecording(str(path), len(rows), steps_per_row, int(trace.steps.sum()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: few prompts and tokens, one repeat")
+    parser.add_argument("--ep", type=int, default=4)
+    parser.add_argument("--dp-attn", type=int, default=4)
+    parser.add_argument("--redundant", type=int, default=4, help="num_redundant_experts (extra slots for replicas)")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--warmup-tokens", type=int, default=16, help="new tokens per prompt of the warm-up the plan uses")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="default: bench/results/live_rebalance.json (--quick: bench/.cache/)")
+    parser.add_argument("--trace", default=None, help="default: bench/traces/recorded.json (--quick: bench/.cache/)")
+    args = parser.parse_args()
+    if args.quick:
+        args.prompts, args.prompt_len, args.new_tokens, args.warmup_tokens, args.repeats = 8, 8, 4, 4, 1
+    cache = HERE / ".cache"
+    args.out = args.out or str(cache / "live_rebalance.quick.json" if args.quick else RESULTS / "live_rebalance.json")
+    args.trace = args.trace or str(cache / "recorded.quick.json" if args.quick else TRACE)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for name in ("moe_runtime", "load_balancer", "attention_dp", "dispatch"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    from moe_runtime import LLM, SamplingParams
+
+    shape, skew = SkewedShape(), SkewSpec()
+    if args.ep * skew.experts_per_rank != shape.num_experts + args.redundant:
+        logger.warning("the skew puts each layer's hot experts on one rank for ep=4 with 4 redundant slots; "
+                       "ep=%d with %d redundant slots spreads them differently", args.ep, args.redundant)
+    path = str(build_skewed_checkpoint(shape, skew))
+    prompts = make_prompts(args.prompts, args.prompt_len, shape.vocab_size, seed=0)
+    warmup_prompts = make_prompts(args.prompts, args.prompt_len, shape.vocab_size, seed=1)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    warmup = SamplingParams(max_tokens=args.warmup_tokens, temperature=0.0, ignore_eos=True)
+    kv_bytes = 4 * 2**20 + 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 4 \
+        * args.prompts * (args.prompt_len + max(args.new_tokens, args.warmup_tokens) + 16)
+    variants = ["static", "rebalanced"]
+    engines: dict[str, LLM] = {}
+    runs: dict[str, list[TimedRun]] = {v: [] for v in variants}
+    spans: dict[str, list[LoadSpan]] = {v: [] for v in variants}
+    comm: dict[str, list[StepTime]] = {}
+    before_rebalance = None
+    event = None
+    recording = None
+    started_all = time.perf_counter()
+    try:
+        for variant in variants:
+            logger.info("starting the %s engine (ep=%d, dp_attn=%d, %d redundant slots)", variant, args.ep,
+                        args.dp_attn, args.redundant)
+            engines[variant] = LLM(path, device="cpu", dtype="float32", ep=args.ep, dp_attn=args.dp_attn,
+                                   num_redundant_experts=args.redundant, eplb_interval=0, eplb_window=RECORD_WINDOW,
+                                   max_num_seqs=args.prompts, kv_cache_memory=kv_bytes)
+            span, _ = expert_load_span(engines[variant].engine,
+                                       lambda: timed_generate(engines[variant].engine, warmup_prompts, warmup, "warmup"))
+            if variant == "rebalanced":
+                before_rebalance = span
+                event = engines[variant].engine.rebalance_now()
+                logger.info("rebalance: ok=%s, %d experts moved in %.3fs, balancedness %.3f -> %.3f (planning window)",
+                            event.ok, event.experts_moved, event.duration_s, event.balancedness_before,
+                            event.balancedness_after)
+                if not event.ok:
+                    raise RuntimeError(f"rebalance failed: {event.error}")
+        for repeat in range(args.repeats):
+            for variant in variants:
+                engine = engines[variant].engine
+
+                def timed():
+                    return per_rank_comm_share(engine, lambda: timed_generate(engine, prompts, params,
+                                                                              f"r{repeat}-{variant}"))
+
+                span, (deltas, run) = expert_load_span(engine, timed)
+                runs[variant].append(run)
+                spans[variant].append(span)
+                comm[variant] = [d + c for d, c in zip(deltas, comm[variant])] if variant in comm else deltas
+                logger.info("repeat %d/%d %s: %.1f tok/s (decode %.1f), balancedness %.3f", repeat + 1, args.repeats,
+                            variant, run.tok_s, run.decode_tok_s, span.measured_balancedness())
+        logger.info("recording an expert-load trace on the static engine -> %s", args.trace)
+        waves = [make_prompts(args.prompts // 2, args.prompt_len, shape.vocab_size, seed=2 + w) for w in range(2)]
+        recording = record_trace(engines["static"].engine, waves, params, Path(args.trace),
+                                 shape.num_experts + args.redundant, args.ep)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+
+    results = {}
+    for variant in variants:
+        total = LoadSpan(sum(s.expert_counts for s in spans[variant]), sum(s.rank_load for s in spans[variant]),
+                         spans[variant][-1].placement)
+        results[variant] = VariantResult(
+            variant=variant, tok_s=max(r.tok_s for r in runs[variant]),
+            decode_tok_s=max(r.decode_tok_s for r in runs[variant]), tok_s_all=[r.tok_s for r in runs[variant]],
+            balancedness_measured=total.measured_balancedness(),
+            balancedness_planned=total.planned_balancedness(args.ep),
+            rank_load_max_over_mean=total.max_over_mean(), hot_rank_share=total.hot_rank_share(),
+            rank_load_per_layer=total.rank_load.tolist(),
+            comm_share_per_rank=[d.comm_share for d in comm[variant]],
+        )
+    for result in results.values():
+        result.ratio_vs_static = result.tok_s / results["static"].tok_s
+    same = sum(a == b for a, b in zip(runs["static"][-1].tokens, runs["rebalanced"][-1].tokens))
+    identical = f"{same}/{len(prompts)}"
+    cores = os.cpu_count() or 1
+    notes = []
+    if args.ep > cores:
+        notes.append(f"{args.ep} ranks share {cores} cores: while the busiest rank computes, the others mostly "
+                     f"wait in combine off-CPU, so the straggler costs less wall time than with a core per rank; "
+                     f"the per-rank load (max/mean) is the figure that carries over to one device per rank")
+    if results["rebalanced"].ratio_vs_static < 1.05:
+        notes.append("rebalancing did not raise throughput measurably here (see the per-rank load for what changed)")
+
+    s, r = results["static"], results["rebalanced"]
+    print(f"\nLive rebalance, skewed Qwen3-MoE (hidden {shape.hidden_size}, {shape.num_hidden_layers} layers, "
+          f"{shape.num_experts} experts top-{shape.num_experts_per_tok}, fp32), ep={args.ep} dp_attn={args.dp_attn}, "
+          f"{args.redundant} redundant slots, {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new "
+          f"(greedy), {cores} cores, best of {args.repeats}")
+    header = (f"{'placement':11} {'tok/s':>8} {'vs static':>10} {'decode tok/s':>13} {'balancedness':>13} "
+              f"{'planned':>8} {'max/mean':>9} {'busiest rank':>13} {'comm share per rank':>24}")
+    print(header)
+    print("-" * len(header))
+    for v in (s, r):
+        shares = " ".join(f"{c:.0%}" for c in v.comm_share_per_rank)
+        print(f"{v.variant:11} {v.tok_s:>8.1f} {v.ratio_vs_static:>9.2f}x {v.decode_tok_s:>13.1f} "
+              f"{v.balancedness_measured:>13.3f} {v.balancedness_planned:>8.3f} {v.rank_load_max_over_mean:>9.2f} "
+              f"{v.hot_rank_share:>12.0%} {shares:>24}")
+    print(f"balancedness = mean/max of tokens per rank (measured from physical-slot counts over the timed runs), "
+          f"layer mean; busiest rank = its share of all expert tokens")
+    print(f"rebalance ({event.trigger}): {event.experts_moved} expert weights moved in {event.duration_s * 1e3:.0f} ms; "
+          f"balancedness on its planning window {event.balancedness_before:.3f} -> {event.balancedness_after:.3f} "
+          f"(warm-up measured under static: {before_rebalance.measured_balancedness():.3f})")
+    print(f"greedy tokens identical, static vs rebalanced: {identical}")
+    print(f"trace: {recording.rows} rows ({sum(recording.steps_per_row)} lock-step steps, "
+          f"{recording.tokens} expert choices) -> {recording.path}")
+    for note in notes:
+        print(f"note: {note}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(
+        benchmark="live_rebalance", shape=asdict(shape), skew=asdict(skew), dtype="float32", ep=args.ep,
+        dp_attn=args.dp_attn, num_redundant_experts=args.redundant, prompts=args.prompts, prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens, repeats=args.repeats, quick=args.quick,
+        cores=cores, machine=platform.machine(), python=sys.version.split()[0], torch=torch.__version__,
+        rows=[asdict(results[v]) for v in variants], rebalance_event=event.to_dict(),
+        warmup_balancedness_static=before_rebalance.measured_balancedness(), identical_tokens=identical,
+        trace=asdict(recording), notes=notes, seconds=time.perf_counter() - started_all,
+        command="python bench/bench_live_rebalance.py" + (" --quick" if args.quick else ""),
+    ), indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
