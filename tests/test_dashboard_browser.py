@@ -126,6 +126,14 @@ def text_of(driver, element_id: str) -> str:
     return driver.find_element(By.ID, element_id).text
 
 
+def number(text: str) -> float:
+    """A figure shown on the page ('–' while there is none yet)."""
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
+
+
 def console_errors(driver) -> list[dict]:
     return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
 
@@ -177,7 +185,7 @@ def test_heatmap_shows_the_models_experts_and_the_numbers_of_v1_expert_load(moe_
         wait_for(browser, lambda d: page_state(d)["expert_load"]["steps"] > moved["steps"], what="more steps")
         later = chart(browser, "heatmap")["data"][0]["z"]
         assert later != first["counts"], "the heatmap did not change while requests flowed"
-        wait_for(browser, lambda d: float(text_of(d, "summary-tokens")) > 0, what="a token rate above 0")
+        wait_for(browser, lambda d: number(text_of(d, "summary-tokens")) > 0, what="a token rate above 0")
     assert traffic.completed > 0 and not traffic.errors
 
     # the engine is idle now: the page settles on exactly what /v1/expert_load reports

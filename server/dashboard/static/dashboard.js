@@ -46,7 +46,10 @@
     let next;
     try {
       const state = await fetchJSON("/dashboard/state");
-      if (dashboard.instance !== null && state.instance !== dashboard.instance) dashboard.restarts += 1;
+      if (dashboard.instance !== null && state.instance !== dashboard.instance) {
+        dashboard.restarts += 1;
+        delete $("rebalance-button").dataset.result;   // an old rebalance result says nothing about this server
+      }
       dashboard.instance = state.instance;
       dashboard.failures = 0;
       render(state);
@@ -266,7 +269,9 @@
     const button = $("rebalance-button");
     if (!button.dataset.busy) button.disabled = !rebalance.available;
     button.title = rebalance.available ? "plan a new placement from the current window and migrate now" : rebalance.reason;
-    if (!rebalance.available && !button.dataset.result) $("rebalance-note").textContent = `not available: ${rebalance.reason}`;
+    if (!button.dataset.result && !button.dataset.busy) {
+      $("rebalance-note").textContent = rebalance.available ? "" : `not available: ${rebalance.reason}`;
+    }
   }
 
   // ---- actions -----------------------------------------------------------------------------
