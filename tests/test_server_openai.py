@@ -271,14 +271,15 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(http):
     body = {"prompt": list(range(10, 60)), "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
-        received = 0
-        for line in response.iter_lines():
-            if line.startswith("data: ") and "choices" in line:
-                received += 1
-            if received >= 3:
-                break
+        lines = response.iter_lines()  # keep the iterator: dropping it mid-stream closes the connection
+        chunks = 0
+        while chunks < 3:
+            line = next(lines)
+            chunks += line.startswith("data: ") and "choices" in line
         during = metrics(http)
-        assert during[FREE] < free_at_start  # the request holds blocks
+        assert during[FREE] < free_at_start  # the request holds blocks while the client is still there
+        assert during[RUNNING] == 1
+    # leaving the block closes the connection mid-stream
     after = wait_for_idle_kv(http, free_at_start)
     assert after['moe_requests_total{status="aborted"}'] == aborted_before + 1
     assert after['moe_request_finish_total{reason="abort"}'] >= 1
@@ -316,6 +317,7 @@ def test_queue_full_is_429_with_retry_after(server, http):
 
 def test_metrics_report_requests_tokens_and_latency(http, client):
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=4, extra_body={"ignore_eos": True})
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}).status_code == 400
     samples = metrics(http)
     assert samples['moe_requests_total{status="success"}'] >= 1
     assert samples['moe_requests_total{status="bad_request"}'] >= 1

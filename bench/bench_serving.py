@@ -1,0 +1,338 @@
+"""Serving benchmark: `moe-serve` under N concurrent streaming clients vs transformers' plain generate loop.
+
+Starts `moe-serve` itself (the embedded demo model unless --model), then for each concurrency
+level runs a closed loop of streaming clients (each sends its next request when the previous
+one ends) over prompts of mixed lengths, every request generating exactly --max-tokens tokens
+(ignore_eos). Reports output throughput, time to first token and inter-token latency (gaps
+between streamed chunks) at p50/p99, and TPOT ((e2e - TTFT) / (tokens - 1)).
+
+The baseline is what a user without a serving engine runs: the same checkpoint in
+transformers, `model.generate` greedy, one request after another (fp32, same device). It has no
+concurrency, so its row is compared with the server's at each level on throughput, and with
+the server at concurrency 1 on latency.
+
+    python bench/bench_serving.py                      # about 4-6 minutes on 2 CPU cores
+    python bench/bench_serving.py --levels 1,4 --max-tokens 32 --baseline-requests 4   # quick look
+
+Writes bench/results/serving.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LISTENING = re.compile(r"moe-serve: serving .* on (http://[^\s]+)")
+PROMPT_LENGTHS = (16, 48, 128, 320)  # cycled: a mix of short chat turns and longer documents
+
+logger = logging.getLogger("bench_serving")
+
+
+@dataclass
+class RequestRecord:
+    prompt_len: int
+    start: float
+    first_token: float | None = None
+    end: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.completion_tokens < 2:
+            return None
+        return (self.end - self.first_token) / (self.completion_tokens - 1)
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+@dataclass
+class LevelResult:
+    name: str
+    concurrency: int
+    requests: int
+    failed: int
+    duration_s: float
+    output_tokens: int
+    throughput_tok_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    tpot_mean_ms: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def summarize(name: str, concurrency: int, records: list[RequestRecord], duration_s: float) -> LevelResult:
+    ok = [r for r in records if r.error is None and r.first_token is not None]
+    tokens = sum(r.completion_tokens for r in ok)
+    gaps = [g for r in ok for g in r.gaps()]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    return LevelResult(
+        name=name, concurrency=concurrency, requests=len(records), failed=len(records) - len(ok),
+        duration_s=duration_s, output_tokens=tokens, throughput_tok_s=tokens / duration_s,
+        ttft_p50_ms=1e3 * percentile([r.ttft for r in ok], 50), ttft_p99_ms=1e3 * percentile([r.ttft for r in ok], 99),
+        itl_p50_ms=1e3 * percentile(gaps, 50), itl_p99_ms=1e3 * percentile(gaps, 99),
+        tpot_mean_ms=1e3 * float(np.mean(tpots)) if tpots else float("nan"),
+    )
+
+
+def make_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab_size) for _ in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])]
+            for i in range(count)]
+
+
+# ---- the server -----------------------------------------------------------------------------
+
+class Server:
+    def __init__(self, model: str, device: str, max_num_seqs: int, timeout_s: float = 300.0):
+        command = [sys.executable, "-m", "moe_runtime.cli", "--model", model, "--device", device, "--port", "0",
+                   "--max-num-seqs", str(max_num_seqs), "--max-queue", "4096", "--log-level", "warning"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.url = None
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.process.stdout:
+                self.lines.append(line)
+                match = LISTENING.search(line)
+                if match:
+                    self.url = match.group(1)
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(0.2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("moe-serve did not start:\n" + "".join(self.lines[-40:]))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> RequestRecord:
+    record = RequestRecord(len(prompt), time.perf_counter())
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    record.error = chunk["error"]["message"]
+                    break
+                if chunk.get("usage"):
+                    record.completion_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                    if record.first_token is None:
+                        record.first_token = now
+                    record.chunk_times.append(now)
+    except httpx.HTTPError as exc:
+        record.error = repr(exc)
+    record.end = time.perf_counter()
+    return record
+
+
+async def run_level(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[list, float]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    records: list[RequestRecord] = []
+
+    async def client_loop(client):
+        while True:
+            try:
+                prompt = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            records.append(await stream_one(client, prompt, max_tokens))
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        return records, time.perf_counter() - start
+
+
+def bench_server(model: str, device: str, levels: list[int], prompts_per_level: dict[int, list[list[int]]],
+                 max_tokens: int) -> list[LevelResult]:
+    server = Server(model, device, max_num_seqs=max(levels))
+    results = []
+    try:
+        asyncio.run(run_level(server.url, prompts_per_level[levels[0]][:2], 2, 8))  # warm-up
+        for level in levels:
+            prompts = prompts_per_level[level]
+            logger.info("moe-serve: %d streaming clients, %d requests of %d tokens", level, len(prompts), max_tokens)
+            records, duration = asyncio.run(run_level(server.url, prompts, level, max_tokens))
+            result = summarize("moe-serve", level, records, duration)
+            if result.failed:
+                errors = {r.error for r in records if r.error}
+                logger.warning("%d requests failed: %s", result.failed, sorted(errors)[:3])
+            logger.info("  %.1f tok/s, TTFT p50 %.0f ms, ITL p50 %.1f ms", result.throughput_tok_s,
+                        result.ttft_p50_ms, result.itl_p50_ms)
+            results.append(result)
+    finally:
+        server.stop()
+    return results
+
+
+# ---- the transformers baseline ----------------------------------------------------------------
+
+class TokenTimes:
+    """A `generate` streamer that only records when each new token appears (the first put is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def bench_hf(model_path: str, device: str, prompts: list[list[int]], max_tokens: int) -> LevelResult:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch_device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                ("cpu" if device == "auto" else device))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(torch_device).eval()
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                              eos_token_id=None, pad_token_id=model.config.pad_token_id)
+    records = []
+    with torch.inference_mode():
+        warm = torch.tensor([prompts[0][:8]], device=torch_device)
+        model.generate(warm, attention_mask=torch.ones_like(warm), generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=2, eos_token_id=None, pad_token_id=model.config.pad_token_id))
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            logger.info("transformers generate: request %d/%d (%d prompt tokens)", i + 1, len(prompts), len(prompt))
+            ids = torch.tensor([prompt], device=torch_device)                    # [1, T]
+            times = TokenTimes()
+            record = RequestRecord(len(prompt), time.perf_counter())
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=times)
+            record.end = time.perf_counter()
+            record.completion_tokens = out.shape[1] - ids.shape[1]
+            record.first_token = times.times[0]
+            record.chunk_times = times.times
+            records.append(record)
+        duration = time.perf_counter() - start
+    return summarize("transformers generate (sequential)", 1, records, duration)
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+def print_table(server: list[LevelResult], baseline: LevelResult | None) -> None:
+    header = (f"{'engine':<36} {'clients':>7} {'reqs':>5} {'tok/s':>8} {'x base':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+              f"{'ITL p50':>8} {'ITL p99':>8} {'TPOT':>7}")
+    print(header)
+    print("-" * len(header))
+    rows = ([baseline] if baseline else []) + server
+    for r in rows:
+        ratio = r.throughput_tok_s / baseline.throughput_tok_s if baseline else float("nan")
+        print(f"{r.name:<36} {r.concurrency:>7} {r.requests - r.failed:>5} {r.throughput_tok_s:>8.1f} {ratio:>6.2f}x "
+              f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>7.0f}ms {r.itl_p50_ms:>6.1f}ms {r.itl_p99_ms:>6.1f}ms "
+              f"{r.tpot_mean_ms:>5.1f}ms")
+    print("(ms; ITL = gaps between streamed chunks; TPOT = (e2e - TTFT) / (tokens - 1); x base = throughput ratio)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="HF checkpoint directory; default: the embedded demo model")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--levels", default="1,4,16,64", help="comma-separated client counts")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    parser.add_argument("--requests-per-client", type=int, default=2, help="requests per client at each level")
+    parser.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
+    parser.add_argument("--baseline-requests", type=int, default=8, help="sequential transformers requests")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "serving.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    if args.model is None:
+        from moe_runtime.demo import ensure_demo_model
+
+        model = str(ensure_demo_model())
+    else:
+        model = str(Path(args.model).resolve())
+    config = json.loads((Path(model) / "config.json").read_text())
+    levels = [int(x) for x in args.levels.split(",")]
+    prompts_per_level = {level: make_prompts(max(args.min_requests, level * args.requests_per_client),
+                                             config["vocab_size"], seed=level) for level in levels}
+    started = time.perf_counter()
+    server_results = bench_server(model, args.device, levels, prompts_per_level, args.max_tokens)
+    baseline = None
+    if args.baseline_requests > 0:
+        baseline = bench_hf(model, args.device, make_prompts(args.baseline_requests, config["vocab_size"], seed=99),
+                            args.max_tokens)
+    print()
+    print_table(server_results, baseline)
+    report = {
+        "benchmark": "serving",
+        "model": model if args.model else "embedded demo model (DeepSeek-V3 style, random weights)",
+        "architecture": config.get("architectures", ["?"])[0],
+        "device": args.device,
+        "max_tokens": args.max_tokens,
+        "prompt_lengths": list(PROMPT_LENGTHS),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "wall_s": time.perf_counter() - started,
+        "baseline": asdict(baseline) if baseline else None,
+        "server": [asdict(r) for r in server_results],
+        "throughput_vs_baseline": {str(r.concurrency): (r.throughput_tok_s / baseline.throughput_tok_s
+                                                        if baseline else None) for r in server_results},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
