@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="start no further repeat once the timed repeats have taken this long (>= 1 repeat runs)")
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x1t1", "2x2", "4x4"],
                         help="EPxDP_ATTN (2x2, 4x2), or 1x1tN for one rank with N threads; the first is the baseline")
     parser.add_argument("--out", default=None, help="default: bench/results/ep_decode.json "
@@ -191,6 +193,7 @@ def main() -> None:
     kv_bytes = 4 * 2**20 + 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * 4 \
         * args.prompts * (args.prompt_len + args.new_tokens + 16)
 
+    budget_note = None
     engines, results = {}, {}  # engines keyed by (ep, dp_attn): the ep=1 rows share one in-process engine
     default_threads = torch.get_num_threads()
     try:
@@ -206,7 +209,12 @@ def main() -> None:
                                            start_seconds=time.perf_counter() - started)
         runs: dict[Layout, list[TimedRun]] = {layout: [] for layout in layouts}
         step_time: dict[Layout, StepTime] = {layout: StepTime() for layout in layouts}
+        timed_started = time.perf_counter()
         for repeat in range(args.repeats):
+            if repeat and time.perf_counter() - timed_started > args.budget_s:
+                budget_note = f"stopped after {repeat} of {args.repeats} repeats: --budget-s {args.budget_s:g} spent"
+                logger.warning(budget_note)
+                break
             for layout in layouts:
                 engine = engines[(layout.ep, layout.dp_attn)].engine
                 torch.set_num_threads(layout.threads or default_threads)
@@ -229,7 +237,7 @@ def main() -> None:
         r.tok_s = max(r.tok_s_all)
         r.decode_tok_s = max(run.decode_tok_s for run in runs[layout])
         r.comm_share = step_time[layout].comm_share
-        r.steps_per_repeat = step_time[layout].steps / args.repeats
+        r.steps_per_repeat = step_time[layout].steps / len(runs[layout])
         same = sum(a == b for a, b in zip(runs[layout][-1].tokens, reference_tokens))
         r.identical_to_ep1 = f"{same}/{len(prompts)}"
         if layout.ep > (os.cpu_count() or 1):
@@ -238,7 +246,7 @@ def main() -> None:
         r = results[layout]
         r.ratio_vs_ep1 = r.tok_s / baseline.tok_s
         r.decode_ratio_vs_ep1 = r.decode_tok_s / baseline.decode_tok_s
-    notes = []
+    notes = [budget_note] if budget_note else []
     one_thread = [results[layout] for layout in layouts if layout.ep == 1 and layout.threads == 1]
     if one_thread and baseline is not one_thread[0] and one_thread[0].tok_s > 1.5 * baseline.tok_s:
         notes.append(f"{baseline.layout} ran {one_thread[0].tok_s / baseline.tok_s:.1f}x slower than ep=1 on one "
@@ -246,7 +254,7 @@ def main() -> None:
                      f"other; rerun on a quiet machine before quoting the ep=1 ratios")
 
     print(f"\nEnd-to-end generation, Qwen3-MoE bench shape (fp32), {args.prompts} prompts x {args.prompt_len} tokens, "
-          f"{args.new_tokens} new (greedy), {os.cpu_count()} cores, best of {args.repeats}")
+          f"{args.new_tokens} new (greedy), {os.cpu_count()} cores, best of {len(runs[layouts[0]])}")
     header = (f"{'layout':16} {'tok/s':>8} {'vs ep=1':>8} {'decode tok/s':>13} {'vs ep=1':>8} "
               f"{'dispatch+combine':>17} {'same tokens':>12} {'start s':>8}")
     print(header)

@@ -1,6 +1,6 @@
 """Live expert rebalancing end to end: decode throughput with the static placement vs after a rebalance.
 
-On the skewed checkpoint of bench/skewed_checkpoint.py (hidden 256, 4 layers, 16 experts top-2, fp32;
+On the skewed checkpoint of bench/skewed_checkpoint.py (hidden 256, 4 layers, 16 experts top-2, expert intermediate 1024, fp32;
 each layer sends ~70% of its top-2 choices to 5 experts that share one rank under the static
 placement), two engines with the same settings (ep=4, dp_attn=4, 4 redundant expert slots):
   static      never rebalances: the static placement (slot e -> expert e, redundant slots 16..19 ->
@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--warmup-tokens", type=int, default=16, help="new tokens per prompt of the warm-up the plan uses")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="start no further repeat once the timed repeats have taken this long (>= 1 repeat runs)")
     parser.add_argument("--out", default=None, help="default: bench/results/live_rebalance.json (--quick: bench/.cache/)")
     parser.add_argument("--trace", default=None, help="default: bench/traces/recorded.json (--quick: bench/.cache/)")
     args = parser.parse_args()
@@ -199,6 +201,7 @@ def main() -> None:
     before_rebalance = None
     event = None
     recording = None
+    budget_note = None
     started_all = time.perf_counter()
     try:
         for variant in variants:
@@ -217,7 +220,12 @@ def main() -> None:
                             event.balancedness_after)
                 if not event.ok:
                     raise RuntimeError(f"rebalance failed: {event.error}")
+        timed_started = time.perf_counter()
         for repeat in range(args.repeats):
+            if repeat and time.perf_counter() - timed_started > args.budget_s:
+                budget_note = f"stopped after {repeat} of {args.repeats} repeats: --budget-s {args.budget_s:g} spent"
+                logger.warning(budget_note)
+                break
             for variant in variants:
                 engine = engines[variant].engine
 
@@ -257,7 +265,7 @@ def main() -> None:
     same = sum(a == b for a, b in zip(runs["static"][-1].tokens, runs["rebalanced"][-1].tokens))
     identical = f"{same}/{len(prompts)}"
     cores = os.cpu_count() or 1
-    notes = []
+    notes = [budget_note] if budget_note else []
     if args.ep > cores:
         notes.append(f"{args.ep} ranks share {cores} cores: while the busiest rank computes, the others mostly "
                      f"wait in combine off-CPU, so the straggler costs less wall time than with a core per rank; "
@@ -269,7 +277,7 @@ def main() -> None:
     print(f"\nLive rebalance, skewed Qwen3-MoE (hidden {shape.hidden_size}, {shape.num_hidden_layers} layers, "
           f"{shape.num_experts} experts top-{shape.num_experts_per_tok}, fp32), ep={args.ep} dp_attn={args.dp_attn}, "
           f"{args.redundant} redundant slots, {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new "
-          f"(greedy), {cores} cores, best of {args.repeats}")
+          f"(greedy), {cores} cores, best of {len(runs['static'])}")
     header = (f"{'placement':11} {'tok/s':>8} {'vs static':>10} {'decode tok/s':>13} {'balancedness':>13} "
               f"{'planned':>8} {'max/mean':>9} {'busiest rank':>13} {'comm share per rank':>24}")
     print(header)

@@ -33,7 +33,7 @@ class SkewedShape:
     num_hidden_layers: int = 4
     num_experts: int = 16
     num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 512
+    moe_intermediate_size: int = 1024
     intermediate_size: int = 512
     vocab_size: int = 4096
     num_attention_heads: int = 4
@@ -58,7 +58,8 @@ class SkewSpec:
 
 
 def checkpoint_path(shape: SkewedShape = SkewedShape(), skew: SkewSpec = SkewSpec()) -> Path:
-    return CACHE / f"qwen3moe-skewed-h{shape.hidden_size}-l{shape.num_hidden_layers}-e{shape.num_experts}-s{skew.hot_scale:g}"
+    return CACHE / (f"qwen3moe-skewed-h{shape.hidden_size}-l{shape.num_hidden_layers}-e{shape.num_experts}"
+                    f"-i{shape.moe_intermediate_size}-s{skew.hot_scale:g}")
 
 
 def build_skewed_checkpoint(shape: SkewedShape = SkewedShape(), skew: SkewSpec = SkewSpec()) -> Path:
