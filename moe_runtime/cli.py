@@ -35,6 +35,11 @@ class ServeConfigError(MoERuntimeError):
     """A flag value (or a combination of flags) the launcher cannot run with; the message names the flag."""
 
 
+# ServeConfig fields handed to EngineConfig under the same name when the engine has them.
+LAYOUT_FIELDS = ("ep", "dp_attn", "tp", "pp", "a2a_backend", "num_redundant_experts", "eplb_interval",
+                 "master_addr", "master_port", "nnodes", "node_rank")
+
+
 def parse_size(text: str) -> int:
     """Bytes from '512M', '2G', '1.5GiB', '268435456' (binary units: 1K = 1024)."""
     match = _SIZE.match(str(text))
@@ -112,10 +117,6 @@ class ServeConfig:
     master_port: int | None = None        # None = a free port (single node)
     log_level: str = "info"
 
-    @property
-    def multi_process(self) -> bool:
-        return max(self.ep, self.nnodes) > 1
-
     def validate(self) -> None:
         if self.node_rank >= self.nnodes:
             raise ServeConfigError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
@@ -131,29 +132,36 @@ class ServeConfig:
             raise ServeConfigError(f"--eplb-interval {self.eplb_interval} needs --ep > 1 (one rank has nothing to rebalance)")
         if self.ep == 1 and self.a2a_backend not in ("auto", "local"):
             raise ServeConfigError(f"--a2a-backend {self.a2a_backend} needs --ep > 1; with one rank it is 'local'")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ServeConfigError("--device cuda: no CUDA device is visible to this process "
+                                       "(use --device cpu, or auto)")
         if self.model is not None and not Path(self.model).is_dir():
             raise ServeConfigError(f"--model {self.model}: no such checkpoint directory")
 
     def engine_config(self, model_path: str) -> EngineConfig:
-        return EngineConfig(
-            model=model_path,
-            device=self.device,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            kv_cache_memory=self.kv_cache_memory,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+        """The EngineConfig for these flags. Layout flags the engine has no field for yet are refused by name
+        (left at their defaults they are simply not passed)."""
+        kwargs = dict(
+            model=model_path, device=self.device, dtype=self.dtype, block_size=self.block_size,
+            kv_cache_memory=self.kv_cache_memory, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             kernels=self.kernels,
-            ep=self.ep,
-            dp_attn=self.dp_attn,
-            a2a_backend=self.a2a_backend,
-            num_redundant_experts=self.num_redundant_experts,
-            master_addr=self.master_addr,
-            master_port=self.master_port,
-            nnodes=self.nnodes,
-            node_rank=self.node_rank,
         )
+        known = {f.name for f in fields(EngineConfig)}
+        defaults = ServeConfig(model=None)
+        missing = []
+        for name in LAYOUT_FIELDS:
+            value = getattr(self, name)
+            if name in known:
+                kwargs[name] = value
+            elif value != getattr(defaults, name):
+                missing.append(f"--{name.replace('_', '-')} {value}")
+        if missing:
+            raise ServeConfigError(f"{', '.join(missing)}: not available yet in this engine")
+        return EngineConfig(**kwargs)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServeConfig":
@@ -233,17 +241,13 @@ def resolve_model(config: ServeConfig) -> tuple[str, str]:
 
 
 def build_engine(config: ServeConfig, model_path: str) -> Engine:
-    """The engine `moe-serve` runs: in-process for one rank, the multi-process EP engine otherwise."""
-    not_yet = [flag for flag, asked in (("--tp", config.tp > 1), ("--pp", config.pp > 1),
-                                        ("--eplb-interval", config.eplb_interval > 0)) if asked]
-    if not_yet:
-        raise ServeConfigError(f"{', '.join(not_yet)}: not available yet in this engine (attention TP comes from "
-                               "--ep / --dp-attn; expert rebalancing runs through the load balancer API)")
+    """The engine `moe-serve` runs: in-process for one rank, the multi-process engine otherwise (as `LLM` picks)."""
     engine_config = config.engine_config(model_path)
-    if config.multi_process:
+    if engine_config.world_size > 1 or engine_config.nnodes > 1:
         from moe_runtime.multiprocess_engine import MultiprocessEngine
 
-        logger.info("starting %d worker processes (ep %d, dp-attn %d)", config.ep, config.ep, config.dp_attn)
+        logger.info("starting %d worker processes (ep %d, dp-attn %d, tp %d, pp %d)", engine_config.world_size,
+                    config.ep, config.dp_attn, config.tp, config.pp)
         return MultiprocessEngine(engine_config)
     from moe_runtime.engine_core import EngineCore
 

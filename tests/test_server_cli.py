@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from moe_runtime.cli import ServeConfig, ServeConfigError, bind_socket, build_engine, build_parser, main, parse_size
+from moe_runtime.cli import ServeConfig, ServeConfigError, bind_socket, build_parser, main, parse_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,7 @@ def test_flags_map_onto_engine_config(tmp_path):
     assert (engine_config.device, engine_config.dtype, engine_config.max_num_seqs) == ("cpu", "bf16", 7)
     assert (engine_config.max_model_len, engine_config.kv_cache_memory, engine_config.block_size) == (300, 64 * 2**20, 8)
     assert (config.max_queue, config.api_key, config.port, config.host) == (3, "k", 0, "127.0.0.1")
-    assert not config.multi_process
+    assert engine_config.world_size == 1
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -56,13 +57,15 @@ def test_bad_flag_combinations_name_the_flag(flags, message):
         config.validate()
 
 
-@pytest.mark.parametrize("flags,named", [(["--tp", "2"], "--tp"), (["--pp", "2"], "--pp"),
-                                          (["--ep", "2", "--eplb-interval", "50"], "--eplb-interval")])
-def test_layouts_the_engine_cannot_run_yet_say_so(tmp_path, flags, named):
-    config = ServeConfig.from_args(build_parser().parse_args(flags))
-    config.validate()
-    with pytest.raises(ServeConfigError, match=f"{named}.*not available yet"):
-        build_engine(config, str(tmp_path))
+def test_layout_flags_the_engine_has_no_field_for_are_refused_by_name(tmp_path, monkeypatch):
+    import moe_runtime.cli as cli
+
+    monkeypatch.setattr(cli, "LAYOUT_FIELDS", cli.LAYOUT_FIELDS + ("future_knob",))
+    monkeypatch.setattr(cli.ServeConfig, "future_knob", 0, raising=False)
+    config = ServeConfig.from_args(build_parser().parse_args(["--ep", "2"]))
+    config.future_knob = 3
+    with pytest.raises(ServeConfigError, match="--future-knob 3: not available yet"):
+        config.engine_config(str(tmp_path))
 
 
 def test_expert_parallel_flags_reach_the_engine_config(tmp_path):
@@ -71,7 +74,7 @@ def test_expert_parallel_flags_reach_the_engine_config(tmp_path):
          "--master-port", "29555"]))
     config.validate()
     engine_config = config.engine_config(str(tmp_path))
-    assert config.multi_process and engine_config.world_size == 4 and engine_config.attn_tp == 2
+    assert engine_config.world_size == 4 and (engine_config.ep, engine_config.dp_attn) == (4, 2)
     assert (engine_config.a2a_backend, engine_config.num_redundant_experts, engine_config.master_port) == \
         ("allgather", 4, 29555)
 
@@ -84,6 +87,13 @@ def test_out_of_range_flags_exit_with_usage_error(flags, capsys):
     assert info.value.code == 2
     flag = flags[0]
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error():
+    config = ServeConfig.from_args(build_parser().parse_args(["--device", "cuda"]))
+    with pytest.raises(ServeConfigError, match="--device cuda: no CUDA device"):
+        config.validate()
 
 
 def test_main_reports_config_errors_without_a_traceback(capsys):
