@@ -199,6 +199,7 @@ def main() -> None:
         * args.prompts * (args.prompt_len + args.new_tokens + 16)
 
     budget_note = None
+    load_at_start = os.getloadavg()[0]  # other processes on the machine: the figures are only as quiet as this
     engines, results = {}, {}  # engines keyed by (ep, dp_attn): the ep=1 rows share one in-process engine
     default_threads = torch.get_num_threads()
     try:
@@ -272,6 +273,8 @@ def main() -> None:
               f"{r.median_ratio_vs_ep1:>7.2f}x {r.decode_tok_s:>13.1f} "
               f"{r.decode_ratio_vs_ep1:>7.2f}x {r.comm_share:>16.0%} {r.identical_to_ep1:>12} {r.start_seconds:>8.1f}")
     print("dispatch+combine: share of forward-step time in WorkerStats.moe_comm_seconds, summed over DP workers")
+    print(f"machine load (1-min average, {os.cpu_count()} cores): {load_at_start:.1f} at start, "
+          f"{os.getloadavg()[0]:.1f} at the end")
     for note in notes:
         print(f"note: {note}")
     out = Path(args.out)
@@ -280,6 +283,7 @@ def main() -> None:
         benchmark="ep_decode", shape=SHAPE, dtype="float32", prompts=args.prompts, prompt_len=args.prompt_len,
         new_tokens=args.new_tokens, repeats=args.repeats, quick=args.quick, cores=os.cpu_count(),
         machine=platform.machine(), python=sys.version.split()[0], torch=torch.__version__,
+        load_average_1m=dict(start=load_at_start, end=os.getloadavg()[0]),
         rows=[asdict(results[layout]) for layout in layouts], notes=notes,
         command="python bench/bench_ep_decode.py" + (" --quick" if args.quick else ""),
     ), indent=2))

@@ -103,7 +103,8 @@ class VariantResult:
     rank_load_max_over_mean: float
     hot_rank_share: float
     rank_load_per_layer: list[list[float]]
-    comm_share_per_rank: list[float]  # dispatch + combine / step time, per DP worker (= rank here)
+    comm_share_per_rank: list[float]  # dispatch + combine / step time, per DP worker (its first rank)
+    step_ms_per_rank: list[float]     # mean forward-step wall time, per DP worker (its first rank)
     ratio_vs_static: float = 1.0
     median_ratio_vs_static: float = 1.0
 
@@ -194,6 +195,7 @@ def summarize(variant: str, runs: list[TimedRun], spans: list[LoadSpan], comm: l
         balancedness_measured=total.measured_balancedness(), balancedness_planned=total.planned_balancedness(ep),
         rank_load_max_over_mean=total.max_over_mean(), hot_rank_share=total.hot_rank_share(),
         rank_load_per_layer=total.rank_load.tolist(), comm_share_per_rank=[d.comm_share for d in comm],
+        step_ms_per_rank=[1e3 * d.step_seconds / max(d.steps, 1) for d in comm],
     )
 
 
@@ -288,14 +290,15 @@ def print_report(report: LayoutReport, args) -> None:
           f"(greedy), {cores} cores, {len(report.rows[0].tok_s_all)} repeats")
     header = (f"{'placement':11} {'best tok/s':>10} {'vs static':>10} {'median':>8} {'vs static':>10} "
               f"{'decode tok/s':>13} {'balancedness':>13} {'planned':>8} {'max/mean':>9} {'busiest rank':>13} "
-              f"{'comm share per rank':>24}")
+              f"{'step ms':>8} {'comm share per rank':>24}")
     print(header)
     print("-" * len(header))
     for v in report.rows:
         shares = " ".join(f"{c:.0%}" for c in v.comm_share_per_rank)
         print(f"{v.variant:11} {v.tok_s:>10.1f} {v.ratio_vs_static:>9.2f}x {v.tok_s_median:>8.1f} "
               f"{v.median_ratio_vs_static:>9.2f}x {v.decode_tok_s:>13.1f} {v.balancedness_measured:>13.3f} "
-              f"{v.balancedness_planned:>8.3f} {v.rank_load_max_over_mean:>9.2f} {v.hot_rank_share:>12.0%} {shares:>24}")
+              f"{v.balancedness_planned:>8.3f} {v.rank_load_max_over_mean:>9.2f} {v.hot_rank_share:>12.0%} "
+              f"{sum(v.step_ms_per_rank) / len(v.step_ms_per_rank):>8.1f} {shares:>24}")
     event = report.rebalance_event
     print(f"rebalance ({event['trigger']}): {event['experts_moved']} expert weights moved in "
           f"{event['duration_s'] * 1e3:.0f} ms; balancedness on its planning window "
@@ -356,6 +359,7 @@ def main() -> None:
         * args.prompts * (args.prompt_len + max(args.new_tokens, args.warmup_tokens) + 16),
     )
     started = time.perf_counter()
+    load_at_start = os.getloadavg()[0]  # other processes on the machine: the figures are only as quiet as this
     reports = []
     for index, (ep, dp_attn) in enumerate(layouts):
         reports.append(bench_layout(ep, dp_attn, args, path, work, Path(args.trace) if index == 0 else None))
@@ -363,7 +367,10 @@ def main() -> None:
         print_report(report, args)
     print("\nbalancedness = mean/max of tokens per rank (measured from physical-slot counts over the timed runs), "
           "layer mean; planned = the same logical load under the placement, replicas splitting evenly; "
-          "busiest rank = its share of all expert tokens; comm share = dispatch + combine / step time")
+          "busiest rank = its share of all expert tokens; step ms = forward-step wall time, mean over DP workers; "
+          "comm share = dispatch + combine / step time")
+    print(f"machine load (1-min average, {os.cpu_count()} cores): {load_at_start:.1f} at start, "
+          f"{os.getloadavg()[0]:.1f} at the end")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
@@ -372,6 +379,7 @@ def main() -> None:
         prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         warmup_tokens=args.warmup_tokens, repeats=args.repeats, quick=args.quick, cores=os.cpu_count(),
         machine=platform.machine(), python=sys.version.split()[0], torch=torch.__version__,
+        load_average_1m=dict(start=load_at_start, end=os.getloadavg()[0]),
         layouts=[asdict(report) for report in reports], seconds=time.perf_counter() - started,
         command="python bench/bench_live_rebalance.py" + (" --quick" if args.quick else ""),
     ), indent=2))
