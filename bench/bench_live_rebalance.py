@@ -124,7 +124,7 @@ def expert_load_span(engine, run) -> tuple[LoadSpan, object]:
     return LoadSpan.between(before, engine.expert_load()), result
 
 
-def per_rank_comm_share(engine, run) -> tuple[list[StepTime], object]:
+def step_time_deltas(engine, run) -> tuple[list[StepTime], object]:
     """Run `run()`; each DP worker's step-time deltas over it and run's result."""
     before = list(engine.stats().workers)
     result = run()
@@ -240,7 +240,7 @@ def bench_layout(ep: int, dp_attn: int, args, path: str, work: Workload, trace_p
                 engine = engines[variant].engine
 
                 def timed():
-                    return per_rank_comm_share(engine, lambda: timed_generate(engine, work.prompts, work.params,
+                    return step_time_deltas(engine, lambda: timed_generate(engine, work.prompts, work.params,
                                                                               f"r{repeat}-{variant}"))
 
                 span, (deltas, run) = expert_load_span(engine, timed)
