@@ -28,7 +28,8 @@ class LockstepLoop:
         self.commands = commands
         self.results = results
         self.parallel = parallel
-        self.reports_outputs = parallel.attn_tp_rank == 0  # one rank per DP worker talks to the front
+        # one rank per DP worker talks to the front: on the last pipeline stage, which samples
+        self.reports_outputs = parallel.attn_tp_rank == 0 and parallel.is_last_stage
         self._received: list = []
         self._applied = 0
         self.steps = 0
@@ -70,17 +71,19 @@ class LockstepLoop:
         elif isinstance(command, AbortRequest):
             self.core.abort(command.request_id)
         elif isinstance(command, RebalanceNow):
-            if self.rebalancer is None:
+            if self.rebalancer is None or self.parallel.pp_size > 1:
                 if self.parallel.rank == 0:
                     self.results.put(RebalanceReport(RebalanceEvent(
                         -1, "manual", 0.0, 0.0, 0, 1.0, 1.0, ok=False,
-                        error="nothing to rebalance: the model has no MoE layers or runs on one rank")))
+                        error="nothing to rebalance: no MoE layers, one rank, or pipeline stages (pp > 1 "
+                              "rebalancing is not supported yet)")))
             else:
                 self.rebalancer.start("manual", command.fail_on_rank)
         elif isinstance(command, SnapshotExpertLoad):
-            snapshot = self.core.expert_load(group=dist.group.WORLD)
-            if self.parallel.rank == 0:
-                self.results.put(ExpertLoadReport(snapshot))
+            # summed over the stage's EP group; each pipeline stage's first rank reports its layers
+            snapshot = self.core.expert_load(group=self.parallel.ep_group)
+            if self.parallel.ep_rank == 0 and self.parallel.attn_tp_rank == 0 and self.parallel.dp_rank == 0:
+                self.results.put(ExpertLoadReport(snapshot, self.parallel.pp_rank))
         else:
             raise TypeError(f"unknown command {command!r}")
 

@@ -49,6 +49,8 @@ class WorkerReady:
     max_model_len: int
     expert_bytes: int          # bytes of routed-expert weights resident on this rank
     total_expert_bytes: int    # bytes of routed-expert weights in the whole model
+    weight_bytes: int = 0      # bytes of all weights resident on this rank
+    pp_rank: int = 0
 
 
 @dataclass
@@ -61,7 +63,8 @@ class StepOutputs:
 
 @dataclass
 class ExpertLoadReport:
-    snapshot: object            # load_balancer.ExpertLoadSnapshot, summed over ranks
+    snapshot: object            # load_balancer.ExpertLoadSnapshot of one pipeline stage, summed over its ranks
+    stage: int = 0
 
 
 @dataclass

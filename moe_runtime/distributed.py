@@ -36,16 +36,34 @@ def init_distributed(rank: int, world_size: int, device: torch.device, master_ad
     logger.info("rank %d/%d joined (%s)", rank, world_size, backend)
 
 
-def build_parallel_context(layout: ParallelLayout, rank: int, device: torch.device) -> ParallelContext:
-    """Groups: the EP group is the whole world; each DP attention worker is `attn_tp` consecutive ranks.
+def build_parallel_context(layout: ParallelLayout, rank: int, device: torch.device, num_layers: int) -> ParallelContext:
+    """This rank's groups. Ranks are laid out stage by stage: rank = stage * stage_size + local.
 
-    Every rank creates every group in the same order, as torch.distributed requires.
+    Within a stage, the EP group is the stage and each DP attention worker is `attn_tp` consecutive
+    ranks; a pipeline group joins the ranks at the same local position of every stage. Every rank
+    creates every group in the same order, as torch.distributed requires.
     """
-    tp = layout.attn_tp
-    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(layout.dp_attn)]
+    size, tp = layout.stage_size, layout.attn_tp
+    dp_size = size // tp
+    stage, local = divmod(rank, size)
+    stage_groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(layout.pp)]
+    tp_groups = {
+        (s, d): dist.new_group(list(range(s * size + d * tp, s * size + (d + 1) * tp)))
+        for s in range(layout.pp) for d in range(dp_size)
+    }
+    pp_groups = [dist.new_group([position + s * size for s in range(layout.pp)]) for position in range(size)]
+    split = layout.stage_layers(num_layers)
+    first_layer = sum(split[:stage])
     return ParallelContext(
         world_size=layout.world_size, rank=rank, device=device,
-        ep_size=layout.ep, ep_rank=rank, ep_group=dist.group.WORLD,
-        dp_size=layout.dp_attn, dp_rank=rank // tp,
-        attn_tp_size=tp, attn_tp_rank=rank % tp, attn_tp_group=tp_groups[rank // tp],
+        ep_size=layout.ep, ep_rank=local if layout.ep > 1 else 0,
+        ep_group=dist.group.WORLD if layout.pp == 1 else stage_groups[stage],
+        dp_size=dp_size, dp_rank=local // tp,
+        attn_tp_size=tp, attn_tp_rank=local % tp, attn_tp_group=tp_groups[(stage, local // tp)],
+        pp_size=layout.pp, pp_rank=stage, pp_group=pp_groups[local],
+        pp_prev_rank=rank - size if stage > 0 else None,
+        pp_next_rank=rank + size if stage < layout.pp - 1 else None,
+        pp_last_rank=local + (layout.pp - 1) * size,
+        dense_tp=layout.tp > 1,
+        stage_layers=(first_layer, first_layer + split[stage]) if layout.pp > 1 else None,
     )

@@ -25,6 +25,10 @@ class EngineConfig:
     # Parallel layout: world = ep ranks; dp_attn DP attention workers of ep // dp_attn ranks each.
     ep: int = 1
     dp_attn: int = 1
+    tp: int = 1                          # tensor parallelism of dense models (heads, MLP, vocab)
+    pp: int = 1                          # pipeline stages (layers split across ranks)
+    pp_layers: tuple[int, ...] | None = None  # layers per stage; default: as even as possible
+    pp_micro_batches: int = 0            # micro-batches per step so stages overlap (0 = pp)
     a2a_backend: str = "auto"            # "auto" | "local" | "all_to_all" | "allgather" | "deepep"
     num_redundant_experts: int = 0       # extra physical expert slots for replicas of hot experts
     eplb_interval: int = 0               # rebalance experts every N steps (0 = only on demand)
@@ -38,13 +42,15 @@ class EngineConfig:
     node_rank: int = 0
     worker_timeout_s: float = 600.0      # a collective stuck this long is a dead job
 
-    @property
-    def world_size(self) -> int:
-        return self.ep
+    def layout(self):
+        from moe_runtime.parallel_layout import ParallelLayout
+
+        return ParallelLayout(self.ep, self.dp_attn, self.num_redundant_experts, self.tp, self.pp,
+                              tuple(self.pp_layers) if self.pp_layers else None)
 
     @property
-    def attn_tp(self) -> int:
-        return self.ep // max(self.dp_attn, 1)
+    def world_size(self) -> int:
+        return self.layout().world_size
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

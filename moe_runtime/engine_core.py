@@ -21,13 +21,22 @@ from moe_runtime.moe_executor import LocalMoEExecutor
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.parallel_context import ParallelContext
 from moe_runtime.parallel_layout import ParallelLayout
-from moe_runtime.sampler import Sampler
+from moe_runtime.pipeline import broadcast_sampled_tokens, run_pipeline_step
+from moe_runtime.sampler import SampleResult, Sampler
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moe_runtime.sequence import FinishReason, Sequence
 from moe_runtime.weight_loading import load_model_weights
 
 logger = logging.getLogger(__name__)
+
+
+def agree_on_minimum(value: int) -> int:
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
 
 
 def load_tokenizer(checkpoint_dir: Path):
@@ -67,7 +76,7 @@ class EngineCore:
         self.checkpoint_dir = Path(config.model)
         self.hf_config = load_hf_config(self.checkpoint_dir)
         self.architecture = architecture_of(self.hf_config)
-        ParallelLayout(config.ep, config.dp_attn, config.num_redundant_experts).validate(self.hf_config)
+        config.layout().validate(self.hf_config)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.hf_config)
         self.parallel = parallel or ParallelContext.single(self.device)
@@ -87,6 +96,8 @@ class EngineCore:
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
         num_blocks = kv_blocks_for_budget(self.model, config.kv_cache_memory, config.block_size, self.dtype)
+        if self.parallel.world_size > 1:  # every rank schedules alike: pipeline stages hold different layers
+            num_blocks = agree_on_minimum(num_blocks)
         if num_blocks < 1:
             raise InvalidRequestError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of {config.block_size} tokens"
@@ -103,6 +114,7 @@ class EngineCore:
         self._generation_tokens = 0
         self._steps = 0
         self._step_seconds = 0.0
+        self._compute_seconds = 0.0
         logger.info("engine ready: %s (%s, %s, kernels=%s) in %.2fs", self.architecture, self.device,
                     self.dtype, self.kernels.name, time.perf_counter() - started)
 
@@ -155,6 +167,19 @@ class EngineCore:
             return []
         return self.execute(batch)
 
+    def _forward_and_sample(self, seqs: list[Sequence]) -> SampleResult:
+        if self.parallel.pp_size == 1:
+            logits = self.runner.execute(seqs)
+            return self.sampler(logits, seqs) if seqs else SampleResult([], [])
+        micro_batches = self.config.pp_micro_batches or self.parallel.pp_size
+        result = run_pipeline_step(self.runner, seqs, self.parallel, micro_batches)
+        self._compute_seconds += result.compute_seconds
+        if not seqs:
+            return SampleResult([], [])
+        sampled = self.sampler(result.logits, seqs) if self.parallel.is_last_stage else None
+        tokens = broadcast_sampled_tokens(sampled.token_ids if sampled else None, len(seqs), self.parallel)
+        return sampled or SampleResult(tokens, [None] * len(seqs))
+
     def schedule(self) -> ScheduledBatch | None:
         return self.scheduler.schedule()
 
@@ -165,13 +190,12 @@ class EngineCore:
         phase = phase or ("prefill" if batch is None or batch.is_prefill else "decode")
         started = time.perf_counter()
         self.executor.begin_step(phase)
-        logits = self.runner.execute(seqs)
+        sampled = self._forward_and_sample(seqs)
         self.executor.end_step()
         self._steps += 1
         self._step_seconds += time.perf_counter() - started
         if not seqs:
             return []
-        sampled = self.sampler(logits, batch.seqs)
         outputs = []
         self._generation_tokens += len(batch.seqs)
         for seq, token, logprob in zip(batch.seqs, sampled.token_ids, sampled.logprobs):
@@ -196,6 +220,7 @@ class EngineCore:
             steps=self._steps,
             step_seconds=self._step_seconds,
             moe_comm_seconds=getattr(self.executor, "comm_seconds", 0.0),
+            compute_seconds=self._compute_seconds if self.parallel.pp_size > 1 else self._step_seconds,
         )
 
     def stats(self) -> EngineStats:

@@ -25,6 +25,7 @@ class WorkerStats:
     steps: int = 0                  # forward steps run (lock-step ones with empty batches included)
     step_seconds: float = 0.0       # wall time in forward steps, cumulative
     moe_comm_seconds: float = 0.0   # ... of which in dispatch + combine (expert-parallel communication)
+    compute_seconds: float = 0.0    # ... of which running this rank's layers (pipeline: the rest is bubble)
 
     @property
     def kv_usage(self) -> float:

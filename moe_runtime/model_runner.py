@@ -32,6 +32,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
         self.caches = [
             LayerKVCache.allocate(spec, num_blocks, block_size, dtype, device) for spec in model.kv_cache_specs()
         ]

@@ -57,11 +57,34 @@ def main_module_hidden():
             setattr(main, name, value)
 
 
+def merge_stage_snapshots(snapshots: list):
+    """One snapshot over all MoE layers from the pipeline stages' snapshots (stage order = layer order)."""
+    present = [s for s in snapshots if s is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    import torch
+
+    first = present[0]
+    joined = {name: torch.cat([getattr(s, name) for s in present]) for name in
+              ("counts", "totals", "rank_load", "balancedness", "max_over_mean", "placement")}
+    return dataclasses.replace(first, **joined)
+
+
+def worker_context():
+    """Workers fork from a server process that has already imported torch and the engine (started
+    once per front process): a new job's ranks start in well under a second instead of re-importing
+    torch each. Forking from that clean server, never from the front, keeps CUDA and threads sane."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "transformers", "moe_runtime.worker", "moe_runtime.engine_core",
+                                    "attention_dp.lockstep", "moe_runtime.ep_executor"])
+    return context
+
+
 class MultiprocessEngine:
     def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0):
         self.config = config
         self.hf_config = load_hf_config(config.model)
-        self.layout = ParallelLayout(config.ep, config.dp_attn, config.num_redundant_experts)
+        self.layout = config.layout()
         self.layout.validate(self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
         self.tokenizer = load_tokenizer(Path(config.model))
@@ -78,7 +101,7 @@ class MultiprocessEngine:
     # ---- start-up and tear-down -------------------------------------------------------------
     def _start_workers(self, timeout_s: float) -> None:
         world = self.layout.world_size
-        context = mp.get_context("spawn")
+        context = worker_context()
         self._results = context.Queue()
         self._commands = [context.Queue() for _ in range(world)]
         port = self.config.master_port or free_port(self.config.master_addr)
@@ -271,13 +294,16 @@ class MultiprocessEngine:
         for commands in self._commands:
             commands.put(SnapshotExpertLoad())
         deadline = time.monotonic() + self.config.worker_timeout_s
-        while time.monotonic() < deadline:
+        stages: dict[int, object] = {}
+        while len(stages) < self.layout.pp:
+            if time.monotonic() > deadline:
+                raise EngineDeadError("no expert-load report from every pipeline stage in time")
             message = self._next_message(timeout=0.5)
             if isinstance(message, ExpertLoadReport):
-                return message.snapshot
+                stages[message.stage] = message.snapshot
             if isinstance(message, StepOutputs):
                 self._stashed.append(message)
-        raise EngineDeadError("no expert-load report from rank 0 in time")
+        return merge_stage_snapshots([stages[s] for s in range(self.layout.pp)])
 
     def rebalance_now(self, fail_on_rank: int | None = None) -> RebalanceEvent:
         """Plan from the recorded window and migrate now (all ranks, at one step boundary).

@@ -11,8 +11,10 @@ import torch
 class ParallelContext:
     """Where this process sits in the job.
 
-    world = ep ranks (x pp stages). Each DP attention worker spans `attn_tp_size` ranks that split
-    attention heads; the EP group spans every rank of a pipeline stage.
+    world = pp stages x stage ranks. Within a stage: the EP group spans the stage's ranks; each DP
+    attention worker spans `attn_tp_size` of them, which split attention heads (for a dense model
+    with tp > 1 they also split the MLP and the vocabulary: `dense_tp`). Across stages, the ranks
+    at the same position form a pipeline group that passes activations on.
     """
 
     world_size: int = 1
@@ -28,6 +30,20 @@ class ParallelContext:
     attn_tp_group: Any = None
     pp_size: int = 1
     pp_rank: int = 0
+    pp_group: Any = None
+    pp_prev_rank: int | None = None     # global rank of the previous stage's peer
+    pp_next_rank: int | None = None
+    pp_last_rank: int | None = None     # global rank of the last stage's peer (samples the tokens)
+    dense_tp: bool = False              # dense MLP, embedding and LM head split over the attention-TP group
+    stage_layers: tuple[int, int] | None = None  # [first, last) decoder layers of this stage; None = all
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":

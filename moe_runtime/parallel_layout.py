@@ -1,9 +1,12 @@
 """Which parallel layouts a model admits; invalid ones are rejected before any process starts."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from moe_runtime.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 
 def num_routed_experts(hf_config) -> int:
@@ -19,23 +22,54 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Layers per pipeline stage, as even as possible (earlier stages take the remainder)."""
+    base, extra = divmod(num_layers, stages)
+    return tuple(base + (1 if s < extra else 0) for s in range(stages))
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
+    """world = pp stages x stage_size ranks; stage_size = ep (MoE) or tp (dense)."""
+
     ep: int = 1
     dp_attn: int = 1
     num_redundant_experts: int = 0
+    tp: int = 1
+    pp: int = 1
+    pp_layers: tuple[int, ...] | None = None
+
+    @property
+    def stage_size(self) -> int:
+        return self.ep * self.tp  # one of them is 1
 
     @property
     def world_size(self) -> int:
-        return self.ep
+        return self.stage_size * self.pp
 
     @property
     def attn_tp(self) -> int:
-        return self.ep // self.dp_attn
+        """Ranks splitting the heads of one DP attention worker."""
+        return self.tp if self.tp > 1 else self.ep // self.dp_attn
+
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        return self.pp_layers or even_split(num_layers, self.pp)
 
     def validate(self, hf_config) -> None:
-        if self.ep < 1:
-            raise InvalidRequestError(f"ep={self.ep}: must be >= 1")
+        for name in ("ep", "tp", "pp", "dp_attn"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.ep > 1 and self.tp > 1:
+            raise InvalidRequestError(
+                f"ep={self.ep} with tp={self.tp}: tp splits dense models; an MoE model splits experts with ep "
+                f"and attention heads with dp_attn < ep (attention TP = ep / dp_attn)"
+            )
+        self._validate_pipeline(hf_config)
+        if self.pp > 1 and self.num_redundant_experts:
+            raise InvalidRequestError("num_redundant_experts with pp > 1: expert rebalancing across pipeline "
+                                      "stages is not supported yet; use pp=1")
+        if self.tp > 1:
+            self._validate_tensor_parallel(hf_config)
         if self.dp_attn < 1 or self.ep % self.dp_attn:
             raise InvalidRequestError(
                 f"dp_attn={self.dp_attn} must divide ep={self.ep}; valid dp_attn for ep={self.ep}: {divisors(self.ep)}"
@@ -59,7 +93,7 @@ class ParallelLayout:
         if self.num_redundant_experts and self.ep == 1:
             raise InvalidRequestError("num_redundant_experts needs ep > 1: replicas on one rank gain nothing")
         heads = hf_config.num_attention_heads
-        if heads % self.attn_tp:
+        if self.tp == 1 and heads % self.attn_tp:
             valid_dp = [d for d in divisors(self.ep) if heads % (self.ep // d) == 0]
             raise InvalidRequestError(
                 f"attention TP = ep/dp_attn = {self.attn_tp} does not divide the {heads} attention heads; "
@@ -70,3 +104,42 @@ class ParallelLayout:
             raise InvalidRequestError(
                 f"attention TP = {self.attn_tp} and {kv_heads} KV heads: one must divide the other"
             )
+
+    def _validate_pipeline(self, hf_config) -> None:
+        layers = hf_config.num_hidden_layers
+        if self.pp > layers:
+            raise InvalidRequestError(f"pp={self.pp} exceeds the model's {layers} layers; use pp <= {layers}")
+        if self.pp_layers is not None:
+            if len(self.pp_layers) != self.pp or sum(self.pp_layers) != layers or min(self.pp_layers) < 1:
+                raise InvalidRequestError(
+                    f"pp_layers={list(self.pp_layers)} must give {self.pp} stages of >= 1 layer summing to the "
+                    f"model's {layers} layers (e.g. {list(even_split(layers, self.pp))})"
+                )
+
+    def _validate_tensor_parallel(self, hf_config) -> None:
+        if num_routed_experts(hf_config) > 1:
+            raise InvalidRequestError(
+                f"tp={self.tp}: tensor parallelism is for dense models; this MoE model uses ep (experts) and "
+                f"dp_attn (attention TP = ep / dp_attn)"
+            )
+        heads = hf_config.num_attention_heads
+        if heads % self.tp:
+            valid = [d for d in divisors(heads)]
+            raise InvalidRequestError(f"tp={self.tp} does not divide the {heads} attention heads; valid tp: {valid}")
+        inter = hf_config.intermediate_size
+        if inter % self.tp:
+            raise InvalidRequestError(f"tp={self.tp} does not divide intermediate_size={inter}; valid tp: "
+                                      f"{[d for d in divisors(heads) if inter % d == 0]}")
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        if kv_heads % self.tp and self.tp % kv_heads:
+            raise InvalidRequestError(f"tp={self.tp} and {kv_heads} KV heads: one must divide the other")
+        if self.kv_replication(hf_config) > 1:
+            logger.warning("tp=%d > %d KV heads: each KV head is replicated on %d ranks, so the job's KV cache "
+                           "holds %dx the bytes of an unreplicated one", self.tp, kv_heads,
+                           self.kv_replication(hf_config), self.kv_replication(hf_config))
+
+    def kv_replication(self, hf_config) -> int:
+        """How many ranks hold a copy of each KV head (1 = no replication)."""
+        tp = self.attn_tp
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        return tp // kv_heads if tp > kv_heads else 1

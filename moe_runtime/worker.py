@@ -29,12 +29,16 @@ class WorkerSpec:
     log_level: int = logging.WARNING
 
 
-def exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> None:
-    """A worker never outlives the front process, even when the front is killed with SIGKILL."""
+def exit_when_parent_dies(front_pid: int, poll_s: float = 1.0) -> None:
+    """A worker never outlives the front process, even when the front is killed with SIGKILL.
+
+    (Workers are forked by a fork server, so the front is not their parent: watch its pid.)"""
 
     def watch() -> None:
         while True:
-            if os.getppid() != parent_pid:
+            try:
+                os.kill(front_pid, 0)
+            except ProcessLookupError:
                 os._exit(3)
             time.sleep(poll_s)
 
@@ -51,8 +55,10 @@ def worker_main(spec: WorkerSpec, commands, results) -> None:
         torch.set_num_threads(spec.num_threads)
         core = build_worker_engine(spec)
         local_bytes, total_bytes = core.resident_expert_bytes()
+        weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
         results.put(WorkerReady(spec.rank, core.parallel.dp_rank, core.block_manager.num_blocks,
-                                core.block_manager.block_size, core.max_model_len, local_bytes, total_bytes))
+                                core.block_manager.block_size, core.max_model_len, local_bytes, total_bytes,
+                                weight_bytes, core.parallel.pp_rank))
         LockstepLoop(core, commands, results, core.parallel, build_rebalancer(core, spec.config)).run()
     except BaseException as exc:  # report, then die: the front tears the job down
         results.put(WorkerFailed(spec.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -85,8 +91,10 @@ def build_worker_engine(spec: WorkerSpec):
         device = torch.device("cuda", spec.rank % torch.cuda.device_count())
         config = dataclasses.replace(config, device=str(device))
     init_distributed(spec.rank, spec.world_size, device, spec.master_addr, spec.master_port, config.worker_timeout_s)
-    layout = ParallelLayout(config.ep, config.dp_attn, config.num_redundant_experts)
-    parallel = build_parallel_context(layout, spec.rank, device)
+    layout = config.layout()
+    from moe_runtime.model_config import load_hf_config
+
+    parallel = build_parallel_context(layout, spec.rank, device, load_hf_config(config.model).num_hidden_layers)
 
     def executor_factory(kernels, hf_config, dtype):
         return ExpertParallelExecutor(kernels, parallel, backend=config.a2a_backend,

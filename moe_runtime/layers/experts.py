@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_runtime.checkpoint import CheckpointReader, read_rows
+from moe_runtime.checkpoint import CheckpointReader, read_rows, read_slice
 from moe_runtime.weight_loading import copy_checked
 
 
@@ -64,25 +64,42 @@ class StackedExperts(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """SiLU-gated MLP as a single expert (weight 1, no router)."""
+    """SiLU-gated MLP as a single expert (weight 1, no router).
 
-    def __init__(self, hidden_size: int, intermediate_size: int, kernels, dtype=torch.float32, device=None):
+    Under tensor parallelism the one expert is split along its intermediate dim, exactly as an
+    expert is: rank r holds gate/up rows and down columns [r * I/tp, (r + 1) * I/tp), and the
+    ranks' partial outputs are summed with one all-reduce.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels, dtype=torch.float32, device=None,
+                 tp_size: int = 1, tp_rank: int = 0, tp_group=None):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.w13 = nn.Parameter(torch.empty(1, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
-                                requires_grad=False)  # [1, 2I, H]
-        self.w2 = nn.Parameter(torch.empty(1, hidden_size, intermediate_size, dtype=dtype, device=device),
-                               requires_grad=False)  # [1, H, I]
+        self.shard = intermediate_size // tp_size
+        self.shard_start = tp_rank * self.shard
+        self.tp_size, self.tp_group = tp_size, tp_group
+        self.w13 = nn.Parameter(torch.empty(1, 2 * self.shard, hidden_size, dtype=dtype, device=device),
+                                requires_grad=False)  # [1, 2I/tp, H]
+        self.w2 = nn.Parameter(torch.empty(1, hidden_size, self.shard, dtype=dtype, device=device),
+                               requires_grad=False)  # [1, H, I/tp]
         self._kernels = kernels
 
     def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
-        inter = self.intermediate_size
-        for rows, name in ((slice(0, inter), "gate_proj"), (slice(inter, 2 * inter), "up_proj")):
+        start, stop, shard = self.shard_start, self.shard_start + self.shard, self.shard
+        for rows, name in ((slice(0, shard), "gate_proj"), (slice(shard, 2 * shard), "up_proj")):
             full = f"{prefix}{name}.weight"
-            copy_checked(self.w13[0, rows], reader.read(full), full, reader.directory)
-        copy_checked(self.w2[0], reader.read(f"{prefix}down_proj.weight"), f"{prefix}down_proj.weight", reader.directory)
+            tensor = reader.read(full) if self.tp_size == 1 else read_slice(reader, full, 0, start, stop)
+            copy_checked(self.w13[0, rows], tensor, full, reader.directory)
+        full = f"{prefix}down_proj.weight"
+        tensor = reader.read(full) if self.tp_size == 1 else read_slice(reader, full, 1, start, stop)
+        copy_checked(self.w2[0], tensor, full, reader.directory)
         return {"w13", "w2"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         counts = torch.tensor([x.shape[0]], dtype=torch.long)
-        return self._kernels.expert_mlp(x, counts, self.w13, self.w2)
+        out = self._kernels.expert_mlp(x, counts, self.w13, self.w2)
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(out, group=self.tp_group)
+        return out

@@ -15,6 +15,7 @@ from moe_runtime.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Embedding, Linear
 from moe_runtime.layers.norm import RMSNorm
+from moe_runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_vocab_logits
 from moe_runtime.parallel_context import ParallelContext
 
 
@@ -27,6 +28,20 @@ class BuildContext:
     parallel: ParallelContext
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
+
+    def owns_layer(self, index: int) -> bool:
+        """Whether this pipeline stage holds decoder layer `index`."""
+        span = self.parallel.stage_layers
+        return span is None or span[0] <= index < span[1]
+
+    def dense_tp(self) -> dict:
+        """Tensor-parallel arguments for a dense MLP (split only when the model runs dense TP)."""
+        p = self.parallel
+        return dict(tp_size=p.attn_tp_size, tp_rank=p.attn_tp_rank, tp_group=p.attn_tp_group) if p.dense_tp else {}
+
+
+class MissingLayer(nn.Module):
+    """Stands for a decoder layer another pipeline stage holds (keeps the global layer indices)."""
 
 
 class DecoderLayer(nn.Module):
@@ -45,11 +60,30 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, layers: list[DecoderLayer], eps: float, ctx: BuildContext):
+    """Embedding, the decoder layers this stage holds, final norm (first/last pipeline stage only)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], eps: float, ctx: BuildContext,
+                 tie_word_embeddings: bool = False):
         super().__init__()
-        self.embed_tokens = Embedding(vocab_size, hidden_size, ctx.dtype, ctx.device)
+        p = ctx.parallel
+        self.embed_tokens = None
+        if p.is_first_stage or (p.is_last_stage and tie_word_embeddings):
+            if p.dense_tp:
+                self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size, p.attn_tp_size, p.attn_tp_rank,
+                                                           p.attn_tp_group, ctx.dtype, ctx.device)
+            else:
+                self.embed_tokens = Embedding(vocab_size, hidden_size, ctx.dtype, ctx.device)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden_size, eps, ctx.kernels, ctx.dtype, ctx.device)
+        self.norm = RMSNorm(hidden_size, eps, ctx.kernels, ctx.dtype, ctx.device) if p.is_last_stage else None
+
+    def owned_layers(self) -> list[nn.Module]:
+        return [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
+
+
+def build_stack(cfg, ctx: BuildContext, make_layer) -> DecoderStack:
+    """The stack with the layers this stage owns built by `make_layer(index)`, the others missing."""
+    layers = [make_layer(i) if ctx.owns_layer(i) else MissingLayer() for i in range(cfg.num_hidden_layers)]
+    return DecoderStack(cfg.vocab_size, cfg.hidden_size, layers, cfg.rms_norm_eps, ctx, cfg.tie_word_embeddings)
 
 
 class CausalLM(nn.Module):
@@ -57,27 +91,37 @@ class CausalLM(nn.Module):
 
     def __init__(self, hf_config, stack: DecoderStack, tie_word_embeddings: bool, ctx: BuildContext):
         super().__init__()
+        p = ctx.parallel
         self.hf_config = hf_config
         self.model = stack
+        self.tied = tie_word_embeddings
         self.lm_head = None
-        if not tie_word_embeddings:
-            vocab, hidden = stack.embed_tokens.weight.shape
+        self.parallel = p
+        vocab, hidden = hf_config.vocab_size, hf_config.hidden_size
+        if p.is_last_stage and p.dense_tp and not tie_word_embeddings:
+            self.lm_head = ParallelLMHead(vocab, hidden, p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group,
+                                          ctx.dtype, ctx.device)
+        elif p.is_last_stage and not tie_word_embeddings:
             self.lm_head = Linear(hidden, vocab, False, ctx.dtype, ctx.device)
 
     @property
     def num_layers(self) -> int:
-        return len(self.model.layers)
+        return len(self.model.owned_layers())
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        return [layer.self_attn.kv_cache_spec() for layer in self.model.layers]
+        return [layer.self_attn.kv_cache_spec() for layer in self.model.owned_layers()]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                caches: list[LayerKVCache]) -> torch.Tensor:  # [T] -> [T, H]
-        x = self.model.embed_tokens(input_ids)
-        for layer, cache in zip(self.model.layers, caches):
+                caches: list[LayerKVCache], hidden: torch.Tensor | None = None) -> torch.Tensor:  # [T] -> [T, H]
+        """Final hidden states, or, on a pipeline stage that is not the last, this stage's activations
+        (`hidden` carries the previous stage's; the first stage embeds `input_ids`)."""
+        x = self.model.embed_tokens(input_ids) if self.parallel.is_first_stage else hidden
+        for layer, cache in zip(self.model.owned_layers(), caches):
             x = layer(positions, x, batch, cache)
-        return self.model.norm(x)
+        return self.model.norm(x) if self.parallel.is_last_stage else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V] fp32
+        if self.parallel.dense_tp:
+            return gather_vocab_logits(hidden, self.model.embed_tokens if self.tied else self.lm_head)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

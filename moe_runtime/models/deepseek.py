@@ -6,7 +6,7 @@ from moe_runtime.layers.experts import DenseMLP
 from moe_runtime.layers.mla import MLAShape, MultiHeadLatentAttention, mla_softmax_scale
 from moe_runtime.layers.moe import MoEShape, SparseMoE
 from moe_runtime.models.common import rotary_for
-from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, DecoderStack
+from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
 
 
 def deepseek_v2_routing(cfg) -> RoutingConfig:
@@ -40,8 +40,8 @@ def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: b
         shared_intermediate_size=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0),
         shared_name="shared_experts", correction_bias=correction_bias,
     )
-    layers = []
-    for i in range(cfg.num_hidden_layers):
+
+    def make_layer(i: int) -> DecoderLayer:
         attention = MultiHeadLatentAttention(
             shape, rotary_for(cfg, cfg.qk_rope_head_dim, interleaved_rope), scale, ctx.kernels, ctx.dtype, ctx.device,
             ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group,
@@ -50,9 +50,9 @@ def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: b
             mlp = SparseMoE(i, moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device)
         else:
             mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx.kernels, ctx.dtype, ctx.device)
-        layers.append(DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx))
-    stack = DecoderStack(cfg.vocab_size, cfg.hidden_size, layers, cfg.rms_norm_eps, ctx)
-    return CausalLM(cfg, stack, cfg.tie_word_embeddings, ctx)
+        return DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
+
+    return CausalLM(cfg, build_stack(cfg, ctx, make_layer), cfg.tie_word_embeddings, ctx)
 
 
 def build_deepseek_v2(cfg, ctx: BuildContext) -> CausalLM:

@@ -3,20 +3,18 @@ from __future__ import annotations
 
 from moe_runtime.layers.experts import DenseMLP
 from moe_runtime.models.common import gqa_attention
-from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, DecoderStack
+from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
 
 
 def build_dense(cfg, ctx: BuildContext, *, qkv_bias: bool, o_bias: bool = False) -> CausalLM:
-    layers = [
-        DecoderLayer(
+    def make_layer(i: int) -> DecoderLayer:
+        return DecoderLayer(
             gqa_attention(cfg, i, ctx, qkv_bias=qkv_bias, o_bias=o_bias),
-            DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx.kernels, ctx.dtype, ctx.device),
+            DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx.kernels, ctx.dtype, ctx.device, **ctx.dense_tp()),
             cfg.hidden_size, cfg.rms_norm_eps, ctx,
         )
-        for i in range(cfg.num_hidden_layers)
-    ]
-    stack = DecoderStack(cfg.vocab_size, cfg.hidden_size, layers, cfg.rms_norm_eps, ctx)
-    return CausalLM(cfg, stack, cfg.tie_word_embeddings, ctx)
+
+    return CausalLM(cfg, build_stack(cfg, ctx, make_layer), cfg.tie_word_embeddings, ctx)
 
 
 def build_llama(cfg, ctx: BuildContext) -> CausalLM:

@@ -5,19 +5,18 @@ from kernels import RoutingConfig
 from moe_runtime.layers.experts import MIXTRAL_NAMING
 from moe_runtime.layers.moe import MoEShape, SparseMoE
 from moe_runtime.models.common import gqa_attention
-from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, DecoderStack
+from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
 
 
 def build_mixtral(cfg, ctx: BuildContext) -> CausalLM:
     routing = RoutingConfig(top_k=cfg.num_experts_per_tok, scoring="softmax", renormalize=True)
     shape = MoEShape(cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size)
-    layers = [
-        DecoderLayer(
+
+    def make_layer(i: int) -> DecoderLayer:
+        return DecoderLayer(
             gqa_attention(cfg, i, ctx),
             SparseMoE(i, shape, routing, ctx.executor, ctx.kernels, MIXTRAL_NAMING, ctx.dtype, ctx.device),
             cfg.hidden_size, cfg.rms_norm_eps, ctx, mlp_name="block_sparse_moe",
         )
-        for i in range(cfg.num_hidden_layers)
-    ]
-    stack = DecoderStack(cfg.vocab_size, cfg.hidden_size, layers, cfg.rms_norm_eps, ctx)
-    return CausalLM(cfg, stack, cfg.tie_word_embeddings, ctx)
+
+    return CausalLM(cfg, build_stack(cfg, ctx, make_layer), cfg.tie_word_embeddings, ctx)

@@ -5,7 +5,7 @@ from kernels import RoutingConfig
 from moe_runtime.layers.experts import DenseMLP
 from moe_runtime.layers.moe import MoEShape, SparseMoE
 from moe_runtime.models.common import gqa_attention
-from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, DecoderStack
+from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
 
 
 def is_sparse_layer(cfg, layer_index: int) -> bool:
@@ -19,16 +19,16 @@ def _build(cfg, ctx: BuildContext, shape: MoEShape, *, qkv_bias: bool, qk_norm: 
            sparse_rule=is_sparse_layer) -> CausalLM:
     routing = RoutingConfig(top_k=cfg.num_experts_per_tok, scoring="softmax",
                             renormalize=bool(getattr(cfg, "norm_topk_prob", False)))
-    layers = []
-    for i in range(cfg.num_hidden_layers):
+
+    def make_layer(i: int) -> DecoderLayer:
         if sparse_rule(cfg, i):
             mlp = SparseMoE(i, shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device)
         else:
             mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx.kernels, ctx.dtype, ctx.device)
         attention = gqa_attention(cfg, i, ctx, qkv_bias=qkv_bias, qk_norm=qk_norm)
-        layers.append(DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx))
-    stack = DecoderStack(cfg.vocab_size, cfg.hidden_size, layers, cfg.rms_norm_eps, ctx)
-    return CausalLM(cfg, stack, cfg.tie_word_embeddings, ctx)
+        return DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
+
+    return CausalLM(cfg, build_stack(cfg, ctx, make_layer), cfg.tie_word_embeddings, ctx)
 
 
 def build_qwen2_moe(cfg, ctx: BuildContext) -> CausalLM:
