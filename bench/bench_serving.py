@@ -111,10 +111,12 @@ def make_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
 # ---- the server -----------------------------------------------------------------------------
 
 class Server:
-    def __init__(self, model: str, device: str, max_num_seqs: int, timeout_s: float = 300.0):
+    def __init__(self, model: str, device: str, max_num_seqs: int, threads: int | None, timeout_s: float = 300.0):
         command = [sys.executable, "-m", "moe_runtime.cli", "--model", model, "--device", device, "--port", "0",
                    "--max-num-seqs", str(max_num_seqs), "--max-queue", "4096", "--log-level", "warning"]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.url = None
@@ -196,8 +198,8 @@ async def run_level(url: str, prompts: list[list[int]], concurrency: int, max_to
 
 
 def bench_server(model: str, device: str, levels: list[int], prompts_per_level: dict[int, list[list[int]]],
-                 max_tokens: int) -> list[LevelResult]:
-    server = Server(model, device, max_num_seqs=max(levels))
+                 max_tokens: int, threads: int | None) -> list[LevelResult]:
+    server = Server(model, device, max_num_seqs=max(levels), threads=threads)
     results = []
     try:
         asyncio.run(run_level(server.url, prompts_per_level[levels[0]][:2], 2, 8))  # warm-up
@@ -236,9 +238,13 @@ class TokenTimes:
         pass
 
 
-def bench_hf(model_path: str, device: str, prompts: list[list[int]], max_tokens: int) -> LevelResult:
+def bench_hf(model_path: str, device: str, prompts: list[list[int]], max_tokens: int,
+             threads: int | None) -> LevelResult:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if threads:
+        torch.set_num_threads(threads)
 
     torch_device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                 ("cpu" if device == "auto" else device))
@@ -291,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-client", type=int, default=2, help="requests per client at each level")
     parser.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
     parser.add_argument("--baseline-requests", type=int, default=8, help="sequential transformers requests")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for both the server and the baseline (default: torch's choice); "
+                             "1 gives steadier figures on a shared machine")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "serving.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -312,10 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     # load changes over minutes, and the comparison should not flatter the server.
     baseline_runs = []
     if args.baseline_requests > 0:
-        baseline_runs.append(bench_hf(model, args.device, baseline_prompts, args.max_tokens))
-    server_results = bench_server(model, args.device, levels, prompts_per_level, args.max_tokens)
+        baseline_runs.append(bench_hf(model, args.device, baseline_prompts, args.max_tokens, args.threads))
+    server_results = bench_server(model, args.device, levels, prompts_per_level, args.max_tokens, args.threads)
     if args.baseline_requests > 0:
-        baseline_runs.append(bench_hf(model, args.device, baseline_prompts, args.max_tokens))
+        baseline_runs.append(bench_hf(model, args.device, baseline_prompts, args.max_tokens, args.threads))
     baseline = max(baseline_runs, key=lambda r: r.throughput_tok_s) if baseline_runs else None
     print()
     print_table(server_results, baseline)
@@ -324,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": model if args.model else "embedded demo model (DeepSeek-V3 style, random weights)",
         "architecture": config.get("architectures", ["?"])[0],
         "device": args.device,
+        "threads": args.threads,
         "max_tokens": args.max_tokens,
         "prompt_lengths": list(PROMPT_LENGTHS),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
