@@ -11,7 +11,7 @@ transformers, `model.generate` greedy, one request after another (fp32, same dev
 concurrency, so its row is compared with the server's at each level on throughput, and with
 the server at concurrency 1 on latency. It runs before and after the server; the faster run is kept.
 
-    python bench/bench_serving.py                      # about 4-6 minutes on 2 CPU cores
+    python bench/bench_serving.py --threads 1          # about 1-4 minutes on 2 shared CPU cores
     python bench/bench_serving.py --levels 1,4 --max-tokens 32 --baseline-requests 4   # quick look
 
 Writes bench/results/serving.json.

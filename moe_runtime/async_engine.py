@@ -197,8 +197,9 @@ class AsyncEngine:
         try:
             await asyncio.wrap_future(admitted)
         except BaseException:
-            if not admitted.done() or admitted.exception() is None:
-                self.abort(request_id)  # cancelled while waiting: the engine may still admit it
+            refused = admitted.done() and not admitted.cancelled() and admitted.exception() is not None
+            if not refused:
+                self.abort(request_id)  # the caller gave up waiting: the engine may have admitted it anyway
             self._mark_started(stream)
             raise
         return stream
@@ -314,6 +315,8 @@ class AsyncEngine:
                 return True
 
     def _add(self, command: _Add) -> None:
+        if not command.admitted.set_running_or_notify_cancel():
+            return  # the caller stopped waiting before the engine saw it
         stream = command.stream
         try:
             if stream.request_id in self._streams:
@@ -329,6 +332,8 @@ class AsyncEngine:
         command.admitted.set_result(None)
 
     def _run_call(self, command: _Call) -> None:
+        if not command.done.set_running_or_notify_cancel():
+            return  # the caller timed out or was cancelled before its turn
         try:
             result = command.fn(self.engine)
         except EngineDeadError as exc:

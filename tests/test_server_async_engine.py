@@ -138,6 +138,34 @@ def test_queue_full_rejects_beyond_max_queue():
     assert outputs[-1].finished
 
 
+def test_giving_up_on_a_submission_or_call_leaves_the_engine_healthy_and_empty():
+    engine = FakeEngine(step_delay_s=0.1)
+    async_engine = started(engine)
+
+    async def main():
+        busy = await async_engine.submit("busy", [1], SamplingParams(max_tokens=10_000))
+        await busy.__anext__()          # the engine thread now sleeps 0.1 s per step
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(async_engine.submit("impatient", [1], SamplingParams(max_tokens=10_000)), 0.01)
+        with pytest.raises(asyncio.TimeoutError):
+            await async_engine.call(lambda e: e.steps, timeout_s=0.01)
+        async_engine.abort("busy")
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not engine.has_unfinished():
+                break
+        return await async_engine.call(lambda e: e.has_unfinished())
+
+    try:
+        unfinished = run(main())
+        health = async_engine.health()
+    finally:
+        async_engine.shutdown()
+    assert health.healthy, health.detail
+    assert unfinished is False
+    assert async_engine.num_unstarted == 0
+
+
 @pytest.mark.parametrize("failure", ["die_at_step", "crash_at_step", "health_fails_at_step"])
 def test_engine_death_ends_in_flight_requests_and_refuses_new_ones(failure):
     engine = FakeEngine(step_delay_s=0.002, **{failure: 5})
