@@ -43,8 +43,7 @@ def build_parallel_context(layout: ParallelLayout, rank: int, device: torch.devi
     ranks; a pipeline group joins the ranks at the same local position of every stage. Every rank
     creates every group in the same order, as torch.distributed requires.
     """
-    size, tp = layout.stage_size, layout.attn_tp
-    dp_size = size // tp
+    size, tp, dp_size = layout.stage_size, layout.attn_tp, layout.dp_size
     stage, local = divmod(rank, size)
     stage_groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(layout.pp)]
     tp_groups = {

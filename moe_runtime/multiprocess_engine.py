@@ -135,7 +135,7 @@ class MultiprocessEngine:
         self.block_size = first.block_size
         self.num_kv_blocks = min(r.num_kv_blocks for r in self.ready.values())
         self.max_model_len = first.max_model_len
-        self.router = DPRouter.for_workers(self.layout.dp_attn, self.num_kv_blocks)
+        self.router = DPRouter.for_workers(self.layout.dp_size, self.num_kv_blocks)
 
     def _kill_workers(self) -> None:
         for process in self._processes:
@@ -329,12 +329,14 @@ class MultiprocessEngine:
         return list(self._rebalance_events)
 
     def stats(self) -> EngineStats:
+        """Each DP worker's last reported stats (a worker with no request left reports nothing more,
+        so its queues read as empty)."""
         workers = []
-        for dp in range(self.layout.dp_attn):
+        for dp in range(self.layout.dp_size):
             stats = self._worker_stats.get(dp) or WorkerStats(dp, 0, 0, self.num_kv_blocks, self.num_kv_blocks, 0)
-            load = self.router.loads[dp]
-            workers.append(dataclasses.replace(stats, running=stats.running, waiting=stats.waiting)
-                           if load.requests else dataclasses.replace(stats, running=0, waiting=0))
+            if not self.router.loads[dp].requests:
+                stats = dataclasses.replace(stats, running=0, waiting=0, kv_blocks_free=stats.kv_blocks_total)
+            workers.append(stats)
         return EngineStats(workers, self._prompt_tokens, self._generation_tokens)
 
     def health(self) -> EngineHealth:

@@ -48,6 +48,11 @@ class ParallelLayout:
         return self.stage_size * self.pp
 
     @property
+    def dp_size(self) -> int:
+        """DP attention workers (each with its own requests, scheduler and KV cache)."""
+        return self.stage_size // self.attn_tp
+
+    @property
     def attn_tp(self) -> int:
         """Ranks splitting the heads of one DP attention worker."""
         return self.tp if self.tp > 1 else self.ep // self.dp_attn
