@@ -3,9 +3,28 @@ from __future__ import annotations
 
 import torch
 
-from .expert_mlp import expert_mlp
+from .expert_mlp import check_expert_weights, expert_mlp
 from .permute import permute_by_expert
 from .unpermute import unpermute_reduce
+
+
+DIRECT_PAIRS_MAX = 8  # (token, k) pairs below which sorting costs more than it saves (decode at batch 1-2)
+
+
+def _direct_small_batch(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """A handful of (token, expert) pairs: run each expert on its token directly, no permutation."""
+    intermediate = check_expert_weights(x.shape[-1], w13, w2)
+    out = torch.zeros_like(x)                                              # [T, H]
+    num_experts = w13.shape[0]
+    for token, (experts, weights) in enumerate(zip(topk_ids.tolist(), topk_weights.tolist())):
+        row = x[token : token + 1]                                         # [1, H]
+        for expert, weight in zip(experts, weights):
+            if not 0 <= expert < num_experts:
+                continue                                                   # masked slot
+            gate_up = row @ w13[expert].t()                                # [1, 2I]
+            hidden = torch.nn.functional.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+            out[token : token + 1].add_(hidden @ w2[expert].t(), alpha=weight)
+    return out
 
 
 def fused_moe(
@@ -20,6 +39,8 @@ def fused_moe(
             f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
             f"[T={x.shape[0]}, K]"
         )
+    if topk_ids.numel() <= DIRECT_PAIRS_MAX and x.device.type == "cpu":
+        return _direct_small_batch(x, w13, w2, topk_weights, topk_ids)
     plan = permute_by_expert(topk_ids, w13.shape[0])
     out_sorted = expert_mlp(x[plan.token_index], plan.counts, w13, w2)     # [N, H]
     return unpermute_reduce(out_sorted, plan, topk_weights, x.shape[0])
