@@ -20,7 +20,7 @@ from moe_runtime.models.registry import build_model
 from moe_runtime.moe_executor import LocalMoEExecutor
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.parallel_context import ParallelContext
-from moe_runtime.parallel_layout import ParallelLayout
+from moe_runtime.request_limits import RequestLimits
 from moe_runtime.pipeline import broadcast_sampled_tokens, run_pipeline_step
 from moe_runtime.sampler import SampleResult, Sampler
 from moe_runtime.sampling_params import SamplingParams
@@ -123,24 +123,8 @@ class EngineCore:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt is empty: give at least one token")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len {self.max_model_len}"
-            )
-        if total > self.kv_capacity_tokens:
-            raise InvalidRequestError(
-                f"prompt + max_tokens = {total} tokens exceeds the KV cache ({self.kv_capacity_tokens} tokens); "
-                f"raise kv_cache_memory"
-            )
-        if params.stop and self.detokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer, and the checkpoint has none")
+        RequestLimits(self.vocab_size, self.max_model_len, self.kv_capacity_tokens,
+                      self.detokenizer is not None).check(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._sequences:

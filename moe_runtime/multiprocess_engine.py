@@ -28,7 +28,7 @@ from moe_runtime.engine_protocol import EngineHealth, EngineStats, RebalanceEven
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.model_config import load_hf_config
 from moe_runtime.outputs import RequestOutput
-from moe_runtime.parallel_layout import ParallelLayout
+from moe_runtime.request_limits import RequestLimits
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.worker import WorkerSpec, worker_main
 
@@ -220,18 +220,8 @@ class MultiprocessEngine:
         return self.num_kv_blocks * self.block_size
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt is empty: give at least one token")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                                      f"= {total} exceeds max_model_len {self.max_model_len}")
-        if total > self.kv_capacity_tokens:
-            raise InvalidRequestError(f"prompt + max_tokens = {total} tokens exceeds a DP worker's KV cache "
-                                      f"({self.kv_capacity_tokens} tokens); raise kv_cache_memory")
+        RequestLimits(self.vocab_size, self.max_model_len, self.kv_capacity_tokens,
+                      self.tokenizer is not None).check(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if self._dead is not None:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from moe_runtime.engine_config import EngineConfig
-from moe_runtime.parallel_layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 

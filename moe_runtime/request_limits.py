@@ -1,0 +1,35 @@
+"""The checks every engine applies to a new request, before it is queued anywhere."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_runtime.errors import InvalidRequestError
+from moe_runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+    kv_capacity_tokens: int       # one DP worker's KV cache
+    has_tokenizer: bool = True
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        if total > self.kv_capacity_tokens:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens exceeds the KV cache of a DP worker "
+                f"({self.kv_capacity_tokens} tokens); raise kv_cache_memory"
+            )
+        if params.stop and not self.has_tokenizer:
+            raise InvalidRequestError("stop strings need a tokenizer, and the checkpoint has none")
