@@ -268,6 +268,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+DEAD_ENGINE_GRACE_S = 2.0
+
+
 def serve(config: ServeConfig) -> int:
     from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
     from server.app import build_app
@@ -291,12 +294,30 @@ def serve(config: ServeConfig) -> int:
         if server.started:
             print(f"moe-serve: serving {served_name!r} on http://{_url_host(host)}:{port} (Ctrl-C to stop)", flush=True)
 
+    exit_code = 0
+
+    async def stop_when_the_engine_dies() -> None:
+        """A dead rank makes the service useless: report it for a moment (/health 503, in-flight
+        requests end with 5xx errors), then exit non-zero so a supervisor restarts the whole job."""
+        nonlocal exit_code
+        while not server.should_exit:
+            health = async_engine.health()
+            if not health.healthy:
+                logger.error("engine died (%s); exiting with code 1 in %.0fs", health.detail, DEAD_ENGINE_GRACE_S)
+                await asyncio.sleep(DEAD_ENGINE_GRACE_S)
+                exit_code = 1
+                server.should_exit = True
+                return
+            await asyncio.sleep(0.25)
+
     async def run() -> None:
         announcer = asyncio.create_task(announce())
+        watcher = asyncio.create_task(stop_when_the_engine_dies())
         try:
             await server.serve(sockets=[sock])
         finally:
             announcer.cancel()
+            watcher.cancel()
 
     # uvicorn handles SIGINT/SIGTERM itself (graceful HTTP shutdown), then restores these handlers and
     # raises the signal again: the handler below turns that SIGTERM into an exception, so the engine
@@ -311,7 +332,7 @@ def serve(config: ServeConfig) -> int:
         async_engine.shutdown()
         sock.close()
         logger.info("stopped")
-    return 0
+    return exit_code
 
 
 class _Terminated(Exception):

@@ -1,0 +1,88 @@
+"""A worker rank of `moe-serve --ep 2` dies: /health turns 503, the in-flight stream ends with a 5xx
+error (never a hang), the launcher exits with code 1 and leaves no process behind."""
+import json
+import os
+import signal
+import time
+
+import httpx
+
+from server_harness import ServerProcess
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (via /proc; workers are forked by a fork server below it)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    pids = []
+    for pid in descendants(server_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"forkserver" in cmdline.read():
+                    pids.append(pid)
+        except OSError:
+            pass
+    return sorted(pids)
+
+
+def test_killed_rank_fails_requests_and_the_launcher_exits_nonzero(tiny_checkpoint_factory):
+    checkpoint = tiny_checkpoint_factory("mixtral")
+    server = ServerProcess(["--model", str(checkpoint), "--device", "cpu", "--ep", "2", "--dp-attn", "2",
+                            "--served-model-name", "tiny", "--log-level", "warning"]).start()
+    try:
+        pid = server.process.pid
+        workers = worker_pids(pid)
+        assert len(workers) >= 2, f"expected the fork server and its ranks below {pid}, found {workers}"
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "stream": True, "ignore_eos": True}
+        events, failed_status = [], None
+        with httpx.Client(base_url=server.base_url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    events.append(event)
+                    if len(events) == 3:  # decoding is under way: kill the newest rank
+                        os.kill(max(workers), signal.SIGKILL)
+                    if "error" in event:
+                        failed_status = event["error"].get("code")
+                        break
+            assert events and "error" in events[-1], f"the stream did not end with an error event: {events[-3:]}"
+            assert str(failed_status).startswith("5") or events[-1]["error"]["type"], events[-1]
+            health = http.get("/health")
+            assert health.status_code == 503, health.text
+        code = server.process.wait(30)
+        assert code == 1, f"moe-serve exited with {code}:\n{server.tail()}"
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in workers if alive(p)], "worker processes outlived the launcher"
+    finally:
+        server.stop()
