@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_offline import SHAPE, build_checkpoint  # noqa: E402
+from bench.bench_offline import SHAPE, build_checkpoint
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -50,7 +50,7 @@ class Layout:
     threads: int | None = None  # intra-op threads of the in-process ep=1 engine (None: every core)
 
     @classmethod
-    def parse(cls, spec: str) -> "Layout":
+    def parse(cls, spec: str) -> Layout:
         """'EPxDP' or, for ep=1, '1x1tN' (N intra-op threads)."""
         try:
             parallel, _, threads = spec.partition("t")
@@ -101,16 +101,16 @@ class StepTime:
     moe_comm_seconds: float = 0.0
 
     @classmethod
-    def of(cls, engine) -> "StepTime":
+    def of(cls, engine) -> StepTime:
         workers = engine.stats().workers
         return cls(sum(w.steps for w in workers), sum(w.step_seconds for w in workers),
                    sum(w.moe_comm_seconds for w in workers))
 
-    def __sub__(self, other: "StepTime") -> "StepTime":
+    def __sub__(self, other: StepTime) -> StepTime:
         return StepTime(self.steps - other.steps, self.step_seconds - other.step_seconds,
                         self.moe_comm_seconds - other.moe_comm_seconds)
 
-    def __add__(self, other: "StepTime") -> "StepTime":
+    def __add__(self, other: StepTime) -> StepTime:
         return StepTime(self.steps + other.steps, self.step_seconds + other.step_seconds,
                         self.moe_comm_seconds + other.moe_comm_seconds)
 
@@ -279,14 +279,14 @@ def main() -> None:
         print(f"note: {note}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(
-        benchmark="ep_decode", shape=SHAPE, dtype="float32", prompts=args.prompts, prompt_len=args.prompt_len,
-        new_tokens=args.new_tokens, repeats=args.repeats, quick=args.quick, cores=os.cpu_count(),
-        machine=platform.machine(), python=sys.version.split()[0], torch=torch.__version__,
-        load_average_1m=dict(start=load_at_start, end=os.getloadavg()[0]),
-        rows=[asdict(results[layout]) for layout in layouts], notes=notes,
-        command="python bench/bench_ep_decode.py" + (" --quick" if args.quick else ""),
-    ), indent=2))
+    out.write_text(json.dumps({
+        "benchmark": "ep_decode", "shape": SHAPE, "dtype": "float32", "prompts": args.prompts, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "repeats": args.repeats, "quick": args.quick, "cores": os.cpu_count(),
+        "machine": platform.machine(), "python": sys.version.split()[0], "torch": torch.__version__,
+        "load_average_1m": {"start": load_at_start, "end": os.getloadavg()[0]},
+        "rows": [asdict(results[layout]) for layout in layouts], "notes": notes,
+        "command": "python bench/bench_ep_decode.py" + (" --quick" if args.quick else ""),
+    }, indent=2))
     print(f"\nwrote {out}")
 
 

@@ -44,9 +44,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_ep_decode import StepTime, TimedRun, make_prompts, timed_generate  # noqa: E402
-from bench.skewed_checkpoint import SkewedShape, SkewSpec, build_skewed_checkpoint  # noqa: E402
-from load_balancer import ExpertLoadTrace, Placement, balancedness, max_over_mean, mean_over_max, save_trace  # noqa: E402
+from bench.bench_ep_decode import StepTime, TimedRun, make_prompts, timed_generate
+from bench.skewed_checkpoint import SkewedShape, SkewSpec, build_skewed_checkpoint
+from load_balancer import (
+    ExpertLoadTrace,
+    Placement,
+    balancedness,
+    max_over_mean,
+    mean_over_max,
+    save_trace,
+)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -65,7 +72,7 @@ class LoadSpan:
     placement: torch.Tensor      # [L, P] phy2log in force at the end of the span
 
     @classmethod
-    def between(cls, before, after) -> "LoadSpan":
+    def between(cls, before, after) -> LoadSpan:
         """From two ExpertLoadSnapshot taken while the recorder's window still held every step."""
         for snapshot in (before, after):
             if snapshot.window != snapshot.steps:
@@ -117,21 +124,22 @@ class TraceRecording:
     tokens: int = 0
 
 
-def expert_load_span(engine, run) -> tuple[LoadSpan, object]:
-    """Run `run()` between two expert-load snapshots; the span's load and run's result."""
-    before = engine.expert_load()
-    result = run()
-    return LoadSpan.between(before, engine.expert_load()), result
+@dataclass
+class EngineMark:
+    """What the engine reports at one instant between runs: expert load and DP workers' step times."""
 
+    load: object                 # load_balancer.ExpertLoadSnapshot, summed over ranks
+    workers: list[StepTime]      # per DP worker, cumulative
 
-def step_time_deltas(engine, run) -> tuple[list[StepTime], object]:
-    """Run `run()`; each DP worker's step-time deltas over it and run's result."""
-    before = list(engine.stats().workers)
-    result = run()
-    after = engine.stats().workers
-    deltas = [StepTime(a.steps - b.steps, a.step_seconds - b.step_seconds, a.moe_comm_seconds - b.moe_comm_seconds)
-              for a, b in zip(after, before)]
-    return deltas, result
+    @classmethod
+    def take(cls, engine) -> EngineMark:
+        load = engine.expert_load()
+        workers = [StepTime(w.steps, w.step_seconds, w.moe_comm_seconds) for w in engine.stats().workers]
+        return cls(load, workers)
+
+    def since(self, earlier: EngineMark) -> tuple[LoadSpan, list[StepTime]]:
+        """The expert load and each DP worker's step time between `earlier` and this mark."""
+        return LoadSpan.between(earlier.load, self.load), [a - b for a, b in zip(self.workers, earlier.workers)]
 
 
 def record_trace(engine, waves: list[list[list[int]]], params, path: Path, num_slots: int, num_ranks: int
@@ -186,7 +194,8 @@ class LayoutReport:
         return f"ep={self.ep} dp_attn={self.dp_attn}"
 
 
-def summarize(variant: str, runs: list[TimedRun], spans: list[LoadSpan], comm: list[StepTime], ep: int) -> VariantResult:
+def summarize(variant: str, runs: list[TimedRun], spans: list[LoadSpan], step_times: list[StepTime], ep: int
+              ) -> VariantResult:
     total = LoadSpan(sum(s.expert_counts for s in spans), sum(s.rank_load for s in spans), spans[-1].placement)
     tok_s = sorted(r.tok_s for r in runs)
     return VariantResult(
@@ -194,8 +203,8 @@ def summarize(variant: str, runs: list[TimedRun], spans: list[LoadSpan], comm: l
         decode_tok_s=max(r.decode_tok_s for r in runs), tok_s_all=[r.tok_s for r in runs],
         balancedness_measured=total.measured_balancedness(), balancedness_planned=total.planned_balancedness(ep),
         rank_load_max_over_mean=total.max_over_mean(), hot_rank_share=total.hot_rank_share(),
-        rank_load_per_layer=total.rank_load.tolist(), comm_share_per_rank=[d.comm_share for d in comm],
-        step_ms_per_rank=[1e3 * d.step_seconds / max(d.steps, 1) for d in comm],
+        rank_load_per_layer=total.rank_load.tolist(), comm_share_per_rank=[d.comm_share for d in step_times],
+        step_ms_per_rank=[1e3 * d.step_seconds / max(d.steps, 1) for d in step_times],
     )
 
 
@@ -208,7 +217,7 @@ def bench_layout(ep: int, dp_attn: int, args, path: str, work: Workload, trace_p
     engines: dict[str, LLM] = {}
     runs: dict[str, list[TimedRun]] = {v: [] for v in variants}
     spans: dict[str, list[LoadSpan]] = {v: [] for v in variants}
-    comm: dict[str, list[StepTime]] = {}
+    step_times: dict[str, list[StepTime]] = {}
     notes: list[str] = []
     recording = None
     started = time.perf_counter()
@@ -220,8 +229,9 @@ def bench_layout(ep: int, dp_attn: int, args, path: str, work: Workload, trace_p
                       eplb_interval=0, eplb_window=RECORD_WINDOW, eplb_layers_per_step=args.layers_per_step,
                       max_num_seqs=len(work.prompts), kv_cache_memory=work.kv_bytes)
             engines[variant] = llm
-            span, _ = expert_load_span(llm.engine, lambda: timed_generate(llm.engine, work.warmup_prompts, work.warmup,
-                                                                          "warmup"))
+            start = EngineMark.take(llm.engine)
+            timed_generate(llm.engine, work.warmup_prompts, work.warmup, "warmup")
+            span, _ = EngineMark.take(llm.engine).since(start)
             if variant == "rebalanced":
                 before_rebalance = span
                 event = llm.engine.rebalance_now()
@@ -238,15 +248,13 @@ def bench_layout(ep: int, dp_attn: int, args, path: str, work: Workload, trace_p
                 break
             for variant in variants if repeat % 2 == 0 else variants[::-1]:  # ABBA: no engine always goes first
                 engine = engines[variant].engine
-
-                def timed():
-                    return step_time_deltas(engine, lambda: timed_generate(engine, work.prompts, work.params,
-                                                                              f"r{repeat}-{variant}"))
-
-                span, (deltas, run) = expert_load_span(engine, timed)
+                start = EngineMark.take(engine)
+                run = timed_generate(engine, work.prompts, work.params, f"r{repeat}-{variant}")
+                span, deltas = EngineMark.take(engine).since(start)
                 runs[variant].append(run)
                 spans[variant].append(span)
-                comm[variant] = [d + c for d, c in zip(deltas, comm[variant])] if variant in comm else deltas
+                previous = step_times.get(variant, [StepTime() for _ in deltas])
+                step_times[variant] = [d + p for d, p in zip(deltas, previous)]
                 logger.info("ep=%d repeat %d/%d %s: %.1f tok/s (decode %.1f), balancedness %.3f", ep, repeat + 1,
                             args.repeats, variant, run.tok_s, run.decode_tok_s, span.measured_balancedness())
         if trace_path is not None:
@@ -259,7 +267,7 @@ def bench_layout(ep: int, dp_attn: int, args, path: str, work: Workload, trace_p
         for llm in engines.values():
             llm.shutdown()
 
-    results = {v: summarize(v, runs[v], spans[v], comm[v], ep) for v in variants}
+    results = {v: summarize(v, runs[v], spans[v], step_times[v], ep) for v in variants}
     static, rebalanced = results["static"], results["rebalanced"]
     for result in results.values():
         result.ratio_vs_static = result.tok_s / static.tok_s
@@ -377,16 +385,16 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f} at the end")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(
-        benchmark="live_rebalance", shape=asdict(shape), skew=asdict(skew), dtype="float32",
-        num_redundant_experts=args.redundant, eplb_layers_per_step=args.layers_per_step,
-        prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-        warmup_tokens=args.warmup_tokens, repeats=args.repeats, quick=args.quick, cores=os.cpu_count(),
-        machine=platform.machine(), python=sys.version.split()[0], torch=torch.__version__,
-        load_average_1m=dict(start=load_at_start, end=os.getloadavg()[0]),
-        layouts=[asdict(report) for report in reports], seconds=time.perf_counter() - started,
-        command="python bench/bench_live_rebalance.py" + (" --quick" if args.quick else ""),
-    ), indent=2))
+    out.write_text(json.dumps({
+        "benchmark": "live_rebalance", "shape": asdict(shape), "skew": asdict(skew), "dtype": "float32",
+        "num_redundant_experts": args.redundant, "eplb_layers_per_step": args.layers_per_step,
+        "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "warmup_tokens": args.warmup_tokens, "repeats": args.repeats, "quick": args.quick, "cores": os.cpu_count(),
+        "machine": platform.machine(), "python": sys.version.split()[0], "torch": torch.__version__,
+        "load_average_1m": {"start": load_at_start, "end": os.getloadavg()[0]},
+        "layouts": [asdict(report) for report in reports], "seconds": time.perf_counter() - started,
+        "command": "python bench/bench_live_rebalance.py" + (" --quick" if args.quick else ""),
+    }, indent=2))
     print(f"\nwrote {out}")
 
 
