@@ -7,8 +7,8 @@ each layout generates for the same prompts (16 x 32 tokens, 32 new, greedy, eos 
                   machine is busy, since OpenMP threads then wait on each other)
   ep=2 dp_attn=2  two worker ranks, each its own DP attention worker, experts split in two
   ep=4 dp_attn=4  four worker ranks (more ranks than cores here: an oversubscription figure)
-All engines are started first; repeats then alternate between them so that load from other
-processes on the machine hits every layout alike.
+All engines are started first; repeats then alternate between them, forward and backward in turn,
+so that load from other processes on the machine and any order effect hit every layout alike.
 
 Reported per layout: generated tokens/s over the whole request (prefill included; best and median
 repeat), decode tokens/s (after every request has its first token; best repeat), the ratios to the
@@ -221,7 +221,7 @@ def main() -> None:
                 budget_note = f"stopped after {repeat} of {args.repeats} repeats: --budget-s {args.budget_s:g} spent"
                 logger.warning(budget_note)
                 break
-            for layout in layouts:
+            for layout in layouts if repeat % 2 == 0 else layouts[::-1]:  # no layout always runs first
                 engine = engines[(layout.ep, layout.dp_attn)].engine
                 torch.set_num_threads(layout.threads or default_threads)
                 before = StepTime.of(engine)
