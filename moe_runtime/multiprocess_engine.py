@@ -11,13 +11,13 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import queue
 import random
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected, WorkerSetup
 from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, RebalanceNow, RebalanceReport,
                                    Shutdown, SnapshotExpertLoad, StepOutputs, WorkerFailed, WorkerReady)
 from attention_dp.router import DPRouter
@@ -30,7 +30,7 @@ from moe_runtime.model_config import load_hf_config
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.request_limits import RequestLimits
 from moe_runtime.sampling_params import SamplingParams
-from moe_runtime.worker import WorkerSpec, worker_main
+from moe_runtime.worker import worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -100,23 +100,30 @@ class MultiprocessEngine:
 
     # ---- start-up and tear-down -------------------------------------------------------------
     def _start_workers(self, timeout_s: float) -> None:
-        world = self.layout.world_size
+        world, nnodes = self.layout.world_size, self.config.nnodes
+        if world % nnodes:
+            raise InvalidRequestError(f"nnodes={nnodes} must divide the {world} ranks of this layout")
+        local_ranks = world // nnodes  # this node (node 0, the front's) starts ranks [0, local_ranks)
+        master_port = self.config.master_port or free_port(self.config.master_addr)
+        setup = WorkerSetup(self.config, world, self.config.master_addr, master_port,
+                            max(1, (os.cpu_count() or 1) // local_ranks), logging.getLogger().getEffectiveLevel())
+        if nnodes == 1:
+            self._control = FrontControl("127.0.0.1", self.config.control_port or 0, os.urandom(16), setup)
+        else:  # other nodes' ranks connect to master_addr:control_port with the shared key
+            self._control = FrontControl("0.0.0.0", self.config.control_port or master_port + 1,
+                                         ControlAddress.shared_key(), setup)
+        address = dataclasses.replace(self._control.address, host="127.0.0.1")
         context = worker_context()
-        self._results = context.Queue()
-        self._commands = [context.Queue() for _ in range(world)]
-        port = self.config.master_port or free_port(self.config.master_addr)
-        threads = max(1, (os.cpu_count() or 1) // world)
-        level = logging.getLogger().getEffectiveLevel()
-        self._processes = []
-        for rank in range(world):
-            spec = WorkerSpec(rank, world, self.config, self.config.master_addr, port, threads, os.getpid(), level)
-            process = context.Process(target=worker_main, args=(spec, self._commands[rank], self._results),
-                                      name=f"moe-worker-{rank}", daemon=True)
+        self._processes: dict[int, mp.Process] = {}
+        for rank in range(local_ranks):
+            process = context.Process(target=worker_main, args=(address, rank), name=f"moe-worker-{rank}",
+                                      daemon=True)
             with main_module_hidden():
                 process.start()
-            self._processes.append(process)
-        logger.info("started %d worker ranks (ep=%d, dp_attn=%d, attention TP=%d), rendezvous %s:%d",
-                    world, self.layout.ep, self.layout.dp_attn, self.layout.attn_tp, self.config.master_addr, port)
+            self._processes[rank] = process
+        logger.info("started %d of %d worker ranks (ep=%d, dp_attn=%d, tp=%d, pp=%d), rendezvous %s:%d, "
+                    "control port %d", local_ranks, world, self.layout.ep, self.layout.dp_attn, self.layout.tp,
+                    self.layout.pp, self.config.master_addr, master_port, self._control.address.port)
         self.ready: dict[int, WorkerReady] = {}
         deadline = time.monotonic() + timeout_s
         try:
@@ -124,7 +131,12 @@ class MultiprocessEngine:
                 if time.monotonic() > deadline:
                     raise EngineDeadError(f"worker ranks {sorted(set(range(world)) - set(self.ready))} "
                                           f"did not start within {timeout_s:.0f}s")
-                message = self._next_message(timeout=0.5)
+                self._control.collect_arrivals()
+                if not self._control.connections:
+                    self._check_alive()
+                    time.sleep(0.05)
+                    continue
+                message = self._next_message(timeout=0.2)
                 if isinstance(message, WorkerReady):
                     self.ready[message.rank] = message
                     logger.info("rank %d ready (%d/%d)", message.rank, len(self.ready), world)
@@ -138,50 +150,63 @@ class MultiprocessEngine:
         self.router = DPRouter.for_workers(self.layout.dp_size, self.num_kv_blocks)
 
     def _kill_workers(self) -> None:
-        for process in self._processes:
+        for process in self._processes.values():
             if process.is_alive():
                 process.terminate()
         deadline = time.monotonic() + 5
-        for process in self._processes:
+        for process in self._processes.values():
             process.join(timeout=max(deadline - time.monotonic(), 0.1))
             if process.is_alive():
                 process.kill()
                 process.join(timeout=1)
 
     def shutdown(self) -> None:
-        if not getattr(self, "_processes", None):
+        if not getattr(self, "_processes", None) and not getattr(self, "_control", None):
             return
         if self._dead is None:
-            for commands in self._commands:
-                commands.put(Shutdown())
+            try:
+                self._control.broadcast(Shutdown())
+            except RankDisconnected:
+                pass
             deadline = time.monotonic() + 10
-            for process in self._processes:
+            for process in self._processes.values():
                 process.join(timeout=max(deadline - time.monotonic(), 0.1))
         self._kill_workers()
-        for q in [self._results, *self._commands]:
-            q.cancel_join_thread()
-            q.close()
-        self._processes = []
+        self._control.close()  # remote ranks see the connection close and exit
+        self._processes = {}
+        self._control = None
 
     # ---- messages from the workers -----------------------------------------------------------
     def _next_message(self, timeout: float):
         """The next message from any worker; raises EngineDeadError if a rank failed or died."""
+        self._control.collect_arrivals()
         try:
-            message = self._results.get(timeout=timeout)
-        except queue.Empty:
+            received = self._control.receive(timeout)
+        except RankDisconnected as lost:
+            self._report_failure_sent_before_exit()
+            self._die(self._describe_lost_rank(lost.rank))
+        if received is None:
             self._check_alive()
             return None
+        _, message = received
         if isinstance(message, WorkerFailed):
             self._die(self._root_cause(message), message.traceback)
         if isinstance(message, RebalanceReport):
             self._rebalance_events.append(message.event)
         return message
 
+    def _describe_lost_rank(self, rank: int) -> str:
+        process = self._processes.get(rank)
+        if process is not None:
+            process.join(timeout=1.0)
+            return f"worker rank {rank} died (exit code {process.exitcode})"
+        return f"worker rank {rank} lost its connection to the front (its process or node died)"
+
     def _root_cause(self, failed: WorkerFailed) -> str:
         """A rank whose collective broke because a peer died reports first: name the dead peer."""
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            for rank, process in enumerate(self._processes):
+            for rank, process in self._processes.items():
                 if rank != failed.rank and process.exitcode not in (None, 1):
                     return (f"worker rank {rank} died (exit code {process.exitcode}); "
                             f"rank {failed.rank} then failed: {failed.error}")
@@ -189,7 +214,7 @@ class MultiprocessEngine:
         return f"worker rank {failed.rank} failed: {failed.error}"
 
     def _check_alive(self) -> None:
-        for rank, process in enumerate(self._processes):
+        for rank, process in self._processes.items():
             if not process.is_alive():
                 self._report_failure_sent_before_exit()
                 self._die(f"worker rank {rank} died (exit code {process.exitcode})")
@@ -199,9 +224,12 @@ class MultiprocessEngine:
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             try:
-                message = self._results.get(timeout=0.1)
-            except queue.Empty:
+                received = self._control.receive(0.1)
+            except RankDisconnected:
+                continue
+            if received is None:
                 return
+            message = received[1]
             if isinstance(message, WorkerFailed):
                 self._die(self._root_cause(message), message.traceback)
             if isinstance(message, StepOutputs):
@@ -233,16 +261,14 @@ class MultiprocessEngine:
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         decision = self.router.choose(request_id, len(prompt_token_ids))
         command = AddRequest(request_id, list(prompt_token_ids), params, decision.dp_rank)
-        for commands in self._commands:
-            commands.put(command)
+        self._control.broadcast(command)
         self._pending.add(request_id)
         self._prompt_tokens += len(prompt_token_ids)
 
     def abort(self, request_id: str) -> bool:
         if request_id not in self._pending or self._dead is not None:
             return False
-        for commands in self._commands:
-            commands.put(AbortRequest(request_id))
+        self._control.broadcast(AbortRequest(request_id))
         self._pending.discard(request_id)
         self.router.release(request_id)
         return True
@@ -261,7 +287,7 @@ class MultiprocessEngine:
             while message is not None:
                 if isinstance(message, StepOutputs):
                     batches.append(message)
-                message = self._next_message(timeout=0) if not self._results.empty() else None
+                message = self._next_message(timeout=0)
         outputs = []
         for batch in batches:
             self._worker_stats[batch.dp_rank] = batch.stats
@@ -281,8 +307,7 @@ class MultiprocessEngine:
         """Expert-load counts summed over every rank (a lock-step command: all ranks join)."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        for commands in self._commands:
-            commands.put(SnapshotExpertLoad())
+        self._control.broadcast(SnapshotExpertLoad())
         deadline = time.monotonic() + self.config.worker_timeout_s
         stages: dict[int, object] = {}
         while len(stages) < self.layout.pp:
@@ -304,8 +329,7 @@ class MultiprocessEngine:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         seen = len(self._rebalance_events)
-        for commands in self._commands:
-            commands.put(RebalanceNow(fail_on_rank))
+        self._control.broadcast(RebalanceNow(fail_on_rank))
         deadline = time.monotonic() + self.config.worker_timeout_s
         while len(self._rebalance_events) == seen:
             if time.monotonic() > deadline:
@@ -331,7 +355,7 @@ class MultiprocessEngine:
 
     def health(self) -> EngineHealth:
         if self._dead is None:
-            for rank, process in enumerate(self._processes):
+            for rank, process in self._processes.items():
                 if not process.is_alive():
                     self._dead = f"worker rank {rank} died (exit code {process.exitcode})"
         return EngineHealth(self._dead is None, self._dead or "ok")

@@ -1,73 +1,50 @@
-"""One worker rank's process: join torch.distributed, build its share of the model, run the lock-step loop."""
+"""One worker rank's process: connect to the front, join torch.distributed, build its share of the
+model, run the lock-step loop. The same entry serves ranks the front spawns, ranks a remote node
+starts (`moe-serve --node-rank N`), and ranks torchrun starts (`python -m moe_runtime.worker`)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
-import threading
-import time
+import socket
 import traceback
-from dataclasses import dataclass
 
 import torch
-
-from moe_runtime.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class WorkerSpec:
-    rank: int
-    world_size: int
-    config: EngineConfig
-    master_addr: str
-    master_port: int
-    num_threads: int
-    parent_pid: int
-    log_level: int = logging.WARNING
-
-
-def exit_when_parent_dies(front_pid: int, poll_s: float = 1.0) -> None:
-    """A worker never outlives the front process, even when the front is killed with SIGKILL.
-
-    (Workers are forked by a fork server, so the front is not their parent: watch its pid.)"""
-
-    def watch() -> None:
-        while True:
-            try:
-                os.kill(front_pid, 0)
-            except ProcessLookupError:
-                os._exit(3)
-            time.sleep(poll_s)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
-
-
-def worker_main(spec: WorkerSpec, commands, results) -> None:
+def worker_main(address, rank: int) -> None:
+    """Run rank `rank` until the front says Shutdown (exit 0) or something fails (exit 1)."""
+    from attention_dp.control_plane import Hello, WorkerControl
     from attention_dp.lockstep import LockstepLoop
     from attention_dp.messages import WorkerFailed, WorkerReady
 
-    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s rank{spec.rank} %(name)s: %(message)s")
-    exit_when_parent_dies(spec.parent_pid)
+    control = WorkerControl(address, Hello(rank, os.getpid(), socket.gethostname()))
+    setup = control.setup
+    logging.basicConfig(level=setup.log_level, format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
     try:
-        torch.set_num_threads(spec.num_threads)
-        core = build_worker_engine(spec)
+        torch.set_num_threads(setup.num_threads)
+        core = build_worker_engine(setup, rank)
         local_bytes, total_bytes = core.resident_expert_bytes()
         weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
-        results.put(WorkerReady(spec.rank, core.parallel.dp_rank, core.block_manager.num_blocks,
+        control.put(WorkerReady(rank, core.parallel.dp_rank, core.block_manager.num_blocks,
                                 core.block_manager.block_size, core.max_model_len, local_bytes, total_bytes,
                                 weight_bytes, core.parallel.pp_rank))
-        LockstepLoop(core, commands, results, core.parallel, build_rebalancer(core, spec.config)).run()
+        LockstepLoop(core, control, control, core.parallel, build_rebalancer(core, setup.config)).run()
+    except EOFError:  # the front is gone: nobody to report to
+        os._exit(3)
     except BaseException as exc:  # report, then die: the front tears the job down
-        results.put(WorkerFailed(spec.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        results.close()
-        results.join_thread()
+        try:
+            control.put(WorkerFailed(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        except OSError:
+            pass
         os._exit(1)
     os._exit(0)
 
 
-def build_rebalancer(core, config: EngineConfig):
+def build_rebalancer(core, config):
     """The live rebalancer of this rank, or None when there is nothing to balance (dense, one rank)."""
     from load_balancer.live_rebalancer import LiveRebalancer, RebalancePolicy
 
@@ -78,22 +55,20 @@ def build_rebalancer(core, config: EngineConfig):
     return LiveRebalancer(core.executor, policy, group=core.parallel.ep_group)
 
 
-def build_worker_engine(spec: WorkerSpec):
-    from kernels import get_kernels  # noqa: F401  (imported here so spawn start-up stays light)
+def build_worker_engine(setup, rank: int):
     from moe_runtime.distributed import build_parallel_context, init_distributed
     from moe_runtime.engine_core import EngineCore
     from moe_runtime.ep_executor import ExpertParallelExecutor
-
-    config = spec.config
-    device = config.resolved_device()
-    if device.type == "cuda":
-        device = torch.device("cuda", spec.rank % torch.cuda.device_count())
-        config = dataclasses.replace(config, device=str(device))
-    init_distributed(spec.rank, spec.world_size, device, spec.master_addr, spec.master_port, config.worker_timeout_s)
-    layout = config.layout()
     from moe_runtime.model_config import load_hf_config
 
-    parallel = build_parallel_context(layout, spec.rank, device, load_hf_config(config.model).num_hidden_layers)
+    config = setup.config
+    device = config.resolved_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        config = dataclasses.replace(config, device=str(device))
+    init_distributed(rank, setup.world_size, device, setup.master_addr, setup.master_port, config.worker_timeout_s)
+    layout = config.layout()
+    parallel = build_parallel_context(layout, rank, device, load_hf_config(config.model).num_hidden_layers)
 
     def executor_factory(kernels, hf_config, dtype):
         return ExpertParallelExecutor(kernels, parallel, backend=config.a2a_backend,
@@ -102,3 +77,20 @@ def build_worker_engine(spec: WorkerSpec):
                                       record_window=config.eplb_window)
 
     return EngineCore(config, parallel, executor_factory)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """torchrun entry: each process is one rank (RANK, MASTER_ADDR/PORT from torchrun's environment)
+    and joins a front started with `moe-serve ... --nnodes N` listening on --control-addr/--control-port."""
+    from attention_dp.control_plane import ControlAddress
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--control-addr", required=True, help="the front's host")
+    parser.add_argument("--control-port", type=int, required=True, help="the front's control port")
+    args = parser.parse_args(argv)
+    rank = int(os.environ["RANK"])
+    worker_main(ControlAddress(args.control_addr, args.control_port, ControlAddress.shared_key()), rank)
+
+
+if __name__ == "__main__":
+    main()

@@ -22,6 +22,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
+from process_tree import rank_pids
 from server_harness import REPO_ROOT, ServerProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -248,25 +249,11 @@ def test_a_rebalance_from_the_button_is_marked_on_the_time_axis(moe_server, brow
     assert console_errors(browser) == []
 
 
-def worker_pids(parent_pid: int) -> list[int]:
-    """The rank processes of a moe-serve (spawned children running multiprocessing's spawn_main)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == parent_pid and b"spawn_main" in cmdline:
-            pids.append(int(stat.parent.name))
-    return sorted(pids)
-
-
 def test_a_dead_rank_turns_the_status_red_and_the_page_reconnects_to_a_restarted_server(moe_server, browser,
                                                                                           checkpoint):
     browser.get(moe_server.base_url + "/dashboard")
     wait_for(browser, lambda d: text_of(d, "status").startswith("live"), what="a live status")
-    workers = worker_pids(moe_server.process.pid)
+    workers = rank_pids(moe_server.process.pid)
     assert len(workers) == 2, workers
     os.kill(workers[-1], signal.SIGKILL)
     wait_for(browser, lambda d: text_of(d, "status").startswith("engine unhealthy"), what="the dead rank")

@@ -7,48 +7,8 @@ import time
 
 import httpx
 
+from process_tree import alive, descendants, rank_pids
 from server_harness import ServerProcess
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (via /proc; workers are forked by a fork server below it)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def worker_pids(server_pid: int) -> list[int]:
-    pids = []
-    for pid in descendants(server_pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                if b"forkserver" in cmdline.read():
-                    pids.append(pid)
-        except OSError:
-            pass
-    return sorted(pids)
 
 
 def test_killed_rank_fails_requests_and_the_launcher_exits_nonzero(tiny_checkpoint_factory):
@@ -57,8 +17,9 @@ def test_killed_rank_fails_requests_and_the_launcher_exits_nonzero(tiny_checkpoi
                             "--served-model-name", "tiny", "--log-level", "warning"]).start()
     try:
         pid = server.process.pid
-        workers = worker_pids(pid)
-        assert len(workers) >= 2, f"expected the fork server and its ranks below {pid}, found {workers}"
+        left_behind = descendants(pid)  # the fork server and the ranks
+        workers = rank_pids(pid)
+        assert len(workers) == 2, f"expected 2 ranks below {pid}'s fork server, found {workers}"
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "stream": True, "ignore_eos": True}
         events, failed_status = [], None
         with httpx.Client(base_url=server.base_url, timeout=30) as http:
@@ -70,7 +31,7 @@ def test_killed_rank_fails_requests_and_the_launcher_exits_nonzero(tiny_checkpoi
                     event = json.loads(line[len("data: "):])
                     events.append(event)
                     if len(events) == 3:  # decoding is under way: kill the newest rank
-                        os.kill(max(workers), signal.SIGKILL)
+                        os.kill(workers[1], signal.SIGKILL)
                     if "error" in event:
                         failed_status = event["error"].get("code")
                         break
@@ -81,8 +42,8 @@ def test_killed_rank_fails_requests_and_the_launcher_exits_nonzero(tiny_checkpoi
         code = server.process.wait(30)
         assert code == 1, f"moe-serve exited with {code}:\n{server.tail()}"
         deadline = time.monotonic() + 10
-        while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        while any(alive(p) for p in left_behind) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in workers if alive(p)], "worker processes outlived the launcher"
+        assert not [p for p in left_behind if alive(p)], "worker processes outlived the launcher"
     finally:
         server.stop()
