@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener, wait
 
@@ -121,10 +122,22 @@ class FrontControl:
 class WorkerControl:
     """A rank's end: queue-like `get` / `get_nowait` for commands, `put` for results."""
 
-    def __init__(self, address: ControlAddress, hello: Hello):
-        self.connection = Client((address.host, address.port), authkey=address.authkey)
+    def __init__(self, address: ControlAddress, hello: Hello, connect_timeout_s: float = 600.0):
+        self.connection = self._connect(address, connect_timeout_s)
         self.connection.send(hello)
         self.setup: WorkerSetup = self.connection.recv()
+
+    @staticmethod
+    def _connect(address: ControlAddress, timeout_s: float) -> Connection:
+        """Ranks on other nodes may start before the front listens: retry until it does."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return Client((address.host, address.port), authkey=address.authkey)
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def get(self, timeout: float | None = None):
         if timeout is not None and not self.connection.poll(timeout):

@@ -37,7 +37,7 @@ class LockstepLoop:
     def run(self) -> None:
         busy = False
         while True:
-            if not busy and self._applied == len(self._received):
+            if not busy and self._applied == len(self._received) and not self._shutdown_received():
                 self._received.append(self.commands.get())  # everyone idle: wait for the front
             self._drain()
             agreed, anyone_busy = self._agree()
@@ -53,11 +53,14 @@ class LockstepLoop:
                 self._step()
 
     def _drain(self) -> None:
-        while True:
+        while not self._shutdown_received():  # nothing follows a Shutdown (the front may close right after)
             try:
                 self._received.append(self.commands.get_nowait())
             except queue.Empty:
                 return
+
+    def _shutdown_received(self) -> bool:
+        return bool(self._received) and isinstance(self._received[-1], Shutdown)
 
     def _agree(self) -> tuple[int, bool]:
         flags = torch.tensor([-len(self._received), int(self.core.has_unfinished())], dtype=torch.int64)

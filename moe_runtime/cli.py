@@ -37,7 +37,7 @@ class ServeConfigError(MoERuntimeError):
 
 # ServeConfig fields handed to EngineConfig under the same name when the engine has them.
 LAYOUT_FIELDS = ("ep", "dp_attn", "tp", "pp", "a2a_backend", "num_redundant_experts", "eplb_interval",
-                 "master_addr", "master_port", "nnodes", "node_rank")
+                 "master_addr", "master_port", "nnodes", "node_rank", "control_port", "launch_workers")
 
 
 def parse_size(text: str) -> int:
@@ -115,6 +115,8 @@ class ServeConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None        # None = a free port (single node)
+    control_port: int | None = None       # the front's control port; multi-node default: master_port + 1
+    launch_workers: bool = True           # False: ranks come from elsewhere (torchrun) and connect
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -218,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--master-addr", default=d.master_addr, help="rendezvous address (torch.distributed env://)")
     g.add_argument("--master-port", type=_port, default=d.master_port,
                    help="rendezvous port; default: a free one (single node only)")
+    g.add_argument("--control-port", type=_port, default=d.control_port,
+                   help="port where the front (node 0) takes its ranks' connections; default: master port + 1")
+    g.add_argument("--external-workers", dest="launch_workers", action="store_false",
+                   help="start no worker here: every rank is started elsewhere, e.g. by torchrun running "
+                        "'python -m moe_runtime.worker --control-addr A --control-port C'")
 
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0 for every interface)")
@@ -243,7 +250,7 @@ def resolve_model(config: ServeConfig) -> tuple[str, str]:
 def build_engine(config: ServeConfig, model_path: str) -> Engine:
     """The engine `moe-serve` runs: in-process for one rank, the multi-process engine otherwise (as `LLM` picks)."""
     engine_config = config.engine_config(model_path)
-    if engine_config.world_size > 1 or engine_config.nnodes > 1:
+    if engine_config.world_size > 1 or engine_config.nnodes > 1 or not engine_config.launch_workers:
         from moe_runtime.multiprocess_engine import MultiprocessEngine
 
         logger.info("starting %d worker processes (ep %d, dp-attn %d, tp %d, pp %d)", engine_config.world_size,
@@ -365,6 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServeConfig.from_args(args)
     try:
+        if config.node_rank > 0:
+            config.validate()
+            from moe_runtime.node_launcher import run_worker_node
+
+            layout = config.engine_config("unused").layout()
+            return run_worker_node(layout.world_size, config.nnodes, config.node_rank, config.master_addr,
+                                   config.control_port or config.master_port + 1)
         return serve(config)
     except MoERuntimeError as exc:
         parser.exit(2, f"moe-serve: error: {exc}\n")

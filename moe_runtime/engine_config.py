@@ -41,6 +41,7 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     control_port: int | None = None      # the front's control port (multi-node default: master_port + 1)
+    launch_workers: bool = True          # False: every rank is started elsewhere (torchrun) and connects
     worker_timeout_s: float = 600.0      # a collective stuck this long is a dead job
 
     def layout(self):

@@ -24,7 +24,7 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown option(s) {unknown}; known: {sorted(known - {'model'})}")
         self.config = EngineConfig(model=str(model), **kwargs)
-        if self.config.world_size > 1:
+        if self.config.world_size > 1 or self.config.nnodes > 1 or not self.config.launch_workers:
             from moe_runtime.multiprocess_engine import MultiprocessEngine
 
             self._engine = MultiprocessEngine(self.config)

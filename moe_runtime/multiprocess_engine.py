@@ -103,14 +103,15 @@ class MultiprocessEngine:
         world, nnodes = self.layout.world_size, self.config.nnodes
         if world % nnodes:
             raise InvalidRequestError(f"nnodes={nnodes} must divide the {world} ranks of this layout")
-        local_ranks = world // nnodes  # this node (node 0, the front's) starts ranks [0, local_ranks)
+        local_ranks = world // nnodes if self.config.launch_workers else 0  # the front's node starts [0, local)
         master_port = self.config.master_port or free_port(self.config.master_addr)
         setup = WorkerSetup(self.config, world, self.config.master_addr, master_port,
-                            max(1, (os.cpu_count() or 1) // local_ranks), logging.getLogger().getEffectiveLevel())
-        if nnodes == 1:
+                            max(1, (os.cpu_count() or 1) // max(local_ranks, world // nnodes)),
+                            logging.getLogger().getEffectiveLevel())
+        if nnodes == 1 and self.config.launch_workers:
             self._control = FrontControl("127.0.0.1", self.config.control_port or 0, os.urandom(16), setup)
         else:  # other nodes' ranks connect to master_addr:control_port with the shared key
-            self._control = FrontControl("0.0.0.0", self.config.control_port or master_port + 1,
+            self._control = FrontControl(self.config.master_addr, self.config.control_port or master_port + 1,
                                          ControlAddress.shared_key(), setup)
         address = dataclasses.replace(self._control.address, host="127.0.0.1")
         context = worker_context()

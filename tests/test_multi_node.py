@@ -1,0 +1,64 @@
+"""Ranks started outside the front join through its control port: a second "node" started with
+`moe-serve --node-rank 1`, and ranks started by torchrun. Both on loopback, as two nodes would be."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from engine_helpers import PROMPTS, greedy
+from tiny_checkpoints import hf_greedy
+from moe_runtime import LLM
+from moe_runtime.distributed import free_port
+
+NEW_TOKENS = 12
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    return env
+
+
+def test_second_node_started_with_node_rank(tiny_checkpoint_factory):
+    path = tiny_checkpoint_factory("deepseek_v3")
+    expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
+    master_port, control_port = free_port(), free_port()
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "moe_runtime.cli", "--model", str(path), "--device", "cpu", "--ep", "4",
+         "--dp-attn", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(master_port), "--control-port", str(control_port), "--log-level", "warning"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with LLM(str(path), device="cpu", dtype="float32", ep=4, dp_attn=2, nnodes=2, node_rank=0,
+                 master_port=master_port, control_port=control_port) as llm:
+            assert sorted(llm.engine._processes) == [0, 1], "node 0 starts ranks 0 and 1 only"
+            hosts = llm.engine._control.hellos
+            assert sorted(hosts) == [0, 1, 2, 3]
+            assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
+        assert node1.wait(30) == 0, node1.stdout.read()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
+def test_ranks_started_by_torchrun(tiny_checkpoint_factory):
+    path = tiny_checkpoint_factory("mixtral")
+    expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
+    master_port, control_port = free_port(), free_port()
+    ranks = subprocess.Popen(
+        ["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(master_port), "-m", "moe_runtime.worker", "--control-addr", "127.0.0.1",
+         "--control-port", str(control_port)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with LLM(str(path), device="cpu", dtype="float32", ep=2, dp_attn=2, launch_workers=False,
+                 master_port=master_port, control_port=control_port) as llm:
+            assert llm.engine._processes == {}
+            assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
+        assert ranks.wait(60) == 0, ranks.stdout.read()
+    finally:
+        if ranks.poll() is None:
+            ranks.kill()
