@@ -41,7 +41,7 @@ from load_balancer.replication import greedy_replica_counts
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GAIN_PER_COPY_ROUND = 0.005
+DEFAULT_GAIN_PER_COPY_ROUND = 0.001
 DEFAULT_LOAD_NOISE = 0.0
 
 
