@@ -55,6 +55,30 @@ def build_checkpoint(dtype_name: str) -> Path:
     return path
 
 
+def copy_bandwidth_gbs() -> float:
+    """This machine's memory bandwidth as a same-process copy of 256 MiB sees it (best of 5)."""
+    src = torch.ones(64 * 2**20)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_decode_step(batch: int, dtype_bytes: int) -> float:
+    """Weights a decode step must read: everything but the experts, plus the experts the batch's
+    tokens touch (expected distinct experts for `batch` tokens with uniform top-k routing)."""
+    h, layers, e, k, i = (SHAPE[n] for n in ("hidden_size", "num_hidden_layers", "num_experts",
+                                             "num_experts_per_tok", "moe_intermediate_size"))
+    heads, kv, d, v = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], SHAPE["head_dim"], SHAPE["vocab_size"]
+    attention = h * d * (2 * heads + 2 * kv)
+    touched = e * (1 - (1 - k / e) ** batch)
+    experts = touched * 3 * h * i
+    return (layers * (attention + experts + h * e) + v * h) * dtype_bytes
+
+
 def make_prompts(batch: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(batch)
     return torch.randint(100, SHAPE["vocab_size"], (batch, PROMPT_LEN), generator=generator).tolist()
@@ -111,6 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     rows = []
+    bandwidth = copy_bandwidth_gbs()
     for dtype in args.dtypes:
         path = str(build_checkpoint(dtype))
         for batch in args.batches:
@@ -121,22 +146,30 @@ def main() -> None:
             theirs = in_subprocess(run_transformers, path, dtype, prompts, args.repeats)
             generated = batch * NEW_TOKENS
             same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
+            step_bytes = weight_bytes_per_decode_step(batch, torch.tensor([], dtype=getattr(torch, dtype)).element_size())
+            steps_per_s = lambda seconds: NEW_TOKENS / seconds  # noqa: E731  (prefill counted as a step)
             rows.append(dict(
                 dtype=dtype, batch=batch, runtime_tok_s=generated / ours["seconds"],
                 transformers_tok_s=generated / theirs["seconds"], speedup=theirs["seconds"] / ours["seconds"],
                 runtime_peak_rss_mib=ours["peak_rss_mib"], transformers_peak_rss_mib=theirs["peak_rss_mib"],
                 identical_sequences=f"{same}/{batch}",
+                runtime_weight_gbs=step_bytes * steps_per_s(ours["seconds"]) / 1e9,
+                transformers_weight_gbs=step_bytes * steps_per_s(theirs["seconds"]) / 1e9,
+                copy_bandwidth_gbs=bandwidth,
             ))
     print(f"\nOffline generation, Qwen3-MoE shape, {PROMPT_LEN} prompt + {NEW_TOKENS} new tokens, "
           f"{torch.get_num_threads()} threads")
     header = f"{'dtype':9} {'batch':>5} {'runtime tok/s':>14} {'HF tok/s':>10} {'ratio':>7} {'RSS ours MiB':>13} " \
-             f"{'RSS HF MiB':>11} {'same tokens':>12}"
+             f"{'RSS HF MiB':>11} {'same tokens':>12} {'weights GB/s ours/HF':>21} {'memcpy GB/s':>12}"
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['dtype']:9} {r['batch']:>5} {r['runtime_tok_s']:>14.1f} {r['transformers_tok_s']:>10.1f} "
               f"{r['speedup']:>6.2f}x {r['runtime_peak_rss_mib']:>13.0f} {r['transformers_peak_rss_mib']:>11.0f} "
-              f"{r['identical_sequences']:>12}")
+              f"{r['identical_sequences']:>12} {r['runtime_weight_gbs']:>10.1f}/{r['transformers_weight_gbs']:<10.1f} "
+              f"{r['copy_bandwidth_gbs']:>12.1f}")
+    print("weights GB/s: expert and dense weights a decode step reads (experts the batch touches), times steps/s;"
+          "\nnear the memcpy figure a system is bound by memory bandwidth, not by its overheads.")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "offline_generate.json"
     out.write_text(json.dumps(dict(
