@@ -72,7 +72,10 @@ class LockstepLoop:
             if command.dp_rank == self.parallel.dp_rank:
                 self.core.add_request(command.request_id, command.prompt_token_ids, command.params)
         elif isinstance(command, AbortRequest):
-            self.core.abort(command.request_id)
+            if self.core.abort(command.request_id) and self.reports_outputs:
+                # its blocks are free now: tell the front, which would otherwise hear only at the next step
+                self.results.put(StepOutputs(self.parallel.rank, self.parallel.dp_rank, [],
+                                             self.core.worker_stats()))
         elif isinstance(command, RebalanceNow):
             if self.rebalancer is None or self.parallel.pp_size > 1:
                 if self.parallel.rank == 0:

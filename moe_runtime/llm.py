@@ -72,6 +72,15 @@ class LLM:
                     finished[output.request_id] = output
         return [finished[r] for r in request_ids]
 
+    def expert_load(self):
+        """The expert-load snapshot summed over ranks (`load_balancer.ExpertLoadSnapshot`: counts [L, E] over
+        the window, totals, per-rank load [L, W], balancedness [L], placement), or None for a dense model."""
+        return self._engine.expert_load()
+
+    def rebalance_now(self):
+        """Plan a placement from the recorded window and migrate expert weights now; a RebalanceEvent."""
+        return self._engine.rebalance_now()
+
     def shutdown(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()

@@ -344,15 +344,22 @@ class MultiprocessEngine:
         return list(self._rebalance_events)
 
     def stats(self) -> EngineStats:
-        """Each DP worker's last reported stats (a worker with no request left reports nothing more,
-        so its queues read as empty)."""
-        workers = []
-        for dp in range(self.layout.dp_size):
-            stats = self._worker_stats.get(dp) or WorkerStats(dp, 0, 0, self.num_kv_blocks, self.num_kv_blocks, 0)
-            if not self.router.loads[dp].requests:
-                stats = dataclasses.replace(stats, running=0, waiting=0, kv_blocks_free=stats.kv_blocks_total)
-            workers.append(stats)
+        """Each DP worker's stats as it last reported them (after every step with work, and after an abort)."""
+        self._absorb_pending()
+        workers = [self._worker_stats.get(dp) or WorkerStats(dp, 0, 0, self.num_kv_blocks, self.num_kv_blocks, 0)
+                   for dp in range(self.layout.dp_size)]
         return EngineStats(workers, self._prompt_tokens, self._generation_tokens)
+
+    def _absorb_pending(self) -> None:
+        """Take in stats that arrived while nobody called step() (they are stashed for it too)."""
+        if self._dead is not None or self._control is None:
+            return
+        message = self._next_message(timeout=0)
+        while message is not None:
+            if isinstance(message, StepOutputs):
+                self._worker_stats[message.dp_rank] = message.stats
+                self._stashed.append(message)
+            message = self._next_message(timeout=0)
 
     def health(self) -> EngineHealth:
         if self._dead is None:

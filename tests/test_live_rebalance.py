@@ -58,7 +58,7 @@ def test_expert_load_counts_every_routed_token(checkpoint):
     top_k, experts = config["num_experts_per_tok"], config["num_local_experts"]
     with LLM(str(checkpoint), device="cpu", dtype="float32", ep=2, dp_attn=2, eplb_window=1000) as llm:
         llm.generate(PROMPTS, greedy(8))
-        snapshot = llm.engine.expert_load()
+        snapshot = llm.expert_load()
     tokens = sum(len(p) for p in PROMPTS) + len(PROMPTS) * (8 - 1)  # prefill + decode steps (last token not fed)
     assert snapshot.counts.shape == (config["num_hidden_layers"], experts)
     assert snapshot.counts.sum(dim=1).tolist() == [tokens * top_k] * 2
