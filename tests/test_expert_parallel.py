@@ -9,13 +9,10 @@ from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
 
 NEW_TOKENS = 16
-LAYOUTS = [  # (arch, ep, dp_attn): attention TP = ep / dp_attn
-    ("mixtral", 2, 2),
-    ("mixtral", 4, 1),
-    ("qwen3_moe", 2, 1),
-    ("qwen3_moe", 4, 2),
-    ("deepseek_v3", 2, 2),
-    ("deepseek_v3", 4, 4),
+LAYOUTS = [  # (arch, ep, dp_attn): attention TP = ep / dp_attn; every valid pair of ep {2, 4}, dp_attn {1, 2, 4}
+    (arch, ep, dp)
+    for arch in ("mixtral", "qwen3_moe", "deepseek_v3")
+    for ep, dp in ((2, 1), (2, 2), (4, 1), (4, 2), (4, 4))
 ]
 
 
