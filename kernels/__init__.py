@@ -6,7 +6,8 @@ Triton twin (imported lazily: importing this package never imports triton). Pick
 """
 from .expert_mlp import expert_mlp, masked_expert_mlp
 from .fused_moe import fused_moe
-from .kernel_set import KernelSet, get_kernels
+from .kernel_set import get_kernels
+from .kernel_set_type import KernelSet
 from .paged_attention import paged_decode_attention
 from .permute import PermutePlan, permute_by_expert
 from .rms_norm import NormOutput, fused_add_rms_norm, rms_norm

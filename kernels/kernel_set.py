@@ -5,29 +5,15 @@ import functools
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
+
+from .kernel_set_type import KernelSet
 
 logger = logging.getLogger(__name__)
 
 KERNEL_FAMILIES = ("triton", "torch", "reference")
 ENV_OVERRIDE = "MOE_KERNELS"
-
-
-@dataclass(frozen=True)
-class KernelSet:
-    name: str
-    select_experts: Callable
-    permute_by_expert: Callable
-    expert_mlp: Callable
-    masked_expert_mlp: Callable
-    unpermute_reduce: Callable
-    fused_moe: Callable
-    rms_norm: Callable
-    fused_add_rms_norm: Callable
-    paged_decode_attention: Callable
 
 
 def torch_kernels() -> KernelSet:

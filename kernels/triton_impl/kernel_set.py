@@ -6,7 +6,7 @@ import os
 import torch
 import triton
 
-from ..kernel_set import KernelSet
+from ..kernel_set_type import KernelSet
 from . import align, fused_moe, grouped_gemm, paged_attention, rms_norm, routing, unpermute
 
 
