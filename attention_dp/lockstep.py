@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, RebalanceNow, RebalanceReport,
                                    Shutdown, SnapshotExpertLoad, StepOutputs)
-from moe_runtime.engine_protocol import RebalanceEvent
+from load_balancer.live_rebalancer import RebalanceOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +79,10 @@ class LockstepLoop:
         elif isinstance(command, RebalanceNow):
             if self.rebalancer is None or self.parallel.pp_size > 1:
                 if self.parallel.rank == 0:
-                    self.results.put(RebalanceReport(RebalanceEvent(
-                        -1, "manual", 0.0, 0.0, 0, 1.0, 1.0, ok=False,
+                    self.results.put(RebalanceReport(RebalanceOutcome(
+                        "manual", 0.0, 0.0, 0, 1.0, 1.0, ok=False,
                         error="nothing to rebalance: no MoE layers, one rank, or pipeline stages (pp > 1 "
-                              "rebalancing is not supported yet)")))
+                              "rebalancing is not supported yet)"), index=-1))
             else:
                 self.rebalancer.start("manual", command.fail_on_rank)
         elif isinstance(command, SnapshotExpertLoad):
@@ -105,6 +105,6 @@ class LockstepLoop:
         if self.rebalancer is not None:
             outcome = self.rebalancer.after_step(self.steps)
             if outcome is not None and self.parallel.rank == 0:
-                self.results.put(RebalanceReport(RebalanceEvent(self.rebalancer.count - 1, **vars(outcome))))
+                self.results.put(RebalanceReport(outcome, index=self.rebalancer.count - 1))
         if self.reports_outputs and batch is not None:
             self.results.put(StepOutputs(self.parallel.rank, self.parallel.dp_rank, outputs, self.core.worker_stats()))

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moe_runtime.engine_protocol import WorkerStats
-from moe_runtime.outputs import RequestOutput
-from moe_runtime.sampling_params import SamplingParams
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # engine types travel in these messages; this package does not depend on the engine
+    from moe_runtime.engine_protocol import WorkerStats
+    from moe_runtime.outputs import RequestOutput
+    from moe_runtime.sampling_params import SamplingParams
 
 
 # front -> every worker (broadcast; applied by all ranks at the same lock-step boundary)
@@ -69,7 +72,8 @@ class ExpertLoadReport:
 
 @dataclass
 class RebalanceReport:
-    event: object               # moe_runtime.engine_protocol.RebalanceEvent
+    outcome: object             # load_balancer.live_rebalancer.RebalanceOutcome
+    index: int                  # rebalances run so far, this one excluded
 
 
 @dataclass

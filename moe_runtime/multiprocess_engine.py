@@ -193,7 +193,7 @@ class MultiprocessEngine:
         if isinstance(message, WorkerFailed):
             self._die(self._root_cause(message), message.traceback)
         if isinstance(message, RebalanceReport):
-            self._rebalance_events.append(message.event)
+            self._rebalance_events.append(RebalanceEvent(message.index, **vars(message.outcome)))
         return message
 
     def _describe_lost_rank(self, rank: int) -> str:
