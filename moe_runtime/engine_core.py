@@ -236,12 +236,8 @@ class EngineCore:
             if isinstance(module, StackedExperts):
                 local += module.resident_bytes()
                 per_expert = module.resident_bytes() // max(len(module.expert_ids), 1)
-                total += per_expert * self.parallel_num_experts(module)
+                total += per_expert * (getattr(self.executor, "num_experts", None) or len(module.expert_ids))
         return local, total
-
-    def parallel_num_experts(self, experts) -> int:
-        executor_experts = getattr(self.executor, "num_experts", None)
-        return executor_experts or len(experts.expert_ids)
 
     def shutdown(self) -> None:
         self._sequences.clear()
