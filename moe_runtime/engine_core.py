@@ -247,18 +247,21 @@ class EngineCore:
         generated = len(seq.output_token_ids)
         if self.detokenizer is not None:
             previous_len = len(seq.text)
-            seq.text = self.detokenizer.decode(seq.output_token_ids)
+            seq.text += self.detokenizer.increment(seq.output_token_ids, seq.decode_state)
             if params.stop and generated >= params.min_tokens:
                 match = cut_at_stop(seq.text, params.stop, previous_len)
                 if match.matched:
                     seq.text = match.text
                     return FinishReason.STOP
+        reason = None
         if generated >= params.min_tokens:
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
-                return FinishReason.STOP
-        if generated >= params.max_tokens:
-            return FinishReason.LENGTH
-        return None
+                reason = FinishReason.STOP
+        if reason is None and generated >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None and self.detokenizer is not None:
+            seq.text = self.detokenizer.decode(seq.output_token_ids)  # the whole text once, held-back bytes included
+        return reason
 
     @staticmethod
     def _output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
