@@ -25,7 +25,7 @@ PHASES = ("prefill", "decode")
 
 class ExpertParallelExecutor:
     def __init__(self, kernels, parallel: ParallelContext, *, backend: str, num_redundant_experts: int,
-                 hidden_size: int, dtype: torch.dtype, record_window: int = 128):
+                 hidden_size: int, dtype: torch.dtype, record_window: int = 128, decode_max_tokens: int | None = None):
         self._kernels = kernels
         self.parallel = parallel
         self.backend = backend
@@ -33,6 +33,7 @@ class ExpertParallelExecutor:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.record_window = record_window
+        self.decode_max_tokens = decode_max_tokens  # a decode step's tokens per rank (bounds DeepEP low-latency)
         self.moe_layers: dict[int, int] = {}      # decoder layer index -> MoE layer index
         self.num_experts: int | None = None
         self.placement: Placement | None = None
@@ -76,7 +77,7 @@ class ExpertParallelExecutor:
             self._dispatchers[phase] = make_dispatcher(DispatchConfig(
                 backend=self.backend, world_size=p.ep_size, rank=p.ep_rank, group=p.ep_group,
                 num_slots=self.num_slots, hidden_size=self.hidden_size, dtype=self.dtype, device=p.device,
-                phase=phase,
+                phase=phase, max_tokens_per_rank=self.decode_max_tokens if phase == "decode" else None,
             ))
 
     def set_placement(self, placement: Placement) -> None:

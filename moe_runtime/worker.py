@@ -74,7 +74,7 @@ def build_worker_engine(setup, rank: int):
         return ExpertParallelExecutor(kernels, parallel, backend=config.a2a_backend,
                                       num_redundant_experts=config.num_redundant_experts,
                                       hidden_size=hf_config.hidden_size, dtype=dtype,
-                                      record_window=config.eplb_window)
+                                      record_window=config.eplb_window, decode_max_tokens=config.max_num_seqs)
 
     return EngineCore(config, parallel, executor_factory)
 
