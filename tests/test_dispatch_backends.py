@@ -45,10 +45,12 @@ def test_named_backends_pass_through_and_bad_names_are_rejected():
         select_backend("local", "cpu", 2)
 
 
-def test_deep_ep_is_optional():
-    assert "deep_ep" not in sys.modules  # importing dispatch did not pull it in
-    if dispatch.factory.deep_ep_importable():
-        pytest.skip("deep_ep is installed here")
+def test_importing_dispatch_does_not_import_deep_ep():
+    assert "deep_ep" not in sys.modules
+
+
+@pytest.mark.skipif(dispatch.factory.deep_ep_importable(), reason="deep_ep is installed here: nothing is missing")
+def test_missing_deep_ep_is_a_clear_error():
     with pytest.raises(ImportError, match="deep_ep"):
         make_dispatcher(DispatchConfig("deepep_normal", 2, 0, None, 8, 16))
 

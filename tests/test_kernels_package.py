@@ -48,7 +48,7 @@ def test_transformers_does_not_take_us_for_the_hf_kernels_hub():
     try:
         version = importlib.metadata.version("moe-runtime")
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip("moe-runtime is not pip-installed (pip install -e . --no-deps)")
+        pytest.fail("moe-runtime is not pip-installed: the README's install step (pip install -e '.[dev]') comes first")
     assert version == "0.1.0"
     result = run_python("from transformers.utils.import_utils import is_kernels_available; "
                         "print(is_kernels_available())")
