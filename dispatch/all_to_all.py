@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from dispatch.base import LAYOUT_CONTIGUOUS, DispatchOutput, DispatchStats, Dispatcher
+from dispatch.base import DispatchOutput, DispatchStats, Dispatcher
 from dispatch.collectives import (ColumnSpec, all_to_all_rows, exchange_counts, pack_rows,
                                   unpack_rows)
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
@@ -75,14 +75,6 @@ class AllToAllDispatcher(Dispatcher):
         self.group = group
         self.hidden_size = hidden_size
         self.send_once = send_once
-        self._stats: DispatchStats | None = None
-
-    def layout(self) -> str:
-        return LAYOUT_CONTIGUOUS
-
-    @property
-    def last_stats(self) -> DispatchStats | None:
-        return self._stats
 
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
         check_dispatch_inputs(x, slot_ids, weights, self.placement.num_slots, self.hidden_size)

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from dispatch.base import LAYOUT_CONTIGUOUS, DispatchOutput, DispatchStats, Dispatcher
+from dispatch.base import DispatchOutput, DispatchStats, Dispatcher
 from dispatch.collectives import (ColumnSpec, all_gather_counts, all_gather_rows,
                                   all_reduce_slice, pack_rows, reduce_scatter_rows, unpack_rows)
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
@@ -39,14 +39,6 @@ class AllGatherDispatcher(Dispatcher):
         self.group = group
         self.hidden_size = hidden_size
         self._use_reduce_scatter = True  # switched off once if the backend lacks it
-        self._stats: DispatchStats | None = None
-
-    def layout(self) -> str:
-        return LAYOUT_CONTIGUOUS
-
-    @property
-    def last_stats(self) -> DispatchStats | None:
-        return self._stats
 
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
         check_dispatch_inputs(x, slot_ids, weights, self.placement.num_slots, self.hidden_size)

@@ -66,9 +66,11 @@ class Dispatcher(abc.ABC):
         """expert_out: same layout as recv_x, unweighted. Returns y [T, H]:
         y[t] = sum_k weights[t, k] * expert_{slot_ids[t, k]}(x[t])."""
 
-    @abc.abstractmethod
+    _stats: DispatchStats | None = None  # set by each dispatch (+ combine) of backends that count traffic
+
     def layout(self) -> str:
         """LAYOUT_CONTIGUOUS or LAYOUT_MASKED: the shape of recv_x and of combine's input."""
+        return LAYOUT_CONTIGUOUS
 
     def max_tokens_per_rank(self) -> int | None:
         """Upper bound on T per dispatch call, or None when unbounded."""
@@ -81,4 +83,4 @@ class Dispatcher(abc.ABC):
     @property
     def last_stats(self) -> DispatchStats | None:
         """Traffic of the most recent dispatch (+ combine), for backends that count it."""
-        return None
+        return self._stats

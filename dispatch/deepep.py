@@ -79,7 +79,6 @@ class DeepEPDispatcher(Dispatcher):
         self._max_tokens = max_tokens_per_rank
         buffer_cls = buffer_cls if buffer_cls is not None else import_deep_ep_buffer()
         self.buffer = self._make_buffer(buffer_cls, hidden_size * dtype.itemsize)
-        self._stats: DispatchStats | None = None
 
     def _make_buffer(self, buffer_cls: type, hidden_bytes: int):
         num_ranks = self.placement.world_size
@@ -103,10 +102,6 @@ class DeepEPDispatcher(Dispatcher):
 
     def max_tokens_per_rank(self) -> int | None:
         return self._max_tokens if self.mode == MODE_LOW_LATENCY else None
-
-    @property
-    def last_stats(self) -> DispatchStats | None:
-        return self._stats
 
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
         check_dispatch_inputs(x, slot_ids, weights, self.placement.num_slots, self.hidden_size)

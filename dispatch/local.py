@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from dispatch.base import LAYOUT_CONTIGUOUS, DispatchOutput, DispatchStats, Dispatcher
+from dispatch.base import DispatchOutput, DispatchStats, Dispatcher
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
 from dispatch.slots import SlotPlacement, check_dispatch_inputs
 
@@ -23,14 +23,6 @@ class LocalDispatcher(Dispatcher):
     def __init__(self, num_slots: int, hidden_size: int | None = None):
         self.placement = SlotPlacement(num_slots, world_size=1)
         self.hidden_size = hidden_size
-        self._stats: DispatchStats | None = None
-
-    def layout(self) -> str:
-        return LAYOUT_CONTIGUOUS
-
-    @property
-    def last_stats(self) -> DispatchStats | None:
-        return self._stats
 
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
         check_dispatch_inputs(x, slot_ids, weights, self.placement.num_slots, self.hidden_size)
