@@ -77,7 +77,10 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(hidden_size, eps, ctx.kernels, ctx.dtype, ctx.device) if p.is_last_stage else None
 
     def owned_layers(self) -> list[nn.Module]:
-        return [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
+        """The layers this stage runs (computed once: the forward pass asks every step)."""
+        if not hasattr(self, "_owned"):
+            self._owned = [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
+        return self._owned
 
 
 def build_stack(cfg, ctx: BuildContext, make_layer) -> DecoderStack:
