@@ -64,3 +64,15 @@ def test_expert_load_counts_every_routed_token(checkpoint):
     assert snapshot.counts.sum(dim=1).tolist() == [tokens * top_k] * 2
     assert snapshot.rank_load.sum(dim=1).tolist() == [tokens * top_k] * 2
     assert ((snapshot.balancedness > 0) & (snapshot.balancedness <= 1)).all()
+
+
+def test_threshold_trigger_rebalances_when_balance_drops(checkpoint):
+    """Balancedness is checked every 32 steps; below the threshold a rebalance starts by itself."""
+    with LLM(str(checkpoint), device="cpu", dtype="float32", ep=2, dp_attn=2, num_redundant_experts=2,
+             eplb_threshold=0.999, eplb_window=64) as llm:
+        before = llm.expert_load()
+        llm.generate(PROMPTS, greedy(40))
+        events = llm.engine.rebalance_events()
+        assert events and events[0].trigger == "threshold" and events[0].ok, events
+        assert events[0].balancedness_before < 0.999
+        assert not (llm.expert_load().placement == before.placement).all()
