@@ -5,6 +5,7 @@ import torch
 
 from .expert_mlp import check_expert_weights, expert_mlp
 from .permute import permute_by_expert
+from .skinny_matmul import linear_rows
 from .unpermute import unpermute_reduce
 
 
@@ -21,9 +22,9 @@ def _direct_small_batch(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         for expert, weight in zip(experts, weights):
             if not 0 <= expert < num_experts:
                 continue                                                   # masked slot
-            gate_up = row @ w13[expert].t()                                # [1, 2I]
+            gate_up = linear_rows(row, w13[expert])                        # [1, 2I]
             hidden = torch.nn.functional.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-            out[token : token + 1].add_(hidden @ w2[expert].t(), alpha=weight)
+            out[token : token + 1].add_(linear_rows(hidden, w2[expert]), alpha=weight)
     return out
 
 

@@ -1,13 +1,17 @@
 """Fast torch MoE path (permute, expert MLP, unpermute, fused_moe) against the naive oracle and HF."""
+import importlib
+
 import pytest
 import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from kernels import PermutePlan, get_kernels
+from kernels.skinny_matmul import SKINNY_ROWS_MAX, batched_linear_rows, linear_rows
 
 FAST = get_kernels("cpu", "torch")
 ORACLE = get_kernels("cpu", "reference")
+expert_mlp_module = importlib.import_module("kernels.expert_mlp")  # the package re-exports a function of that name
 
 DEVICE_DTYPES = [("cpu", torch.float32), ("cpu", torch.bfloat16)]
 if torch.cuda.is_available():
@@ -48,6 +52,7 @@ CASES = {
     "all_masked": dict(tokens=4, top_k=2, experts=5, masked_fraction=1.0),
     "single_expert": dict(tokens=7, top_k=1, experts=1),
     "busy": dict(tokens=64, top_k=4, experts=8),
+    "decode_batch": dict(tokens=16, top_k=4, experts=32),   # small counts on most experts: padded path
 }
 
 
@@ -115,6 +120,67 @@ def test_masked_expert_mlp_zeroes_rows_past_count(device, dtype):
     expected = ORACLE.masked_expert_mlp(x.float().cpu(), counts.cpu(), w13.float().cpu(), w2.float().cpu())
     torch.testing.assert_close(got.float().cpu(), expected, **tolerance(dtype))
     assert torch.all(got[0] == 0) and torch.all(got[2, 1:] == 0) and torch.all(got[3, 3:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_and_per_expert_paths_agree_with_the_oracle(dtype, monkeypatch):
+    x, w13, w2 = make_layer(16, 32, 32, 24, dtype=dtype, seed=5)
+    weights, ids = random_topk(16, 4, 32, seed=5)
+    plan = FAST.permute_by_expert(ids, 32)
+    assert expert_mlp_module.padded_layout_wins(plan.counts, int(plan.counts.max()))   # the case is decode-shaped
+    expected = ORACLE.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    padded = FAST.fused_moe(x, w13, w2, weights, ids)
+    monkeypatch.setattr(expert_mlp_module, "PADDED_BUSY_FRACTION_MIN", 2.0)        # never padded
+    assert not expert_mlp_module.padded_layout_wins(plan.counts, int(plan.counts.max()))
+    per_expert = FAST.fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(padded.float(), expected, **tolerance(dtype))
+    torch.testing.assert_close(per_expert.float(), expected, **tolerance(dtype))
+
+
+def test_padded_path_is_chosen_only_for_small_counts_on_most_experts():
+    wins = expert_mlp_module.padded_layout_wins
+    assert wins(torch.tensor([1, 2, 1, 0]), 2)
+    assert not wins(torch.tensor([1, 0, 0, 0]), 1)                              # one busy expert of four
+    assert not wins(torch.tensor([SKINNY_ROWS_MAX + 1, 3, 2, 1]), SKINNY_ROWS_MAX + 1)  # prefill-sized segment
+    assert not wins(torch.zeros(4, dtype=torch.int64), 0)
+
+
+def test_masked_expert_mlp_ignores_stale_rows_even_when_nan():
+    experts, capacity = 4, 6
+    x, w13, w2 = make_layer(experts * capacity, 16, experts, 8, seed=2)
+    x = x.view(experts, capacity, 16).clone()
+    counts = torch.tensor([2, 0, 1, 3])
+    x[0, 2:] = float("nan")                                                    # a dispatch buffer's stale rows
+    x[2, 1:] = float("inf")
+    got = FAST.masked_expert_mlp(x, counts, w13, w2)
+    expected = ORACLE.masked_expert_mlp(torch.nan_to_num(x), counts, w13, w2)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, SKINNY_ROWS_MAX, SKINNY_ROWS_MAX + 1, 33])
+def test_linear_rows_is_f_linear(rows, dtype):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 48, generator=generator).to(dtype)
+    weight = torch.randn(40, 48, generator=generator).to(dtype)
+    bias = torch.randn(40, generator=generator).to(dtype)
+    for args in ((x, weight), (x, weight, bias), (x[:, ::2], weight[:, ::2])):  # also a strided x
+        got = linear_rows(*args)
+        assert got.shape == (rows, 40) and got.dtype == dtype and got.is_contiguous()
+        torch.testing.assert_close(got.float(), torch.nn.functional.linear(*args).float(), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, SKINNY_ROWS_MAX + 2])
+def test_batched_linear_rows_is_per_batch_f_linear(rows, dtype):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(5, rows, 24, generator=generator).to(dtype)
+    weight = torch.randn(5, 20, 24, generator=generator).to(dtype)
+    got = batched_linear_rows(x, weight)
+    expected = torch.stack([torch.nn.functional.linear(x[b], weight[b]) for b in range(5)])
+    assert got.shape == (5, rows, 20)
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance(dtype))
 
 
 def test_bad_shapes_name_the_tensor():

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.skinny_matmul import linear_rows
 from moe_runtime.checkpoint import CheckpointReader, read_slice
 from moe_runtime.weight_loading import copy_checked
 
@@ -53,8 +54,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.shard is not None and self.shard.dim == 1:
-            return F.linear(x, self.weight)  # partial sum: see `reduce`
-        return F.linear(x, self.weight, self.bias)
+            return linear_rows(x, self.weight)  # partial sum: see `reduce`
+        return linear_rows(x, self.weight, self.bias)
 
     def reduce(self, partial: torch.Tensor, group) -> torch.Tensor:
         """Row parallel: sum the ranks' partial outputs, then add the bias once."""

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.skinny_matmul import linear_rows
 from moe_runtime.checkpoint import CheckpointReader, read_slice
 from moe_runtime.weight_loading import copy_checked
 
@@ -49,7 +50,7 @@ class ParallelLMHead(VocabShard):
 
 def gather_vocab_logits(hidden: torch.Tensor, shard: VocabShard) -> torch.Tensor:  # [B, H] -> [B, V] fp32
     """Logits of every rank's vocabulary shard, all-gathered into the full vocabulary."""
-    local = F.linear(hidden, shard.weight).float()                                    # [B, shard]
+    local = linear_rows(hidden, shard.weight).float()                                  # [B, shard]
     gathered = [torch.empty_like(local) for _ in range(shard.tp_size)]
     dist.all_gather(gathered, local.contiguous(), group=shard.group)
     return torch.cat(gathered, dim=-1)[:, : shard.vocab_size]

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.skinny_matmul import linear_rows
 from moe_runtime.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Embedding, Linear
@@ -127,4 +127,4 @@ class CausalLM(nn.Module):
         if self.parallel.dense_tp:
             return gather_vocab_logits(hidden, self.model.embed_tokens if self.tied else self.lm_head)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear_rows(hidden, weight).float()
