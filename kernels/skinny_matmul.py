@@ -1,28 +1,38 @@
 """`x @ w.T` for few rows on CPU, in the operand order the CPU BLAS streams weights fastest.
 
-Decode multiplies a handful of rows by a large weight. On CPU, MKL's `x @ w.T` with a few rows
-runs single-threaded and packs the weight first: about 7-10 GB/s of weight on the 2-core dev
-machine, against 32 GB/s for a plain read. Asking for `(w @ x.T).T` instead (the weight as the
-left operand, x as a transposed view) runs at 20-37 GB/s in fp32 for up to 8 rows; one row goes
-to a single-threaded gemv either way, so it is duplicated to two. bf16 has no such gap for one
-matrix, but its batched form prefers `x @ w.T`. `bench/bench_moe_layer.py` shows the effect.
+Decode multiplies a handful of rows by a large weight. On CPU, MKL's `x @ w.T` with 2-8 rows
+runs single-threaded and packs the weight first: 5-9 GB/s of weight on the 2-core dev machine,
+against 32 GB/s for a plain read. Asking for `(w @ x.T).T` instead (the weight as the left
+operand, x as a transposed view) streams it at 12-37 GB/s where the activation block is small;
+one row goes to gemv, which the weight-left order beats (with the row duplicated) only for short
+rows. The rule below is the region where weight-left won in every cell of a grid over rows
+1-8, K 256-4096, N 512-8192, 1 and 2 threads, single and batched; bf16 keeps `x @ w.T`.
+`bench/bench_offline.py` and `bench/bench_moe_layer.py` show the effect end to end.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-SKINNY_ROWS_MAX = 8  # up to this many rows the weight-as-left-operand order wins in fp32 (measured)
+SKINNY_ROWS_MAX = 8            # more rows than this: the ordinary GEMM path is as good or better
+SKINNY_BLOCK_ELEMENTS = 2048   # rows * K up to this: weight-left wins (measured)
+GEMV_ROW_K_MAX = 1024          # one row: weight-left (row duplicated) beats gemv up to this K
 
 
-def _weight_left_wins(x: torch.Tensor, rows: int) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= SKINNY_ROWS_MAX
+def weight_left_wins(x: torch.Tensor, rows: int, batched: bool) -> bool:
+    """Whether `(w @ x.T).T` beats `x @ w.T` for `rows` rows of x on this device and dtype."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < rows <= SKINNY_ROWS_MAX:
+        return False
+    in_features = x.shape[-1]
+    if rows == 1:
+        return batched or in_features <= GEMV_ROW_K_MAX
+    return rows == 2 or rows * in_features <= SKINNY_BLOCK_ELEMENTS
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a 2-D x [n, K] and weight [N, K] -> [n, N], fast for small n on CPU."""
     rows = x.shape[0]
-    if x.dim() != 2 or not _weight_left_wins(x, rows):
+    if x.dim() != 2 or not weight_left_wins(x, rows, batched=False):
         return F.linear(x, weight, bias)
     x = x.contiguous()
     if rows == 1:
@@ -33,6 +43,6 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def batched_linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Per-batch x[b] @ weight[b].T: x [B, M, K], weight [B, N, K] -> [B, M, N] (M small on decode)."""
-    if _weight_left_wins(x, x.shape[1]):
+    if weight_left_wins(x, x.shape[1], batched=True):
         return torch.bmm(weight, x.contiguous().transpose(1, 2)).transpose(1, 2)   # [B, M, N] view
     return torch.bmm(x, weight.transpose(1, 2))

@@ -7,7 +7,7 @@ from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from kernels import PermutePlan, get_kernels
-from kernels.skinny_matmul import SKINNY_ROWS_MAX, batched_linear_rows, linear_rows
+from kernels.skinny_matmul import SKINNY_ROWS_MAX, batched_linear_rows, linear_rows, weight_left_wins
 
 FAST = get_kernels("cpu", "torch")
 ORACLE = get_kernels("cpu", "reference")
@@ -169,6 +169,17 @@ def test_linear_rows_is_f_linear(rows, dtype):
         got = linear_rows(*args)
         assert got.shape == (rows, 40) and got.dtype == dtype and got.is_contiguous()
         torch.testing.assert_close(got.float(), torch.nn.functional.linear(*args).float(), **tolerance(dtype))
+
+
+def test_weight_left_order_only_where_it_was_measured_to_win():
+    def wins(rows, in_features, batched=False, dtype=torch.float32):
+        return weight_left_wins(torch.empty(rows, in_features, dtype=dtype), rows, batched)
+    assert wins(2, 4096) and wins(1, 512) and wins(4, 512) and wins(8, 256)
+    assert wins(1, 4096, batched=True)
+    assert not wins(1, 2048)                        # gemv is better for one long row
+    assert not wins(4, 2048) and not wins(8, 512)   # activation block too large
+    assert not wins(SKINNY_ROWS_MAX + 1, 64) and not wins(0, 64)
+    assert not wins(2, 512, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
