@@ -17,6 +17,9 @@ FLOPs are the useful ones (router + routed + shared matmuls, same for everyone);
 machine's dense matmul measured here (same dtype, same threads). Timings are the best of the
 repeats, contenders interleaved: on a shared machine noise only ever adds time. CPU runs use one
 thread unless --threads says otherwise (oversubscribed OpenMP threads make figures meaningless).
+Caches are evicted before every timed call (--cache cold, the default): in a model the other
+layers' weights evict this layer's, and a cache-hot single layer would favour small-T paths
+that lose when weights come from memory. --cache hot measures the opposite case.
 
     python bench/bench_moe_layer.py                       # CPU fp32, writes bench/results/moe_layer.json
     python bench/bench_moe_layer.py --quick               # smoke run
@@ -174,7 +177,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_once(fn, device) -> float:
+class CacheFlush:
+    """Evicts the caches before a timed call, so weights come from memory as they do in a model
+    (where the other layers' weights have evicted this one's); 256 MiB exceeds any L3/L2 here."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.buffer = torch.empty(64 * 2**20, device=device) if enabled else None
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self.buffer.fill_(1.0)
+
+
+def time_once(fn, device, flush: CacheFlush | None = None) -> float:
+    if flush is not None:
+        flush()
     synchronize(device)
     started = time.perf_counter()
     fn()
@@ -206,7 +223,8 @@ def repeats_for(tokens: int, spec: LayerSpec, device: torch.device, quick: bool)
     return 10 if work < 5e8 else 4 if work < 5e9 else 2
 
 
-def bench_layer(spec: LayerSpec, tokens_list, device, dtype, kernels, peak, quick, rows: list) -> None:
+def bench_layer(spec: LayerSpec, tokens_list, device, dtype, kernels, peak, quick, rows: list,
+                flush: CacheFlush) -> None:
     layer = Layer(spec, device, dtype)
     element = torch.tensor([], dtype=dtype).element_size()
     torch_kernels = get_kernels(device, "torch")
@@ -226,7 +244,7 @@ def bench_layer(spec: LayerSpec, tokens_list, device, dtype, kernels, peak, quic
             samples = {name: [] for name in contenders}
             for _ in range(repeats_for(tokens, spec, device, quick)):
                 for name, fn in contenders.items():                                  # interleaved
-                    samples[name].append(time_once(fn, device))
+                    samples[name].append(time_once(fn, device, flush))
             topk = kernels.select_experts(layer.router_logits(x), layer.routing, layer.bias)
             experts_hit = int(torch.unique(topk.ids).numel())
             hf_ms = min(samples["hf_grouped"])
@@ -272,6 +290,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,8,64,512,2048")
     parser.add_argument("--kernels", default="auto", help="kernel family for the runtime contender")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--cache", choices=["cold", "hot"], default="cold",
+                        help="cold: evict caches before each timed call (as in a model); hot: reuse them")
     parser.add_argument("--quick", action="store_true", help="one repeat, small token counts")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe_layer.json"))
     args = parser.parse_args()
@@ -286,7 +306,8 @@ def main() -> None:
     kernels = get_kernels(device, args.kernels)
     peak = measure_peak(device, dtype)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or platform.machine()}), "
-          f"dtype {dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}, kernels {kernels.name}")
+          f"dtype {dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}, kernels {kernels.name}, "
+          f"{args.cache} caches")
     print(f"measured peak: matmul {peak['matmul_gflops']:.1f} GFLOP/s ({peak['matmul_size']}^3), "
           f"copy {peak['copy_gbps']:.1f} GB/s")
     if device.type == "cuda":
@@ -298,7 +319,8 @@ def main() -> None:
     for name in args.layers.split(","):
         if name not in LAYERS:
             raise SystemExit(f"--layers: unknown layer {name!r}, expected some of {sorted(LAYERS)}")
-        bench_layer(LAYERS[name], tokens_list, device, dtype, kernels, peak, args.quick, rows)
+        bench_layer(LAYERS[name], tokens_list, device, dtype, kernels, peak, args.quick, rows,
+                    CacheFlush(device, args.cache == "cold"))
     elapsed = time.perf_counter() - started
 
     print("\nruntime vs transformers (hf_grouped / hf_eager ms over runtime ms):")
@@ -317,6 +339,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "kernels": kernels.name,
+        "caches": args.cache,
         "measured_peak": peak,
         "nominal_peak": {"bf16_tflops": H200_PEAK_BF16_TFLOPS, "hbm_tbps": H200_PEAK_HBM_TBPS}
         if device.type == "cuda" else None,
