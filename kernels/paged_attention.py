@@ -41,17 +41,23 @@ def paged_decode_attention(
     num_blocks = (max_len + block_size - 1) // block_size
     length = num_blocks * block_size
     tables = block_tables[:, :num_blocks].long().clamp(min=0).reshape(-1)           # [B * nb]
-    keys = k_cache.index_select(0, tables)                          # [B * nb, bs, Hkv, D]
-    keys = keys.view(batch, length, num_kv_heads, head_dim).transpose(1, 2).float()  # [B, Hkv, L, D]
+    # Gather head-major ([Hkv, B*nb, bs, D] is [Hkv*B, L, D] contiguous): the score and value
+    # matmuls then run as plain bmm over (head, sequence) with no transposed copy of K or V.
+    keys = k_cache.index_select(0, tables).permute(2, 0, 1, 3).contiguous()         # [Hkv, B*nb, bs, D]
+    keys = keys.view(num_kv_heads * batch, length, head_dim).float()                # [Hkv*B, L, D]
     if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride():
         values = keys[..., :v_dim]                                                  # MLA: values are the latent keys
     else:
-        values = v_cache.index_select(0, tables).view(batch, length, num_kv_heads, v_dim).transpose(1, 2).float()
-    q_grouped = q.float().view(batch, num_kv_heads, group, head_dim)                # [B, Hkv, G, D]
-    scores = torch.matmul(q_grouped, keys.transpose(-1, -2)).mul_(scale)           # [B, Hkv, G, L]
+        values = v_cache.index_select(0, tables).permute(2, 0, 1, 3).contiguous()
+        values = values.view(num_kv_heads * batch, length, v_dim).float()           # [Hkv*B, L, Dv]
+    q_by_head = q.float().view(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+    q_by_head = q_by_head.reshape(num_kv_heads * batch, group, head_dim)
+    scores = torch.bmm(q_by_head, keys.transpose(1, 2)).mul_(scale)                # [Hkv*B, G, L]
+    scores = scores.view(num_kv_heads, batch, group, length)
     positions = torch.arange(length, device=q.device)
     invalid = positions[None, :] >= context_lens.long()[:, None]                    # [B, L]
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    scores.masked_fill_(invalid[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)                          # empty contexts -> 0
-    out = torch.matmul(probs, values)                                               # [B, Hkv, G, Dv]
+    out = torch.bmm(probs.view(num_kv_heads * batch, group, length), values)        # [Hkv*B, G, Dv]
+    out = out.view(num_kv_heads, batch, group, v_dim).transpose(0, 1)               # [B, Hkv, G, Dv]
     return out.reshape(batch, num_q_heads, v_dim).to(q.dtype)
