@@ -44,6 +44,20 @@ _MLA = dict(  # DeepSeek multi-head latent attention; num_key_value_heads == num
     qk_nope_head_dim=16,
     v_head_dim=16,
 )
+_DEEPSEEK_V2 = dict(  # shared by the V2 and V2-Lite tiny models, which differ only in q_lora_rank
+    **_MLA,
+    num_hidden_layers=3,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=2,
+    n_group=4,
+    topk_group=2,
+    topk_method="group_limited_greedy",
+    routed_scaling_factor=2.0,
+    first_k_dense_replace=1,
+)
 
 
 @dataclass(frozen=True)
@@ -130,41 +144,13 @@ TINY_ARCHS: dict[str, TinyArch] = {
         TinyArch(
             "deepseek_v2",
             "DeepseekV2Config",
-            dict(
-                **_MLA,
-                num_hidden_layers=3,
-                q_lora_rank=64,
-                intermediate_size=256,
-                moe_intermediate_size=64,
-                n_routed_experts=8,
-                num_experts_per_tok=2,
-                n_shared_experts=2,
-                n_group=4,
-                topk_group=2,
-                topk_method="group_limited_greedy",
-                routed_scaling_factor=2.0,
-                first_k_dense_replace=1,
-            ),
+            dict(**_DEEPSEEK_V2, q_lora_rank=64),
             "MLA with q_lora, softmax group_limited_greedy (4 groups, 2 kept), scaling 2.0, layer 0 dense",
         ),
         TinyArch(
             "deepseek_v2_lite",
             "DeepseekV2Config",
-            dict(
-                **_MLA,
-                num_hidden_layers=3,
-                q_lora_rank=None,
-                intermediate_size=256,
-                moe_intermediate_size=64,
-                n_routed_experts=8,
-                num_experts_per_tok=2,
-                n_shared_experts=2,
-                n_group=4,
-                topk_group=2,
-                topk_method="group_limited_greedy",
-                routed_scaling_factor=2.0,
-                first_k_dense_replace=1,
-            ),
+            dict(**_DEEPSEEK_V2, q_lora_rank=None),
             "as deepseek_v2 but MLA without q_lora (q_proj), like DeepSeek-V2-Lite",
         ),
         TinyArch(
