@@ -23,6 +23,13 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
         )
 
 
+def _head_major_fp32(blocks: torch.Tensor) -> torch.Tensor:
+    """[n, bs, Hkv, D] -> contiguous fp32 [Hkv, n, bs, D] in one copy (transpose and upcast together)."""
+    out = torch.empty(blocks.shape[2], blocks.shape[0], blocks.shape[1], blocks.shape[3],
+                      dtype=torch.float32, device=blocks.device)
+    return out.copy_(blocks.permute(2, 0, 1, 3))
+
+
 def paged_decode_attention(
     q: torch.Tensor,             # [B, Hq, D]
     k_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, D]
@@ -43,13 +50,13 @@ def paged_decode_attention(
     tables = block_tables[:, :num_blocks].long().clamp(min=0).reshape(-1)           # [B * nb]
     # Gather head-major ([Hkv, B*nb, bs, D] is [Hkv*B, L, D] contiguous): the score and value
     # matmuls then run as plain bmm over (head, sequence) with no transposed copy of K or V.
-    keys = k_cache.index_select(0, tables).permute(2, 0, 1, 3).contiguous()         # [Hkv, B*nb, bs, D]
-    keys = keys.view(num_kv_heads * batch, length, head_dim).float()                # [Hkv*B, L, D]
+    keys = _head_major_fp32(k_cache.index_select(0, tables))                        # [Hkv, B*nb, bs, D]
+    keys = keys.view(num_kv_heads * batch, length, head_dim)                        # [Hkv*B, L, D]
     if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride():
         values = keys[..., :v_dim]                                                  # MLA: values are the latent keys
     else:
-        values = v_cache.index_select(0, tables).permute(2, 0, 1, 3).contiguous()
-        values = values.view(num_kv_heads * batch, length, v_dim).float()           # [Hkv*B, L, Dv]
+        values = _head_major_fp32(v_cache.index_select(0, tables))
+        values = values.view(num_kv_heads * batch, length, v_dim)                   # [Hkv*B, L, Dv]
     q_by_head = q.float().view(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
     q_by_head = q_by_head.reshape(num_kv_heads * batch, group, head_dim)
     scores = torch.bmm(q_by_head, keys.transpose(1, 2)).mul_(scale)                # [Hkv*B, G, L]
