@@ -279,9 +279,10 @@ class AsyncEngine:
                 busy = self.engine.has_unfinished()
                 if not self._apply_commands(block=not busy):
                     break
-                if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
-                self._refresh_snapshots()
+                outputs = self.engine.step() if self.engine.has_unfinished() else None
+                self._refresh_snapshots()  # before delivering: a client woken by its output sees stats that count it
+                if outputs is not None:
+                    self._deliver(outputs)
                 if not self._health.healthy:
                     raise EngineDeadError(self._health.detail)
         except EngineDeadError as exc:
