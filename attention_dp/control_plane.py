@@ -1,53 +1,59 @@
-"""The control plane between the front process and the worker ranks: one TCP connection per rank.
+"""The control plane between the front process and the worker ranks, on ZeroMQ.
 
+The front binds one ROUTER socket; each rank connects one DEALER socket (routing id = its rank).
 Requests, aborts and other commands go out to every rank; outputs, stats and failures come back.
-TCP (not in-process queues) so that ranks on other nodes, started by `moe-serve --node-rank N` or
-by torchrun, join the same way as the ranks the front spawns itself. Tensors never travel here:
-activations and expert traffic use torch.distributed.
+A socket (not in-process queues) so that ranks on other nodes, started by `moe-serve --node-rank
+N` or by torchrun, join the same way as the ranks the front spawns itself. Tensors never travel
+here: activations and expert traffic use torch.distributed.
+
+Security: every connection is authenticated by the CURVE handshake (see `control_key`) before a
+single byte of payload reaches this code; messages are msgpack decoded only into the types of
+`attention_dp.messages`; a payload that fails to decode is logged and dropped. libzmq's I/O
+thread runs the handshakes, with a timeout, so a silent or garbage connection never blocks or
+kills anything here: it is simply never admitted.
+
+Liveness: the front watches its socket's events: a rank whose connection (known by its file
+descriptor, taken from its Hello) closes is reported as disconnected, and heartbeats close
+connections to a peer that stopped answering (a node that lost power sends no FIN). A rank
+watches its connection the same way and exits when the front is gone.
 """
 from __future__ import annotations
 
-import os
+import hmac
+import logging
 import queue
-import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, Listener, wait
 
-DEFAULT_AUTHKEY_ENV = "MOE_RUNTIME_CONTROL_KEY"
+import msgspec
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+from attention_dp.control_key import ControlKey
+from attention_dp.messages import Hello, Message, MessageCodec, WorkerSetup
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_MS = 10_000    # a connection that has not completed CURVE by then is dropped
+HEARTBEAT_INTERVAL_MS = 2_000
+HEARTBEAT_TIMEOUT_MS = 20_000    # no traffic and no heartbeat answer for this long: the peer is gone
+MAX_MESSAGE_BYTES = 256 * 2**20  # an authenticated peer still cannot make the front allocate more
+ZAP_DOMAIN = "moe-control"
 
 
 @dataclass(frozen=True)
 class ControlAddress:
+    """Where ranks connect, and the key they prove they hold."""
+
     host: str
     port: int
-    authkey: bytes
+    key: ControlKey
 
-    @classmethod
-    def shared_key(cls) -> bytes:
-        """The key ranks on other nodes must share: $MOE_RUNTIME_CONTROL_KEY, else a fixed default."""
-        return os.environ.get(DEFAULT_AUTHKEY_ENV, "moe-runtime-control").encode()
-
-
-@dataclass
-class Hello:
-    """A rank's first message: who it is."""
-
-    rank: int
-    pid: int
-    host: str
-
-
-@dataclass
-class WorkerSetup:
-    """The front's answer to Hello: everything a rank needs to build its share of the engine."""
-
-    config: object          # EngineConfig
-    world_size: int
-    master_addr: str
-    master_port: int
-    num_threads: int
-    log_level: int
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
 
 
 class RankDisconnected(Exception):
@@ -56,99 +62,212 @@ class RankDisconnected(Exception):
         self.rank = rank
 
 
+def _routing_id(rank: int) -> bytes:
+    return f"rank-{rank}".encode()
+
+
+def _apply_liveness(socket: zmq.Socket) -> None:
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
+    socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+
+
 class FrontControl:
-    """Listens for ranks, answers their Hello with the setup, then broadcasts and receives."""
+    """The front's end: answers each rank's Hello with the setup, then broadcasts and receives.
 
-    def __init__(self, host: str, port: int, authkey: bytes, setup: WorkerSetup):
-        self.listener = Listener((host, port), authkey=authkey)
-        self.address = ControlAddress(host, self.listener.address[1], authkey)
+    Not thread-safe (one ZeroMQ socket): one thread at a time drives it.
+    """
+
+    def __init__(self, host: str, port: int, key: ControlKey, setup: WorkerSetup):
         self.setup = setup
-        self.connections: dict[int, Connection] = {}
+        self.codec = MessageCodec()
         self.hellos: dict[int, Hello] = {}
-        self._arrivals: queue.Queue = queue.Queue()
-        self._closed = False
-        threading.Thread(target=self._accept_loop, name="control-accept", daemon=True).start()
+        self._peers: dict[bytes, int] = {}      # routing id -> rank, for ranks that said Hello
+        self._rank_by_fd: dict[int, int] = {}   # their connections' file descriptors
+        self._context = zmq.Context()
+        self._authenticator = ThreadAuthenticator(self._context, log=logger.getChild("zap"))
+        self._authenticator.start()
+        rank_public = key.rank_pair().public
+        self._authenticator.configure_curve_callback(ZAP_DOMAIN, _OnlyKey(rank_public))
+        front = key.front_pair()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.curve_server = True
+        self._socket.curve_publickey = front.public
+        self._socket.curve_secretkey = front.secret
+        self._socket.zap_domain = ZAP_DOMAIN.encode()
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)   # sending to a gone rank raises, never drops silently
+        _apply_liveness(self._socket)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        bind_host = f"[{host}]" if ":" in host else host
+        if port:
+            self._socket.bind(f"tcp://{bind_host}:{port}")
+        else:
+            port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
+        self.address = ControlAddress(host, port, key)
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                connection = self.listener.accept()
-                hello = connection.recv()
-                connection.send(self.setup)
-            except (OSError, EOFError):
-                if self._closed:
-                    return
-                continue
-            self._arrivals.put((hello, connection))
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._peers.values())
 
-    def collect_arrivals(self) -> list[int]:
-        """Register ranks that connected since the last call; returns their ranks."""
-        arrived = []
-        while True:
-            try:
-                hello, connection = self._arrivals.get_nowait()
-            except queue.Empty:
-                return arrived
-            self.connections[hello.rank] = connection
-            self.hellos[hello.rank] = hello
-            arrived.append(hello.rank)
+    def broadcast(self, message: Message) -> None:
+        payload = self.codec.encode(message)
+        for routing_id, rank in list(self._peers.items()):
+            self._send(routing_id, rank, payload)
 
-    def broadcast(self, message) -> None:
-        for rank, connection in self.connections.items():
-            try:
-                connection.send(message)
-            except OSError as exc:
-                raise RankDisconnected(rank) from exc
-
-    def receive(self, timeout: float):
-        """(rank, message) from any rank, or None after `timeout`; RankDisconnected on EOF."""
-        ready = wait(list(self.connections.values()), timeout)
-        if not ready:
-            return None
-        connection = ready[0]
-        rank = next(r for r, c in self.connections.items() if c is connection)
+    def _send(self, routing_id: bytes, rank: int, payload: bytes) -> None:
         try:
-            return rank, connection.recv()
-        except (EOFError, OSError) as exc:
+            self._socket.send_multipart([routing_id, payload])
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the rank's connection is gone
             raise RankDisconnected(rank) from exc
 
+    def receive(self, timeout: float) -> tuple[int, Message] | None:
+        """(rank, message) from any rank that said Hello, or None after `timeout` seconds.
+
+        Hellos are answered here; RankDisconnected when a rank's connection closes.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            ready = dict(self._poller.poll(remaining_ms))
+            if not ready:
+                return None
+            if self._socket in ready:  # messages first: a rank's last words arrive before its disconnect
+                received = self._admit(self._socket.recv_multipart(copy=False))
+                if received is not None:
+                    return received
+            elif self._monitor in ready:
+                self._watch_connections()
+
+    def _watch_connections(self) -> None:
+        event = recv_monitor_message(self._monitor)
+        rank = self._rank_by_fd.pop(event["value"], None) if event["event"] == zmq.EVENT_DISCONNECTED else None
+        if rank is not None:
+            self._peers.pop(_routing_id(rank), None)
+            raise RankDisconnected(rank)
+
+    def _admit(self, frames: list[zmq.Frame]) -> tuple[int, Message] | None:
+        if len(frames) != 2:
+            logger.warning("control plane: dropped a message of %d frames (a rank sends one)", len(frames) - 1)
+            return None
+        routing_id, payload = frames[0].bytes, frames[1].bytes
+        rank = self._peers.get(routing_id)
+        try:
+            message = self.codec.decode_to_front(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("control plane: dropped an undecodable message from %r: %s", routing_id, exc)
+            return None
+        if isinstance(message, Hello):
+            self._welcome(routing_id, message, frames[1].get(zmq.SRCFD))
+            return None
+        if rank is None:
+            logger.warning("control plane: dropped %s from %r, which has not said Hello", type(message).__name__,
+                           routing_id)
+            return None
+        return rank, message
+
+    def _welcome(self, routing_id: bytes, hello: Hello, fd: int) -> None:
+        if not 0 <= hello.rank < self.setup.world_size or routing_id != _routing_id(hello.rank):
+            logger.warning("control plane: refused Hello from %r claiming rank %d of %d", routing_id, hello.rank,
+                           self.setup.world_size)
+            return
+        if hello.rank in self.hellos:
+            logger.warning("control plane: rank %d said Hello twice (a second process with the same rank?)",
+                           hello.rank)
+            return
+        self._peers[routing_id] = hello.rank
+        self._rank_by_fd[fd] = hello.rank
+        self.hellos[hello.rank] = hello
+        self._send(routing_id, hello.rank, self.codec.encode(self.setup))
+
     def close(self) -> None:
-        self._closed = True
-        for connection in self.connections.values():
-            connection.close()
-        self.listener.close()
+        if self._socket.closed:
+            return
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
+        self._authenticator.stop()
+        self._context.term()
+
+
+class _OnlyKey:
+    """ZAP credentials check: admit exactly the ranks' public key."""
+
+    def __init__(self, public_z85: bytes):
+        self.public_z85 = public_z85
+
+    def callback(self, domain: str, client_key_z85: bytes) -> bool:
+        return hmac.compare_digest(client_key_z85, self.public_z85)
 
 
 class WorkerControl:
-    """A rank's end: queue-like `get` / `get_nowait` for commands, `put` for results."""
+    """A rank's end: queue-like `get` / `get_nowait` for commands, `put` for results.
+
+    `get` raises EOFError once the front's connection is gone, so the rank exits.
+    """
 
     def __init__(self, address: ControlAddress, hello: Hello, connect_timeout_s: float = 600.0):
-        self.connection = self._connect(address, connect_timeout_s)
-        self.connection.send(hello)
-        self.setup: WorkerSetup = self.connection.recv()
+        self.codec = MessageCodec()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.ROUTING_ID, _routing_id(hello.rank))
+        rank = address.key.rank_pair()
+        self._socket.curve_serverkey = address.key.front_pair().public
+        self._socket.curve_publickey = rank.public
+        self._socket.curve_secretkey = rank.secret
+        _apply_liveness(self._socket)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._socket.connect(address.endpoint)  # retried by libzmq until the front listens
+        self._connected = False
+        self._socket.send(self.codec.encode(hello))
+        self.setup: WorkerSetup = self._first_setup(connect_timeout_s, address)
 
-    @staticmethod
-    def _connect(address: ControlAddress, timeout_s: float) -> Connection:
-        """Ranks on other nodes may start before the front listens: retry until it does."""
-        deadline = time.monotonic() + timeout_s
+    def _first_setup(self, timeout_s: float, address: ControlAddress) -> WorkerSetup:
+        try:
+            message = self.get(timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no answer from the front at {address.endpoint} within {timeout_s:.0f}s (is it "
+                               f"running, and do both ends use the same control key?)") from None
+        if not isinstance(message, WorkerSetup):
+            raise EOFError(f"the front answered Hello with {type(message).__name__}")
+        return message
+
+    def get(self, timeout: float | None = None) -> Message:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
-            try:
-                return Client((address.host, address.port), authkey=address.authkey)
-            except ConnectionRefusedError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            ready = dict(poller.poll(wait_ms))
+            if self._monitor in ready:
+                self._watch_connection()
+            if self._socket in ready:
+                return self.codec.decode_to_rank(self._socket.recv())
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                raise queue.Empty
 
-    def get(self, timeout: float | None = None):
-        if timeout is not None and not self.connection.poll(timeout):
-            raise queue.Empty
-        return self.connection.recv()  # EOFError when the front is gone: the rank exits
+    def _watch_connection(self) -> None:
+        event = recv_monitor_message(self._monitor)
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected = True
+        elif event["event"] == zmq.EVENT_DISCONNECTED and self._connected:
+            raise EOFError("the front closed the control connection")
 
-    def get_nowait(self):
+    def get_nowait(self) -> Message:
         return self.get(timeout=0)
 
-    def put(self, message) -> None:
-        self.connection.send(message)
+    def put(self, message: Message) -> None:
+        self._socket.send(self.codec.encode(message))
 
     def close(self) -> None:
-        self.connection.close()
+        if self._socket.closed:
+            return
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
+        self._context.term()

@@ -14,8 +14,8 @@ import queue
 import torch
 import torch.distributed as dist
 
-from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, RebalanceNow, RebalanceReport,
-                                   Shutdown, SnapshotExpertLoad, StepOutputs)
+from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, ExpertLoadTables, RebalanceNow,
+                                   RebalanceReport, Shutdown, SnapshotExpertLoad, StepOutputs)
 from load_balancer.live_rebalancer import RebalanceOutcome
 
 logger = logging.getLogger(__name__)
@@ -74,12 +74,12 @@ class LockstepLoop:
         elif isinstance(command, AbortRequest):
             if self.core.abort(command.request_id) and self.reports_outputs:
                 # its blocks are free now: tell the front, which would otherwise hear only at the next step
-                self.results.put(StepOutputs(self.parallel.rank, self.parallel.dp_rank, [],
-                                             self.core.worker_stats()))
+                self.results.put(StepOutputs(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank, outputs=[],
+                                             stats=self.core.worker_stats()))
         elif isinstance(command, RebalanceNow):
             if self.rebalancer is None or self.parallel.pp_size > 1:
                 if self.parallel.rank == 0:
-                    self.results.put(RebalanceReport(RebalanceOutcome(
+                    self.results.put(RebalanceReport(outcome=RebalanceOutcome(
                         "manual", 0.0, 0.0, 0, 1.0, 1.0, ok=False,
                         error="nothing to rebalance: no MoE layers, one rank, or pipeline stages (pp > 1 "
                               "rebalancing is not supported yet)"), index=-1))
@@ -89,7 +89,8 @@ class LockstepLoop:
             # summed over the stage's EP group; each pipeline stage's first rank reports its layers
             snapshot = self.core.expert_load(group=self.parallel.ep_group)
             if self.parallel.ep_rank == 0 and self.parallel.attn_tp_rank == 0 and self.parallel.dp_rank == 0:
-                self.results.put(ExpertLoadReport(snapshot, self.parallel.pp_rank))
+                tables = None if snapshot is None else ExpertLoadTables(**snapshot.to_dict())
+                self.results.put(ExpertLoadReport(tables=tables, stage=self.parallel.pp_rank))
         else:
             raise TypeError(f"unknown command {command!r}")
 
@@ -105,6 +106,7 @@ class LockstepLoop:
         if self.rebalancer is not None:
             outcome = self.rebalancer.after_step(self.steps)
             if outcome is not None and self.parallel.rank == 0:
-                self.results.put(RebalanceReport(outcome, index=self.rebalancer.count - 1))
+                self.results.put(RebalanceReport(outcome=outcome, index=self.rebalancer.count - 1))
         if self.reports_outputs and batch is not None:
-            self.results.put(StepOutputs(self.parallel.rank, self.parallel.dp_rank, outputs, self.core.worker_stats()))
+            self.results.put(StepOutputs(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank, outputs=outputs,
+                                         stats=self.core.worker_stats()))

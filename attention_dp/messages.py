@@ -1,50 +1,80 @@
-"""Messages between the front process and the worker ranks (picklable dataclasses)."""
+"""Every message between the front process and the worker ranks, as msgspec structs (msgpack).
+
+The control plane decodes only these types: a tagged union per direction, so a payload that is
+not one of them is a `msgspec.DecodeError`/`ValidationError`, never an object of the sender's
+choosing (no pickle anywhere). Engine values that travel here (`EngineConfig`, `SamplingParams`,
+`RequestOutput`, `WorkerStats`) are plain dataclasses of numbers, strings and lists, which msgspec
+decodes field by field with their declared types. Tensors never travel here: the expert-load
+report carries its tables as nested lists (`ExpertLoadTables`).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Union
 
-from typing import TYPE_CHECKING
+import msgspec
 
-if TYPE_CHECKING:  # engine types travel in these messages; this package does not depend on the engine
-    from moe_runtime.engine_protocol import WorkerStats
-    from moe_runtime.outputs import RequestOutput
-    from moe_runtime.sampling_params import SamplingParams
+from load_balancer.live_rebalancer import RebalanceOutcome
+from moe_runtime.engine_config import EngineConfig
+from moe_runtime.engine_protocol import WorkerStats
+from moe_runtime.outputs import RequestOutput
+from moe_runtime.sampling_params import SamplingParams
 
 
-# front -> every worker (broadcast; applied by all ranks at the same lock-step boundary)
-@dataclass
-class AddRequest:
+class Message(msgspec.Struct, tag=True, kw_only=True):
+    """Base of every control-plane message; the class name is the wire tag."""
+
+
+# ---- rank -> front, first: who it is; front -> rank, the answer ---------------------------------
+class Hello(Message):
+    rank: int
+    pid: int
+    host: str
+
+
+class WorkerSetup(Message):
+    """The front's answer to Hello: everything a rank needs to build its share of the engine."""
+
+    config: EngineConfig
+    world_size: int
+    rendezvous: str          # torch.distributed init_method: file://<private dir> on one node, env:// across nodes
+    master_addr: str
+    master_port: int
+    num_threads: int
+    log_level: int
+    loopback_only: bool      # one node: every socket of the job on 127.0.0.1 (gloo/NCCL pairs too)
+
+
+# ---- front -> every worker (broadcast; applied by all ranks at the same lock-step boundary) ------
+class AddRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     dp_rank: int
 
 
-@dataclass
-class AbortRequest:
+class AbortRequest(Message):
     request_id: str
 
 
-@dataclass
-class SnapshotExpertLoad:
-    """Every rank sums its expert-load counts with the others; rank 0 reports."""
+class SnapshotExpertLoad(Message):
+    """Every rank sums its expert-load counts with the others; each stage's first rank reports."""
 
 
-@dataclass
-class RebalanceNow:
+class RebalanceNow(Message):
     """Plan and migrate now. `fail_on_rank` injects a migration failure there (fault-injection tests)."""
 
     fail_on_rank: int | None = None
 
 
-@dataclass
-class Shutdown:
+class Shutdown(Message):
     pass
 
 
-# worker -> front
-@dataclass
-class WorkerReady:
+Command = Union[AddRequest, AbortRequest, SnapshotExpertLoad, RebalanceNow, Shutdown]
+
+
+# ---- worker -> front -----------------------------------------------------------------------------
+class WorkerReady(Message):
     rank: int
     dp_rank: int
     num_kv_blocks: int
@@ -56,28 +86,59 @@ class WorkerReady:
     pp_rank: int = 0
 
 
-@dataclass
-class StepOutputs:
+class StepOutputs(Message):
     rank: int
     dp_rank: int
     outputs: list[RequestOutput]
     stats: WorkerStats
 
 
-@dataclass
-class ExpertLoadReport:
-    snapshot: object            # load_balancer.ExpertLoadSnapshot of one pipeline stage, summed over its ranks
+class ExpertLoadTables(msgspec.Struct, kw_only=True):
+    """`load_balancer.ExpertLoadSnapshot` as lists (see its `to_dict` / `from_dict`)."""
+
+    counts: list[list[int]]          # [L, E]
+    totals: list[list[int]]          # [L, E]
+    rank_load: list[list[float]]     # [L, W]
+    balancedness: list[float]        # [L]
+    max_over_mean: list[float]       # [L]
+    window: int
+    steps: int
+    placement: list[list[int]]       # [L, P]
+
+
+class ExpertLoadReport(Message):
+    tables: ExpertLoadTables | None  # one pipeline stage, summed over its ranks; None without MoE layers
     stage: int = 0
 
 
-@dataclass
-class RebalanceReport:
-    outcome: object             # load_balancer.live_rebalancer.RebalanceOutcome
-    index: int                  # rebalances run so far, this one excluded
+class RebalanceReport(Message):
+    outcome: RebalanceOutcome
+    index: int                 # rebalances run so far, this one excluded
 
 
-@dataclass
-class WorkerFailed:
+class WorkerFailed(Message):
     rank: int
     error: str
-    traceback: str = field(default="", repr=False)
+    traceback: str = ""
+
+
+Report = Union[WorkerReady, StepOutputs, ExpertLoadReport, RebalanceReport, WorkerFailed]
+
+
+class MessageCodec:
+    """msgpack encoding of messages, and one decoder per direction that accepts only that direction's types."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._to_front = msgspec.msgpack.Decoder(Union[Hello, Report])
+        self._to_rank = msgspec.msgpack.Decoder(Union[WorkerSetup, Command])
+
+    def encode(self, message: Message) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode_to_front(self, payload: bytes) -> Message:
+        """Raises msgspec.DecodeError / ValidationError on anything that is not a rank's message."""
+        return self._to_front.decode(payload)
+
+    def decode_to_rank(self, payload: bytes) -> Message:
+        return self._to_rank.decode(payload)

@@ -42,6 +42,20 @@ class ExpertLoadSnapshot:
             "placement": self.placement.tolist(),
         }
 
+    @classmethod
+    def from_dict(cls, tables: dict) -> "ExpertLoadSnapshot":
+        """The inverse of `to_dict` (snapshots cross process boundaries as lists, never as tensors)."""
+        return cls(
+            counts=torch.tensor(tables["counts"], dtype=torch.long),
+            totals=torch.tensor(tables["totals"], dtype=torch.long),
+            rank_load=torch.tensor(tables["rank_load"], dtype=torch.float64),
+            balancedness=torch.tensor(tables["balancedness"], dtype=torch.float64),
+            max_over_mean=torch.tensor(tables["max_over_mean"], dtype=torch.float64),
+            window=int(tables["window"]),
+            steps=int(tables["steps"]),
+            placement=torch.tensor(tables["placement"], dtype=torch.long),
+        )
+
 
 class ExpertLoadRecorder:
     def __init__(

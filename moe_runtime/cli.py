@@ -20,6 +20,7 @@ from pathlib import Path
 
 import uvicorn
 
+from attention_dp.control_key import CONTROL_KEY_ENV, ControlKey
 from moe_runtime.engine_config import DTYPES, EngineConfig
 from moe_runtime.engine_protocol import Engine
 from moe_runtime.errors import MoERuntimeError
@@ -37,7 +38,8 @@ class ServeConfigError(MoERuntimeError):
 
 # ServeConfig fields handed to EngineConfig under the same name when the engine has them.
 LAYOUT_FIELDS = ("ep", "dp_attn", "tp", "pp", "a2a_backend", "num_redundant_experts", "eplb_interval",
-                 "master_addr", "master_port", "nnodes", "node_rank", "control_port", "launch_workers")
+                 "master_addr", "master_port", "nnodes", "node_rank", "control_port", "launch_workers",
+                 "control_key_file")
 
 
 def parse_size(text: str) -> int:
@@ -117,6 +119,7 @@ class ServeConfig:
     master_port: int | None = None        # None = a free port (single node)
     control_port: int | None = None       # the front's control port; multi-node default: master_port + 1
     launch_workers: bool = True           # False: ranks come from elsewhere (torchrun) and connect
+    control_key_file: str | None = None   # shared control secret of ranks started elsewhere ($MOE_RUNTIME_CONTROL_KEY)
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -140,8 +143,15 @@ class ServeConfig:
             if not torch.cuda.is_available():
                 raise ServeConfigError("--device cuda: no CUDA device is visible to this process "
                                        "(use --device cpu, or auto)")
+        if self.ranks_start_elsewhere:
+            ControlKey.shared(self.control_key_file)  # refuse now, before loading anything, without one
         if self.model is not None and not Path(self.model).is_dir():
             raise ServeConfigError(f"--model {self.model}: no such checkpoint directory")
+
+    @property
+    def ranks_start_elsewhere(self) -> bool:
+        """Ranks on other nodes or from torchrun: they prove the shared control key to join."""
+        return self.nnodes > 1 or not self.launch_workers
 
     def engine_config(self, model_path: str) -> EngineConfig:
         """The EngineConfig for these flags. Layout flags the engine has no field for yet are refused by name
@@ -225,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--external-workers", dest="launch_workers", action="store_false",
                    help="start no worker here: every rank is started elsewhere, e.g. by torchrun running "
                         "'python -m moe_runtime.worker --control-addr A --control-port C'")
+    g.add_argument("--control-key-file", default=None,
+                   help="file holding the secret that ranks of a multi-node or --external-workers job share "
+                        f"(default: ${CONTROL_KEY_ENV}; one node: a fresh secret per launch)")
 
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0 for every interface)")
@@ -378,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
 
             layout = config.engine_config("unused").layout()
             return run_worker_node(layout.world_size, config.nnodes, config.node_rank, config.master_addr,
-                                   config.control_port or config.master_port + 1)
+                                   config.control_port or config.master_port + 1,
+                                   ControlKey.shared(config.control_key_file))
         return serve(config)
     except MoERuntimeError as exc:
         parser.exit(2, f"moe-serve: error: {exc}\n")

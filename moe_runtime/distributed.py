@@ -21,19 +21,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed(rank: int, world_size: int, device: torch.device, master_addr: str, master_port: int,
-                     timeout_s: float) -> None:
-    """env:// rendezvous, so the same code runs under torchrun (which sets these variables itself)."""
-    os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(master_port))
-    os.environ["RANK"] = str(rank)
-    os.environ["WORLD_SIZE"] = str(world_size)
+def init_distributed(rank: int, world_size: int, device: torch.device, rendezvous: str, master_addr: str,
+                     master_port: int, timeout_s: float, loopback_only: bool = False) -> None:
+    """Join the job's process group.
+
+    `rendezvous` is a torch.distributed init_method: `file://...` (one node: a store file in the
+    front's private directory, so no TCP store listens anywhere) or `env://` (multi-node and
+    torchrun: MASTER_ADDR/PORT, set by torchrun itself or from the front's setup). With
+    `loopback_only`, gloo's and NCCL's own connections between ranks bind the loopback interface.
+    """
+    if rendezvous == "env://":
+        os.environ.setdefault("MASTER_ADDR", master_addr)
+        os.environ.setdefault("MASTER_PORT", str(master_port))
+        os.environ["RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+    if loopback_only:
+        interface = loopback_interface()
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+        os.environ["NCCL_SOCKET_IFNAME"] = interface
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     logger.info("rank %d/%d joined (%s)", rank, world_size, backend)
+
+
+def loopback_interface() -> str:
+    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in names:
+        if name == "lo" or name.startswith("lo0"):
+            return name
+    raise RuntimeError(f"no loopback network interface among {names}")
 
 
 def build_parallel_context(layout: ParallelLayout, rank: int, device: torch.device, num_layers: int) -> ParallelContext:

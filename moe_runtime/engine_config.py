@@ -42,6 +42,8 @@ class EngineConfig:
     node_rank: int = 0
     control_port: int | None = None      # the front's control port (multi-node default: master_port + 1)
     launch_workers: bool = True          # False: every rank is started elsewhere (torchrun) and connects
+    control_key_file: str | None = None  # shared control secret of multi-node / external-worker jobs
+                                         # (default: $MOE_RUNTIME_CONTROL_KEY); one node: a fresh one per launch
     worker_timeout_s: float = 600.0      # a collective stuck this long is a dead job
 
     def layout(self):

@@ -12,15 +12,21 @@ import logging
 import multiprocessing as mp
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected, WorkerSetup
+import msgspec
+
+from attention_dp.control_key import ControlKey
+from attention_dp.control_plane import FrontControl, RankDisconnected
 from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, RebalanceNow, RebalanceReport,
-                                   Shutdown, SnapshotExpertLoad, StepOutputs, WorkerFailed, WorkerReady)
+                                   Shutdown, SnapshotExpertLoad, StepOutputs, WorkerFailed, WorkerReady, WorkerSetup)
 from attention_dp.router import DPRouter
+from load_balancer.recorder import ExpertLoadSnapshot
 from moe_runtime.distributed import free_port
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_core import load_tokenizer
@@ -104,15 +110,24 @@ class MultiprocessEngine:
         if world % nnodes:
             raise InvalidRequestError(f"nnodes={nnodes} must divide the {world} ranks of this layout")
         local_ranks = world // nnodes if self.config.launch_workers else 0  # the front's node starts [0, local)
-        master_port = self.config.master_port or free_port(self.config.master_addr)
-        setup = WorkerSetup(self.config, world, self.config.master_addr, master_port,
-                            max(1, (os.cpu_count() or 1) // max(local_ranks, world // nnodes)),
-                            logging.getLogger().getEffectiveLevel())
+        self._rendezvous_dir: str | None = None
         if nnodes == 1 and self.config.launch_workers:
-            self._control = FrontControl("127.0.0.1", self.config.control_port or 0, os.urandom(16), setup)
-        else:  # other nodes' ranks connect to master_addr:control_port with the shared key
-            self._control = FrontControl(self.config.master_addr, self.config.control_port or master_port + 1,
-                                         ControlAddress.shared_key(), setup)
+            # every rank is our child: a fresh secret, and nothing of the job listens beyond loopback
+            # (torch.distributed meets in a file store in a private directory, not a TCP store)
+            key = ControlKey.generate()
+            self._rendezvous_dir = tempfile.mkdtemp(prefix="moe-rendezvous-")  # mode 0700
+            rendezvous, master_port = f"file://{self._rendezvous_dir}/store", 0
+            control_host, control_port = "127.0.0.1", self.config.control_port or 0
+        else:  # other nodes' or torchrun's ranks connect to master_addr:control_port with the shared key
+            key = ControlKey.shared(self.config.control_key_file)
+            rendezvous, master_port = "env://", self.config.master_port or free_port(self.config.master_addr)
+            control_host, control_port = self.config.master_addr, self.config.control_port or master_port + 1
+        setup = WorkerSetup(config=self.config, world_size=world, rendezvous=rendezvous,
+                            master_addr=self.config.master_addr, master_port=master_port,
+                            num_threads=max(1, (os.cpu_count() or 1) // max(local_ranks, world // nnodes)),
+                            log_level=logging.getLogger().getEffectiveLevel(),
+                            loopback_only=self._rendezvous_dir is not None)
+        self._control = FrontControl(control_host, control_port, key, setup)
         address = dataclasses.replace(self._control.address, host="127.0.0.1")
         context = worker_context()
         self._processes: dict[int, mp.Process] = {}
@@ -122,9 +137,10 @@ class MultiprocessEngine:
             with main_module_hidden():
                 process.start()
             self._processes[rank] = process
-        logger.info("started %d of %d worker ranks (ep=%d, dp_attn=%d, tp=%d, pp=%d), rendezvous %s:%d, "
-                    "control port %d", local_ranks, world, self.layout.ep, self.layout.dp_attn, self.layout.tp,
-                    self.layout.pp, self.config.master_addr, master_port, self._control.address.port)
+        logger.info("started %d of %d worker ranks (ep=%d, dp_attn=%d, tp=%d, pp=%d), rendezvous %s, "
+                    "control %s", local_ranks, world, self.layout.ep, self.layout.dp_attn, self.layout.tp,
+                    self.layout.pp, rendezvous if self._rendezvous_dir else f"{self.config.master_addr}:{master_port}",
+                    self._control.address.endpoint)
         self.ready: dict[int, WorkerReady] = {}
         deadline = time.monotonic() + timeout_s
         try:
@@ -132,17 +148,14 @@ class MultiprocessEngine:
                 if time.monotonic() > deadline:
                     raise EngineDeadError(f"worker ranks {sorted(set(range(world)) - set(self.ready))} "
                                           f"did not start within {timeout_s:.0f}s")
-                self._control.collect_arrivals()
-                if not self._control.connections:
-                    self._check_alive()
-                    time.sleep(0.05)
-                    continue
                 message = self._next_message(timeout=0.2)
                 if isinstance(message, WorkerReady):
                     self.ready[message.rank] = message
                     logger.info("rank %d ready (%d/%d)", message.rank, len(self.ready), world)
         except BaseException:
             self._kill_workers()
+            self._control.close()
+            self._remove_rendezvous()
             raise
         first = self.ready[0]
         self.block_size = first.block_size
@@ -174,13 +187,18 @@ class MultiprocessEngine:
                 process.join(timeout=max(deadline - time.monotonic(), 0.1))
         self._kill_workers()
         self._control.close()  # remote ranks see the connection close and exit
+        self._remove_rendezvous()
         self._processes = {}
         self._control = None
+
+    def _remove_rendezvous(self) -> None:
+        if getattr(self, "_rendezvous_dir", None):
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            self._rendezvous_dir = None
 
     # ---- messages from the workers -----------------------------------------------------------
     def _next_message(self, timeout: float):
         """The next message from any worker; raises EngineDeadError if a rank failed or died."""
-        self._control.collect_arrivals()
         try:
             received = self._control.receive(timeout)
         except RankDisconnected as lost:
@@ -193,7 +211,7 @@ class MultiprocessEngine:
         if isinstance(message, WorkerFailed):
             self._die(self._root_cause(message), message.traceback)
         if isinstance(message, RebalanceReport):
-            self._rebalance_events.append(RebalanceEvent(message.index, **vars(message.outcome)))
+            self._rebalance_events.append(RebalanceEvent(message.index, **dataclasses.asdict(message.outcome)))
         return message
 
     def _describe_lost_rank(self, rank: int) -> str:
@@ -261,7 +279,8 @@ class MultiprocessEngine:
         if params.seed is None:  # the ranks of a DP worker must draw the same samples
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         decision = self.router.choose(request_id, len(prompt_token_ids))
-        command = AddRequest(request_id, list(prompt_token_ids), params, decision.dp_rank)
+        command = AddRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                             dp_rank=decision.dp_rank)
         self._control.broadcast(command)
         self._pending.add(request_id)
         self._prompt_tokens += len(prompt_token_ids)
@@ -269,7 +288,7 @@ class MultiprocessEngine:
     def abort(self, request_id: str) -> bool:
         if request_id not in self._pending or self._dead is not None:
             return False
-        self._control.broadcast(AbortRequest(request_id))
+        self._control.broadcast(AbortRequest(request_id=request_id))
         self._pending.discard(request_id)
         self.router.release(request_id)
         return True
@@ -316,7 +335,8 @@ class MultiprocessEngine:
                 raise EngineDeadError("no expert-load report from every pipeline stage in time")
             message = self._next_message(timeout=0.5)
             if isinstance(message, ExpertLoadReport):
-                stages[message.stage] = message.snapshot
+                stages[message.stage] = (None if message.tables is None else
+                                         ExpertLoadSnapshot.from_dict(msgspec.structs.asdict(message.tables)))
             if isinstance(message, StepOutputs):
                 self._stashed.append(message)
         return merge_stage_snapshots([stages[s] for s in range(self.layout.pp)])
@@ -330,7 +350,7 @@ class MultiprocessEngine:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         seen = len(self._rebalance_events)
-        self._control.broadcast(RebalanceNow(fail_on_rank))
+        self._control.broadcast(RebalanceNow(fail_on_rank=fail_on_rank))
         deadline = time.monotonic() + self.config.worker_timeout_s
         while len(self._rebalance_events) == seen:
             if time.monotonic() > deadline:

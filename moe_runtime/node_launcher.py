@@ -10,18 +10,20 @@ import logging
 import multiprocessing as mp
 import time
 
+from attention_dp.control_key import ControlKey
 from attention_dp.control_plane import ControlAddress
 
 logger = logging.getLogger(__name__)
 
 
-def run_worker_node(world_size: int, nnodes: int, node_rank: int, master_addr: str, control_port: int) -> int:
+def run_worker_node(world_size: int, nnodes: int, node_rank: int, master_addr: str, control_port: int,
+                    key: ControlKey) -> int:
     from moe_runtime.multiprocess_engine import main_module_hidden, worker_context
     from moe_runtime.worker import worker_main
 
     ranks_per_node = world_size // nnodes
     first = node_rank * ranks_per_node
-    address = ControlAddress(master_addr, control_port, ControlAddress.shared_key())
+    address = ControlAddress(master_addr, control_port, key)
     context = worker_context()
     processes: list[mp.Process] = []
     for rank in range(first, first + ranks_per_node):

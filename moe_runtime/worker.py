@@ -17,11 +17,11 @@ logger = logging.getLogger(__name__)
 
 def worker_main(address, rank: int) -> None:
     """Run rank `rank` until the front says Shutdown (exit 0) or something fails (exit 1)."""
-    from attention_dp.control_plane import Hello, WorkerControl
+    from attention_dp.control_plane import WorkerControl
     from attention_dp.lockstep import LockstepLoop
-    from attention_dp.messages import WorkerFailed, WorkerReady
+    from attention_dp.messages import Hello, WorkerFailed, WorkerReady
 
-    control = WorkerControl(address, Hello(rank, os.getpid(), socket.gethostname()))
+    control = WorkerControl(address, Hello(rank=rank, pid=os.getpid(), host=socket.gethostname()))
     setup = control.setup
     logging.basicConfig(level=setup.log_level, format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
     try:
@@ -29,16 +29,17 @@ def worker_main(address, rank: int) -> None:
         core = build_worker_engine(setup, rank)
         local_bytes, total_bytes = core.resident_expert_bytes()
         weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
-        control.put(WorkerReady(rank, core.parallel.dp_rank, core.block_manager.num_blocks,
-                                core.block_manager.block_size, core.max_model_len, local_bytes, total_bytes,
-                                weight_bytes, core.parallel.pp_rank))
+        control.put(WorkerReady(rank=rank, dp_rank=core.parallel.dp_rank, num_kv_blocks=core.block_manager.num_blocks,
+                                block_size=core.block_manager.block_size, max_model_len=core.max_model_len,
+                                expert_bytes=local_bytes, total_expert_bytes=total_bytes, weight_bytes=weight_bytes,
+                                pp_rank=core.parallel.pp_rank))
         LockstepLoop(core, control, control, core.parallel, build_rebalancer(core, setup.config)).run()
     except EOFError:  # the front is gone: nobody to report to
         os._exit(3)
     except BaseException as exc:  # report, then die: the front tears the job down
         try:
-            control.put(WorkerFailed(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        except OSError:
+            control.put(WorkerFailed(rank=rank, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()))
+        except Exception:  # the front may be gone too
             pass
         os._exit(1)
     os._exit(0)
@@ -66,7 +67,8 @@ def build_worker_engine(setup, rank: int):
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         config = dataclasses.replace(config, device=str(device))
-    init_distributed(rank, setup.world_size, device, setup.master_addr, setup.master_port, config.worker_timeout_s)
+    init_distributed(rank, setup.world_size, device, setup.rendezvous, setup.master_addr, setup.master_port,
+                     config.worker_timeout_s, loopback_only=setup.loopback_only)
     layout = config.layout()
     parallel = build_parallel_context(layout, rank, device, load_hf_config(config.model).num_hidden_layers)
 
@@ -81,15 +83,23 @@ def build_worker_engine(setup, rank: int):
 
 def main(argv: list[str] | None = None) -> None:
     """torchrun entry: each process is one rank (RANK, MASTER_ADDR/PORT from torchrun's environment)
-    and joins a front started with `moe-serve ... --nnodes N` listening on --control-addr/--control-port."""
+    and joins a front started with `moe-serve ... --external-workers` listening on --control-addr/--control-port,
+    authenticated by the shared control key ($MOE_RUNTIME_CONTROL_KEY or --control-key-file)."""
+    from attention_dp.control_key import ControlKey, ControlKeyError
     from attention_dp.control_plane import ControlAddress
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--control-addr", required=True, help="the front's host")
     parser.add_argument("--control-port", type=int, required=True, help="the front's control port")
+    parser.add_argument("--control-key-file", default=None,
+                        help="file holding the shared control secret (default: $MOE_RUNTIME_CONTROL_KEY)")
     args = parser.parse_args(argv)
+    try:
+        key = ControlKey.shared(args.control_key_file)
+    except ControlKeyError as exc:
+        parser.exit(2, f"moe_runtime.worker: error: {exc}\n")
     rank = int(os.environ["RANK"])
-    worker_main(ControlAddress(args.control_addr, args.control_port, ControlAddress.shared_key()), rank)
+    worker_main(ControlAddress(args.control_addr, args.control_port, key), rank)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
 """Ranks started outside the front join through its control port: a second "node" started with
-`moe-serve --node-rank 1`, and ranks started by torchrun. Both on loopback, as two nodes would be."""
+`moe-serve --node-rank 1`, and ranks started by torchrun. Both on loopback, as two nodes would be,
+and both authenticated by the operator's shared control key."""
 import os
 import shutil
 import subprocess
 import sys
 
+import httpx
 import pytest
+from transformers import AutoTokenizer
 
+from attention_dp.control_key import CONTROL_KEY_ENV
 from engine_helpers import PROMPTS, greedy
+from server_harness import ServerProcess
 from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
 from moe_runtime.distributed import free_port
@@ -15,13 +20,17 @@ from moe_runtime.distributed import free_port
 NEW_TOKENS = 12
 
 
+SHARED_KEY = "test-only-shared-control-key-0123456789"
+
+
 def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{CONTROL_KEY_ENV: SHARED_KEY})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     return env
 
 
-def test_second_node_started_with_node_rank(tiny_checkpoint_factory):
+def test_second_node_started_with_node_rank(tiny_checkpoint_factory, monkeypatch):
+    monkeypatch.setenv(CONTROL_KEY_ENV, SHARED_KEY)
     path = tiny_checkpoint_factory("deepseek_v3")
     expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
     master_port, control_port = free_port(), free_port()
@@ -44,7 +53,9 @@ def test_second_node_started_with_node_rank(tiny_checkpoint_factory):
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
-def test_ranks_started_by_torchrun(tiny_checkpoint_factory):
+def test_moe_serve_with_ranks_started_by_torchrun(tiny_checkpoint_factory):
+    """The documented torchrun path end to end: `moe-serve --external-workers` serves completions and
+    the expert load (whose report once carried tensors that only the front's own children could open)."""
     path = tiny_checkpoint_factory("mixtral")
     expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
     master_port, control_port = free_port(), free_port()
@@ -54,10 +65,20 @@ def test_ranks_started_by_torchrun(tiny_checkpoint_factory):
          "--control-port", str(control_port)],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        with LLM(str(path), device="cpu", dtype="float32", ep=2, dp_attn=2, launch_workers=False,
-                 master_port=master_port, control_port=control_port) as llm:
-            assert llm.engine._processes == {}
-            assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
+        with ServerProcess(["--model", str(path), "--device", "cpu", "--dtype", "float32", "--ep", "2",
+                            "--dp-attn", "2", "--external-workers", "--master-port", str(master_port),
+                            "--control-port", str(control_port), "--log-level", "warning"],
+                           env={CONTROL_KEY_ENV: SHARED_KEY}) as server:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            for prompt, tokens in zip(PROMPTS, expected):
+                reply = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+                    "model": path.name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                    "ignore_eos": True})
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["text"] == tokenizer.decode(tokens)
+            load = httpx.get(server.base_url + "/v1/expert_load", timeout=60)
+            assert load.status_code == 200, load.text
+            assert sum(map(sum, load.json()["totals"])) > 0
         assert ranks.wait(60) == 0, ranks.stdout.read()
     finally:
         if ranks.poll() is None:
