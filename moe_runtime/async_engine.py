@@ -8,7 +8,8 @@ event loop reads without touching the engine.
 
 When the engine dies (`step()` raises, or `health()` turns unhealthy) every in-flight request
 ends with `EngineDeadError`, later submissions fail at once, and `health()` says why: nothing
-waits forever on a dead engine.
+waits forever on a dead engine. A request the engine failed on its own (finish_reason "error")
+ends with `RequestFailedError`, for its caller only.
 """
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ from moe_runtime.outputs import RequestOutput
 from moe_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class RequestFailedError(MoERuntimeError):
+    """The engine failed this one request (sampling or detokenizing it raised); the engine and every
+    other request carry on. The message is short and safe to show the client."""
+
+    def __init__(self, request_id: str, error: str):
+        super().__init__(f"request {request_id} failed in the engine: {error}")
+        self.request_id = request_id
+        self.error = error
 
 
 class QueueFullError(MoERuntimeError):
@@ -56,7 +67,8 @@ class RequestStream:
 
     Outputs are cumulative (token_ids, text, logprobs hold everything so far), so when the consumer
     falls behind, the outputs waiting for it are merged into one (their `new_token_ids` joined).
-    The last output has `finished=True`; an engine failure raises `EngineDeadError` instead.
+    The last output has `finished=True`; an engine failure raises `EngineDeadError` instead, and a
+    request the engine failed alone raises `RequestFailedError`.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], loop: asyncio.AbstractEventLoop):
@@ -177,7 +189,8 @@ class AsyncEngine:
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Admit a request; returns its output stream once the engine accepted it.
 
-        Raises `InvalidRequestError` (the engine's validation), `QueueFullError`, `EngineDeadError`.
+        Raises `InvalidRequestError` (the engine's validation), `QueueFullError`, `EngineDeadError`; the
+        stream raises `EngineDeadError` or `RequestFailedError` if the request cannot finish.
         """
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, list(prompt_token_ids), loop)
@@ -379,7 +392,10 @@ class AsyncEngine:
             stream.last_output = output
             if output.finished:
                 del self._streams[output.request_id]
-            items.append((stream, output))
+            if output.finished and output.finish_reason == "error":
+                items.append((stream, RequestFailedError(output.request_id, output.error or "unknown error")))
+            else:
+                items.append((stream, output))
         self._post(items)
 
     def _post(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

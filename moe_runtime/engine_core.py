@@ -18,14 +18,14 @@ from moe_runtime.model_runner import ModelRunner, kv_blocks_for_budget
 from moe_runtime.models.decoder import BuildContext
 from moe_runtime.models.registry import build_model
 from moe_runtime.moe_executor import LocalMoEExecutor
-from moe_runtime.outputs import RequestOutput
+from moe_runtime.outputs import RequestOutput, error_message
 from moe_runtime.parallel_context import ParallelContext
 from moe_runtime.request_limits import RequestLimits
 from moe_runtime.pipeline import broadcast_sampled_tokens, run_pipeline_step
 from moe_runtime.sampler import SampleResult, Sampler
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from moe_runtime.sequence import FinishReason, Sequence
+from moe_runtime.sequence import FinishReason, Sequence, TokenLogprob
 from moe_runtime.weight_loading import load_model_weights
 
 logger = logging.getLogger(__name__)
@@ -154,15 +154,35 @@ class EngineCore:
     def _forward_and_sample(self, seqs: list[Sequence]) -> SampleResult:
         if self.parallel.pp_size == 1:
             logits = self.runner.execute(seqs)
-            return self.sampler(logits, seqs) if seqs else SampleResult([], [])
+            return self._sample(logits, seqs) if seqs else SampleResult.empty()
         micro_batches = self.config.pp_micro_batches or self.parallel.pp_size
         result = run_pipeline_step(self.runner, seqs, self.parallel, micro_batches)
         self._compute_seconds += result.compute_seconds
         if not seqs:
-            return SampleResult([], [])
-        sampled = self.sampler(result.logits, seqs) if self.parallel.is_last_stage else None
+            return SampleResult.empty()
+        sampled = self._sample(result.logits, seqs) if self.parallel.is_last_stage else None
         tokens = broadcast_sampled_tokens(sampled.token_ids if sampled else None, len(seqs), self.parallel)
-        return sampled or SampleResult(tokens, [None] * len(seqs))
+        if sampled is not None:
+            return sampled
+        errors = ["sampling failed on the last pipeline stage" if t == SampleResult.NO_TOKEN else None for t in tokens]
+        return SampleResult(tokens, [None] * len(seqs), errors)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:  # logits [B, V]
+        """The batch's tokens. If sampling the batch raises, each request is sampled on its own and only
+        those that raise alone fail. Every rank of a DP worker runs this on the same logits and params,
+        so a failure fails the same requests on every rank and their schedulers stay in step."""
+        try:
+            return self.sampler(logits, seqs)
+        except Exception as exc:  # noqa: BLE001 - find the request(s) at fault below
+            logger.warning("sampling a batch of %d requests failed (%s); sampling each on its own",
+                           len(seqs), error_message(exc))
+        return SampleResult.concat([self._sample_alone(logits[i : i + 1], seq) for i, seq in enumerate(seqs)])
+
+    def _sample_alone(self, logits: torch.Tensor, seq: Sequence) -> SampleResult:  # logits [1, V]
+        try:
+            return self.sampler(logits, [seq])
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            return SampleResult.failed(error_message(exc))
 
     def schedule(self) -> ScheduledBatch | None:
         return self.scheduler.schedule()
@@ -181,17 +201,40 @@ class EngineCore:
         if not seqs:
             return []
         outputs = []
-        self._generation_tokens += len(batch.seqs)
-        for seq, token, logprob in zip(batch.seqs, sampled.token_ids, sampled.logprobs):
-            seq.output_token_ids.append(token)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            reason = self._finish_reason(seq, token)
+        for seq, token, logprob, error in zip(batch.seqs, sampled.token_ids, sampled.logprobs, sampled.errors):
+            reason = None
+            if error is None:
+                try:
+                    reason = self._advance(seq, token, logprob)
+                except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer failed on this request alone
+                    error = error_message(exc)
+            if error is not None:
+                outputs.append(self._fail(seq, error))
+                continue
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._sequences.pop(seq.request_id, None)
             outputs.append(self._output(seq, [token]))
         return outputs
+
+    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
+        """Append the sampled token (and its logprob) and say whether the request is done."""
+        seq.output_token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        self._generation_tokens += 1
+        return self._finish_reason(seq, token)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """End a request the engine could not advance: its KV blocks are freed as for an abort, and its
+        output says finish_reason "error" with `error` (the other requests of the batch go on)."""
+        logger.warning("request %s failed: %s", seq.request_id, error)
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._sequences.pop(seq.request_id, None)
+        output = self._output(seq, [])
+        output.finish_reason = "error"
+        output.error = error
+        return output
 
     def worker_stats(self) -> WorkerStats:
         return WorkerStats(

@@ -15,6 +15,7 @@ class RequestLimits:
     has_tokenizer: bool = True
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()  # again: a caller may have changed the fields since they were checked at construction
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty: give at least one token")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -31,5 +32,12 @@ class RequestLimits:
                 f"prompt + max_tokens = {total} tokens exceeds the KV cache of a DP worker "
                 f"({self.kv_capacity_tokens} tokens); raise kv_cache_memory"
             )
+        outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError(f"SamplingParams.stop_token_ids=[{outside[0]}, ...]: token id {outside[0]} is "
+                                      f"outside the vocabulary [0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidRequestError(f"SamplingParams.logprobs={params.logprobs}: more than the vocabulary "
+                                      f"({self.vocab_size} tokens)")
         if params.stop and not self.has_tokenizer:
             raise InvalidRequestError("stop strings need a tokenizer, and the checkpoint has none")

@@ -1,16 +1,40 @@
-"""Per-request sampling parameters, validated up front (errors name the parameter)."""
+"""Per-request sampling parameters, validated up front (errors name the parameter).
+
+`validate` is the one place that decides what the engine can do; the server's schema, the offline
+API and every engine rely on it. A request it accepts must never fail a worker rank:
+
+- integers stay in int64 (torch tensors, generator seeds, the control plane's wire format);
+- floats are finite (NaN compares false with every bound, so each check is written to refuse it);
+- a temperature below `MIN_TEMPERATURE` samples greedily (dividing logits by it would overflow
+  float32 to inf and the probabilities to NaN);
+- a top_k at or above the vocabulary keeps every token, so it is capped at `MAX_TOP_K` (larger
+  than any vocabulary) and never reaches torch as a huge integer;
+- stop strings and stop token ids are bounded in number and size: they are matched every step.
+
+Checks that need the model (token ids inside the vocabulary) are in `RequestLimits`.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from moe_runtime.errors import InvalidRequestError
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0          # 0 = greedy
-    top_k: int = -1                   # -1 / 0 = off
+    temperature: float = 1.0          # 0 (or below MIN_TEMPERATURE) = greedy
+    top_k: int = -1                   # -1 / 0 = off; >= the vocabulary = off too
     top_p: float = 1.0
     seed: int | None = None           # per-request generator: the same seed reproduces the same tokens
     stop: list[str] | str | None = None
@@ -19,32 +43,71 @@ class SamplingParams:
     logprobs: int | None = None       # None = off; N = the chosen token's logprob and the top-N alternatives
     min_tokens: int = 0
 
+    SEED_LIMIT: ClassVar[int] = 2**63          # seeds are in [0, SEED_LIMIT)
+    MAX_INT: ClassVar[int] = 2**63 - 1         # the largest integer the engine carries (int64)
+    MAX_TOP_K: ClassVar[int] = 2**31 - 1       # above any vocabulary: top_k is capped here
+    MIN_TEMPERATURE: ClassVar[float] = 1e-5    # below it sampling is greedy
+    MAX_LOGPROBS: ClassVar[int] = 20
+    MAX_STOP_STRINGS: ClassVar[int] = 16
+    MAX_STOP_STRING_CHARS: ClassVar[int] = 1024
+    MAX_STOP_TOKEN_IDS: ClassVar[int] = 1024
+
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = self._as_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
+        self.stop_token_ids = self._as_list("stop_token_ids", self.stop_token_ids)
+        if is_int(self.top_k) and self.top_k > self.MAX_TOP_K:
+            self.top_k = self.MAX_TOP_K  # the same meaning (every token), small enough for torch and any wire
         self.validate()
+
+    def _as_list(self, name: str, value: object) -> list:
+        if value is None:
+            return []
+        if not isinstance(value, (list, tuple)):
+            raise InvalidRequestError(f"SamplingParams.{name}={_shown(value)}: must be a list")
+        return list(value)
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+            return InvalidRequestError(f"SamplingParams.{name}={_shown(getattr(self, name))}: {why}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "must be -1 (off) or an integer >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", "must be between 0 and 20")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", "must be between 0 and max_tokens")
+        if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= self.MAX_INT:
+            raise bad("max_tokens", f"must be an integer in [1, {self.MAX_INT}]")
+        if not is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise bad("temperature", f"must be a finite number >= 0 (below {self.MIN_TEMPERATURE} samples greedily)")
+        if not is_int(self.top_k) or not -1 <= self.top_k <= self.MAX_TOP_K:
+            raise bad("top_k", f"must be -1 (off) or an integer in [0, {self.MAX_TOP_K}] (0 and values >= the "
+                               f"vocabulary: off)")
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be a number in (0, 1]")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < self.SEED_LIMIT):
+            raise bad("seed", f"must be an integer in [0, 2**63) (at most {self.SEED_LIMIT - 1})")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer between 0 and {self.MAX_LOGPROBS}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", "must be an integer between 0 and max_tokens")
+        self._validate_stops(bad)
+
+    def _validate_stops(self, bad) -> None:
+        if len(self.stop) > self.MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {self.MAX_STOP_STRINGS} stop strings (got {len(self.stop)})")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise bad("stop", "stop strings must be strings")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
+        if any(len(s) > self.MAX_STOP_STRING_CHARS for s in self.stop):
+            raise bad("stop", f"a stop string may have at most {self.MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {self.MAX_STOP_TOKEN_IDS} stop token ids "
+                                        f"(got {len(self.stop_token_ids)})")
+        if any(not is_int(t) or not 0 <= t <= self.MAX_INT for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be token ids (integers >= 0)")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < self.MIN_TEMPERATURE
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """`repr(value)`, shortened: an error message must not echo a megabyte of stop strings back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -2,17 +2,19 @@
 
 `Generation` submits every choice, yields `ChoiceEvent`s in arrival order, records TTFT / ITL /
 end-to-end latency, and on `close()` aborts whatever has not finished (client gone, error), so
-the KV blocks of an abandoned request are freed at the next engine step.
+the KV blocks of an abandoned request are freed at the next engine step. A choice the engine
+failed (`RequestFailedError`) fails the whole API call: its other choices are aborted.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from moe_runtime.async_engine import AsyncEngine, RequestStream
+from moe_runtime.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from moe_runtime.sampling_params import SamplingParams
 from server.deltas import ChoiceDelta, ChoiceTracker
 from server.metrics import ServerMetrics
@@ -74,7 +76,17 @@ class Generation:
         return all(stream.finished for stream in self._streams.values())
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
-        """Every choice's deltas until all have finished; raises what a stream raised (EngineDeadError)."""
+        """Every choice's deltas until all have finished; raises what a stream raised (EngineDeadError,
+        RequestFailedError)."""
+        try:
+            async with contextlib.aclosing(self._merged_events()) as events:
+                async for event in events:
+                    yield event
+        except RequestFailedError:
+            self.metrics.finish_reasons.inc("error")
+            raise
+
+    async def _merged_events(self) -> AsyncIterator[ChoiceEvent]:
         if len(self._streams) == 1:
             (index, stream), = self._streams.items()
             async for output in stream:

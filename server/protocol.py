@@ -3,6 +3,9 @@
 Requests forbid unknown fields so a typo is a 400 naming it. Fields OpenAI defines but this
 server cannot honour are accepted only at their no-op value (see `unsupported_settings`).
 Extensions beyond OpenAI (as vLLM/SGLang offer them): top_k, min_tokens, ignore_eos, stop_token_ids.
+
+The bounds of the sampling fields are `SamplingParams.validate`'s (the engine's); the few repeated
+here take its constants, so that the schema shows them and a violation is a 400 naming the field.
 """
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import time
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from moe_runtime.sampling_params import SamplingParams
 
 TokenIds = list[int]
 
@@ -30,7 +35,7 @@ class SamplingFields(StrictModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=SamplingParams.SEED_LIMIT)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=64)
     stream: bool = False

@@ -102,13 +102,21 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
         raise bad_request(message, param) from exc
 
 
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` of a prompt: seed + choice, wrapped into [0, 2**63) so that a seed near
+    the top stays valid (choice 0 keeps the request's seed as given: an invalid one is refused, not wrapped)."""
+    if seed is None or choice == 0:
+        return seed
+    return (seed + choice) % SamplingParams.SEED_LIMIT
+
+
 def choice_specs(request: SamplingFields, prompts: list[list[int]], max_tokens: int,
                  logprobs: int | None) -> list[ChoiceSpec]:
-    """n choices per prompt; with a seed, choice j of a prompt uses seed + j (reproducible, distinct)."""
+    """n choices per prompt; with a seed, choice j of a prompt uses `choice_seed` (reproducible, distinct)."""
     specs = []
     for prompt_index, prompt in enumerate(prompts):
         for j in range(request.n):
-            seed = None if request.seed is None else request.seed + j
+            seed = choice_seed(request.seed, j)
             index = prompt_index * request.n + j
             specs.append(ChoiceSpec(index, prompt_index, prompt, sampling_params(request, max_tokens, logprobs, seed)))
     return specs
