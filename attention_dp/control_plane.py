@@ -56,6 +56,15 @@ class ControlAddress:
         return f"tcp://{host}:{self.port}"
 
 
+@dataclass
+class ControlTraffic:
+    """Bytes and messages the front's control socket moved (payloads, as encoded)."""
+
+    bytes_received: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0
+
+
 class RankDisconnected(Exception):
     def __init__(self, rank: int):
         super().__init__(f"worker rank {rank} disconnected")
@@ -84,6 +93,7 @@ class FrontControl:
         self.setup = setup
         self.codec = MessageCodec()
         self.hellos: dict[int, Hello] = {}
+        self.traffic = ControlTraffic()
         self._peers: dict[bytes, int] = {}      # routing id -> rank, for ranks that said Hello
         self._rank_by_fd: dict[int, int] = {}   # their connections' file descriptors
         self._context = zmq.Context()
@@ -122,6 +132,7 @@ class FrontControl:
     def _send(self, routing_id: bytes, rank: int, payload: bytes) -> None:
         try:
             self._socket.send_multipart([routing_id, payload])
+            self.traffic.bytes_sent += len(payload)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the rank's connection is gone
             raise RankDisconnected(rank) from exc
 
@@ -156,6 +167,8 @@ class FrontControl:
             return None
         routing_id, payload = frames[0].bytes, frames[1].bytes
         rank = self._peers.get(routing_id)
+        self.traffic.bytes_received += len(payload)
+        self.traffic.messages_received += 1
         try:
             message = self.codec.decode_to_front(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -74,7 +74,7 @@ class LockstepLoop:
         elif isinstance(command, AbortRequest):
             if self.core.abort(command.request_id) and self.reports_outputs:
                 # its blocks are free now: tell the front, which would otherwise hear only at the next step
-                self.results.put(StepOutputs(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank, outputs=[],
+                self.results.put(StepOutputs(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank, deltas=[],
                                              stats=self.core.worker_stats()))
         elif isinstance(command, RebalanceNow):
             if self.rebalancer is None or self.parallel.pp_size > 1:
@@ -101,12 +101,12 @@ class LockstepLoop:
             flag = torch.tensor([int(phase == "prefill")], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             phase = "prefill" if flag.item() else "decode"
-        outputs = self.core.execute(batch, phase)
+        deltas = self.core.execute(batch, phase)
         self.steps += 1
         if self.rebalancer is not None:
             outcome = self.rebalancer.after_step(self.steps)
             if outcome is not None and self.parallel.rank == 0:
                 self.results.put(RebalanceReport(outcome=outcome, index=self.rebalancer.count - 1))
         if self.reports_outputs and batch is not None:
-            self.results.put(StepOutputs(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank, outputs=outputs,
+            self.results.put(StepOutputs(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank, deltas=deltas,
                                          stats=self.core.worker_stats()))

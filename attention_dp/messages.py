@@ -3,7 +3,7 @@
 The control plane decodes only these types: a tagged union per direction, so a payload that is
 not one of them is a `msgspec.DecodeError`/`ValidationError`, never an object of the sender's
 choosing (no pickle anywhere). Engine values that travel here (`EngineConfig`, `SamplingParams`,
-`RequestOutput`, `WorkerStats`) are plain dataclasses of numbers, strings and lists, which msgspec
+`TokenDelta`, `WorkerStats`) are plain dataclasses of numbers, strings and lists, which msgspec
 decodes field by field with their declared types. Tensors never travel here: the expert-load
 report carries its tables as nested lists (`ExpertLoadTables`).
 """
@@ -16,7 +16,7 @@ import msgspec
 from load_balancer.live_rebalancer import RebalanceOutcome
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_protocol import WorkerStats
-from moe_runtime.outputs import RequestOutput
+from moe_runtime.outputs import TokenDelta
 from moe_runtime.sampling_params import SamplingParams
 
 
@@ -87,9 +87,12 @@ class WorkerReady(Message):
 
 
 class StepOutputs(Message):
+    """One step of one DP worker: per request that advanced, only what is new (never the prompt, the
+    tokens sent before or text: the front detokenizes)."""
+
     rank: int
     dp_rank: int
-    outputs: list[RequestOutput]
+    deltas: list[TokenDelta]
     stats: WorkerStats
 
 

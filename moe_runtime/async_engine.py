@@ -62,11 +62,20 @@ class AsyncEngineConfig:
             raise ValueError(f"max_queue={self.max_queue}: must be >= 1 (or None for no bound)")
 
 
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for a consumer that fell behind: the later state, with both outputs' new parts."""
+    new_logprobs = None
+    if later.new_logprobs is not None:
+        new_logprobs = (earlier.new_logprobs or []) + later.new_logprobs
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
+                               new_text=earlier.new_text + later.new_text, new_logprobs=new_logprobs)
+
+
 class RequestStream:
     """The outputs of one request, in the order the engine produced them (an async iterator).
 
-    Outputs are cumulative (token_ids, text, logprobs hold everything so far), so when the consumer
-    falls behind, the outputs waiting for it are merged into one (their `new_token_ids` joined).
+    When the consumer falls behind, the outputs waiting for it are merged into one (`merge_outputs`:
+    the latest state with all their new tokens, logprobs and text).
     The last output has `finished=True`; an engine failure raises `EngineDeadError` instead, and a
     request the engine failed alone raises `RequestFailedError`.
     """
@@ -93,7 +102,7 @@ class RequestStream:
             if isinstance(newer, BaseException):
                 item = newer
                 break
-            item = dataclasses.replace(newer, new_token_ids=item.new_token_ids + newer.new_token_ids)
+            item = merge_outputs(item, newer)
         if isinstance(item, BaseException):
             self.finished = True
             raise item

@@ -22,6 +22,7 @@ import uvicorn
 
 from attention_dp.control_key import CONTROL_KEY_ENV, ControlKey
 from moe_runtime.engine_config import DTYPES, EngineConfig
+from moe_runtime.engine_factory import make_engine
 from moe_runtime.engine_protocol import Engine
 from moe_runtime.errors import MoERuntimeError
 
@@ -263,15 +264,10 @@ def resolve_model(config: ServeConfig) -> tuple[str, str]:
 def build_engine(config: ServeConfig, model_path: str) -> Engine:
     """The engine `moe-serve` runs: in-process for one rank, the multi-process engine otherwise (as `LLM` picks)."""
     engine_config = config.engine_config(model_path)
-    if engine_config.world_size > 1 or engine_config.nnodes > 1 or not engine_config.launch_workers:
-        from moe_runtime.multiprocess_engine import MultiprocessEngine
-
-        logger.info("starting %d worker processes (ep %d, dp-attn %d, tp %d, pp %d)", engine_config.world_size,
+    if engine_config.world_size > 1 or config.ranks_start_elsewhere:
+        logger.info("starting %d worker ranks (ep %d, dp-attn %d, tp %d, pp %d)", engine_config.world_size,
                     config.ep, config.dp_attn, config.tp, config.pp)
-        return MultiprocessEngine(engine_config)
-    from moe_runtime.engine_core import EngineCore
-
-    return EngineCore(engine_config)
+    return make_engine(engine_config)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

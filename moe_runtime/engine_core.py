@@ -1,4 +1,9 @@
-"""One DP worker's engine: model, KV cache, scheduler, sampler, detokenizer; `step()` advances every request."""
+"""One DP worker's engine core: model, KV cache, scheduler, sampler; `step()` advances every request.
+
+It deals in token ids only: each step returns a `TokenDelta` per request that advanced, and
+requests arrive already checked against `limits()`. Text, stop strings and validation are the
+front's (`LocalEngine` in process, `MultiprocessEngine` for ranks in other processes).
+"""
 from __future__ import annotations
 
 import logging
@@ -9,7 +14,6 @@ import torch
 
 from moe_runtime.block_manager import BlockManager
 from moe_runtime.checkpoint import CheckpointReader
-from moe_runtime.detokenizer import Detokenizer, cut_at_stop
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
@@ -18,7 +22,7 @@ from moe_runtime.model_runner import ModelRunner, kv_blocks_for_budget
 from moe_runtime.models.decoder import BuildContext
 from moe_runtime.models.registry import build_model
 from moe_runtime.moe_executor import LocalMoEExecutor
-from moe_runtime.outputs import RequestOutput, error_message
+from moe_runtime.outputs import TokenDelta, error_message
 from moe_runtime.parallel_context import ParallelContext
 from moe_runtime.request_limits import RequestLimits
 from moe_runtime.pipeline import broadcast_sampled_tokens, run_pipeline_step
@@ -91,7 +95,6 @@ class EngineCore:
         load_model_weights(self.model, reader)
         self.model.eval()
         self.tokenizer = load_tokenizer(self.checkpoint_dir)
-        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_ids = eos_token_ids(self.checkpoint_dir, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
@@ -122,14 +125,15 @@ class EngineCore:
     def kv_capacity_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        RequestLimits(self.vocab_size, self.max_model_len, self.kv_capacity_tokens,
-                      self.detokenizer is not None).check(prompt_token_ids, params)
+    def limits(self) -> RequestLimits:
+        """What a request must fit; the front checks it once at admission, and this core trusts it."""
+        return RequestLimits(self.vocab_size, self.max_model_len, self.kv_capacity_tokens,
+                             self.tokenizer is not None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue an admitted request (checked against `limits()` by the front)."""
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.validate_request(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival=self._arrivals)
         self._arrivals += 1
         self._sequences[request_id] = seq
@@ -144,8 +148,8 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that advanced."""
+    def step(self) -> list[TokenDelta]:
+        """Run one batch; a delta for every request that advanced."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -187,7 +191,7 @@ class EngineCore:
     def schedule(self) -> ScheduledBatch | None:
         return self.scheduler.schedule()
 
-    def execute(self, batch: ScheduledBatch | None, phase: str | None = None) -> list[RequestOutput]:
+    def execute(self, batch: ScheduledBatch | None, phase: str | None = None) -> list[TokenDelta]:
         """Run `batch` through the model; None runs an empty batch (0 tokens) through every layer, so a
         DP worker with nothing to do still joins every collective of a lock-step."""
         seqs = batch.seqs if batch is not None else []
@@ -200,22 +204,18 @@ class EngineCore:
         self._step_seconds += time.perf_counter() - started
         if not seqs:
             return []
-        outputs = []
+        deltas = []
         for seq, token, logprob, error in zip(batch.seqs, sampled.token_ids, sampled.logprobs, sampled.errors):
-            reason = None
-            if error is None:
-                try:
-                    reason = self._advance(seq, token, logprob)
-                except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer failed on this request alone
-                    error = error_message(exc)
             if error is not None:
-                outputs.append(self._fail(seq, error))
+                deltas.append(self._fail(seq, error))
                 continue
+            reason = self._advance(seq, token, logprob)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._sequences.pop(seq.request_id, None)
-            outputs.append(self._output(seq, [token]))
-        return outputs
+            deltas.append(TokenDelta(seq.request_id, [token], [logprob] if seq.params.logprobs is not None else None,
+                                     reason.value if reason else None, None, seq.num_preemptions))
+        return deltas
 
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
         """Append the sampled token (and its logprob) and say whether the request is done."""
@@ -225,16 +225,13 @@ class EngineCore:
         self._generation_tokens += 1
         return self._finish_reason(seq, token)
 
-    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+    def _fail(self, seq: Sequence, error: str) -> TokenDelta:
         """End a request the engine could not advance: its KV blocks are freed as for an abort, and its
-        output says finish_reason "error" with `error` (the other requests of the batch go on)."""
+        delta says finish_reason "error" with `error` (the other requests of the batch go on)."""
         logger.warning("request %s failed: %s", seq.request_id, error)
         self.scheduler.finish(seq, FinishReason.ABORT)
         self._sequences.pop(seq.request_id, None)
-        output = self._output(seq, [])
-        output.finish_reason = "error"
-        output.error = error
-        return output
+        return TokenDelta(seq.request_id, [], None, "error", error, seq.num_preemptions)
 
     def worker_stats(self) -> WorkerStats:
         return WorkerStats(
@@ -286,36 +283,12 @@ class EngineCore:
         self._sequences.clear()
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """EOS, a stop token or max_tokens; stop strings are the front's (`OutputProcessor`)."""
         params = seq.params
         generated = len(seq.output_token_ids)
-        if self.detokenizer is not None:
-            previous_len = len(seq.text)
-            seq.text += self.detokenizer.increment(seq.output_token_ids, seq.decode_state)
-            if params.stop and generated >= params.min_tokens:
-                match = cut_at_stop(seq.text, params.stop, previous_len)
-                if match.matched:
-                    seq.text = match.text
-                    return FinishReason.STOP
-        reason = None
         if generated >= params.min_tokens:
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
-                reason = FinishReason.STOP
-        if reason is None and generated >= params.max_tokens:
-            reason = FinishReason.LENGTH
-        if reason is not None and self.detokenizer is not None:
-            seq.text = self.detokenizer.decode(seq.output_token_ids)  # the whole text once, held-back bytes included
-        return reason
-
-    @staticmethod
-    def _output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=seq.text,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            num_preemptions=seq.num_preemptions,
-            new_token_ids=new_tokens,
-        )
+                return FinishReason.STOP
+        if generated >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None

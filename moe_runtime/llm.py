@@ -6,6 +6,7 @@ import logging
 from dataclasses import fields
 
 from moe_runtime.engine_config import EngineConfig
+from moe_runtime.engine_factory import make_engine
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.sampling_params import SamplingParams
@@ -24,14 +25,7 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown option(s) {unknown}; known: {sorted(known - {'model'})}")
         self.config = EngineConfig(model=str(model), **kwargs)
-        if self.config.world_size > 1 or self.config.nnodes > 1 or not self.config.launch_workers:
-            from moe_runtime.multiprocess_engine import MultiprocessEngine
-
-            self._engine = MultiprocessEngine(self.config)
-        else:
-            from moe_runtime.engine_core import EngineCore
-
-            self._engine = EngineCore(self.config)
+        self._engine = make_engine(self.config)
         self._request_ids = itertools.count()
 
     @property

@@ -33,6 +33,7 @@ from moe_runtime.engine_core import load_tokenizer
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, RebalanceEvent, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.model_config import load_hf_config
+from moe_runtime.output_processor import OutputProcessor
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.request_limits import RequestLimits
 from moe_runtime.sampling_params import SamplingParams
@@ -96,7 +97,7 @@ class MultiprocessEngine:
         self.tokenizer = load_tokenizer(Path(config.model))
         self._dead: str | None = None
         self._stashed: list[StepOutputs] = []
-        self._pending: set[str] = set()
+        self.outputs = OutputProcessor(self.tokenizer)   # the requests in flight, as the front sees them
         self._worker_stats: dict[int, WorkerStats] = {}
         self._rebalance_events: list[RebalanceEvent] = []
         self._prompt_tokens = 0
@@ -161,6 +162,8 @@ class MultiprocessEngine:
         self.block_size = first.block_size
         self.num_kv_blocks = min(r.num_kv_blocks for r in self.ready.values())
         self.max_model_len = first.max_model_len
+        self.limits = RequestLimits(self.vocab_size, self.max_model_len, self.num_kv_blocks * self.block_size,
+                                    self.tokenizer is not None)
         self.router = DPRouter.for_workers(self.layout.dp_size, self.num_kv_blocks)
 
     def _kill_workers(self) -> None:
@@ -266,35 +269,32 @@ class MultiprocessEngine:
     def kv_capacity_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        RequestLimits(self.vocab_size, self.max_model_len, self.kv_capacity_tokens,
-                      self.tokenizer is not None).check(prompt_token_ids, params)
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Admit a request: the one check (`RequestLimits`) happens here; the ranks trust what they get."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        if request_id in self._pending:
+        if request_id in self.outputs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.validate_request(prompt_token_ids, params)
+        self.limits.check(prompt_token_ids, params)
         if params.seed is None:  # the ranks of a DP worker must draw the same samples
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         decision = self.router.choose(request_id, len(prompt_token_ids))
         command = AddRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                              dp_rank=decision.dp_rank)
         self._control.broadcast(command)
-        self._pending.add(request_id)
+        self.outputs.add(request_id, command.prompt_token_ids, params)
         self._prompt_tokens += len(prompt_token_ids)
 
     def abort(self, request_id: str) -> bool:
-        if request_id not in self._pending or self._dead is not None:
+        if request_id not in self.outputs or self._dead is not None:
             return False
         self._control.broadcast(AbortRequest(request_id=request_id))
-        self._pending.discard(request_id)
+        self.outputs.abort(request_id)
         self.router.release(request_id)
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending)
+        return bool(self.outputs.requests)
 
     def step(self) -> list[RequestOutput]:
         """Outputs the workers produced since the last call; waits briefly for at least one."""
@@ -302,7 +302,7 @@ class MultiprocessEngine:
             raise EngineDeadError(self._dead)
         batches = self._stashed
         self._stashed = []
-        if not batches and self._pending:
+        if not batches and self.outputs.requests:
             message = self._next_message(timeout=POLL_S)
             while message is not None:
                 if isinstance(message, StepOutputs):
@@ -312,15 +312,17 @@ class MultiprocessEngine:
         for batch in batches:
             self._worker_stats[batch.dp_rank] = batch.stats
             self.router.report_kv(batch.dp_rank, batch.stats.kv_blocks_free, batch.stats.kv_blocks_total)
-            for output in batch.outputs:
-                if output.request_id not in self._pending:
-                    continue  # aborted meanwhile
-                self._generation_tokens += len(output.new_token_ids)
-                self.router.grow(output.request_id, len(output.new_token_ids))
+            live = [d for d in batch.deltas if d.request_id in self.outputs]  # not aborted or stopped meanwhile
+            for delta in live:
+                self._generation_tokens += len(delta.new_token_ids)
+                self.router.grow(delta.request_id, len(delta.new_token_ids))
+            processed = self.outputs.process(live)
+            for request_id in processed.stopped:  # a stop string ended it here: the ranks free its blocks
+                self._control.broadcast(AbortRequest(request_id=request_id))
+            for output in processed.outputs:
                 if output.finished:
-                    self._pending.discard(output.request_id)
                     self.router.release(output.request_id)
-                outputs.append(output)
+            outputs.extend(processed.outputs)
         return outputs
 
     def expert_load(self):

@@ -7,7 +7,30 @@ from moe_runtime.sequence import TokenLogprob
 
 
 @dataclass
+class TokenDelta:
+    """What one step added to one request: all a rank reports (O(1) bytes in the output length).
+
+    The front turns these into `RequestOutput`s (`OutputProcessor`): text, stop strings and the
+    cumulative views exist only there.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None   # one per new token when the request asked for logprobs
+    finish_reason: str | None = None          # "length" | "stop" (EOS / stop token) | "error"; None = running
+    error: str | None = None                  # why the engine failed this request (finish_reason "error")
+    num_preemptions: int = 0
+
+
+@dataclass
 class RequestOutput:
+    """A request's state after one step, as the front hands it to callers.
+
+    The cumulative fields (`token_ids`, `text`, `logprobs`) are the request's live lists: read them,
+    copy them to keep a snapshot. The `new_*` fields are what this output adds to the previous one
+    (`new_text` is text safe to stream: it is never taken back).
+    """
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]                      # generated tokens so far (all of them)
@@ -18,6 +41,8 @@ class RequestOutput:
     num_preemptions: int = 0
     new_token_ids: list[int] = field(default_factory=list)  # tokens added by the step that produced this
     error: str | None = None                  # why the engine failed this request (finish_reason "error")
+    new_logprobs: list[TokenLogprob] | None = None           # logprobs of new_token_ids
+    new_text: str = ""                                       # text added since the previous output
 
 
 def error_message(exc: BaseException, limit: int = 200) -> str:

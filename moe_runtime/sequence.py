@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_runtime.detokenizer import DecodeState
 from moe_runtime.sampling_params import SamplingParams
 
 
@@ -43,8 +42,6 @@ class Sequence:
     num_cached_tokens: int = 0                     # tokens whose K/V are in the cache
     num_preemptions: int = 0
     generator: torch.Generator | None = None
-    text: str = ""                                 # detokenized output (cut at a stop string)
-    decode_state: DecodeState = field(default_factory=DecodeState)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

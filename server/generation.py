@@ -56,7 +56,7 @@ class Generation:
                 stream = await self.async_engine.submit(f"{self.request_id}-{spec.index}", spec.prompt_token_ids,
                                                         spec.params)
                 self._streams[spec.index] = stream
-                self.trackers[spec.index] = ChoiceTracker(list(spec.params.stop))
+                self.trackers[spec.index] = ChoiceTracker()
         except BaseException:
             self.close()
             raise

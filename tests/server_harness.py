@@ -181,7 +181,8 @@ class FakeEngine:
             outputs.append(RequestOutput(
                 request_id=request.request_id, prompt_token_ids=request.prompt, token_ids=list(request.tokens),
                 text=" ".join(str(t) for t in request.tokens), finished=finished,
-                finish_reason="length" if finished else None, new_token_ids=[token]))
+                finish_reason="length" if finished else None, new_token_ids=[token],
+                new_text=(" " if len(request.tokens) > 1 else "") + str(token)))
         return outputs
 
     def stats(self) -> EngineStats:

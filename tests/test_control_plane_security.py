@@ -7,6 +7,7 @@ garbage connection blocked or killed).
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import re
 import socket
@@ -21,7 +22,7 @@ import zmq
 from attention_dp.control_key import CONTROL_KEY_ENV, ControlKey, ControlKeyError
 from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected, WorkerControl
 from attention_dp.messages import Hello, MessageCodec, Shutdown, WorkerSetup
-from moe_runtime import LLM
+from moe_runtime import LLM, SamplingParams
 from moe_runtime.cli import main as moe_serve_main
 from moe_runtime.engine_config import EngineConfig
 
@@ -182,15 +183,35 @@ def _is_loopback(hex_address: str) -> bool:
     return address == "00000000000000000000000001000000"  # ::1
 
 
-def test_a_single_node_job_listens_on_loopback_only(tiny_checkpoint_factory):
-    path = tiny_checkpoint_factory("mixtral")
-    with LLM(str(path), device="cpu", dtype="float32", ep=2, dp_attn=2) as llm:
-        pids = {p.pid for p in llm.engine._processes.values()} | {__import__("os").getpid()}
-        listening = _listening_sockets(pids)
-        assert listening, "expected the control socket and the ranks' gloo sockets"
-        exposed = [address for address in listening if not _is_loopback(address)]
-        assert not exposed, f"sockets beyond loopback: {exposed}"
-        assert llm.expert_load() is not None  # the load report crosses the control plane as lists
+@pytest.fixture(scope="module")
+def two_ranks(tiny_checkpoint_factory):
+    with LLM(str(tiny_checkpoint_factory("mixtral")), device="cpu", dtype="float32", ep=2, dp_attn=2) as llm:
+        yield llm
+
+
+def test_a_single_node_job_listens_on_loopback_only(two_ranks):
+    pids = {p.pid for p in two_ranks.engine._processes.values()} | {os.getpid()}
+    listening = _listening_sockets(pids)
+    assert listening, "expected the control socket and the ranks' gloo sockets"
+    exposed = [address for address in listening if not _is_loopback(address)]
+    assert not exposed, f"sockets beyond loopback: {exposed}"
+    assert two_ranks.expert_load() is not None  # the load report crosses the control plane as lists
+
+
+def test_control_plane_bytes_per_token_do_not_grow_with_the_output(two_ranks):
+    """Ranks send each step's new tokens only (never the prompt, earlier tokens or text)."""
+    traffic = two_ranks.engine._control.traffic
+    prompt = list(range(3, 40))
+
+    def bytes_per_token(new_tokens: int) -> float:
+        before = traffic.bytes_received
+        [output] = two_ranks.generate([prompt], SamplingParams(max_tokens=new_tokens, temperature=0.0,
+                                                              ignore_eos=True))
+        assert len(output.token_ids) == new_tokens
+        return (traffic.bytes_received - before) / new_tokens
+
+    short, long = bytes_per_token(16), bytes_per_token(256)
+    assert long <= short * 1.05, f"{long:.1f} bytes/token at 256 tokens vs {short:.1f} at 16"
 
 
 def test_no_pickle_in_the_packages():

@@ -4,6 +4,7 @@ from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_core import EngineCore
+from moe_runtime.local_engine import LocalEngine
 
 
 def _alone(path, prompts, max_tokens):
@@ -13,7 +14,7 @@ def _alone(path, prompts, max_tokens):
 def test_requests_joining_mid_decode_get_their_solo_tokens(tiny_checkpoint_factory):
     path = tiny_checkpoint_factory("deepseek_v3")
     expected = _alone(path, PROMPTS, 24)
-    engine = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+    engine = LocalEngine(EngineConfig(model=str(path), device="cpu", dtype="float32"))
     finished = {}
     engine.add_request("r0", PROMPTS[0], greedy(24))
     arrivals = {3: ("r1", PROMPTS[1]), 7: ("r2", PROMPTS[2]), 8: ("r3", PROMPTS[3])}
@@ -42,10 +43,10 @@ def test_small_kv_budget_preempts_and_recomputes_to_the_same_tokens(tiny_checkpo
     # 8 blocks of 8 tokens: room for the longest request (20 + 40 tokens) alone, not for eight at once.
     budget = bytes_per_token * 64
     with LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=budget, block_size=8) as llm:
-        assert llm.engine.block_manager.num_blocks == 8
+        assert llm.engine.core.block_manager.num_blocks == 8
         outputs = llm.generate(prompts, greedy(40))
-        assert llm.engine.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
-        assert llm.engine.block_manager.num_free_blocks == 8, "blocks leaked"
+        assert llm.engine.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+        assert llm.engine.core.block_manager.num_free_blocks == 8, "blocks leaked"
     assert sum(o.num_preemptions for o in outputs) > 0
     assert [o.token_ids for o in outputs] == expected
 
@@ -55,7 +56,7 @@ def test_eos_ends_a_request_unless_ignore_eos(tiny_checkpoint_factory):
     with LLM(str(path), device="cpu") as llm:
         [free_run] = llm.generate([PROMPTS[0]], greedy(20))
         eos = free_run.token_ids[5]
-        llm.engine.eos_ids = {eos}
+        llm.engine.core.eos_ids = {eos}
         [with_eos] = llm.generate([PROMPTS[0]], greedy(20).__class__(max_tokens=20, temperature=0.0))
         [ignoring] = llm.generate([PROMPTS[0]], greedy(20))
     first = free_run.token_ids.index(eos)

@@ -126,8 +126,9 @@ class PoisonedSampler:
 
 
 def assert_engine_idle(engine) -> None:
-    assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "KV blocks leaked"
+    assert not engine.has_unfinished() and not engine.outputs.requests
+    blocks = engine.core.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks, "KV blocks leaked"
 
 
 def test_extreme_but_valid_values_generate(llm):
@@ -145,7 +146,7 @@ def test_extreme_but_valid_values_generate(llm):
 def test_a_request_whose_sampling_raises_fails_alone(llm, monkeypatch):
     params = [greedy(8), SamplingParams(max_tokens=8, seed=3, ignore_eos=True), greedy(8)]
     solo = llm.generate(PROMPTS[:3], params)
-    monkeypatch.setattr(llm.engine, "sampler", PoisonedSampler(llm.engine.sampler))
+    monkeypatch.setattr(llm.engine.core, "sampler", PoisonedSampler(llm.engine.core.sampler))
     outputs = llm.generate([PROMPTS[0], POISON, PROMPTS[1], PROMPTS[2]], [params[0], greedy(8), *params[1:]])
     failed = outputs[1]
     assert failed.finished and failed.finish_reason == "error" and "injected sampling failure" in failed.error
@@ -155,7 +156,7 @@ def test_a_request_whose_sampling_raises_fails_alone(llm, monkeypatch):
 
 
 def test_a_request_with_non_finite_probabilities_fails_alone(llm, monkeypatch):
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     real_execute = runner.execute
 
     def nan_for_poison(seqs):
@@ -174,18 +175,19 @@ def test_a_request_with_non_finite_probabilities_fails_alone(llm, monkeypatch):
 
 
 def test_a_request_whose_detokenizing_raises_fails_alone(llm, monkeypatch):
+    """The front detokenizes: a failure there fails that request and aborts it on the core."""
     engine = llm.engine
     engine.add_request("fine", PROMPTS[0], greedy(5))
     engine.add_request("poisoned", POISON, greedy(5))
-    poisoned_state = engine.scheduler.waiting[-1].decode_state
-    real_increment = engine.detokenizer.increment
+    poisoned_state = engine.outputs.requests["poisoned"].decode_state
+    real_increment = engine.outputs.detokenizer.increment
 
     def increment(token_ids, state):
         if state is poisoned_state and len(token_ids) == 2:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return real_increment(token_ids, state)
 
-    monkeypatch.setattr(engine.detokenizer, "increment", increment)
+    monkeypatch.setattr(engine.outputs.detokenizer, "increment", increment)
     finals = {}
     while engine.has_unfinished():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
@@ -213,7 +215,7 @@ def serve(engine, scenario):
 
 
 def test_async_engine_fails_only_the_request_the_engine_failed(llm, monkeypatch):
-    monkeypatch.setattr(llm.engine, "sampler", PoisonedSampler(llm.engine.sampler))
+    monkeypatch.setattr(llm.engine.core, "sampler", PoisonedSampler(llm.engine.core.sampler))
 
     async def scenario(_, async_engine):
         async def collect(request_id, prompt):
@@ -228,7 +230,7 @@ def test_async_engine_fails_only_the_request_the_engine_failed(llm, monkeypatch)
 
 
 def test_server_fails_only_the_client_whose_request_failed(llm, monkeypatch):
-    monkeypatch.setattr(llm.engine, "sampler", PoisonedSampler(llm.engine.sampler))
+    monkeypatch.setattr(llm.engine.core, "sampler", PoisonedSampler(llm.engine.core.sampler))
     body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
     async def scenario(client, _):
@@ -355,7 +357,7 @@ def engine_work(body: dict, rng: random.Random, engine) -> tuple[list[list[int]]
         else:
             work = [body["prompt"]], [SamplingParams(**direct_params(body))]
         for prompt, params in zip(*work):
-            engine.validate_request(prompt, params)
+            engine.limits.check(prompt, params)
     except (ValidationError, APIError, InvalidRequestError):
         return None
     return work

@@ -1,0 +1,14 @@
+"""`make_engine`: the one place that picks the engine for a configuration (`LLM` and `moe-serve` both use it)."""
+from __future__ import annotations
+
+from moe_runtime.engine_config import EngineConfig
+from moe_runtime.engine_protocol import Engine
+from moe_runtime.local_engine import LocalEngine
+from moe_runtime.multiprocess_engine import MultiprocessEngine
+
+
+def make_engine(config: EngineConfig) -> Engine:
+    """One rank in this process, or worker processes (one per rank) behind a front in this process."""
+    if config.world_size > 1 or config.nnodes > 1 or not config.launch_workers:
+        return MultiprocessEngine(config)
+    return LocalEngine(config)
