@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import re
 import signal
 import socket
 import sys
-from dataclasses import dataclass, fields
+import threading
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import uvicorn
@@ -96,6 +98,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    max_request_bytes: int = 4 * 2**20    # larger request bodies get HTTP 413
     max_queue: int = 512
     # engine
     device: str = "auto"
@@ -244,7 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0 for every interface)")
     g.add_argument("--port", type=_port, default=d.port, help="port to listen on; 0 picks a free one")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1 routes (health and metrics stay open)")
+                   help="require 'Authorization: Bearer <key>' on every route but /health and /metrics "
+                        "(a browser opening /dashboard or /docs asks for it as the password)")
+    g.add_argument("--max-request-bytes", type=parse_size, default=d.max_request_bytes,
+                   help="largest request body accepted, e.g. 4M; larger ones get HTTP 413")
     g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
 
@@ -287,37 +293,107 @@ def bind_socket(host: str, port: int) -> socket.socket:
 DEAD_ENGINE_GRACE_S = 2.0
 
 
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:   # a host name: it may resolve to anything
+        return False
+
+
+def warn_if_exposed(config: ServeConfig) -> None:
+    """Listening beyond this machine without a key lets anyone who can connect use everything."""
+    if config.api_key is None and not is_loopback(config.host):
+        logger.warning("--host %s accepts connections from other machines and no --api-key is set: anyone who "
+                       "can connect can generate, read the expert load and rebalance the experts. Set --api-key "
+                       "(or listen on 127.0.0.1).", config.host)
+
+
+@dataclass
+class EngineLaunch:
+    """The engine `serve` builds in a background thread while the HTTP server already answers 503."""
+
+    config: ServeConfig
+    served_name: str = ""
+    async_engine: object | None = None   # an AsyncEngine, once started
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
+
+        try:
+            model_path, self.served_name = resolve_model(self.config)
+            logger.info("loading %s from %s", self.served_name, model_path)
+            engine = build_engine(self.config, model_path)
+            self.async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=self.config.max_queue)).start()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by serve() once the HTTP server has stopped
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def begin_shutdown(self) -> None:
+        if self.async_engine is not None:
+            self.async_engine.begin_shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the engine; one still being built is waited for first (its ranks must not outlive us)."""
+        self.done.wait()
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
+
+
 def serve(config: ServeConfig) -> int:
-    from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
+    """Listen at once (503 while starting), build the engine in a thread, then serve; the exit code.
+
+    The start-up line `moe-serve: serving ...` is printed once the engine is ready; an engine that
+    fails to start stops the server and its error is raised as before.
+    """
     from server.app import build_app
     from server.dashboard import dashboard_router
+    from server.startup_gate import StartupGate
 
     config.validate()
+    warn_if_exposed(config)
     sock = bind_socket(config.host, config.port)  # fail on a taken port before loading anything
     host, port = sock.getsockname()[:2]
-    model_path, served_name = resolve_model(config)
-    logger.info("loading %s from %s", served_name, model_path)
-    engine = build_engine(config, model_path)
-    async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=config.max_queue)).start()
-    app = build_app(async_engine, served_name, api_key=config.api_key, extra_routers=[dashboard_router(config.api_key)])
-    server = _Server(uvicorn.Config(app, log_level=config.log_level, access_log=config.log_level == "debug",
+    url = f"http://{_url_host(host)}:{port}"
+    gate = StartupGate()
+    launch = EngineLaunch(config)
+    server = _Server(uvicorn.Config(gate, log_level=config.log_level, access_log=config.log_level == "debug",
                                     timeout_graceful_shutdown=5, lifespan="off"),
-                     on_exit=async_engine.begin_shutdown)
+                     on_exit=launch.begin_shutdown)
+    exit_code = 0
 
-    async def announce() -> None:
+    async def announce_listening() -> None:
         while not server.started and not server.should_exit:
             await asyncio.sleep(0.02)
         if server.started:
-            print(f"moe-serve: serving {served_name!r} on http://{_url_host(host)}:{port} (Ctrl-C to stop)", flush=True)
+            print(f"moe-serve: listening on {url}; starting the engine (/health answers 503 until it is ready)\n",
+                  end="", flush=True)   # one write: log lines on stderr cannot land inside it
 
-    exit_code = 0
+    async def start_then_serve() -> None:
+        announcer = asyncio.create_task(announce_listening())
+        await asyncio.to_thread(launch.run)
+        await announcer
+        if launch.error is not None:
+            server.should_exit = True
+            return
+        gate.open(build_app(launch.async_engine, launch.served_name, api_key=config.api_key,
+                            extra_routers=[dashboard_router(config.api_key)],
+                            max_request_bytes=config.max_request_bytes))
+        if server.should_exit:
+            return
+        print(f"moe-serve: serving {launch.served_name!r} on {url} (Ctrl-C to stop)\n", end="", flush=True)
+        await stop_when_the_engine_dies()
 
     async def stop_when_the_engine_dies() -> None:
         """A dead rank makes the service useless: report it for a moment (/health 503, in-flight
         requests end with 5xx errors), then exit non-zero so a supervisor restarts the whole job."""
         nonlocal exit_code
         while not server.should_exit:
-            health = async_engine.health()
+            health = launch.async_engine.health()
             if not health.healthy:
                 logger.error("engine died (%s); exiting with code 1 in %.0fs", health.detail, DEAD_ENGINE_GRACE_S)
                 await asyncio.sleep(DEAD_ENGINE_GRACE_S)
@@ -327,13 +403,11 @@ def serve(config: ServeConfig) -> int:
             await asyncio.sleep(0.25)
 
     async def run() -> None:
-        announcer = asyncio.create_task(announce())
-        watcher = asyncio.create_task(stop_when_the_engine_dies())
+        starting = asyncio.create_task(start_then_serve())
         try:
             await server.serve(sockets=[sock])
         finally:
-            announcer.cancel()
-            watcher.cancel()
+            starting.cancel()
 
     # uvicorn handles SIGINT/SIGTERM itself (graceful HTTP shutdown), then restores these handlers and
     # raises the signal again: the handler below turns that SIGTERM into an exception, so the engine
@@ -345,9 +419,11 @@ def serve(config: ServeConfig) -> int:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        async_engine.shutdown()
+        launch.shutdown()
         sock.close()
         logger.info("stopped")
+    if launch.error is not None:
+        raise launch.error
     return exit_code
 
 

@@ -3,6 +3,10 @@
 `build_app` takes a started `AsyncEngine`; the caller owns its lifecycle. Extra routers and
 mounts (the dashboard) plug in through `extra_routers` / `mounts`; they find the engine and the
 metrics on `app.state.async_engine` and `app.state.metrics`.
+
+Before any route, from the headers alone: the API key (every route but /health and /metrics,
+`ApiKeyGate`), then the body size (`RequestSizeLimit`). Bodies are parsed and prompts tokenized
+off the event loop, so one large request cannot stall /health or the other requests' streams.
 """
 from __future__ import annotations
 
@@ -17,11 +21,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from moe_runtime.async_engine import AsyncEngine
 from moe_runtime.errors import MoERuntimeError
-from server.auth import api_key_dependency
+from server.auth import ApiKeyGate
+from server.body_limit import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit
 from server.chat import ChatFormatter
 from server.completions import CompletionFormatter
 from server.errors import APIError, as_api_error, install_error_handlers
 from server.generation import Generation
+from server.json_body import documented_body, install_body_schemas, json_body
 from server.logprobs import TokenNamer
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -48,6 +54,7 @@ def build_app(
     api_key: str | None = None,
     extra_routers: Sequence[APIRouter] = (),
     mounts: Sequence[Mount] = (),
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     app = FastAPI(title="moe-runtime", version="0.1.0")
     app.state.async_engine = async_engine
@@ -55,25 +62,32 @@ def build_app(
     model = ModelInfo(served_model_name, async_engine.max_model_len, async_engine.tokenizer)
     namer = TokenNamer(async_engine.tokenizer)
     install_error_handlers(app)
+    install_body_schemas(app, [CompletionRequest, ChatCompletionRequest])
 
+    # the last added runs first: count refusals, check the key, then the size, then route
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
+    app.add_middleware(ApiKeyGate, api_key=api_key)
     app.add_middleware(RefusalCounter, metrics=metrics)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_dependency(api_key))])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=async_engine.max_model_len)])
 
-    @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        generation = Generation(async_engine, f"cmpl-{uuid.uuid4().hex}", completion_choices(body, model), metrics)
+    @v1.post("/completions", openapi_extra=documented_body(CompletionRequest))
+    async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))):
+        choices = await asyncio.to_thread(completion_choices, body, model)   # tokenizes: off the event loop
+        generation = Generation(async_engine, f"cmpl-{uuid.uuid4().hex}", choices, metrics)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         formatter = CompletionFormatter(generation, served_model_name, namer, body.logprobs is not None, include_usage)
         return await respond(generation, formatter, body.stream, request)
 
-    @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        generation = Generation(async_engine, f"chatcmpl-{uuid.uuid4().hex}", chat_choices(body, model), metrics)
+    @v1.post("/chat/completions", openapi_extra=documented_body(ChatCompletionRequest))
+    async def chat_completions(request: Request,
+                               body: ChatCompletionRequest = Depends(json_body(ChatCompletionRequest))):
+        choices = await asyncio.to_thread(chat_choices, body, model)   # renders and tokenizes: off the event loop
+        generation = Generation(async_engine, f"chatcmpl-{uuid.uuid4().hex}", choices, metrics)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         formatter = ChatFormatter(generation, served_model_name, namer, body.logprobs, include_usage)
         return await respond(generation, formatter, body.stream, request)
@@ -103,10 +117,14 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        state = async_engine.health()
-        if state.healthy:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy", "detail": state.detail}, status_code=503)
+        """200 {"status": "ok"} or 503 {"status": "unhealthy"} (why is in the server log: this route is open)."""
+        healthy = async_engine.health().healthy
+        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+
+    @app.head("/health", include_in_schema=False)
+    async def health_head() -> Response:
+        """The status of GET /health, without a body (load balancers probe with HEAD)."""
+        return Response(status_code=200 if async_engine.health().healthy else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

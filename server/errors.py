@@ -1,8 +1,14 @@
-"""OpenAI-style error bodies (`{"error": {"message", "type", "param", "code"}}`) and the app's handlers."""
+"""OpenAI-style error bodies (`{"error": {"message", "type", "param", "code"}}`) and the app's handlers.
+
+What a client is told is meant for the client: a 4xx names the parameter at fault; a 5xx says only
+what failed (the engine is unavailable, an internal error). Internal details (exception reprs, source
+paths, ranks' addresses and ports, tracebacks) go to the server log, never into a response.
+"""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,6 +19,10 @@ from moe_runtime.async_engine import QueueFullError
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
+
+INTERNAL_ERROR_MESSAGE = "internal error (see the server log)"
+ENGINE_UNAVAILABLE_MESSAGE = "the engine is unavailable"
+MAX_ECHOED_CHARS = 120   # a client's own value quoted back in a 400, shortened beyond this
 
 
 @dataclass
@@ -50,9 +60,15 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), "rate_limit_exceeded", None, "queue_full", retry_after_s=exc.retry_after_s)
     if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
-    logger.exception("unexpected error while serving a request", exc_info=exc)
-    return APIError(500, f"internal error: {exc!r}", "internal_server_error", None, "internal_error")
+        logger.warning("request refused, the engine is unavailable: %s", exc)
+        return engine_unavailable()
+    logger.error("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, INTERNAL_ERROR_MESSAGE, "internal_server_error", None, "internal_error")
+
+
+def engine_unavailable() -> APIError:
+    """503 for a dead engine; why it died (ranks, exit codes, peers' addresses) is in the server log."""
+    return APIError(503, ENGINE_UNAVAILABLE_MESSAGE, "service_unavailable", None, "engine_dead")
 
 
 def _param_named_in(message: str) -> str | None:
@@ -65,9 +81,8 @@ def _param_named_in(message: str) -> str | None:
     return None
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """A pydantic validation failure as one 400 naming the first offending field."""
-    errors = exc.errors()
+def validation_error(errors: Sequence[dict]) -> APIError:
+    """A pydantic validation failure (its `errors()`) as one 400 naming the first offending field."""
     if not errors:
         return bad_request("invalid request body")
     first = errors[0]
@@ -83,8 +98,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return bad_request(f"missing required parameter {param!r}", param, "missing_parameter")
     if param is None:
         return bad_request(f"invalid request body: {first.get('msg')}", code="invalid_body")
-    return bad_request(f"invalid value for {param!r}: {first.get('msg')} (got {first.get('input')!r})", param,
-                       "invalid_value")
+    return bad_request(f"invalid value for {param!r}: {first.get('msg')} (got {short_repr(first.get('input'))})",
+                       param, "invalid_value")
+
+
+def short_repr(value: object) -> str:
+    """repr() of a client's value, cut short: a 4 MiB prompt of the wrong type is not worth sending back."""
+    text = repr(value)
+    return text if len(text) <= MAX_ECHOED_CHARS else f"{text[:MAX_ECHOED_CHARS]}... ({len(text)} characters)"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -94,7 +115,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,4 +1,7 @@
-"""Server-sent events: OpenAI's `data: {json}` chunks ending in `data: [DONE]`, or an error event then close."""
+"""Server-sent events: OpenAI's `data: {json}` chunks ending in `data: [DONE]`, or an error event then close.
+
+The error event carries the same short body as an error response (`as_api_error`); the detail is logged.
+"""
 from __future__ import annotations
 
 import json
@@ -42,9 +45,9 @@ async def sse_stream(
         yield DONE
         status = "success"
     except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
-        error = as_api_error(exc)
+        logger.warning("stream %s ended with an error: %s", generation.request_id, exc)
+        error = as_api_error(exc)   # what the client may see: the detail stays in the log
         status = "error"
-        logger.warning("stream %s ended with an error: %s", generation.request_id, error.message)
         yield sse_data(error.body())
     finally:
         generation.close()

@@ -4,16 +4,21 @@
 launcher prints the port it got), waits for /health to answer 200, and stops it with SIGTERM
 (SIGKILL if it hangs), reporting the exit code so a test can hold the shutdown to account.
 
+`serve_in_process` runs a scenario against `build_app` over the ASGI transport (one event loop, no
+socket); `free_port` picks a loopback port for a server that must be reached before it announces itself.
+
 `FakeEngine` implements the `Engine` protocol in pure Python with a predictable token stream
 (token i of a request = prompt[-1] + 1 + i, text = the tokens joined by spaces) and switches to
 make it die (`die_at_step`, `crash_at_step`, `health_fails_at_step`); `step_delay_s` paces it.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -100,6 +105,36 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def free_port() -> int:
+    """A loopback port free right now (another process could take it before it is used: rare)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def serve_in_process(engine, scenario, max_queue: int | None = None, timeout_s: float = 30.0,
+                     raise_app_exceptions: bool = True, **app_kwargs):
+    """`await scenario(client, async_engine)` against `build_app(AsyncEngine(engine), "fake", **app_kwargs)`.
+
+    `raise_app_exceptions=False` lets a test see the 500 a server sends for an exception it re-raises to
+    its log (as uvicorn would), instead of the exception.
+    """
+    from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
+    from server import build_app
+
+    async def main():
+        async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=max_queue, idle_poll_s=0.01)).start()
+        app = build_app(async_engine, "fake", **app_kwargs)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=20) as client:
+                return await scenario(client, async_engine)
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+
+    return asyncio.run(asyncio.wait_for(main(), timeout_s))
 
 
 # ---- a fake engine for in-process app tests ----------------------------------------------------

@@ -160,15 +160,16 @@ def test_rebalance_now_returns_the_event_and_the_state_shows_it_with_the_new_pla
     assert after["expert_load"]["placement"] == engine.recorder.placement.phy2log.tolist()
 
 
-def test_rebalance_takes_the_api_key_while_reads_stay_open():
+def test_rebalance_and_reads_take_the_api_key():
     async def scenario(client):
-        open_read = await client.get("/dashboard/state")
+        refused_read = await client.get("/dashboard/state")
+        read = await client.get("/dashboard/state", headers={"Authorization": "Bearer sesame"})
         refused = await client.post("/dashboard/rebalance")
         accepted = await client.post("/dashboard/rebalance", headers={"Authorization": "Bearer sesame"})
-        return open_read, refused, accepted
+        return refused_read, read, refused, accepted
 
-    open_read, refused, accepted = serve(RoutingFakeEngine(), api_key="sesame")(scenario)
-    assert open_read.status_code == 200
+    refused_read, read, refused, accepted = serve(RoutingFakeEngine(), api_key="sesame")(scenario)
+    assert refused_read.status_code == 401 and read.status_code == 200   # the expert load is not public
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     assert accepted.status_code == 200 and accepted.json()["event"]["index"] == 0
 

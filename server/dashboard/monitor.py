@@ -15,7 +15,7 @@ from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from server.dashboard.interval_trace import IntervalTrace
 from server.dashboard.load_view import load_view
 from server.dashboard.timeline import Timeline
-from server.errors import APIError
+from server.errors import APIError, engine_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -127,13 +127,14 @@ class DashboardMonitor:
             raise APIError(409, f"the engine refused to rebalance: {exc}", "invalid_request_error", None,
                            "rebalance_refused") from exc
         except EngineDeadError as exc:
-            raise APIError(503, str(exc), "service_unavailable", None, "engine_dead") from exc
+            logger.warning("rebalance refused, the engine is unavailable: %s", exc)
+            raise engine_unavailable() from exc
         except asyncio.TimeoutError as exc:
             raise APIError(504, f"the rebalance did not finish within {self.config.rebalance_timeout_s:.0f}s",
                            "timeout_error", None, "rebalance_timeout") from exc
         except Exception as exc:  # noqa: BLE001 - the engine survived (a dead one raises EngineDeadError)
             logger.exception("rebalance_now failed")
-            raise APIError(500, f"the rebalance failed: {exc!r}", "internal_server_error", None,
+            raise APIError(500, "the rebalance failed (see the server log)", "internal_server_error", None,
                            "rebalance_failed") from exc
         record = event.to_dict()
         self._own_events[event.index] = record

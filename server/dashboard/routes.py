@@ -6,7 +6,10 @@
     GET  /dashboard/trace            the recorded expert-load trace (load_balancer.trace JSON), as a download
     POST /dashboard/rebalance        rebalance the expert placement now (needs the API key when one is set)
 
-Reads are open like /metrics (monitoring); the one action, rebalancing, takes the /v1 API key.
+With `--api-key`, every route here takes the key like /v1 (the app's `ApiKeyGate`): the expert load is
+not public. A browser opening /dashboard gets a Basic-auth prompt; the key is the password (any user
+name), and the browser sends it with the page's own requests from then on. Rebalancing also checks
+the key itself, so the router stays guarded in an app built without `ApiKeyGate`.
 """
 from __future__ import annotations
 

@@ -25,7 +25,10 @@
     const controller = new AbortController();
     const timer = setTimeout(() => controller.abort(), REQUEST_TIMEOUT_MS);
     try {
-      const response = await fetch(url, { cache: "no-store", signal: controller.signal, ...options });
+      // against the origin, not the page URL: a page opened with the key in its URL (user:key@host)
+      // must not put it into every request URL (fetch refuses those); the browser sends it by itself
+      const response = await fetch(new URL(url, window.location.origin),
+                                   { cache: "no-store", signal: controller.signal, ...options });
       const body = await response.json().catch(() => null);
       if (!response.ok) {
         const message = body && body.error ? body.error.message : `HTTP ${response.status}`;
