@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
+import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from attention_dp.control_key import ControlKey
 from attention_dp.messages import Hello, Message, MessageCodec, WorkerSetup
@@ -113,6 +114,8 @@ class FrontControl:
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._async_socket: zmq.asyncio.Socket | None = None
+        self._async_monitor: zmq.asyncio.Socket | None = None
         bind_host = f"[{host}]" if ":" in host else host
         if port:
             self._socket.bind(f"tcp://{bind_host}:{port}")
@@ -131,10 +134,40 @@ class FrontControl:
 
     def _send(self, routing_id: bytes, rank: int, payload: bytes) -> None:
         try:
-            self._socket.send_multipart([routing_id, payload])
+            if self._async_socket is None:
+                self._socket.send_multipart([routing_id, payload])
+            else:  # through the loop's socket, which then re-checks for messages that arrived meanwhile
+                sent = self._async_socket.send_multipart([routing_id, payload])
+                if sent.done() and sent.exception() is not None:
+                    raise sent.exception()
             self.traffic.bytes_sent += len(payload)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the rank's connection is gone
             raise RankDisconnected(rank) from exc
+
+    # ---- event-driven use, on an asyncio loop ----------------------------------------------------
+    def attach_to_loop(self) -> None:
+        """From now on the running asyncio loop owns the socket: `receive_async`, and sends through it.
+
+        The synchronous `receive` must not be used after this.
+        """
+        self._async_socket = zmq.asyncio.Socket.from_socket(self._socket)
+        self._async_monitor = zmq.asyncio.Socket.from_socket(self._monitor)
+
+    async def receive_async(self) -> tuple[int, Message]:
+        """The next (rank, message), awaited on the loop; Hellos are answered on the way."""
+        while True:
+            received = self._admit(await self._async_socket.recv_multipart(copy=False))
+            if received is not None:
+                return received
+
+    async def wait_for_disconnect(self) -> int:
+        """Await the first rank whose connection closes; its rank."""
+        while True:
+            event = parse_monitor_message(await self._async_monitor.recv_multipart())
+            try:
+                self._forget_connection(event)
+            except RankDisconnected as lost:
+                return lost.rank
 
     def receive(self, timeout: float) -> tuple[int, Message] | None:
         """(rank, message) from any rank that said Hello, or None after `timeout` seconds.
@@ -155,7 +188,9 @@ class FrontControl:
                 self._watch_connections()
 
     def _watch_connections(self) -> None:
-        event = recv_monitor_message(self._monitor)
+        self._forget_connection(recv_monitor_message(self._monitor))
+
+    def _forget_connection(self, event: dict) -> None:
         rank = self._rank_by_fd.pop(event["value"], None) if event["event"] == zmq.EVENT_DISCONNECTED else None
         if rank is not None:
             self._peers.pop(_routing_id(rank), None)

@@ -1,10 +1,15 @@
-"""Drive an `Engine` from asyncio: one thread owns the engine, the event loop talks to it through queues.
+"""Drive an `Engine` from asyncio.
 
-The engine is not thread-safe, so a single background thread calls every engine method. The
-event loop hands it commands (add, abort, stop) through a thread-safe queue, applied between
-steps; after each step the thread posts every request's output back to the event loop of the
-coroutine that submitted it, and refreshes the stats/health/expert-load snapshots that the
-event loop reads without touching the engine.
+Two ways, chosen by the engine:
+- event-driven (`EventDrivenEngine`: ranks in worker processes). The engine is attached to the
+  running loop on first use: requests and aborts go straight out on the control socket from the
+  loop, and each rank message is taken in by the loop as it arrives (ZeroMQ socket registered
+  with the loop); outputs reach their streams in the same loop iteration. No thread, no polling.
+- an engine thread (an engine that computes in this process, `LocalEngine`). A single background
+  thread calls every engine method. The event loop hands it commands (add, abort, stop) through a
+  thread-safe queue, applied between steps; after each step the thread posts every request's
+  output back to the event loop of the coroutine that submitted it, and refreshes the
+  stats/health/expert-load snapshots that the event loop reads without touching the engine.
 
 When the engine dies (`step()` raises, or `health()` turns unhealthy) every in-flight request
 ends with `EngineDeadError`, later submissions fail at once, and `health()` says why: nothing
@@ -23,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from moe_runtime.engine_protocol import Engine, EngineHealth, EngineStats
+from moe_runtime.engine_protocol import Engine, EngineHealth, EngineStats, EventDrivenEngine
 from moe_runtime.errors import EngineDeadError, MoERuntimeError
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.sampling_params import SamplingParams
@@ -163,6 +168,9 @@ class AsyncEngine:
         self._expert_load_wanted_at = float("-inf")   # a plain float store from the loop thread
         self._thread: threading.Thread | None = None
         self._stop_requested = False           # set by begin_shutdown (a plain store: signal-safe)
+        self._event_driven = isinstance(engine, EventDrivenEngine)
+        self._loop: asyncio.AbstractEventLoop | None = None   # event-driven: the loop it is attached to
+        self._load_refresh: asyncio.Task | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -170,12 +178,16 @@ class AsyncEngine:
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() called twice")
         self._refresh_snapshots(force_expert_load=True)
+        if self._event_driven:
+            return self  # attached to the loop of its first caller there (the loop may not run yet)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         return self
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread: in-flight requests end with `EngineDeadError`; then `engine.shutdown()`."""
+        if self._event_driven:
+            self._detach()
         thread = self._thread
         if thread is not None and thread.is_alive():
             self._commands.put(_Stop())
@@ -192,6 +204,32 @@ class AsyncEngine:
     def begin_shutdown(self) -> None:
         """Thread- and signal-safe: ask the engine thread to stop (in-flight requests end with an error)."""
         self._stop_requested = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._die, "the server is shutting down")
+
+    def _attach_here(self) -> None:
+        """Event-driven: attach the engine to the running loop, once."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self.engine.attach(self._deliver, self._die)
+
+    def _detach(self) -> None:
+        """Event-driven: stop the loop's readers (from the loop's thread or any other)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self.engine.detach()
+        elif loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._detach_soon(), loop).result(timeout=5)
+
+    async def _detach_soon(self) -> None:
+        self.engine.detach()
+        await asyncio.sleep(0)  # let the cancelled readers unwind before the sockets close
 
     # ---- event-loop API --------------------------------------------------------------------
 
@@ -203,18 +241,11 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, list(prompt_token_ids), loop)
+        if self._event_driven:
+            return self._submit_here(stream, params)
         admitted: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if self._dead_detail is not None:
-                raise EngineDeadError(f"the engine is not running: {self._dead_detail}")
-            limit = self.config.max_queue
-            if limit is not None and self._unstarted >= limit:
-                raise QueueFullError(
-                    f"{self._unstarted} requests are already waiting for their first token "
-                    f"(--max-queue {limit}); retry later",
-                    self.config.retry_after_s,
-                )
-            self._unstarted += 1
+            self._admit_or_refuse()
             self._commands.put(_Add(stream, params, admitted))
         try:
             await asyncio.wrap_future(admitted)
@@ -224,6 +255,34 @@ class AsyncEngine:
                 self.abort(request_id)  # the caller gave up waiting: the engine may have admitted it anyway
             self._mark_started(stream)
             raise
+        return stream
+
+    def _admit_or_refuse(self) -> None:
+        """Count a new request against max_queue (caller holds the lock)."""
+        if self._dead_detail is not None:
+            raise EngineDeadError(f"the engine is not running: {self._dead_detail}")
+        limit = self.config.max_queue
+        if limit is not None and self._unstarted >= limit:
+            raise QueueFullError(
+                f"{self._unstarted} requests are already waiting for their first token "
+                f"(--max-queue {limit}); retry later",
+                self.config.retry_after_s,
+            )
+        self._unstarted += 1
+
+    def _submit_here(self, stream: RequestStream, params: SamplingParams) -> RequestStream:
+        """Event-driven: admit on the loop; the request is on its way to the ranks when this returns."""
+        self._attach_here()
+        with self._lock:
+            self._admit_or_refuse()
+        try:
+            if stream.request_id in self._streams:
+                raise ValueError(f"request id {stream.request_id!r} is already in use")
+            self.engine.add_request(stream.request_id, stream.prompt_token_ids, params)
+        except BaseException:
+            self._mark_started(stream)
+            raise
+        self._streams[stream.request_id] = stream
         return stream
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -242,15 +301,22 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its KV blocks are freed between steps); unknown ids are ignored."""
-        self._commands.put(_Abort(request_id))
+        if self._event_driven and self._loop is not None and self._dead_detail is None:
+            self._abort(request_id)  # on the loop: straight to the ranks
+        else:
+            self._commands.put(_Abort(request_id))
 
     def stats(self) -> EngineStats:
+        if self._event_driven and self._dead_detail is None:
+            return self.engine.stats()  # kept current by the loop as rank messages arrive
         return self._stats
 
     def health(self) -> EngineHealth:
         with self._lock:
             if self._dead_detail is not None:
                 return EngineHealth(False, self._dead_detail)
+        if self._event_driven:
+            return self.engine.health()
         return self._health
 
     def expert_load(self):
@@ -260,11 +326,21 @@ class AsyncEngine:
         (every `expert_load_refresh_s`) only while callers keep asking for it.
         """
         self._expert_load_wanted_at = time.monotonic()
+        if self._event_driven and self._loop is not None:
+            self._refresh_load_soon()
         return self._expert_load
+
+    def _refresh_load_soon(self) -> None:
+        """Event-driven: refresh the expert-load snapshot in the background when it is stale."""
+        stale = time.monotonic() - self._expert_load_at >= self.config.expert_load_refresh_s
+        if stale and (self._load_refresh is None or self._load_refresh.done()) and self._dead_detail is None:
+            self._load_refresh = self._loop.create_task(self.fresh_expert_load())
 
     def rebalance_events(self) -> list:
         """The engine's `RebalanceEvent`s so far (refreshed with the expert load); [] if it keeps none."""
         self._expert_load_wanted_at = time.monotonic()
+        if self._event_driven:
+            return self.engine.rebalance_events()
         return self._rebalance_events
 
     async def call(self, fn: Callable[[Engine], Any], timeout_s: float | None = None) -> Any:
@@ -277,11 +353,30 @@ class AsyncEngine:
         with self._lock:
             if self._dead_detail is not None:
                 raise EngineDeadError(f"the engine is not running: {self._dead_detail}")
+            if self._event_driven:  # no engine thread: run it here (it must not block)
+                return fn(self.engine)
             self._commands.put(_Call(fn, done))
         return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
 
+    async def rebalance_now(self, timeout_s: float | None = None):
+        """Plan a placement from the recorded window and migrate now; the engine's RebalanceEvent."""
+        if not self._event_driven:
+            return await self.call(lambda engine: engine.rebalance_now(), timeout_s)
+        self._attach_here()
+        if self._dead_detail is not None:
+            raise EngineDeadError(f"the engine is not running: {self._dead_detail}")
+        return await asyncio.wait_for(self.engine.rebalance_now_async(), timeout_s)
+
     async def fresh_expert_load(self, timeout_s: float = 10.0):
         """An expert-load snapshot taken now (between steps); the cached one if the engine is slow or gone."""
+        if self._event_driven:
+            self._attach_here()
+            try:
+                self._expert_load = await asyncio.wait_for(self.engine.expert_load_async(), timeout_s)
+                self._expert_load_at = time.monotonic()
+            except (asyncio.TimeoutError, MoERuntimeError):
+                pass
+            return self._expert_load
         try:
             await self.call(lambda _: self._refresh_load_balancer_views(), timeout_s)
         except (asyncio.TimeoutError, MoERuntimeError):
@@ -412,7 +507,14 @@ class AsyncEngine:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for stream, item in items:
             by_loop.setdefault(stream.loop, []).append((stream, item))
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
         for loop, batch in by_loop.items():
+            if loop is running:  # event-driven: already on the streams' loop, no extra hop
+                self._receive(batch)
+                continue
             try:
                 loop.call_soon_threadsafe(self._receive, batch)
             except RuntimeError:  # the loop is closed: nobody is listening any more

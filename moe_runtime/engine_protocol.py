@@ -1,12 +1,14 @@
 """The engine face every front end uses (LLM, the async server engine): one process or many.
 
-Implemented by `EngineCore` (one rank, in process) and by the multi-process expert-parallel
-engine. Not thread-safe: one thread drives it (add_request/abort/step between steps).
+Implemented by `LocalEngine` (one rank, in process) and by `MultiprocessEngine` (ranks in worker
+processes). Not thread-safe: one thread drives it (add_request/abort/step between steps). An
+engine whose ranks live elsewhere is also an `EventDrivenEngine`: an asyncio loop can take in its
+outputs as they arrive instead of calling `step()`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.sampling_params import SamplingParams
@@ -85,3 +87,13 @@ class Engine(Protocol):
     def rebalance_now(self) -> RebalanceEvent: ...      # plan + migrate now (EP with >1 rank)
     def rebalance_events(self) -> list[RebalanceEvent]: ...
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class EventDrivenEngine(Protocol):
+    """An engine that can hand its outputs to an asyncio loop as they arrive (no thread, no polling)."""
+
+    def attach(self, on_outputs: Callable[[list[RequestOutput]], None], on_death: Callable[[str], None]) -> None: ...
+    def detach(self) -> None: ...
+    async def expert_load_async(self): ...
+    async def rebalance_now_async(self) -> RebalanceEvent: ...

@@ -7,6 +7,7 @@ boundary); a request lives on the ranks of the DP worker the router chose.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -18,6 +19,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 
@@ -41,7 +43,8 @@ from moe_runtime.worker import worker_main
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.05
+STEP_WAIT_S = 0.05   # step() returns after this with no outputs, so the offline caller can apply commands
+DEATH_REPORT_GRACE_S = 0.3  # after a rank exits, time for its last message (WorkerFailed) to be taken in
 
 
 @contextmanager
@@ -96,7 +99,11 @@ class MultiprocessEngine:
         self.vocab_size = self.hf_config.vocab_size
         self.tokenizer = load_tokenizer(Path(config.model))
         self._dead: str | None = None
-        self._stashed: list[StepOutputs] = []
+        self._undelivered: list[RequestOutput] = []     # produced while waiting for something else
+        self._load_reports: dict[int, ExpertLoadSnapshot | None] = {}   # pipeline stage -> its snapshot
+        self._load_waiter: asyncio.Future | None = None
+        self._rebalance_waiter: asyncio.Future | None = None
+        self._loop_tasks: list[asyncio.Task] = []
         self.outputs = OutputProcessor(self.tokenizer)   # the requests in flight, as the front sees them
         self._worker_stats: dict[int, WorkerStats] = {}
         self._rebalance_events: list[RebalanceEvent] = []
@@ -153,6 +160,8 @@ class MultiprocessEngine:
                 if isinstance(message, WorkerReady):
                     self.ready[message.rank] = message
                     logger.info("rank %d ready (%d/%d)", message.rank, len(self.ready), world)
+                elif message is not None:
+                    logger.warning("rank message %s before the job started; dropped", type(message).__name__)
         except BaseException:
             self._kill_workers()
             self._control.close()
@@ -213,9 +222,40 @@ class MultiprocessEngine:
         _, message = received
         if isinstance(message, WorkerFailed):
             self._die(self._root_cause(message), message.traceback)
+        return message
+
+    def _handle(self, message) -> list[RequestOutput]:
+        """Apply one message from a rank to the front's state; the outputs it completes."""
+        if isinstance(message, StepOutputs):
+            return self._apply_step(message)
         if isinstance(message, RebalanceReport):
             self._rebalance_events.append(RebalanceEvent(message.index, **dataclasses.asdict(message.outcome)))
-        return message
+            if self._rebalance_waiter is not None and not self._rebalance_waiter.done():
+                self._rebalance_waiter.set_result(self._rebalance_events[-1])
+        elif isinstance(message, ExpertLoadReport):
+            self._load_reports[message.stage] = (None if message.tables is None else
+                                                 ExpertLoadSnapshot.from_dict(msgspec.structs.asdict(message.tables)))
+            if (len(self._load_reports) == self.layout.pp and self._load_waiter is not None
+                    and not self._load_waiter.done()):
+                self._load_waiter.set_result(None)
+        elif isinstance(message, WorkerReady):
+            self.ready[message.rank] = message
+        return []
+
+    def _apply_step(self, batch: StepOutputs) -> list[RequestOutput]:
+        self._worker_stats[batch.dp_rank] = batch.stats
+        self.router.report_kv(batch.dp_rank, batch.stats.kv_blocks_free, batch.stats.kv_blocks_total)
+        live = [d for d in batch.deltas if d.request_id in self.outputs]  # not aborted or stopped meanwhile
+        for delta in live:
+            self._generation_tokens += len(delta.new_token_ids)
+            self.router.grow(delta.request_id, len(delta.new_token_ids))
+        processed = self.outputs.process(live)
+        for request_id in processed.stopped:  # a stop string ended it here: the ranks free its blocks
+            self._control.broadcast(AbortRequest(request_id=request_id))
+        for output in processed.outputs:
+            if output.finished:
+                self.router.release(output.request_id)
+        return processed.outputs
 
     def _describe_lost_rank(self, rank: int) -> str:
         process = self._processes.get(rank)
@@ -254,8 +294,7 @@ class MultiprocessEngine:
             message = received[1]
             if isinstance(message, WorkerFailed):
                 self._die(self._root_cause(message), message.traceback)
-            if isinstance(message, StepOutputs):
-                self._stashed.append(message)
+            self._undelivered.extend(self._handle(message))
 
     def _die(self, reason: str, detail: str = ""):
         if self._dead is None:
@@ -300,48 +339,31 @@ class MultiprocessEngine:
         """Outputs the workers produced since the last call; waits briefly for at least one."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        batches = self._stashed
-        self._stashed = []
-        if not batches and self.outputs.requests:
-            message = self._next_message(timeout=POLL_S)
-            while message is not None:
-                if isinstance(message, StepOutputs):
-                    batches.append(message)
-                message = self._next_message(timeout=0)
-        outputs = []
-        for batch in batches:
-            self._worker_stats[batch.dp_rank] = batch.stats
-            self.router.report_kv(batch.dp_rank, batch.stats.kv_blocks_free, batch.stats.kv_blocks_total)
-            live = [d for d in batch.deltas if d.request_id in self.outputs]  # not aborted or stopped meanwhile
-            for delta in live:
-                self._generation_tokens += len(delta.new_token_ids)
-                self.router.grow(delta.request_id, len(delta.new_token_ids))
-            processed = self.outputs.process(live)
-            for request_id in processed.stopped:  # a stop string ended it here: the ranks free its blocks
-                self._control.broadcast(AbortRequest(request_id=request_id))
-            for output in processed.outputs:
-                if output.finished:
-                    self.router.release(output.request_id)
-            outputs.extend(processed.outputs)
+        outputs, self._undelivered = self._undelivered, []
+        if outputs or not self.outputs.requests:
+            return outputs
+        message = self._next_message(timeout=STEP_WAIT_S)  # returns as soon as a rank reports
+        while message is not None:
+            outputs.extend(self._handle(message))
+            message = self._next_message(timeout=0)
         return outputs
 
     def expert_load(self):
         """Expert-load counts summed over every rank (a lock-step command: all ranks join)."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        self._load_reports = {}
         self._control.broadcast(SnapshotExpertLoad())
         deadline = time.monotonic() + self.config.worker_timeout_s
-        stages: dict[int, object] = {}
-        while len(stages) < self.layout.pp:
+        while len(self._load_reports) < self.layout.pp:
             if time.monotonic() > deadline:
                 raise EngineDeadError("no expert-load report from every pipeline stage in time")
-            message = self._next_message(timeout=0.5)
-            if isinstance(message, ExpertLoadReport):
-                stages[message.stage] = (None if message.tables is None else
-                                         ExpertLoadSnapshot.from_dict(msgspec.structs.asdict(message.tables)))
-            if isinstance(message, StepOutputs):
-                self._stashed.append(message)
-        return merge_stage_snapshots([stages[s] for s in range(self.layout.pp)])
+            message = self._next_message(timeout=deadline - time.monotonic())
+            self._undelivered.extend(self._handle(message))
+        return self._merged_load_reports()
+
+    def _merged_load_reports(self):
+        return merge_stage_snapshots([self._load_reports[s] for s in range(self.layout.pp)])
 
     def rebalance_now(self, fail_on_rank: int | None = None) -> RebalanceEvent:
         """Plan from the recorded window and migrate now (all ranks, at one step boundary).
@@ -357,9 +379,8 @@ class MultiprocessEngine:
         while len(self._rebalance_events) == seen:
             if time.monotonic() > deadline:
                 raise EngineDeadError("no rebalance report from rank 0 in time")
-            message = self._next_message(timeout=0.5)
-            if isinstance(message, StepOutputs):
-                self._stashed.append(message)
+            message = self._next_message(timeout=deadline - time.monotonic())
+            self._undelivered.extend(self._handle(message))
         return self._rebalance_events[-1]
 
     def rebalance_events(self) -> list[RebalanceEvent]:
@@ -373,22 +394,112 @@ class MultiprocessEngine:
         return EngineStats(workers, self._prompt_tokens, self._generation_tokens)
 
     def _absorb_pending(self) -> None:
-        """Take in stats that arrived while nobody called step() (they are stashed for it too)."""
-        if self._dead is not None or self._control is None:
+        """Take in what arrived while nobody called step() (outputs are kept for it). Attached to a loop,
+        messages are taken in as they arrive instead."""
+        if self._dead is not None or self._control is None or self._loop_tasks:
             return
         message = self._next_message(timeout=0)
         while message is not None:
-            if isinstance(message, StepOutputs):
-                self._worker_stats[message.dp_rank] = message.stats
-                self._stashed.append(message)
+            self._undelivered.extend(self._handle(message))
             message = self._next_message(timeout=0)
 
     def health(self) -> EngineHealth:
+        if self._dead is not None:
+            return EngineHealth(False, self._dead)
+        for rank, process in self._processes.items():
+            if not process.is_alive():
+                return EngineHealth(False, f"worker rank {rank} died (exit code {process.exitcode})")
+        return EngineHealth(True)
+
+    # ---- event-driven use: AsyncEngine attaches the engine to its asyncio loop ----------------------
+    def attach(self, on_outputs: Callable[[list[RequestOutput]], None], on_death: Callable[[str], None]) -> None:
+        """From now on the running loop takes in each rank message as it arrives (no thread, no polling):
+        outputs go to `on_outputs`, and a failed or dead rank to `on_death(reason)` once. The blocking
+        `step`, `expert_load` and `rebalance_now` must not be used after this: use the `_async` ones."""
+        loop = asyncio.get_running_loop()
+        self._control.attach_to_loop()
+        self._loop_tasks = [loop.create_task(self._take_messages(on_outputs, on_death)),
+                            loop.create_task(self._watch_ranks(on_death))]
+
+    async def _take_messages(self, on_outputs, on_death) -> None:
+        try:
+            while self._dead is None:
+                _, message = await self._control.receive_async()
+                if isinstance(message, WorkerFailed):
+                    await asyncio.to_thread(self._stop_after_failure, message)
+                    break
+                outputs = self._handle(message)
+                if outputs:
+                    on_outputs(outputs)
+        except RankDisconnected:
+            return  # _watch_ranks names the rank
+        except Exception as exc:  # noqa: BLE001 - the front cannot go on without its ranks' messages
+            logger.exception("control-plane reader failed")
+            self._stop_after(f"the front lost its control plane: {exc}")
+        self._fail_waiters()
+        on_death(self._dead)
+
+    async def _watch_ranks(self, on_death) -> None:
+        """Wake when a local rank process exits or any rank's connection closes; then stop the job."""
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future = loop.create_future()
+        for rank, process in self._processes.items():
+            loop.add_reader(process.sentinel, lambda r=rank: exited.done() or exited.set_result(r))
+        disconnected = loop.create_task(self._control.wait_for_disconnect())
+        try:
+            await asyncio.wait([exited, disconnected], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for process in self._processes.values():
+                loop.remove_reader(process.sentinel)
+            disconnected.cancel()
+        rank = exited.result() if exited.done() else disconnected.result()
+        await asyncio.sleep(DEATH_REPORT_GRACE_S)  # a rank that raised sends WorkerFailed just before exiting
         if self._dead is None:
-            for rank, process in self._processes.items():
-                if not process.is_alive():
-                    self._dead = f"worker rank {rank} died (exit code {process.exitcode})"
-        return EngineHealth(self._dead is None, self._dead or "ok")
+            await asyncio.to_thread(self._stop_after, self._describe_lost_rank(rank))
+            self._fail_waiters()
+            on_death(self._dead)
+
+    def _stop_after_failure(self, failed: WorkerFailed) -> None:
+        self._stop_after(self._root_cause(failed), failed.traceback)
+
+    def _stop_after(self, reason: str, detail: str = "") -> None:
+        try:
+            self._die(reason, detail)
+        except EngineDeadError:
+            pass
+
+    def _fail_waiters(self) -> None:
+        for waiter in (self._load_waiter, self._rebalance_waiter):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(EngineDeadError(self._dead or "the engine stopped"))
+
+    async def expert_load_async(self):
+        """`expert_load()` on the loop: the lock-step snapshot command, awaited."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._load_waiter is not None and not self._load_waiter.done():
+            await asyncio.shield(self._load_waiter)  # one snapshot in flight serves every caller
+            return self._merged_load_reports()
+        self._load_reports = {}
+        self._load_waiter = asyncio.get_running_loop().create_future()
+        self._control.broadcast(SnapshotExpertLoad())
+        await asyncio.wait_for(asyncio.shield(self._load_waiter), self.config.worker_timeout_s)
+        return self._merged_load_reports()
+
+    async def rebalance_now_async(self, fail_on_rank: int | None = None) -> RebalanceEvent:
+        """`rebalance_now()` on the loop."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._rebalance_waiter is not None and not self._rebalance_waiter.done():
+            return await asyncio.shield(self._rebalance_waiter)
+        self._rebalance_waiter = asyncio.get_running_loop().create_future()
+        self._control.broadcast(RebalanceNow(fail_on_rank=fail_on_rank))
+        return await asyncio.wait_for(asyncio.shield(self._rebalance_waiter), self.config.worker_timeout_s)
+
+    def detach(self) -> None:
+        """Stop taking messages on the loop (before shutting down)."""
+        for task in self._loop_tasks:
+            task.cancel()
 
     def resident_expert_bytes(self) -> dict[int, tuple[int, int]]:
         return {rank: (r.expert_bytes, r.total_expert_bytes) for rank, r in self.ready.items()}

@@ -36,8 +36,6 @@ from server.sse import EventStreamResponse, sse_stream
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.25
-
 
 @dataclass(frozen=True)
 class Mount:
@@ -181,10 +179,13 @@ def status_label(http_status: int) -> str:
 
 
 async def abort_on_disconnect(request: Request, generation: Generation) -> None:
-    """A plain (non-streamed) request whose client left is aborted: nobody will read its answer."""
-    while not generation.finished:
-        await asyncio.sleep(DISCONNECT_POLL_S)
-        if await request.is_disconnected():
-            logger.info("client of %s disconnected; aborting", generation.request_id)
-            generation.close()
-            return
+    """A plain (non-streamed) request whose client left is aborted: nobody will read its answer.
+
+    The body has been read, so the server's next ASGI message for this request is the disconnect:
+    wait for it (no polling); the response finishing first cancels this watcher.
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    if not generation.finished:
+        logger.info("client of %s disconnected; aborting", generation.request_id)
+        generation.close()

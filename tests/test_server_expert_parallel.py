@@ -1,6 +1,8 @@
 """The real `moe-serve --ep 2 --dp-attn 2` on a tiny MoE checkpoint, driven with the openai client:
 greedy answers equal the one-rank `LLM` API's, concurrent clients land on both DP workers, a
 disconnected stream frees its KV blocks, and the expert load is served."""
+import json
+import socket
 import threading
 import time
 
@@ -105,3 +107,26 @@ def test_disconnect_frees_kv_blocks_on_every_worker(server):
             break
         assert time.monotonic() < deadline, f"KV blocks not released: {[now[n] for n in free]} vs start"
         time.sleep(0.1)
+
+
+def _kv_free(server) -> float:
+    samples = metrics(server.base_url)
+    return sum(samples[f'moe_kv_blocks_free{{dp_rank="{dp}"}}'] for dp in (0, 1))
+
+
+def test_a_plain_request_whose_client_leaves_is_aborted(server):
+    """Not streamed: the front notices the disconnect (the ASGI disconnect message) and frees the KV blocks."""
+    start = _kv_free(server)
+    body = json.dumps({"model": MODEL, "prompt": list(range(10, 60)), "max_tokens": 400, "ignore_eos": True})
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 10
+        while _kv_free(server) == start:
+            assert time.monotonic() < deadline, "the request never took KV blocks"
+            time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while _kv_free(server) != start:
+        assert time.monotonic() < deadline, "KV blocks not released after the client left"
+        time.sleep(0.05)

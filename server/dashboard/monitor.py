@@ -1,7 +1,7 @@
 """What the dashboard shows, gathered from the `AsyncEngine`'s thread-safe views.
 
 `DashboardMonitor` lives on the event loop (every method is called from it): it never touches the
-engine itself, only the `AsyncEngine`'s snapshots and its `call` command for `rebalance_now`.
+engine itself, only the `AsyncEngine`'s snapshots and its `rebalance_now`.
 """
 from __future__ import annotations
 
@@ -117,8 +117,7 @@ class DashboardMonitor:
             raise APIError(501, f"rebalancing is not available: {reason}", "not_implemented_error", None,
                            "rebalance_unavailable")
         try:
-            event = await self.async_engine.call(lambda engine: engine.rebalance_now(),
-                                                 self.config.rebalance_timeout_s)
+            event = await self.async_engine.rebalance_now(self.config.rebalance_timeout_s)
         except NotImplementedError as exc:
             self._rebalance_unsupported = f"the engine does not implement rebalance_now(): {exc}"
             raise APIError(501, self._rebalance_unsupported, "not_implemented_error", None,
