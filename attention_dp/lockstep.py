@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 
 import torch
 import torch.distributed as dist
@@ -109,4 +110,4 @@ class LockstepLoop:
                 self.results.put(RebalanceReport(outcome=outcome, index=self.rebalancer.count - 1))
         if self.reports_outputs and batch is not None:
             self.results.put(StepOutputs(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank, deltas=deltas,
-                                         stats=self.core.worker_stats()))
+                                         stats=self.core.worker_stats(), sent_at=time.time()))

@@ -94,6 +94,7 @@ class StepOutputs(Message):
     dp_rank: int
     deltas: list[TokenDelta]
     stats: WorkerStats
+    sent_at: float = 0.0       # the rank's wall clock when it sent these (the front's latency accounting)
 
 
 class ExpertLoadTables(msgspec.Struct, kw_only=True):

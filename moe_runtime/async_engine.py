@@ -61,6 +61,8 @@ class AsyncEngineConfig:
     idle_poll_s: float = 0.1             # how often an idle engine thread checks health and commands
     expert_load_refresh_s: float = 1.0   # how often the expert-load snapshot is refreshed while wanted
     expert_load_interest_s: float = 30.0 # refresh only while someone asked for it this recently
+    event_driven: bool | None = None     # None: when the engine can be (ranks elsewhere); False forces the
+                                         # engine thread (the design before the event-driven front; benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
@@ -73,7 +75,8 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
     if later.new_logprobs is not None:
         new_logprobs = (earlier.new_logprobs or []) + later.new_logprobs
     return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
-                               new_text=earlier.new_text + later.new_text, new_logprobs=new_logprobs)
+                               new_text=earlier.new_text + later.new_text, new_logprobs=new_logprobs,
+                               sampled_at=earlier.sampled_at or later.sampled_at)  # the oldest token's
 
 
 class RequestStream:
@@ -168,7 +171,7 @@ class AsyncEngine:
         self._expert_load_wanted_at = float("-inf")   # a plain float store from the loop thread
         self._thread: threading.Thread | None = None
         self._stop_requested = False           # set by begin_shutdown (a plain store: signal-safe)
-        self._event_driven = isinstance(engine, EventDrivenEngine)
+        self._event_driven = isinstance(engine, EventDrivenEngine) and config.event_driven is not False
         self._loop: asyncio.AbstractEventLoop | None = None   # event-driven: the loop it is attached to
         self._load_refresh: asyncio.Task | None = None
 

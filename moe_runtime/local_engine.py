@@ -7,6 +7,8 @@ as `MultiprocessEngine` does for ranks in other processes.
 """
 from __future__ import annotations
 
+import time
+
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_core import EngineCore
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, RebalanceEvent
@@ -41,9 +43,13 @@ class LocalEngine:
         return self.core.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        processed = self.outputs.process(self.core.step())
+        deltas = self.core.step()
+        sampled_at = time.time()
+        processed = self.outputs.process(deltas)
         for request_id in processed.stopped:
             self.core.abort(request_id)
+        for output in processed.outputs:
+            output.sampled_at = sampled_at
         return processed.outputs
 
     def stats(self) -> EngineStats:

@@ -253,6 +253,7 @@ class MultiprocessEngine:
         for request_id in processed.stopped:  # a stop string ended it here: the ranks free its blocks
             self._control.broadcast(AbortRequest(request_id=request_id))
         for output in processed.outputs:
+            output.sampled_at = batch.sent_at
             if output.finished:
                 self.router.release(output.request_id)
         return processed.outputs

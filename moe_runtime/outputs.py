@@ -43,6 +43,7 @@ class RequestOutput:
     error: str | None = None                  # why the engine failed this request (finish_reason "error")
     new_logprobs: list[TokenLogprob] | None = None           # logprobs of new_token_ids
     new_text: str = ""                                       # text added since the previous output
+    sampled_at: float | None = None           # wall clock when the engine had sampled this output's tokens
 
 
 def error_message(exc: BaseException, limit: int = 200) -> str:
