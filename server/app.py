@@ -126,7 +126,9 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return PlainTextResponse(metrics.render(async_engine), media_type=CONTENT_TYPE)
+        """Request metrics and the engine's state, with the same fresh expert load /v1/expert_load serves."""
+        expert_load = await async_engine.fresh_expert_load()   # the cached snapshot can be 30 s old
+        return PlainTextResponse(metrics.render(async_engine, expert_load), media_type=CONTENT_TYPE)
 
     @v1.get("/expert_load")
     async def expert_load() -> Response:

@@ -1,8 +1,9 @@
 """OpenAI-style error bodies (`{"error": {"message", "type", "param", "code"}}`) and the app's handlers.
 
 What a client is told is meant for the client: a 4xx names the parameter at fault; a 5xx says only
-what failed (the engine is unavailable, an internal error). Internal details (exception reprs, source
-paths, ranks' addresses and ports, tracebacks) go to the server log, never into a response.
+what failed (the engine is unavailable, it failed this request, an internal error). Internal details
+(exception reprs, source paths, ranks' addresses and ports, tracebacks) go to the server log, never
+into a response.
 """
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe_runtime.async_engine import QueueFullError
+from moe_runtime.async_engine import QueueFullError, RequestFailedError
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 INTERNAL_ERROR_MESSAGE = "internal error (see the server log)"
 ENGINE_UNAVAILABLE_MESSAGE = "the engine is unavailable"
+REQUEST_FAILED_MESSAGE = "the engine failed this request"
 MAX_ECHOED_CHARS = 120   # a client's own value quoted back in a 400, shortened beyond this
 
 
@@ -62,6 +64,10 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         logger.warning("request refused, the engine is unavailable: %s", exc)
         return engine_unavailable()
+    if isinstance(exc, RequestFailedError):
+        # the engine caught and described the failure, and serves the other requests on: no traceback
+        logger.warning("%s", exc)
+        return APIError(500, REQUEST_FAILED_MESSAGE, "internal_server_error", None, "request_failed")
     logger.error("unexpected error while serving a request", exc_info=exc)
     return APIError(500, INTERNAL_ERROR_MESSAGE, "internal_server_error", None, "internal_error")
 
