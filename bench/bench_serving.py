@@ -112,7 +112,7 @@ def make_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 class Server:
     def __init__(self, model: str, device: str, max_num_seqs: int, threads: int | None, timeout_s: float = 300.0):
-        command = [sys.executable, "-m", "moe_runtime.cli", "--model", model, "--device", device, "--port", "0",
+        command = [sys.executable, "-m", "server.cli", "--model", model, "--device", device, "--port", "0",
                    "--max-num-seqs", str(max_num_seqs), "--max-queue", "4096", "--log-level", "warning"]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if threads:

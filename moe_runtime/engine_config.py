@@ -5,7 +5,13 @@ from dataclasses import dataclass
 
 import torch
 
+from attention_dp.control_key import ControlKey
 from moe_runtime.errors import InvalidRequestError
+
+
+class EngineConfigError(InvalidRequestError):
+    """A setting (or a combination of settings) the engine cannot run with; the message names the flag."""
+
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -45,6 +51,40 @@ class EngineConfig:
     control_key_file: str | None = None  # shared control secret of multi-node / external-worker jobs
                                          # (default: $MOE_RUNTIME_CONTROL_KEY); one node: a fresh one per launch
     worker_timeout_s: float = 600.0      # a collective stuck this long is a dead job
+
+    def validate(self) -> None:
+        """Refuse a configuration that cannot run before anything is loaded or started.
+
+        Messages name the `moe-serve` flag (`--dp-attn`); the `LLM` keyword is the same name with
+        underscores. Checks that need the checkpoint (layouts the model admits) come later, in
+        `ParallelLayout.validate`.
+        """
+        if self.node_rank >= self.nnodes:
+            raise EngineConfigError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
+        if self.ep % self.dp_attn:
+            raise EngineConfigError(f"--dp-attn {self.dp_attn} must divide --ep {self.ep} (each DP attention worker "
+                                    f"spans ep / dp_attn ranks)")
+        if self.nnodes > 1 and self.master_port is None:
+            raise EngineConfigError(f"--nnodes {self.nnodes} needs --master-port "
+                                    "(every node must meet at the same one)")
+        if self.ep == 1 and self.num_redundant_experts:
+            raise EngineConfigError(f"--num-redundant-experts {self.num_redundant_experts} needs --ep > 1 "
+                                    "(redundant copies spread load over ranks; one rank has nothing to spread)")
+        if self.ep == 1 and self.eplb_interval:
+            raise EngineConfigError(f"--eplb-interval {self.eplb_interval} needs --ep > 1 "
+                                    "(one rank has nothing to rebalance)")
+        if self.ep == 1 and self.a2a_backend not in ("auto", "local"):
+            raise EngineConfigError(f"--a2a-backend {self.a2a_backend} needs --ep > 1; with one rank it is 'local'")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise EngineConfigError("--device cuda: no CUDA device is visible to this process "
+                                    "(use --device cpu, or auto)")
+        if self.ranks_start_elsewhere:
+            ControlKey.shared(self.control_key_file)  # refuse now, without a shared key, rather than after loading
+
+    @property
+    def ranks_start_elsewhere(self) -> bool:
+        """Ranks on other nodes or from torchrun: they prove the shared control key to join."""
+        return self.nnodes > 1 or not self.launch_workers
 
     def layout(self):
         from moe_runtime.parallel_layout import ParallelLayout

@@ -12,18 +12,19 @@ import time
 
 from attention_dp.control_key import ControlKey
 from attention_dp.control_plane import ControlAddress
+from moe_runtime.engine_config import EngineConfig
+from moe_runtime.multiprocess_engine import main_module_hidden, worker_context
+from moe_runtime.worker import worker_main
 
 logger = logging.getLogger(__name__)
 
 
-def run_worker_node(world_size: int, nnodes: int, node_rank: int, master_addr: str, control_port: int,
-                    key: ControlKey) -> int:
-    from moe_runtime.multiprocess_engine import main_module_hidden, worker_context
-    from moe_runtime.worker import worker_main
-
-    ranks_per_node = world_size // nnodes
-    first = node_rank * ranks_per_node
-    address = ControlAddress(master_addr, control_port, key)
+def run_worker_node(config: EngineConfig) -> int:
+    """Start this node's ranks of `config`'s layout and wait for them; 0 once all exited cleanly."""
+    control_port = config.control_port or config.master_port + 1   # as the front picks it (multi-node)
+    address = ControlAddress(config.master_addr, control_port, ControlKey.shared(config.control_key_file))
+    ranks_per_node = config.world_size // config.nnodes
+    first = config.node_rank * ranks_per_node
     context = worker_context()
     processes: list[mp.Process] = []
     for rank in range(first, first + ranks_per_node):
@@ -31,8 +32,8 @@ def run_worker_node(world_size: int, nnodes: int, node_rank: int, master_addr: s
         with main_module_hidden():
             process.start()
         processes.append(process)
-    logger.info("node %d: started ranks %d..%d, front at %s:%d", node_rank, first, first + ranks_per_node - 1,
-                master_addr, control_port)
+    logger.info("node %d: started ranks %d..%d, front at %s:%d", config.node_rank, first, first + ranks_per_node - 1,
+                config.master_addr, control_port)
     try:
         while any(p.is_alive() for p in processes):
             failed = [p for p in processes if p.exitcode not in (None, 0)]

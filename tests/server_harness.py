@@ -1,6 +1,6 @@
 """Server test harness: the real `moe-serve` in a subprocess, and fake engines for in-process app tests.
 
-`ServerProcess` starts `python -m moe_runtime.cli` on a free loopback port (`--port 0`; the
+`ServerProcess` starts `python -m server.cli` on a free loopback port (`--port 0`; the
 launcher prints the port it got), waits for /health to answer 200, and stops it with SIGTERM
 (SIGKILL if it hangs), reporting the exit code so a test can hold the shutdown to account.
 
@@ -53,7 +53,7 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(self.env or {}))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "moe_runtime.cli", "--host", "127.0.0.1", "--port", "0", *self.args]
+        command = [sys.executable, "-m", "server.cli", "--host", "127.0.0.1", "--port", "0", *self.args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=env, cwd=REPO_ROOT)
         self._reader = threading.Thread(target=self._read_output, daemon=True)

@@ -23,7 +23,7 @@ from attention_dp.control_key import CONTROL_KEY_ENV, ControlKey, ControlKeyErro
 from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected, WorkerControl
 from attention_dp.messages import Hello, MessageCodec, Shutdown, WorkerSetup
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.cli import main as moe_serve_main
+from server.cli import main as moe_serve_main
 from moe_runtime.engine_config import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,6 @@
-"""moe-serve flags: sizes, validation with clear messages, the EngineConfig mapping, --help."""
+"""moe-serve flags: sizes, validation with clear messages, the ServerConfig / EngineConfig mapping, --help."""
 import argparse
+import dataclasses
 import os
 import socket
 import subprocess
@@ -9,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_runtime.cli import ServeConfig, ServeConfigError, bind_socket, build_parser, main, parse_size
+from moe_runtime.engine_config import EngineConfig, EngineConfigError
+from server.cli import build_parser, engine_config_from_args, main, server_config_from_args
+from server.flag_types import parse_size
+from server.listen_socket import bind_socket
+from server.server_config import ServerConfig, ServerConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,9 +38,9 @@ def test_flags_map_onto_engine_config(tmp_path):
         "--model", str(tmp_path), "--device", "cpu", "--dtype", "bf16", "--max-num-seqs", "7",
         "--max-model-len", "300", "--kv-cache-memory", "64M", "--block-size", "8", "--max-queue", "3",
         "--api-key", "k", "--port", "0"])
-    config = ServeConfig.from_args(args)
+    config, engine_config = server_config_from_args(args), engine_config_from_args(args)
     config.validate()
-    engine_config = config.engine_config(str(tmp_path))
+    engine_config.validate()
     assert (engine_config.device, engine_config.dtype, engine_config.max_num_seqs) == ("cpu", "bf16", 7)
     assert (engine_config.max_model_len, engine_config.kv_cache_memory, engine_config.block_size) == (300, 64 * 2**20, 8)
     assert (config.max_queue, config.api_key, config.port, config.host) == (3, "k", 0, "127.0.0.1")
@@ -49,31 +54,38 @@ def test_flags_map_onto_engine_config(tmp_path):
     (["--a2a-backend", "all_to_all"], "--a2a-backend all_to_all needs --ep > 1"),
     (["--dp-attn", "3", "--ep", "4"], "--dp-attn 3 must divide --ep 4"),
     (["--nnodes", "2", "--ep", "4"], "--nnodes 2 needs --master-port"),
-    (["--model", "/no/such/dir"], "--model /no/such/dir: no such checkpoint directory"),
 ])
-def test_bad_flag_combinations_name_the_flag(flags, message):
-    config = ServeConfig.from_args(build_parser().parse_args(flags))
-    with pytest.raises(ServeConfigError, match=message.replace("+", r"\+").replace("/", "/")):
+def test_bad_engine_flag_combinations_name_the_flag(flags, message):
+    engine_config = engine_config_from_args(build_parser().parse_args(flags))
+    with pytest.raises(EngineConfigError, match=message.replace("+", r"\+")):
+        engine_config.validate()
+
+
+def test_missing_model_directory_names_the_flag():
+    config = server_config_from_args(build_parser().parse_args(["--model", "/no/such/dir"]))
+    with pytest.raises(ServerConfigError, match="--model /no/such/dir: no such checkpoint directory"):
         config.validate()
 
 
-def test_layout_flags_the_engine_has_no_field_for_are_refused_by_name(tmp_path, monkeypatch):
-    import moe_runtime.cli as cli
+def test_every_flag_is_a_field_of_exactly_one_config():
+    """No setting is written twice: each flag lands in ServerConfig or EngineConfig, with that field's default
+    (EngineConfig.model is the resolved --model, set at launch)."""
+    server_fields = {f.name: f for f in dataclasses.fields(ServerConfig)}
+    engine_fields = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    assert not server_fields.keys() & engine_fields.keys()
+    defaults = vars(build_parser().parse_args([]))
+    for name, value in defaults.items():
+        owner = server_fields.get(name) or engine_fields.get(name)
+        assert owner is not None, f"flag destination {name!r} is no config field"
+        assert value == owner.default, name
+    assert server_fields.keys() <= defaults.keys()
 
-    monkeypatch.setattr(cli, "LAYOUT_FIELDS", cli.LAYOUT_FIELDS + ("future_knob",))
-    monkeypatch.setattr(cli.ServeConfig, "future_knob", 0, raising=False)
-    config = ServeConfig.from_args(build_parser().parse_args(["--ep", "2"]))
-    config.future_knob = 3
-    with pytest.raises(ServeConfigError, match="--future-knob 3: not available yet"):
-        config.engine_config(str(tmp_path))
 
-
-def test_expert_parallel_flags_reach_the_engine_config(tmp_path):
-    config = ServeConfig.from_args(build_parser().parse_args(
+def test_expert_parallel_flags_reach_the_engine_config():
+    engine_config = engine_config_from_args(build_parser().parse_args(
         ["--ep", "4", "--dp-attn", "2", "--a2a-backend", "allgather", "--num-redundant-experts", "4",
          "--master-port", "29555"]))
-    config.validate()
-    engine_config = config.engine_config(str(tmp_path))
+    engine_config.validate()
     assert engine_config.world_size == 4 and (engine_config.ep, engine_config.dp_attn) == (4, 2)
     assert (engine_config.a2a_backend, engine_config.num_redundant_experts, engine_config.master_port) == \
         ("allgather", 4, 29555)
@@ -91,9 +103,9 @@ def test_out_of_range_flags_exit_with_usage_error(flags, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_gpu_is_a_clear_error():
-    config = ServeConfig.from_args(build_parser().parse_args(["--device", "cuda"]))
-    with pytest.raises(ServeConfigError, match="--device cuda: no CUDA device"):
-        config.validate()
+    engine_config = engine_config_from_args(build_parser().parse_args(["--device", "cuda"]))
+    with pytest.raises(EngineConfigError, match="--device cuda: no CUDA device"):
+        engine_config.validate()
 
 
 def test_main_reports_config_errors_without_a_traceback(capsys):
@@ -109,13 +121,13 @@ def test_taken_port_is_a_clear_error():
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        with pytest.raises(ServeConfigError, match=f"--port {port}: cannot listen there"):
+        with pytest.raises(ServerConfigError, match=f"--port {port}: cannot listen there"):
             bind_socket("127.0.0.1", port).close()
 
 
 def test_help_runs_as_a_module():
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    result = subprocess.run([sys.executable, "-m", "moe_runtime.cli", "--help"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True,
                             env=env, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
     for flag in ("--model", "--dp-attn", "--ep", "--kv-cache-memory", "--max-queue", "--api-key", "--master-port"):

@@ -17,9 +17,11 @@ import httpx
 import pytest
 from server_harness import FakeEngine, serve_in_process
 
-from moe_runtime.cli import ServeConfig, build_parser
 from server import build_app
+from server.cli import build_parser, server_config_from_args
 from server.dashboard import dashboard_router
+from server.exposure import warn_if_exposed
+from server.server_config import ServerConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,9 +146,9 @@ def test_max_request_bytes_sets_the_limit():
     assert beyond.status_code == 413 and "1 KiB" in beyond.json()["error"]["message"]
 
 
-def test_max_request_bytes_flag_reaches_the_serve_config():
-    assert ServeConfig().max_request_bytes == 4 * 2**20
-    config = ServeConfig.from_args(build_parser().parse_args(["--max-request-bytes", "1M"]))
+def test_max_request_bytes_flag_reaches_the_server_config():
+    assert ServerConfig().max_request_bytes == 4 * 2**20
+    config = server_config_from_args(build_parser().parse_args(["--max-request-bytes", "1M"]))
     assert config.max_request_bytes == 2**20
 
 
@@ -227,14 +229,12 @@ def test_every_route_but_health_and_metrics_needs_the_key():
 
 
 def test_warns_when_listening_beyond_loopback_without_an_api_key(caplog):
-    from moe_runtime.cli import warn_if_exposed
-
     cases = [("0.0.0.0", None, True), ("::", None, True), ("192.168.1.5", None, True), ("example.org", None, True),
              ("0.0.0.0", "k", False), ("127.0.0.1", None, False), ("::1", None, False), ("localhost", None, False)]
     for host, api_key, warns in cases:
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="moe_runtime.cli"):
-            warn_if_exposed(ServeConfig(host=host, api_key=api_key))
+        with caplog.at_level(logging.WARNING, logger="server.exposure"):
+            warn_if_exposed(ServerConfig(host=host, api_key=api_key))
         warned = [r for r in caplog.records if r.levelno == logging.WARNING and "--api-key" in r.getMessage()]
         assert bool(warned) == warns, (host, api_key, caplog.text)
 

@@ -1,0 +1,137 @@
+"""`moe-serve`: load a model and serve the OpenAI-compatible HTTP API.
+
+    moe-serve                                   # the embedded demo model on 127.0.0.1:8000
+    moe-serve --model /path/to/hf-checkpoint --port 8080 --api-key secret
+    moe-serve --dp-attn 8 --ep 8 ...            # multi-process expert parallel
+    moe-serve ... --nnodes 2 --node-rank 1 ...  # another node's ranks (moe_runtime.node_launcher)
+
+`python -m server.cli --help` lists every flag. Each flag's destination is the name of a field of
+exactly one of `ServerConfig` (HTTP, model choice) and `EngineConfig` (the engine), and its default
+is that field's default; the parser's values become the two configs by name.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from attention_dp.control_key import CONTROL_KEY_ENV
+from dispatch.config import BACKENDS
+from moe_runtime.engine_config import DTYPES, EngineConfig
+from moe_runtime.errors import MoERuntimeError
+from moe_runtime.node_launcher import run_worker_node
+from server.flag_types import non_negative_int, parse_size, positive_int, tcp_port
+from server.serve import serve
+from server.server_config import DEMO_SERVED_NAME, ServerConfig
+
+UNRESOLVED_MODEL = ""   # EngineConfig.model until `--model` (or the demo) is resolved, at launch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moe-serve",
+        description="Serve a Mixture-of-Experts model over an OpenAI-compatible HTTP API "
+                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /v1/expert_load).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    e = EngineConfig(model=UNRESOLVED_MODEL)   # the defaults of the engine flags
+    s = ServerConfig()                          # ... and of the server's
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=s.model,
+                   help="HF checkpoint directory (config.json, safetensors, tokenizer); "
+                        "default: the embedded demo model, built into the cache on first use")
+    g.add_argument("--served-model-name", default=s.served_model_name,
+                   help="model name clients use; default: the checkpoint directory's name "
+                        f"('{DEMO_SERVED_NAME}' for the demo)")
+    g.add_argument("--dtype", default=e.dtype, choices=["auto", *sorted(DTYPES)],
+                   help="weight/activation dtype; auto = the checkpoint's")
+    g.add_argument("--device", default=e.device, choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
+    g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "reference"],
+                   help="MoE/attention kernel implementation")
+
+    g = p.add_argument_group("scheduling and memory")
+    g.add_argument("--max-num-seqs", type=positive_int, default=e.max_num_seqs,
+                   help="requests in one batch per DP worker")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=e.max_num_batched_tokens,
+                   help="prompt tokens in one prefill batch")
+    g.add_argument("--max-model-len", type=positive_int, default=e.max_model_len,
+                   help="context length (prompt + output); default: the model's max_position_embeddings")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=e.kv_cache_memory,
+                   help="KV cache per DP worker: bytes or a size such as 512M, 2G")
+    g.add_argument("--block-size", type=positive_int, default=e.block_size, help="tokens per KV cache block")
+    g.add_argument("--max-queue", type=positive_int, default=s.max_queue,
+                   help="requests that may wait for their first token; more get HTTP 429 with Retry-After")
+
+    g = p.add_argument_group("parallelism (more than 1 starts one worker process per rank)")
+    g.add_argument("--dp-attn", type=positive_int, default=e.dp_attn, help="data-parallel attention workers")
+    g.add_argument("--ep", type=positive_int, default=e.ep, help="expert-parallel ranks")
+    g.add_argument("--tp", type=positive_int, default=e.tp, help="tensor-parallel size")
+    g.add_argument("--pp", type=positive_int, default=e.pp, help="pipeline-parallel stages")
+    g.add_argument("--a2a-backend", default=e.a2a_backend, choices=BACKENDS,
+                   help="token dispatch/combine backend between expert-parallel ranks")
+    g.add_argument("--num-redundant-experts", type=non_negative_int, default=e.num_redundant_experts,
+                   help="extra expert slots per MoE layer for replicas of hot experts")
+    g.add_argument("--eplb-interval", type=non_negative_int, default=e.eplb_interval,
+                   help="engine steps between expert rebalances; 0 = never")
+    g.add_argument("--nnodes", type=positive_int, default=e.nnodes, help="nodes in the job")
+    g.add_argument("--node-rank", type=non_negative_int, default=e.node_rank, help="this node's rank")
+    g.add_argument("--master-addr", default=e.master_addr, help="rendezvous address (torch.distributed env://)")
+    g.add_argument("--master-port", type=tcp_port, default=e.master_port,
+                   help="rendezvous port; default: a free one (single node only)")
+    g.add_argument("--control-port", type=tcp_port, default=e.control_port,
+                   help="port where the front (node 0) takes its ranks' connections; default: master port + 1")
+    g.add_argument("--external-workers", dest="launch_workers", action="store_false",
+                   help="start no worker here: every rank is started elsewhere, e.g. by torchrun running "
+                        "'python -m moe_runtime.worker --control-addr A --control-port C'")
+    g.add_argument("--control-key-file", default=e.control_key_file,
+                   help="file holding the secret that ranks of a multi-node or --external-workers job share "
+                        f"(default: ${CONTROL_KEY_ENV}; one node: a fresh secret per launch)")
+
+    g = p.add_argument_group("HTTP")
+    g.add_argument("--host", default=s.host, help="address to listen on (0.0.0.0 for every interface)")
+    g.add_argument("--port", type=tcp_port, default=s.port, help="port to listen on; 0 picks a free one")
+    g.add_argument("--api-key", default=s.api_key,
+                   help="require 'Authorization: Bearer <key>' on every route but /health and /metrics "
+                        "(a browser opening /dashboard or /docs asks for it as the password)")
+    g.add_argument("--max-request-bytes", type=parse_size, default=s.max_request_bytes,
+                   help="largest request body accepted, e.g. 4M; larger ones get HTTP 413")
+    g.add_argument("--log-level", default=s.log_level, choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**_values_of_fields(ServerConfig, args))
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine flags as an EngineConfig; `--model` is the server's choice, resolved at launch."""
+    values = _values_of_fields(EngineConfig, args)
+    values["model"] = UNRESOLVED_MODEL
+    return EngineConfig(**values)
+
+
+def _values_of_fields(config_class, args: argparse.Namespace) -> dict:
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return {name: value for name, value in vars(args).items() if name in names}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_config, engine_config = server_config_from_args(args), engine_config_from_args(args)
+    try:
+        if engine_config.node_rank > 0:   # another node's ranks: they get their configuration from the front
+            server_config.validate()
+            engine_config.validate()
+            return run_worker_node(engine_config)
+        return serve(server_config, engine_config)
+    except MoERuntimeError as exc:
+        parser.exit(2, f"moe-serve: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""`serve`: listen at once (503 while starting), build the engine in a thread, serve, shut down cleanly.
+
+Signals: uvicorn handles SIGINT/SIGTERM itself (graceful HTTP shutdown), then restores the previous
+handlers and raises the signal again. `serve` installs a SIGTERM handler that turns that second
+delivery into an exception, so the engine (and, multi-process, its workers) is always shut down
+instead of the process just dying.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Callable
+
+import uvicorn
+
+from moe_runtime.engine_config import EngineConfig
+from server.app import build_app
+from server.dashboard import dashboard_router
+from server.engine_launch import EngineLaunch
+from server.exposure import warn_if_exposed
+from server.listen_socket import bind_socket, socket_url
+from server.server_config import ServerConfig
+from server.startup_gate import StartupGate
+
+logger = logging.getLogger(__name__)
+
+DEAD_ENGINE_GRACE_S = 2.0
+
+
+def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    """Serve until a signal or a dead engine; the exit code (1: the engine died).
+
+    The start-up line `moe-serve: serving ...` is printed once the engine is ready; an engine that
+    fails to start stops the server and its error is raised.
+    """
+    server_config.validate()
+    engine_config.validate()
+    warn_if_exposed(server_config)
+    sock = bind_socket(server_config.host, server_config.port)  # fail on a taken port before loading anything
+    url = socket_url(sock)
+    gate = StartupGate()
+    launch = EngineLaunch(server_config, engine_config)
+    log_level = server_config.log_level
+    server = _Server(uvicorn.Config(gate, log_level=log_level, access_log=log_level == "debug",
+                                    timeout_graceful_shutdown=5, lifespan="off"),
+                     on_exit=launch.begin_shutdown)
+    exit_code = 0
+
+    async def announce_listening() -> None:
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.02)
+        if server.started:
+            print(f"moe-serve: listening on {url}; starting the engine (/health answers 503 until it is ready)\n",
+                  end="", flush=True)   # one write: log lines on stderr cannot land inside it
+
+    async def start_then_serve() -> None:
+        announcer = asyncio.create_task(announce_listening())
+        await asyncio.to_thread(launch.run)
+        await announcer
+        if launch.error is not None:
+            server.should_exit = True
+            return
+        api_key = server_config.api_key
+        gate.open(build_app(launch.async_engine, launch.served_name, api_key=api_key,
+                            extra_routers=[dashboard_router(api_key)],
+                            max_request_bytes=server_config.max_request_bytes))
+        if server.should_exit:
+            return
+        print(f"moe-serve: serving {launch.served_name!r} on {url} (Ctrl-C to stop)\n", end="", flush=True)
+        await stop_when_the_engine_dies()
+
+    async def stop_when_the_engine_dies() -> None:
+        """A dead rank makes the service useless: report it for a moment (/health 503, in-flight
+        requests end with 5xx errors), then exit non-zero so a supervisor restarts the whole job."""
+        nonlocal exit_code
+        while not server.should_exit:
+            health = launch.async_engine.health()
+            if not health.healthy:
+                logger.error("engine died (%s); exiting with code 1 in %.0fs", health.detail, DEAD_ENGINE_GRACE_S)
+                await asyncio.sleep(DEAD_ENGINE_GRACE_S)
+                exit_code = 1
+                server.should_exit = True
+                return
+            await asyncio.sleep(0.25)
+
+    async def run() -> None:
+        starting = asyncio.create_task(start_then_serve())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            starting.cancel()
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        asyncio.run(run())
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        launch.shutdown()
+        sock.close()
+        logger.info("stopped")
+    if launch.error is not None:
+        raise launch.error
+    return exit_code
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (after uvicorn's graceful shutdown)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that also tells the engine to stop when a signal arrives (in-flight requests end)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)

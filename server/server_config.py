@@ -1,0 +1,44 @@
+"""What `moe-serve` needs besides the engine's `EngineConfig`: the HTTP side and which model to serve."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_runtime.demo import ensure_demo_model
+from moe_runtime.errors import MoERuntimeError
+
+DEMO_SERVED_NAME = "moe-runtime-demo"
+
+
+class ServerConfigError(MoERuntimeError):
+    """A flag value `moe-serve` cannot run with (outside the engine's settings); the message names the flag."""
+
+
+@dataclass
+class ResolvedModel:
+    path: str           # the checkpoint directory the engine loads
+    served_name: str    # the model name clients use
+
+
+@dataclass
+class ServerConfig:
+    model: str | None = None              # checkpoint directory; None = the embedded demo model
+    served_model_name: str | None = None  # default: the checkpoint directory's name
+    host: str = "127.0.0.1"
+    port: int = 8000                      # 0 = a free one
+    api_key: str | None = None
+    max_request_bytes: int = 4 * 2**20    # larger request bodies get HTTP 413
+    max_queue: int = 512                  # requests waiting for their first token; more get HTTP 429
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ServerConfigError(f"--model {self.model}: no such checkpoint directory")
+
+    def resolve_model(self) -> ResolvedModel:
+        """The checkpoint to load and its served name; builds the demo model on first use (slow: call it
+        where the HTTP server already answers)."""
+        if self.model is None:
+            return ResolvedModel(str(ensure_demo_model()), self.served_model_name or DEMO_SERVED_NAME)
+        path = Path(self.model).expanduser().resolve()
+        return ResolvedModel(str(path), self.served_model_name or path.name)
