@@ -153,6 +153,11 @@ class FrontControl:
         self._async_socket = zmq.asyncio.Socket.from_socket(self._socket)
         self._async_monitor = zmq.asyncio.Socket.from_socket(self._monitor)
 
+    def detach_from_loop(self) -> None:
+        """Back to blocking use (the loop is done with the socket, or gone): e.g. to send Shutdown."""
+        self._async_socket = None
+        self._async_monitor = None
+
     async def receive_async(self) -> tuple[int, Message]:
         """The next (rank, message), awaited on the loop; Hellos are answered on the way."""
         while True:

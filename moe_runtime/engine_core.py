@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import get_kernels
 from moe_runtime.block_manager import BlockManager
 from moe_runtime.checkpoint import CheckpointReader
 from moe_runtime.engine_config import EngineConfig
@@ -73,8 +74,6 @@ def eos_token_ids(checkpoint_dir: Path, hf_config, tokenizer) -> set[int]:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None, executor_factory=None):
-        from kernels import get_kernels
-
         started = time.perf_counter()
         self.config = config
         self.checkpoint_dir = Path(config.model)

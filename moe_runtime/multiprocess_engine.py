@@ -189,6 +189,7 @@ class MultiprocessEngine:
     def shutdown(self) -> None:
         if not getattr(self, "_processes", None) and not getattr(self, "_control", None):
             return
+        self._control.detach_from_loop()  # the loop that used it may be gone: shut down with blocking sends
         if self._dead is None:
             try:
                 self._control.broadcast(Shutdown())
@@ -501,6 +502,8 @@ class MultiprocessEngine:
         """Stop taking messages on the loop (before shutting down)."""
         for task in self._loop_tasks:
             task.cancel()
+        if self._control is not None:
+            self._control.detach_from_loop()
 
     def resident_expert_bytes(self) -> dict[int, tuple[int, int]]:
         return {rank: (r.expert_bytes, r.total_expert_bytes) for rank, r in self.ready.items()}

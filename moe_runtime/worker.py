@@ -12,14 +12,17 @@ import traceback
 
 import torch
 
+from attention_dp.control_key import ControlKey, ControlKeyError
+from attention_dp.control_plane import ControlAddress, WorkerControl
+from attention_dp.lockstep import LockstepLoop
+from attention_dp.messages import Hello, WorkerFailed, WorkerReady
+from load_balancer.live_rebalancer import LiveRebalancer, RebalancePolicy
+
 logger = logging.getLogger(__name__)
 
 
 def worker_main(address, rank: int) -> None:
     """Run rank `rank` until the front says Shutdown (exit 0) or something fails (exit 1)."""
-    from attention_dp.control_plane import WorkerControl
-    from attention_dp.lockstep import LockstepLoop
-    from attention_dp.messages import Hello, WorkerFailed, WorkerReady
 
     control = WorkerControl(address, Hello(rank=rank, pid=os.getpid(), host=socket.gethostname()))
     setup = control.setup
@@ -47,7 +50,6 @@ def worker_main(address, rank: int) -> None:
 
 def build_rebalancer(core, config):
     """The live rebalancer of this rank, or None when there is nothing to balance (dense, one rank)."""
-    from load_balancer.live_rebalancer import LiveRebalancer, RebalancePolicy
 
     if not getattr(core.executor, "experts_by_layer", None) or core.parallel.ep_size == 1:
         return None
@@ -85,8 +87,6 @@ def main(argv: list[str] | None = None) -> None:
     """torchrun entry: each process is one rank (RANK, MASTER_ADDR/PORT from torchrun's environment)
     and joins a front started with `moe-serve ... --external-workers` listening on --control-addr/--control-port,
     authenticated by the shared control key ($MOE_RUNTIME_CONTROL_KEY or --control-key-file)."""
-    from attention_dp.control_key import ControlKey, ControlKeyError
-    from attention_dp.control_plane import ControlAddress
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--control-addr", required=True, help="the front's host")
