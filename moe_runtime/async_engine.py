@@ -46,6 +46,11 @@ class RequestFailedError(MoERuntimeError):
         self.error = error
 
 
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
 class QueueFullError(MoERuntimeError):
     """Too many requests are waiting for their first token; retry after `retry_after_s`."""
 
@@ -174,6 +179,7 @@ class AsyncEngine:
         self._event_driven = isinstance(engine, EventDrivenEngine) and config.event_driven is not False
         self._loop: asyncio.AbstractEventLoop | None = None   # event-driven: the loop it is attached to
         self._load_refresh: asyncio.Task | None = None
+        self._death_waiters: list[asyncio.Future] = []   # guarded by _lock
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -548,7 +554,29 @@ class AsyncEngine:
         with self._lock:
             if self._dead_detail is None:
                 self._dead_detail = detail
+            waiters, self._death_waiters = self._death_waiters, []
+        for waiter in waiters:
+            try:
+                waiter.get_loop().call_soon_threadsafe(_resolve, waiter, self._dead_detail)
+            except RuntimeError:  # that loop is closed: nobody waits any more
+                pass
         self._fail_everything(detail)
+
+    async def wait_until_dead(self) -> str:
+        """Wait (without polling) until the engine is dead or shut down; why."""
+        if self._event_driven:
+            self._attach_here()  # an idle engine's ranks are watched from now on too
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._dead_detail is not None:
+                return self._dead_detail
+            self._death_waiters.append(future)
+        return await future
+
+    @property
+    def stopping(self) -> bool:
+        """begin_shutdown() was called: a death that follows is the shutdown, not a failure."""
+        return self._stop_requested
 
     def _fail_everything(self, detail: str) -> None:
         """End every in-flight and queued request with EngineDeadError (engine thread or after it stopped)."""

@@ -74,15 +74,13 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
         """A dead rank makes the service useless: report it for a moment (/health 503, in-flight
         requests end with 5xx errors), then exit non-zero so a supervisor restarts the whole job."""
         nonlocal exit_code
-        while not server.should_exit:
-            health = launch.async_engine.health()
-            if not health.healthy:
-                logger.error("engine died (%s); exiting with code 1 in %.0fs", health.detail, DEAD_ENGINE_GRACE_S)
-                await asyncio.sleep(DEAD_ENGINE_GRACE_S)
-                exit_code = 1
-                server.should_exit = True
-                return
-            await asyncio.sleep(0.25)
+        detail = await launch.async_engine.wait_until_dead()
+        if server.should_exit or launch.async_engine.stopping:
+            return  # the shutdown we asked for
+        logger.error("engine died (%s); exiting with code 1 in %.0fs", detail, DEAD_ENGINE_GRACE_S)
+        await asyncio.sleep(DEAD_ENGINE_GRACE_S)
+        exit_code = 1
+        server.should_exit = True
 
     async def run() -> None:
         starting = asyncio.create_task(start_then_serve())

@@ -114,16 +114,19 @@ def test_a_killed_rank_ends_every_stream_at_once(setup):
     engine = async_engine.engine
 
     async def scenario():
+        death = asyncio.ensure_future(async_engine.wait_until_dead())
         stream = await async_engine.submit("doomed", PROMPTS[1], greedy(400))
         first = await stream.__anext__()
+        await asyncio.sleep(0.1)
+        assert not death.done()
         os.kill(engine._processes[1].pid, signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(EngineDeadError):
             async for _ in stream:
                 pass
-        return first, time.monotonic() - started
+        return first, time.monotonic() - started, await asyncio.wait_for(death, 5)
 
-    first, waited = loop.run(scenario())
-    assert first.new_token_ids and waited < 5
+    first, waited, why = loop.run(scenario())
+    assert first.new_token_ids and waited < 5 and "rank 1" in why
     health = async_engine.health()
     assert not health.healthy and "rank 1" in health.detail
