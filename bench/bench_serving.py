@@ -13,6 +13,9 @@ the server at concurrency 1 on latency. It runs before and after the server; the
 
     python bench/bench_serving.py --threads 1          # about 1-4 minutes on 2 shared CPU cores
     python bench/bench_serving.py --levels 1,4 --max-tokens 32 --baseline-requests 4   # quick look
+    git worktree add /tmp/before <commit>      # the same clients against an older checkout, side by side:
+    python bench/bench_serving.py --server-args "--ep 2 --dp-attn 2" --tree /tmp/before --tree . \
+        --levels 1,16,64 --baseline-requests 0 --out bench/results/serving_process_layer.json
 
 Writes bench/results/serving.json.
 """
@@ -110,15 +113,23 @@ def make_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 # ---- the server -----------------------------------------------------------------------------
 
+def cli_module(tree: Path) -> str:
+    """The moe-serve module of a checkout (it moved from the engine package to server/)."""
+    return "server.cli" if (tree / "server" / "cli.py").exists() else "moe_runtime.cli"
+
+
 class Server:
-    def __init__(self, model: str, device: str, max_num_seqs: int, threads: int | None, timeout_s: float = 300.0):
-        command = [sys.executable, "-m", "server.cli", "--model", model, "--device", device, "--port", "0",
-                   "--max-num-seqs", str(max_num_seqs), "--max-queue", "4096", "--log-level", "warning"]
+    def __init__(self, model: str, device: str, max_num_seqs: int, threads: int | None, timeout_s: float = 300.0,
+                 tree: Path = REPO_ROOT, extra_args: tuple[str, ...] = ()):
+        command = [sys.executable, "-m", cli_module(tree), "--model", model, "--device", device, "--port", "0",
+                   "--max-num-seqs", str(max_num_seqs), "--max-queue", "4096", "--log-level", "warning",
+                   *extra_args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                        cwd=tree)
         self.url = None
         self.lines: list[str] = []
         ready = threading.Event()
@@ -198,8 +209,9 @@ async def run_level(url: str, prompts: list[list[int]], concurrency: int, max_to
 
 
 def bench_server(model: str, device: str, levels: list[int], prompts_per_level: dict[int, list[list[int]]],
-                 max_tokens: int, threads: int | None) -> list[LevelResult]:
-    server = Server(model, device, max_num_seqs=max(levels), threads=threads)
+                 max_tokens: int, threads: int | None, tree: Path = REPO_ROOT,
+                 extra_args: tuple[str, ...] = ()) -> list[LevelResult]:
+    server = Server(model, device, max_num_seqs=max(levels), threads=threads, tree=tree, extra_args=extra_args)
     results = []
     try:
         asyncio.run(run_level(server.url, prompts_per_level[levels[0]][:2], 2, 8))  # warm-up
@@ -288,6 +300,14 @@ def print_table(server: list[LevelResult], baseline: LevelResult | None) -> None
     print("(ms; ITL = gaps between streamed chunks; TPOT = (e2e - TTFT) / (tokens - 1); x base = throughput ratio)")
 
 
+def tree_label(tree: Path) -> str:
+    """A checkout's short commit (and whether it has uncommitted changes)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree, capture_output=True,
+                           text=True)
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF checkpoint directory; default: the embedded demo model")
@@ -300,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for both the server and the baseline (default: torch's choice); "
                              "1 gives steadier figures on a shared machine")
+    parser.add_argument("--server-args", default="",
+                        help="extra moe-serve flags, e.g. '--ep 2 --dp-attn 2' (the multi-process front)")
+    parser.add_argument("--tree", type=Path, action="append", default=None,
+                        help="checkout whose moe-serve to run (repeat to compare checkouts side by side, in "
+                             "alternating order; e.g. a `git worktree` of an older commit); default: this one")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "serving.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -322,7 +347,18 @@ def main(argv: list[str] | None = None) -> int:
     baseline_runs = []
     if args.baseline_requests > 0:
         baseline_runs.append(bench_hf(model, args.device, baseline_prompts, args.max_tokens, args.threads))
-    server_results = bench_server(model, args.device, levels, prompts_per_level, args.max_tokens, args.threads)
+    trees = [tree.resolve() for tree in (args.tree or [REPO_ROOT])]
+    extra_args = tuple(args.server_args.split())
+    server_results = []
+    for level_index, level in enumerate(levels):  # trees alternate their order from level to level
+        order = trees if level_index % 2 == 0 else trees[::-1]
+        for tree in order:
+            for result in bench_server(model, args.device, [level], prompts_per_level, args.max_tokens, args.threads,
+                                       tree, extra_args):
+                if len(trees) > 1:
+                    result.name = f"moe-serve ({tree_label(tree)})"
+                server_results.append(result)
+    server_results.sort(key=lambda r: (r.name, r.concurrency))
     if args.baseline_requests > 0:
         baseline_runs.append(bench_hf(model, args.device, baseline_prompts, args.max_tokens, args.threads))
     baseline = max(baseline_runs, key=lambda r: r.throughput_tok_s) if baseline_runs else None
@@ -340,9 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - started,
         "baseline": asdict(baseline) if baseline else None,
         "baseline_runs_tok_s": [r.throughput_tok_s for r in baseline_runs],
+        "server_args": args.server_args,
+        "trees": {tree_label(tree): str(tree) for tree in trees},
         "server": [asdict(r) for r in server_results],
-        "throughput_vs_baseline": {str(r.concurrency): (r.throughput_tok_s / baseline.throughput_tok_s
-                                                        if baseline else None) for r in server_results},
+        "throughput_vs_baseline": {f"{r.name}/{r.concurrency}": (r.throughput_tok_s / baseline.throughput_tok_s
+                                                                 if baseline else None) for r in server_results},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
