@@ -45,16 +45,34 @@ ZAP_DOMAIN = "moe-control"
 
 @dataclass(frozen=True)
 class ControlAddress:
-    """Where ranks connect, and the key they prove they hold."""
+    """Where ranks connect (a ZeroMQ endpoint), and the key they prove they hold.
 
-    host: str
-    port: int
+    One node: `ipc://` in the job's private directory (no TCP port at all). Across nodes:
+    `tcp://host:port` (port 0 when binding: any free one).
+    """
+
+    endpoint: str
     key: ControlKey
 
+    @classmethod
+    def tcp(cls, host: str, port: int, key: ControlKey) -> "ControlAddress":
+        return cls(f"tcp://{f'[{host}]' if ':' in host else host}:{port}", key)
+
+    @classmethod
+    def ipc(cls, path: str, key: ControlKey) -> "ControlAddress":
+        return cls(f"ipc://{path}", key)
+
     @property
-    def endpoint(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+    def port(self) -> int | None:
+        """The TCP port, or None for an ipc:// endpoint."""
+        return int(self.endpoint.rsplit(":", 1)[1]) if self.endpoint.startswith("tcp://") else None
+
+    def for_local_ranks(self) -> "ControlAddress":
+        """What ranks on the front's own machine connect to (a wildcard bind is reached on loopback)."""
+        for wildcard in ("tcp://0.0.0.0:", "tcp://[::]:", "tcp://*:"):
+            if self.endpoint.startswith(wildcard):
+                return ControlAddress(f"tcp://127.0.0.1:{self.port}", self.key)
+        return self
 
 
 @dataclass
@@ -90,7 +108,7 @@ class FrontControl:
     Not thread-safe (one ZeroMQ socket): one thread at a time drives it.
     """
 
-    def __init__(self, host: str, port: int, key: ControlKey, setup: WorkerSetup):
+    def __init__(self, bind: ControlAddress, setup: WorkerSetup):
         self.setup = setup
         self.codec = MessageCodec()
         self.hellos: dict[int, Hello] = {}
@@ -100,6 +118,7 @@ class FrontControl:
         self._context = zmq.Context()
         self._authenticator = ThreadAuthenticator(self._context, log=logger.getChild("zap"))
         self._authenticator.start()
+        key = bind.key
         rank_public = key.rank_pair().public
         self._authenticator.configure_curve_callback(ZAP_DOMAIN, _OnlyKey(rank_public))
         front = key.front_pair()
@@ -116,12 +135,12 @@ class FrontControl:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._async_socket: zmq.asyncio.Socket | None = None
         self._async_monitor: zmq.asyncio.Socket | None = None
-        bind_host = f"[{host}]" if ":" in host else host
-        if port:
-            self._socket.bind(f"tcp://{bind_host}:{port}")
+        if bind.port == 0:
+            port = self._socket.bind_to_random_port(bind.endpoint.rsplit(":", 1)[0])
+            bind = ControlAddress(f"{bind.endpoint.rsplit(':', 1)[0]}:{port}", key)
         else:
-            port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
-        self.address = ControlAddress(host, port, key)
+            self._socket.bind(bind.endpoint)
+        self.address = bind
 
     @property
     def ranks(self) -> list[int]:
@@ -316,6 +335,15 @@ class WorkerControl:
 
     def put(self, message: Message) -> None:
         self._socket.send(self.codec.encode(message))
+
+    def flush(self, timeout_s: float) -> None:
+        """Close, waiting up to `timeout_s` for queued messages to be sent (a rank's last words)."""
+        if self._socket.closed:
+            return
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=int(timeout_s * 1000))
+        self._context.term()  # returns once the queue is sent or the linger expired
 
     def close(self) -> None:
         if self._socket.closed:

@@ -24,7 +24,7 @@ from typing import Callable
 import msgspec
 
 from attention_dp.control_key import ControlKey
-from attention_dp.control_plane import FrontControl, RankDisconnected
+from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected
 from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, RebalanceNow, RebalanceReport,
                                    Shutdown, SnapshotExpertLoad, StepOutputs, WorkerFailed, WorkerReady, WorkerSetup)
 from attention_dp.router import DPRouter
@@ -125,18 +125,18 @@ class MultiprocessEngine:
             key = ControlKey.generate()
             self._rendezvous_dir = tempfile.mkdtemp(prefix="moe-rendezvous-")  # mode 0700
             rendezvous, master_port = f"file://{self._rendezvous_dir}/store", 0
-            control_host, control_port = "127.0.0.1", self.config.control_port or 0
+            control = ControlAddress.ipc(f"{self._rendezvous_dir}/control", key)
         else:  # other nodes' or torchrun's ranks connect to master_addr:control_port with the shared key
             key = ControlKey.shared(self.config.control_key_file)
             rendezvous, master_port = "env://", self.config.master_port or free_port(self.config.master_addr)
-            control_host, control_port = self.config.master_addr, self.config.control_port or master_port + 1
+            control = ControlAddress.tcp(self.config.master_addr, self.config.control_port or master_port + 1, key)
         setup = WorkerSetup(config=self.config, world_size=world, rendezvous=rendezvous,
                             master_addr=self.config.master_addr, master_port=master_port,
                             num_threads=max(1, (os.cpu_count() or 1) // max(local_ranks, world // nnodes)),
                             log_level=logging.getLogger().getEffectiveLevel(),
                             loopback_only=self._rendezvous_dir is not None)
-        self._control = FrontControl(control_host, control_port, key, setup)
-        address = dataclasses.replace(self._control.address, host="127.0.0.1")
+        self._control = FrontControl(control, setup)
+        address = self._control.address.for_local_ranks()
         context = worker_context()
         self._processes: dict[int, mp.Process] = {}
         for rank in range(local_ranks):

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def run_worker_node(config: EngineConfig) -> int:
     """Start this node's ranks of `config`'s layout and wait for them; 0 once all exited cleanly."""
     control_port = config.control_port or config.master_port + 1   # as the front picks it (multi-node)
-    address = ControlAddress(config.master_addr, control_port, ControlKey.shared(config.control_key_file))
+    address = ControlAddress.tcp(config.master_addr, control_port, ControlKey.shared(config.control_key_file))
     ranks_per_node = config.world_size // config.nnodes
     first = config.node_rank * ranks_per_node
     context = worker_context()

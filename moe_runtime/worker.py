@@ -20,6 +20,8 @@ from load_balancer.live_rebalancer import LiveRebalancer, RebalancePolicy
 
 logger = logging.getLogger(__name__)
 
+LAST_WORDS_TIMEOUT_S = 5.0   # how long an exiting rank waits for its last message to leave
+
 
 def worker_main(address, rank: int) -> None:
     """Run rank `rank` until the front says Shutdown (exit 0) or something fails (exit 1)."""
@@ -42,9 +44,11 @@ def worker_main(address, rank: int) -> None:
     except BaseException as exc:  # report, then die: the front tears the job down
         try:
             control.put(WorkerFailed(rank=rank, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()))
+            control.flush(LAST_WORDS_TIMEOUT_S)  # ZeroMQ sends from a background thread: let it, before exiting
         except Exception:  # the front may be gone too
             pass
         os._exit(1)
+    control.flush(LAST_WORDS_TIMEOUT_S)
     os._exit(0)
 
 
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     except ControlKeyError as exc:
         parser.exit(2, f"moe_runtime.worker: error: {exc}\n")
     rank = int(os.environ["RANK"])
-    worker_main(ControlAddress(args.control_addr, args.control_port, key), rank)
+    worker_main(ControlAddress.tcp(args.control_addr, args.control_port, key), rank)
 
 
 if __name__ == "__main__":

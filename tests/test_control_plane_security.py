@@ -46,7 +46,7 @@ def _setup(world_size: int = 2) -> WorkerSetup:
 
 @pytest.fixture
 def front():
-    control = FrontControl("127.0.0.1", 0, ControlKey.generate(), _setup())
+    control = FrontControl(ControlAddress.tcp("127.0.0.1", 0, ControlKey.generate()), _setup())
     yield control
     control.close()
 
@@ -99,7 +99,7 @@ def test_garbage_and_silent_connections_do_not_stop_ranks_joining(front):
 
 
 def test_a_rank_with_the_wrong_key_never_joins(front):
-    wrong = ControlAddress("127.0.0.1", front.address.port, ControlKey.generate())
+    wrong = ControlAddress.tcp("127.0.0.1", front.address.port, ControlKey.generate())
     with pytest.raises(TimeoutError, match="same control key"):
         _join(wrong, rank=0, timeout_s=1.0)
     assert front.receive(0.2) is None and front.hellos == {}
@@ -192,7 +192,11 @@ def two_ranks(tiny_checkpoint_factory):
 def test_a_single_node_job_listens_on_loopback_only(two_ranks):
     pids = {p.pid for p in two_ranks.engine._processes.values()} | {os.getpid()}
     listening = _listening_sockets(pids)
-    assert listening, "expected the control socket and the ranks' gloo sockets"
+    assert listening, "expected the ranks' gloo sockets"
+    control = two_ranks.engine._control.address.endpoint
+    assert control.startswith("ipc://"), f"one node: the control socket is a unix socket, not {control}"
+    private = Path(control.removeprefix("ipc://")).parent
+    assert private.stat().st_mode & 0o077 == 0, "the job's directory must be private to its user"
     exposed = [address for address in listening if not _is_loopback(address)]
     assert not exposed, f"sockets beyond loopback: {exposed}"
     assert two_ranks.expert_load() is not None  # the load report crosses the control plane as lists
