@@ -257,13 +257,19 @@ class FrontControl:
         self._send(routing_id, hello.rank, self.codec.encode(self.setup))
 
     def close(self) -> None:
-        if self._socket.closed:
-            return
-        self._socket.disable_monitor()
-        self._monitor.close(linger=0)
-        self._socket.close(linger=0)
-        self._authenticator.stop()
-        self._context.term()
+        if _close_watched(self._socket, self._monitor, linger_ms=0):
+            self._authenticator.stop()
+            self._context.term()
+
+
+def _close_watched(socket: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> bool:
+    """Close a socket and its monitor; False if it was closed already."""
+    if socket.closed:
+        return False
+    socket.disable_monitor()
+    monitor.close(linger=0)
+    socket.close(linger=linger_ms)
+    return True
 
 
 class _OnlyKey:
@@ -338,17 +344,8 @@ class WorkerControl:
 
     def flush(self, timeout_s: float) -> None:
         """Close, waiting up to `timeout_s` for queued messages to be sent (a rank's last words)."""
-        if self._socket.closed:
-            return
-        self._socket.disable_monitor()
-        self._monitor.close(linger=0)
-        self._socket.close(linger=int(timeout_s * 1000))
-        self._context.term()  # returns once the queue is sent or the linger expired
+        if _close_watched(self._socket, self._monitor, linger_ms=int(timeout_s * 1000)):
+            self._context.term()  # returns once the queue is sent or the linger expired
 
     def close(self) -> None:
-        if self._socket.closed:
-            return
-        self._socket.disable_monitor()
-        self._monitor.close(linger=0)
-        self._socket.close(linger=0)
-        self._context.term()
+        self.flush(0)
