@@ -32,11 +32,13 @@ def source_slot(previous: Placement, layer: int, expert: int, rank: int) -> int:
 
 
 def migrate_layer(plan: MigrationPlan, previous: Placement, moe_layer: int, experts, rank: int,
-                  group=None) -> list[StagedExpert]:
+                  group) -> list[StagedExpert]:
     """Run this rank's sends and receives for one MoE layer; return the copies it must commit.
 
     `experts` is the layer's StackedExperts (w13 [E_local, 2I, H], w2 [E_local, H, I]). Every rank
     calls this for the same layers in the same order; copies are tagged by their index in the plan.
+    The plan's ranks, and `rank`, are ranks within `group` (the EP data group), not global ranks:
+    with pipeline stages the two differ.
     """
     slots_per_rank = previous.slots_per_rank
     w13, w2 = experts.w13.data, experts.w2.data
@@ -55,10 +57,10 @@ def migrate_layer(plan: MigrationPlan, previous: Placement, moe_layer: int, expe
                 staged.append(StagedExpert(slot % slots_per_rank, expert, w13[local_src].clone(), w2[local_src].clone()))
                 continue
             packed = torch.cat([w13[local_src].reshape(-1), w2[local_src].reshape(-1)])
-            requests.append(dist.isend(packed, dst, group=group, tag=index))
+            requests.append(dist.isend(packed, group=group, tag=index, group_dst=dst))
         else:
             buffer = torch.empty(rows13 + rows2, dtype=w13.dtype, device=w13.device)
-            requests.append(dist.irecv(buffer, src, group=group, tag=index))
+            requests.append(dist.irecv(buffer, group=group, tag=index, group_src=src))
             receives.append((slot % slots_per_rank, expert, buffer))
     for request in requests:
         request.wait()

@@ -5,6 +5,8 @@ import datetime
 import logging
 import os
 import socket
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,29 +62,65 @@ def build_parallel_context(layout: ParallelLayout, rank: int, device: torch.devi
     """This rank's groups. Ranks are laid out stage by stage: rank = stage * stage_size + local.
 
     Within a stage, the EP group is the stage and each DP attention worker is `attn_tp` consecutive
-    ranks; a pipeline group joins the ranks at the same local position of every stage. Every rank
-    creates every group in the same order, as torch.distributed requires.
+    ranks; a pipeline group joins the ranks at the same local position of every stage. Each scope
+    gets a data group (the job's backend) and a gloo control group (see ParallelContext).
     """
     size, tp, dp_size = layout.stage_size, layout.attn_tp, layout.dp_size
     stage, local = divmod(rank, size)
-    stage_groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(layout.pp)]
-    tp_groups = {
-        (s, d): dist.new_group(list(range(s * size + d * tp, s * size + (d + 1) * tp)))
-        for s in range(layout.pp) for d in range(dp_size)
-    }
-    pp_groups = [dist.new_group([position + s * size for s in range(layout.pp)]) for position in range(size)]
+    groups = ScopeGroups.create(layout)
     split = layout.stage_layers(num_layers)
     first_layer = sum(split[:stage])
     return ParallelContext(
-        world_size=layout.world_size, rank=rank, device=device,
+        world_size=layout.world_size, rank=rank, device=device, world_control_group=groups.world_control,
         ep_size=layout.ep, ep_rank=local if layout.ep > 1 else 0,
-        ep_group=dist.group.WORLD if layout.pp == 1 else stage_groups[stage],
+        ep_group=groups.stage[stage], ep_control_group=groups.stage_control[stage],
         dp_size=dp_size, dp_rank=local // tp,
-        attn_tp_size=tp, attn_tp_rank=local % tp, attn_tp_group=tp_groups[(stage, local // tp)],
-        pp_size=layout.pp, pp_rank=stage, pp_group=pp_groups[local],
+        attn_tp_size=tp, attn_tp_rank=local % tp, attn_tp_group=groups.attn_tp[(stage, local // tp)],
+        attn_tp_control_group=groups.attn_tp_control[(stage, local // tp)],
+        pp_size=layout.pp, pp_rank=stage, pp_group=groups.pipeline[local],
+        pp_control_group=groups.pipeline_control[local],
         pp_prev_rank=rank - size if stage > 0 else None,
         pp_next_rank=rank + size if stage < layout.pp - 1 else None,
         pp_last_rank=local + (layout.pp - 1) * size,
         dense_tp=layout.tp > 1,
         stage_layers=(first_layer, first_layer + split[stage]) if layout.pp > 1 else None,
     )
+
+
+@dataclass
+class ScopeGroups:
+    """Every group of the job, data and control, keyed by stage, (stage, DP worker) or stage position."""
+
+    world_control: Any
+    stage: list
+    stage_control: list
+    attn_tp: dict
+    attn_tp_control: dict
+    pipeline: list
+    pipeline_control: list
+
+    @classmethod
+    def create(cls, layout: ParallelLayout) -> "ScopeGroups":
+        """Every rank creates every group in the same order, as torch.distributed requires (also the
+        groups it is not in). With one stage, the stage is the world and reuses its groups."""
+        size, tp, pp = layout.stage_size, layout.attn_tp, layout.pp
+
+        def pair(ranks: list[int]):
+            return dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
+
+        world_control = dist.new_group(list(range(layout.world_size)), backend="gloo")
+        if pp == 1:
+            stage, stage_control = [dist.group.WORLD], [world_control]
+        else:
+            stage, stage_control = map(list, zip(*(pair(list(range(s * size, (s + 1) * size))) for s in range(pp))))
+        attn_tp, attn_tp_control = {}, {}
+        for s in range(pp):
+            for d in range(layout.dp_size):
+                key = (s, d)
+                attn_tp[key], attn_tp_control[key] = pair(list(range(s * size + d * tp, s * size + (d + 1) * tp)))
+        pipeline, pipeline_control = [], []
+        for position in range(size):
+            data, control = pair([position + s * size for s in range(pp)])
+            pipeline.append(data)
+            pipeline_control.append(control)
+        return cls(world_control, stage, stage_control, attn_tp, attn_tp_control, pipeline, pipeline_control)

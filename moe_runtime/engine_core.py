@@ -36,11 +36,12 @@ from moe_runtime.weight_loading import load_model_weights
 logger = logging.getLogger(__name__)
 
 
-def agree_on_minimum(value: int) -> int:
+def agree_on_minimum(value: int, control_group) -> int:
+    """The smallest `value` over the ranks of the (gloo) `control_group`."""
     import torch.distributed as dist
 
     tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=control_group)
     return int(tensor.item())
 
 
@@ -99,7 +100,7 @@ class EngineCore:
         self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
         num_blocks = kv_blocks_for_budget(self.model, config.kv_cache_memory, config.block_size, self.dtype)
         if self.parallel.world_size > 1:  # every rank schedules alike: pipeline stages hold different layers
-            num_blocks = agree_on_minimum(num_blocks)
+            num_blocks = agree_on_minimum(num_blocks, self.parallel.world_control_group)
         if num_blocks < 1:
             raise InvalidRequestError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of {config.block_size} tokens"

@@ -15,22 +15,32 @@ class ParallelContext:
     attention worker spans `attn_tp_size` of them, which split attention heads (for a dense model
     with tp > 1 they also split the MLP and the vocabulary: `dense_tp`). Across stages, the ranks
     at the same position form a pipeline group that passes activations on.
+
+    Every scope has two groups. The data group (`*_group`, NCCL on GPU) moves activations and
+    expert weights. The control group (`*_control_group`, always gloo) carries the small CPU
+    tensors the ranks agree on (lock-step flags, the rebalance plan, sampled tokens): a CPU tensor
+    cannot go over NCCL, and control traffic never queues behind a large data transfer.
+    Group ranks of the EP group are EP ranks and of the pipeline group stage indices.
     """
 
     world_size: int = 1
     rank: int = 0
     device: torch.device = torch.device("cpu")
+    world_control_group: Any = None
     ep_size: int = 1
     ep_rank: int = 0
     ep_group: Any = None
+    ep_control_group: Any = None
     dp_size: int = 1
     dp_rank: int = 0
     attn_tp_size: int = 1
     attn_tp_rank: int = 0
     attn_tp_group: Any = None
+    attn_tp_control_group: Any = None
     pp_size: int = 1
     pp_rank: int = 0
     pp_group: Any = None
+    pp_control_group: Any = None
     pp_prev_rank: int | None = None     # global rank of the previous stage's peer
     pp_next_rank: int | None = None
     pp_last_rank: int | None = None     # global rank of the last stage's peer (samples the tokens)
@@ -48,3 +58,21 @@ class ParallelContext:
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
         return cls(device=torch.device(device))
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of `group`'s rank `group_rank` (None = the default group)."""
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def group_rank(group, rank: int) -> int:
+    """The rank within `group` of global rank `rank` (None = the default group)."""
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return dist.get_group_rank(group, rank)

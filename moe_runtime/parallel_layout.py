@@ -70,9 +70,6 @@ class ParallelLayout:
                 f"and attention heads with dp_attn < ep (attention TP = ep / dp_attn)"
             )
         self._validate_pipeline(hf_config)
-        if self.pp > 1 and self.num_redundant_experts:
-            raise InvalidRequestError("num_redundant_experts with pp > 1: expert rebalancing across pipeline "
-                                      "stages is not supported yet; use pp=1")
         if self.tp > 1:
             self._validate_tensor_parallel(hf_config)
         if self.dp_attn < 1 or self.ep % self.dp_attn:

@@ -47,7 +47,7 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
         hidden = None
         if not parallel.is_first_stage and num_tokens:
             hidden = torch.empty(num_tokens, hidden_size, dtype=runner.dtype, device=runner.device)
-            dist.recv(hidden, parallel.pp_prev_rank)
+            dist.recv(hidden, parallel.pp_prev_rank, group=parallel.pp_group)
         elif not parallel.is_first_stage:
             hidden = torch.empty(0, hidden_size, dtype=runner.dtype, device=runner.device)
         started = time.perf_counter()
@@ -55,7 +55,7 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
         compute += time.perf_counter() - started
         if not parallel.is_last_stage:
             if num_tokens:
-                sends.append(dist.isend(out.contiguous(), parallel.pp_next_rank))
+                sends.append(dist.isend(out.contiguous(), parallel.pp_next_rank, group=parallel.pp_group))
         elif group:
             logits.append(model.logits(out[inputs.last_token_index]))
     for request in sends:
@@ -66,7 +66,8 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
 
 
 def broadcast_sampled_tokens(token_ids: list[int] | None, count: int, parallel) -> list[int]:
-    """The last stage's sampled tokens, on every stage of the pipeline group."""
+    """The last stage's sampled tokens, on every stage of the pipeline group (a CPU tensor: the
+    pipeline's gloo control group)."""
     buffer = torch.tensor(token_ids if token_ids is not None else [0] * count, dtype=torch.int64)
-    dist.broadcast(buffer, src=parallel.pp_last_rank, group=parallel.pp_group)
+    dist.broadcast(buffer, src=parallel.pp_last_rank, group=parallel.pp_control_group)
     return buffer.tolist()
