@@ -13,7 +13,8 @@ rounds (1.0 = perfect). Methods: static (never moves), eplb (bench/eplb_referenc
 "rebalance (no prev)" (recomputed from scratch each round), "rebalance (gain=0)"
 (previous given, any gain taken), "rebalance (noise=.1)" (load_noise=0.1, a
 placement robust to 10% load shifts), and "rebalance" with its defaults. Traces: stationary Zipf loads (s = 0.8, 1.2, 1.5), a hot
-set drifting over many rounds, and bench/traces/recorded.json when present.
+set drifting over many rounds, Zipf(1.5) on 64 experts / 8 ranks x 9 slots (the
+case where rebalance once fell below EPLB), and bench/traces/recorded.json when present.
 Also measures ExpertLoadRecorder's cost per step against a naive recorder.
 
     python bench/bench_rebalance.py            # full run, writes bench/results/rebalance.json
@@ -236,6 +237,10 @@ def main() -> None:
             bench_trace(f"zipf s={exponent}", loads, layout)
         loads = drifting_trace(layout.experts, args.layers, args.drift_rounds, args.tokens, seed + 7)
         bench_trace("drifting hot set", loads, layout)
+    # The reported case ("never below EPLB"): Zipf(1.5), 64 experts on 8 ranks x 9 slots.
+    issue_layout = LayoutSpec("64e/72s/8r global", 64, 72, 8, 1, None)
+    loads = zipf_trace(issue_layout.experts, args.layers, 1.5, args.rounds, args.tokens, 15)
+    bench_trace("zipf s=1.5 8x9", loads, issue_layout)
     recorded = recorded_rounds(args.rounds)
     if recorded is None:
         notes.append(f"{RECORDED_TRACE.relative_to(ROOT)} absent: recorded-trace rows skipped")

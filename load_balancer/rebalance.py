@@ -1,8 +1,18 @@
 """Replicate hot experts and pack slots onto ranks so per-rank load is even.
 
-Per layer, a fresh placement is built first: greedy replication, balanced
-packing, then local search. When a placement is already in force, three
-candidates compete:
+Per layer, a fresh placement is built first, the better of two, each followed
+by local search (which never raises the peak rank's risk; at load_noise 0,
+never lowers balancedness):
+- greedy replication capped at one replica per rank, then balanced packing
+  that never puts two replicas of an expert on one rank;
+- DeepSeek EPLB's own plan (`eplb_plan`), with replicas that share a rank
+  repaired away (`colocation_repair`). When EPLB's plan is valid it is kept
+  as is, so at load_noise 0 the fresh placement (and the result without a
+  previous placement, or with min_gain_per_move 0) is never less balanced
+  than EPLB's; when EPLB
+  co-locates replicas, that plan splits an expert unevenly, which no valid
+  placement can express, and may beat every valid placement.
+When a placement is already in force, three candidates compete:
 - keep it or improve it in place with local search, stopping at the point of
   the search path (its start included) where
   balancedness - min_gain_per_move * experts moved is best;
@@ -34,6 +44,9 @@ import torch
 
 from load_balancer.alignment import align_to_previous
 from load_balancer.balancedness import check_load
+from load_balancer.colocation_repair import repair_colocation
+from load_balancer.eplb_plan import eplb_plan
+from load_balancer.layout import Layout
 from load_balancer.local_search import LayerSearch
 from load_balancer.packing import balanced_pack
 from load_balancer.placement import Placement, RebalanceStats, check_layout
@@ -43,33 +56,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GAIN_PER_COPY_ROUND = 0.001
 DEFAULT_LOAD_NOISE = 0.0
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Sizes and the node structure one layer's placement must respect."""
-
-    num_experts: int
-    num_slots: int
-    num_ranks: int
-    num_nodes: int
-    num_groups: Optional[int]  # None: global placement (replicas may cross nodes)
-
-    @property
-    def hierarchical(self) -> bool:
-        return self.num_groups is not None
-
-    @property
-    def slots_per_rank(self) -> int:
-        return self.num_slots // self.num_ranks
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.num_ranks // self.num_nodes
-
-    @property
-    def max_replicas(self) -> int:
-        return self.ranks_per_node if self.hierarchical else self.num_ranks
 
 
 def rebalance(
@@ -154,13 +140,11 @@ class _Candidate:
 
 
 def _rebalance_layer(load, layout: Layout, prev, scoring: _Scoring) -> _Candidate:
-    packed = _fresh_layer(load, layout)
-    fresh_search = _search(packed, load, layout, _allowed_from(packed, layout), scoring)
-    fresh_search.run(scoring.steps)
+    starts = (_fresh_layer(load, layout), _eplb_layer(load, layout))
+    fresh = max((_searched(start, load, layout, scoring) for start in starts), key=lambda c: c.score(scoring))
     if prev is None:
-        return _Candidate.of(fresh_search, None)
+        return fresh
 
-    fresh = _Candidate.of(fresh_search, None)
     aligned = align_to_previous(
         fresh.slot_expert, prev, layout.num_experts, layout.num_ranks,
         layout.ranks_per_node if layout.hierarchical else None,
@@ -169,9 +153,25 @@ def _rebalance_layer(load, layout: Layout, prev, scoring: _Scoring) -> _Candidat
     allowed = _allowed_from(prev, layout)
     if allowed is not None:  # `prev` obeys this layout, so keeping or editing it is an option
         candidates.append(_improve_in_place(prev, load, layout, allowed, scoring))
-        target = np.bincount(fresh_search.slot_expert, minlength=layout.num_experts)
+        target = np.bincount(fresh.slot_expert, minlength=layout.num_experts)
         candidates.append(_improve_in_place(prev, load, layout, allowed, scoring, target))
     return max(candidates, key=lambda c: (c.score(scoring), -c.moved))
+
+
+def _searched(packed: np.ndarray, load, layout: Layout, scoring: _Scoring) -> _Candidate:
+    """Local search from a fresh [P] placement that obeys `layout`."""
+    search = _search(packed, load, layout, _allowed_from(packed, layout), scoring)
+    search.run(scoring.steps)
+    return _Candidate.of(search, None)
+
+
+def _eplb_layer(load: np.ndarray, layout: Layout) -> np.ndarray:
+    """[P] EPLB's own placement, with replicas that share a rank repaired away."""
+    plan = eplb_plan(load, layout)
+    node_of_expert = np.repeat(plan.node_of_group, layout.group_size)  # [E]
+    node_of_rank = np.arange(layout.num_ranks) // (layout.ranks_per_node if layout.hierarchical else layout.num_ranks)
+    allowed = node_of_expert[:, None] == node_of_rank[None, :]  # [E, W]
+    return repair_colocation(plan.slot_expert, load, layout.num_ranks, allowed)
 
 
 def _search(slot_expert, load, layout: Layout, allowed, scoring: _Scoring) -> LayerSearch:
