@@ -96,7 +96,8 @@ class DenseMLP(nn.Module):
         return {"w13", "w2"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        counts = torch.tensor([x.shape[0]], dtype=torch.long)
+        counts = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)  # [1]: on the input's device, where
+        # the expert kernel runs (a Triton kernel cannot read a CPU tensor)
         out = self._kernels.expert_mlp(x, counts, self.w13, self.w2)
         if self.tp_size > 1:
             import torch.distributed as dist

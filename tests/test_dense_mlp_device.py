@@ -1,0 +1,23 @@
+"""A dense MLP runs as one expert: the expert count it hands the kernel lives on the input's device
+(a Triton kernel on CUDA cannot read a CPU tensor). The meta device stands in for CUDA here."""
+import torch
+
+from moe_runtime.layers.experts import DenseMLP
+
+
+class RecordingKernels:
+    """Records where expert_mlp's inputs live and returns an output of the right shape."""
+
+    def __init__(self):
+        self.devices: list[tuple[torch.device, torch.device]] = []
+
+    def expert_mlp(self, x, counts, w13, w2):  # x [T, H], counts [E]
+        self.devices.append((x.device, counts.device))
+        return torch.empty_like(x)
+
+
+def test_dense_mlp_builds_its_expert_count_on_the_input_device():
+    kernels = RecordingKernels()
+    mlp = DenseMLP(hidden_size=8, intermediate_size=16, kernels=kernels, device="meta")
+    mlp(torch.empty(3, 8, device="meta"))  # [T, H]
+    assert kernels.devices == [(torch.device("meta"), torch.device("meta"))]
