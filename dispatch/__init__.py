@@ -3,22 +3,25 @@
     dispatcher = make_dispatcher(DispatchConfig("auto", world_size, rank, group, num_slots, H))
     out = dispatcher.dispatch(x, slot_ids, weights)
     y = dispatcher.combine(experts(out.recv_x, out.tokens_per_local_expert), out.handle)
+
+The names below load on first use, so that `dispatch.backends` (the backend names) imports without torch.
 """
+from __future__ import annotations
 
-from dispatch.all_to_all import AllToAllDispatcher
-from dispatch.allgather import AllGatherDispatcher
-from dispatch.base import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchOutput, DispatchStats,
-                           Dispatcher)
-from dispatch.config import BACKENDS, DispatchConfig
-from dispatch.deepep import DeepEPDispatcher
-from dispatch.factory import make_dispatcher, select_backend
-from dispatch.local import LocalDispatcher
-from dispatch.reference import naive_moe_reference
-from dispatch.slots import SlotPlacement
+import importlib
 
-__all__ = [
-    "AllGatherDispatcher", "AllToAllDispatcher", "BACKENDS", "DeepEPDispatcher", "DispatchConfig",
-    "DispatchOutput", "DispatchStats", "Dispatcher", "LAYOUT_CONTIGUOUS", "LAYOUT_MASKED",
-    "LocalDispatcher", "SlotPlacement", "make_dispatcher", "naive_moe_reference",
-    "select_backend",
-]
+_EXPORTS = {
+    "AllToAllDispatcher": "dispatch.all_to_all", "AllGatherDispatcher": "dispatch.allgather",
+    "LAYOUT_CONTIGUOUS": "dispatch.base", "LAYOUT_MASKED": "dispatch.base", "DispatchOutput": "dispatch.base",
+    "DispatchStats": "dispatch.base", "Dispatcher": "dispatch.base", "BACKENDS": "dispatch.backends",
+    "DispatchConfig": "dispatch.config", "DeepEPDispatcher": "dispatch.deepep", "make_dispatcher": "dispatch.factory",
+    "select_backend": "dispatch.factory", "LocalDispatcher": "dispatch.local",
+    "naive_moe_reference": "dispatch.reference", "SlotPlacement": "dispatch.slots",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dispatch' has no attribute {name!r}")

@@ -11,7 +11,7 @@ from dispatch.allgather import AllGatherDispatcher
 from dispatch.base import Dispatcher
 from dispatch.config import (BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_AUTO, BACKEND_DEEPEP,
                              BACKEND_DEEPEP_LOW_LATENCY, BACKEND_DEEPEP_NORMAL, BACKEND_LOCAL,
-                             BACKENDS, PHASE_DECODE, PHASES, DispatchConfig)
+                             BACKENDS, PHASE_DECODE, PHASE_PREFILL, PHASES, DispatchConfig)
 from dispatch.deepep import MODE_LOW_LATENCY, MODE_NORMAL, DeepEPDispatcher, deep_ep_importable
 from dispatch.local import LocalDispatcher
 from dispatch.slots import SlotPlacement
@@ -57,8 +57,7 @@ def make_dispatcher(config: DispatchConfig) -> Dispatcher:
         logger.info("dispatch: no max_tokens_per_rank for DeepEP low-latency; using normal mode")
         backend = BACKEND_DEEPEP_NORMAL
     placement = SlotPlacement(config.num_slots, config.world_size)
-    logger.info("dispatch backend %s (asked %s) on rank %d/%d, %d slots", backend,
-                config.backend, config.rank, config.world_size, config.num_slots)
+    _announce(config, backend)
     if backend == BACKEND_LOCAL:
         return LocalDispatcher(config.num_slots, config.hidden_size)
     if backend == BACKEND_ALL_TO_ALL:
@@ -70,3 +69,23 @@ def make_dispatcher(config: DispatchConfig) -> Dispatcher:
     return DeepEPDispatcher(placement, config.group, config.hidden_size, config.dtype, mode=mode,
                             max_tokens_per_rank=config.max_tokens_per_rank,
                             buffer_cls=config.deepep_buffer_cls)
+
+
+def _announce(config: DispatchConfig, backend: str) -> None:
+    """Log the chosen backend once per rank at info level.
+
+    An engine builds one dispatcher per phase (prefill, decode); on CPU both are the same backend, and
+    two identical lines per rank said nothing. The decode one is announced only when it differs.
+    """
+    def chosen_for(phase: str) -> str:
+        return select_backend(config.backend, config.device, config.world_size, phase)
+
+    level, phase_note = logging.INFO, ""
+    if config.phase == PHASE_DECODE and backend == chosen_for(PHASE_PREFILL):
+        level = logging.DEBUG
+    elif config.phase == PHASE_DECODE:
+        phase_note = " for decode"
+    elif config.phase == PHASE_PREFILL and backend != chosen_for(PHASE_DECODE):
+        phase_note = " for prefill"
+    logger.log(level, "dispatch backend %s%s (asked %s) on rank %d/%d, %d slots", backend, phase_note,
+               config.backend, config.rank, config.world_size, config.num_slots)

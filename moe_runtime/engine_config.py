@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from attention_dp.control_key import ControlKey
 from moe_runtime.errors import InvalidRequestError
@@ -13,8 +12,12 @@ class EngineConfigError(InvalidRequestError):
     """A setting (or a combination of settings) the engine cannot run with; the message names the flag."""
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# --dtype names -> torch dtype names (torch is imported where a dtype is needed: `moe-serve --help` stays quick)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "half": "float16"}
 
 
 @dataclass
@@ -75,6 +78,8 @@ class EngineConfig:
                                     "(one rank has nothing to rebalance)")
         if self.ep == 1 and self.a2a_backend not in ("auto", "local"):
             raise EngineConfigError(f"--a2a-backend {self.a2a_backend} needs --ep > 1; with one rank it is 'local'")
+        import torch
+
         if self.device == "cuda" and not torch.cuda.is_available():
             raise EngineConfigError("--device cuda: no CUDA device is visible to this process "
                                     "(use --device cpu, or auto)")
@@ -97,6 +102,8 @@ class EngineConfig:
         return self.layout().world_size
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
@@ -105,11 +112,13 @@ class EngineConfig:
             raise InvalidRequestError(f"device={self.device!r} is not a torch device: {exc}") from exc
 
     def resolved_dtype(self, hf_config) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
             if isinstance(found, torch.dtype):
                 return found
-            return DTYPES.get(str(found), torch.float32)
+            return getattr(torch, DTYPES.get(str(found), "float32"))
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype={self.dtype!r} is not supported; choose one of {sorted(DTYPES)} or 'auto'")
-        return DTYPES[self.dtype]
+        return getattr(torch, DTYPES[self.dtype])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import logging
 import os
 import socket
@@ -88,13 +89,21 @@ def build_worker_engine(setup, rank: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """torchrun entry: each process is one rank (RANK, MASTER_ADDR/PORT from torchrun's environment)
-    and joins a front started with `moe-serve ... --external-workers` listening on --control-addr/--control-port,
-    authenticated by the shared control key ($MOE_RUNTIME_CONTROL_KEY or --control-key-file)."""
+    """One rank started by torchrun (RANK, MASTER_ADDR and MASTER_PORT come from torchrun's environment).
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--control-addr", required=True, help="the front's host")
-    parser.add_argument("--control-port", type=int, required=True, help="the front's control port")
+    Start the front first, then the ranks, with the same shared control key on every node
+    ($MOE_RUNTIME_CONTROL_KEY, or --control-key-file on both sides):
+
+      front:  moe-serve ... --external-workers --master-addr A --master-port P --control-port C
+      ranks:  torchrun --nnodes N --nproc-per-node R --master-addr A --master-port P \\
+                  -m moe_runtime.worker --control-addr A --control-port C
+    """
+
+    parser = argparse.ArgumentParser(prog="python -m moe_runtime.worker", description=inspect.cleandoc(main.__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--control-addr", required=True, help="the front's host (moe-serve --master-addr)")
+    parser.add_argument("--control-port", type=int, required=True,
+                        help="the front's control port (moe-serve --control-port)")
     parser.add_argument("--control-key-file", default=None,
                         help="file holding the shared control secret (default: $MOE_RUNTIME_CONTROL_KEY)")
     args = parser.parse_args(argv)

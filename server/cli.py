@@ -8,6 +8,9 @@
 `python -m server.cli --help` lists every flag. Each flag's destination is the name of a field of
 exactly one of `ServerConfig` (HTTP, model choice) and `EngineConfig` (the engine), and its default
 is that field's default; the parser's values become the two configs by name.
+
+The arguments are parsed before the serving stack is imported (uvicorn, the engine and its worker
+processes), and `moe-serve: starting` is printed before that import, so the wait is not silent.
 """
 from __future__ import annotations
 
@@ -17,12 +20,11 @@ import logging
 import sys
 
 from attention_dp.control_key import CONTROL_KEY_ENV
-from dispatch.config import BACKENDS
+from dispatch.backends import BACKENDS
 from moe_runtime.engine_config import DTYPES, EngineConfig
 from moe_runtime.errors import MoERuntimeError
-from moe_runtime.node_launcher import run_worker_node
+from server.flag_help import DefaultsHelpFormatter
 from server.flag_types import non_negative_int, parse_size, positive_int, tcp_port
-from server.serve import serve
 from server.server_config import DEMO_SERVED_NAME, ServerConfig
 
 UNRESOLVED_MODEL = ""   # EngineConfig.model until `--model` (or the demo) is resolved, at launch
@@ -32,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moe-serve",
         description="Serve a Mixture-of-Experts model over an OpenAI-compatible HTTP API "
-                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /v1/expert_load).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /v1/expert_load) "
+                    "with a live expert-load dashboard at /dashboard. Stays in the foreground until Ctrl-C.",
+        formatter_class=DefaultsHelpFormatter,
     )
     e = EngineConfig(model=UNRESOLVED_MODEL)   # the defaults of the engine flags
     s = ServerConfig()                          # ... and of the server's
@@ -82,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--control-port", type=tcp_port, default=e.control_port,
                    help="port where the front (node 0) takes its ranks' connections; default: master port + 1")
     g.add_argument("--external-workers", dest="launch_workers", action="store_false",
-                   help="start no worker here: every rank is started elsewhere, e.g. by torchrun running "
-                        "'python -m moe_runtime.worker --control-addr A --control-port C'")
+                   help="start no worker here: every rank is started elsewhere, by torchrun running "
+                        "'python -m moe_runtime.worker --control-addr A --control-port C' with this job's "
+                        "--master-addr A --master-port P and --control-port C, and the shared key")
     g.add_argument("--control-key-file", default=e.control_key_file,
                    help="file holding the secret that ranks of a multi-node or --external-workers job share "
                         f"(default: ${CONTROL_KEY_ENV}; one node: a fresh secret per launch)")
@@ -96,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a browser opening /dashboard or /docs asks for it as the password)")
     g.add_argument("--max-request-bytes", type=parse_size, default=s.max_request_bytes,
                    help="largest request body accepted, e.g. 4M; larger ones get HTTP 413")
-    g.add_argument("--log-level", default=s.log_level, choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default=s.log_level, choices=["debug", "info", "warning", "error"],
+                   help="server and engine log verbosity; info logs one line per finished request, "
+                        "debug also uvicorn's access log")
     return p
 
 
@@ -119,18 +125,31 @@ def _values_of_fields(config_class, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    print("moe-serve: starting (loading torch and the engine)\n", end="", flush=True)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = server_config_from_args(args), engine_config_from_args(args)
     try:
-        if engine_config.node_rank > 0:   # another node's ranks: they get their configuration from the front
-            server_config.validate()
-            engine_config.validate()
-            return run_worker_node(engine_config)
-        return serve(server_config, engine_config)
+        return _serve_or_join(server_config, engine_config)
     except MoERuntimeError as exc:
         parser.exit(2, f"moe-serve: error: {exc}\n")
     except KeyboardInterrupt:
         return 130
+
+
+def _serve_or_join(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    """Serve (node 0), or start this node's ranks, which get their configuration from the front (other nodes).
+
+    The imports are here, not at the top: they load the engine, which takes seconds (see the module's doc).
+    """
+    if engine_config.node_rank > 0:
+        from moe_runtime.node_launcher import run_worker_node
+
+        server_config.validate()
+        engine_config.validate()
+        return run_worker_node(engine_config)
+    from server.serve import serve
+
+    return serve(server_config, engine_config)
 
 
 if __name__ == "__main__":

@@ -110,12 +110,27 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if self._streams:
+            self._log_outcome()
         for task in self._pumps:
             task.cancel()
         for stream in self._streams.values():
             if not stream.finished:
                 self.async_engine.abort(stream.request_id)
                 self.metrics.finish_reasons.inc("abort")
+
+    def _log_outcome(self) -> None:
+        """One info line per API call, as it ends: what a person watching the server wants to see scroll by."""
+        reasons = sorted({self._outcome_of(index) for index in self._streams})
+        logger.info("request %s: %s, %d prompt + %d completion tokens, %.3f s", self.request_id, "/".join(reasons),
+                    self.prompt_tokens, self.completion_tokens, time.perf_counter() - self.arrival)
+
+    def _outcome_of(self, index: int) -> str:
+        """The choice's finish reason; one that ended without one failed ("error"), an unfinished one is aborted."""
+        finish_reason = self.trackers[index].finish_reason
+        if finish_reason is not None:
+            return finish_reason
+        return "error" if self._streams[index].finished else "abort"
 
     @staticmethod
     async def _pump(index: int, stream: RequestStream, merged: asyncio.Queue) -> None:

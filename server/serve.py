@@ -67,7 +67,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
                             max_request_bytes=server_config.max_request_bytes))
         if server.should_exit:
             return
-        print(f"moe-serve: serving {launch.served_name!r} on {url} (Ctrl-C to stop)\n", end="", flush=True)
+        print(ready_lines(launch.served_name, url, is_demo=server_config.model is None), end="", flush=True)
         await stop_when_the_engine_dies()
 
     async def stop_when_the_engine_dies() -> None:
@@ -102,6 +102,17 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     if launch.error is not None:
         raise launch.error
     return exit_code
+
+
+def ready_lines(served_name: str, url: str, is_demo: bool) -> str:
+    """What `moe-serve` prints once it serves, in one write (log lines on stderr cannot land inside it).
+
+    The demo's note is there because its answers are gibberish by design, and a person trying it
+    first would otherwise think the runtime is broken.
+    """
+    demo_note = " (the demo model: seeded random weights, for trying the machinery, not the text)" if is_demo else ""
+    return (f"moe-serve: serving {served_name!r}{demo_note} on {url} (Ctrl-C to stop)\n"
+            f"moe-serve: dashboard at {url}/dashboard\n")
 
 
 class _Terminated(Exception):

@@ -22,22 +22,23 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
+from browser_gate import CHROMEDRIVER, CHROMIUM, require_browser
 from process_tree import rank_pids
 from server_harness import REPO_ROOT, ServerProcess
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--no-first-run", "--window-size=1400,1900"]
 NUM_EXPERTS, NUM_REDUNDANT = 8, 2            # the tiny mixtral: 8 experts; 2 extra slots for replicas
 SKEWED_PROMPT = "the the the the the the the the"   # one token over and over: routing piles onto few experts
 
-pytestmark = [
-    pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-                       reason="needs Debian's chromium and chromium-driver (/usr/bin/chromium, /usr/bin/chromedriver)"),
-    pytest.mark.timeout(120),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def browser_installed():
+    """Skips the module without chromium or chromedriver, or fails it under CI=true (browser_gate)."""
+    require_browser()
 
 
 @pytest.fixture(scope="module")

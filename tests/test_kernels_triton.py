@@ -20,6 +20,7 @@ CASES = Path(__file__).with_name("triton_kernel_cases.py")
 if torch.cuda.is_available():
     from triton_kernel_cases import *  # noqa: F401,F403  (collected here, compiled on the GPU)
 else:
+    @pytest.mark.slow
     def test_triton_kernels_in_interpreter_child():
         repo = Path(__file__).resolve().parents[1]
         env = {**os.environ, "TRITON_INTERPRET": "1",

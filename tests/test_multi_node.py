@@ -19,6 +19,8 @@ from moe_runtime.distributed import free_port
 
 NEW_TOKENS = 12
 
+pytestmark = pytest.mark.slow
+
 
 SHARED_KEY = "test-only-shared-control-key-0123456789"
 

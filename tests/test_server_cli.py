@@ -132,3 +132,42 @@ def test_help_runs_as_a_module():
     assert result.returncode == 0, result.stderr
     for flag in ("--model", "--dp-attn", "--ep", "--kv-cache-memory", "--max-queue", "--api-key", "--master-port"):
         assert flag in result.stdout
+
+
+def test_help_is_parsed_before_the_server_and_the_engine_are_imported():
+    """--help and usage errors come before the serving stack loads (uvicorn, the engine's processes)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "server.cli", "--help"], capture_output=True,
+                            text=True, env=env, timeout=120, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "moe-serve" in result.stdout
+    assert not {"torch", "fastapi", "uvicorn", "transformers", "server.serve", "moe_runtime.node_launcher",
+                "moe_runtime.multiprocess_engine"} & imported
+
+
+def test_help_says_what_each_flag_does_without_misleading_defaults():
+    help_text = " ".join(build_parser().format_help().split())
+    assert "/dashboard" in help_text.split("options:")[0]          # the description names the dashboard
+    external = help_text.split("--external-workers start")[1].split("--control-key-file CONTROL_KEY_FILE")[0]
+    assert "default" not in external                              # was "(default: True)": a switch has none
+    log_level = help_text.split("--log-level {debug,info,warning,error}")[-1]   # its entry, not the usage line
+    assert "one line per finished request" in log_level and "(default: info)" in log_level
+    assert "(default: 8000)" in help_text and "(default: None)" not in help_text
+
+
+def test_main_says_it_is_starting_before_loading_the_engine(capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", "/no/such/dir", "--port", "0"])
+    assert capsys.readouterr().out.startswith("moe-serve: starting")
+
+
+@pytest.mark.parametrize("is_demo", [True, False], ids=["demo", "checkpoint"])
+def test_ready_lines_name_the_model_the_dashboard_and_the_demo(is_demo):
+    from server.serve import ready_lines
+
+    serving, dashboard = ready_lines("moe-runtime-demo", "http://127.0.0.1:8000", is_demo=is_demo).splitlines()
+    assert serving.startswith("moe-serve: serving 'moe-runtime-demo'") and serving.endswith(
+        "on http://127.0.0.1:8000 (Ctrl-C to stop)")
+    assert ("seeded random weights" in serving) == is_demo
+    assert dashboard == "moe-serve: dashboard at http://127.0.0.1:8000/dashboard"

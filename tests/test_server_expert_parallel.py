@@ -14,7 +14,7 @@ from server_harness import ServerProcess
 from moe_runtime import LLM, SamplingParams
 from server.metrics import parse_samples
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 MODEL = "tiny-ep"
 
 

@@ -13,11 +13,11 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from browser_gate import CHROMEDRIVER, CHROMIUM, require_browser
 from server_harness import ServerProcess, free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,8 +26,6 @@ KEY = "K-hardening"
 BEARER = {"Authorization": f"Bearer {KEY}"}
 UPLOAD_BYTES = 100 * 2**20
 MAX_RSS_GROWTH_BYTES = 64 * 2**20
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 
 
 @dataclass
@@ -208,8 +206,8 @@ def test_a_100mb_upload_is_refused_early_and_the_server_stays_responsive(server,
 
 # ---- the dashboard in a browser, with the key ---------------------------------------------------
 
-@pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()), reason="needs chromium and chromedriver")
 def test_the_dashboard_works_in_a_browser_given_the_key(server, tmp_path):
+    require_browser()   # skips without chromium/chromedriver; fails under CI=true
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.support.ui import WebDriverWait

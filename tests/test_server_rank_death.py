@@ -6,9 +6,12 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from process_tree import alive, descendants, rank_pids
 from server_harness import ServerProcess
+
+pytestmark = pytest.mark.slow
 
 
 def test_killed_rank_fails_requests_and_the_launcher_exits_nonzero(tiny_checkpoint_factory):
