@@ -97,9 +97,6 @@ def validation_error(errors: Sequence[dict]) -> APIError:
                            code="invalid_json")
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
-    if first.get("type") == "extra_forbidden":
-        return bad_request(f"unknown parameter {param!r}: this server does not accept it", param,
-                           "unknown_parameter")
     if first.get("type") == "missing":
         return bad_request(f"missing required parameter {param!r}", param, "missing_parameter")
     if param is None:

@@ -1,8 +1,12 @@
 """Request and response bodies of the OpenAI API subset this server speaks (pydantic).
 
-Requests forbid unknown fields so a typo is a 400 naming it. Fields OpenAI defines but this
-server cannot honour are accepted only at their no-op value (see `unsupported_settings`).
-Extensions beyond OpenAI (as vLLM/SGLang offer them): top_k, min_tokens, ignore_eos, stop_token_ids.
+Unknown request fields, at any depth, are ignored, as vLLM's server ignores them: clients written
+for other servers send fields this one has no use for. The app logs each such name once
+(`server.unknown_fields`). Fields this server knows but cannot honour are accepted only at their
+no-op value and are a 400 naming them otherwise (see `unsupported_settings`): frequency_penalty and
+presence_penalty at 0, logit_bias empty, repetition_penalty at 1.0, min_p at 0.0, and so on.
+Extensions beyond OpenAI (as vLLM/SGLang offer them): top_k, min_tokens, ignore_eos, stop_token_ids,
+repetition_penalty and min_p (the last two not implemented yet: neutral values only).
 
 The bounds of the sampling fields are `SamplingParams.validate`'s (the engine's); the few repeated
 here take its constants, so that the schema shows them and a violation is a 400 naming the field.
@@ -19,16 +23,18 @@ from moe_runtime.sampling_params import SamplingParams
 TokenIds = list[int]
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RequestModel(BaseModel):
+    """Keeps unknown fields in `model_extra`, so that the app can name them in its warning."""
+
+    model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(StrictModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestModel):
     """What completions and chat share."""
 
     model: str | None = None
@@ -48,6 +54,8 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0)   # not implemented: 1.0 only
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)        # not implemented: 0.0 only
 
     def unsupported_settings(self) -> dict[str, object]:
         """Fields set to something this server cannot do: name -> value."""
@@ -58,6 +66,10 @@ class SamplingFields(StrictModel):
             found["presence_penalty"] = self.presence_penalty
         if self.logit_bias:
             found["logit_bias"] = self.logit_bias
+        if self.repetition_penalty not in (None, 1.0):
+            found["repetition_penalty"] = self.repetition_penalty
+        if self.min_p:
+            found["min_p"] = self.min_p
         return found
 
 
@@ -80,15 +92,20 @@ class CompletionRequest(SamplingFields):
         return found
 
 
-class TextContentPart(StrictModel):
+class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(StrictModel):
+class ChatMessage(RequestModel):
+    """One message of the conversation; replayed history may carry an assistant's `tool_calls` and the
+    `tool_call_id` a tool message answers, which go on to the chat template (`template_message`)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -98,7 +115,7 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(StrictModel):
+class ResponseFormat(RequestModel):
     type: str
 
 

@@ -1,23 +1,30 @@
 """From an API request to engine work: the model check, prompt token ids, one `ChoiceSpec` per choice.
 
-Every refusal is an `APIError` naming the parameter at fault.
+Every refusal is an `APIError` naming the parameter at fault. Unknown fields are ignored, each name
+warned about once per server (`server.unknown_fields`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling_params import SamplingParams
 from server.errors import APIError, bad_request
 from server.generation import ChoiceSpec
-from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from server.unknown_fields import UnknownFieldWarnings
 
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """What converting a request needs from its server; `build_app` makes one per app, so the
+    unknown-field warnings it carries are once per server."""
+
     served_model_name: str
     max_model_len: int
     tokenizer: object
+    unknown_fields: UnknownFieldWarnings = field(default_factory=UnknownFieldWarnings, compare=False)
 
 
 def check_model(requested: str | None, model: ModelInfo) -> None:
@@ -57,12 +64,36 @@ def chat_prompt(request: ChatCompletionRequest, model: ModelInfo) -> list[int]:
     tokenizer = model.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: use /v1/completions", "messages", "no_chat_template")
-    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    messages = [template_message(m) for m in request.messages]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - the template's own error names what it rejects
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_message(message: ChatMessage) -> dict:
+    """A message as chat templates take it: text content, plus the tool-call fields it carries."""
+    rendered = {"role": message.role, "content": message.text()}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.tool_calls is not None:
+        rendered["tool_calls"] = [with_parsed_arguments(call) for call in message.tool_calls]
+    return rendered
+
+
+def with_parsed_arguments(tool_call: dict) -> dict:
+    """OpenAI sends a call's arguments as a JSON string; chat templates expect the object (as vLLM gives them)."""
+    function = tool_call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return tool_call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return tool_call
+    return {**tool_call, "function": {**function, "arguments": arguments}}
 
 
 def check_context(prompt_len: int, max_tokens: int, model: ModelInfo, prompt_param: str,
@@ -123,6 +154,7 @@ def choice_specs(request: SamplingFields, prompts: list[list[int]], max_tokens: 
 
 
 def completion_choices(request: CompletionRequest, model: ModelInfo) -> list[ChoiceSpec]:
+    model.unknown_fields.warn_new(request, "/v1/completions")
     check_model(request.model, model)
     check_supported(request)
     prompts = completion_prompts(request, model)
@@ -133,6 +165,7 @@ def completion_choices(request: CompletionRequest, model: ModelInfo) -> list[Cho
 
 
 def chat_choices(request: ChatCompletionRequest, model: ModelInfo) -> list[ChoiceSpec]:
+    model.unknown_fields.warn_new(request, "/v1/chat/completions")
     check_model(request.model, model)
     check_supported(request)
     if request.top_logprobs is not None and not request.logprobs:

@@ -199,7 +199,7 @@ def test_stop_string_cuts_the_answer_streamed_or_not(client, llm):
 # ---- refusals ------------------------------------------------------------------------------
 
 BAD_COMPLETIONS = [
-    ({"prompt": "x", "foo": 1}, 400, "foo"),
+    ({"prompt": "x", "repetition_penalty": 1.3}, 400, "repetition_penalty"),   # unknown fields are ignored instead
     ({"prompt": "x", "temperature": 3}, 400, "temperature"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
