@@ -60,8 +60,8 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: list[int], recv_splits: lis
     """rows [S, ...] sent in rank order with uneven splits -> received rows [sum(recv), ...]."""
     send = as_bytes(rows)
     recv = torch.empty(sum(recv_splits), send.shape[1], dtype=torch.uint8, device=rows.device)
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_splits,
-                           input_split_sizes=send_splits, group=group)
+    dist.all_to_all_single(recv, send, group=group, output_split_sizes=recv_splits,
+                           input_split_sizes=send_splits)
     return recv.view(rows.dtype).reshape(sum(recv_splits), *rows.shape[1:])
 
 

@@ -1,6 +1,6 @@
-"""The browser tests skip where chromium or its driver is missing, except under CI=true, where they fail."""
+"""The browser tests fail, never skip, where chromium or its driver is missing."""
 import pytest
-from browser_gate import require_browser
+from browser_gate import INSTALL, require_browser
 
 
 @pytest.fixture
@@ -12,19 +12,12 @@ def browser_parts(tmp_path):
 
 
 def test_present_browser_lets_the_tests_run(browser_parts):
-    require_browser(browser_parts, environ={"CI": "true"})
-    require_browser(browser_parts, environ={})
+    require_browser(browser_parts)
 
 
 @pytest.mark.parametrize("missing", [0, 1], ids=["chromium", "chromedriver"])
-def test_a_missing_part_skips_outside_ci(browser_parts, missing):
+def test_a_missing_part_fails_and_says_how_to_install_it(browser_parts, missing):
     browser_parts[missing].unlink()
-    with pytest.raises(pytest.skip.Exception, match=browser_parts[missing].name):
-        require_browser(browser_parts, environ={"CI": "false"})
-
-
-@pytest.mark.parametrize("missing", [0, 1], ids=["chromium", "chromedriver"])
-def test_a_missing_part_fails_under_ci(browser_parts, missing):
-    browser_parts[missing].unlink()
-    with pytest.raises(pytest.fail.Exception, match=browser_parts[missing].name):
-        require_browser(browser_parts, environ={"CI": "true"})
+    with pytest.raises(pytest.fail.Exception, match=browser_parts[missing].name) as failed:
+        require_browser(browser_parts)
+    assert INSTALL in str(failed.value)

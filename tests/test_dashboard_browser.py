@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module", autouse=True)
 def browser_installed():
-    """Skips the module without chromium or chromedriver, or fails it under CI=true (browser_gate)."""
+    """Fails the module without chromium or chromedriver (browser_gate)."""
     require_browser()
 
 

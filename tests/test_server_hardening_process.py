@@ -207,7 +207,7 @@ def test_a_100mb_upload_is_refused_early_and_the_server_stays_responsive(server,
 # ---- the dashboard in a browser, with the key ---------------------------------------------------
 
 def test_the_dashboard_works_in_a_browser_given_the_key(server, tmp_path):
-    require_browser()   # skips without chromium/chromedriver; fails under CI=true
+    require_browser()   # fails without chromium/chromedriver
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.support.ui import WebDriverWait
