@@ -6,9 +6,7 @@ import dataclasses
 
 import torch
 
-from dispatch.backends import (BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_AUTO,  # noqa: F401 (re-exported)
-                               BACKEND_DEEPEP, BACKEND_DEEPEP_LOW_LATENCY, BACKEND_DEEPEP_NORMAL,
-                               BACKEND_LOCAL, BACKENDS, PHASE_DECODE, PHASE_PREFILL, PHASES)
+from dispatch.backends import BACKENDS, PHASES
 
 
 @dataclasses.dataclass

@@ -9,9 +9,10 @@ import torch
 from dispatch.all_to_all import AllToAllDispatcher
 from dispatch.allgather import AllGatherDispatcher
 from dispatch.base import Dispatcher
-from dispatch.config import (BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_AUTO, BACKEND_DEEPEP,
-                             BACKEND_DEEPEP_LOW_LATENCY, BACKEND_DEEPEP_NORMAL, BACKEND_LOCAL,
-                             BACKENDS, PHASE_DECODE, PHASE_PREFILL, PHASES, DispatchConfig)
+from dispatch.backends import (BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_AUTO, BACKEND_DEEPEP,
+                               BACKEND_DEEPEP_LOW_LATENCY, BACKEND_DEEPEP_NORMAL, BACKEND_LOCAL, BACKENDS,
+                               PHASE_DECODE, PHASE_PREFILL, PHASES)
+from dispatch.config import DispatchConfig
 from dispatch.deepep import MODE_LOW_LATENCY, MODE_NORMAL, DeepEPDispatcher, deep_ep_importable
 from dispatch.local import LocalDispatcher
 from dispatch.slots import SlotPlacement

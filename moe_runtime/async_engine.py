@@ -46,6 +46,14 @@ class RequestFailedError(MoERuntimeError):
         self.error = error
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, or None (the engine thread, a signal handler's caller)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def _resolve(future: asyncio.Future, value) -> None:
     if not future.done():
         future.set_result(value)
@@ -227,11 +235,7 @@ class AsyncEngine:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
+        if _running_loop() is loop:
             self.engine.detach()
         elif loop.is_running():
             asyncio.run_coroutine_threadsafe(self._detach_soon(), loop).result(timeout=5)
@@ -516,10 +520,7 @@ class AsyncEngine:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for stream, item in items:
             by_loop.setdefault(stream.loop, []).append((stream, item))
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        running = _running_loop()
         for loop, batch in by_loop.items():
             if loop is running:  # event-driven: already on the streams' loop, no extra hop
                 self._receive(batch)

@@ -239,8 +239,6 @@ class MultiprocessEngine:
             if (len(self._load_reports) == self.layout.pp and self._load_waiter is not None
                     and not self._load_waiter.done()):
                 self._load_waiter.set_result(None)
-        elif isinstance(message, WorkerReady):
-            self.ready[message.rank] = message
         return []
 
     def _apply_step(self, batch: StepOutputs) -> list[RequestOutput]:

@@ -91,11 +91,9 @@ class OutputProcessor:
             except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer failed on this request alone
                 output = self._output(state, [], None, finished=True, finish_reason="error",
                                       error=error_message(exc))
-                if delta.finish_reason is None:
-                    stopped.append(delta.request_id)
             if output.finished:
                 del self.requests[delta.request_id]
-                if delta.finish_reason is None and output.request_id not in stopped:
+                if delta.finish_reason is None:  # ended here (stop string, error): the engine still runs it
                     stopped.append(delta.request_id)
             outputs.append(output)
         return ProcessedStep(outputs, stopped)
