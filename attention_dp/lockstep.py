@@ -87,7 +87,7 @@ class LockstepLoop:
             if command.dp_rank == self.parallel.dp_rank:
                 self.core.add_request(command.request_id, command.prompt_token_ids, command.params)
         elif isinstance(command, AbortRequest):
-            if self.core.abort(command.request_id) and self.reports_outputs:
+            if self.core.abort(command.request_id, command.finish_reason) and self.reports_outputs:
                 # its blocks are free now: tell the front, which would otherwise hear only at the next step
                 self.results.put(StepOutputs(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank, deltas=[],
                                              stats=self.core.worker_stats()))

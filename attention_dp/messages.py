@@ -54,6 +54,7 @@ class AddRequest(Message):
 
 class AbortRequest(Message):
     request_id: str
+    finish_reason: str = "abort"   # "stop": the front saw a stop string; "error": it failed the request
 
 
 class SnapshotExpertLoad(Message):

@@ -140,8 +140,9 @@ class EngineCore:
         self.scheduler.add(seq)
         self._prompt_tokens += len(prompt_token_ids)
 
-    def abort(self, request_id: str) -> bool:
-        seq = self.scheduler.abort(request_id)
+    def abort(self, request_id: str, reason: str = FinishReason.ABORT.value) -> bool:
+        """End a request early; `reason` ("abort", or "stop"/"error" when the front ended it) is its finish reason."""
+        seq = self.scheduler.abort(request_id, FinishReason(reason))
         self._sequences.pop(request_id, None)
         return seq is not None
 
@@ -229,7 +230,7 @@ class EngineCore:
         """End a request the engine could not advance: its KV blocks are freed as for an abort, and its
         delta says finish_reason "error" with `error` (the other requests of the batch go on)."""
         logger.warning("request %s failed: %s", seq.request_id, error)
-        self.scheduler.finish(seq, FinishReason.ABORT)
+        self.scheduler.finish(seq, FinishReason.ERROR)
         self._sequences.pop(seq.request_id, None)
         return TokenDelta(seq.request_id, [], None, "error", error, seq.num_preemptions)
 

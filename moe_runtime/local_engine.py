@@ -46,8 +46,8 @@ class LocalEngine:
         deltas = self.core.step()
         sampled_at = time.time()
         processed = self.outputs.process(deltas)
-        for request_id in processed.stopped:
-            self.core.abort(request_id)
+        for request_id, reason in processed.ended.items():
+            self.core.abort(request_id, reason)
         for output in processed.outputs:
             output.sampled_at = sampled_at
         return processed.outputs

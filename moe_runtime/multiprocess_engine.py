@@ -249,8 +249,8 @@ class MultiprocessEngine:
             self._generation_tokens += len(delta.new_token_ids)
             self.router.grow(delta.request_id, len(delta.new_token_ids))
         processed = self.outputs.process(live)
-        for request_id in processed.stopped:  # a stop string ended it here: the ranks free its blocks
-            self._control.broadcast(AbortRequest(request_id=request_id))
+        for request_id, reason in processed.ended.items():  # ended here (stop string, error): ranks free its blocks
+            self._control.broadcast(AbortRequest(request_id=request_id, finish_reason=reason))
         for output in processed.outputs:
             output.sampled_at = batch.sent_at
             if output.finished:

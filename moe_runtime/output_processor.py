@@ -6,8 +6,8 @@ incremental detokenization, the stop strings (with min_tokens), and the text tha
 stream. So no rank waits for another's detokenizer at the next collective, and the bytes a rank
 sends per request per step do not grow with the output.
 
-A stop string ends a request here, before the ranks know: `process` returns those request ids so
-the engine aborts them (their KV blocks are freed at the next step boundary); deltas the ranks
+A stop string ends a request here, before the ranks know: `process` returns those request ids, with
+the reason, so the engine aborts them (their KV blocks are freed at the next step boundary); deltas the ranks
 sent meanwhile are ignored.
 
 Streaming text (`RequestOutput.new_text`) is never taken back: a trailing U+FFFD (an incomplete
@@ -58,7 +58,8 @@ class RequestState:
 @dataclass
 class ProcessedStep:
     outputs: list[RequestOutput]
-    stopped: list[str]                # request ids a stop string ended: abort them in the engine
+    ended: dict[str, str]             # request id -> finish reason ("stop", "error") of requests this front
+                                      # ended while the engine still runs them: abort them there
 
 
 class OutputProcessor:
@@ -80,7 +81,8 @@ class OutputProcessor:
         return request_id in self.requests
 
     def process(self, deltas: list[TokenDelta]) -> ProcessedStep:
-        outputs, stopped = [], []
+        outputs: list[RequestOutput] = []
+        ended: dict[str, str] = {}
         for delta in deltas:
             state = self.requests.get(delta.request_id)
             if state is None:
@@ -94,9 +96,9 @@ class OutputProcessor:
             if output.finished:
                 del self.requests[delta.request_id]
                 if delta.finish_reason is None:  # ended here (stop string, error): the engine still runs it
-                    stopped.append(delta.request_id)
+                    ended[delta.request_id] = output.finish_reason
             outputs.append(output)
-        return ProcessedStep(outputs, stopped)
+        return ProcessedStep(outputs, ended)
 
     def _advance(self, state: RequestState, delta: TokenDelta) -> RequestOutput:
         params = state.params

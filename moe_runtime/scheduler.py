@@ -56,12 +56,13 @@ class Scheduler:
     def num_running_tokens(self) -> int:
         return sum(seq.num_tokens for seq in self.running)
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
+        """End a request before the engine would (client gone, or the front saw a stop string); frees its blocks."""
         for queue in (self.waiting, self.running):
             for seq in list(queue):
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self._finish(seq, FinishReason.ABORT)
+                    self._finish(seq, reason)
                     return seq
         return None
 

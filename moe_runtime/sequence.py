@@ -19,6 +19,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     STOP = "stop"
     ABORT = "abort"
+    ERROR = "error"     # the engine (or the front) could not advance this request alone
 
 
 @dataclass

@@ -28,9 +28,9 @@ def run(processor: OutputProcessor, request_id: str, tokens: list[int], last_rea
         reason = last_reason if index == len(tokens) - 1 else None
         step = processor.process([TokenDelta(request_id, [token], None, reason)])
         outputs.extend(step.outputs)
-        if step.stopped or (outputs and outputs[-1].finished):
-            return outputs, step.stopped
-    return outputs, []
+        if step.ended or (outputs and outputs[-1].finished):
+            return outputs, step.ended
+    return outputs, {}
 
 
 def test_held_back_suffix_is_the_longest_end_that_starts_a_stop_string():
@@ -45,7 +45,7 @@ def test_a_stop_string_ends_the_request_in_the_front_and_is_never_streamed():
     processor = OutputProcessor(ByteTokenizer({1: b"one", 2: b" S", 3: b"T", 4: b"OP", 5: b"!"}))
     processor.add("r", [9], SamplingParams(max_tokens=10, stop=["STOP"]))
     outputs, stopped = run(processor, "r", [1, 2, 3, 4, 5])
-    assert stopped == ["r"], "the engine must be told to abort the request"
+    assert stopped == {"r": "stop"}, "the engine must be told to abort the request"
     assert [o.new_text for o in outputs] == ["one", " ", "", ""]
     final = outputs[-1]
     assert final.finished and final.finish_reason == "stop" and final.text == "one "
@@ -58,7 +58,7 @@ def test_a_held_back_prefix_is_released_when_it_does_not_become_a_stop_string():
     processor = OutputProcessor(ByteTokenizer({1: b"a ST", 2: b"AR", 3: b"!"}))
     processor.add("r", [9], SamplingParams(max_tokens=3, stop=["STOP"]))
     outputs, stopped = run(processor, "r", [1, 2, 3])
-    assert stopped == [] and outputs[0].new_text == "a "
+    assert stopped == {} and outputs[0].new_text == "a "
     assert "".join(o.new_text for o in outputs) == "a STAR!" == outputs[-1].text
 
 
@@ -66,7 +66,7 @@ def test_stop_strings_wait_for_min_tokens():
     processor = OutputProcessor(ByteTokenizer({1: b"x", 2: b"STOP", 3: b"y"}))
     processor.add("r", [9], SamplingParams(max_tokens=3, stop=["STOP"], min_tokens=3))
     outputs, stopped = run(processor, "r", [1, 2, 3])
-    assert stopped == [] and outputs[-1].finish_reason == "length" and outputs[-1].text == "xSTOPy"
+    assert stopped == {} and outputs[-1].finish_reason == "length" and outputs[-1].text == "xSTOPy"
 
 
 def test_incomplete_utf8_is_held_until_completed():

@@ -379,3 +379,17 @@ def test_fuzzed_requests_never_hurt_a_two_rank_engine(checkpoint):
             assert llm.engine.health().healthy, f"request {i} {body} hurt the engine: {llm.engine.health()}"
             assert llm.generate([PROMPTS[2]], greedy(2))[0].token_ids == normal, f"after request {i} {body}"
         assert ran >= FUZZ_REQUESTS // 6, f"only {ran} of {FUZZ_REQUESTS} fuzzed requests were valid"
+
+
+def test_a_stop_string_ends_the_request_on_the_core_with_reason_stop(llm, monkeypatch):
+    """The front sees the stop string; the core is told to end the request with that reason."""
+    [free_run] = llm.generate([PROMPTS[0]], greedy(12))
+    stop = free_run.text[len(free_run.text) // 2:][:2] or free_run.text
+    ended = []
+    real_abort = llm.engine.core.abort
+    monkeypatch.setattr(llm.engine.core, "abort", lambda request_id, reason="abort": (
+        ended.append(reason), real_abort(request_id, reason))[1])
+    [stopped] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                         stop=[stop]))
+    assert stopped.finish_reason == "stop" and ended == ["stop"]
+    assert_engine_idle(llm.engine)
