@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from moe_runtime.async_engine import AsyncEngine
 from moe_runtime.errors import MoERuntimeError
 from server.auth import ApiKeyGate
-from server.body_limit import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit
+from server.body_limit import RequestSizeLimit
 from server.chat import ChatFormatter
 from server.completions import CompletionFormatter
 from server.errors import APIError, as_api_error, install_error_handlers
@@ -32,6 +32,7 @@ from server.logprobs import TokenNamer
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.request_conversion import ModelInfo, chat_choices, completion_choices
+from server.server_config import DEFAULT_MAX_REQUEST_BYTES
 from server.sse import EventStreamResponse, sse_stream
 
 logger = logging.getLogger(__name__)

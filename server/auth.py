@@ -55,16 +55,13 @@ class ApiKeyGate:
     api_key: str | None
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.api_key is None or scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+        if self.api_key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
         authorization = headers.get(b"authorization", b"").decode("latin-1")
         if key_matches(authorization, self.api_key):
             await self.app(scope, receive, send)
-            return
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
             return
         extra = {"WWW-Authenticate": BROWSER_REALM if not scope["path"].startswith("/v1/") else "Bearer"}
         if declares_body(headers):

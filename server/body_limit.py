@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from server.errors import APIError
 
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
 
 class RequestTooLarge(Exception):
@@ -39,7 +38,6 @@ def too_large(limit: int) -> APIError:
 class _Upload:
     """One request's body as counted so far, and whether the app's response was replaced by the 413."""
 
-    limit: int
     received: int = 0
     exceeded: bool = False
     response_started: bool = False
@@ -60,7 +58,7 @@ class RequestSizeLimit:
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
             await self._refuse(scope, receive, send)
             return
-        upload = _Upload(self.max_bytes)
+        upload = _Upload()
 
         async def counting_receive() -> dict:
             if upload.exceeded:
@@ -68,7 +66,7 @@ class RequestSizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 upload.received += len(message.get("body", b""))
-                if upload.received > upload.limit:
+                if upload.received > self.max_bytes:
                     upload.exceeded = True
                     raise RequestTooLarge()
             return message

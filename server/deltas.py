@@ -31,5 +31,5 @@ class ChoiceTracker:
         self.num_tokens = len(output.token_ids)
         if output.finished:
             self.finish_reason = output.finish_reason
-        return ChoiceDelta(output.new_text, list(output.new_token_ids), list(output.new_logprobs or []),
+        return ChoiceDelta(output.new_text, output.new_token_ids, output.new_logprobs or [],
                            output.finish_reason if output.finished else None)

@@ -92,9 +92,6 @@ def validation_error(errors: Sequence[dict]) -> APIError:
     if not errors:
         return bad_request("invalid request body")
     first = errors[0]
-    if first.get("type") == "json_invalid":
-        return bad_request(f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}",
-                           code="invalid_json")
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     if first.get("type") == "missing":

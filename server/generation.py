@@ -8,7 +8,6 @@ failed (`RequestFailedError`) fails the whole API call: its other choices are ab
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -79,9 +78,8 @@ class Generation:
         """Every choice's deltas until all have finished; raises what a stream raised (EngineDeadError,
         RequestFailedError)."""
         try:
-            async with contextlib.aclosing(self._merged_events()) as events:
-                async for event in events:
-                    yield event
+            async for event in self._merged_events():
+                yield event
         except RequestFailedError:
             self.metrics.finish_reasons.inc("error")
             raise

@@ -48,23 +48,22 @@ class LabeledCounter:
 class ServerMetrics:
     """The app's request metrics (`requests`, `finish_reasons`, `ttft`, `itl`, `e2e`) and their registry."""
 
-    def __init__(self, prefix: str = PREFIX):
-        self.prefix = prefix
+    def __init__(self):
         self.registry = CollectorRegistry()
         self.requests = LabeledCounter.create(
-            prefix + "requests", "POST /v1 requests by final status (" + ", ".join(REQUEST_STATUSES) + ").",
+            PREFIX + "requests", "POST /v1 requests by final status (" + ", ".join(REQUEST_STATUSES) + ").",
             "status", REQUEST_STATUSES, self.registry)
         self.finish_reasons = LabeledCounter.create(
-            prefix + "request_finish",
+            PREFIX + "request_finish",
             "Engine requests (one per choice) finished, by finish reason (stop, length, abort, error: "
             "the engine failed the request).", "reason", FINISH_REASONS, self.registry)
-        self.ttft = Histogram(prefix + "time_to_first_token_seconds",
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
                               "Time from request arrival to its first generated token.",
                               buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram(prefix + "inter_token_latency_seconds",
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
                              "Time between successive generated tokens of a request.",
                              buckets=ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(prefix + "e2e_request_latency_seconds", "Time from request arrival to its last token.",
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its last token.",
                              buckets=E2E_BUCKETS, registry=self.registry)
 
     def render(self, async_engine, expert_load: ExpertLoadSnapshot | None) -> bytes:
@@ -76,7 +75,7 @@ class ServerMetrics:
         """
         scrape = CollectorRegistry()
         scrape.register(self.registry)
-        scrape.register(EngineCollector(self.prefix, EngineReading.read(async_engine, expert_load)))
+        scrape.register(EngineCollector(PREFIX, EngineReading.read(async_engine, expert_load)))
         return generate_latest(scrape)
 
 

@@ -14,6 +14,9 @@ class ServerConfigError(MoERuntimeError):
     """A flag value `moe-serve` cannot run with (outside the engine's settings); the message names the flag."""
 
 
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20   # the HTTP request-size limit unless --max-request-bytes says otherwise
+
 @dataclass
 class ResolvedModel:
     path: str           # the checkpoint directory the engine loads
@@ -27,7 +30,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000                      # 0 = a free one
     api_key: str | None = None
-    max_request_bytes: int = 4 * 2**20    # larger request bodies get HTTP 413
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES   # larger request bodies get HTTP 413
     max_queue: int = 512                  # requests waiting for their first token; more get HTTP 429
     log_level: str = "info"
 

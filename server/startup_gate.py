@@ -27,9 +27,6 @@ class StartupGate:
         if self.app is not None:
             await self.app(scope, receive, send)
             return
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1013})   # try again later
-            return
         if scope["type"] != "http":
             return
         response = starting_response(scope["path"], scope["method"])
