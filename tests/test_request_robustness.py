@@ -17,17 +17,16 @@ import math
 import random
 from dataclasses import dataclass
 
-import httpx
 import pytest
 from pydantic import ValidationError
 
 from engine_helpers import PROMPTS, greedy
+from server_harness import serve_in_process
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig, RequestFailedError
+from moe_runtime.async_engine import RequestFailedError
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.request_limits import RequestLimits
 from moe_runtime.sampler import Sampler
-from server import build_app
 from server.errors import APIError
 from server.protocol import CompletionRequest
 from server.request_conversion import choice_specs
@@ -199,21 +198,6 @@ def test_a_request_whose_detokenizing_raises_fails_alone(llm, monkeypatch):
 
 # ---- the async engine and the server, in process -------------------------------------------
 
-def serve(engine, scenario):
-    """Run `await scenario(client)` against the app on `engine` (one event loop, ASGI transport)."""
-
-    async def main():
-        async_engine = AsyncEngine(engine, AsyncEngineConfig(idle_poll_s=0.01)).start()
-        transport = httpx.ASGITransport(app=build_app(async_engine, "tiny"))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-                return await scenario(client, async_engine)
-        finally:
-            await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
-
-    return asyncio.run(asyncio.wait_for(main(), 90))
-
-
 def test_async_engine_fails_only_the_request_the_engine_failed(llm, monkeypatch):
     monkeypatch.setattr(llm.engine.core, "sampler", PoisonedSampler(llm.engine.core.sampler))
 
@@ -224,7 +208,7 @@ def test_async_engine_fails_only_the_request_the_engine_failed(llm, monkeypatch)
         results = await asyncio.gather(collect("a", PROMPTS[0]), collect("b", POISON), return_exceptions=True)
         return results, async_engine.health()
 
-    (fine, failed), health = serve(llm.engine, scenario)
+    (fine, failed), health = serve_in_process(llm.engine, scenario, timeout_s=90)
     assert isinstance(failed, RequestFailedError) and "injected sampling failure" in str(failed)
     assert fine[-1].finish_reason == "length" and health.healthy
 
@@ -244,7 +228,7 @@ def test_server_fails_only_the_client_whose_request_failed(llm, monkeypatch):
         after = await client.post("/v1/completions", json={"prompt": PROMPTS[0], **body})
         return plain_fail, plain_ok, streamed_fail, n_fail, health, after
 
-    plain_fail, plain_ok, streamed_fail, n_fail, health, after = serve(llm.engine, scenario)
+    plain_fail, plain_ok, streamed_fail, n_fail, health, after = serve_in_process(llm.engine, scenario, timeout_s=90)
     for failed in (plain_fail, n_fail):  # what the message says is the HTTP layer's choice (server/errors.py)
         assert failed.status_code == 500, failed.text
         assert failed.json()["error"]["type"] == "internal_server_error"
@@ -280,7 +264,7 @@ def test_server_refuses_out_of_bounds_values_naming_the_parameter_and_accepts_ex
                                  {"top_p": 5e-324, "seed": 0})]
         return refusals, nan_top_p, accepted, await client.get("/health")
 
-    refusals, nan_top_p, accepted, health = serve(llm.engine, scenario)
+    refusals, nan_top_p, accepted, health = serve_in_process(llm.engine, scenario, timeout_s=90)
     for response, (_, param) in zip(refusals + [nan_top_p], SERVER_REFUSALS + [({}, "top_p")]):
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param, response.text
