@@ -40,6 +40,7 @@ HANDSHAKE_TIMEOUT_MS = 10_000    # a connection that has not completed CURVE by 
 HEARTBEAT_INTERVAL_MS = 2_000
 HEARTBEAT_TIMEOUT_MS = 20_000    # no traffic and no heartbeat answer for this long: the peer is gone
 MAX_MESSAGE_BYTES = 256 * 2**20  # an authenticated peer still cannot make the front allocate more
+LAST_MESSAGE_GRACE_MS = 200       # after the front disconnects, how long a rank looks for what it sent last
 ZAP_DOMAIN = "moe-control"
 
 
@@ -256,6 +257,16 @@ class FrontControl:
         self.hellos[hello.rank] = hello
         self._send(routing_id, hello.rank, self.codec.encode(self.setup))
 
+    def wait_for_ranks_to_leave(self, timeout_s: float) -> None:
+        """After a Shutdown: wait until every rank has closed its connection, so that no rank sees the
+        front go before it has read the Shutdown (a rank the front did not start cannot be joined)."""
+        deadline = time.monotonic() + timeout_s
+        while self._peers and time.monotonic() < deadline:
+            try:
+                self.receive(deadline - time.monotonic())  # late outputs are of no use now
+            except RankDisconnected:
+                pass
+
     def close(self) -> None:
         if _close_watched(self._socket, self._monitor, linger_ms=0):
             self._authenticator.stop()
@@ -322,10 +333,10 @@ class WorkerControl:
         while True:
             wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
             ready = dict(poller.poll(wait_ms))
+            if self._socket in ready:  # messages first: the front's Shutdown arrives before its disconnect
+                return self.codec.decode_to_rank(self._socket.recv())
             if self._monitor in ready:
                 self._watch_connection()
-            if self._socket in ready:
-                return self.codec.decode_to_rank(self._socket.recv())
             if not ready and deadline is not None and time.monotonic() >= deadline:
                 raise queue.Empty
 
@@ -334,6 +345,8 @@ class WorkerControl:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._connected = True
         elif event["event"] == zmq.EVENT_DISCONNECTED and self._connected:
+            if self._socket.poll(LAST_MESSAGE_GRACE_MS, zmq.POLLIN):
+                return  # what the front sent before it closed is still to be read
             raise EOFError("the front closed the control connection")
 
     def get_nowait(self) -> Message:

@@ -198,6 +198,8 @@ class MultiprocessEngine:
             deadline = time.monotonic() + 10
             for process in self._processes.values():
                 process.join(timeout=max(deadline - time.monotonic(), 0.1))
+            # ranks started elsewhere (another node, torchrun) must read the Shutdown before the socket goes
+            self._control.wait_for_ranks_to_leave(max(deadline - time.monotonic(), 0.1))
         self._kill_workers()
         self._control.close()  # remote ranks see the connection close and exit
         self._remove_rendezvous()

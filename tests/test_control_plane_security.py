@@ -136,6 +136,36 @@ def test_disconnects_are_seen_on_both_ends(front):
     survivor.close()
 
 
+def test_a_rank_reads_the_shutdown_sent_right_before_the_front_closes():
+    """A rank the front did not start (torchrun, another node) must see Shutdown, not only the disconnect:
+    the front waits for every rank to leave, and a rank reads pending messages before the disconnect."""
+    front = FrontControl(ControlAddress.tcp("127.0.0.1", 0, ControlKey.generate()), _setup(world_size=1))
+    rank = _join_in_background(front, front.address, rank=0)
+    front.broadcast(Shutdown())
+    left = threading.Thread(target=front.wait_for_ranks_to_leave, args=(10.0,))
+    left.start()
+    time.sleep(0.5)  # the Shutdown and (once the front closes) the disconnect are both waiting for the rank
+    assert left.is_alive(), "the front stopped waiting before the rank left"
+    assert isinstance(rank.get(10), Shutdown)
+    rank.close()
+    left.join(10)
+    assert not left.is_alive(), "the front did not see the rank leave"
+    front.close()
+
+
+def test_a_rank_reads_what_arrived_before_the_disconnect():
+    front = FrontControl(ControlAddress.tcp("127.0.0.1", 0, ControlKey.generate()), _setup(world_size=1))
+    rank = _join_in_background(front, front.address, rank=0)
+    front.broadcast(Shutdown())
+    time.sleep(0.5)  # delivered to the rank's queue, unread
+    front.close()
+    time.sleep(0.5)  # the disconnect is seen too
+    assert isinstance(rank.get(10), Shutdown)
+    with pytest.raises(EOFError):
+        rank.get(10)
+    rank.close()
+
+
 def test_multi_node_and_external_worker_jobs_refuse_to_start_without_a_key(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv(CONTROL_KEY_ENV, raising=False)
     with pytest.raises(ControlKeyError, match=CONTROL_KEY_ENV):
