@@ -1,6 +1,9 @@
 """Read tensors from an HF checkpoint directory (single or sharded safetensors), lazily.
 
 Only the tensors a rank asks for are read: expert parallelism asks for a subset of experts.
+The reader records every tensor it hands out (`consumed`), so the loader can tell a tensor no
+rank used (a layer the model does not know, a format it does not read) from one it did.
+FP8 block-quantized weights come out dequantized to float32 with their `weight_scale_inv`.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from moe_runtime.errors import CheckpointError
+from moe_runtime.quantization.fp8_block import SCALE_SUFFIX, Fp8BlockFormat
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +33,17 @@ class CheckpointReader:
     _handles: dict[str, object] = field(default_factory=dict, repr=False)
     bytes_read: int = 0
     tensors_read: int = 0
+    fp8: Fp8BlockFormat | None = None          # the checkpoint's FP8 block format; None = not quantized
+    consumed: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
-    def open(cls, directory: str | Path) -> "CheckpointReader":
-        directory = Path(directory)
+    def open(cls, directory: str | Path, fp8: Fp8BlockFormat | None = None) -> "CheckpointReader":
+        reader = cls._open(Path(directory))
+        reader.fp8 = fp8
+        return reader
+
+    @classmethod
+    def _open(cls, directory: Path) -> "CheckpointReader":
         if not directory.is_dir():
             raise CheckpointError(f"checkpoint directory {directory} does not exist")
         index_path = directory / INDEX_FILE
@@ -68,9 +79,30 @@ class CheckpointReader:
     def read(self, name: str) -> torch.Tensor:
         handle = self._handle(name)
         tensor = handle.get_tensor(name)
+        self._count(name, tensor)
+        if tensor.dtype == torch.float8_e4m3fn:
+            return self._dequantized(name, tensor)
+        return tensor
+
+    def is_fp8(self, name: str) -> bool:
+        return self._handle(name).get_slice(name).get_dtype() == "F8_E4M3"
+
+    def _dequantized(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        scale_name = name + SCALE_SUFFIX
+        if self.fp8 is None:
+            raise CheckpointError(f"tensor {name!r} in {self.directory} is float8_e4m3fn but config.json has no "
+                                  f"quantization_config saying how it is scaled")
+        if not self.has(scale_name):
+            raise CheckpointError(f"tensor {name!r} in {self.directory} is float8_e4m3fn without its scales "
+                                  f"{scale_name!r}")
+        scale = self._handle(scale_name).get_tensor(scale_name)
+        self._count(scale_name, scale)
+        return self.fp8.dequantize(tensor, scale, name)
+
+    def _count(self, name: str, tensor: torch.Tensor) -> None:
         self.bytes_read += tensor.numel() * tensor.element_size()
         self.tensors_read += 1
-        return tensor
+        self.consumed.add(name)
 
     def _handle(self, name: str):
         file_name = self.tensor_to_file.get(name)
@@ -93,9 +125,10 @@ def read_rows(reader: CheckpointReader, name: str, start: int, stop: int) -> tor
 
 def read_slice(reader: CheckpointReader, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
     """[start, stop) along `dim` (0 or 1) of a tensor, reading only that part (tensor-parallel shards)."""
-    handle = reader._handle(name)
-    view = handle.get_slice(name)
+    if reader.is_fp8(name):  # scales cover blocks, not rows: dequantize the whole tensor, then cut
+        whole = reader.read(name)
+        return whole[start:stop] if dim == 0 else whole[:, start:stop]
+    view = reader._handle(name).get_slice(name)
     tensor = view[start:stop] if dim == 0 else view[:, start:stop]
-    reader.bytes_read += tensor.numel() * tensor.element_size()
-    reader.tensors_read += 1
+    reader._count(name, tensor)
     return tensor

@@ -15,6 +15,7 @@ import torch
 from kernels import get_kernels
 from moe_runtime.block_manager import BlockManager
 from moe_runtime.checkpoint import CheckpointReader
+from moe_runtime.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
@@ -31,7 +32,7 @@ from moe_runtime.sampler import SampleResult, Sampler
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moe_runtime.sequence import FinishReason, Sequence, TokenLogprob
-from moe_runtime.weight_loading import load_model_weights
+from moe_runtime.weight_loading import SkippedTensors, load_model_weights
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +89,13 @@ class EngineCore:
         self.executor = (executor_factory(self.kernels, self.hf_config, self.dtype) if executor_factory
                          else LocalMoEExecutor(self.kernels))
         ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device)
-        reader = CheckpointReader.open(self.checkpoint_dir)
+        reader = CheckpointReader.open(self.checkpoint_dir,
+                                       Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir)))
         self.model = build_model(self.architecture, self.hf_config, ctx)
         if hasattr(self.executor, "finalize"):
             self.executor.finalize(self.model)
-        load_model_weights(self.model, reader)
+        load_model_weights(self.model, reader, SkippedTensors.for_config(self.hf_config),
+                           self.parallel.world_control_group if self.parallel.world_size > 1 else None)
         self.model.eval()
         self.tokenizer = load_tokenizer(self.checkpoint_dir)
         self.eos_ids = eos_token_ids(self.checkpoint_dir, self.hf_config, self.tokenizer)
