@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, ExpertLoadTables, RebalanceNow,
-                                   RebalanceReport, Shutdown, SnapshotExpertLoad, StepOutputs)
-from load_balancer.live_rebalancer import RebalanceOutcome
+                                   RebalanceReport, ResetPrefixCache, Shutdown, SnapshotExpertLoad, StepOutputs)
+from load_balancer.rebalance_event import RebalanceEvent
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 class LockstepLoop:
     def __init__(self, core, commands, results, parallel, rebalancer=None):
         self.core = core
-        self.rebalancer = rebalancer if self._every_rank_balances(parallel, rebalancer) else None
+        self.rebalancer = rebalancer  # on every rank or on none (a stage without MoE layers joins, moving nothing)
         self.commands = commands
         self.results = results
         self.parallel = parallel
@@ -65,18 +65,6 @@ class LockstepLoop:
     def _shutdown_received(self) -> bool:
         return bool(self._received) and isinstance(self._received[-1], Shutdown)
 
-    @staticmethod
-    def _every_rank_balances(parallel, rebalancer) -> bool:
-        """Whether every rank has a rebalancer: the stages rebalance together or not at all (a stage
-        without MoE layers has none)."""
-        if parallel.pp_size == 1:
-            return rebalancer is not None  # the stage is the job: all ranks built the same
-        flag = torch.tensor([int(rebalancer is not None)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=parallel.world_control_group)
-        if rebalancer is not None and not flag.item():
-            logger.warning("live rebalancing is off: a pipeline stage has no expert-parallel MoE layers")
-        return bool(flag.item())
-
     def _agree(self) -> tuple[int, bool]:
         flags = torch.tensor([-len(self._received), int(self.core.has_unfinished())], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.parallel.world_control_group)
@@ -87,17 +75,18 @@ class LockstepLoop:
             if command.dp_rank == self.parallel.dp_rank:
                 self.core.add_request(command.request_id, command.prompt_token_ids, command.params)
         elif isinstance(command, AbortRequest):
-            if self.core.abort(command.request_id, command.finish_reason) and self.reports_outputs:
+            if self.core.abort(command.request_id, command.finish_reason):
                 # its blocks are free now: tell the front, which would otherwise hear only at the next step
-                self.results.put(StepOutputs(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank, deltas=[],
-                                             stats=self.core.worker_stats()))
+                self._report([], always=True)
+        elif isinstance(command, ResetPrefixCache):
+            self.core.reset_prefix_cache()
+            self._report([], always=True)   # the front's cache-aware router forgets this worker's blocks in order
         elif isinstance(command, RebalanceNow):
             if self.rebalancer is None:
                 if self.parallel.rank == 0:
-                    self.results.put(RebalanceReport(outcome=RebalanceOutcome(
-                        "manual", 0.0, 0.0, 0, 1.0, 1.0, ok=False,
-                        error="nothing to rebalance: no MoE layers, one EP rank, or a pipeline stage "
-                              "without expert-parallel MoE layers"), index=-1))
+                    self.results.put(RebalanceReport(event=RebalanceEvent(
+                        -1, "manual", 0.0, 0.0, 0, 1.0, 1.0, ok=False,
+                        error="nothing to rebalance: one expert-parallel rank (start with ep > 1)")))
             else:
                 self.rebalancer.start("manual", command.fail_on_rank)
         elif isinstance(command, SnapshotExpertLoad):
@@ -119,9 +108,16 @@ class LockstepLoop:
         deltas = self.core.execute(batch, phase)
         self.steps += 1
         if self.rebalancer is not None:
-            outcome = self.rebalancer.after_step(self.steps)
-            if outcome is not None and self.parallel.rank == 0:  # merged over the stages already
-                self.results.put(RebalanceReport(outcome=outcome, index=self.rebalancer.count - 1))
-        if self.reports_outputs and batch is not None:
+            event = self.rebalancer.after_step(self.steps)
+            if event is not None and self.parallel.rank == 0:  # merged over the stages already
+                self.results.put(RebalanceReport(event=event))
+        self._report(deltas, always=batch is not None)
+
+    def _report(self, deltas: list, always: bool) -> None:
+        """Send the front this worker's outputs, stats and prefix-cache changes (from its reporting rank), when
+        `always` or the cache changed. Every rank drains its cache's changes, so none piles them up."""
+        cache_events = self.core.take_prefix_cache_events()
+        if self.reports_outputs and (always or cache_events):
             self.results.put(StepOutputs(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank, deltas=deltas,
-                                         stats=self.core.worker_stats(), sent_at=time.time()))
+                                         stats=self.core.worker_stats(), sent_at=time.time(),
+                                         cache_events=cache_events or None))

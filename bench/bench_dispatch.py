@@ -70,6 +70,7 @@ def _measure_on_rank(shape: Shape, target_s: float) -> dict:
     import torch.distributed as dist
 
     from dispatch import DispatchConfig, make_dispatcher
+    from load_balancer import SlotGeometry
 
     rank = dist.get_rank()
     dtype = getattr(torch, shape.dtype)
@@ -79,7 +80,7 @@ def _measure_on_rank(shape: Shape, target_s: float) -> dict:
     slot_ids = scores.topk(shape.top_k, dim=1).indices                               # [T, K]
     weights = torch.softmax(scores.gather(1, slot_ids), dim=1)                       # [T, K]
     dispatchers = {
-        name: make_dispatcher(DispatchConfig(backend, shape.ep, rank, None, shape.num_slots,
+        name: make_dispatcher(DispatchConfig(backend, SlotGeometry(shape.num_slots, shape.ep), rank, None,
                                              shape.hidden, dtype, send_once=send_once))
         for name, (backend, send_once) in VARIANTS.items()
     }

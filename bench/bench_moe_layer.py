@@ -6,8 +6,9 @@ Two layers, the same weights for every contender (the HF module's own parameter 
                                     moe_intermediate 1408, 1 shared expert (DeepSeek-V3 routing,
                                     scaled to fit)
 Contenders, per token count T:
-  runtime     router linear + kernels.select_experts + kernels.fused_moe (+ shared expert through
-              kernels.expert_mlp as a one-expert layer): the path the engine runs
+  runtime     router linear + kernels.select_experts + the MoE seam on one rank (local dispatcher x
+              the family's expert kernel; the shared expert through the same kernel as a one-expert
+              layer): the path the engine runs
   hf_grouped  the transformers block with experts_implementation="grouped_mm" (what
               from_pretrained picks by default)
   hf_eager    the transformers block with experts_implementation="eager" (loop over hit experts)
@@ -40,7 +41,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dispatch.local import LocalDispatcher  # noqa: E402
 from kernels import KernelSet, RoutingConfig, get_kernels  # noqa: E402
+from load_balancer import SlotGeometry  # noqa: E402
+from moe_runtime.moe.expert_kernel import ContiguousExpertKernel  # noqa: E402
+from moe_runtime.moe.expert_weights import ExpertWeights  # noqa: E402
+from moe_runtime.moe.modular_moe import ModularMoE  # noqa: E402
 
 H200_PEAK_BF16_TFLOPS = 790.0     # dense, no sparsity
 H200_PEAK_HBM_TBPS = 4.8
@@ -81,6 +87,14 @@ class Row:
 
 
 # ------------------------------------------------------------------------------------------ layers
+
+def expert_weights_viewing(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+    """The runtime's ExpertWeights holding `w13` [E, 2I, H] / `w2` [E, H, I] themselves (no copy)."""
+    experts = ExpertWeights(list(range(w13.shape[0])), w13.shape[2], w2.shape[2], device="meta")
+    experts.w13 = torch.nn.Parameter(w13, requires_grad=False)
+    experts.w2 = torch.nn.Parameter(w2, requires_grad=False)
+    return experts
+
 
 class Layer:
     """One HF MoE block plus views of its weights in this runtime's layout (no copies)."""
@@ -127,6 +141,9 @@ class Layer:
         self.gate = self.block.gate.weight                                                  # [E, H]
         self.w13 = self.block.experts.gate_up_proj.data                                     # [E, 2I, H]
         self.w2 = self.block.experts.down_proj.data                                         # [E, H, I]
+        self.routed = expert_weights_viewing(self.w13, self.w2)
+        self.shared = expert_weights_viewing(self.shared_w13, self.shared_w2) if spec.name == "deepseek" else None
+        self.dispatcher = LocalDispatcher(SlotGeometry(spec.experts, 1), spec.hidden)
 
     def hf(self, x: torch.Tensor, implementation: str) -> torch.Tensor:
         self.experts_config._experts_implementation = implementation
@@ -140,10 +157,11 @@ class Layer:
     def runtime(self, kernels: KernelSet, x: torch.Tensor) -> torch.Tensor:
         topk = kernels.select_experts(self.router_logits(x), self.routing, self.bias)
         weights = topk.weights if self.spec.name == "deepseek" else topk.weights.to(x.dtype).float()
-        y = kernels.fused_moe(x, self.w13, self.w2, weights, topk.ids)
-        if self.spec.name == "deepseek":
-            dense_counts = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
-            y = y + kernels.expert_mlp(x, dense_counts, self.shared_w13, self.shared_w2)
+        expert_kernel = ContiguousExpertKernel(kernels.expert_mlp)
+        y = ModularMoE(self.dispatcher, expert_kernel)(x, topk.ids, weights, self.routed)
+        if self.shared is not None:
+            dense_counts = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
+            y = y + expert_kernel(x, dense_counts, self.shared)
         return y
 
     def naive(self, kernels: KernelSet, x: torch.Tensor) -> torch.Tensor:

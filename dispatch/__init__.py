@@ -1,6 +1,6 @@
 """Token dispatch/combine across expert-parallel ranks: one contract, several backends.
 
-    dispatcher = make_dispatcher(DispatchConfig("auto", world_size, rank, group, num_slots, H))
+    dispatcher = make_dispatcher(DispatchConfig("auto", slots, rank, group, H))   # slots: a SlotLayout
     out = dispatcher.dispatch(x, slot_ids, weights)
     y = dispatcher.combine(experts(out.recv_x, out.tokens_per_local_expert), out.handle)
 
@@ -16,7 +16,7 @@ _EXPORTS = {
     "DispatchStats": "dispatch.base", "Dispatcher": "dispatch.base", "BACKENDS": "dispatch.backends",
     "DispatchConfig": "dispatch.config", "DeepEPDispatcher": "dispatch.deepep", "make_dispatcher": "dispatch.factory",
     "select_backend": "dispatch.factory", "LocalDispatcher": "dispatch.local",
-    "naive_moe_reference": "dispatch.reference", "SlotPlacement": "dispatch.slots",
+    "naive_moe_reference": "dispatch.reference", "SlotLayout": "dispatch.slots",
 }
 __all__ = sorted(_EXPORTS)
 

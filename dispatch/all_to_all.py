@@ -18,7 +18,7 @@ from dispatch.base import DispatchOutput, DispatchStats, Dispatcher
 from dispatch.collectives import (ColumnSpec, all_to_all_rows, exchange_counts, pack_rows,
                                   unpack_rows)
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
-from dispatch.slots import SlotPlacement, check_dispatch_inputs
+from dispatch.slots import SlotLayout, check_dispatch_inputs
 
 
 @dataclasses.dataclass
@@ -42,12 +42,12 @@ class _AllToAllHandle:
     stats: DispatchStats
 
 
-def plan_sends(slot_ids: torch.Tensor, weights: torch.Tensor, placement: SlotPlacement,
+def plan_sends(slot_ids: torch.Tensor, weights: torch.Tensor, slots: SlotLayout,
                send_once: bool) -> SendPlan:
     """Rows to send for slot_ids [T, K] / weights [T, K], grouped by destination rank."""
-    num_ranks = placement.world_size
-    dest = placement.rank_of(slot_ids)                                  # [T, K], -1 masked
-    local = placement.local_expert_of(slot_ids).to(torch.int32)         # [T, K]
+    num_ranks = slots.num_ranks
+    dest = slots.rank_of(slot_ids)                                      # [T, K], -1 masked
+    local = slots.local_index_of(slot_ids).to(torch.int32)              # [T, K]
     if send_once:
         ranks = torch.arange(num_ranks, device=slot_ids.device)
         token_hits_rank = (dest.unsqueeze(-1) == ranks).any(dim=1)      # [T, R]
@@ -68,18 +68,18 @@ def plan_sends(slot_ids: torch.Tensor, weights: torch.Tensor, placement: SlotPla
 
 
 class AllToAllDispatcher(Dispatcher):
-    def __init__(self, placement: SlotPlacement, rank: int, group=None,
+    def __init__(self, slots: SlotLayout, rank: int, group=None,
                  hidden_size: int | None = None, send_once: bool = True):
-        self.placement = placement
+        self.slots = slots
         self.rank = rank
         self.group = group
         self.hidden_size = hidden_size
         self.send_once = send_once
 
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
-        check_dispatch_inputs(x, slot_ids, weights, self.placement.num_slots, self.hidden_size)
+        check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size)
         num_topk = slot_ids.shape[1]
-        plan = plan_sends(slot_ids, weights, self.placement, self.send_once)
+        plan = plan_sends(slot_ids, weights, self.slots, self.send_once)
 
         # Phase 1: how many rows go where. Phase 2: the rows, with their routing metadata.
         recv_counts = exchange_counts(plan.send_counts, self.group)
@@ -91,7 +91,7 @@ class AllToAllDispatcher(Dispatcher):
         recv_rows, recv_local, recv_weight = unpack_rows(received, specs)
 
         grouping = group_by_local_expert(recv_local.to(torch.int64), recv_weight,
-                                         self.placement.slots_per_rank)
+                                         self.slots.slots_per_rank)
         stats = self._dispatch_stats(slot_ids, plan, send_splits, recv_splits, grouping,
                                      row_bytes=specs[0].nbytes,
                                      meta_bytes=specs[1].nbytes + specs[2].nbytes)

@@ -17,7 +17,7 @@ from dispatch.base import DispatchOutput, DispatchStats, Dispatcher
 from dispatch.collectives import (ColumnSpec, all_gather_counts, all_gather_rows,
                                   all_reduce_slice, pack_rows, reduce_scatter_rows, unpack_rows)
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
-from dispatch.slots import SlotPlacement, check_dispatch_inputs
+from dispatch.slots import SlotLayout, check_dispatch_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +32,17 @@ class _AllGatherHandle:
 
 
 class AllGatherDispatcher(Dispatcher):
-    def __init__(self, placement: SlotPlacement, rank: int, group=None,
+    def __init__(self, slots: SlotLayout, rank: int, group=None,
                  hidden_size: int | None = None):
-        self.placement = placement
+        self.slots = slots
         self.rank = rank
         self.group = group
         self.hidden_size = hidden_size
         self._use_reduce_scatter = True  # switched off once if the backend lacks it
 
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
-        check_dispatch_inputs(x, slot_ids, weights, self.placement.num_slots, self.hidden_size)
-        num_ranks, num_topk = self.placement.world_size, slot_ids.shape[1]
+        check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size)
+        num_ranks, num_topk = self.slots.num_ranks, slot_ids.shape[1]
         counts = all_gather_counts(x.shape[0], num_ranks, self.group, x.device)
         padded = max(counts)
 
@@ -57,9 +57,9 @@ class AllGatherDispatcher(Dispatcher):
         # Padding rows are zero bytes (slot 0): mask them out before routing.
         row_in_block = torch.arange(padded, device=x.device).repeat(num_ranks)
         real = row_in_block < torch.tensor(counts, device=x.device).repeat_interleave(padded)
-        here = (self.placement.rank_of(all_slots) == self.rank) & real.unsqueeze(1)
-        local = torch.where(here, self.placement.local_expert_of(all_slots), -1)  # [R*T_max, K]
-        grouping = group_by_local_expert(local, all_weights, self.placement.slots_per_rank)
+        here = (self.slots.rank_of(all_slots) == self.rank) & real.unsqueeze(1)
+        local = torch.where(here, self.slots.local_index_of(all_slots), -1)  # [R*T_max, K]
+        grouping = group_by_local_expert(local, all_weights, self.slots.slots_per_rank)
 
         row_bytes = specs[0].nbytes
         stats = DispatchStats(
@@ -79,7 +79,7 @@ class AllGatherDispatcher(Dispatcher):
 
     def combine(self, expert_out: torch.Tensor, handle: _AllGatherHandle) -> torch.Tensor:
         partial = reduce_grouped(expert_out, handle.grouping, handle.dtype)  # [R*T_max, H]
-        num_ranks = self.placement.world_size
+        num_ranks = self.slots.num_ranks
         if self._use_reduce_scatter:
             try:
                 mine = reduce_scatter_rows(partial, num_ranks, self.group)

@@ -6,9 +6,9 @@ The caller's side of one MoE layer:
     y_local = experts(out.recv_x, out.tokens_per_local_expert)  # UNWEIGHTED expert outputs
     y = dispatcher.combine(y_local, out.handle)               # weighted sum back on the owner
 
-Physical expert slots: `num_slots` in total, `slots_per_rank = num_slots // world_size`; slot s
-lives on rank `s // slots_per_rank` as local expert `s % slots_per_rank`. Slot ids < 0 mean
-"masked, no expert" and contribute 0.
+Physical expert slots: where each one lives (rank, local expert index) is the `SlotLayout` the
+dispatcher was built with (see dispatch/slots.py); every rank holds `slots_per_rank` of them. Slot
+ids < 0 mean "masked, no expert" and contribute 0.
 
 Every rank must call `dispatch` and `combine` in every step, also with T = 0 tokens: the
 backends' collectives are joined by all ranks unconditionally.

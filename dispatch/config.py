@@ -7,15 +7,15 @@ import dataclasses
 import torch
 
 from dispatch.backends import BACKENDS, PHASES
+from dispatch.slots import SlotLayout
 
 
 @dataclasses.dataclass
 class DispatchConfig:
     backend: str                     # one of BACKENDS
-    world_size: int                  # ranks in the expert-parallel group
+    slots: SlotLayout                # where the physical expert slots live; its ranks are the EP group's
     rank: int                        # this rank's index in that group
     group: object | None             # torch.distributed ProcessGroup; None = default group
-    num_slots: int                   # physical expert slots over the whole group
     hidden_size: int
     dtype: torch.dtype = torch.bfloat16
     device: torch.device | str = "cpu"
@@ -38,3 +38,13 @@ class DispatchConfig:
             raise ValueError(f"DispatchConfig.max_tokens_per_rank must be >= 1, got "
                              f"{self.max_tokens_per_rank}")
         self.device = torch.device(self.device)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the expert-parallel group."""
+        return self.slots.num_ranks
+
+    @property
+    def num_slots(self) -> int:
+        """Physical expert slots over the whole group."""
+        return self.slots.num_slots

@@ -10,6 +10,10 @@ Two modes, following DeepEP's own split:
   `[E_local, max_tokens_per_rank * R, H]` with per-expert counts; `low_latency_combine` applies the
   routing weights itself. The number of tokens per call is bounded by `max_tokens_per_rank`.
 
+DeepEP places experts by its own rule (expert e on rank e // experts_per_rank as local expert
+e % experts_per_rank): the `SlotLayout` given must be that contiguous one (`load_balancer.SlotGeometry`
+is).
+
 `deep_ep` is imported only when a dispatcher is built without an injected buffer class, so
 `import dispatch` never needs it. Tests inject a stand-in with DeepEP's documented return layout
 (see dispatch/deepep_emulation.py).
@@ -24,7 +28,7 @@ import torch
 from dispatch.base import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchOutput, DispatchStats,
                            Dispatcher)
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
-from dispatch.slots import SlotPlacement, check_dispatch_inputs
+from dispatch.slots import SlotLayout, check_dispatch_inputs
 
 MODE_NORMAL = "normal"
 MODE_LOW_LATENCY = "low_latency"
@@ -64,7 +68,7 @@ class _LowLatencyHandle:
 
 
 class DeepEPDispatcher(Dispatcher):
-    def __init__(self, placement: SlotPlacement, group, hidden_size: int, dtype: torch.dtype,
+    def __init__(self, slots: SlotLayout, group, hidden_size: int, dtype: torch.dtype,
                  mode: str = MODE_NORMAL, max_tokens_per_rank: int | None = None,
                  buffer_cls: type | None = None):
         if mode not in (MODE_NORMAL, MODE_LOW_LATENCY):
@@ -72,7 +76,7 @@ class DeepEPDispatcher(Dispatcher):
         if mode == MODE_LOW_LATENCY and max_tokens_per_rank is None:
             raise ValueError("DeepEPDispatcher low_latency mode needs max_tokens_per_rank "
                              "(DispatchConfig.max_tokens_per_rank)")
-        self.placement = placement
+        self.slots = slots
         self.group = group
         self.hidden_size = hidden_size
         self.mode = mode
@@ -81,7 +85,7 @@ class DeepEPDispatcher(Dispatcher):
         self.buffer = self._make_buffer(buffer_cls, hidden_size * dtype.itemsize)
 
     def _make_buffer(self, buffer_cls: type, hidden_bytes: int):
-        num_ranks = self.placement.world_size
+        num_ranks = self.slots.num_ranks
         if self.mode == MODE_NORMAL:
             num_nvl_bytes = num_rdma_bytes = 0
             for config in (buffer_cls.get_dispatch_config(num_ranks),
@@ -92,10 +96,10 @@ class DeepEPDispatcher(Dispatcher):
                                      config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
             return buffer_cls(self.group, num_nvl_bytes, num_rdma_bytes)
         num_rdma_bytes = buffer_cls.get_low_latency_rdma_size_hint(
-            self._max_tokens, self.hidden_size, num_ranks, self.placement.num_slots)
+            self._max_tokens, self.hidden_size, num_ranks, self.slots.num_slots)
         # DeepEP's low-latency mode wants one queue pair per local expert.
         return buffer_cls(self.group, 0, num_rdma_bytes, low_latency_mode=True,
-                          num_qps_per_rank=self.placement.slots_per_rank)
+                          num_qps_per_rank=self.slots.slots_per_rank)
 
     def layout(self) -> str:
         return LAYOUT_CONTIGUOUS if self.mode == MODE_NORMAL else LAYOUT_MASKED
@@ -104,7 +108,7 @@ class DeepEPDispatcher(Dispatcher):
         return self._max_tokens if self.mode == MODE_LOW_LATENCY else None
 
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
-        check_dispatch_inputs(x, slot_ids, weights, self.placement.num_slots, self.hidden_size)
+        check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size)
         self._stats = DispatchStats(pairs_routed=int((slot_ids >= 0).sum()))
         weights = weights.to(torch.float32)
         if self.mode == MODE_NORMAL:
@@ -121,7 +125,7 @@ class DeepEPDispatcher(Dispatcher):
         return combined_x
 
     def _dispatch_normal(self, x, slot_ids, weights) -> DispatchOutput:
-        num_slots = self.placement.num_slots
+        num_slots = self.slots.num_slots
         (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
          is_token_in_rank, _) = self.buffer.get_dispatch_layout(slot_ids, num_slots)
         recv_x, recv_topk_idx, recv_topk_weights, _, deepep_handle, _ = self.buffer.dispatch(
@@ -131,7 +135,7 @@ class DeepEPDispatcher(Dispatcher):
             topk_idx=slot_ids, topk_weights=weights)
         # recv_topk_idx [Rn, K]: local expert ids on this rank, -1 elsewhere.
         grouping = group_by_local_expert(recv_topk_idx.to(torch.int64), recv_topk_weights,
-                                         self.placement.slots_per_rank)
+                                         self.slots.slots_per_rank)
         return DispatchOutput(recv_x=gather_grouped(recv_x, grouping),
                               tokens_per_local_expert=grouping.tokens_per_local_expert,
                               handle=_NormalHandle(deepep_handle, grouping, x.dtype))
@@ -141,7 +145,7 @@ class DeepEPDispatcher(Dispatcher):
             raise ValueError(f"dispatch: x has {x.shape[0]} tokens, more than this low-latency "
                              f"dispatcher's max_tokens_per_rank={self._max_tokens}")
         recv_x, recv_count, deepep_handle, _, _ = self.buffer.low_latency_dispatch(
-            x, slot_ids, self._max_tokens, self.placement.num_slots, use_fp8=False)
+            x, slot_ids, self._max_tokens, self.slots.num_slots, use_fp8=False)
         return DispatchOutput(recv_x=recv_x,                         # [E_local, M, H]
                               tokens_per_local_expert=recv_count.to(torch.int64),
                               handle=_LowLatencyHandle(deepep_handle, slot_ids, weights))

@@ -15,7 +15,6 @@ from dispatch.backends import (BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_AU
 from dispatch.config import DispatchConfig
 from dispatch.deepep import MODE_LOW_LATENCY, MODE_NORMAL, DeepEPDispatcher, deep_ep_importable
 from dispatch.local import LocalDispatcher
-from dispatch.slots import SlotPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +56,16 @@ def make_dispatcher(config: DispatchConfig) -> Dispatcher:
         # Low-latency kernels need a token bound; without one, a derived choice uses normal mode.
         logger.info("dispatch: no max_tokens_per_rank for DeepEP low-latency; using normal mode")
         backend = BACKEND_DEEPEP_NORMAL
-    placement = SlotPlacement(config.num_slots, config.world_size)
     _announce(config, backend)
     if backend == BACKEND_LOCAL:
-        return LocalDispatcher(config.num_slots, config.hidden_size)
+        return LocalDispatcher(config.slots, config.hidden_size)
     if backend == BACKEND_ALL_TO_ALL:
-        return AllToAllDispatcher(placement, config.rank, config.group, config.hidden_size,
+        return AllToAllDispatcher(config.slots, config.rank, config.group, config.hidden_size,
                                   send_once=config.send_once)
     if backend == BACKEND_ALLGATHER:
-        return AllGatherDispatcher(placement, config.rank, config.group, config.hidden_size)
+        return AllGatherDispatcher(config.slots, config.rank, config.group, config.hidden_size)
     mode = MODE_LOW_LATENCY if backend == BACKEND_DEEPEP_LOW_LATENCY else MODE_NORMAL
-    return DeepEPDispatcher(placement, config.group, config.hidden_size, config.dtype, mode=mode,
+    return DeepEPDispatcher(config.slots, config.group, config.hidden_size, config.dtype, mode=mode,
                             max_tokens_per_rank=config.max_tokens_per_rank,
                             buffer_cls=config.deepep_buffer_cls)
 

@@ -8,7 +8,7 @@ import torch
 
 from dispatch.base import DispatchOutput, DispatchStats, Dispatcher
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
-from dispatch.slots import SlotPlacement, check_dispatch_inputs
+from dispatch.slots import SlotLayout, check_dispatch_inputs
 
 
 @dataclasses.dataclass
@@ -18,16 +18,18 @@ class _LocalHandle:
 
 
 class LocalDispatcher(Dispatcher):
-    """World size 1: every slot is a local expert."""
+    """One rank: every slot is a local expert."""
 
-    def __init__(self, num_slots: int, hidden_size: int | None = None):
-        self.placement = SlotPlacement(num_slots, world_size=1)
+    def __init__(self, slots: SlotLayout, hidden_size: int | None = None):
+        if slots.num_ranks != 1:
+            raise ValueError(f"LocalDispatcher needs slots on one rank, got {slots.num_ranks} ranks")
+        self.slots = slots
         self.hidden_size = hidden_size
 
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
-        check_dispatch_inputs(x, slot_ids, weights, self.placement.num_slots, self.hidden_size)
-        local_expert = self.placement.local_expert_of(slot_ids)     # [T, K]
-        grouping = group_by_local_expert(local_expert, weights, self.placement.slots_per_rank)
+        check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size)
+        local_expert = self.slots.local_index_of(slot_ids)          # [T, K]
+        grouping = group_by_local_expert(local_expert, weights, self.slots.slots_per_rank)
         self._stats = DispatchStats(pairs_routed=int(grouping.row_index.numel()))
         return DispatchOutput(recv_x=gather_grouped(x, grouping),
                               tokens_per_local_expert=grouping.tokens_per_local_expert,

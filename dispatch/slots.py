@@ -1,37 +1,38 @@
-"""Where physical expert slots live, and validation of dispatch inputs against that placement."""
+"""What a dispatcher needs to know of where physical expert slots live, and validation of its inputs.
+
+The slot -> (rank, local expert) rule is not written here: it belongs to the placement's owner
+(`load_balancer.SlotGeometry`), which the MoE executor hands to every dispatcher it builds. A
+dispatcher only asks the questions of `SlotLayout`.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Protocol
 
 import torch
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotPlacement:
-    """Slot s lives on rank s // slots_per_rank as local expert s % slots_per_rank."""
+class SlotLayout(Protocol):
+    """Where each physical slot lives. Slot ids < 0 are masked: their rank and local index are -1.
 
-    num_slots: int
-    world_size: int
-
-    def __post_init__(self):
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.num_slots < self.world_size or self.num_slots % self.world_size:
-            raise ValueError(f"num_slots ({self.num_slots}) must be a positive multiple of "
-                             f"world_size ({self.world_size})")
+    Every rank holds `slots_per_rank` slots, local indices 0 .. slots_per_rank - 1 (the rows of its
+    stacked expert weights, and of `tokens_per_local_expert`).
+    """
 
     @property
-    def slots_per_rank(self) -> int:
-        return self.num_slots // self.world_size
+    def num_slots(self) -> int: ...
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    @property
+    def slots_per_rank(self) -> int: ...
 
     def rank_of(self, slot_ids: torch.Tensor) -> torch.Tensor:
-        """Owning rank per slot; -1 where the slot is masked (< 0)."""
-        return torch.where(slot_ids >= 0, slot_ids // self.slots_per_rank, -1)
+        """Owning rank per slot id (any shape), -1 where masked."""
 
-    def local_expert_of(self, slot_ids: torch.Tensor) -> torch.Tensor:
-        """Local expert index per slot; -1 where the slot is masked (< 0)."""
-        return torch.where(slot_ids >= 0, slot_ids % self.slots_per_rank, -1)
+    def local_index_of(self, slot_ids: torch.Tensor) -> torch.Tensor:
+        """Local expert index on the owning rank per slot id (any shape), -1 where masked."""
 
 
 def check_dispatch_inputs(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,

@@ -1,11 +1,15 @@
-"""Expert-load recording, rebalancing (replication + placement), replica choice."""
+"""Expert placement and its balancing: slot geometry, placements, replica choice on the step path,
+expert-load recording, rebalancing (replication + placement), live migration through `ExpertStore`."""
 
 from load_balancer.balancedness import balancedness, max_over_mean, mean_over_max, rank_load
+from load_balancer.expert_store import ExpertStore
 from load_balancer.migration import MigrationPlan, plan_migration
-from load_balancer.placement import LayerPlacement, Placement, RebalanceStats, static_placement
+from load_balancer.placement import Placement, RebalanceStats, static_placement
 from load_balancer.rebalance import DEFAULT_GAIN_PER_COPY_ROUND, DEFAULT_LOAD_NOISE, rebalance
+from load_balancer.rebalance_event import RebalanceEvent
 from load_balancer.recorder import ExpertLoadRecorder, ExpertLoadSnapshot
-from load_balancer.replica_choice import choose_replicas, local_replica_slots
+from load_balancer.replica_choice import ReplicaTable, choose_replicas, local_replica_slots, replica_tables
+from load_balancer.slot_geometry import SlotGeometry
 from load_balancer.trace import ExpertLoadTrace, load_trace, save_trace
 
 __all__ = [
@@ -14,10 +18,13 @@ __all__ = [
     "ExpertLoadRecorder",
     "ExpertLoadSnapshot",
     "ExpertLoadTrace",
-    "LayerPlacement",
+    "ExpertStore",
     "MigrationPlan",
     "Placement",
+    "RebalanceEvent",
     "RebalanceStats",
+    "ReplicaTable",
+    "SlotGeometry",
     "balancedness",
     "choose_replicas",
     "load_trace",
@@ -27,6 +34,7 @@ __all__ = [
     "plan_migration",
     "rank_load",
     "rebalance",
+    "replica_tables",
     "save_trace",
     "static_placement",
 ]

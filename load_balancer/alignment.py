@@ -13,6 +13,8 @@ from typing import Optional
 
 import numpy as np
 
+from load_balancer.slot_geometry import SlotGeometry
+
 
 def align_to_previous(
     new: np.ndarray,  # [P] expert of each slot, fresh
@@ -22,7 +24,7 @@ def align_to_previous(
     ranks_per_node: Optional[int] = None,  # set: only permute whole nodes and ranks within them
 ) -> np.ndarray:
     """[P]: `new` with ranks permuted and slots reordered to keep most slots unchanged."""
-    slots_per_rank = new.shape[0] // num_ranks
+    geometry = SlotGeometry(new.shape[0], num_ranks)
     new_count = _rank_counts(new, num_experts, num_ranks)  # [E, W]
     prev_count = _rank_counts(previous, num_experts, num_ranks)  # [E, W]
     # overlap[i, j]: experts bin i of `new` could keep in place on rank j of `previous`.
@@ -40,8 +42,8 @@ def align_to_previous(
             rank_map[rows] = _greedy_match(overlap[rows, cols]) + prev_node * ranks_per_node
     out = np.empty_like(new)
     for new_rank, prev_rank in enumerate(rank_map):
-        experts = list(new[new_rank * slots_per_rank : (new_rank + 1) * slots_per_rank])
-        slots = range(prev_rank * slots_per_rank, (prev_rank + 1) * slots_per_rank)
+        experts = list(new[geometry.rank_slots(new_rank)])
+        slots = geometry.rank_slots(prev_rank)
         free = []
         for slot in slots:  # keep experts already in this slot
             if previous[slot] in experts:
@@ -55,7 +57,7 @@ def align_to_previous(
 
 
 def _rank_counts(slot_expert: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
-    rank = np.arange(slot_expert.shape[0]) // (slot_expert.shape[0] // num_ranks)
+    rank = SlotGeometry(slot_expert.shape[0], num_ranks).slot_ranks()  # [P]
     counts = np.zeros((num_experts, num_ranks), dtype=np.int64)
     np.add.at(counts, (slot_expert, rank), 1)
     return counts

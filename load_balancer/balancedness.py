@@ -35,7 +35,7 @@ def rank_load(load: torch.Tensor, placement: Placement) -> torch.Tensor:
         )
     per_replica = load / placement.logcnt.clamp(min=1)  # [L, E]
     per_slot = per_replica.gather(1, placement.phy2log)  # [L, P]
-    return per_slot.view(placement.num_layers, placement.num_ranks, -1).sum(-1)
+    return placement.geometry.sum_per_rank(per_slot)  # [L, W]
 
 
 def balancedness(load: torch.Tensor, placement: Placement) -> torch.Tensor:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from load_balancer.slot_geometry import SlotGeometry
+
 
 @dataclass(frozen=True)
 class _Fix:
@@ -52,7 +54,7 @@ def repair_colocation(
 
 def _surplus_slots(slot_expert: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
     """Slots holding an expert that an earlier slot of the same rank already holds."""
-    rank = np.arange(slot_expert.size) // (slot_expert.size // num_ranks)
+    rank = SlotGeometry(slot_expert.size, num_ranks).slot_ranks()  # [P]
     pair = slot_expert * num_ranks + rank  # [P]
     _, first = np.unique(pair, return_index=True)
     surplus = np.ones(slot_expert.size, dtype=bool)
@@ -62,7 +64,7 @@ def _surplus_slots(slot_expert: np.ndarray, num_experts: int, num_ranks: int) ->
 
 def _best_fix(slot_expert, load, num_ranks, allowed, slot) -> _Fix | None:
     num_experts, num_slots = load.shape[0], slot_expert.size
-    slot_rank = np.arange(num_slots) // (num_slots // num_ranks)  # [P]
+    slot_rank = SlotGeometry(num_slots, num_ranks).slot_ranks()  # [P]
     held = np.zeros((num_experts, num_ranks), dtype=np.int64)  # [E, W] replicas per rank
     np.add.at(held, (slot_expert, slot_rank), 1)
     count = held.sum(1)  # [E]

@@ -38,7 +38,7 @@ def eplb_plan(load: np.ndarray, layout: Layout) -> EplbPlan:  # load: [E]
         replica = replicate_by_load(load[experts], slots_per_node)  # [P/N] index into `experts`
         counts = np.bincount(replica, minlength=experts.size)
         rank_of, position = pack_by_load(load[experts][replica] / counts[replica], ranks_per_node)
-        order = np.argsort(rank_of * layout.slots_per_rank + position)
+        order = np.argsort(layout.geometry.slot_of(rank_of, position))
         slot_expert[node * slots_per_node : (node + 1) * slots_per_node] = experts[replica[order]]
     return EplbPlan(slot_expert, node_of_group)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from load_balancer.slot_geometry import SlotGeometry
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -21,8 +23,12 @@ class Layout:
         return self.num_groups is not None
 
     @property
+    def geometry(self) -> SlotGeometry:
+        return SlotGeometry(self.num_slots, self.num_ranks)
+
+    @property
     def slots_per_rank(self) -> int:
-        return self.num_slots // self.num_ranks
+        return self.geometry.slots_per_rank
 
     @property
     def ranks_per_node(self) -> int:

@@ -25,6 +25,8 @@ from typing import Optional
 
 import numpy as np
 
+from load_balancer.slot_geometry import SlotGeometry
+
 
 @dataclass(frozen=True)
 class Move:
@@ -51,10 +53,10 @@ class LayerSearch:
         self.num_experts = load.shape[0]
         self.num_slots = slot_expert.shape[0]
         self.num_ranks = num_ranks
-        self.slots_per_rank = self.num_slots // num_ranks
+        self.geometry = SlotGeometry(self.num_slots, num_ranks)
         self.max_replicas = max_replicas
         self.allowed = np.ones((self.num_experts, num_ranks), bool) if allowed is None else allowed
-        self.slot_rank = np.arange(self.num_slots) // self.slots_per_rank  # [P]
+        self.slot_rank = self.geometry.slot_ranks()  # [P]
         self.count = np.bincount(self.slot_expert, minlength=self.num_experts)  # [E]
         self.hold = np.zeros((self.num_experts, num_ranks), dtype=bool)  # [E, W]
         self.hold[self.slot_expert, self.slot_rank] = True
@@ -136,8 +138,7 @@ class LayerSearch:
         return None if best is None else best[1]
 
     def _swap_candidates(self, peak_rank: int):
-        size = self.slots_per_rank
-        peak_slots = np.arange(peak_rank * size, (peak_rank + 1) * size)  # [S]
+        peak_slots = np.array(self.geometry.rank_slots(peak_rank))  # [S]
         other_slots = np.flatnonzero(self.slot_rank != peak_rank)  # [P - S]
         a = self.slot_expert[peak_slots][:, None]  # [S, 1]
         b = self.slot_expert[other_slots][None, :]  # [1, P-S]
@@ -169,8 +170,8 @@ class LayerSearch:
         )
 
     def _retarget_candidates(self, peak_rank: int):
-        size = self.slots_per_rank
-        peak_slots = np.arange(peak_rank * size, (peak_rank + 1) * size)
+        size = self.geometry.slots_per_rank
+        peak_slots = np.array(self.geometry.rank_slots(peak_rank))  # [S]
         peak_experts = self.slot_expert[peak_slots]
         # Rewrite a slot of the peak rank to any expert, or any slot to an expert of the peak rank.
         slot = np.concatenate(

@@ -1,9 +1,12 @@
 """Placement: which logical expert each physical slot holds, per MoE layer.
 
-Slot ``s`` lives on rank ``s // slots_per_rank``; rank ``r`` lives on node
+Slots sit on ranks as `SlotGeometry` says; rank ``r`` lives on node
 ``r // ranks_per_node``. A placement is valid when every logical expert has at
 least one slot and no rank holds two replicas of one expert (a second replica
 on the same rank adds memory but takes no load off that rank).
+
+A placement is a planning object and lives on the CPU; what one rank needs of it
+on the step path, on the step's device, is its `ReplicaTable`s (replica_choice.py).
 """
 
 from __future__ import annotations
@@ -13,14 +16,7 @@ from typing import Optional
 
 import torch
 
-
-@dataclass(frozen=True)
-class LayerPlacement:
-    """The slice of a placement one MoE layer needs on the hot path."""
-
-    log2phy: torch.Tensor  # [E, R] long, padded with -1
-    logcnt: torch.Tensor  # [E] long
-    is_identity: bool = False  # every logcnt is 1 and logical e sits on slot e
+from load_balancer.slot_geometry import SlotGeometry
 
 
 @dataclass
@@ -47,8 +43,12 @@ class Placement:
         return self.logcnt.shape[1]
 
     @property
+    def geometry(self) -> SlotGeometry:
+        return SlotGeometry(self.num_slots, self.num_ranks)
+
+    @property
     def slots_per_rank(self) -> int:
-        return self.num_slots // self.num_ranks
+        return self.geometry.slots_per_rank
 
     @property
     def ranks_per_node(self) -> int:
@@ -56,15 +56,13 @@ class Placement:
 
     def slot_rank(self) -> torch.Tensor:
         """[P] long: the rank each slot lives on."""
-        return torch.arange(self.num_slots) // self.slots_per_rank
+        return torch.from_numpy(self.geometry.slot_ranks())
 
-    def layer(self, layer: int) -> LayerPlacement:
-        phy2log = self.phy2log[layer]
-        logcnt = self.logcnt[layer]
-        is_identity = self.num_slots == self.num_experts and bool(
-            torch.equal(phy2log.cpu(), torch.arange(self.num_slots))
+    def is_identity(self, layer: int) -> bool:
+        """Whether `layer` has no replicas and holds logical expert e on slot e."""
+        return self.num_slots == self.num_experts and bool(
+            torch.equal(self.phy2log[layer], torch.arange(self.num_slots, device=self.phy2log.device))
         )
-        return LayerPlacement(self.log2phy[layer], logcnt, is_identity)
 
     @classmethod
     def from_phy2log(

@@ -51,6 +51,7 @@ from load_balancer.local_search import LayerSearch
 from load_balancer.packing import balanced_pack
 from load_balancer.placement import Placement, RebalanceStats, check_layout
 from load_balancer.replication import greedy_replica_counts
+from load_balancer.slot_geometry import SlotGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ def _allowed_from(slot_expert: np.ndarray, layout: Layout) -> Optional[np.ndarra
     None when `slot_expert` breaks the layout (co-located replicas, or a group
     spread over several nodes in hierarchical mode).
     """
-    rank = np.arange(layout.num_slots) // layout.slots_per_rank
+    rank = layout.geometry.slot_ranks()  # [P]
     pairs = slot_expert * layout.num_ranks + rank
     if np.unique(pairs).size != pairs.size:
         return None
@@ -250,7 +251,7 @@ def _allowed_from(slot_expert: np.ndarray, layout: Layout) -> Optional[np.ndarra
 
 def _balancedness(load: np.ndarray, slot_expert: np.ndarray, num_ranks: int) -> float:
     counts = np.bincount(slot_expert, minlength=load.shape[0])
-    rank = np.arange(slot_expert.size) // (slot_expert.size // num_ranks)
+    rank = SlotGeometry(slot_expert.size, num_ranks).slot_ranks()  # [P]
     per_rank = np.bincount(rank, weights=(load / np.maximum(counts, 1))[slot_expert], minlength=num_ranks)
     peak = per_rank.max()
     return 1.0 if peak <= 0 else float(per_rank.mean() / peak)

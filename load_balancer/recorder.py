@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from load_balancer.balancedness import max_over_mean, mean_over_max
 from load_balancer.placement import Placement, static_placement
+from load_balancer.slot_geometry import SlotGeometry
 
 
 @dataclass
@@ -72,6 +74,7 @@ class ExpertLoadRecorder:
             raise ValueError(f"window must be >= 1 step, got {window}")
         self.num_layers, self.num_experts = num_layers, num_experts
         self.num_slots, self.num_ranks = num_slots, num_ranks
+        self.geometry = SlotGeometry(num_slots, num_ranks)
         self.window = window
         self.device = torch.device(device)
         self.placement = placement or static_placement(num_layers, num_experts, num_slots, num_ranks)
@@ -126,18 +129,14 @@ class ExpertLoadRecorder:
         slot_counts = self._slot_ring[in_window].sum(0)  # [L, P]
         totals = self._expert_totals.clone()
         if group is not None:
-            import torch.distributed as dist
-
             for tensor in (counts, slot_counts, totals):
                 dist.all_reduce(tensor, group=group)
         counts, slot_counts, totals = counts.cpu(), slot_counts.cpu(), totals.cpu()
         if self._slots_seen:
-            per_rank = slot_counts.view(self.num_layers, self.num_ranks, -1).sum(-1).double()
+            per_rank = self.geometry.sum_per_rank(slot_counts).double()  # [L, W]
         else:  # the split the runtime does: a replicated expert's tokens shared evenly
             per_replica = counts.double() / self.placement.logcnt.clamp(min=1)
-            per_rank = per_replica.gather(1, self.placement.phy2log).view(
-                self.num_layers, self.num_ranks, -1
-            ).sum(-1)
+            per_rank = self.geometry.sum_per_rank(per_replica.gather(1, self.placement.phy2log))  # [L, W]
         return ExpertLoadSnapshot(
             counts=counts,
             totals=totals,
@@ -150,6 +149,6 @@ class ExpertLoadRecorder:
         )
 
     def _window_mask(self) -> torch.Tensor:
-        mask = torch.zeros(self.window, dtype=torch.bool)
-        mask[(self._row - 1 - torch.arange(min(self.steps, self.window))) % self.window] = True
+        mask = torch.zeros(self.window, dtype=torch.bool, device="cpu")
+        mask[(self._row - 1 - torch.arange(min(self.steps, self.window), device="cpu")) % self.window] = True
         return mask.to(self.device)

@@ -17,7 +17,7 @@ from attention_dp.control_key import ControlKey, ControlKeyError
 from attention_dp.control_plane import ControlAddress, WorkerControl
 from attention_dp.lockstep import LockstepLoop
 from attention_dp.messages import Hello, WorkerFailed, WorkerReady
-from load_balancer.live_rebalancer import LiveRebalancer, RebalancePolicy
+from load_balancer.live_rebalancer import LiveRebalancer, RebalanceGroups, RebalancePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +54,26 @@ def worker_main(address, rank: int) -> None:
 
 
 def build_rebalancer(core, config):
-    """The live rebalancer of this rank, or None when there is nothing to balance (dense, one rank)."""
+    """The live rebalancer of this rank, or None with one EP rank (nothing to balance).
 
-    if not getattr(core.executor, "experts_by_layer", None) or core.parallel.ep_size == 1:
+    Every rank of an expert-parallel job has one, also on a pipeline stage without MoE layers (it joins
+    the job-wide agreements and moves nothing), so the stages that have MoE layers balance them. EP > 1
+    is the same on every rank, so either every rank has a rebalancer or none has."""
+
+    p = core.parallel
+    if p.ep_size == 1:
         return None
     policy = RebalancePolicy(interval_steps=config.eplb_interval, threshold=config.eplb_threshold,
                              layers_per_step=config.eplb_layers_per_step, num_nodes=config.nnodes)
-    return LiveRebalancer(core.executor, policy, group=core.parallel.ep_group)
+    groups = RebalanceGroups(ep_group=p.ep_group, ep_rank=p.ep_rank, ep_control_group=p.ep_control_group,
+                             world_control_group=p.world_control_group, pp_control_group=p.pp_control_group,
+                             num_stages=p.pp_size, global_rank=p.rank)
+    return LiveRebalancer(core.executor, policy, groups)
 
 
 def build_worker_engine(setup, rank: int):
     from moe_runtime.distributed import build_parallel_context, init_distributed
     from moe_runtime.engine_core import EngineCore
-    from moe_runtime.ep_executor import ExpertParallelExecutor
     from moe_runtime.model_config import load_hf_config
 
     config = setup.config
@@ -78,14 +85,7 @@ def build_worker_engine(setup, rank: int):
                      config.worker_timeout_s, loopback_only=setup.loopback_only)
     layout = config.layout()
     parallel = build_parallel_context(layout, rank, device, load_hf_config(config.model).num_hidden_layers)
-
-    def executor_factory(kernels, hf_config, dtype):
-        return ExpertParallelExecutor(kernels, parallel, backend=config.a2a_backend,
-                                      num_redundant_experts=config.num_redundant_experts,
-                                      hidden_size=hf_config.hidden_size, dtype=dtype,
-                                      record_window=config.eplb_window, decode_max_tokens=config.max_num_seqs)
-
-    return EngineCore(config, parallel, executor_factory)
+    return EngineCore(config, parallel)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,8 +11,7 @@ import time
 import torch
 from server_harness import FakeEngine
 
-from load_balancer import ExpertLoadRecorder, plan_migration, rebalance, static_placement
-from moe_runtime.engine_protocol import RebalanceEvent
+from load_balancer import ExpertLoadRecorder, RebalanceEvent, plan_migration, rebalance, static_placement
 
 
 class RoutingFakeEngine(FakeEngine):

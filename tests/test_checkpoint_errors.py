@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from moe_runtime import LLM
 from moe_runtime.checkpoint import CheckpointReader
 from moe_runtime.errors import CheckpointError, UnsupportedArchitectureError
-from moe_runtime.layers.experts import StackedExperts
+from moe_runtime.moe.expert_weights import ExpertWeights
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_expert_subset_reads_only_its_experts(tiny_checkpoint_factory):
     """Expert parallelism asks for a subset: only those experts' tensors are read."""
     path = tiny_checkpoint_factory("qwen3_moe")
     reader = CheckpointReader.open(path)
-    experts = StackedExperts([1, 3], hidden_size=128, intermediate_size=_moe_intermediate(path))
+    experts = ExpertWeights([1, 3], hidden_size=128, intermediate_size=_moe_intermediate(path))
     loaded = experts.load_weights(reader, "model.layers.0.mlp.experts.")
     assert loaded == {"w13", "w2"}
     assert reader.tensors_read == 2 * 3  # gate, up, down of two experts, nothing else

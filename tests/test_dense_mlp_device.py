@@ -2,7 +2,8 @@
 (a Triton kernel on CUDA cannot read a CPU tensor). The meta device stands in for CUDA here."""
 import torch
 
-from moe_runtime.layers.experts import DenseMLP
+from moe_runtime.moe.dense_mlp import DenseMLP
+from moe_runtime.moe.expert_weights import ExpertWeights
 
 
 class RecordingKernels:
@@ -21,3 +22,9 @@ def test_dense_mlp_builds_its_expert_count_on_the_input_device():
     mlp = DenseMLP(hidden_size=8, intermediate_size=16, kernels=kernels, device="meta")
     mlp(torch.empty(3, 8, device="meta"))  # [T, H]
     assert kernels.devices == [(torch.device("meta"), torch.device("meta"))]
+
+
+def test_a_dense_mlp_is_expert_weights_with_one_local_expert():
+    mlp = DenseMLP(hidden_size=8, intermediate_size=16, kernels=RecordingKernels(), device="meta", tp_size=2, tp_rank=1)
+    assert isinstance(mlp, ExpertWeights) and mlp.expert_ids == [0]
+    assert mlp.w13.shape == (1, 2 * 8, 8) and mlp.w2.shape == (1, 8, 8)  # [1, 2I/tp, H], [1, H, I/tp]

@@ -8,9 +8,10 @@ import torch
 import torch.distributed as dist
 
 import dispatch.factory
-from dispatch import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchConfig, LocalDispatcher,
-                      SlotPlacement, make_dispatcher, select_backend)
+from dispatch import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchConfig, LocalDispatcher, make_dispatcher,
+                      select_backend)
 from dispatch.deepep_emulation import EmulatedDeepEPBuffer
+from load_balancer import SlotGeometry
 from multirank import MultiRankError, ranks  # noqa: F401  (fixture)
 
 
@@ -52,7 +53,7 @@ def test_importing_dispatch_does_not_import_deep_ep():
 @pytest.mark.skipif(dispatch.factory.deep_ep_importable(), reason="deep_ep is installed here: nothing is missing")
 def test_missing_deep_ep_is_a_clear_error():
     with pytest.raises(ImportError, match="deep_ep"):
-        make_dispatcher(DispatchConfig("deepep_normal", 2, 0, None, 8, 16))
+        make_dispatcher(DispatchConfig("deepep_normal", SlotGeometry(8, 2), 0, None, 16))
 
 
 # ------------------------------------------------------------------------ capabilities
@@ -64,28 +65,28 @@ class _NoCommBuffer(EmulatedDeepEPBuffer):
 
 
 def test_capabilities_are_methods():
-    local = make_dispatcher(DispatchConfig("local", 1, 0, None, 4, 8))
+    local = make_dispatcher(DispatchConfig("local", SlotGeometry(4, 1), 0, None, 8))
     assert (local.layout(), local.max_tokens_per_rank(), local.supports_async()) == \
         (LAYOUT_CONTIGUOUS, None, False)
-    low_latency = make_dispatcher(DispatchConfig("deepep", 2, 0, None, 4, 8, phase="decode",
+    low_latency = make_dispatcher(DispatchConfig("deepep", SlotGeometry(4, 2), 0, None, 8, phase="decode",
                                                  max_tokens_per_rank=32,
                                                  deepep_buffer_cls=_NoCommBuffer))
     assert (low_latency.layout(), low_latency.max_tokens_per_rank()) == (LAYOUT_MASKED, 32)
-    normal = make_dispatcher(DispatchConfig("deepep", 2, 0, None, 4, 8, phase="prefill",
+    normal = make_dispatcher(DispatchConfig("deepep", SlotGeometry(4, 2), 0, None, 8, phase="prefill",
                                             deepep_buffer_cls=_NoCommBuffer))
     assert (normal.layout(), normal.max_tokens_per_rank()) == (LAYOUT_CONTIGUOUS, None)
 
 
 def test_low_latency_needs_a_token_bound():
     with pytest.raises(ValueError, match="max_tokens_per_rank"):
-        make_dispatcher(DispatchConfig("deepep_low_latency", 2, 0, None, 4, 8,
+        make_dispatcher(DispatchConfig("deepep_low_latency", SlotGeometry(4, 2), 0, None, 8,
                                        deepep_buffer_cls=_NoCommBuffer))
 
 
 # ------------------------------------------------------------------------ input errors
 @pytest.fixture
 def local():
-    return LocalDispatcher(num_slots=4, hidden_size=8)
+    return LocalDispatcher(SlotGeometry(num_slots=4, num_ranks=1), hidden_size=8)
 
 
 def _inputs(tokens=3, k=2):
@@ -113,17 +114,17 @@ def test_combine_rejects_wrongly_shaped_expert_output(local):
 
 def test_bad_config_is_rejected():
     with pytest.raises(ValueError, match="rank 2 is outside world_size 2"):
-        DispatchConfig("auto", 2, 2, None, 8, 16)
+        DispatchConfig("auto", SlotGeometry(8, 2), 2, None, 16)
     with pytest.raises(ValueError, match="DispatchConfig.backend"):
-        DispatchConfig("fast", 2, 0, None, 8, 16)
-    with pytest.raises(ValueError, match="multiple of world_size"):
-        SlotPlacement(num_slots=6, world_size=4)
+        DispatchConfig("fast", SlotGeometry(8, 2), 0, None, 16)
+    with pytest.raises(ValueError, match="needs slots on one rank"):
+        LocalDispatcher(SlotGeometry(num_slots=4, num_ranks=2))
 
 
 # ------------------------------------------------------------------------ multi-rank behaviour
 def _too_many_tokens_for_low_latency():
     rank = dist.get_rank()
-    dispatcher = make_dispatcher(DispatchConfig("deepep_low_latency", 2, rank, None, 4, 8,
+    dispatcher = make_dispatcher(DispatchConfig("deepep_low_latency", SlotGeometry(4, 2), rank, None, 8,
                                                 max_tokens_per_rank=2,
                                                 deepep_buffer_cls=EmulatedDeepEPBuffer))
     x, slots, weights = _inputs(tokens=3)
@@ -139,7 +140,7 @@ def _send_once_stats(send_once: bool):
     """Rank 0 routes token 0 to slots {0, 1, 2} (rank 0) + {3} (rank 1), token 1 to {4, 5}."""
     rank = dist.get_rank()
     hidden = 16
-    dispatcher = make_dispatcher(DispatchConfig("all_to_all", 2, rank, None, 6, hidden,
+    dispatcher = make_dispatcher(DispatchConfig("all_to_all", SlotGeometry(6, 2), rank, None, hidden,
                                                 torch.float32, send_once=send_once))
     if rank == 0:
         slots = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1]])
@@ -179,7 +180,7 @@ def test_combine_reduction_in_small_chunks_matches_one_pass(monkeypatch):
     x = torch.randn(40, 8, generator=gen)
     slots = torch.randint(-1, 6, (40, 3), generator=gen)
     weights = torch.rand(40, 3, generator=gen)
-    dispatcher = LocalDispatcher(num_slots=6)
+    dispatcher = LocalDispatcher(SlotGeometry(num_slots=6, num_ranks=1))
     out = dispatcher.dispatch(x, slots, weights)
     one_pass = dispatcher.combine(out.recv_x * 3.0, out.handle)
     monkeypatch.setattr(dispatch.grouping, "REDUCE_CHUNK_ELEMENTS", 8 * 7)  # 7 rows per chunk
@@ -192,11 +193,11 @@ def test_combine_reduction_in_small_chunks_matches_one_pass(monkeypatch):
 def test_derived_low_latency_choice_without_token_bound_uses_normal_mode(monkeypatch):
     monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda: True)
     for backend in ("auto", "deepep"):
-        unbounded = make_dispatcher(DispatchConfig(backend, 2, 0, None, 4, 8, device="cuda",
+        unbounded = make_dispatcher(DispatchConfig(backend, SlotGeometry(4, 2), 0, None, 8, device="cuda",
                                                    phase="decode",
                                                    deepep_buffer_cls=_NoCommBuffer))
         assert unbounded.layout() == LAYOUT_CONTIGUOUS
-    bounded = make_dispatcher(DispatchConfig("auto", 2, 0, None, 4, 8, device="cuda",
+    bounded = make_dispatcher(DispatchConfig("auto", SlotGeometry(4, 2), 0, None, 8, device="cuda",
                                              phase="decode", max_tokens_per_rank=64,
                                              deepep_buffer_cls=_NoCommBuffer))
     assert bounded.layout() == LAYOUT_MASKED

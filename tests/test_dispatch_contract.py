@@ -2,102 +2,21 @@
 
 Backends x expert-parallel sizes {2, 4} x routing scenarios, on gloo worker processes. The
 expert side runs through `kernels.expert_mlp` / `kernels.masked_expert_mlp` (what the engine
-calls); the oracle uses its own per-expert SwiGLU and shares no grouping code with either.
+calls); the oracle uses its own per-expert SwiGLU and shares no grouping code with either. The
+cases live in dispatch_cases.py; test_moe_seam_contract.py runs them through the MoE seam
+(dispatcher x expert kernel) for every kernel family.
 """
-
-import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from dispatch_cases import (HIDDEN, MULTI_RANK_BACKENDS, SCENARIOS, SLOTS_PER_RANK, Experts, dispatch_config,
+                            make_case, make_experts)
 
-from dispatch import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchConfig, make_dispatcher,
-                      naive_moe_reference)
-from dispatch.deepep_emulation import EmulatedDeepEPBuffer
+from dispatch import LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchConfig, make_dispatcher, naive_moe_reference
 from kernels import expert_mlp, masked_expert_mlp
+from load_balancer import SlotGeometry
 from multirank import ranks  # noqa: F401  (fixture)
-
-HIDDEN = 8
-INTERMEDIATE = 6
-TOP_K = 4
-SLOTS_PER_RANK = 3      # < TOP_K: every token hits some rank more than once
-MAX_TOKENS = 16         # bound for the low-latency backend, above every scenario's T
-EXPERT_SEED = 1234
-
-SCENARIOS = ["uneven", "zero_tokens", "all_empty", "zero_experts", "repeated_ranks", "masked"]
-MULTI_RANK_BACKENDS = ["all_to_all", "all_to_all_no_dedup", "allgather", "deepep_normal",
-                       "deepep_low_latency"]
-
-
-@dataclasses.dataclass
-class Case:
-    x: torch.Tensor         # [T, H]
-    slot_ids: torch.Tensor  # [T, K] int64
-    weights: torch.Tensor   # [T, K] float32
-
-
-@dataclasses.dataclass
-class Experts:
-    w13: torch.Tensor  # [num_slots, 2I, H]
-    w2: torch.Tensor   # [num_slots, H, I]
-
-    def oracle(self, slot: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (x @ self.w13[slot].t()).chunk(2, dim=1)
-        return (F.silu(gate) * up) @ self.w2[slot].t()
-
-
-def make_experts(num_slots: int) -> Experts:
-    gen = torch.Generator().manual_seed(EXPERT_SEED)
-    return Experts(w13=0.3 * torch.randn(num_slots, 2 * INTERMEDIATE, HIDDEN, generator=gen),
-                   w2=0.3 * torch.randn(num_slots, HIDDEN, INTERMEDIATE, generator=gen))
-
-
-def _distinct_slots(num_tokens: int, choices: torch.Tensor, k: int, gen) -> torch.Tensor:
-    rows = [choices[torch.randperm(choices.numel(), generator=gen)[:k]] for _ in range(num_tokens)]
-    return torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
-
-
-def make_case(scenario: str, world_size: int, rank: int) -> Case:
-    """Deterministic inputs of `rank`; any rank can rebuild any other rank's case."""
-    gen = torch.Generator().manual_seed(1000 * world_size + 10 * rank + SCENARIOS.index(scenario))
-    num_slots = SLOTS_PER_RANK * world_size
-    all_slots = torch.arange(num_slots)
-    num_tokens = {"uneven": [5, 1, 9, 3][rank % 4],
-                  "zero_tokens": 0 if rank % 2 else 6,
-                  "all_empty": 0}.get(scenario, 7)
-    if scenario == "zero_experts":
-        # Only experts 0 and 1 of rank 0 are used: its expert 2 and every other rank's experts
-        # receive nothing; the other top-k entries are masked.
-        slots = torch.full((num_tokens, TOP_K), -1, dtype=torch.int64)
-        slots[:, :2] = _distinct_slots(num_tokens, torch.tensor([0, 1]), 2, gen)
-    elif scenario == "repeated_ranks":
-        # All but one choice on one rank; token 0 even picks the same slot twice.
-        home = torch.randint(0, world_size, (num_tokens,), generator=gen)
-        slots = torch.empty(num_tokens, TOP_K, dtype=torch.int64)
-        for t in range(num_tokens):
-            on_home = torch.arange(SLOTS_PER_RANK) + int(home[t]) * SLOTS_PER_RANK
-            slots[t, :SLOTS_PER_RANK] = on_home[torch.randperm(SLOTS_PER_RANK, generator=gen)]
-            slots[t, SLOTS_PER_RANK:] = int(torch.randint(0, num_slots, (1,), generator=gen))
-        if num_tokens:
-            slots[0, 1] = slots[0, 0]
-    else:
-        slots = _distinct_slots(num_tokens, all_slots, TOP_K, gen)
-        if scenario == "masked" and num_tokens:
-            slots[torch.rand(slots.shape, generator=gen) < 0.3] = -1
-            slots[0] = -1  # a token with no expert at all
-    weights = torch.rand(num_tokens, TOP_K, generator=gen)
-    x = torch.randn(num_tokens, HIDDEN, generator=gen)
-    return Case(x, slots, weights)
-
-
-def _config(backend: str, world_size: int, rank: int, dtype=torch.float32) -> DispatchConfig:
-    send_once = backend != "all_to_all_no_dedup"
-    backend = "all_to_all" if backend == "all_to_all_no_dedup" else backend
-    return DispatchConfig(backend, world_size, rank, group=None,
-                          num_slots=SLOTS_PER_RANK * world_size, hidden_size=HIDDEN, dtype=dtype,
-                          max_tokens_per_rank=MAX_TOKENS, send_once=send_once,
-                          deepep_buffer_cls=EmulatedDeepEPBuffer)
 
 
 def run_local_experts(out, layout: str, experts: Experts, rank: int) -> torch.Tensor:
@@ -126,7 +45,7 @@ def _contract_on_rank(backend: str, scenario: str, dtype_name: str = "float32"):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     case = make_case(scenario, world_size, rank)
     experts = make_experts(SLOTS_PER_RANK * world_size)
-    dispatcher = make_dispatcher(_config(backend, world_size, rank, dtype))
+    dispatcher = make_dispatcher(dispatch_config(backend, world_size, rank, dtype))
 
     out = dispatcher.dispatch(case.x.to(dtype), case.slot_ids, case.weights)
     y = dispatcher.combine(run_local_experts(out, dispatcher.layout(), experts, rank), out.handle)
@@ -187,7 +106,7 @@ def test_local_backend_matches_naive_oracle(scenario):
     num_slots = 2 * SLOTS_PER_RANK
     case = make_case(scenario, world_size=2, rank=0)
     experts = make_experts(num_slots)
-    dispatcher = make_dispatcher(DispatchConfig("auto", 1, 0, None, num_slots, HIDDEN,
+    dispatcher = make_dispatcher(DispatchConfig("auto", SlotGeometry(num_slots, 1), 0, None, HIDDEN,
                                                 torch.float32))
     assert dispatcher.layout() == LAYOUT_CONTIGUOUS
     out = dispatcher.dispatch(case.x, case.slot_ids, case.weights)

@@ -12,6 +12,7 @@ from load_balancer import (
     rebalance,
     save_trace,
 )
+from load_balancer.replica_choice import replica_table
 
 
 def run_steps(recorder, steps, layers, experts, placement, seed=0):
@@ -23,7 +24,7 @@ def run_steps(recorder, steps, layers, experts, placement, seed=0):
         per_layer = []
         for layer in range(layers):
             ids = torch.randint(0, experts, (tokens, 2), generator=generator)
-            slots = choose_replicas(ids, placement.layer(layer), my_rank=step % 2, slots_per_rank=placement.slots_per_rank)
+            slots = choose_replicas(ids, replica_table(placement, layer, rank=step % 2, device="cpu"))
             recorder.record(layer, ids, slots)
             per_layer.append((ids.flatten().tolist(), slots.flatten().tolist()))
         recorder.end_step()

@@ -28,3 +28,22 @@ def test_pipeline_stages_rebalance_together_and_keep_greedy_tokens(tiny_checkpoi
         events = engine.rebalance_events()
     assert [e.index for e in events] == list(range(len(events))), "one outcome per rebalance"
     assert done in events
+
+
+def test_a_stage_without_moe_layers_does_not_stop_the_others_from_balancing(tiny_checkpoint_factory):
+    """DeepSeek-V3's first layer is dense: with pp_layers (1, 2) stage 0 holds no MoE layer. Its ranks join
+    every agreement of a rebalance and move nothing; stage 1 balances its two MoE layers."""
+    path = tiny_checkpoint_factory("deepseek_v3")
+    expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
+    with LLM(str(path), device="cpu", dtype="float32", ep=2, pp=2, pp_layers=(1, 2), num_redundant_experts=2,
+             eplb_interval=3, eplb_window=2) as llm:
+        engine = llm.engine
+        before = engine.expert_load().placement
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
+        events = engine.rebalance_events()
+        assert events and all(e.ok and e.trigger == "interval" for e in events), events
+        assert any(e.experts_moved > 0 for e in events), "no rebalance moved anything: the test proves nothing"
+        after = engine.expert_load().placement
+        assert before.shape == after.shape == (2, 18), "the MoE layers of stage 1 only"
+        assert not (after == before).all(), "the stage with MoE layers kept its static placement"
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected

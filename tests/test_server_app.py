@@ -8,9 +8,8 @@ import torch
 from fastapi import APIRouter
 from server_harness import FakeEngine
 
-from load_balancer import ExpertLoadRecorder
+from load_balancer import ExpertLoadRecorder, RebalanceEvent
 from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
-from moe_runtime.engine_protocol import RebalanceEvent
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling_params import SamplingParams
 from server import build_app

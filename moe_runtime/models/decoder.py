@@ -10,12 +10,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels import KernelSet
 from kernels.skinny_matmul import linear_rows
 from moe_runtime.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Embedding, Linear
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_vocab_logits
+from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.parallel_context import ParallelContext
 
 
@@ -23,8 +25,8 @@ from moe_runtime.parallel_context import ParallelContext
 class BuildContext:
     """What model builders need besides the HF config: where and how layers run."""
 
-    kernels: object
-    executor: object
+    kernels: KernelSet
+    executor: MoEExecutor   # every MoE layer registers its experts with it and runs through it
     parallel: ParallelContext
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")

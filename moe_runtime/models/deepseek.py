@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from kernels import RoutingConfig
-from moe_runtime.layers.experts import DenseMLP
 from moe_runtime.layers.mla import MLAShape, MultiHeadLatentAttention, mla_softmax_scale
-from moe_runtime.layers.moe import MoEShape, SparseMoE
+from moe_runtime.moe.dense_mlp import DenseMLP
+from moe_runtime.moe.layer import MoEShape, SparseMoE
 from moe_runtime.models.common import rotary_for
 from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
 
@@ -43,11 +43,11 @@ def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: b
 
     def make_layer(i: int) -> DecoderLayer:
         attention = MultiHeadLatentAttention(
-            shape, rotary_for(cfg, cfg.qk_rope_head_dim, interleaved_rope), scale, ctx.kernels, ctx.dtype, ctx.device,
+            shape, rotary_for(cfg, cfg.qk_rope_head_dim, ctx.device, interleaved_rope), scale, ctx.kernels, ctx.dtype, ctx.device,
             ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group,
         )
         if i >= (cfg.first_k_dense_replace or 0):
-            mlp = SparseMoE(i, moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device)
+            mlp = SparseMoE(moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device)
         else:
             mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx.kernels, ctx.dtype, ctx.device)
         return DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)

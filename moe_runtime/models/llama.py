@@ -1,7 +1,7 @@
 """Dense Llama / Qwen2 / Mistral: GQA attention and a SiLU MLP run as a single expert."""
 from __future__ import annotations
 
-from moe_runtime.layers.experts import DenseMLP
+from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.models.common import gqa_attention
 from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
 

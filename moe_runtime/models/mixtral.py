@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from kernels import RoutingConfig
-from moe_runtime.layers.experts import MIXTRAL_NAMING
-from moe_runtime.layers.moe import MoEShape, SparseMoE
+from moe_runtime.moe.expert_weights import MIXTRAL_NAMING
+from moe_runtime.moe.layer import MoEShape, SparseMoE
 from moe_runtime.models.common import gqa_attention
 from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
 
@@ -15,7 +15,7 @@ def build_mixtral(cfg, ctx: BuildContext) -> CausalLM:
     def make_layer(i: int) -> DecoderLayer:
         return DecoderLayer(
             gqa_attention(cfg, i, ctx),
-            SparseMoE(i, shape, routing, ctx.executor, ctx.kernels, MIXTRAL_NAMING, ctx.dtype, ctx.device),
+            SparseMoE(shape, routing, ctx.executor, ctx.kernels, MIXTRAL_NAMING, ctx.dtype, ctx.device),
             cfg.hidden_size, cfg.rms_norm_eps, ctx, mlp_name="block_sparse_moe",
         )
 

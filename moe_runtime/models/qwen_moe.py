@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from kernels import RoutingConfig
-from moe_runtime.layers.experts import DenseMLP
-from moe_runtime.layers.moe import MoEShape, SparseMoE
+from moe_runtime.moe.dense_mlp import DenseMLP
+from moe_runtime.moe.layer import MoEShape, SparseMoE
 from moe_runtime.models.common import gqa_attention
 from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
 
@@ -22,7 +22,7 @@ def _build(cfg, ctx: BuildContext, shape: MoEShape, *, qkv_bias: bool, qk_norm: 
 
     def make_layer(i: int) -> DecoderLayer:
         if sparse_rule(cfg, i):
-            mlp = SparseMoE(i, shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device)
+            mlp = SparseMoE(shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device)
         else:
             mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx.kernels, ctx.dtype, ctx.device)
         attention = gqa_attention(cfg, i, ctx, qkv_bias=qkv_bias, qk_norm=qk_norm)

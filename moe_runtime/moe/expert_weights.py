@@ -1,7 +1,8 @@
 """Experts held stacked: w13[E_local, 2I, H] (gate rows, then up rows), w2[E_local, H, I].
 
-A dense MLP is the same thing with one expert: `DenseMLP` is `StackedExperts` holding one
-expert that every token uses with weight 1, so there is one MLP code path.
+Row i of both tensors is this rank's local slot i; `expert_ids[i]` is the logical expert it holds
+(the placement in force says the same). The stack is also the layer's `ExpertStore`: live
+rebalancing reads, stages and commits slots through it and never touches the parameters itself.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_runtime.checkpoint import CheckpointReader, read_rows, read_slice
+from moe_runtime.checkpoint import CheckpointReader, read_rows
 from moe_runtime.weight_loading import copy_checked
 
 
@@ -26,7 +27,16 @@ class ExpertNaming:
 MIXTRAL_NAMING = ExpertNaming(gate="w1", up="w3", down="w2")
 
 
-class StackedExperts(nn.Module):
+@dataclass(frozen=True)
+class StagedSlot:
+    """Weights received for a slot, not in force before `commit`."""
+
+    local_slot: int
+    expert: int
+    packed: torch.Tensor  # [2I*H + H*I] as `read_slot` packs them
+
+
+class ExpertWeights(nn.Module):
     def __init__(self, expert_ids: list[int], hidden_size: int, intermediate_size: int,
                  naming: ExpertNaming = ExpertNaming(), dtype=torch.float32, device=None):
         super().__init__()
@@ -38,6 +48,11 @@ class StackedExperts(nn.Module):
                                 requires_grad=False)  # [E_local, 2I, H]
         self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype, device=device),
                                requires_grad=False)  # [E_local, H, I]
+        self._staged: list[StagedSlot] = []
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.expert_ids)
 
     def resident_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in (self.w13, self.w2))
@@ -62,45 +77,34 @@ class StackedExperts(nn.Module):
                          f"{base}{self.naming.down}.weight", reader.directory)
         return {"w13", "w2"}
 
+    # ---- load_balancer.ExpertStore -----------------------------------------------------------------
+    def read_slot(self, local_slot: int) -> torch.Tensor:  # -> [2I*H + H*I], a copy
+        return torch.cat([self.w13[local_slot].reshape(-1), self.w2[local_slot].reshape(-1)])
 
-class DenseMLP(nn.Module):
-    """SiLU-gated MLP as a single expert (weight 1, no router).
+    @property
+    def slot_numel(self) -> int:
+        """Elements of one slot's packed weights (2I*H + H*I)."""
+        return self.w13[0].numel() + self.w2[0].numel()
 
-    Under tensor parallelism the one expert is split along its intermediate dim, exactly as an
-    expert is: rank r holds gate/up rows and down columns [r * I/tp, (r + 1) * I/tp), and the
-    ranks' partial outputs are summed with one all-reduce.
-    """
+    def empty_slot(self) -> torch.Tensor:  # -> [2I*H + H*I]
+        return torch.empty(self.slot_numel, dtype=self.w13.dtype, device=self.w13.device)
 
-    def __init__(self, hidden_size: int, intermediate_size: int, kernels, dtype=torch.float32, device=None,
-                 tp_size: int = 1, tp_rank: int = 0, tp_group=None):
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.shard = intermediate_size // tp_size
-        self.shard_start = tp_rank * self.shard
-        self.tp_size, self.tp_group = tp_size, tp_group
-        self.w13 = nn.Parameter(torch.empty(1, 2 * self.shard, hidden_size, dtype=dtype, device=device),
-                                requires_grad=False)  # [1, 2I/tp, H]
-        self.w2 = nn.Parameter(torch.empty(1, hidden_size, self.shard, dtype=dtype, device=device),
-                               requires_grad=False)  # [1, H, I/tp]
-        self._kernels = kernels
+    def stage(self, local_slot: int, expert: int, packed: torch.Tensor) -> None:
+        if not 0 <= local_slot < self.num_local_experts:
+            raise IndexError(f"local slot {local_slot} outside this rank's {self.num_local_experts} slots")
+        if tuple(packed.shape) != (self.slot_numel,):
+            raise ValueError(f"staged weights for slot {local_slot} have shape {tuple(packed.shape)}, "
+                             f"expected ({self.slot_numel},)")
+        self._staged.append(StagedSlot(local_slot, expert, packed))
 
-    def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
-        start, stop, shard = self.shard_start, self.shard_start + self.shard, self.shard
-        for rows, name in ((slice(0, shard), "gate_proj"), (slice(shard, 2 * shard), "up_proj")):
-            full = f"{prefix}{name}.weight"
-            tensor = reader.read(full) if self.tp_size == 1 else read_slice(reader, full, 0, start, stop)
-            copy_checked(self.w13[0, rows], tensor, full, reader.directory)
-        full = f"{prefix}down_proj.weight"
-        tensor = reader.read(full) if self.tp_size == 1 else read_slice(reader, full, 1, start, stop)
-        copy_checked(self.w2[0], tensor, full, reader.directory)
-        return {"w13", "w2"}
+    def commit(self) -> None:
+        rows13 = self.w13[0].numel()
+        with torch.no_grad():
+            for staged in self._staged:
+                self.w13[staged.local_slot].copy_(staged.packed[:rows13].view_as(self.w13[0]))
+                self.w2[staged.local_slot].copy_(staged.packed[rows13:].view_as(self.w2[0]))
+                self.expert_ids[staged.local_slot] = staged.expert
+        self._staged.clear()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        counts = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)  # [1]: on the input's device, where
-        # the expert kernel runs (a Triton kernel cannot read a CPU tensor)
-        out = self._kernels.expert_mlp(x, counts, self.w13, self.w2)
-        if self.tp_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(out, group=self.tp_group)
-        return out
+    def discard(self) -> None:
+        self._staged.clear()

@@ -1,0 +1,173 @@
+"""The MoE executor of one rank: logical top-k choices -> placement -> dispatch -> experts -> combine.
+
+Every MoE layer of the model goes through it, on one rank as on many:
+- registration: each MoE layer asks which logical experts this rank's slots hold before any
+  rebalance (`local_expert_ids`), builds its `ExpertWeights` and registers them
+  (`register_layer`, which returns the layer's row in the placement); once the model is built,
+  `finish_registration` makes the placement over all registered layers, the load recorder and one
+  `ModularMoE` (dispatcher x expert kernel) per step phase. No scan of the model finds layers.
+- a step: the router's logical ids become physical slots through the `ReplicaTable` of this rank
+  (built once per placement, on the step's device), the phase's `ModularMoE` runs them, and the
+  attention-TP share (`TokenShare`) is gathered back.
+- rebalancing: the live rebalancer sees the executor as `load_balancer.live_rebalancer.
+  BalancedExperts`: the placement in force, the recorder, each layer's `ExpertStore` (its
+  `ExpertWeights`) and `set_placement`.
+
+Models know nothing of this: they hand their top-k to `run`.
+"""
+from __future__ import annotations
+
+import torch
+
+from dispatch.backends import BACKEND_LOCAL, PHASE_DECODE, PHASE_PREFILL
+from dispatch.config import DispatchConfig
+from dispatch.factory import make_dispatcher, select_backend
+from kernels import KernelSet, TopK
+from load_balancer.placement import Placement, static_placement
+from load_balancer.recorder import ExpertLoadRecorder
+from load_balancer.replica_choice import ReplicaTable, choose_replicas, replica_tables
+from load_balancer.slot_geometry import SlotGeometry
+from moe_runtime.engine_config import EngineConfig
+from moe_runtime.moe.expert_kernel import expert_kernel_for
+from moe_runtime.moe.expert_weights import ExpertWeights
+from moe_runtime.moe.modular_moe import ModularMoE
+from moe_runtime.moe.token_share import TokenShare
+from moe_runtime.parallel_context import ParallelContext
+
+PHASES = (PHASE_PREFILL, PHASE_DECODE)
+
+
+class MoEExecutor:
+    def __init__(self, kernels: KernelSet, parallel: ParallelContext, *, backend: str, num_redundant_experts: int,
+                 hidden_size: int, dtype: torch.dtype, record_load: bool, record_window: int = 128,
+                 decode_max_tokens: int | None = None):
+        self.kernels = kernels
+        self.parallel = parallel
+        self.backend = backend
+        self.num_redundant_experts = num_redundant_experts
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.record_load = record_load
+        self.record_window = record_window
+        self.decode_max_tokens = decode_max_tokens  # a decode step's tokens per rank (bounds DeepEP low-latency)
+        self.num_experts: int | None = None         # logical experts per MoE layer (the same in every layer)
+        self.placement: Placement | None = None     # in force; None until registration ends, or without MoE layers
+        self.recorder: ExpertLoadRecorder | None = None
+        self.phase = PHASE_PREFILL
+        self._experts: list[ExpertWeights] = []     # by MoE layer (placement row)
+        self._tables: list[ReplicaTable] = []       # this rank's, by MoE layer, on the step's device
+        self._by_phase: dict[str, ModularMoE] = {}
+        self._share = TokenShare(parallel.attn_tp_size, parallel.attn_tp_rank, parallel.attn_tp_group)
+        self._registration_open = True
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, parallel: ParallelContext, kernels: KernelSet, hidden_size: int,
+                   dtype: torch.dtype) -> "MoEExecutor":
+        """The executor an engine rank runs. One EP rank dispatches locally whatever backend was asked; the
+        load is recorded where ranks report it to a front (a multi-rank job), not on a single-rank engine."""
+        return cls(kernels, parallel, backend=config.a2a_backend if parallel.ep_size > 1 else BACKEND_LOCAL,
+                   num_redundant_experts=config.num_redundant_experts, hidden_size=hidden_size, dtype=dtype,
+                   record_load=parallel.world_size > 1, record_window=config.eplb_window,
+                   decode_max_tokens=config.max_num_seqs)
+
+    # ---- registration (model construction) ------------------------------------------------------------
+    def _geometry(self, num_experts: int) -> SlotGeometry:
+        return SlotGeometry(num_experts + self.num_redundant_experts, self.parallel.ep_size)
+
+    def local_expert_ids(self, num_experts: int) -> list[int]:
+        """The logical experts this rank's slots hold before any rebalance (the static placement)."""
+        geometry = self._geometry(num_experts)
+        template = static_placement(1, num_experts, geometry.num_slots, geometry.num_ranks).phy2log[0]  # [P]
+        return template[list(geometry.rank_slots(self.parallel.ep_rank))].tolist()
+
+    def register_layer(self, experts: ExpertWeights, num_experts: int) -> int:
+        """Add one MoE layer, whose routed experts on this rank are `experts`; returns its MoE layer index
+        (its row in the placement and in the load tables). Layers register in model order."""
+        if not self._registration_open:
+            raise RuntimeError("MoE layers register while the model is built, before finish_registration()")
+        if self.num_experts not in (None, num_experts):
+            raise ValueError(f"MoE layers disagree on the expert count ({self.num_experts} vs {num_experts})")
+        self.num_experts = num_experts
+        self._experts.append(experts)
+        return len(self._experts) - 1
+
+    def finish_registration(self) -> None:
+        """After the model is built: the placement over every registered layer, the recorder, the dispatchers."""
+        self._registration_open = False
+        if not self._experts:  # a dense model, or a pipeline stage without MoE layers
+            return
+        p = self.parallel
+        geometry = self._geometry(self.num_experts)
+        placement = static_placement(len(self._experts), self.num_experts, geometry.num_slots, geometry.num_ranks)
+        if self.record_load:
+            self.recorder = ExpertLoadRecorder(placement.num_layers, self.num_experts, geometry.num_slots,
+                                               geometry.num_ranks, window=self.record_window, device=p.device,
+                                               placement=placement)
+        self.set_placement(placement)
+        for phase in PHASES:
+            dispatcher = make_dispatcher(DispatchConfig(
+                backend=self.backend, slots=geometry, rank=p.ep_rank, group=p.ep_group,
+                hidden_size=self.hidden_size, dtype=self.dtype, device=p.device, phase=phase,
+                max_tokens_per_rank=self.decode_max_tokens if phase == PHASE_DECODE else None,
+            ))
+            self._by_phase[phase] = ModularMoE(dispatcher, expert_kernel_for(dispatcher.layout(), self.kernels))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self._experts)
+
+    # ---- the placement in force (load_balancer.live_rebalancer.BalancedExperts) -------------------------
+    def set_placement(self, placement: Placement) -> None:
+        """Switch to `placement`, whose expert weights are already in place on every rank: this rank's replica
+        tables are built here, once per placement, on the step's device."""
+        if tuple(placement.phy2log.shape) != (self.num_moe_layers, self._geometry(self.num_experts).num_slots):
+            raise ValueError(f"placement.phy2log {tuple(placement.phy2log.shape)} does not match this executor's "
+                             f"{self.num_moe_layers} MoE layers of {self._geometry(self.num_experts).num_slots} slots")
+        mine = list(placement.geometry.rank_slots(self.parallel.ep_rank))
+        for moe_layer, experts in enumerate(self._experts):
+            if placement.phy2log[moe_layer, mine].tolist() != experts.expert_ids:
+                raise RuntimeError(f"MoE layer {moe_layer}: this rank's slots hold experts {experts.expert_ids}, the "
+                                   f"placement says {placement.phy2log[moe_layer, mine].tolist()}")
+        self.placement = placement
+        self._tables = replica_tables(placement, self.parallel.ep_rank, self.parallel.device)
+        if self.recorder is not None:
+            self.recorder.set_placement(placement)
+
+    def expert_store(self, moe_layer: int) -> ExpertWeights:
+        return self._experts[moe_layer]
+
+    # ---- steps ------------------------------------------------------------------------------------------
+    def begin_step(self, phase: str) -> None:
+        """Every rank must use the same backend in a step: the engine passes the agreed phase."""
+        self.phase = phase
+
+    def end_step(self) -> None:
+        if self.recorder is not None:
+            self.recorder.end_step()
+
+    def needs_phase_agreement(self) -> bool:
+        """True when prefill and decode steps use different backends (DeepEP normal vs low-latency)."""
+        p = self.parallel
+        return len({select_backend(self.backend, p.device, p.ep_size, phase) for phase in PHASES}) > 1
+
+    def run(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> torch.Tensor:  # [T, H] -> [T, H]
+        rows = self._share.rows(x.shape[0])
+        ids, weights = topk.ids[rows], topk.weights[rows]                        # [T', K]
+        slots = choose_replicas(ids, self._tables[moe_layer])                    # [T', K]
+        if self.recorder is not None:
+            self.recorder.record(moe_layer, ids, slots)
+        y_share = self._by_phase[self.phase](x[rows], slots, weights, self._experts[moe_layer])  # [T', H]
+        return self._share.gather(y_share, x.shape[0])
+
+    # ---- what the engine reports ---------------------------------------------------------------------------
+    @property
+    def comm_seconds(self) -> float:
+        """Cumulative wall time in dispatch + combine."""
+        return sum(moe.comm_seconds for moe in self._by_phase.values())
+
+    def resident_expert_bytes(self) -> tuple[int, int]:
+        """(bytes of routed-expert weights on this rank, bytes of all routed experts of these layers)."""
+        local = sum(experts.resident_bytes() for experts in self._experts)
+        total = sum(experts.resident_bytes() // max(experts.num_local_experts, 1) * self.num_experts
+                    for experts in self._experts)
+        return local, total

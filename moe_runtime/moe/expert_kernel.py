@@ -1,0 +1,58 @@
+"""The expert half of the MoE seam: run this rank's local experts on tokens a dispatcher grouped.
+
+A dispatcher hands over `recv_x` in one of two layouts (`Dispatcher.layout()`): contiguous, rows
+grouped by local expert ([N, H] with `tokens_per_local_expert` rows each), or masked
+([E_local, M, H], the first `tokens_per_local_expert[e]` rows of expert e valid). An expert kernel
+takes one layout and returns UNWEIGHTED outputs in the same layout; the dispatcher's combine
+applies the routing weights. The kernel family (torch, Triton, reference) is the `KernelSet`'s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Protocol
+
+import torch
+
+from dispatch.base import LAYOUT_CONTIGUOUS, LAYOUT_MASKED
+from kernels import KernelSet
+from moe_runtime.moe.expert_weights import ExpertWeights
+
+
+class ExpertKernel(Protocol):
+    layout: str  # LAYOUT_CONTIGUOUS or LAYOUT_MASKED: the recv_x it takes and the output it returns
+
+    def __call__(self, recv_x: torch.Tensor, tokens_per_local_expert: torch.Tensor,
+                 experts: ExpertWeights) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ContiguousExpertKernel:
+    """recv_x [N, H] grouped by local expert -> [N, H]."""
+
+    expert_mlp: Callable  # KernelSet.expert_mlp(x_sorted [N, H], counts [E], w13, w2) -> [N, H]
+    layout: ClassVar[str] = LAYOUT_CONTIGUOUS
+
+    def __call__(self, recv_x: torch.Tensor, tokens_per_local_expert: torch.Tensor,
+                 experts: ExpertWeights) -> torch.Tensor:
+        return self.expert_mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w2)
+
+
+@dataclass(frozen=True)
+class MaskedExpertKernel:
+    """recv_x [E_local, M, H] -> [E_local, M, H], rows past each expert's count zero."""
+
+    masked_expert_mlp: Callable  # KernelSet.masked_expert_mlp(x [E, M, H], counts [E], w13, w2) -> [E, M, H]
+    layout: ClassVar[str] = LAYOUT_MASKED
+
+    def __call__(self, recv_x: torch.Tensor, tokens_per_local_expert: torch.Tensor,
+                 experts: ExpertWeights) -> torch.Tensor:
+        return self.masked_expert_mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w2)
+
+
+def expert_kernel_for(layout: str, kernels: KernelSet) -> ExpertKernel:
+    """The kernel family's expert kernel for a dispatcher's layout."""
+    if layout == LAYOUT_CONTIGUOUS:
+        return ContiguousExpertKernel(kernels.expert_mlp)
+    if layout == LAYOUT_MASKED:
+        return MaskedExpertKernel(kernels.masked_expert_mlp)
+    raise ValueError(f"no expert kernel for dispatch layout {layout!r}")

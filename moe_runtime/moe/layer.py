@@ -1,0 +1,59 @@
+"""The sparse MoE block: router -> top-k -> executor (placement, dispatch, experts, combine) -> + shared experts.
+
+The block knows nothing of parallelism: it registers its routed experts with the `MoEExecutor`
+when it is built, and hands its logical top-k choices to it in every step, on one rank or many.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import KernelSet, RoutingConfig
+from moe_runtime.layers.linear import Linear
+from moe_runtime.moe.dense_mlp import DenseMLP
+from moe_runtime.moe.executor import MoEExecutor
+from moe_runtime.moe.expert_weights import ExpertNaming, ExpertWeights
+from moe_runtime.moe.router import Router
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    hidden_size: int
+    num_experts: int
+    moe_intermediate_size: int
+    shared_intermediate_size: int = 0      # 0 = no shared expert
+    shared_expert_gate: bool = False       # Qwen2-MoE: sigmoid(Linear(H, 1)) scales the shared expert
+    shared_name: str = "shared_experts"    # checkpoint module name of the shared expert
+    correction_bias: bool = False          # DeepSeek-V3 gate.e_score_correction_bias
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, shape: MoEShape, routing: RoutingConfig, executor: MoEExecutor, kernels: KernelSet,
+                 naming: ExpertNaming = ExpertNaming(), dtype=torch.float32, device=None):
+        super().__init__()
+        self.routing = routing
+        self.gate = Router(shape.hidden_size, shape.num_experts, shape.correction_bias, dtype, device)
+        self.experts = ExpertWeights(executor.local_expert_ids(shape.num_experts), shape.hidden_size,
+                                     shape.moe_intermediate_size, naming, dtype, device)
+        self.moe_layer = executor.register_layer(self.experts, shape.num_experts)
+        self.shared_name = None
+        if shape.shared_intermediate_size:
+            self.shared_name = shape.shared_name
+            self.add_module(shape.shared_name, DenseMLP(shape.hidden_size, shape.shared_intermediate_size, kernels,
+                                                        dtype, device))
+        self.shared_expert_gate = Linear(shape.hidden_size, 1, False, dtype, device) if shape.shared_expert_gate else None
+        self._executor = executor
+        self._kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        logits = self.gate(x)                                                       # [T, E]
+        topk = self._kernels.select_experts(logits, self.routing, self.gate.e_score_correction_bias)
+        out = self._executor.run(self.moe_layer, x, topk)
+        if self.shared_name is not None:
+            shared = getattr(self, self.shared_name)(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,33 @@
+"""The MoE router: one linear layer from hidden states to a logit per logical expert."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.skinny_matmul import linear_rows
+from moe_runtime.checkpoint import CheckpointReader
+from moe_runtime.weight_loading import copy_checked
+
+
+class Router(nn.Module):
+    """Router logits in fp32 (as transformers computes them for every MoE architecture here)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool, dtype, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device), requires_grad=False)
+            if correction_bias else None
+        )
+
+    def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
+        copy_checked(self.weight, reader.read(f"{prefix}weight"), f"{prefix}weight", reader.directory)
+        loaded = {"weight"}
+        if self.e_score_correction_bias is not None:
+            name = f"{prefix}e_score_correction_bias"
+            copy_checked(self.e_score_correction_bias, reader.read(name), name, reader.directory)
+            loaded.add("e_score_correction_bias")
+        return loaded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] fp32
+        return linear_rows(x.float(), self.weight.float())
