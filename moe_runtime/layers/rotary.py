@@ -23,7 +23,7 @@ def rope_inverse_frequencies(hf_config, rotary_dim: int) -> tuple[torch.Tensor, 
         )
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim))
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -1,6 +1,8 @@
 """Pieces several model files share: rotary embedding and GQA attention from an HF config."""
 from __future__ import annotations
 
+import torch
+
 from moe_runtime.layers.attention import Attention, AttentionShape
 from moe_runtime.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from moe_runtime.models.decoder import BuildContext
@@ -22,9 +24,9 @@ def sliding_window_of(cfg, layer_index: int) -> int | None:
     return window
 
 
-def rotary_for(cfg, rotary_dim: int, interleaved: bool = False) -> RotaryEmbedding:
-    inv_freq, scaling = rope_inverse_frequencies(cfg, rotary_dim)
-    return RotaryEmbedding(inv_freq, scaling, interleaved)
+def rotary_for(cfg, rotary_dim: int, device: torch.device, interleaved: bool = False) -> RotaryEmbedding:
+    inv_freq, scaling = rope_inverse_frequencies(cfg, rotary_dim)   # computed on the host, as transformers does
+    return RotaryEmbedding(inv_freq.to(device), scaling, interleaved)
 
 
 def gqa_attention(cfg, layer_index: int, ctx: BuildContext, *, qkv_bias: bool = False, o_bias: bool = False,
@@ -43,5 +45,5 @@ def gqa_attention(cfg, layer_index: int, ctx: BuildContext, *, qkv_bias: bool = 
         sliding_window=sliding_window_of(cfg, layer_index),
     )
     p = ctx.parallel
-    return Attention(shape, rotary_for(cfg, head_dim), ctx.kernels, ctx.dtype, ctx.device,
+    return Attention(shape, rotary_for(cfg, head_dim, ctx.device), ctx.kernels, ctx.dtype, ctx.device,
                      p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group)

@@ -1,0 +1,202 @@
+"""Shapes and tolerances of gpu_check's `kernels` part: DeepSeek-V3 on the GPU, small ones in the dry run.
+
+The edge cases (empty batches, masked slots, duplicates, odd block sizes) are not restated here: the
+`kernel_cases` part runs tests/triton_kernel_cases.py itself. This file adds the real shapes, and the
+inputs come from that file's generators (`moe_inputs` for top-k ids and weights).
+
+DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3): hidden 7168, 256 routed experts, top-8 in
+8 groups of which 4 are kept (sigmoid scores + e_score_correction_bias, groups by top-2 sum),
+routed_scaling_factor 2.5, moe_intermediate_size 2048, 128 attention heads, MLA with
+kv_lora_rank 512 + qk_rope_head_dim 64 = 576 cached per token (absorbed decode attends over the
+576-dim latent and reads the first 512 as values), q_lora_rank 1536.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels import RoutingConfig
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Elementwise: |got - want| <= atol + rtol * |want| (torch.testing.assert_close's rule)."""
+
+    rtol: float
+    atol: float
+
+    def __str__(self) -> str:
+        return f"rtol={self.rtol:g}, atol={self.atol:g}"
+
+
+# Kernel -> dtype of its inputs -> tolerance against the torch twin run in fp32 on the same rounded
+# inputs (rms_norm: the twin in the same dtype, whose rounding is the definition: HF semantics).
+# Integer outputs (ids, permutations, tile schedules) must be equal; `select_experts`' weights are
+# fp32 math whatever the logits' dtype.
+GEMM = {"float32": Tolerance(1e-4, 1e-4), "float16": Tolerance(5e-3, 5e-3), "bfloat16": Tolerance(3e-2, 3e-2)}
+TOLERANCES: dict[str, dict[str, Tolerance]] = {
+    "select_experts": {dtype: Tolerance(1e-5, 1e-6) for dtype in ("float32", "float16", "bfloat16")},
+    "fused_moe": GEMM,            # bf16: the [rows, I] activation is rounded to bf16 between the GEMMs
+    "expert_mlp": GEMM,
+    "masked_expert_mlp": GEMM,
+    "unpermute_reduce": {"float32": Tolerance(1e-5, 1e-5), "float16": Tolerance(2e-3, 2e-3),
+                         "bfloat16": Tolerance(1e-2, 1e-2)},   # one rounding of the fp32 sum
+    "rms_norm": {"float32": Tolerance(1e-5, 1e-5), "float16": Tolerance(4e-3, 4e-3),
+                 "bfloat16": Tolerance(2e-2, 2e-2)},           # 1 ulp of bf16 is up to 2**-7 relative
+    "fused_add_rms_norm": {"float32": Tolerance(1e-5, 1e-5), "float16": Tolerance(4e-3, 4e-3),
+                           "bfloat16": Tolerance(2e-2, 2e-2)},  # and the residual sum must be equal
+    "paged_decode_attention": {"float32": Tolerance(1e-4, 1e-4), "float16": Tolerance(4e-3, 4e-3),
+                               "bfloat16": Tolerance(2e-2, 2e-2)},
+    "skinny_matmul": {"float32": Tolerance(1e-5, 1e-5), "float16": Tolerance(1e-3, 1e-3),
+                      "bfloat16": Tolerance(1e-2, 1e-2)},
+}
+ROUTING_TIE_MARGIN = 1e-5   # tokens whose choice has a near-tie below this may pick either expert
+
+
+@dataclass(frozen=True)
+class RoutingCase:
+    name: str
+    experts: int
+    config: RoutingConfig
+    correction_bias: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """One MoE layer's routed experts, run on one rank (all experts local)."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class MaskedShape:
+    """DeepEP low-latency's layout on one rank: [local experts, capacity, hidden]."""
+
+    name: str
+    local_experts: int
+    capacity: int
+
+
+@dataclass(frozen=True)
+class NormShape:
+    name: str
+    hidden: int
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    name: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_dim: int
+    block_size: int
+    shared_kv: bool = False      # MLA: values are the first v_dim entries of the cached latent
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    routing: tuple[RoutingCase, ...]
+    routing_tokens: tuple[int, ...]
+    routing_dtypes: tuple[str, ...]
+    experts: ExpertShape
+    expert_tokens: tuple[int, ...]
+    masked: MaskedShape
+    norms: tuple[NormShape, ...]
+    norm_tokens: tuple[int, ...]
+    attention: tuple[AttentionShape, ...]
+    context_lens: tuple[int, ...]       # one decode batch: each sequence's context length
+    skinny_rows: tuple[int, ...]
+    dtypes: tuple[str, ...]             # of every kernel but routing; () = the run's 16-bit dtype only
+    timed: bool                         # measure Triton vs the torch twin (not in the interpreter)
+
+
+DEEPSEEK_V3_ROUTING = RoutingConfig(top_k=8, scoring="sigmoid", renormalize=True, num_groups=8, topk_groups=4,
+                                    group_score="top2_sum", routed_scaling_factor=2.5)
+
+# Decode contexts: block boundaries (15, 16, 17 with block 16), one token, the longest, and a seeded spread.
+_REAL_CONTEXTS = (1, 15, 16, 17, 100, 1000, 2047, 4096, 3011, 77, 512, 1500, 2222, 3900, 64, 257,
+                  4000, 9, 1234, 2900, 333, 3333, 640, 48, 1777, 2600, 3100, 700, 31, 4095, 2048, 1025)
+
+GPU_SHAPES = KernelShapes(
+    routing=(
+        RoutingCase("deepseek_v3", 256, DEEPSEEK_V3_ROUTING, correction_bias=True),
+        RoutingCase("deepseek_v2", 160, RoutingConfig(top_k=6, num_groups=8, topk_groups=3, group_score="max",
+                                                      routed_scaling_factor=16.0)),
+        RoutingCase("qwen3_moe_235b", 128, RoutingConfig(top_k=8, renormalize=True)),
+        RoutingCase("mixtral_8x22b", 8, RoutingConfig(top_k=2, renormalize=True)),
+    ),
+    routing_tokens=(1, 4096),
+    routing_dtypes=("float32", "bfloat16"),      # the engine's router logits are fp32; bf16 as asked
+    experts=ExpertShape("deepseek_v3", hidden=7168, intermediate=2048, experts=256, top_k=8),
+    expert_tokens=(1, 64, 4096),                 # decode at batch 1 and 64 (block_m 16), prefill (block_m 64)
+    masked=MaskedShape("deepseek_v3_ep8", local_experts=32, capacity=256),
+    norms=(NormShape("hidden_7168", 7168), NormShape("q_lora_1536", 1536), NormShape("kv_lora_512", 512)),
+    norm_tokens=(1, 4096),
+    attention=(
+        AttentionShape("gqa_qwen3_235b", q_heads=64, kv_heads=4, head_dim=128, v_dim=128, block_size=16),
+        AttentionShape("mla_16_heads", q_heads=16, kv_heads=1, head_dim=576, v_dim=512, block_size=16,
+                       shared_kv=True),         # attention TP 8
+        # DP attention: a rank holds all 128 heads. Last: one program holds a [128, 1024] query tile
+        # (576 padded to a power of two), which may exceed shared memory or spill; if it hangs, only
+        # this check is cut by the part's timeout.
+        AttentionShape("mla_128_heads", q_heads=128, kv_heads=1, head_dim=576, v_dim=512, block_size=16,
+                       shared_kv=True),
+    ),
+    context_lens=_REAL_CONTEXTS,
+    skinny_rows=(1, 2, 8, 64),
+    dtypes=("bfloat16",),                        # the edge cases (kernel_cases) add fp32
+    timed=True,
+)
+
+DRY_RUN_SHAPES = KernelShapes(
+    routing=(
+        RoutingCase("deepseek_v3_small", 16, RoutingConfig(top_k=4, scoring="sigmoid", renormalize=True, num_groups=4,
+                                                           topk_groups=2, group_score="top2_sum",
+                                                           routed_scaling_factor=2.5), correction_bias=True),
+        RoutingCase("qwen3_moe_small", 8, RoutingConfig(top_k=2, renormalize=True)),
+    ),
+    routing_tokens=(13,),
+    routing_dtypes=("float32", "float16"),
+    experts=ExpertShape("deepseek_v3_small", hidden=64, intermediate=32, experts=16, top_k=4),
+    expert_tokens=(1, 13),                       # the interpreter runs every tile in Python: keep them few
+    masked=MaskedShape("small_ep", local_experts=4, capacity=8),
+    norms=(NormShape("hidden_64", 64), NormShape("latent_48", 48)),
+    norm_tokens=(1, 6),
+    attention=(
+        AttentionShape("mla_16_heads_small", q_heads=16, kv_heads=1, head_dim=40, v_dim=32, block_size=4,
+                       shared_kv=True),         # 16 heads per KV head: the tl.dot path
+        AttentionShape("mla_4_heads_small", q_heads=4, kv_heads=1, head_dim=40, v_dim=32, block_size=4,
+                       shared_kv=True),
+        AttentionShape("gqa_small", q_heads=8, kv_heads=2, head_dim=16, v_dim=16, block_size=4),
+    ),
+    context_lens=(1, 3, 4, 5, 17),
+    skinny_rows=(1, 2, 8),
+    dtypes=("float16",),                         # the bf16 stand-in; fp32 runs in kernel_cases
+    timed=False,
+)
+
+TINY_SHAPES = KernelShapes(                      # one case per kernel, as few tiles as still mean something
+    routing=DRY_RUN_SHAPES.routing[:1],
+    routing_tokens=(5,),
+    routing_dtypes=("float32",),
+    experts=DRY_RUN_SHAPES.experts,
+    expert_tokens=(5,),
+    masked=DRY_RUN_SHAPES.masked,
+    norms=DRY_RUN_SHAPES.norms[:1],
+    norm_tokens=(6,),
+    attention=DRY_RUN_SHAPES.attention[:1],
+    context_lens=(1, 5, 17),
+    skinny_rows=(2,),
+    dtypes=(),
+    timed=False,
+)
+
+
+def shapes_for(dry_run: bool, tiny: bool) -> KernelShapes:
+    if tiny:
+        return TINY_SHAPES
+    return DRY_RUN_SHAPES if dry_run else GPU_SHAPES
