@@ -18,6 +18,19 @@ the server at concurrency 1 on latency. It runs before and after the server; the
         --levels 1,16,64 --baseline-requests 0 --out bench/results/serving_process_layer.json
 
 Writes bench/results/serving.json.
+
+Structured output (`--structured-output`): the same closed loop at 1 and 16 clients, free text
+against a JSON schema (`response_format`, xgrammar), on one server; every request generates exactly
+--max-tokens tokens in both modes (the schema asks for more integers than fit, so each constrained
+answer is cut by max_tokens: equal work per request). The two modes alternate twice per level and
+the faster run of each is kept. Then, in process, the share of the engine's
+step time that structured output costs at batch 1 and 16: the bitmask fill + apply (timed inside
+the sampler, `GrammarBitmask.timings`) plus the matcher advancing past each sampled token (timed by
+replaying the same tokens through fresh matchers), over the engine's forward-step wall time
+(`WorkerStats.step_seconds`, which includes sampling); free and constrained batches alternate twice
+and the faster run of each is kept.
+
+    python bench/bench_serving.py --structured-output --threads 1     # writes bench/results/structured_output.json
 """
 from __future__ import annotations
 
@@ -158,10 +171,11 @@ class Server:
                 self.process.kill()
 
 
-async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> RequestRecord:
+async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
+                     extra_body: dict | None = None) -> RequestRecord:
     record = RequestRecord(len(prompt), time.perf_counter())
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra_body or {})}
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -187,7 +201,8 @@ async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: i
     return record
 
 
-async def run_level(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[list, float]:
+async def run_level(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                    extra_body: dict | None = None) -> tuple[list, float]:
     queue: asyncio.Queue = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
@@ -199,7 +214,7 @@ async def run_level(url: str, prompts: list[list[int]], concurrency: int, max_to
                 prompt = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            records.append(await stream_one(client, prompt, max_tokens))
+            records.append(await stream_one(client, prompt, max_tokens, extra_body))
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -284,6 +299,143 @@ def bench_hf(model_path: str, device: str, prompts: list[list[int]], max_tokens:
     return summarize("transformers generate (sequential)", 1, records, duration)
 
 
+# ---- structured output --------------------------------------------------------------------------
+
+def long_json_schema(max_tokens: int) -> dict:
+    """An object whose one array needs more integers than max_tokens can hold: every answer is cut by
+    max_tokens, so free and constrained requests generate the same number of tokens."""
+    return {"type": "object", "properties": {"readings": {"type": "array", "minItems": max_tokens,
+                                                          "items": {"type": "integer", "minimum": 0, "maximum": 999}}},
+            "required": ["readings"], "additionalProperties": False}
+
+
+@dataclass
+class BitmaskShare:
+    batch: int
+    steps: int
+    step_seconds: float               # the engine's forward steps (sampling included), wall time
+    bitmask_seconds: float            # filling + applying the token bitmasks (in the sampler)
+    accept_seconds: float             # advancing the matchers past the sampled tokens (replayed)
+    free_step_seconds: float          # the same batch without a schema, for comparison
+    share: float                      # (bitmask + accept) / step time
+
+    @property
+    def row(self) -> str:
+        step_ms, free_ms = 1e3 * self.step_seconds / self.steps, 1e3 * self.free_step_seconds / self.steps
+        mask_us, accept_us = 1e6 * self.bitmask_seconds / self.steps, 1e6 * self.accept_seconds / self.steps
+        return (f"batch {self.batch:>3}: step {step_ms:6.2f} ms (free text {free_ms:6.2f} ms), bitmask {mask_us:7.1f} "
+                f"us + accept {accept_us:6.1f} us per step = {100 * self.share:.2f}% of step time")
+
+
+def measure_bitmask_share(model: str, device: str, batches: list[int], max_tokens: int, threads: int | None,
+                          schema: dict) -> list[BitmaskShare]:
+    """In process (one rank): the structured-output cost inside the engine's step, at each batch size."""
+    import torch
+
+    from moe_runtime import LLM, SamplingParams
+    from moe_runtime.structured_output.grammar_state import GrammarState
+    from moe_runtime.structured_output.spec import StructuredOutputSpec
+
+    if threads:
+        torch.set_num_threads(threads)
+    spec = StructuredOutputSpec(json_schema=json.dumps(schema))
+    shares = []
+    with LLM(model, device=device, max_num_seqs=max(batches)) as llm:
+        core = llm.engine.core
+        prompts = make_prompts(max(batches), core.vocab_size, seed=7)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, structured_output=spec))   # warm-up, compiles
+        for batch in batches:
+            def run(structured: bool):
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                        structured_output=spec if structured else None)
+                steps, seconds = core.worker_stats().steps, core.worker_stats().step_seconds
+                masked = core.sampler.grammar_bitmask.timings.seconds
+                outputs = llm.generate(prompts[:batch], params)
+                return (outputs, core.worker_stats().steps - steps, core.worker_stats().step_seconds - seconds,
+                        core.sampler.grammar_bitmask.timings.seconds - masked)
+
+            # alternated twice, the faster run of each kept: the load of a shared machine drifts
+            runs = [run(structured) for structured in (False, True, False, True)]
+            _, free_steps, free_seconds, _ = min(runs[0::2], key=lambda r: r[2])
+            outputs, steps, seconds, masked = min(runs[1::2], key=lambda r: r[2])
+            compiled = core.grammars.compile(spec)
+            states = [GrammarState.start(compiled) for _ in outputs]
+            started = time.perf_counter()
+            for state, output in zip(states, outputs):
+                for token in output.token_ids:
+                    state.matcher.accept_token(token)
+            accepted = time.perf_counter() - started
+            shares.append(BitmaskShare(batch, steps, seconds, masked, accepted, free_seconds * steps / free_steps,
+                                       (masked + accepted) / seconds))
+            logger.info("structured output in process: %s", shares[-1].row)
+    return shares
+
+
+def bench_structured_output(args, model: str, config: dict) -> int:
+    levels = [int(x) for x in (args.levels or "1,16").split(",")]
+    schema = long_json_schema(args.max_tokens)
+    structured = {"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "readings", "schema": schema, "strict": True}}}
+    started = time.perf_counter()
+    server = Server(model, args.device, max_num_seqs=max(levels), threads=args.threads,
+                    extra_args=tuple(args.server_args.split()))
+    rows = []
+    try:
+        asyncio.run(run_level(server.url, make_prompts(2, config["vocab_size"]), 2, 8, structured))  # warm-up, compiles
+        for level in levels:
+            prompts = make_prompts(max(args.min_requests, level * args.requests_per_client), config["vocab_size"],
+                                   seed=level)
+            best: dict[str, LevelResult] = {}
+            for name, extra in (("free text", None), ("json schema", structured)) * 2:   # alternated, faster kept
+                records, duration = asyncio.run(run_level(server.url, prompts, level, args.max_tokens, extra))
+                result = summarize(name, level, records, duration)
+                if result.failed:
+                    errors = sorted({r.error for r in records if r.error})
+                    logger.warning("%d requests failed: %s", result.failed, errors[:3])
+                logger.info("%s, %d clients: %.1f tok/s, ITL p50 %.1f ms", name, level, result.throughput_tok_s,
+                            result.itl_p50_ms)
+                if name not in best or result.throughput_tok_s > best[name].throughput_tok_s:
+                    best[name] = result
+            rows += [best["free text"], best["json schema"]]
+    finally:
+        server.stop()
+    shares = measure_bitmask_share(model, args.device, levels, args.max_tokens, args.threads, schema)
+    print()
+    print_table(rows, None)
+    for free, constrained in zip(rows[::2], rows[1::2]):
+        print(f"{free.concurrency:>3} clients: json schema / free text throughput = "
+              f"{constrained.throughput_tok_s / free.throughput_tok_s:.3f}")
+    for share in shares:
+        print(share.row)
+    report = {
+        "benchmark": "structured_output",
+        "model": model if args.model else "embedded demo model (DeepSeek-V3 style, random weights)",
+        "architecture": config.get("architectures", ["?"])[0],
+        "vocab_size": config["vocab_size"],
+        "device": args.device,
+        "threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "schema": schema,
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "tree": tree_label(REPO_ROOT),
+        "wall_s": time.perf_counter() - started,
+        "server": [asdict(r) for r in rows],
+        "json_vs_free_throughput": {str(free.concurrency): constrained.throughput_tok_s / free.throughput_tok_s
+                                    for free, constrained in zip(rows[::2], rows[1::2])},
+        "bitmask_share_of_step_time": [asdict(share) for share in shares],
+        "how_measured": "server rows: closed loop of streaming clients, every request exactly max_tokens tokens "
+                        "(the schema is longer than max_tokens), free/json alternated twice, the faster run of "
+                        "each kept; bitmask share: one in-process engine, greedy batch "
+                        "of N constrained requests; (sampler bitmask fill+apply time + matcher accept time replayed "
+                        "on the same tokens) / the engine's step wall time (forward + sampling)",
+    }
+    out = args.out or REPO_ROOT / "bench" / "results" / "structured_output.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 # ---- report ------------------------------------------------------------------------------------
 
 def print_table(server: list[LevelResult], baseline: LevelResult | None) -> None:
@@ -312,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF checkpoint directory; default: the embedded demo model")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--levels", default="1,4,16,64", help="comma-separated client counts")
+    parser.add_argument("--levels", default=None,
+                        help="comma-separated client counts; default 1,4,16,64 (1,16 with --structured-output)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--requests-per-client", type=int, default=2, help="requests per client at each level")
     parser.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
@@ -325,7 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", type=Path, action="append", default=None,
                         help="checkout whose moe-serve to run (repeat to compare checkouts side by side, in "
                              "alternating order; e.g. a `git worktree` of an older commit); default: this one")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "serving.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results/serving.json (structured_output.json with --structured-output)")
+    parser.add_argument("--structured-output", action="store_true",
+                        help="free text vs a JSON schema at 1 and 16 clients (or --levels), and the bitmask's share "
+                             "of the engine's step time")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -337,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = str(Path(args.model).resolve())
     config = json.loads((Path(model) / "config.json").read_text())
-    levels = [int(x) for x in args.levels.split(",")]
+    if args.structured_output:
+        return bench_structured_output(args, model, config)
+    levels = [int(x) for x in (args.levels or "1,4,16,64").split(",")]
     prompts_per_level = {level: make_prompts(max(args.min_requests, level * args.requests_per_client),
                                              config["vocab_size"], seed=level) for level in levels}
     started = time.perf_counter()
@@ -382,9 +541,10 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_vs_baseline": {f"{r.name}/{r.concurrency}": (r.throughput_tok_s / baseline.throughput_tok_s
                                                                  if baseline else None) for r in server_results},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out = args.out or REPO_ROOT / "bench" / "results" / "serving.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 
