@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_runtime.detokenizer import DecodeState, Detokenizer, cut_at_stop
-from moe_runtime.outputs import RequestOutput, TokenDelta, error_message
+from moe_runtime.outputs import PromptTokenLogprob, RequestOutput, TokenDelta, error_message
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.sequence import TokenLogprob
 
@@ -49,6 +49,7 @@ class RequestState:
     sent_pieces: list[str] = field(default_factory=list)  # ... as handed out (checked once, at the end)
     decode_state: DecodeState = field(default_factory=DecodeState)
     num_preemptions: int = 0
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None   # from the first delta, when asked for
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -102,6 +103,8 @@ class OutputProcessor:
 
     def _advance(self, state: RequestState, delta: TokenDelta) -> RequestOutput:
         params = state.params
+        if delta.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = delta.prompt_logprobs.entries()
         new_tokens: list[int] = []
         new_logprobs: list[TokenLogprob] = []
         for index, token in enumerate(delta.new_token_ids):
@@ -142,6 +145,7 @@ class OutputProcessor:
             new_logprobs=new_logprobs if state.logprobs is not None else None,
             new_text=self._new_text(state, finished),
             error=error,
+            prompt_logprobs=state.prompt_logprobs,
         )
 
     @staticmethod

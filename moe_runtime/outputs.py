@@ -7,6 +7,36 @@ from moe_runtime.sequence import TokenLogprob
 
 
 @dataclass
+class PromptTokenLogprob(TokenLogprob):
+    """A prompt token's logprob given the tokens before it, and its rank in the vocabulary (1 = likeliest)."""
+
+    rank: int
+
+
+@dataclass
+class PromptLogprobs:
+    """The logprobs of prompt tokens 1..P-1, each given the tokens before it (token 0 has none), in columns
+    of plain numbers: it crosses the control plane once, in a request's first `TokenDelta`.
+
+    `top_*` hold each position's N likeliest tokens (N = `SamplingParams.prompt_logprobs`; 0 = none), best first.
+    """
+
+    token_ids: list[int]                 # [P-1] prompt tokens 1..P-1
+    logprobs: list[float]                # [P-1]
+    ranks: list[int]                     # [P-1] 1-based rank of the token among the whole vocabulary
+    top_token_ids: list[list[int]]       # [P-1][N]
+    top_logprobs: list[list[float]]      # [P-1][N]
+
+    def entries(self) -> list[PromptTokenLogprob | None]:
+        """One entry per prompt token, None for the first (nothing precedes it), as vLLM gives them."""
+        entries: list[PromptTokenLogprob | None] = [None]
+        for token_id, logprob, rank, top_ids, top_values in zip(self.token_ids, self.logprobs, self.ranks,
+                                                                self.top_token_ids, self.top_logprobs):
+            entries.append(PromptTokenLogprob(token_id, logprob, dict(zip(top_ids, top_values)), rank))
+        return entries
+
+
+@dataclass
 class TokenDelta:
     """What one step added to one request: all a rank reports (O(1) bytes in the output length).
 
@@ -20,6 +50,7 @@ class TokenDelta:
     finish_reason: str | None = None          # "length" | "stop" (EOS / stop token) | "error"; None = running
     error: str | None = None                  # why the engine failed this request (finish_reason "error")
     num_preemptions: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # in the request's first delta only, when it asked for them
 
 
 @dataclass
@@ -44,6 +75,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None           # logprobs of new_token_ids
     new_text: str = ""                                       # text added since the previous output
     sampled_at: float | None = None           # wall clock when the engine had sampled this output's tokens
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None  # one per prompt token (the first: None),
+                                                                    # when the request asked for prompt_logprobs
 
 
 def error_message(exc: BaseException, limit: int = 200) -> str:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.generation import ChoiceEvent, Generation
-from server.logprobs import TokenNamer, completion_logprobs
+from server.generation import ChoiceEvent, ChoiceSpec, Generation
+from server.logprobs import TokenNamer, completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
 from server.protocol import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
 
 
@@ -18,20 +18,63 @@ def usage_of(generation: Generation) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def append_logprobs(whole: CompletionLogprobs, part: CompletionLogprobs) -> None:
+    whole.tokens += part.tokens
+    whole.token_logprobs += part.token_logprobs
+    whole.top_logprobs += part.top_logprobs
+    whole.text_offset += part.text_offset
+
+
 @dataclass
 class CompletionFormatter:
+    """With `echo`, each choice's first part leads with its prompt: the text (`ChoiceSpec.prompt_text`) and,
+    with logprobs, the prompt tokens' logprobs (the first token's null). `prompt_logprobs` (vLLM's extension)
+    adds the prompt's logprobs in vLLM's shape to each choice's first part."""
+
     generation: Generation
     model_name: str
     namer: TokenNamer
     want_logprobs: bool
     include_usage: bool = False
+    continuous_usage: bool = False           # usage so far in every chunk (vLLM's continuous_usage_stats)
+    echo: bool = False
+    num_logprobs: int = 0                    # the request's `logprobs`: alternatives shown per echoed token
+    prompt_logprobs: int | None = None       # the request's `prompt_logprobs`
     _texts: dict[int, str] = field(default_factory=dict)
     _logprobs: dict[int, CompletionLogprobs] = field(default_factory=dict)
+    _prompt_logprobs: dict[int, list] = field(default_factory=dict)
+    _specs: dict[int, ChoiceSpec] = field(default_factory=dict)
 
-    def _logprobs_of(self, event: ChoiceEvent, offset: int) -> CompletionLogprobs | None:
-        if not self.want_logprobs:
-            return None
-        return completion_logprobs(event.delta.logprobs, self.namer, offset)
+    def __post_init__(self) -> None:
+        self._specs = {spec.index: spec for spec in self.generation.choices}
+
+    def _part(self, event: ChoiceEvent) -> CompletionChoice:
+        """What `event` adds to its choice (and records it): new text and logprobs, after the echoed prompt on
+        the choice's first event."""
+        delta = event.delta
+        before = self._texts.get(event.index, "")
+        prompt = self._specs[event.index]
+        entries = None                                                                # [P], the first None
+        if delta.first:
+            entries = delta.prompt_logprobs or [None] * len(prompt.prompt_token_ids)
+        echo = self.echo and delta.first
+        echoed_text = prompt.prompt_text if echo else ""
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = CompletionLogprobs()
+            if echo:
+                append_logprobs(logprobs, echoed_prompt_logprobs(prompt.prompt_token_ids, entries, self.namer,
+                                                                 self.num_logprobs))
+            offset = len(before) + len(echoed_text)
+            append_logprobs(logprobs, completion_logprobs(delta.logprobs, self.namer, offset))
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and delta.first:
+            prompt_logprobs = vllm_prompt_logprobs(entries, self.namer, self.prompt_logprobs)
+            self._prompt_logprobs[event.index] = prompt_logprobs
+        text = echoed_text + delta.text
+        self._texts[event.index] = before + text
+        return CompletionChoice(index=event.index, text=text, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                finish_reason=api_finish_reason(delta.finish_reason))
 
     # streaming
     def opening(self) -> list:
@@ -39,13 +82,12 @@ class CompletionFormatter:
 
     def chunks(self, event: ChoiceEvent) -> list[CompletionResponse]:
         delta = event.delta
-        if not (delta.text or delta.finish_reason or (self.want_logprobs and delta.token_ids)):
+        choice = self._part(event)
+        if not (choice.text or delta.finish_reason or choice.prompt_logprobs is not None
+                or (self.want_logprobs and choice.logprobs.tokens)):
             return []
-        offset = len(self._texts.get(event.index, ""))
-        self._texts[event.index] = self._texts.get(event.index, "") + delta.text
-        choice = CompletionChoice(index=event.index, text=delta.text, logprobs=self._logprobs_of(event, offset),
-                                  finish_reason=api_finish_reason(delta.finish_reason))
-        return [CompletionResponse(id=self.generation.request_id, model=self.model_name, choices=[choice])]
+        usage = usage_of(self.generation) if self.continuous_usage else None
+        return [CompletionResponse(id=self.generation.request_id, model=self.model_name, choices=[choice], usage=usage)]
 
     def closing(self) -> list[CompletionResponse]:
         if not self.include_usage:
@@ -55,15 +97,9 @@ class CompletionFormatter:
 
     # whole response
     def add(self, event: ChoiceEvent) -> None:
-        offset = len(self._texts.get(event.index, ""))
-        self._texts[event.index] = self._texts.get(event.index, "") + event.delta.text
+        part = self._part(event)
         if self.want_logprobs:
-            part = completion_logprobs(event.delta.logprobs, self.namer, offset)
-            whole = self._logprobs.setdefault(event.index, CompletionLogprobs())
-            whole.tokens += part.tokens
-            whole.token_logprobs += part.token_logprobs
-            whole.top_logprobs += part.top_logprobs
-            whole.text_offset += part.text_offset
+            append_logprobs(self._logprobs.setdefault(event.index, CompletionLogprobs()), part.logprobs)
 
     def response(self) -> CompletionResponse:
         choices = []
@@ -74,6 +110,7 @@ class CompletionFormatter:
                 text=self._texts.get(spec.index, ""),
                 logprobs=self._logprobs.get(spec.index, CompletionLogprobs()) if self.want_logprobs else None,
                 finish_reason=api_finish_reason(tracker.finish_reason),
+                prompt_logprobs=self._prompt_logprobs.get(spec.index),
             ))
         return CompletionResponse(id=self.generation.request_id, model=self.model_name, choices=choices,
                                   usage=usage_of(self.generation))

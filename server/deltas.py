@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_runtime.outputs import RequestOutput
+from moe_runtime.outputs import PromptTokenLogprob, RequestOutput
 from moe_runtime.sequence import TokenLogprob
 
 
@@ -18,6 +18,8 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None          # set on the last delta: "stop" | "length" | "abort" | "error"
+    first: bool = False                # the choice's first delta (an echoed prompt leads it)
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None   # on the first delta, when asked for
 
 
 @dataclass
@@ -26,10 +28,13 @@ class ChoiceTracker:
 
     finish_reason: str | None = None
     num_tokens: int = 0
+    started: bool = False
 
     def advance(self, output: RequestOutput) -> ChoiceDelta:
         self.num_tokens = len(output.token_ids)
         if output.finished:
             self.finish_reason = output.finish_reason
+        first, self.started = not self.started, True
         return ChoiceDelta(output.new_text, output.new_token_ids, output.new_logprobs or [],
-                           output.finish_reason if output.finished else None)
+                           output.finish_reason if output.finished else None, first,
+                           output.prompt_logprobs if first else None)

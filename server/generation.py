@@ -27,6 +27,7 @@ class ChoiceSpec:
     prompt_index: int
     prompt_token_ids: list[int]
     params: SamplingParams
+    prompt_text: str = ""       # what an echo shows of the prompt (completions with echo=true; else unused)
 
 
 @dataclass

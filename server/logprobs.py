@@ -1,8 +1,10 @@
-"""The engine's per-token logprobs in OpenAI's two shapes: completions (legacy) and chat."""
+"""The engine's per-token logprobs in OpenAI's two shapes, completions (legacy) and chat; prompt logprobs in
+the completions shape (echo) and in vLLM's `prompt_logprobs` shape."""
 from __future__ import annotations
 
+from moe_runtime.outputs import PromptTokenLogprob
 from moe_runtime.sequence import TokenLogprob
-from server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 
 
 class TokenNamer:
@@ -24,20 +26,68 @@ class TokenNamer:
 
 
 def completion_logprobs(entries: list[TokenLogprob], namer: TokenNamer, text_offset: int) -> CompletionLogprobs:
-    """`text_offset` is where the first of these tokens starts in the choice's text."""
+    """`text_offset` is where the first of these tokens starts in the choice's text. Each position's
+    `top_logprobs` holds the sampled token too, as OpenAI's do (so up to logprobs + 1 entries, and the
+    sampled token alone with `logprobs: 0`)."""
     result = CompletionLogprobs()
     offset = text_offset
     for entry in entries:
         token = namer(entry.token_id)
         result.tokens.append(token)
         result.token_logprobs.append(entry.logprob)
-        top: dict[str, float] = {}
-        for token_id, logprob in entry.top.items():  # two ids may show as one text: keep the likelier
-            name = namer(token_id)
-            top[name] = max(logprob, top.get(name, float("-inf")))
+        top = top_by_name(entry.top, namer)
+        top.setdefault(token, entry.logprob)
         result.top_logprobs.append(top)
         result.text_offset.append(offset)
         offset += len(token)
+    return result
+
+
+def top_by_name(top: dict[int, float], namer: TokenNamer, limit: int | None = None) -> dict[str, float]:
+    """The first `limit` (all: None) alternatives of `top` (best first) by text; two ids may show as one
+    text: the likelier is kept."""
+    named: dict[str, float] = {}
+    for token_id, logprob in list(top.items())[:limit]:
+        name = namer(token_id)
+        named[name] = max(logprob, named.get(name, float("-inf")))
+    return named
+
+
+def echoed_prompt_logprobs(prompt_token_ids: list[int], entries: list[PromptTokenLogprob | None],
+                           namer: TokenNamer, num_top: int) -> CompletionLogprobs:
+    """An echoed prompt's tokens in the completions shape, from text offset 0: the first token (and any
+    without an entry) has a null logprob and null alternatives, as OpenAI gives them; the others' alternatives
+    hold the token itself too, as a generated token's do."""
+    result = CompletionLogprobs()
+    offset = 0
+    for token_id, entry in zip(prompt_token_ids, entries):
+        token = namer(token_id)
+        result.tokens.append(token)
+        top = None
+        if entry is not None:
+            top = top_by_name(entry.top, namer, num_top)
+            top.setdefault(token, entry.logprob)
+        result.token_logprobs.append(None if entry is None else entry.logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def vllm_prompt_logprobs(entries: list[PromptTokenLogprob | None], namer: TokenNamer,
+                         num_top: int) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first: null) its own logprob and rank and its `num_top`
+    likeliest alternatives (ranks 1..num_top), keyed by token id."""
+    result: list[dict[str, PromptLogprob] | None] = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        position = {str(entry.token_id): PromptLogprob(logprob=entry.logprob, rank=entry.rank,
+                                                       decoded_token=namer(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(list(entry.top.items())[:num_top], start=1):
+            position.setdefault(str(token_id), PromptLogprob(logprob=logprob, rank=rank, decoded_token=namer(token_id)))
+        result.append(position)
     return result
 
 
