@@ -1,7 +1,7 @@
 """The embedded demo model: a small DeepSeek-V3-style MoE checkpoint built locally, no download.
 
-`ensure_demo_model()` builds it once into the cache (`$MOE_RUNTIME_CACHE/demo-v1`, else
-`~/.cache/moe_runtime/demo-v1`) and returns its path; `python -m moe_runtime.demo [PATH]` does
+`ensure_demo_model()` builds it once into the cache (`$MOE_RUNTIME_CACHE/demo-v2`, else
+`~/.cache/moe_runtime/demo-v2`) and returns its path; `python -m moe_runtime.demo [PATH]` does
 the same, or writes it to PATH. The weights are random (seeded), so its text means nothing, but
 it exercises everything a real DeepSeek-V3 does: MLA with q_lora, a dense first layer, sigmoid
 grouped top-k routing with a nonzero correction bias, routed scaling and a shared expert.
@@ -22,9 +22,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_runtime.tokenizer_training import TokenizerSpec, chat_stop_token_ids, save_tokenizer, train_tokenizer
+
 logger = logging.getLogger(__name__)
 
-DEMO_NAME = "demo-v1"  # bump when the spec below changes, so stale caches are not reused
+DEMO_NAME = "demo-v2"  # bump when the spec below or the files written change, so stale caches are not reused
+# demo-v2: a tokenizer_config.json every accepted transformers loads, a chat template with tools
 CACHE_ENV = "MOE_RUNTIME_CACHE"
 REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json")
 
@@ -94,6 +97,11 @@ def build_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) ->
     return path
 
 
+def demo_tokenizer_spec(spec: DemoModelSpec = DemoModelSpec()) -> TokenizerSpec:
+    """What the demo's tokenizer is trained from."""
+    return TokenizerSpec(vocab_size=spec.vocab_size, model_max_length=spec.max_position_embeddings)
+
+
 def demo_config(tokenizer, spec: DemoModelSpec = DemoModelSpec()):
     """The `DeepseekV3Config` of the demo model; special token ids come from `tokenizer`."""
     from transformers import DeepseekV3Config
@@ -133,17 +141,9 @@ def _write_demo_model(directory: Path, spec: DemoModelSpec) -> None:
     from transformers import AutoModelForCausalLM
 
     from moe_runtime.random_weights import RandomWeightScales, randomize_weights
-    from moe_runtime.tokenizer_training import (
-        TokenizerSpec,
-        chat_stop_token_ids,
-        save_tokenizer,
-        train_tokenizer,
-    )
 
     logger.info("demo model 1/3: training the tokenizer (vocab %d)", spec.vocab_size)
-    tokenizer = train_tokenizer(
-        TokenizerSpec(vocab_size=spec.vocab_size, model_max_length=spec.max_position_embeddings)
-    )
+    tokenizer = train_tokenizer(demo_tokenizer_spec(spec))
     logger.info("demo model 2/3: building DeepseekV3ForCausalLM with seeded random weights")
     config = demo_config(tokenizer, spec)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -9,6 +9,7 @@ for a given Python version (the stdlib text differs a little between Python vers
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import sysconfig
 from dataclasses import dataclass
@@ -22,13 +23,47 @@ PAD_TOKEN = "<|pad|>"
 IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"   # a class name transformers 4.x and 5.x both load
 
 # ChatML-like: <|bos|><|im_start|>role\ncontent<|im_end|>\n ... then the assistant header when
 # a generation prompt is asked for. Generation of a chat turn ends at <|im_end|> (or <|eos|>).
+# Tools in the Hermes/Qwen format (as Qwen2.5's template writes them): with `tools`, a system turn
+# lists them as JSON inside <tools></tools> (the conversation's own system message, if first, is
+# merged into it); an assistant's `tool_calls` are written as <tool_call>{"name", "arguments"}
+# </tool_call>, and tool results as <tool_response> blocks in one user turn per run of tool
+# messages. Without tools or tool messages the text is plain ChatML.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '"
+    " + '<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": '"
+    " + '<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -146,11 +181,34 @@ def train_tokenizer(spec: TokenizerSpec = TokenizerSpec()):
 
 
 def save_tokenizer(tokenizer, path: str | Path) -> Path:
-    """`save_pretrained` into `path` (created), loadable with `AutoTokenizer.from_pretrained`."""
+    """`save_pretrained` into `path` (created), loadable with `AutoTokenizer.from_pretrained` by every
+    transformers version the project accepts (see `portable_tokenizer_config`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(path))
+    config_file = path / TOKENIZER_CONFIG_FILE
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config_file.write_text(json.dumps(portable_tokenizer_config(config), indent=2, ensure_ascii=False) + "\n",
+                           encoding="utf-8")
     return path
+
+
+def portable_tokenizer_config(config: dict) -> dict:
+    """`tokenizer_config.json` as transformers 4.57 (the oldest accepted) and 5.x both read it.
+
+    transformers 5 saves a fast tokenizer as `tokenizer_class: "TokenizersBackend"` (its new name for
+    that class) with the extra special tokens as a list under `extra_special_tokens`. transformers 4.x
+    knows no class of that name ("Tokenizer class TokenizersBackend does not exist") and reads
+    `extra_special_tokens` as a dict of named tokens (a list fails). `PreTrainedTokenizerFast` and a
+    list under `additional_special_tokens` mean the same thing to both.
+    """
+    portable = dict(config)
+    portable["tokenizer_class"] = PORTABLE_TOKENIZER_CLASS
+    extra = portable.get("extra_special_tokens")
+    if isinstance(extra, list):
+        del portable["extra_special_tokens"]
+        portable["additional_special_tokens"] = extra
+    return portable
 
 
 def chat_stop_token_ids(tokenizer) -> list[int]:

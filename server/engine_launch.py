@@ -19,6 +19,7 @@ class EngineLaunch:
     server: ServerConfig
     engine: EngineConfig                  # its `model` is set here, once the checkpoint is resolved
     served_name: str = ""
+    model_path: str = ""                  # the checkpoint directory, once resolved
     async_engine: AsyncEngine | None = None   # once started
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -29,7 +30,7 @@ class EngineLaunch:
             if self.server.model is None:
                 logger.info("no --model given: using the embedded demo model (built on first use)")
             model = self.server.resolve_model()
-            self.served_name = model.served_name
+            self.served_name, self.model_path = model.served_name, model.path
             logger.info("loading %s from %s", model.served_name, model.path)
             engine_config = dataclasses.replace(self.engine, model=model.path)
             if engine_config.world_size > 1 or engine_config.ranks_start_elsewhere:

@@ -22,6 +22,7 @@ from server.exposure import warn_if_exposed
 from server.listen_socket import bind_socket, socket_url
 from server.server_config import ServerConfig
 from server.startup_gate import StartupGate
+from server.tool_calls.selection import checkpoint_model_type
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
         api_key = server_config.api_key
         gate.open(build_app(launch.async_engine, launch.served_name, api_key=api_key,
                             extra_routers=[dashboard_router(api_key)],
-                            max_request_bytes=server_config.max_request_bytes))
+                            max_request_bytes=server_config.max_request_bytes,
+                            tool_call_parser=server_config.tool_call_parser,
+                            model_type=checkpoint_model_type(launch.model_path)))
         if server.should_exit:
             return
         print(ready_lines(launch.served_name, url, is_demo=server_config.model is None), end="", flush=True)

@@ -33,6 +33,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES   # larger request bodies get HTTP 413
     max_queue: int = 512                  # requests waiting for their first token; more get HTTP 429
     log_level: str = "info"
+    tool_call_parser: str | None = None   # None: from the chat template, then the model type
 
     def validate(self) -> None:
         if self.model is not None and not Path(self.model).is_dir():

@@ -1,0 +1,56 @@
+"""Which parser reads a model's tool calls: `--tool-call-parser NAME`, else the format its chat template
+writes, else its model type (`config.json`).
+
+Templates give themselves away by the markers they write (`<tool_call>`, DeepSeek's tool-call tokens,
+`[TOOL_CALLS]`), which is more reliable than the model type: the demo model is a DeepSeek-V3 whose
+template writes Hermes calls. A template without tool support gets the Hermes rendering from
+`server.tool_calls.fallback_rendering`, so Hermes reads its answers. A model none of this identifies
+has no parser: `tool_choice` auto is then refused, required and named still work (structured output).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import MappingProxyType
+
+from server.tool_calls import deepseek_v3, hermes, mistral
+from server.tool_calls.deepseek_v3 import DeepSeekV3Parser
+from server.tool_calls.hermes import HermesParser
+from server.tool_calls.mistral import MistralParser
+from server.tool_calls.parser import ToolCallParser
+
+PARSERS = MappingProxyType({"hermes": HermesParser(), "deepseek_v3": DeepSeekV3Parser(), "mistral": MistralParser()})
+TEMPLATE_MARKERS = ((hermes.OPEN, "hermes"), (deepseek_v3.CALLS_BEGIN, "deepseek_v3"), (mistral.MARKER, "mistral"))
+MODEL_TYPE_PARSERS = MappingProxyType({
+    "qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
+    "deepseek_v3": "deepseek_v3",
+    "mistral": "mistral", "mixtral": "mistral",
+})
+
+
+def template_supports_tools(chat_template: object) -> bool:
+    """Whether the template reads the `tools` variable (transformers passes `tools=` to every template)."""
+    return isinstance(chat_template, str) and "tools" in chat_template
+
+
+def choose_parser(flag: str | None, chat_template: object, model_type: str | None) -> ToolCallParser | None:
+    if flag is not None:
+        return PARSERS[flag]
+    if isinstance(chat_template, str):
+        for marker, name in TEMPLATE_MARKERS:
+            if marker in chat_template:
+                return PARSERS[name]
+        if not template_supports_tools(chat_template):
+            return PARSERS["hermes"]
+    name = MODEL_TYPE_PARSERS.get(model_type or "")
+    return PARSERS[name] if name is not None else None
+
+
+def checkpoint_model_type(checkpoint: str | Path) -> str | None:
+    """`model_type` from the checkpoint's config.json (None if it has none or cannot be read)."""
+    try:
+        config = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return model_type if isinstance(model_type, str) else None
