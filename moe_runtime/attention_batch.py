@@ -1,9 +1,22 @@
 """Per-step attention metadata: which new tokens belong to which sequence, where their K/V go."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class SingleQuerySplit:
+    """A batch split for attention: sequences with one new token (decodes, one-token chunks) attend through
+    the paged decode kernel together; the others (prefills, chunks) through the varlen path."""
+
+    single: list[int]               # batch indices of the one-token sequences
+    multi: list[int]                # batch indices of the others
+    single_rows: torch.Tensor       # [S] int64: token rows of the one-token sequences
+    multi_rows: torch.Tensor        # [M] int64: token rows of the others, sequence by sequence
+    block_tables: torch.Tensor      # [S, max_blocks] int32 of the one-token sequences
+    context_lens: torch.Tensor      # [S] int32 of the one-token sequences
 
 
 @dataclass
@@ -21,6 +34,7 @@ class AttentionBatch:
     block_tables: torch.Tensor     # [B, max_blocks] int32, -1 padded
     context_lens_tensor: torch.Tensor  # [B] int32
     block_size: int
+    _splits: dict = field(default_factory=dict, repr=False)   # sliding window -> SingleQuerySplit (per step)
 
     @property
     def num_seqs(self) -> int:
@@ -30,10 +44,23 @@ class AttentionBatch:
     def num_tokens(self) -> int:
         return self.query_start[-1] if self.query_start else 0
 
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence adds exactly one token (and there is at least one)."""
-        return bool(self.query_lens) and all(n == 1 for n in self.query_lens)
+    def split_single_queries(self, sliding_window: int | None = None) -> SingleQuerySplit:
+        """Which sequences the paged decode kernel can serve: one new token, and (with a sliding window) a
+        context within the window. Built once per step and window, shared by every layer."""
+        if sliding_window not in self._splits:
+            single = [b for b in range(self.num_seqs) if self.query_lens[b] == 1
+                      and (sliding_window is None or self.context_lens[b] <= sliding_window)]
+            chosen = set(single)
+            multi = [b for b in range(self.num_seqs) if b not in chosen]
+            device = self.slot_mapping.device
+            single_rows = torch.tensor([self.query_start[b] for b in single], dtype=torch.long, device=device)
+            rows = [row for b in multi for row in range(self.query_start[b], self.query_start[b + 1])]
+            multi_rows = torch.tensor(rows, dtype=torch.long, device=device)
+            index = torch.tensor(single, dtype=torch.long, device=device)
+            self._splits[sliding_window] = SingleQuerySplit(
+                single, multi, single_rows, multi_rows, self.block_tables.index_select(0, index),
+                self.context_lens_tensor.index_select(0, index))
+        return self._splits[sliding_window]
 
     def context_slots(self, seq: int) -> torch.Tensor:
         """[context_lens[seq]] int64 flat cache slots of one sequence's whole context."""

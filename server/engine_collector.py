@@ -11,8 +11,8 @@ from typing import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from load_balancer import ExpertLoadSnapshot
-from moe_runtime.engine_protocol import EngineStats, RebalanceEvent, WorkerStats
+from load_balancer import ExpertLoadSnapshot, RebalanceEvent
+from moe_runtime.engine_protocol import EngineStats, WorkerStats
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,10 @@ WORKER_FIGURES = (
     WorkerFigure("kv_blocks_total", "KV cache blocks of a DP worker.", lambda w: w.kv_blocks_total),
     WorkerFigure("num_preemptions", "Requests preempted (KV cache full) on a DP worker.",
                  lambda w: w.num_preemptions, is_counter=True),
+    WorkerFigure("prefix_cache_queries", "Tokens looked up in a DP worker's prefix cache at admission.",
+                 lambda w: w.prefix_cache_queries, is_counter=True),
+    WorkerFigure("prefix_cache_hits", "Tokens found in a DP worker's prefix cache at admission (not recomputed).",
+                 lambda w: w.prefix_cache_hits, is_counter=True),
 )
 
 

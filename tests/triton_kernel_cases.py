@@ -8,8 +8,12 @@ import os
 
 import pytest
 import torch
+from dispatch_cases import MULTI_RANK_BACKENDS
+from moe_seam_cases import LOCAL, check_seam_results, seam_on_rank
 
 from kernels import RoutingConfig, get_kernels
+from mixed_attention_cases import attend, mixed_attention_case
+from multirank import ranks  # noqa: F401  (fixture)
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -172,6 +176,23 @@ def test_masked_expert_mlp(triton_kernels, counts, dtype):
         assert torch.all(got[expert, count:] == 0)
 
 
+# ------------------------------------------------------------------------- the MoE seam, Triton experts
+
+# Every dispatcher with the Triton expert kernels (test_moe_seam_contract.py runs the torch and reference
+# families). The multi-rank dispatchers run on gloo, which moves CPU tensors: on CUDA only the local one.
+SEAM_BACKENDS = [LOCAL] if ON_CUDA else [LOCAL] + MULTI_RANK_BACKENDS
+
+
+@pytest.mark.parametrize("backend", SEAM_BACKENDS)
+def test_moe_seam_with_triton_experts(ranks, backend):
+    for scenario in ("uneven", "masked"):
+        if backend == LOCAL:
+            results = [seam_on_rank(LOCAL, scenario, "triton", "float32", DEVICE)]
+        else:
+            results = ranks(2).run(seam_on_rank, backend, scenario, "triton")
+        check_seam_results(results, tolerance=1e-4)
+
+
 # ------------------------------------------------------------------------------------- norm, attention
 
 @pytest.mark.parametrize("tokens", [0, 1, 6])
@@ -232,3 +253,11 @@ def test_paged_decode_attention(triton_kernels, case):
                                                context_lens, head_dim ** -0.5)
         assert got.shape == (len(lens), q_heads, v_dim) and got.dtype == dtype
         torch.testing.assert_close(got.float().cpu(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_mixed_batch_one_token_rows_through_the_paged_kernel(triton_kernels, window):
+    """Chunked prefill's mixed steps: decodes through this kernel (on a subset of the batch's block tables),
+    chunks with cached context through the torch path; together, dense attention over each sequence."""
+    case = mixed_attention_case(8, 2, window, shared_kv=False, device=DEVICE)
+    torch.testing.assert_close(attend(triton_kernels, case).cpu(), case.expected, **tolerance(torch.float32))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_runtime.attention_batch import AttentionBatch
-from moe_runtime.layers.attention_ops import varlen_causal_attention, window_exceeded
+from moe_runtime.layers.attention_ops import split_attention, varlen_causal_attention
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
@@ -137,14 +137,16 @@ class Attention(nn.Module):
         cache.write(batch.slot_mapping, k, v)
         if num_tokens == 0:
             out = q.new_zeros(0, h.num_heads, s.head_dim)
-        elif batch.is_decode and not window_exceeded(batch, s.sliding_window):
-            out = self._kernels.paged_decode_attention(
-                q, cache.keys, cache.values, batch.block_tables, batch.context_lens_tensor, self.scale
-            )
         else:
-            out = varlen_causal_attention(
-                q, batch, lambda seq: cache.gather(batch.context_slots(seq)), self.scale, s.sliding_window
-            )
+            def single(rows, block_tables, context_lens):   # one new token per sequence: the paged kernel
+                return self._kernels.paged_decode_attention(
+                    q if rows is None else q[rows], cache.keys, cache.values, block_tables, context_lens, self.scale)
+
+            def varlen(seqs):                                # prefills and chunks, with their cached context
+                return varlen_causal_attention(q, batch, lambda seq: cache.gather(batch.context_slots(seq)),
+                                               self.scale, s.sliding_window, seqs)
+
+            out = split_attention(batch, s.sliding_window, single, varlen)   # [T, hq, D]
         out = self.o_proj(out.reshape(num_tokens, h.num_heads * s.head_dim))
         if h.tp_size > 1:
             out = self.o_proj.reduce(out, self.tp_group)

@@ -1,4 +1,5 @@
-"""Attention over a varlen batch whose context lives in the paged KV cache (torch path)."""
+"""Attention over a varlen batch whose context lives in the paged KV cache (torch path), and the split of
+a mixed batch (decodes next to prefill chunks) between the paged decode kernel and that path."""
 from __future__ import annotations
 
 from typing import Callable
@@ -9,6 +10,10 @@ import torch.nn.functional as F
 from moe_runtime.attention_batch import AttentionBatch
 
 KVFetcher = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # seq -> (keys [S, Hkv, D], values [S, Hkv, Dv])
+# (token rows or None for all, block tables [S, max_blocks], context lens [S]) -> out [S, Hq, Dv]
+SingleQueryAttention = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor], torch.Tensor]
+# batch indices or None for all -> out [rows of those sequences, Hq, Dv]
+VarlenAttention = Callable[[list[int] | None], torch.Tensor]
 
 
 def varlen_causal_attention(
@@ -17,10 +22,13 @@ def varlen_causal_attention(
     fetch_kv: KVFetcher,
     scale: float,
     sliding_window: int | None = None,
-) -> torch.Tensor:               # [T, Hq, Dv]
-    """Each sequence's new queries attend causally to its whole cached context."""
+    seqs: list[int] | None = None,
+) -> torch.Tensor:               # [rows of `seqs`, Hq, Dv]
+    """Each sequence's new queries attend causally to its whole cached context (the tokens before them,
+    cached by earlier steps or by an earlier chunk, and themselves). `seqs`: only these sequences (default all),
+    their rows concatenated in that order."""
     outputs = []
-    for seq in range(batch.num_seqs):
+    for seq in range(batch.num_seqs) if seqs is None else seqs:
         start, length = batch.query_start[seq], batch.query_lens[seq]
         keys, values = fetch_kv(seq)
         context = keys.shape[0]
@@ -43,5 +51,18 @@ def varlen_causal_attention(
     return torch.cat(outputs, dim=0)
 
 
-def window_exceeded(batch: AttentionBatch, sliding_window: int | None) -> bool:
-    return sliding_window is not None and max(batch.context_lens, default=0) > sliding_window
+def split_attention(batch: AttentionBatch, sliding_window: int | None, single: SingleQueryAttention,
+                    varlen: VarlenAttention) -> torch.Tensor:   # [T, Hq, Dv]
+    """Attention of a whole batch: one-token sequences through `single` (the paged decode kernel, batched),
+    the rest through `varlen`. A pure decode or pure prefill batch goes to one of them whole."""
+    split = batch.split_single_queries(sliding_window)
+    if not split.multi:
+        return single(None, batch.block_tables, batch.context_lens_tensor)
+    if not split.single:
+        return varlen(None)
+    single_out = single(split.single_rows, split.block_tables, split.context_lens)    # [S, Hq, Dv]
+    varlen_out = varlen(split.multi)                                                   # [M, Hq, Dv]
+    out = single_out.new_empty(batch.num_tokens, *single_out.shape[1:])               # [T, Hq, Dv]
+    out[split.single_rows] = single_out
+    out[split.multi_rows] = varlen_out.to(out.dtype)
+    return out

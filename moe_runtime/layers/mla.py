@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from moe_runtime.attention_batch import AttentionBatch
-from moe_runtime.layers.attention_ops import varlen_causal_attention
+from moe_runtime.layers.attention_ops import split_attention, varlen_causal_attention
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
@@ -110,16 +110,23 @@ class MultiHeadLatentAttention(nn.Module):
         cache.write(batch.slot_mapping, torch.cat([latent[:, None, :], k_pe], dim=-1))
         if num_tokens == 0:
             out = x.new_zeros(0, self.num_heads, s.v_head_dim)
-        elif batch.is_decode:
-            out = self._decode_absorbed(q_nope, q_pe, batch, cache)
         else:
-            out = self._prefill_expanded(torch.cat([q_nope, q_pe], dim=-1), batch, cache)
+            def single(rows, block_tables, context_lens):   # one new token per sequence: absorbed, paged kernel
+                if rows is not None:
+                    return self._decode_absorbed(q_nope[rows], q_pe[rows], block_tables, context_lens, cache)
+                return self._decode_absorbed(q_nope, q_pe, block_tables, context_lens, cache)
+
+            def varlen(seqs):                                # prefills and chunks: latents expanded per head
+                return self._prefill_expanded(torch.cat([q_nope, q_pe], dim=-1), batch, cache, seqs)
+
+            out = split_attention(batch, None, single, varlen)               # [T, h, v]
         out = self.o_proj(out.reshape(num_tokens, self.num_heads * s.v_head_dim))
         if self.tp_size > 1:
             out = self.o_proj.reduce(out, self.tp_group)
         return out
 
-    def _prefill_expanded(self, q: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache) -> torch.Tensor:
+    def _prefill_expanded(self, q: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache,
+                          seqs: list[int] | None = None) -> torch.Tensor:
         s = self.shape
 
         def fetch(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,15 +137,16 @@ class MultiHeadLatentAttention(nn.Module):
             keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
             return keys, values                                                   # [S, h, qk], [S, h, v]
 
-        return varlen_causal_attention(q, batch, fetch, self.scale)
+        return varlen_causal_attention(q, batch, fetch, self.scale, seqs=seqs)
 
-    def _decode_absorbed(self, q_nope, q_pe, batch: AttentionBatch, cache: LayerKVCache) -> torch.Tensor:
+    def _decode_absorbed(self, q_nope, q_pe, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                         cache: LayerKVCache) -> torch.Tensor:   # q_nope [S, h, nope], q_pe [S, h, rope]
         s = self.shape
         w_uk, w_uv = self._kv_b_split()
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)                     # [T, h, L]
         q_full = torch.cat([q_latent, q_pe], dim=-1)                              # [T, h, L + rope]
         latent_values = cache.keys[..., : s.kv_lora_rank]                         # [NB, BS, 1, L] view
         out_latent = self._kernels.paged_decode_attention(
-            q_full, cache.keys, latent_values, batch.block_tables, batch.context_lens_tensor, self.scale
-        )                                                                         # [T, h, L]
+            q_full, cache.keys, latent_values, block_tables, context_lens, self.scale
+        )                                                                         # [S, h, L]
         return torch.einsum("thl,hvl->thv", out_latent, w_uv)                     # [T, h, v]

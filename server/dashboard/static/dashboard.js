@@ -110,6 +110,9 @@
     const running = state.workers.reduce((s, w) => s + w.running, 0);
     const waiting = state.workers.reduce((s, w) => s + w.waiting, 0);
     $("summary-requests").textContent = `${running} / ${waiting}`;
+    const queried = state.workers.reduce((s, w) => s + (w.prefix_cache_queries || 0), 0);
+    const hit = state.workers.reduce((s, w) => s + (w.prefix_cache_hits || 0), 0);
+    $("summary-prefix-cache").textContent = queried > 0 ? `${fmt(100 * hit / queried, 1)}% of ${queried}` : "–";
     $("summary-rebalances").textContent = state.rebalance.events_available ? state.rebalance.events.length : "n/a";
   }
 
