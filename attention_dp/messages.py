@@ -3,8 +3,9 @@
 The control plane decodes only these types: a tagged union per direction, so a payload that is
 not one of them is a `msgspec.DecodeError`/`ValidationError`, never an object of the sender's
 choosing (no pickle anywhere). Engine values that travel here (`EngineConfig`, `SamplingParams`,
-`TokenDelta`, `WorkerStats`) are plain dataclasses of numbers, strings and lists, which msgspec
-decodes field by field with their declared types. Tensors never travel here: the expert-load
+`TokenDelta`, `WorkerStats`, `PrefixCacheEvents`, `RebalanceEvent`) are plain dataclasses of numbers, strings, lists and dicts (and
+nested plain dataclasses: a request's `StructuredOutputSpec`), which msgspec decodes field by
+field with their declared types, running each dataclass's `__post_init__` checks. Tensors never travel here: the expert-load
 report carries its tables as nested lists (`ExpertLoadTables`).
 """
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import Union
 
 import msgspec
 
-from load_balancer.live_rebalancer import RebalanceOutcome
+from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_protocol import WorkerStats
 from moe_runtime.outputs import TokenDelta
+from moe_runtime.prefix_cache import PrefixCacheEvents
 from moe_runtime.sampling_params import SamplingParams
 
 
@@ -67,11 +69,15 @@ class RebalanceNow(Message):
     fail_on_rank: int | None = None
 
 
+class ResetPrefixCache(Message):
+    """Every DP worker forgets its cached KV blocks (blocks in use stay with their requests)."""
+
+
 class Shutdown(Message):
     pass
 
 
-Command = Union[AddRequest, AbortRequest, SnapshotExpertLoad, RebalanceNow, Shutdown]
+Command = Union[AddRequest, AbortRequest, SnapshotExpertLoad, RebalanceNow, ResetPrefixCache, Shutdown]
 
 
 # ---- worker -> front -----------------------------------------------------------------------------
@@ -89,13 +95,15 @@ class WorkerReady(Message):
 
 class StepOutputs(Message):
     """One step of one DP worker: per request that advanced, only what is new (never the prompt, the
-    tokens sent before or text: the front detokenizes)."""
+    tokens sent before or text: the front detokenizes). A request that asked for prompt logprobs gets
+    them once, in its first delta (`PromptLogprobs`: lists of numbers)."""
 
     rank: int
     dp_rank: int
     deltas: list[TokenDelta]
     stats: WorkerStats
     sent_at: float = 0.0       # the rank's wall clock when it sent these (the front's latency accounting)
+    cache_events: PrefixCacheEvents | None = None   # the prefix cache's changes since the last report (routing)
 
 
 class ExpertLoadTables(msgspec.Struct, kw_only=True):
@@ -117,8 +125,7 @@ class ExpertLoadReport(Message):
 
 
 class RebalanceReport(Message):
-    outcome: RebalanceOutcome
-    index: int                 # rebalances run so far, this one excluded
+    event: RebalanceEvent      # merged over the pipeline stages; its index counts the rebalances before it
 
 
 class WorkerFailed(Message):

@@ -28,7 +28,10 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int = 256 * 2**20   # bytes of KV cache per DP worker
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 4096   # tokens one step computes (prefill tokens of a step, chunked or not)
+    enable_chunked_prefill: bool = True   # decodes and prefill chunks share each step, under that token budget
+    enable_prefix_caching: bool = True    # full KV blocks are reused by requests sharing a prefix
+    cache_aware_routing: bool = True      # with prefix caching and dp_attn > 1: route to where a prefix is cached
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     kernels: str = "auto"                # "auto" | "torch" | "triton" | "reference"
     # Parallel layout: world = ep ranks; dp_attn DP attention workers of ep // dp_attn ranks each.

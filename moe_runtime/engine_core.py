@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kernels import get_kernels
+from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.block_manager import BlockManager
 from moe_runtime.checkpoint import CheckpointReader
 from moe_runtime.quantization.fp8_block import Fp8BlockFormat
@@ -23,15 +24,17 @@ from moe_runtime.model_config import architecture_of, load_hf_config
 from moe_runtime.model_runner import ModelRunner, kv_blocks_for_budget
 from moe_runtime.models.decoder import BuildContext
 from moe_runtime.models.registry import build_model
-from moe_runtime.moe_executor import LocalMoEExecutor
-from moe_runtime.outputs import TokenDelta, error_message
+from moe_runtime.moe.executor import MoEExecutor
+from moe_runtime.outputs import PromptLogprobs, TokenDelta, error_message
 from moe_runtime.parallel_context import ParallelContext
 from moe_runtime.request_limits import RequestLimits
 from moe_runtime.pipeline import broadcast_sampled_tokens, run_pipeline_step
+from moe_runtime.prefix_cache import PrefixCacheEvents
 from moe_runtime.sampler import SampleResult, Sampler
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moe_runtime.sequence import FinishReason, Sequence, TokenLogprob
+from moe_runtime.structured_output.compiler import build_grammar_compiler, grammar_state_for
 from moe_runtime.weight_loading import SkippedTensors, load_model_weights
 
 logger = logging.getLogger(__name__)
@@ -75,7 +78,7 @@ def eos_token_ids(checkpoint_dir: Path, hf_config, tokenizer) -> set[int]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None, executor_factory=None):
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
         started = time.perf_counter()
         self.config = config
         self.checkpoint_dir = Path(config.model)
@@ -86,14 +89,13 @@ class EngineCore:
         self.dtype = config.resolved_dtype(self.hf_config)
         self.parallel = parallel or ParallelContext.single(self.device)
         self.kernels = get_kernels(self.device, config.kernels)
-        self.executor = (executor_factory(self.kernels, self.hf_config, self.dtype) if executor_factory
-                         else LocalMoEExecutor(self.kernels))
+        self.executor = MoEExecutor.for_engine(config, self.parallel, self.kernels, self.hf_config.hidden_size,
+                                               self.dtype)
         ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device)
         reader = CheckpointReader.open(self.checkpoint_dir,
                                        Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir)))
         self.model = build_model(self.architecture, self.hf_config, ctx)
-        if hasattr(self.executor, "finalize"):
-            self.executor.finalize(self.model)
+        self.executor.finish_registration()  # every MoE layer registered itself while the model was built
         load_model_weights(self.model, reader, SkippedTensors.for_config(self.hf_config),
                            self.parallel.world_control_group if self.parallel.world_size > 1 else None)
         self.model.eval()
@@ -108,12 +110,16 @@ class EngineCore:
             raise InvalidRequestError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of {config.block_size} tokens"
             )
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.block_manager
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            config.enable_chunked_prefill), self.block_manager
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_ids, grammar_threads=torch.get_num_threads())
+        # structured output: the tokenizer's xgrammar view is built once here; grammars once per spec
+        self.grammars = build_grammar_compiler(self.tokenizer, self.vocab_size, self.eos_ids,
+                                               max_threads=torch.get_num_threads())
         self._arrivals = 0
         self._sequences: dict[str, Sequence] = {}
         self._prompt_tokens = 0
@@ -137,7 +143,8 @@ class EngineCore:
         """Queue an admitted request (checked against `limits()` by the front)."""
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, list(prompt_token_ids), params, arrival=self._arrivals)
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival=self._arrivals,
+                       grammar=grammar_state_for(self.grammars, params.structured_output))  # compiles (cached)
         self._arrivals += 1
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
@@ -159,21 +166,23 @@ class EngineCore:
             return []
         return self.execute(batch)
 
-    def _forward_and_sample(self, seqs: list[Sequence]) -> SampleResult:
+    def _forward_and_sample(self, seqs: list[Sequence], sampling: list[Sequence]) -> SampleResult:
+        """Run `seqs`' scheduled tokens; sample for `sampling`, those of them whose tokens reach their end
+        (a prefill chunk that stops short of it samples nothing)."""
         if self.parallel.pp_size == 1:
-            logits = self.runner.execute(seqs)
-            return self._sample(logits, seqs) if seqs else SampleResult.empty()
+            logits = self.runner.execute(seqs)                                   # [len(sampling), V]
+            return self._sample(logits, sampling) if sampling else SampleResult.empty()
         micro_batches = self.config.pp_micro_batches or self.parallel.pp_size
         result = run_pipeline_step(self.runner, seqs, self.parallel, micro_batches)
         self._compute_seconds += result.compute_seconds
-        if not seqs:
+        if not sampling:
             return SampleResult.empty()
-        sampled = self._sample(result.logits, seqs) if self.parallel.is_last_stage else None
-        tokens = broadcast_sampled_tokens(sampled.token_ids if sampled else None, len(seqs), self.parallel)
+        sampled = self._sample(result.logits, sampling) if self.parallel.is_last_stage else None
+        tokens = broadcast_sampled_tokens(sampled.token_ids if sampled else None, len(sampling), self.parallel)
         if sampled is not None:
             return sampled
         errors = ["sampling failed on the last pipeline stage" if t == SampleResult.NO_TOKEN else None for t in tokens]
-        return SampleResult(tokens, [None] * len(seqs), errors)
+        return SampleResult(tokens, [None] * len(sampling), errors)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:  # logits [B, V]
         """The batch's tokens. If sampling the batch raises, each request is sampled on its own and only
@@ -199,17 +208,24 @@ class EngineCore:
         """Run `batch` through the model; None runs an empty batch (0 tokens) through every layer, so a
         DP worker with nothing to do still joins every collective of a lock-step."""
         seqs = batch.seqs if batch is not None else []
+        sampling = [seq for seq in seqs if seq.samples_this_step]
         phase = phase or ("prefill" if batch is None or batch.is_prefill else "decode")
         started = time.perf_counter()
         self.executor.begin_step(phase)
-        sampled = self._forward_and_sample(seqs)
+        sampled = self._forward_and_sample(seqs, sampling)
         self.executor.end_step()
         self._steps += 1
         self._step_seconds += time.perf_counter() - started
+        scored_prompts = self.runner.take_prompt_logprobs()
         if not seqs:
             return []
         deltas = []
-        for seq, token, logprob, error in zip(batch.seqs, sampled.token_ids, sampled.logprobs, sampled.errors):
+        for seq, token, logprob, error in zip(sampling, sampled.token_ids, sampled.logprobs, sampled.errors):
+            if seq.params.max_tokens == 0:
+                deltas.append(self._finish_prompt_only(seq, scored_prompts.get(seq.request_id)))
+                continue
+            if error is None and seq.grammar is not None:
+                error = seq.grammar.accept(token)  # every rank alike: they agree on when the grammar ends
             if error is not None:
                 deltas.append(self._fail(seq, error))
                 continue
@@ -218,8 +234,17 @@ class EngineCore:
                 self.scheduler.finish(seq, reason)
                 self._sequences.pop(seq.request_id, None)
             deltas.append(TokenDelta(seq.request_id, [token], [logprob] if seq.params.logprobs is not None else None,
-                                     reason.value if reason else None, None, seq.num_preemptions))
+                                     reason.value if reason else None, None, seq.num_preemptions,
+                                     prompt_logprobs=scored_prompts.get(seq.request_id)))
         return deltas
+
+    def _finish_prompt_only(self, seq: Sequence, prompt_logprobs: PromptLogprobs | None) -> TokenDelta:
+        """End a request that only scores its prompt (max_tokens 0) after its prefill: the token sampled for
+        it is dropped, and its delta carries the prompt logprobs with no token, finish_reason "length"."""
+        self.scheduler.finish(seq, FinishReason.LENGTH)
+        self._sequences.pop(seq.request_id, None)
+        return TokenDelta(seq.request_id, [], None, FinishReason.LENGTH.value, None, seq.num_preemptions,
+                          prompt_logprobs=prompt_logprobs)
 
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
         """Append the sampled token (and its logprob) and say whether the request is done."""
@@ -247,9 +272,19 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             steps=self._steps,
             step_seconds=self._step_seconds,
-            moe_comm_seconds=getattr(self.executor, "comm_seconds", 0.0),
+            moe_comm_seconds=self.executor.comm_seconds,
             compute_seconds=self._compute_seconds if self.parallel.pp_size > 1 else self._step_seconds,
+            prefix_cache_queries=self.block_manager.counters.queries,
+            prefix_cache_hits=self.block_manager.counters.hits,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block (those in use stay with their requests); the idle blocks freed."""
+        return self.block_manager.reset_prefix_cache()
+
+    def take_prefix_cache_events(self) -> PrefixCacheEvents | None:
+        """What this worker's prefix cache stored, evicted or cleared since the last call (None: caching off)."""
+        return self.block_manager.take_cache_events()
 
     def stats(self) -> EngineStats:
         return EngineStats([self.worker_stats()], self._prompt_tokens, self._generation_tokens)
@@ -259,12 +294,10 @@ class EngineCore:
 
     def expert_load(self, group=None):
         """The expert-load snapshot (summed over `group`'s ranks when given), or None for a dense model."""
-        recorder = getattr(self.executor, "recorder", None)
+        recorder = self.executor.recorder
         return None if recorder is None else recorder.snapshot(group=group)
 
     def rebalance_now(self):
-        from moe_runtime.engine_protocol import RebalanceEvent
-
         return RebalanceEvent(-1, "manual", time.time(), 0.0, 0, 1.0, 1.0, ok=False,
                               error="nothing to rebalance on one rank: start with ep > 1")
 
@@ -272,24 +305,18 @@ class EngineCore:
         return []
 
     def resident_expert_bytes(self) -> tuple[int, int]:
-        """(bytes of routed-expert weights on this rank, bytes of all routed experts in the model)."""
-        from moe_runtime.layers.experts import StackedExperts
-
-        local = total = 0
-        for module in self.model.modules():
-            if isinstance(module, StackedExperts):
-                local += module.resident_bytes()
-                per_expert = module.resident_bytes() // max(len(module.expert_ids), 1)
-                total += per_expert * (getattr(self.executor, "num_experts", None) or len(module.expert_ids))
-        return local, total
+        """(bytes of routed-expert weights on this rank, bytes of all routed experts of its MoE layers)."""
+        return self.executor.resident_expert_bytes()
 
     def shutdown(self) -> None:
         self._sequences.clear()
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """EOS, a stop token or max_tokens; stop strings are the front's (`OutputProcessor`)."""
+        """EOS, a stop token, a completed grammar or max_tokens; stop strings are the front's (`OutputProcessor`)."""
         params = seq.params
         generated = len(seq.output_token_ids)
+        if seq.grammar is not None and seq.grammar.terminated:
+            return FinishReason.STOP  # the grammar was complete and its stop token accepted (ignore_eos or not)
         if generated >= params.min_tokens:
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
                 return FinishReason.STOP

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
+from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.sampling_params import SamplingParams
 
@@ -28,6 +29,8 @@ class WorkerStats:
     step_seconds: float = 0.0       # wall time in forward steps, cumulative
     moe_comm_seconds: float = 0.0   # ... of which in dispatch + combine (expert-parallel communication)
     compute_seconds: float = 0.0    # ... of which running this rank's layers (pipeline: the rest is bubble)
+    prefix_cache_queries: int = 0   # tokens looked up in the prefix cache at admissions (readmissions too), cumulative
+    prefix_cache_hits: int = 0      # ... of which found cached (not computed again)
 
     @property
     def kv_usage(self) -> float:
@@ -48,29 +51,19 @@ class EngineStats:
     def waiting(self) -> int:
         return sum(w.waiting for w in self.workers)
 
+    @property
+    def prefix_cache_queries(self) -> int:
+        return sum(w.prefix_cache_queries for w in self.workers)
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return sum(w.prefix_cache_hits for w in self.workers)
+
 
 @dataclass
 class EngineHealth:
     healthy: bool
     detail: str = "ok"
-
-
-@dataclass
-class RebalanceEvent:
-    """One rebalance of the expert placement (successful or not)."""
-
-    index: int
-    trigger: str                    # "interval" | "threshold" | "manual"
-    started_at: float               # unix time
-    duration_s: float
-    experts_moved: int              # expert weights copied between ranks
-    balancedness_before: float      # mean over MoE layers, on the window the plan was made from
-    balancedness_after: float       # the same load under the new placement
-    ok: bool = True
-    error: str | None = None
-
-    def to_dict(self) -> dict:
-        return dict(vars(self))
 
 
 class Engine(Protocol):
@@ -81,6 +74,7 @@ class Engine(Protocol):
     def abort(self, request_id: str) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
+    def reset_prefix_cache(self) -> None: ...          # forget every cached KV block (prefix caching)
     def stats(self) -> EngineStats: ...
     def health(self) -> EngineHealth: ...
     def expert_load(self): ...                          # load_balancer.ExpertLoadSnapshot | None

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 
+from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_core import EngineCore
-from moe_runtime.engine_protocol import EngineHealth, EngineStats, RebalanceEvent
+from moe_runtime.engine_protocol import EngineHealth, EngineStats
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.output_processor import OutputProcessor
 from moe_runtime.outputs import RequestOutput
@@ -41,6 +42,9 @@ class LocalEngine:
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
+
+    def reset_prefix_cache(self) -> None:
+        self.core.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         deltas = self.core.step()

@@ -1,5 +1,6 @@
 """Runs one scheduled batch through the model: builds the flattened inputs and attention metadata,
-owns the paged KV cache tensors, returns next-token logits per sequence."""
+owns the paged KV cache tensors, returns next-token logits per sequence (and scores the prompts of
+requests that asked for prompt logprobs, kept until the engine core takes them)."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,8 @@ import torch
 
 from moe_runtime.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import LayerKVCache
+from moe_runtime.outputs import PromptLogprobs
+from moe_runtime.prompt_logprobs import chunk_tokens_for, join_prompt_logprobs, prompt_logprobs_due, score_prompt
 from moe_runtime.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -19,7 +22,7 @@ class StepInputs:
     input_ids: torch.Tensor        # [T] int64
     positions: torch.Tensor        # [T] int64
     batch: AttentionBatch
-    last_token_index: torch.Tensor  # [B] int64: row of each sequence's last new token
+    last_token_index: torch.Tensor  # [S] int64: row of the last new token of each sequence that samples this step
 
 
 def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:
@@ -36,6 +39,8 @@ class ModelRunner:
         self.caches = [
             LayerKVCache.allocate(spec, num_blocks, block_size, dtype, device) for spec in model.kv_cache_specs()
         ]
+        self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)
+        self._scored_prompts: dict[str, PromptLogprobs] = {}   # request id -> prompt logprobs not yet taken
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.cache_bytes() / 2**20)
 
     def cache_bytes(self) -> int:
@@ -55,7 +60,8 @@ class ModelRunner:
         query_start = [0]
         bs = self.block_size
         for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_tokens
+            start = seq.num_cached_tokens
+            end = start + seq.num_scheduled_tokens       # a prefill chunk, the whole rest, or the one decode token
             tokens = seq.all_token_ids[start:end]
             input_ids.extend(tokens)
             positions.extend(range(start, end))
@@ -64,9 +70,9 @@ class ModelRunner:
             context_lens.append(end)
             query_start.append(query_start[-1] + end - start)
         max_blocks = max((len(seq.block_table) for seq in seqs), default=1) or 1
-        block_tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
+        block_tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32, device="cpu")  # host staging
         for i, seq in enumerate(seqs):
-            block_tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+            block_tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32, device="cpu")
         dev = self.device
         batch = AttentionBatch(
             query_lens=query_lens,
@@ -77,7 +83,8 @@ class ModelRunner:
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             block_size=bs,
         )
-        last = torch.tensor([s - 1 for s in query_start[1:]], dtype=torch.long, device=dev)
+        last = torch.tensor([stop - 1 for stop, seq in zip(query_start[1:], seqs) if seq.samples_this_step],
+                            dtype=torch.long, device=dev)
         return StepInputs(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -86,9 +93,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Next-token logits [B, V] (fp32); marks every sequence's tokens as cached."""
+        """Next-token logits [S, V] (fp32) of the sequences that sample this step (`samples_this_step`), in
+        order; marks every sequence's scheduled tokens as cached."""
         inputs = self.prepare(seqs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
+        self.score_prompts(seqs, inputs, hidden)
         for seq in seqs:
-            seq.num_cached_tokens = seq.num_tokens
+            seq.commit_scheduled_tokens()
         return self.model.logits(hidden[inputs.last_token_index])
+
+    def score_prompts(self, seqs: list[Sequence], inputs: StepInputs, hidden: torch.Tensor) -> None:  # hidden [T, H]
+        """Prompt logprobs of the sequences whose prompt positions this forward runs (`prompt_logprobs_due`),
+        from its final hidden states (before it marks their tokens cached). A prompt prefilled in chunks is
+        scored chunk by chunk; `take_prompt_logprobs` hands it out once its last chunk has run."""
+        for index, seq in enumerate(seqs):
+            if not prompt_logprobs_due(seq):
+                continue
+            prompt_len = len(seq.prompt_token_ids)
+            first = seq.num_cached_tokens                                  # this chunk's first position
+            stop = max(min(first + seq.num_scheduled_tokens, prompt_len - 1), first)  # scores positions [first, stop)
+            start = inputs.batch.query_start[index]
+            part = score_prompt(self.model.logits, hidden[start : start + stop - first],          # [stop - first, H]
+                                seq.prompt_token_ids[first : stop + 1], seq.params.prompt_logprobs,
+                                self.prompt_logprobs_chunk_tokens)
+            scored = part if first == 0 else join_prompt_logprobs(seq.partial_prompt_logprobs, part)
+            if first + seq.num_scheduled_tokens < prompt_len:             # more chunks to come
+                seq.partial_prompt_logprobs = scored
+                continue
+            seq.partial_prompt_logprobs = None
+            self._scored_prompts[seq.request_id] = scored
+            seq.prompt_logprobs_done = True
+
+    def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        """The prompt logprobs scored since the last call, by request id (each handed out once)."""
+        scored, self._scored_prompts = self._scored_prompts, {}
+        return scored

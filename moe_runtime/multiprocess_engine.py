@@ -26,16 +26,19 @@ import msgspec
 from attention_dp.control_key import ControlKey
 from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected
 from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, RebalanceNow, RebalanceReport,
-                                   Shutdown, SnapshotExpertLoad, StepOutputs, WorkerFailed, WorkerReady, WorkerSetup)
+                                   ResetPrefixCache, Shutdown, SnapshotExpertLoad, StepOutputs, WorkerFailed,
+                                   WorkerReady, WorkerSetup)
 from attention_dp.router import DPRouter
+from load_balancer.rebalance_event import RebalanceEvent
 from load_balancer.recorder import ExpertLoadSnapshot
 from moe_runtime.distributed import free_port
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_core import load_tokenizer
-from moe_runtime.engine_protocol import EngineHealth, EngineStats, RebalanceEvent, WorkerStats
+from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.model_config import load_hf_config
 from moe_runtime.output_processor import OutputProcessor
+from moe_runtime.prefix_hash import block_hashes
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.request_limits import RequestLimits
 from moe_runtime.sampling_params import SamplingParams
@@ -86,7 +89,7 @@ def worker_context():
     torch each. Forking from that clean server, never from the front, keeps CUDA and threads sane."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(["torch", "transformers", "moe_runtime.worker", "moe_runtime.engine_core",
-                                    "attention_dp.lockstep", "moe_runtime.ep_executor"])
+                                    "attention_dp.lockstep", "moe_runtime.moe.executor"])
     return context
 
 
@@ -173,7 +176,8 @@ class MultiprocessEngine:
         self.max_model_len = first.max_model_len
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, self.num_kv_blocks * self.block_size,
                                     self.tokenizer is not None)
-        self.router = DPRouter.for_workers(self.layout.dp_size, self.num_kv_blocks)
+        cache_aware = self.config.enable_prefix_caching and self.config.cache_aware_routing and self.layout.dp_size > 1
+        self.router = DPRouter.for_workers(self.layout.dp_size, self.num_kv_blocks, cache_aware, self.block_size)
 
     def _kill_workers(self) -> None:
         for process in self._processes.values():
@@ -232,7 +236,7 @@ class MultiprocessEngine:
         if isinstance(message, StepOutputs):
             return self._apply_step(message)
         if isinstance(message, RebalanceReport):
-            self._rebalance_events.append(RebalanceEvent(message.index, **dataclasses.asdict(message.outcome)))
+            self._rebalance_events.append(message.event)
             if self._rebalance_waiter is not None and not self._rebalance_waiter.done():
                 self._rebalance_waiter.set_result(self._rebalance_events[-1])
         elif isinstance(message, ExpertLoadReport):
@@ -246,10 +250,13 @@ class MultiprocessEngine:
     def _apply_step(self, batch: StepOutputs) -> list[RequestOutput]:
         self._worker_stats[batch.dp_rank] = batch.stats
         self.router.report_kv(batch.dp_rank, batch.stats.kv_blocks_free, batch.stats.kv_blocks_total)
+        if batch.cache_events is not None:   # before the deltas: a first output settles what its request expected
+            self.router.report_cache(batch.dp_rank, batch.cache_events)
         live = [d for d in batch.deltas if d.request_id in self.outputs]  # not aborted or stopped meanwhile
         for delta in live:
             self._generation_tokens += len(delta.new_token_ids)
             self.router.grow(delta.request_id, len(delta.new_token_ids))
+            self.router.first_output(delta.request_id)
         processed = self.outputs.process(live)
         for request_id, reason in processed.ended.items():  # ended here (stop string, error): ranks free its blocks
             self._control.broadcast(AbortRequest(request_id=request_id, finish_reason=reason))
@@ -319,7 +326,8 @@ class MultiprocessEngine:
         self.limits.check(prompt_token_ids, params)
         if params.seed is None:  # the ranks of a DP worker must draw the same samples
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
-        decision = self.router.choose(request_id, len(prompt_token_ids))
+        hashes = block_hashes(prompt_token_ids, self.block_size) if self.router.prefix_index is not None else None
+        decision = self.router.choose(request_id, len(prompt_token_ids), hashes)
         command = AddRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                              dp_rank=decision.dp_rank)
         self._control.broadcast(command)
@@ -336,6 +344,13 @@ class MultiprocessEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.outputs.requests)
+
+    def reset_prefix_cache(self) -> None:
+        """Every DP worker forgets its cached KV blocks at its next lock-step boundary (blocks in use stay
+        with their requests); each reports it, and the cache-aware router forgets them in order."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        self._control.broadcast(ResetPrefixCache())
 
     def step(self) -> list[RequestOutput]:
         """Outputs the workers produced since the last call; waits briefly for at least one."""

@@ -57,11 +57,12 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
             if num_tokens:
                 sends.append(dist.isend(out.contiguous(), parallel.pp_next_rank, group=parallel.pp_group))
         elif group:
+            runner.score_prompts(group, inputs, out)   # final hidden states exist on the last stage only
             logits.append(model.logits(out[inputs.last_token_index]))
     for request in sends:
         request.wait()
     for seq in seqs:
-        seq.num_cached_tokens = seq.num_tokens
+        seq.commit_scheduled_tokens()
     return PipelineStepResult(torch.cat(logits) if logits else None, compute)
 
 

@@ -1,12 +1,17 @@
-"""One request's state inside a DP worker: tokens, KV blocks, sampling state."""
+"""One request's state inside a DP worker: tokens, KV blocks, sampling state (seeded generator, grammar)."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.structured_output.grammar_state import GrammarState
+
+if TYPE_CHECKING:  # outputs.py imports this module (TokenLogprob)
+    from moe_runtime.outputs import PromptLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -41,8 +46,14 @@ class Sequence:
     finish_reason: FinishReason | None = None
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0                     # tokens whose K/V are in the cache
+    num_scheduled_tokens: int = 0                  # tokens the current step computes (a prefill chunk, or 1)
+    block_hashes: list[int] = field(default_factory=list)  # prefix hashes of its full blocks (prefix caching)
+    num_registered_blocks: int = 0                 # leading blocks of block_table offered to the prefix cache
+    partial_prompt_logprobs: PromptLogprobs | None = None  # chunked prefill: the prompt scored so far
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None            # structured output: where the output is in its grammar
+    prompt_logprobs_done: bool = False             # scored once: a preempted request's recompute does not again
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -61,5 +72,21 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def tokens_to_compute(self) -> int:
-        """New tokens the next forward must process (the whole uncached suffix)."""
+        """Tokens not in the cache yet (the whole uncached suffix; a step may compute a chunk of it)."""
         return self.num_tokens - self.num_cached_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Past its prompt: each step computes the one token it sampled last."""
+        return bool(self.output_token_ids) and self.num_cached_tokens == self.num_tokens - 1
+
+    @property
+    def samples_this_step(self) -> bool:
+        """The scheduled tokens reach its last token: this step's logits give its next token (a prefill
+        chunk that stops short of the end samples nothing)."""
+        return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    def commit_scheduled_tokens(self) -> None:
+        """The step ran: its scheduled tokens are in the cache now."""
+        self.num_cached_tokens += self.num_scheduled_tokens
+        self.num_scheduled_tokens = 0

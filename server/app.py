@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI completions and chat (plain and SSE), models, health, metrics, expert load.
+"""The FastAPI app: OpenAI completions and chat (plain and SSE), models, health, metrics, expert load,
+vLLM's /tokenize, /detokenize and /version.
 
 `build_app` takes a started `AsyncEngine`; the caller owns its lifecycle. Extra routers and
 mounts (the dashboard) plug in through `extra_routers` / `mounts`; they find the engine and the
@@ -19,6 +20,7 @@ from typing import Sequence
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+import moe_runtime
 from moe_runtime.async_engine import AsyncEngine
 from moe_runtime.errors import MoERuntimeError
 from server.auth import ApiKeyGate
@@ -31,9 +33,13 @@ from server.json_body import documented_body, install_body_schemas, json_body
 from server.logprobs import TokenNamer
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from server.request_conversion import ModelInfo, chat_choices, completion_choices
+from server.request_conversion import ModelInfo, chat_choices, check_model, completion_choices
 from server.server_config import DEFAULT_MAX_REQUEST_BYTES
 from server.sse import EventStreamResponse, sse_stream
+from server.stream_usage import stream_usage
+from server.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
+                                 detokenize, tokenize)
+from server.tool_calls.selection import choose_parser
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +60,19 @@ def build_app(
     extra_routers: Sequence[APIRouter] = (),
     mounts: Sequence[Mount] = (),
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_call_parser: str | None = None,
+    model_type: str | None = None,
 ) -> FastAPI:
-    app = FastAPI(title="moe-runtime", version="0.1.0")
+    """`tool_call_parser` names the parser of tool calls (`server.tool_calls.selection.PARSERS`); None chooses
+    one from the chat template, then `model_type` (config.json's)."""
+    app = FastAPI(title="moe-runtime", version=moe_runtime.__version__)
     app.state.async_engine = async_engine
     app.state.metrics = metrics = ServerMetrics()
-    model = ModelInfo(served_model_name, async_engine.max_model_len, async_engine.tokenizer)
+    parser = choose_parser(tool_call_parser, getattr(async_engine.tokenizer, "chat_template", None), model_type)
+    model = ModelInfo(served_model_name, async_engine.max_model_len, async_engine.tokenizer, parser)
     namer = TokenNamer(async_engine.tokenizer)
     install_error_handlers(app)
-    install_body_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    install_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
 
     # the last added runs first: count refusals, check the key, then the size, then route
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
@@ -74,21 +85,45 @@ def build_app(
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=async_engine.max_model_len)])
 
+    @v1.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        """The served model's card; any other id is a 404 (OpenAI's `model_not_found`). Ids may hold slashes."""
+        check_model(model_id, model)
+        return ModelCard(id=served_model_name, max_model_len=async_engine.max_model_len)
+
+    @app.post("/tokenize", openapi_extra=documented_body(TokenizeRequest))
+    async def tokenize_route(body: TokenizeRequest = Depends(json_body(TokenizeRequest))) -> TokenizeResponse:
+        """vLLM's /tokenize: a prompt or chat messages to token ids (off the event loop)."""
+        return await asyncio.to_thread(tokenize, body, model)
+
+    @app.post("/detokenize", openapi_extra=documented_body(DetokenizeRequest))
+    async def detokenize_route(body: DetokenizeRequest = Depends(json_body(DetokenizeRequest))) -> DetokenizeResponse:
+        """vLLM's /detokenize: token ids (inside the vocabulary) to text (off the event loop)."""
+        return await asyncio.to_thread(detokenize, body, model)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": moe_runtime.__version__}
+
     @v1.post("/completions", openapi_extra=documented_body(CompletionRequest))
     async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))):
+        usage = stream_usage(body)
         choices = await asyncio.to_thread(completion_choices, body, model)   # tokenizes: off the event loop
         generation = Generation(async_engine, f"cmpl-{uuid.uuid4().hex}", choices, metrics)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        formatter = CompletionFormatter(generation, served_model_name, namer, body.logprobs is not None, include_usage)
+        formatter = CompletionFormatter(generation, served_model_name, namer, body.logprobs is not None, usage.final,
+                                        continuous_usage=usage.continuous,
+                                        echo=body.echo, num_logprobs=body.logprobs or 0,
+                                        prompt_logprobs=body.prompt_logprobs)
         return await respond(generation, formatter, body.stream, request)
 
     @v1.post("/chat/completions", openapi_extra=documented_body(ChatCompletionRequest))
     async def chat_completions(request: Request,
                                body: ChatCompletionRequest = Depends(json_body(ChatCompletionRequest))):
-        choices = await asyncio.to_thread(chat_choices, body, model)   # renders and tokenizes: off the event loop
-        generation = Generation(async_engine, f"chatcmpl-{uuid.uuid4().hex}", choices, metrics)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        formatter = ChatFormatter(generation, served_model_name, namer, body.logprobs, include_usage)
+        usage = stream_usage(body)
+        chat = await asyncio.to_thread(chat_choices, body, model)   # renders and tokenizes: off the event loop
+        generation = Generation(async_engine, f"chatcmpl-{uuid.uuid4().hex}", chat.choices, metrics)
+        formatter = ChatFormatter(generation, served_model_name, namer, body.logprobs, usage.final,
+                                  continuous_usage=usage.continuous, tool_calls=chat.tool_calls)
         return await respond(generation, formatter, body.stream, request)
 
     async def respond(generation: Generation, formatter, stream: bool, request: Request) -> Response:
@@ -124,6 +159,16 @@ def build_app(
     async def health_head() -> Response:
         """The status of GET /health, without a body (load balancers probe with HEAD)."""
         return Response(status_code=200 if async_engine.health().healthy else 503)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """Every DP worker forgets its cached KV blocks (behind the API key; blocks in use stay with their
+        requests). Benchmarks call it between runs; a new model revision behind the same name needs it."""
+        try:
+            await async_engine.call(lambda engine: engine.reset_prefix_cache())
+        except MoERuntimeError as exc:
+            raise as_api_error(exc) from exc
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -26,6 +26,7 @@ from moe_runtime.errors import MoERuntimeError
 from server.flag_help import DefaultsHelpFormatter
 from server.flag_types import non_negative_int, parse_size, positive_int, tcp_port
 from server.server_config import DEMO_SERVED_NAME, ServerConfig
+from server.tool_calls.names import TOOL_CALL_PARSER_NAMES
 
 UNRESOLVED_MODEL = ""   # EngineConfig.model until `--model` (or the demo) is resolved, at launch
 
@@ -52,12 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=e.device, choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
     g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "reference"],
                    help="MoE/attention kernel implementation")
+    g.add_argument("--tool-call-parser", default=s.tool_call_parser, choices=sorted(TOOL_CALL_PARSER_NAMES),
+                   help="how the model writes tool calls (read for tool_choice auto); default: recognised from "
+                        "the chat template, else the model type")
 
     g = p.add_argument_group("scheduling and memory")
     g.add_argument("--max-num-seqs", type=positive_int, default=e.max_num_seqs,
                    help="requests in one batch per DP worker")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=e.max_num_batched_tokens,
-                   help="prompt tokens in one prefill batch")
+                   help="tokens one engine step computes per DP worker (with chunked prefill: decodes plus "
+                        "prefill chunks; without: the prompts of one prefill batch)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=e.enable_chunked_prefill,
+                   help="run prefill chunks in the same steps as decodes, under --max-num-batched-tokens "
+                        "(a long prompt is split over several steps)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=e.enable_prefix_caching,
+                   help="reuse the KV blocks of a prompt prefix another request computed (system prompts, "
+                        "multi-turn chat); POST /reset_prefix_cache forgets them")
     g.add_argument("--max-model-len", type=positive_int, default=e.max_model_len,
                    help="context length (prompt + output); default: the model's max_position_embeddings")
     g.add_argument("--kv-cache-memory", type=parse_size, default=e.kv_cache_memory,
@@ -75,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token dispatch/combine backend between expert-parallel ranks")
     g.add_argument("--num-redundant-experts", type=non_negative_int, default=e.num_redundant_experts,
                    help="extra expert slots per MoE layer for replicas of hot experts")
+    g.add_argument("--cache-aware-routing", action=argparse.BooleanOptionalAction, default=e.cache_aware_routing,
+                   help="with prefix caching and --dp-attn > 1: send a request to the worker that holds its "
+                        "prefix unless its load outweighs the prefill saved")
     g.add_argument("--eplb-interval", type=non_negative_int, default=e.eplb_interval,
                    help="engine steps between expert rebalances; 0 = never")
     g.add_argument("--nnodes", type=positive_int, default=e.nnodes, help="nodes in the job")

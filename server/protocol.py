@@ -3,10 +3,11 @@
 Unknown request fields, at any depth, are ignored, as vLLM's server ignores them: clients written
 for other servers send fields this one has no use for. The app logs each such name once
 (`server.unknown_fields`). Fields this server knows but cannot honour are accepted only at their
-no-op value and are a 400 naming them otherwise (see `unsupported_settings`): frequency_penalty and
-presence_penalty at 0, logit_bias empty, repetition_penalty at 1.0, min_p at 0.0, and so on.
+no-op value and are a 400 naming them otherwise (see `unsupported_settings`).
 Extensions beyond OpenAI (as vLLM/SGLang offer them): top_k, min_tokens, ignore_eos, stop_token_ids,
-repetition_penalty and min_p (the last two not implemented yet: neutral values only).
+repetition_penalty, min_p, on completions prompt_logprobs, and structured output in vLLM's shapes
+(guided_json, guided_regex, guided_grammar, guided_choice, structured_outputs) beside OpenAI's
+response_format, which completions accept too (`server.structured_output_request` reads them all).
 
 The bounds of the sampling fields are `SamplingParams.validate`'s (the engine's); the few repeated
 here take its constants, so that the schema shows them and a violation is a 400 naming the field.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from moe_runtime.sampling_params import SamplingParams
 
@@ -32,6 +33,31 @@ class RequestModel(BaseModel):
 class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(RequestModel):
+    """OpenAI's `response_format.json_schema`. `strict` is accepted and has no effect: the output always
+    follows the schema."""
+
+    name: str | None = Field(default=None, max_length=64)
+    description: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")   # "schema" shadows a BaseModel attribute
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(RequestModel):
+    """vLLM's `structured_outputs`: one of json (a schema), json_object, regex, grammar (EBNF), choice."""
+
+    json_: dict | bool | str | None = Field(default=None, alias="json")   # "json" shadows a BaseModel attribute
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
 
 
 class SamplingFields(RequestModel):
@@ -54,37 +80,33 @@ class SamplingFields(RequestModel):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    repetition_penalty: float | None = Field(default=None, gt=0.0)   # not implemented: 1.0 only
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)        # not implemented: 0.0 only
+    repetition_penalty: float | None = Field(default=None, ge=SamplingParams.MIN_REPETITION_PENALTY,
+                                             le=SamplingParams.MAX_REPETITION_PENALTY)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    # structured output: OpenAI's response_format, or one of vLLM's (at most one of them all)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     def unsupported_settings(self) -> dict[str, object]:
         """Fields set to something this server cannot do: name -> value."""
-        found = {}
-        if self.frequency_penalty:
-            found["frequency_penalty"] = self.frequency_penalty
-        if self.presence_penalty:
-            found["presence_penalty"] = self.presence_penalty
-        if self.logit_bias:
-            found["logit_bias"] = self.logit_bias
-        if self.repetition_penalty not in (None, 1.0):
-            found["repetition_penalty"] = self.repetition_penalty
-        if self.min_p:
-            found["min_p"] = self.min_p
-        return found
+        return {}
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    max_tokens: int | None = Field(default=16, ge=0)    # 0: only with echo or prompt_logprobs (score the prompt)
+    logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)
+    echo: bool = False                                   # the prompt leads the text (and, with logprobs, the logprobs)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)   # vLLM's extension
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
 
     def unsupported_settings(self) -> dict[str, object]:
         found = super().unsupported_settings()
-        if self.echo:
-            found["echo"] = True
         if self.suffix:
             found["suffix"] = self.suffix
         if self.best_of is not None and self.best_of != self.n:
@@ -115,8 +137,32 @@ class ChatMessage(RequestModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(RequestModel):
-    type: str
+MAX_TOOLS = 128                               # OpenAI's limit on tools per request
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"   # OpenAI's letters, digits, _ and - (plus . and :), 1-64
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict | None = None            # a JSON schema of the arguments object; absent: no arguments
+    strict: bool | None = None                # accepted; required/named calls follow the schema in any case
+
+
+class ToolDefinition(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+
+class NamedFunction(RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -125,19 +171,32 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: str | NamedToolChoice | None = None    # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool | None = None
+    echo: bool = False                                   # vLLM's extension: not implemented (a 400)
+    prompt_logprobs: int | None = None                   # vLLM's extension: /v1/completions only (a 400 here)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _one_tool_choice(cls, value: object) -> object:
+        """One error naming `tool_choice` for any wrong value (a union would name its branches instead)."""
+        if value is None or value in TOOL_CHOICE_MODES:
+            return value
+        if isinstance(value, dict):
+            try:
+                return NamedToolChoice.model_validate(value)
+            except ValidationError as exc:
+                raise ValueError(f"a named tool choice is {{'type': 'function', 'function': {{'name': NAME}}}} "
+                                 f"({exc.errors()[0]['msg']})") from None
+        raise ValueError(f"must be one of {', '.join(TOOL_CHOICE_MODES)} or a named function")
 
     def unsupported_settings(self) -> dict[str, object]:
         found = super().unsupported_settings()
-        if self.response_format is not None and self.response_format.type != "text":
-            found["response_format"] = self.response_format.type
-        if self.tools:
-            found["tools"] = f"{len(self.tools)} tools"
-        if self.tool_choice not in (None, "none"):
-            found["tool_choice"] = self.tool_choice
+        if self.echo:
+            found["echo"] = True
+        if self.prompt_logprobs is not None:
+            found["prompt_logprobs"] = self.prompt_logprobs
         return found
 
 
@@ -151,9 +210,17 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)        # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """One token of a position in vLLM's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -161,6 +228,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None    # vLLM's extension, when asked for
 
 
 def _now() -> int:
@@ -190,16 +258,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str                            # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -211,16 +291,31 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A call's first delta has its id, type and function name; later ones carry argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

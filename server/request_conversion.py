@@ -5,14 +5,22 @@ warned about once per server (`server.unknown_fields`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.structured_output.spec import StructuredOutputSpec
+from moe_runtime.structured_output.validator import StructuredOutputValidator
 from server.errors import APIError, bad_request
 from server.generation import ChoiceSpec
 from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from server.structured_output_request import requested_structure
+from server.tool_calls.fallback_rendering import messages_with_tools_in_text
+from server.tool_calls.parser import ToolCallParser
+from server.tool_calls.plan import ToolCallReader, plan_tool_use
+from server.tool_calls.selection import template_supports_tools
 from server.unknown_fields import UnknownFieldWarnings
 
 
@@ -24,7 +32,10 @@ class ModelInfo:
     served_model_name: str
     max_model_len: int
     tokenizer: object
+    tool_call_parser: ToolCallParser | None = None   # reads tool calls for tool_choice auto (None: refused)
     unknown_fields: UnknownFieldWarnings = field(default_factory=UnknownFieldWarnings, compare=False)
+    # parses each structured-output spec once per server (in the conversion threads, off the event loop)
+    structured_output: StructuredOutputValidator = field(default_factory=StructuredOutputValidator, compare=False)
 
 
 def check_model(requested: str | None, model: ModelInfo) -> None:
@@ -38,13 +49,17 @@ def check_supported(request: SamplingFields) -> None:
         raise bad_request(f"{name}={value!r} is not supported by this server", name, "unsupported_parameter")
 
 
-def completion_prompts(request: CompletionRequest, model: ModelInfo) -> list[list[int]]:
-    """The request's prompts as token ids (a single prompt is a list of one)."""
+def given_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts as given, each a text or token ids (a single prompt is a list of one)."""
     prompt = request.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
+        return [prompt]
+    return list(prompt)
+
+
+def completion_prompts(request: CompletionRequest, model: ModelInfo) -> list[list[int]]:
+    """The request's prompts as token ids (a single prompt is a list of one)."""
+    prompts = given_prompts(request)
     if not prompts:
         raise bad_request("prompt is an empty list: give a string, a list of token ids, or a list of those", "prompt")
     token_ids = []
@@ -59,17 +74,34 @@ def completion_prompts(request: CompletionRequest, model: ModelInfo) -> list[lis
     return token_ids
 
 
-def chat_prompt(request: ChatCompletionRequest, model: ModelInfo) -> list[int]:
+def chat_prompt(request: ChatCompletionRequest, model: ModelInfo, tools: list[dict] | None = None) -> list[int]:
     """The conversation rendered with the tokenizer's chat template, ending in the assistant header."""
+    return render_chat(request.messages, model, tools)
+
+
+def render_chat(messages: list[ChatMessage], model: ModelInfo, tools: list[dict] | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                add_special_tokens: bool = False) -> list[int]:
+    """Token ids of `messages` through the chat template, with `tools` (OpenAI tool definitions) shown to it.
+
+    A template that does not read tools gets them, and the conversation's tool-call turns, written into
+    the messages in the Hermes format (`server.tool_calls.fallback_rendering`); without tools, replayed
+    tool calls go to the template as they are."""
     tokenizer = model.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: use /v1/completions", "messages", "no_chat_template")
-    messages = [template_message(m) for m in request.messages]
+    rendered = [template_message(m) for m in messages]
+    if tools and not template_supports_tools(tokenizer.chat_template):
+        rendered, tools = messages_with_tools_in_text(rendered, tools), None
+    options = {"tools": tools} if tools else {}
+    if continue_final_message:
+        options["continue_final_message"] = True
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **options)
     except Exception as exc:  # noqa: BLE001 - the template's own error names what it rejects
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def template_message(message: ChatMessage) -> dict:
@@ -98,7 +130,7 @@ def with_parsed_arguments(tool_call: dict) -> dict:
 
 def check_context(prompt_len: int, max_tokens: int, model: ModelInfo, prompt_param: str,
                   max_tokens_param: str) -> None:
-    if prompt_len >= model.max_model_len:
+    if prompt_len >= model.max_model_len and max_tokens > 0:
         raise bad_request(
             f"{prompt_param} has {prompt_len} tokens, which leaves no room to generate within the model's context "
             f"of {model.max_model_len} tokens", prompt_param, "context_length_exceeded")
@@ -108,7 +140,19 @@ def check_context(prompt_len: int, max_tokens: int, model: ModelInfo, prompt_par
             f"exceeds the model's context of {model.max_model_len} tokens", max_tokens_param, "context_length_exceeded")
 
 
-def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+def token_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias has token ids as JSON object keys (strings); the engine's are integers."""
+    converted = {}
+    for key, bias in (logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()):   # int() alone would also take " 5", "+5" and "5_0"
+            raise bad_request(f"logit_bias keys must be token ids (got {key[:20]!r})", "logit_bias")
+        converted[int(key)] = bias
+    return converted
+
+
+def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None,
+                    prompt_logprobs: int | None = None, *,
+                    structured_output: StructuredOutputSpec | None = None) -> SamplingParams:
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if any(not s for s in stop):
         raise bad_request("stop strings must be non-empty", "stop")
@@ -126,6 +170,13 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
             min_tokens=request.min_tokens,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            min_p=request.min_p or 0.0,
+            logit_bias=token_logit_bias(request.logit_bias),
+            structured_output=structured_output,
         )
     except InvalidRequestError as exc:
         message = str(exc)
@@ -142,15 +193,43 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
 
 
 def choice_specs(request: SamplingFields, prompts: list[list[int]], max_tokens: int,
-                 logprobs: int | None) -> list[ChoiceSpec]:
+                 logprobs: int | None, prompt_logprobs: int | None = None,
+                 prompt_texts: list[str] | None = None, *,
+                 structured_output: StructuredOutputSpec | None = None) -> list[ChoiceSpec]:
     """n choices per prompt; with a seed, choice j of a prompt uses `choice_seed` (reproducible, distinct)."""
     specs = []
     for prompt_index, prompt in enumerate(prompts):
         for j in range(request.n):
             seed = choice_seed(request.seed, j)
             index = prompt_index * request.n + j
-            specs.append(ChoiceSpec(index, prompt_index, prompt, sampling_params(request, max_tokens, logprobs, seed)))
+            params = sampling_params(request, max_tokens, logprobs, seed, prompt_logprobs,
+                                     structured_output=structured_output)
+            text = prompt_texts[prompt_index] if prompt_texts is not None else ""
+            specs.append(ChoiceSpec(index, prompt_index, prompt, params, text))
     return specs
+
+
+def engine_prompt_logprobs(request: CompletionRequest, max_tokens: int) -> int | None:
+    """How many alternatives per prompt token the engine computes for a completion: enough for vLLM's
+    `prompt_logprobs` and for an echo's logprobs (the echoed tokens carry theirs, as generated ones do).
+    An echo with max_tokens 0 and no logprobs still scores the prompt (0): the engine's prompt-only request."""
+    asked = [n for n in (request.prompt_logprobs, request.logprobs if request.echo else None) if n is not None]
+    if asked:
+        return max(asked)
+    return 0 if max_tokens == 0 else None
+
+
+def echo_texts(request: CompletionRequest, model: ModelInfo) -> list[str] | None:
+    """What an echo shows of each prompt: a text prompt as given, token ids decoded (None without echo)."""
+    if not request.echo:
+        return None
+    texts = []
+    for prompt in given_prompts(request):
+        if isinstance(prompt, str):
+            texts.append(prompt)
+        else:
+            texts.append(model.tokenizer.decode(prompt) if model.tokenizer is not None else "")
+    return texts
 
 
 def completion_choices(request: CompletionRequest, model: ModelInfo) -> list[ChoiceSpec]:
@@ -158,22 +237,43 @@ def completion_choices(request: CompletionRequest, model: ModelInfo) -> list[Cho
     check_model(request.model, model)
     check_supported(request)
     prompts = completion_prompts(request, model)
-    max_tokens = request.max_tokens or 16
+    max_tokens = 16 if request.max_tokens is None else request.max_tokens
+    if max_tokens == 0 and not request.echo and request.prompt_logprobs is None:
+        raise bad_request("max_tokens=0 generates nothing: it needs echo=true or prompt_logprobs (to score the "
+                          "prompt)", "max_tokens")
     for prompt in prompts:
         check_context(len(prompt), max_tokens, model, "prompt", "max_tokens")
-    return choice_specs(request, prompts, max_tokens, request.logprobs)
+    structure = requested_structure(request, model.structured_output)
+    return choice_specs(request, prompts, max_tokens, request.logprobs, engine_prompt_logprobs(request, max_tokens),
+                        echo_texts(request, model), structured_output=structure)
 
 
-def chat_choices(request: ChatCompletionRequest, model: ModelInfo) -> list[ChoiceSpec]:
+@dataclass(frozen=True)
+class ChatConversion:
+    choices: list[ChoiceSpec]
+    tool_calls: ToolCallReader | None   # reads each choice's tool calls (None: plain content)
+
+
+def chat_choices(request: ChatCompletionRequest, model: ModelInfo) -> ChatConversion:
     model.unknown_fields.warn_new(request, "/v1/chat/completions")
     check_model(request.model, model)
     check_supported(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    prompt = chat_prompt(request, model)
+    tool_use = plan_tool_use(request, model.tool_call_parser)
+    prompt = chat_prompt(request, model, tool_use.template_tools)
     asked = request.max_completion_tokens or request.max_tokens
     param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
     max_tokens = asked if asked is not None else max(model.max_model_len - len(prompt), 1)
     check_context(len(prompt), max_tokens, model, "messages", param)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return choice_specs(request, [prompt], max_tokens, logprobs)
+    structure = requested_structure(request, model.structured_output)
+    specs = choice_specs(request, [prompt], max_tokens, logprobs, structured_output=structure)
+    if tool_use.forced_schema is not None:
+        if structure is not None:  # guided_json, structured_outputs, ...: one schema per answer
+            raise bad_request(f"tool_choice={request.tool_choice!r} forces the answer into tool calls, which cannot "
+                              f"be combined with a structured-output request", "tool_choice")
+        forced = StructuredOutputSpec(json_schema=tool_use.forced_schema)
+        specs = [dataclasses.replace(spec, params=dataclasses.replace(spec.params, structured_output=forced))
+                 for spec in specs]
+    return ChatConversion(specs, tool_use.reader)

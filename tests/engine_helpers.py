@@ -23,6 +23,7 @@ def runtime_prefill_logits(engine, token_ids: list[int]) -> torch.Tensor:
     (`engine`: an `EngineCore`, e.g. `LLM(...).engine.core`)."""
     seq = Sequence("prefill-logits", list(token_ids), greedy(1), arrival=-1)
     engine.block_manager.allocate(seq)
+    seq.num_scheduled_tokens = len(token_ids)
     try:
         inputs = engine.runner.prepare([seq])
         with torch.inference_mode():

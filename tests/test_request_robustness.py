@@ -27,9 +27,12 @@ from moe_runtime.async_engine import RequestFailedError
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.request_limits import RequestLimits
 from moe_runtime.sampler import Sampler
+from moe_runtime.structured_output.spec import StructuredOutputSpec
+from moe_runtime.structured_output.validator import StructuredOutputValidator
 from server.errors import APIError
 from server.protocol import CompletionRequest
 from server.request_conversion import choice_specs
+from server.structured_output_request import requested_structure
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -313,10 +316,22 @@ def random_body(rng: random.Random) -> dict:
         "stop_token_ids": lambda: [pick([1, 2, 100], [511, 512, 2**63 - 1]) for _ in range(rng.randint(0, 3))],
         "ignore_eos": lambda: rng.random() < 0.5,
     }
+    controls = {  # the logits processors: one of them per body, at most
+        "presence_penalty": lambda: pick([0.0, 0.5, -1.0], [2.0, -2.0, 2.01, math.nan]),
+        "frequency_penalty": lambda: pick([0.0, 1.0, -0.5], [2.0, -2.0, -2.01, math.inf]),
+        "repetition_penalty": lambda: pick([1.0, 1.3, 0.8], [0.01, 100.0, 0.0, 1e-9, 101.0]),
+        "min_p": lambda: pick([0.0, 0.1, 0.5], [1.0, 5e-324, 1.01]),
+        "guided_regex": lambda: pick([r"[a-z]{1,4}", r"\d+", "(yes|no)!"], ["(a", "", "[z-a]", "a" * 70000]),
+        "logit_bias": lambda: {str(pick([1, 2, 100], [511, 512, 2**63 - 1])): pick([-100, 5.0, 100], [100.5, math.nan])
+                               for _ in range(rng.randint(0, 3))},
+    }
     body: dict = {"prompt": rng.choice(PROMPTS), "max_tokens": fields.pop("max_tokens")()}  # not the default 16
     for name, value in fields.items():
         if rng.random() < 0.5:
             body[name] = value()
+    if rng.random() < 0.6:
+        name = rng.choice(sorted(controls))
+        body[name] = controls[name]()
     if body.get("n", 1) in (2, 3) and rng.random() < 0.7:
         body["seed"] = rng.choice([TOP_SEED, TOP_SEED - 1])  # the n choices' seeds wrap past 2**63
     if rng.random() < 0.4:
@@ -327,8 +342,14 @@ def random_body(rng: random.Random) -> dict:
 def direct_params(body: dict) -> dict:
     """The body's sampling fields as `SamplingParams` keywords (the offline API, no pydantic in front)."""
     keep = ("temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs", "stop", "stop_token_ids",
-            "ignore_eos", "max_tokens")
-    return {name: body[name] for name in keep if name in body}
+            "ignore_eos", "max_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+    params = {name: body[name] for name in keep if name in body}
+    if "guided_regex" in body:
+        params["structured_output"] = StructuredOutputSpec(regex=body["guided_regex"])
+    if "logit_bias" in body:
+        params["logit_bias"] = {int(token) if token.lstrip("-").isdigit() else token: bias   # a bad key stays bad
+                                for token, bias in body["logit_bias"].items()}
+    return params
 
 
 def engine_work(body: dict, rng: random.Random, engine) -> tuple[list[list[int]], list[SamplingParams]] | None:
@@ -336,7 +357,9 @@ def engine_work(body: dict, rng: random.Random, engine) -> tuple[list[list[int]]
     try:
         if rng.random() < 0.7:  # through the server's schema and its n-choice seeds
             request = CompletionRequest.model_validate(body)
-            specs = choice_specs(request, [list(request.prompt)], request.max_tokens, request.logprobs)
+            structure = requested_structure(request, StructuredOutputValidator())
+            specs = choice_specs(request, [list(request.prompt)], request.max_tokens, request.logprobs,
+                                 structured_output=structure)
             work = [spec.prompt_token_ids for spec in specs], [spec.params for spec in specs]
         else:
             work = [body["prompt"]], [SamplingParams(**direct_params(body))]

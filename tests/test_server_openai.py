@@ -11,7 +11,9 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from server_harness import ServerProcess
+from tiny_checkpoints import HFOracle
 
 from moe_runtime import LLM, SamplingParams
 from server.metrics import parse_samples
@@ -196,17 +198,146 @@ def test_stop_string_cuts_the_answer_streamed_or_not(client, llm):
     assert "".join(c.choices[0].text for c in stream) == expected
 
 
+# ---- echo and prompt logprobs (what lm-evaluation-harness's local-completions sends) ----------
+
+@pytest.fixture(scope="module")
+def oracle(checkpoint):
+    return HFOracle(checkpoint)
+
+
+def transformers_prompt_logprobs(oracle, prompt_ids: list[int]) -> tuple[list[float], torch.Tensor]:
+    """transformers' logprob of each prompt token after the first, and the whole log-softmax [P-1, V]."""
+    logp = oracle.prefill_logits(prompt_ids)[:-1].log_softmax(dim=-1)
+    return logp.gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist(), logp
+
+
+def test_echo_scores_token_prompts_as_lm_eval_asks(client, llm, oracle):
+    prompts = [[5, 17, 42, 99, 3, 250], list(range(30, 70))]
+    response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1,
+                                         temperature=0)
+    assert response.usage.completion_tokens == 0
+    assert response.usage.prompt_tokens == sum(map(len, prompts))
+    choices = sorted(response.choices, key=lambda c: c.index)
+    for choice, prompt in zip(choices, prompts, strict=True):
+        assert choice.finish_reason == "length"
+        assert choice.text == llm.tokenizer.decode(prompt)
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == len(prompt)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        expected, logp = transformers_prompt_logprobs(oracle, prompt)
+        assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        # lm-eval's is_greedy: the token against the best alternative (the token itself is among them too)
+        assert all(token in top and len(top) <= 2 for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
+        best = [max(top.values()) for top in lp.top_logprobs[1:]]
+        assert best == pytest.approx(logp.max(dim=-1).values.tolist(), abs=1e-4)
+
+
+def test_echo_leads_whole_and_streamed_answers_with_the_prompt(client, llm, oracle):
+    prompts = ["The quick brown fox", "Hello"]
+    expected = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2))
+    ask = dict(model=MODEL, prompt=prompts, max_tokens=3, echo=True, logprobs=2, temperature=0,
+               extra_body={"ignore_eos": True})
+    whole = sorted(client.completions.create(**ask).choices, key=lambda c: c.index)
+    streamed_text, streamed_logprobs = {0: "", 1: ""}, {0: [], 1: []}
+    for chunk in client.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            streamed_text[choice.index] += choice.text
+            streamed_logprobs[choice.index] += choice.logprobs.token_logprobs if choice.logprobs else []
+    for choice, prompt, output in zip(whole, prompts, expected, strict=True):
+        assert choice.text == prompt + output.text == streamed_text[choice.index]
+        prompt_ids = output.prompt_token_ids
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt_ids) + 3
+        assert lp.token_logprobs[0] is None and streamed_logprobs[choice.index][0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(streamed_logprobs[choice.index][1:], abs=1e-4)
+        expected_prompt, _ = transformers_prompt_logprobs(oracle, prompt_ids)
+        assert lp.token_logprobs[1:len(prompt_ids)] == pytest.approx(expected_prompt, abs=1e-4)
+        assert lp.token_logprobs[len(prompt_ids):] == pytest.approx([e.logprob for e in output.logprobs], abs=1e-4)
+        assert lp.text_offset[0] == 0 and lp.text_offset[len(prompt_ids)] == len(prompt)
+
+
+def test_logprobs_zero_gives_each_tokens_own_logprob_without_alternatives(client):
+    response = client.completions.create(model=MODEL, prompt=[5, 17, 42], max_tokens=2, echo=True, logprobs=0,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    lp = response.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.top_logprobs[1:] == [{token: logprob} for token, logprob in zip(lp.tokens[1:], lp.token_logprobs[1:])]
+    assert len(lp.tokens) == 5 and all(v <= 0 for v in lp.token_logprobs[1:])
+
+
+def test_vllm_prompt_logprobs_extension(client, oracle):
+    prompt = [5, 17, 42, 99, 3, 250]
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                         extra_body={"prompt_logprobs": 2})
+    choice = response.choices[0]
+    assert response.usage.completion_tokens == 1 and choice.logprobs is None
+    positions = choice.prompt_logprobs
+    assert len(positions) == len(prompt) and positions[0] is None
+    expected, logp = transformers_prompt_logprobs(oracle, prompt)
+    for token_id, want, row, position in zip(prompt[1:], expected, logp, positions[1:], strict=True):
+        own = position[str(token_id)]
+        assert own["logprob"] == pytest.approx(want, abs=1e-4)
+        assert int((row > want + 1e-4).sum()) < own["rank"] <= int((row > want - 1e-4).sum()) + 1
+        ranked = sorted((entry["rank"], entry["logprob"]) for entry in position.values())
+        assert [r for r, _ in ranked if r <= 2] == [1, 2]
+        assert [v for r, v in ranked if r <= 2] == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+
+
+# ---- sampling controls ----------------------------------------------------------------------
+
+CONTROLS = [  # (body fields, the same as SamplingParams keywords)
+    ({"presence_penalty": 1.5, "frequency_penalty": 0.5}, dict(presence_penalty=1.5, frequency_penalty=0.5)),
+    ({"repetition_penalty": 1.5}, dict(repetition_penalty=1.5)),
+    ({"logit_bias": {"42": 6.0, "7": -100}}, dict(logit_bias={42: 6.0, 7: -100})),
+    ({"min_p": 0.2, "temperature": 1.0, "seed": 5}, dict(min_p=0.2, temperature=1.0, seed=5)),
+    ({"min_tokens": 4, "stop_token_ids": [42], "logit_bias": {"42": 100}},
+     dict(min_tokens=4, stop_token_ids=[42], logit_bias={42: 100})),
+]
+
+
+@pytest.mark.parametrize("fields, params", CONTROLS,
+                         ids=["presence+frequency", "repetition", "logit_bias", "min_p", "min_tokens+stop_token_ids"])
+def test_sampling_controls_through_the_server_equal_the_llm_api(client, llm, fields, params):
+    prompt = [9, 99, 199, 299]
+    offline = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = llm.generate([prompt], SamplingParams(**{**offline, **params}))[0]
+    body = {"temperature": 0, "ignore_eos": True, **fields}
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, extra_body=body)
+    assert response.choices[0].text == expected.text
+    assert response.choices[0].finish_reason == expected.finish_reason
+
+    messages = [{"role": "user", "content": "Name a prime."}]
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat_expected = llm.generate([llm.tokenizer.encode(text, add_special_tokens=False)],
+                                 SamplingParams(**{**offline, **params}))[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, extra_body=body)
+    assert chat.choices[0].message.content == chat_expected.text
+
+
+def test_choice_i_of_n_is_the_request_with_seed_plus_i(client):
+    """The documented derivation: with `seed` and `n`, choice i samples with seed + i (wrapped below 2**63)."""
+    ask = dict(model=MODEL, prompt="Once upon", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    together = sorted(client.completions.create(n=3, seed=100, **ask).choices, key=lambda c: c.index)
+    alone = [client.completions.create(n=1, seed=100 + i, **ask).choices[0].text for i in range(3)]
+    assert [c.text for c in together] == alone
+
+
 # ---- refusals ------------------------------------------------------------------------------
 
 BAD_COMPLETIONS = [
-    ({"prompt": "x", "repetition_penalty": 1.3}, 400, "repetition_penalty"),   # unknown fields are ignored instead
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),     # outside the vocabulary: the engine's check
     ({"prompt": "x", "temperature": 3}, 400, "temperature"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
-    ({"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
     ({"max_tokens": 5}, 400, "prompt"),
     ({"prompt": list(range(1, 600))}, 400, "prompt"),
@@ -229,7 +360,8 @@ def test_bad_completion_requests_are_refused_naming_the_parameter(http, body, st
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
     ({"messages": [{"role": "user", "content": "hi" * 400}]}, "messages"),
 ])
 def test_bad_chat_requests_are_refused_naming_the_parameter(http, body, param):

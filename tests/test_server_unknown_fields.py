@@ -75,7 +75,7 @@ def test_each_field_other_clients_send_passes_on_both_endpoints(extra):
 
 def test_an_unknown_field_is_warned_about_once_per_server_naming_it_and_the_endpoint(caplog):
     caplog.set_level(logging.WARNING, logger=WARNING_LOGGER)
-    body = {"prompt": [1, 2], "max_tokens": 2, "store": True, "stream_options": {"shiny": 1}}
+    body = {"prompt": [1, 2], "max_tokens": 2, "store": True, "stream": True, "stream_options": {"shiny": 1}}
     chat = {"messages": [{"role": "user", "content": "hi", "audio": None}], "max_tokens": 2, "store": True}
     first, second, third = post_all([("/v1/completions", body), ("/v1/completions", body),
                                      ("/v1/chat/completions", chat)], RecordingChatTokenizer())
@@ -94,13 +94,24 @@ def test_known_fields_are_not_warned_about(caplog):
     assert response.status_code == 200 and warnings_in(caplog) == []
 
 
-@pytest.mark.parametrize("field,value", [("repetition_penalty", 1.3), ("min_p", 0.05),
-                                         ("presence_penalty", 0.5), ("frequency_penalty", -1.0)])
-def test_unimplemented_settings_away_from_their_neutral_value_are_a_400_naming_them(field, value):
-    [response] = post_all([("/v1/completions", {"prompt": [1], "max_tokens": 2, field: value})])
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == field and field in error["message"] and error["code"] == "unsupported_parameter"
+HONOURED = [
+    ("repetition_penalty", 1.3), ("min_p", 0.05), ("presence_penalty", 0.5), ("frequency_penalty", -1.0),
+    ("logit_bias", {"3": -100}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"},
+                                                                "strict": True, "description": "a number"}}),
+    ("guided_json", {"type": "integer"}), ("guided_regex", "[a-z]+"), ("guided_choice", ["a", "b"]),
+    ("guided_grammar", 'root ::= "a"'), ("structured_outputs", {"json": {"type": "integer"}}),
+]
+
+
+@pytest.mark.parametrize("field,value", HONOURED, ids=[field for field, _ in HONOURED])
+def test_sampling_controls_and_structured_output_fields_are_known_on_both_endpoints(caplog, field, value):
+    caplog.set_level(logging.WARNING, logger=WARNING_LOGGER)
+    completion = {"prompt": [1], "max_tokens": 2, field: value}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    responses = post_all([("/v1/completions", completion), ("/v1/chat/completions", chat)], RecordingChatTokenizer())
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+    assert warnings_in(caplog) == []
 
 
 def test_replayed_chat_history_with_tool_calls_reaches_the_template():
