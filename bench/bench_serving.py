@@ -20,9 +20,11 @@ the server at concurrency 1 on latency. It runs before and after the server; the
 Writes bench/results/serving.json.
 
 Structured output (`--structured-output`): the same closed loop at 1 and 16 clients, free text
-against a JSON schema (`response_format`, xgrammar), on one server; every request generates exactly
+against a JSON schema (`response_format`, xgrammar), and free chat against a forced tool call
+(`tool_choice: required`; its arguments, at most max_tokens/5 integers, complete so the call
+streams as a client sees it), on one server; every request generates exactly
 --max-tokens tokens in both modes (the schema asks for more integers than fit, so each constrained
-answer is cut by max_tokens: equal work per request). The two modes alternate twice per level and
+answer is cut by max_tokens: equal work per request). The four modes alternate twice per level and
 the faster run of each is kept. Then, in process, the share of the engine's
 step time that structured output costs at batch 1 and 16: the bitmask fill + apply (timed inside
 the sampler, `GrammarBitmask.timings`) plus the matcher advancing past each sampled token (timed by
@@ -58,6 +60,8 @@ LISTENING = re.compile(r"moe-serve: serving .* on (http://[^\s]+)")
 PROMPT_LENGTHS = (16, 48, 128, 320)  # cycled: a mix of short chat turns and longer documents
 
 logger = logging.getLogger("bench_serving")
+
+CHAT_MODE = "_chat"   # a key of a run's extra body: send it to /v1/chat/completions (removed before sending)
 
 
 @dataclass
@@ -173,11 +177,18 @@ class Server:
 
 async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
                      extra_body: dict | None = None) -> RequestRecord:
+    """One streamed request; `extra_body` with CHAT_MODE set sends the prompt as a chat message instead."""
     record = RequestRecord(len(prompt), time.perf_counter())
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}, **(extra_body or {})}
+    extra = dict(extra_body or {})
+    chat = extra.pop(CHAT_MODE, False)
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, **extra}
+    if chat:  # a distinct user message per prompt, so no two requests share more than the template's prefix
+        body["messages"] = [{"role": "user", "content": "Record these readings: " + " ".join(map(str, prompt))}]
+    else:
+        body["prompt"] = prompt
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return record
@@ -191,7 +202,7 @@ async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: i
                     break
                 if chunk.get("usage"):
                     record.completion_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                if chunk.get("choices") and _has_new_output(chunk["choices"][0]):
                     if record.first_token is None:
                         record.first_token = now
                     record.chunk_times.append(now)
@@ -199,6 +210,12 @@ async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: i
         record.error = repr(exc)
     record.end = time.perf_counter()
     return record
+
+
+def _has_new_output(choice: dict) -> bool:
+    if "delta" in choice:  # chat: text or a tool call's name / argument fragment
+        return bool(choice["delta"].get("content") or choice["delta"].get("tool_calls"))
+    return bool(choice["text"])
 
 
 async def run_level(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
@@ -376,17 +393,25 @@ def bench_structured_output(args, model: str, config: dict) -> int:
     schema = long_json_schema(args.max_tokens)
     structured = {"response_format": {"type": "json_schema",
                                       "json_schema": {"name": "readings", "schema": schema, "strict": True}}}
+    # a call that completes within max_tokens, so its name and argument fragments stream as a client sees them
+    call_schema = {**schema, "properties": {"readings": {**schema["properties"]["readings"], "minItems": 1,
+                                                          "maxItems": max(1, args.max_tokens // 5)}}}
+    tool = {"type": "function", "function": {"name": "record_readings", "parameters": call_schema}}
+    modes = (("free text", None), ("json schema", structured), ("chat free text", {CHAT_MODE: True}),
+             ("chat tool call (required)", {CHAT_MODE: True, "tools": [tool], "tool_choice": "required",
+                                            "parallel_tool_calls": False}))
     started = time.perf_counter()
     server = Server(model, args.device, max_num_seqs=max(levels), threads=args.threads,
                     extra_args=tuple(args.server_args.split()))
     rows = []
     try:
-        asyncio.run(run_level(server.url, make_prompts(2, config["vocab_size"]), 2, 8, structured))  # warm-up, compiles
+        for _, extra in modes[1::2]:  # warm-up: compiles the schema and the forced tool-call schema
+            asyncio.run(run_level(server.url, make_prompts(2, config["vocab_size"]), 2, 8, extra))
         for level in levels:
             prompts = make_prompts(max(args.min_requests, level * args.requests_per_client), config["vocab_size"],
                                    seed=level)
             best: dict[str, LevelResult] = {}
-            for name, extra in (("free text", None), ("json schema", structured)) * 2:   # alternated, faster kept
+            for name, extra in modes * 2:   # alternated, the faster run of each kept
                 records, duration = asyncio.run(run_level(server.url, prompts, level, args.max_tokens, extra))
                 result = summarize(name, level, records, duration)
                 if result.failed:
@@ -396,15 +421,16 @@ def bench_structured_output(args, model: str, config: dict) -> int:
                             result.itl_p50_ms)
                 if name not in best or result.throughput_tok_s > best[name].throughput_tok_s:
                     best[name] = result
-            rows += [best["free text"], best["json schema"]]
+            rows += [best[name] for name, _ in modes]
     finally:
         server.stop()
     shares = measure_bitmask_share(model, args.device, levels, args.max_tokens, args.threads, schema)
     print()
     print_table(rows, None)
-    for free, constrained in zip(rows[::2], rows[1::2]):
-        print(f"{free.concurrency:>3} clients: json schema / free text throughput = "
-              f"{constrained.throughput_tok_s / free.throughput_tok_s:.3f}")
+    ratios = constrained_vs_free(rows, len(modes))
+    for level, ratio in ratios.items():
+        print(f"{level:>3} clients: json schema / free text = {ratio['json_schema_vs_free_text']:.3f}, "
+              f"tool call / chat free text = {ratio['tool_call_vs_chat_free_text']:.3f}")
     for share in shares:
         print(share.row)
     report = {
@@ -420,12 +446,13 @@ def bench_structured_output(args, model: str, config: dict) -> int:
         "tree": tree_label(REPO_ROOT),
         "wall_s": time.perf_counter() - started,
         "server": [asdict(r) for r in rows],
-        "json_vs_free_throughput": {str(free.concurrency): constrained.throughput_tok_s / free.throughput_tok_s
-                                    for free, constrained in zip(rows[::2], rows[1::2])},
+        "throughput_ratios": ratios,
         "bitmask_share_of_step_time": [asdict(share) for share in shares],
         "how_measured": "server rows: closed loop of streaming clients, every request exactly max_tokens tokens "
-                        "(the schema is longer than max_tokens), free/json alternated twice, the faster run of "
-                        "each kept; bitmask share: one in-process engine, greedy batch "
+                        "(the schema is longer than max_tokens), except the forced tool call, whose arguments "
+                        "(at most max_tokens/5 integers) complete so that the call streams as clients see it: "
+                        "throughput is tokens per second over what each request generated; the four modes alternated twice, the faster run of each kept; tool calls are "
+                        "compared with free chat on the same messages; bitmask share: one in-process engine, greedy batch "
                         "of N constrained requests; (sampler bitmask fill+apply time + matcher accept time replayed "
                         "on the same tokens) / the engine's step wall time (forward + sampling)",
     }
@@ -434,6 +461,17 @@ def bench_structured_output(args, model: str, config: dict) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def constrained_vs_free(rows: list[LevelResult], modes_per_level: int) -> dict[str, dict[str, float]]:
+    """Per client count: JSON schema over free text (completions), forced tool call over free chat."""
+    ratios = {}
+    for start in range(0, len(rows), modes_per_level):
+        free, json_schema, chat, tool_call = rows[start:start + modes_per_level]
+        ratios[str(free.concurrency)] = {
+            "json_schema_vs_free_text": json_schema.throughput_tok_s / free.throughput_tok_s,
+            "tool_call_vs_chat_free_text": tool_call.throughput_tok_s / chat.throughput_tok_s}
+    return ratios
 
 
 # ---- report ------------------------------------------------------------------------------------
