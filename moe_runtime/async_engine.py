@@ -171,6 +171,8 @@ class AsyncEngine:
         self.config = config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        # the engine checks specs at admission on the loop: the server parses them first, off the loop, in this cache
+        self.structured_output_validator = engine.limits.structured_output
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()          # guards _dead_detail and the hand-off of commands
         self._dead_detail: str | None = None

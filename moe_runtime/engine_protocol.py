@@ -13,6 +13,7 @@ from typing import Callable, Protocol, runtime_checkable
 from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.request_limits import RequestLimits
 
 
 @dataclass
@@ -69,6 +70,7 @@ class EngineHealth:
 class Engine(Protocol):
     tokenizer: object
     max_model_len: int
+    limits: RequestLimits         # the one admission check; its structured-output cache is shared with the server
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
     def abort(self, request_id: str) -> bool: ...

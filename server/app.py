@@ -69,7 +69,8 @@ def build_app(
     app.state.async_engine = async_engine
     app.state.metrics = metrics = ServerMetrics()
     parser = choose_parser(tool_call_parser, getattr(async_engine.tokenizer, "chat_template", None), model_type)
-    model = ModelInfo(served_model_name, async_engine.max_model_len, async_engine.tokenizer, parser)
+    model = ModelInfo(served_model_name, async_engine.max_model_len, async_engine.tokenizer, parser,
+                      structured_output=async_engine.structured_output_validator)
     namer = TokenNamer(async_engine.tokenizer)
     install_error_handlers(app)
     install_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])

@@ -31,6 +31,7 @@ import httpx
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.outputs import RequestOutput
+from moe_runtime.request_limits import RequestLimits
 from moe_runtime.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -155,6 +156,7 @@ class FakeEngine:
                  health_fails_at_step: int | None = None, expert_load=None, rebalance_events=()):
         self.tokenizer = None
         self.max_model_len = max_model_len
+        self.limits = RequestLimits(vocab_size, max_model_len, kv_capacity_tokens=max_model_len, has_tokenizer=False)
         self.max_running = max_running
         self.step_delay_s = step_delay_s
         self.vocab_size = vocab_size

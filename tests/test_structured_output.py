@@ -363,3 +363,19 @@ def test_the_openai_client_sees_a_bad_schema_as_a_bad_request(client):
                                        response_format=bad, max_tokens=4)
     assert caught.value.body["param"] == "response_format.json_schema.schema"
     assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_the_server_parses_a_spec_into_the_engines_own_cache_off_the_loop():
+    """Admission checks specs on the event loop; the server parses them first, in its conversion thread, into the
+    engine's own cache, so the loop only looks the verdict up (the fake engine never checks specs itself)."""
+    from server_harness import FakeEngine, serve_in_process
+
+    engine = FakeEngine()
+
+    async def scenario(client, async_engine):
+        reply = await client.post("/v1/completions", json={
+            "prompt": [1, 2, 3], "max_tokens": 2, "response_format": {"type": "json_object"}})
+        assert reply.status_code == 200, reply.text
+
+    serve_in_process(engine, scenario)
+    assert len(engine.limits.structured_output) == 1, "the server parsed the spec into a cache of its own"
