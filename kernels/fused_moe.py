@@ -1,4 +1,9 @@
-"""Single-rank MoE expert computation: permute -> grouped expert MLP -> weighted unpermute."""
+"""All experts on one device in one call: permute -> grouped expert MLP -> weighted unpermute.
+
+The engine runs MoE layers through moe_runtime/moe/ (a dispatcher x an expert kernel, the local
+dispatcher on one rank) and does not call this; it stays a tested kernel of its own and the GPU
+check's reference for the grouped path, with a direct path for decode at batch 1-2.
+"""
 from __future__ import annotations
 
 import torch
