@@ -15,7 +15,7 @@ from engine_helpers import PROMPTS, greedy
 from server_harness import ServerProcess
 from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
-from moe_runtime.distributed import free_port
+from moe_runtime.distributed import free_ports
 
 NEW_TOKENS = 12
 
@@ -35,7 +35,7 @@ def test_second_node_started_with_node_rank(tiny_checkpoint_factory, monkeypatch
     monkeypatch.setenv(CONTROL_KEY_ENV, SHARED_KEY)
     path = tiny_checkpoint_factory("deepseek_v3")
     expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
-    master_port, control_port = free_port(), free_port()
+    master_port, control_port = free_ports(2)
     node1 = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "--model", str(path), "--device", "cpu", "--ep", "4",
          "--dp-attn", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
@@ -60,7 +60,7 @@ def test_moe_serve_with_ranks_started_by_torchrun(tiny_checkpoint_factory):
     the expert load (whose report once carried tensors that only the front's own children could open)."""
     path = tiny_checkpoint_factory("mixtral")
     expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
-    master_port, control_port = free_port(), free_port()
+    master_port, control_port = free_ports(2)
     ranks = subprocess.Popen(
         ["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(master_port), "-m", "moe_runtime.worker", "--control-addr", "127.0.0.1",
