@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import openai
 
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
@@ -50,6 +51,14 @@ class ServerProcess:
         self.log: collections.deque[str] = collections.deque(maxlen=400)
         self._listening = threading.Event()
         self._reader: threading.Thread | None = None
+
+    def openai_client(self, api_key: str, timeout: float = 60):
+        """The official client against this server, retries off (a failure shows at once)."""
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+    def http_client(self, api_key: str, timeout: float = 60) -> httpx.Client:
+        """An httpx client sending the key as a bearer token."""
+        return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout)
 
     def start(self) -> "ServerProcess":
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(self.env or {}))

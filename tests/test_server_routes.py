@@ -34,12 +34,12 @@ def server(checkpoint):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return server.openai_client(API_KEY)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+    with server.http_client(API_KEY) as c:
         yield c
 
 

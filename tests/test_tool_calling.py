@@ -57,7 +57,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return server.openai_client(API_KEY, timeout=120)
 
 
 def assert_valid_calls(calls: list[tuple[str, str]], allowed: set[str]) -> None:
@@ -155,7 +155,7 @@ def test_tool_conversation_history_is_rendered_through_the_chat_template(server,
              "function": {"name": "get_weather", "arguments": '{"unit": "celsius", "days": 2, "detailed": false}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
     ]
-    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+    with server.http_client(API_KEY) as http:
         tokens = http.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
         text = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
     assert '"name": "get_time"' in text                                 # the tools, shown to the model

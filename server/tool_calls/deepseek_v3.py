@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from server.tool_calls.json_scan import NotJson, skip_whitespace, value_end
-from server.tool_calls.parser import PENDING_CALL, CallScan, SectionStart, find_marker, openai_call_id
+from server.tool_calls.parser import PENDING_CALL, CallScan, SectionStart, arguments_start, find_marker, openai_call_id
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
@@ -52,11 +52,9 @@ class DeepSeekV3Parser:
             if FENCE_OPEN.startswith(text[fence:]):
                 return PENDING_CALL
             raise NotJson(f"expected {FENCE_OPEN!r} after the function name")
-        start = skip_whitespace(text, fence + len(FENCE_OPEN))
-        if start >= len(text):
-            return PENDING_CALL   # announced once its arguments open: until then it may still not be a call
-        if text[start] != "{":
-            raise NotJson("the arguments are not a JSON object")
+        start = arguments_start(text, fence + len(FENCE_OPEN))
+        if start is None:
+            return PENDING_CALL
         end = value_end(text, start)
         if end is None:
             return CallScan(name, text[start:], None)

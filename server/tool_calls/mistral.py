@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from server.tool_calls.json_scan import NotJson, skip_whitespace, value_end
 from server.tool_calls.object_calls import call_in_array
-from server.tool_calls.parser import (PENDING_CALL, CallScan, SectionStart, alphanumeric_call_id, find_marker)
+from server.tool_calls.parser import (PENDING_CALL, CallScan, SectionStart, alphanumeric_call_id, arguments_start,
+                                     find_marker)
 
 MARKER = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -59,11 +60,9 @@ class MistralParser:
         name = text[i:separator].strip()
         if not name or FUNCTION_NAME.fullmatch(name) is None:
             raise NotJson("a tool call without a valid function name")
-        start = skip_whitespace(text, separator + len(ARGS))
-        if start >= len(text):
-            return PENDING_CALL   # announced once its arguments open: until then it may still not be a call
-        if text[start] != "{":
-            raise NotJson("the arguments are not a JSON object")
+        start = arguments_start(text, separator + len(ARGS))
+        if start is None:
+            return PENDING_CALL
         end = value_end(text, start)
         return CallScan(name, text[start:end if end is not None else len(text)], end)
 

@@ -19,7 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from server.tool_calls.json_scan import NotJson
+from server.tool_calls.json_scan import NotJson, skip_whitespace
+from moe_runtime.output_processor import held_back_suffix
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,18 @@ def find_marker(text: str, markers: tuple[str, ...], final: bool) -> SectionStar
         return SectionStart(min(found))
     if final:
         return SectionStart(None)
-    held = 0
-    for marker in markers:
-        for length in range(min(len(marker) - 1, len(text)), held, -1):
-            if text.endswith(marker[:length]):
-                held = length
-                break
-    return SectionStart(None, held)
+    return SectionStart(None, held_back_suffix(text, list(markers)))
+
+
+def arguments_start(text: str, pos: int) -> int | None:
+    """Where a call's arguments object opens, after whitespace from `pos`; None while the text ends before it.
+    Raises `NotJson` if something else than an object follows."""
+    start = skip_whitespace(text, pos)
+    if start >= len(text):
+        return None   # announced once its arguments open: until then it may still not be a call
+    if text[start] != "{":
+        raise NotJson("the arguments are not a JSON object")
+    return start
 
 
 def expect_literal(text: str, pos: int, literal: str) -> int | None:
