@@ -28,6 +28,7 @@ from gpu_check_timing import best_ms
 from kernels import KernelSet, RoutingConfig, get_kernels
 from kernels.routing import group_mask
 from kernels.skinny_matmul import batched_linear_rows, linear_rows
+from moe_runtime.quantization.fp8_in_memory import ONLINE_BLOCK_K, quantize_rows
 from triton_kernel_cases import moe_inputs          # the edge-case suite's input generator
 
 EXTRA_KERNELS = ("align_block_size", "skinny_matmul")
@@ -42,6 +43,27 @@ class ExpertWeights:
     w2: torch.Tensor        # [E, H, I]
     w13_fp32: torch.Tensor
     w2_fp32: torch.Tensor
+
+
+@dataclass
+class Fp8ExpertWeights:
+    """The same experts quantized as `--quantization fp8` keeps them (row-expanded 128-column scales)."""
+
+    w13: torch.Tensor        # [E, 2I, H] float8_e4m3fn
+    w13_scale: torch.Tensor  # [E, 2I, ceil(H/128)] fp32
+    w2: torch.Tensor         # [E, H, I] float8_e4m3fn
+    w2_scale: torch.Tensor   # [E, H, ceil(I/128)] fp32
+
+    @classmethod
+    def of(cls, weights: ExpertWeights) -> "Fp8ExpertWeights":
+        def quantized(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = [quantize_rows(expert, ONLINE_BLOCK_K) for expert in stack]   # one expert at a time: memory
+            return torch.stack([r.values for r in rows]), torch.stack([r.scales for r in rows])
+
+        return cls(*quantized(weights.w13_fp32), *quantized(weights.w2_fp32))
+
+    def first(self, experts: int) -> tuple[torch.Tensor, ...]:
+        return self.w13[:experts], self.w13_scale[:experts], self.w2[:experts], self.w2_scale[:experts]
 
 
 def distinct_logits(tokens: int, experts: int, generator: torch.Generator) -> torch.Tensor:
@@ -82,6 +104,7 @@ class KernelsPart:
         self.triton: KernelSet = get_kernels(self.device, "triton")
         self.twin: KernelSet = get_kernels(self.device, "torch")
         self._weights: dict[str, ExpertWeights] = {}
+        self._fp8_weights: dict[str, Fp8ExpertWeights] = {}
         self._checks = self._plan()
 
     # ------------------------------------------------------------------------------------- the plan
@@ -110,6 +133,10 @@ class KernelsPart:
             checks[f"expert_mlp/dense_one_expert/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._dense(t, d)
             checks[f"unpermute_reduce/{e.name}/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._unpermute(t, d)
             checks[f"masked_expert_mlp/{s.masked.name}/{dtype}"] = lambda d=dtype: self._masked(d)
+            checks[f"fp8_expert_mlp/{e.name}/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._fp8_expert_mlp(t, d)
+            checks[f"fp8_masked_expert_mlp/{s.masked.name}/{dtype}"] = lambda d=dtype: self._fp8_masked(d)
+            for rows in s.skinny_rows:
+                checks[f"fp8_linear/rows{rows}/{dtype}"] = lambda r=rows, d=dtype: self._fp8_linear(r, d)
             for norm in s.norms:
                 for tokens in s.norm_tokens:
                     checks[f"rms_norm/{norm.name}/T{tokens}/{dtype}"] = (
@@ -135,6 +162,7 @@ class KernelsPart:
 
     def close(self) -> None:
         self._weights.clear()
+        self._fp8_weights.clear()
 
     def _coverage(self) -> Outcome:
         kernels = [f.name for f in fields(KernelSet) if f.name != "name"] + list(EXTRA_KERNELS)
@@ -159,6 +187,7 @@ class KernelsPart:
     def _expert_weights(self, dtype: str) -> ExpertWeights:
         if dtype not in self._weights:
             self._weights.clear()          # one dtype at a time: the real layer is 22.5 GB in bf16
+            self._fp8_weights.clear()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             e = self.shapes.experts
@@ -166,6 +195,12 @@ class KernelsPart:
             w2 = self._randn(e.experts, e.hidden, e.intermediate, dtype=dtype, seed=2, scale=e.intermediate ** -0.5)
             self._weights[dtype] = ExpertWeights(w13, w2, w13.float(), w2.float())
         return self._weights[dtype]
+
+    def _fp8_expert_weights(self, dtype: str) -> Fp8ExpertWeights:
+        weights = self._expert_weights(dtype)
+        if dtype not in self._fp8_weights:
+            self._fp8_weights[dtype] = Fp8ExpertWeights.of(weights)
+        return self._fp8_weights[dtype]
 
     def _routing(self, tokens: int):
         """(weights [T, K] fp32, ids [T, K]) on the device, from the edge-case suite's generator."""
@@ -313,13 +348,8 @@ class KernelsPart:
                                           lambda: self.twin.unpermute_reduce(out_sorted, plan, weights, tokens)))
 
     def _masked(self, dtype: str) -> Outcome:
-        m, e, w = self.shapes.masked, self.shapes.experts, self._expert_weights(dtype)
-        x = self._randn(m.local_experts, m.capacity, e.hidden, dtype=dtype, seed=4)
-        counts = torch.randint(0, m.capacity + 1, (m.local_experts,), generator=torch.Generator().manual_seed(5))
-        counts[0], counts[-1] = 0, m.capacity                          # an idle expert and a full one
-        for expert, count in enumerate(counts.tolist()):
-            x[expert, count:] = float("nan")                           # stale rows, as DeepEP leaves them
-        counts = counts.to(self.device)
+        m, w = self.shapes.masked, self._expert_weights(dtype)
+        x, counts = self._masked_inputs(dtype)
         w13, w2 = w.w13[:m.local_experts], w.w2[:m.local_experts]
         got = self.triton.masked_expert_mlp(x, counts, w13, w2)
         want = self.twin.masked_expert_mlp(x.float(), counts, w.w13_fp32[:m.local_experts],
@@ -331,6 +361,62 @@ class KernelsPart:
                            capacity=m.capacity, rows=int(counts.sum()), stale_rows="NaN",
                            **self._timing(lambda: self.triton.masked_expert_mlp(x, counts, w13, w2),
                                           lambda: self.twin.masked_expert_mlp(x, counts, w13, w2), repeats=3))
+
+    def _masked_inputs(self, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x [E, M, H] with NaN in the rows past each count, counts [E]): an idle expert and a full one."""
+        m, e = self.shapes.masked, self.shapes.experts
+        x = self._randn(m.local_experts, m.capacity, e.hidden, dtype=dtype, seed=4)
+        counts = torch.randint(0, m.capacity + 1, (m.local_experts,), generator=torch.Generator().manual_seed(5))
+        counts[0], counts[-1] = 0, m.capacity
+        for expert, count in enumerate(counts.tolist()):
+            x[expert, count:] = float("nan")                           # stale rows, as DeepEP leaves them
+        return x, counts.to(self.device)
+
+    def _fp8_expert_mlp(self, tokens: int, dtype: str) -> Outcome:
+        """FP8 experts (--quantization fp8): the Triton grouped GEMM dequantizes per tile, the twin per row chunk."""
+        e, q = self.shapes.experts, self._fp8_expert_weights(dtype)
+        x = self._randn(tokens, e.hidden, dtype=dtype, seed=tokens)
+        _, ids = self._routing(tokens)
+        plan = self.twin.permute_by_expert(ids, e.experts)
+        x_sorted = x[plan.token_index]
+        weights = q.first(e.experts)
+        got = self.triton.fp8_expert_mlp(x_sorted, plan.counts, *weights, ONLINE_BLOCK_K)
+        want = self.twin.fp8_expert_mlp(x_sorted.float(), plan.counts, *weights, ONLINE_BLOCK_K)
+        twin_low = self.twin.fp8_expert_mlp(x_sorted, plan.counts, *weights, ONLINE_BLOCK_K)
+        return self._judge("fp8_expert_mlp", dtype, got, want, twin_low, tokens=tokens, rows=plan.num_rows,
+                           block_k=ONLINE_BLOCK_K,
+                           **self._timing(lambda: self.triton.fp8_expert_mlp(x_sorted, plan.counts, *weights,
+                                                                             ONLINE_BLOCK_K),
+                                          lambda: self.twin.fp8_expert_mlp(x_sorted, plan.counts, *weights,
+                                                                           ONLINE_BLOCK_K), repeats=3))
+
+    def _fp8_masked(self, dtype: str) -> Outcome:
+        m, q = self.shapes.masked, self._fp8_expert_weights(dtype)
+        x, counts = self._masked_inputs(dtype)
+        weights = q.first(m.local_experts)
+        got = self.triton.fp8_masked_expert_mlp(x, counts, *weights, ONLINE_BLOCK_K)
+        want = self.twin.fp8_masked_expert_mlp(x.float(), counts, *weights, ONLINE_BLOCK_K)
+        twin_low = self.twin.fp8_masked_expert_mlp(x, counts, *weights, ONLINE_BLOCK_K)
+        stale = torch.arange(m.capacity, device=self.device)[None, :] >= counts[:, None]   # [E, M]
+        problems = [] if bool((got[stale] == 0).all()) else ["rows past an expert's count are not zero"]
+        return self._judge("fp8_masked_expert_mlp", dtype, got, want, twin_low, problems,
+                           local_experts=m.local_experts, capacity=m.capacity, rows=int(counts.sum()),
+                           **self._timing(lambda: self.triton.fp8_masked_expert_mlp(x, counts, *weights,
+                                                                                    ONLINE_BLOCK_K),
+                                          lambda: self.twin.fp8_masked_expert_mlp(x, counts, *weights,
+                                                                                  ONLINE_BLOCK_K), repeats=3))
+
+    def _fp8_linear(self, rows: int, dtype: str) -> Outcome:
+        """An FP8 projection (attention q/k/v/o): one expert's gate/up stack as the weight."""
+        e, q = self.shapes.experts, self._fp8_expert_weights(dtype)
+        x = self._randn(rows, e.hidden, dtype=dtype, seed=15)
+        weight, scale = q.w13[0], q.w13_scale[0]
+        got = self.triton.fp8_linear(x, weight, scale, ONLINE_BLOCK_K)
+        want = self.twin.fp8_linear(x.float(), weight, scale, ONLINE_BLOCK_K)
+        twin_low = self.twin.fp8_linear(x, weight, scale, ONLINE_BLOCK_K)
+        return self._judge("fp8_linear", dtype, got, want, twin_low, rows=rows, block_k=ONLINE_BLOCK_K,
+                           **self._timing(lambda: self.triton.fp8_linear(x, weight, scale, ONLINE_BLOCK_K),
+                                          lambda: self.twin.fp8_linear(x, weight, scale, ONLINE_BLOCK_K)))
 
     def _rms_norm(self, norm: NormShape, tokens: int, dtype: str, fused: bool) -> Outcome:
         x = self._randn(tokens, norm.hidden, dtype=dtype, seed=6)

@@ -1,6 +1,8 @@
 """Expert SwiGLU MLPs on the expert-grouped layouts (fast torch path: matmuls for busy experts only)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -21,11 +23,58 @@ def check_expert_weights(hidden: int, w13: torch.Tensor, w2: torch.Tensor) -> in
     return intermediate
 
 
+@dataclass(frozen=True)
+class ExpertSegment:
+    """The rows [start, end) of a contiguous expert-grouped layout that belong to `expert`."""
+
+    expert: int
+    start: int
+    end: int
+
+
+def check_sorted_counts(x_sorted: torch.Tensor, counts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Validate counts [E] against x_sorted [N, H]; return the segments' ends (cumsum of counts) [E]."""
+    if counts.shape != (num_experts,):
+        raise ValueError(f"counts must be [E={num_experts}], got shape {tuple(counts.shape)}")
+    ends = torch.cumsum(counts, dim=0)                                     # [E]
+    total = int(ends[-1]) if ends.numel() else 0
+    if total != x_sorted.shape[0]:
+        raise ValueError(f"counts sum to {total} but x_sorted has {x_sorted.shape[0]} rows")
+    return ends
+
+
+def check_masked_counts(x: torch.Tensor, counts: torch.Tensor, num_experts: int) -> int:
+    """Validate the masked layout x [E, M, H] and counts [E]; return the largest count."""
+    if x.dim() != 3 or x.shape[0] != num_experts:
+        raise ValueError(f"x must be [E={num_experts}, M, H], got shape {tuple(x.shape)}")
+    max_count = int(counts.max()) if counts.numel() else 0
+    if max_count > x.shape[1]:
+        expert = int(torch.argmax(counts))
+        raise ValueError(f"counts[{expert}]={max_count} exceeds the masked layout's capacity M={x.shape[1]}")
+    return max_count
+
+
+def busy_segments(counts: torch.Tensor, ends: torch.Tensor) -> list[ExpertSegment]:
+    """One segment per expert that received rows: idle experts cost nothing (no weight is touched)."""
+    busy = torch.nonzero(counts).flatten()                                 # experts that received rows
+    starts = (ends[busy] - counts[busy]).tolist()
+    return [ExpertSegment(expert, start, end) for expert, start, end in zip(busy.tolist(), starts, ends[busy].tolist())]
+
+
+def masked_segments(counts: torch.Tensor) -> list[ExpertSegment]:
+    """Busy experts of the masked layout [E, M, H]: expert e's rows are x[e, 0:counts[e]]."""
+    return busy_segments(counts, ends=counts)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> [..., I]: silu(gate) * up, gate the first half (the w13 row order)."""
+    intermediate = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :intermediate]).mul_(gate_up[..., intermediate:])
+
+
 def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor) -> None:
     """out[n, H] = w2 @ (silu(gate) * up) for one expert; w13 [2I, H], w2 [H, I]."""
-    intermediate = w13.shape[0] // 2
-    gate_up = linear_rows(x, w13)                                          # [n, 2I]
-    activated = F.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:])  # [n, I]
+    activated = silu_and_mul(linear_rows(x, w13))                          # [n, I]
     out.copy_(linear_rows(activated, w2))
 
 
@@ -34,9 +83,7 @@ def swiglu_padded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch
 
     Rows past an expert's count are computed too; callers drop them.
     """
-    intermediate = w13.shape[1] // 2
-    gate_up = batched_linear_rows(x, w13)                                  # [E, M, 2I]
-    activated = F.silu(gate_up[..., :intermediate]).mul_(gate_up[..., intermediate:])  # [E, M, I]
+    activated = silu_and_mul(batched_linear_rows(x, w13))                  # [E, M, I]
     return batched_linear_rows(activated, w2)                              # [E, M, H]
 
 
@@ -55,19 +102,13 @@ def expert_mlp(
     w2: torch.Tensor,         # [E, H, I]
 ) -> torch.Tensor:            # [N, H], unweighted
     check_expert_weights(x_sorted.shape[-1], w13, w2)
-    if counts.shape != (w13.shape[0],):
-        raise ValueError(f"counts must be [E={w13.shape[0]}], got shape {tuple(counts.shape)}")
-    ends = torch.cumsum(counts, dim=0)                                     # [E]
-    total = int(ends[-1]) if ends.numel() else 0
-    if total != x_sorted.shape[0]:
-        raise ValueError(f"counts sum to {total} but x_sorted has {x_sorted.shape[0]} rows")
+    ends = check_sorted_counts(x_sorted, counts, w13.shape[0])             # [E]
     max_count = int(counts.max()) if counts.numel() else 0
     if padded_layout_wins(counts, max_count):
         return _expert_mlp_padded(x_sorted, counts, ends, w13, w2, max_count)
     out = torch.empty(x_sorted.shape[0], w2.shape[1], dtype=x_sorted.dtype, device=x_sorted.device)  # [N, H]
-    busy = torch.nonzero(counts).flatten()                                 # experts that received rows
-    for expert, start, end in zip(busy.tolist(), (ends[busy] - counts[busy]).tolist(), ends[busy].tolist()):
-        swiglu_expert(x_sorted[start:end], w13[expert], w2[expert], out[start:end])
+    for seg in busy_segments(counts, ends):
+        swiglu_expert(x_sorted[seg.start:seg.end], w13[seg.expert], w2[seg.expert], out[seg.start:seg.end])
     return out
 
 
@@ -88,19 +129,13 @@ def masked_expert_mlp(
     w2: torch.Tensor,         # [E, H, I]
 ) -> torch.Tensor:            # [E, M, H], rows past counts[e] are zero
     check_expert_weights(x.shape[-1], w13, w2)
-    if x.dim() != 3 or x.shape[0] != w13.shape[0]:
-        raise ValueError(f"x must be [E={w13.shape[0]}, M, H], got shape {tuple(x.shape)}")
+    max_count = check_masked_counts(x, counts, w13.shape[0])
     out = torch.zeros(x.shape[0], x.shape[1], w2.shape[1], dtype=x.dtype, device=x.device)  # [E, M, H]
-    max_count = int(counts.max()) if counts.numel() else 0
-    if max_count > x.shape[1]:
-        expert = int(torch.argmax(counts))
-        raise ValueError(f"counts[{expert}]={max_count} exceeds the masked layout's capacity M={x.shape[1]}")
     if padded_layout_wins(counts, max_count):
         valid = torch.arange(max_count, device=x.device) < counts.unsqueeze(1)  # [E, M']
         computed = swiglu_padded(x[:, :max_count], w13, w2)                # [E, M', H]
         out[:, :max_count] = torch.where(valid.unsqueeze(-1), computed, 0.0)  # stale rows may hold NaN
         return out
-    busy = torch.nonzero(counts).flatten()                                 # experts that received rows
-    for expert, count in zip(busy.tolist(), counts[busy].tolist()):
-        swiglu_expert(x[expert, :count], w13[expert], w2[expert], out[expert, :count])
+    for seg in masked_segments(counts):
+        swiglu_expert(x[seg.expert, :seg.end], w13[seg.expert], w2[seg.expert], out[seg.expert, :seg.end])
     return out

@@ -17,3 +17,8 @@ class KernelSet:
     rms_norm: Callable
     fused_add_rms_norm: Callable
     paged_decode_attention: Callable
+    # FP8 block-scaled weights (kernels/fp8_block_weights.py): weight float8_e4m3fn [..., N, K] with
+    # row-expanded scales float32 [..., N, ceil(K / block_k)].
+    fp8_linear: Callable             # (x [T, K], weight [N, K], scale [N, Kb], block_k, bias=None) -> [T, N]
+    fp8_expert_mlp: Callable         # (x_sorted [N, H], counts [E], w13, w13_scale, w2, w2_scale, block_k) -> [N, H]
+    fp8_masked_expert_mlp: Callable  # (x [E, M, H], counts [E], w13, w13_scale, w2, w2_scale, block_k) -> [E, M, H]

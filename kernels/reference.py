@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .expert_mlp import check_expert_weights
+from .fp8_block_weights import check_fp8_weight
 from .permute import PermutePlan, offsets_from_counts
 from .rms_norm import NormOutput
 
@@ -48,6 +49,26 @@ def masked_expert_mlp(x, counts, w13, w2) -> torch.Tensor:
         count = int(counts[expert])
         out[expert, :count] = every[expert, :count].to(x.dtype)
     return out
+
+
+def dequantize_fp8(weight, scale, block_k: int) -> torch.Tensor:
+    """The plain formula, all at once, in fp32: weight * scale repeated block_k times along K."""
+    check_fp8_weight(weight, scale, block_k)
+    return weight.float() * scale.repeat_interleave(block_k, -1)[..., :weight.shape[-1]]
+
+
+def fp8_linear(x, weight, scale, block_k: int, bias=None) -> torch.Tensor:
+    out = F.linear(x.float(), dequantize_fp8(weight, scale, block_k), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def fp8_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale, block_k: int) -> torch.Tensor:
+    return expert_mlp(x_sorted, counts, dequantize_fp8(w13, w13_scale, block_k), dequantize_fp8(w2, w2_scale, block_k))
+
+
+def fp8_masked_expert_mlp(x, counts, w13, w13_scale, w2, w2_scale, block_k: int) -> torch.Tensor:
+    return masked_expert_mlp(x, counts, dequantize_fp8(w13, w13_scale, block_k),
+                             dequantize_fp8(w2, w2_scale, block_k))
 
 
 def unpermute_reduce(out_sorted, plan: PermutePlan, weights, num_tokens: int) -> torch.Tensor:

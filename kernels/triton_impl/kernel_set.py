@@ -1,20 +1,11 @@
 """The Triton KernelSet (imports triton)."""
 from __future__ import annotations
 
-import os
-
 import torch
-import triton
 
 from ..kernel_set_type import KernelSet
-from . import align, fused_moe, grouped_gemm, paged_attention, rms_norm, routing, unpermute
-
-
-def running_in_interpreter() -> bool:
-    knobs = getattr(triton, "knobs", None)            # triton >= 3.4; older releases read the env var
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+from . import align, fp8_block_weights, fused_moe, grouped_gemm, paged_attention, rms_norm, routing, unpermute
+from .interpreter import running_in_interpreter
 
 
 def triton_kernel_set() -> KernelSet:
@@ -31,4 +22,7 @@ def triton_kernel_set() -> KernelSet:
         rms_norm=rms_norm.rms_norm,
         fused_add_rms_norm=rms_norm.fused_add_rms_norm,
         paged_decode_attention=paged_attention.paged_decode_attention,
+        fp8_linear=fp8_block_weights.fp8_linear,
+        fp8_expert_mlp=fp8_block_weights.fp8_expert_mlp,
+        fp8_masked_expert_mlp=fp8_block_weights.fp8_masked_expert_mlp,
     )
