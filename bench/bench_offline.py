@@ -5,7 +5,12 @@ Builds (once, cached under bench/.cache) a random Qwen3-MoE checkpoint (hidden 5
 64 prompt + 64 new tokens (greedy, eos ignored) through both systems, each in its own process so
 peak RSS is per system. Prints tokens/s and the ratio; writes bench/results/offline_generate.json.
 
-    python bench/bench_offline.py [--batches 1 16] [--dtypes float32 bfloat16] [--repeats 2]
+`--dtypes fp8` adds FP8 rows: the bf16 checkpoint written in DeepSeek-V3's FP8 block layout (128x128
+scales), run three ways in `--fp8-compute-dtype`: this runtime keeping the weights in FP8
+(`--quantization fp8`), this runtime dequantizing them at load, and transformers on the dequantized
+checkpoint.
+
+    python bench/bench_offline.py [--batches 1 16] [--dtypes float32 bfloat16 fp8] [--repeats 2]
 """
 from __future__ import annotations
 
@@ -67,16 +72,39 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def weight_bytes_per_decode_step(batch: int, dtype_bytes: int) -> float:
+def weight_bytes_per_decode_step(batch: int, dtype_bytes: int, projection_bytes: float | None = None) -> float:
     """Weights a decode step must read: everything but the experts, plus the experts the batch's
-    tokens touch (expected distinct experts for `batch` tokens with uniform top-k routing)."""
+    tokens touch (expected distinct experts for `batch` tokens with uniform top-k routing).
+
+    `projection_bytes`: bytes per weight of the attention projections and experts when they are
+    stored apart from the rest (FP8: 1 byte plus a 4-byte scale per 128 weights of a row).
+    """
     h, layers, e, k, i = (SHAPE[n] for n in ("hidden_size", "num_hidden_layers", "num_experts",
                                              "num_experts_per_tok", "moe_intermediate_size"))
     heads, kv, d, v = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], SHAPE["head_dim"], SHAPE["vocab_size"]
     attention = h * d * (2 * heads + 2 * kv)
     touched = e * (1 - (1 - k / e) ** batch)
     experts = touched * 3 * h * i
-    return (layers * (attention + experts + h * e) + v * h) * dtype_bytes
+    per_projection = dtype_bytes if projection_bytes is None else projection_bytes
+    return layers * (attention + experts) * per_projection + (layers * h * e + v * h) * dtype_bytes
+
+
+FP8_BYTES_PER_WEIGHT = 1 + 4 / 128   # float8_e4m3fn values and their row-expanded 128-column scales
+
+
+def build_fp8_checkpoints() -> tuple[Path, Path]:
+    """(FP8 checkpoint, its dequantized float32 twin for transformers) from the bf16 checkpoint, built once."""
+    fp8, oracle = CACHE / "qwen3moe-bench-fp8", CACHE / "qwen3moe-bench-fp8-dequantized"
+    if (fp8 / "config.json").exists() and (oracle / "config.json").exists():
+        return fp8, oracle
+    from moe_runtime.quantization.fp8_checkpoint_writer import copy_side_files, write_fp8_checkpoint, write_two_shards
+
+    source = build_checkpoint("bfloat16")
+    logger.info("writing the FP8 checkpoint %s and its dequantized twin %s", fp8, oracle)
+    tensors = write_fp8_checkpoint(source, fp8)
+    copy_side_files(source, oracle)
+    write_two_shards(tensors.dequantized, oracle)
+    return fp8, oracle
 
 
 def make_prompts(batch: int) -> list[list[int]]:
@@ -84,12 +112,12 @@ def make_prompts(batch: int) -> list[list[int]]:
     return torch.randint(100, SHAPE["vocab_size"], (batch, PROMPT_LEN), generator=generator).tolist()
 
 
-def run_runtime(path: str, dtype: str, prompts, repeats: int, queue) -> None:
+def run_runtime(path: str, dtype: str, prompts, repeats: int, queue, quantization: str | None = None) -> None:
     torch.set_num_threads(torch.get_num_threads())
     from moe_runtime import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(path, device="cpu", dtype=dtype, max_num_seqs=max(len(prompts), 1)) as llm:
+    with LLM(path, device="cpu", dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
         times, outputs = [], None
         for _ in range(repeats):
@@ -117,10 +145,10 @@ def run_transformers(path: str, dtype: str, prompts, repeats: int, queue) -> Non
                    peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
 
 
-def in_subprocess(target, *args) -> dict:
+def in_subprocess(target, *args, **kwargs) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    process = ctx.Process(target=target, args=(*args, queue))
+    process = ctx.Process(target=target, args=(*args, queue), kwargs=kwargs)
     process.start()
     result = queue.get()
     process.join()
@@ -132,11 +160,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fp8-compute-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                        help="activations and dequantized tiles of the fp8 rows")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     rows = []
     bandwidth = copy_bandwidth_gbs()
-    for dtype in args.dtypes:
+    fp8_rows = (measure_fp8(args.batches, args.repeats, args.fp8_compute_dtype, bandwidth)
+                if "fp8" in args.dtypes else [])
+    for dtype in (d for d in args.dtypes if d != "fp8"):
         path = str(build_checkpoint(dtype))
         for batch in args.batches:
             prompts = make_prompts(batch)
@@ -170,14 +202,62 @@ def main() -> None:
               f"{r['copy_bandwidth_gbs']:>12.1f}")
     print("weights GB/s: expert and dense weights a decode step reads (experts the batch touches), times steps/s;"
           "\nnear the memcpy figure a system is bound by memory bandwidth, not by its overheads.")
+    print_fp8_rows(fp8_rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "offline_generate.json"
     out.write_text(json.dumps(dict(
         benchmark="offline_generate", shape=SHAPE, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS,
         threads=torch.get_num_threads(), machine=platform.machine(), python=sys.version.split()[0],
-        torch=torch.__version__, rows=rows, command="python bench/bench_offline.py",
+        torch=torch.__version__, rows=rows, fp8_rows=fp8_rows,
+        command="python bench/bench_offline.py " + " ".join(sys.argv[1:]),
     ), indent=2))
     print(f"\nwrote {out}")
+
+
+def measure_fp8(batches: list[int], repeats: int, compute_dtype: str, bandwidth: float) -> list[dict]:
+    """Kept in FP8 vs dequantized at load vs transformers on the dequantized checkpoint, per batch."""
+    fp8, oracle = (str(p) for p in build_fp8_checkpoints())
+    dtype_bytes = torch.tensor([], dtype=getattr(torch, compute_dtype)).element_size()
+    rows = []
+    for batch in batches:
+        prompts = make_prompts(batch)
+        logger.info("fp8 batch=%d: runtime kept in FP8, runtime dequantized, transformers", batch)
+        kept = in_subprocess(run_runtime, fp8, compute_dtype, prompts, repeats, quantization="fp8")
+        dequantized = in_subprocess(run_runtime, fp8, compute_dtype, prompts, repeats)
+        theirs = in_subprocess(run_transformers, oracle, compute_dtype, prompts, repeats)
+        generated = batch * NEW_TOKENS
+        kept_bytes = weight_bytes_per_decode_step(batch, dtype_bytes, FP8_BYTES_PER_WEIGHT)
+        dense_bytes = weight_bytes_per_decode_step(batch, dtype_bytes)
+        rows.append(dict(
+            compute_dtype=compute_dtype, batch=batch, kept_fp8_tok_s=generated / kept["seconds"],
+            dequantized_tok_s=generated / dequantized["seconds"], transformers_tok_s=generated / theirs["seconds"],
+            kept_vs_dequantized=dequantized["seconds"] / kept["seconds"],
+            kept_vs_transformers=theirs["seconds"] / kept["seconds"],
+            kept_weight_bytes_per_step=kept_bytes, dequantized_weight_bytes_per_step=dense_bytes,
+            kept_weight_gbs=kept_bytes * NEW_TOKENS / kept["seconds"] / 1e9,
+            dequantized_weight_gbs=dense_bytes * NEW_TOKENS / dequantized["seconds"] / 1e9,
+            kept_peak_rss_mib=kept["peak_rss_mib"], dequantized_peak_rss_mib=dequantized["peak_rss_mib"],
+            identical_to_dequantized=f"{sum(a == b for a, b in zip(kept['tokens'], dequantized['tokens']))}/{batch}",
+            identical_to_transformers=f"{sum(a == b for a, b in zip(kept['tokens'], theirs['tokens']))}/{batch}",
+            copy_bandwidth_gbs=bandwidth,
+        ))
+    return rows
+
+
+def print_fp8_rows(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print(f"\nFP8 checkpoint (128x128 blocks), compute {rows[0]['compute_dtype']}: decode tok/s")
+    header = f"{'batch':>5} {'kept FP8':>9} {'dequantized':>12} {'HF deq.':>8} {'vs deq.':>8} {'vs HF':>7} " \
+             f"{'MB/step FP8/deq.':>17} {'RSS MiB FP8/deq.':>17} {'same tokens deq./HF':>20}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['batch']:>5} {r['kept_fp8_tok_s']:>9.1f} {r['dequantized_tok_s']:>12.1f} "
+              f"{r['transformers_tok_s']:>8.1f} {r['kept_vs_dequantized']:>7.2f}x {r['kept_vs_transformers']:>6.2f}x "
+              f"{r['kept_weight_bytes_per_step'] / 1e6:>8.1f}/{r['dequantized_weight_bytes_per_step'] / 1e6:<8.1f} "
+              f"{r['kept_peak_rss_mib']:>8.0f}/{r['dequantized_peak_rss_mib']:<8.0f} "
+              f"{r['identical_to_dequantized']:>9}/{r['identical_to_transformers']:<10}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Only the tensors a rank asks for are read: expert parallelism asks for a subset of experts.
 The reader records every tensor it hands out (`consumed`), so the loader can tell a tensor no
 rank used (a layer the model does not know, a format it does not read) from one it did.
-FP8 block-quantized weights come out dequantized to float32 with their `weight_scale_inv`.
+FP8 block-quantized weights come out dequantized to float32 with their `weight_scale_inv` (`read`),
+or as FP8 values with row-expanded scales for `--quantization fp8` (`read_fp8_rows`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from safetensors import safe_open
 
 from moe_runtime.errors import CheckpointError
 from moe_runtime.quantization.fp8_block import SCALE_SUFFIX, Fp8BlockFormat
+from moe_runtime.quantization.fp8_in_memory import Fp8Rows, expand_block_scales, quantize_rows
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +86,31 @@ class CheckpointReader:
             return self._dequantized(name, tensor)
         return tensor
 
+    def read_fp8_rows(self, name: str, block_k: int) -> Fp8Rows:
+        """`name` as FP8 values [N, K] with row-expanded scales [N, ceil(K/block_k)].
+
+        A tensor stored in FP8 keeps its values and scales exactly; any other is quantized here.
+        """
+        if not self.is_fp8(name):
+            return quantize_rows(self.read(name), block_k)
+        values = self._handle(name).get_tensor(name)
+        self._count(name, values)
+        scale_inv = self._scales_of(name)
+        if self.fp8.block_cols != block_k:
+            raise CheckpointError(f"tensor {name!r}: FP8 blocks of {self.fp8.block_cols} columns cannot be kept as "
+                                  f"blocks of {block_k}")
+        self.fp8.check_scale_shape(values, scale_inv, name)
+        return Fp8Rows(values, expand_block_scales(scale_inv, values.shape[0], self.fp8.block_rows))
+
     def is_fp8(self, name: str) -> bool:
         return self._handle(name).get_slice(name).get_dtype() == "F8_E4M3"
 
     def _dequantized(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        scale_inv = self._scales_of(name)   # first: it names what is missing when the checkpoint is not FP8-ready
+        return self.fp8.dequantize(tensor, scale_inv, name)
+
+    def _scales_of(self, name: str) -> torch.Tensor:
+        """The block scales `<name>_scale_inv` of an FP8 tensor, refused by name when they cannot be read."""
         scale_name = name + SCALE_SUFFIX
         if self.fp8 is None:
             raise CheckpointError(f"tensor {name!r} in {self.directory} is float8_e4m3fn but config.json has no "
@@ -97,7 +120,7 @@ class CheckpointReader:
                                   f"{scale_name!r}")
         scale = self._handle(scale_name).get_tensor(scale_name)
         self._count(scale_name, scale)
-        return self.fp8.dequantize(tensor, scale, name)
+        return scale
 
     def _count(self, name: str, tensor: torch.Tensor) -> None:
         self.bytes_read += tensor.numel() * tensor.element_size()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 # --dtype names -> torch dtype names (torch is imported where a dtype is needed: `moe-serve --help` stays quick)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
+QUANTIZATIONS = (None, "fp8")            # --quantization choices (None = weights in the compute dtype)
 
 
 @dataclass
@@ -34,6 +35,8 @@ class EngineConfig:
     cache_aware_routing: bool = True      # with prefix caching and dp_attn > 1: route to where a prefix is cached
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     kernels: str = "auto"                # "auto" | "torch" | "triton" | "reference"
+    quantization: str | None = None      # "fp8": projections and experts stay FP8 in memory (an FP8 checkpoint's
+                                         # blocks as stored; others quantized at load); None: dequantize to dtype
     # Parallel layout: world = ep ranks; dp_attn DP attention workers of ep // dp_attn ranks each.
     ep: int = 1
     dp_attn: int = 1
@@ -65,6 +68,9 @@ class EngineConfig:
         underscores. Checks that need the checkpoint (layouts the model admits) come later, in
         `ParallelLayout.validate`.
         """
+        if self.quantization not in QUANTIZATIONS:
+            raise EngineConfigError(f"--quantization {self.quantization} is not supported; choose one of "
+                                    f"{[q for q in QUANTIZATIONS if q]} (or leave it unset to run in --dtype)")
         if self.node_rank >= self.nnodes:
             raise EngineConfigError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
         if self.ep % self.dp_attn:

@@ -17,6 +17,7 @@ from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.block_manager import BlockManager
 from moe_runtime.checkpoint import CheckpointReader
 from moe_runtime.quantization.fp8_block import Fp8BlockFormat
+from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
@@ -91,9 +92,11 @@ class EngineCore:
         self.kernels = get_kernels(self.device, config.kernels)
         self.executor = MoEExecutor.for_engine(config, self.parallel, self.kernels, self.hf_config.hidden_size,
                                                self.dtype)
-        ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device)
-        reader = CheckpointReader.open(self.checkpoint_dir,
-                                       Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir)))
+        checkpoint_fp8 = Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir))
+        fp8 = (Fp8InMemory.for_checkpoint(checkpoint_fp8, self.kernels.fp8_linear)
+               if config.quantization == "fp8" else None)
+        ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, fp8)
+        reader = CheckpointReader.open(self.checkpoint_dir, checkpoint_fp8)
         self.model = build_model(self.architecture, self.hf_config, ctx)
         self.executor.finish_registration()  # every MoE layer registered itself while the model was built
         load_model_weights(self.model, reader, SkippedTensors.for_config(self.hf_config),

@@ -21,7 +21,7 @@ import sys
 
 from attention_dp.control_key import CONTROL_KEY_ENV
 from dispatch.backends import BACKENDS
-from moe_runtime.engine_config import DTYPES, EngineConfig
+from moe_runtime.engine_config import DTYPES, QUANTIZATIONS, EngineConfig
 from moe_runtime.errors import MoERuntimeError
 from server.flag_help import DefaultsHelpFormatter
 from server.flag_types import non_negative_int, parse_size, positive_int, tcp_port
@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=e.dtype, choices=["auto", *sorted(DTYPES)],
                    help="weight/activation dtype; auto = the checkpoint's")
     g.add_argument("--device", default=e.device, choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
+    g.add_argument("--quantization", default=e.quantization, choices=[q for q in QUANTIZATIONS if q],
+                   help="fp8: keep linear and expert weights in FP8 with block scales (an FP8 checkpoint as "
+                        "stored, any other quantized at load), dequantized per matmul tile; unset: weights in "
+                        "--dtype (FP8 checkpoints are dequantized at load)")
     g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "reference"],
                    help="MoE/attention kernel implementation")
     g.add_argument("--tool-call-parser", default=s.tool_call_parser, choices=sorted(TOOL_CALL_PARSER_NAMES),

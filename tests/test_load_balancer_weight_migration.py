@@ -54,7 +54,9 @@ def test_staged_slots_are_not_in_force_before_commit_and_discard_drops_them():
 def test_staging_a_wrong_buffer_is_refused():
     store = store_holding([0, 1])
     with pytest.raises(ValueError, match="expected"):
-        store.stage(0, 1, torch.zeros(store.slot_numel + 1))
+        store.stage(0, 1, torch.zeros(store.slot_bytes + 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="expected uint8"):   # right size, wrong type
+        store.stage(0, 1, torch.zeros(store.slot_bytes // 4, dtype=torch.float32))
     with pytest.raises(IndexError, match="local slot 2"):
         store.stage(2, 1, store.empty_slot())
 

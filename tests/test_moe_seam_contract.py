@@ -85,7 +85,7 @@ def move_to(placement: Placement, experts: ExpertWeights, rank: int) -> None:
     w13, w2 = expert_bank()
     for local, slot in enumerate(placement.geometry.rank_slots(rank)):
         expert = int(placement.phy2log[0, slot])
-        experts.stage(local, expert, torch.cat([w13[expert].reshape(-1), w2[expert].reshape(-1)]))
+        experts.stage(local, expert, torch.cat([w13[expert].reshape(-1), w2[expert].reshape(-1)]).view(torch.uint8))
     experts.commit()
 
 

@@ -18,6 +18,7 @@ from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.layers.rotary import RotaryEmbedding
+from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
 
 
 @dataclass(frozen=True)
@@ -87,19 +88,20 @@ class TensorParallelRMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, shape: AttentionShape, rotary: RotaryEmbedding, kernels, dtype, device=None,
-                 tp_size: int = 1, tp_rank: int = 0, tp_group=None):
+                 tp_size: int = 1, tp_rank: int = 0, tp_group=None, fp8: Fp8InMemory | None = None):
         super().__init__()
         s = shape
         self.shape = s
         self.heads = h = HeadShard.of(s, tp_size, tp_rank)
         self.tp_group = tp_group
         d = s.head_dim
-        self.q_proj = Linear(s.hidden_size, s.num_heads * d, s.qkv_bias, dtype, device, h.rows(h.q_start, h.num_heads, d))
+        self.q_proj = Linear(s.hidden_size, s.num_heads * d, s.qkv_bias, dtype, device, h.rows(h.q_start, h.num_heads, d),
+                             fp8)
         kv_rows = h.rows(h.kv_start, h.num_kv_heads, d)
-        self.k_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows)
-        self.v_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows)
+        self.k_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows, fp8)
+        self.v_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows, fp8)
         o_cols = None if tp_size == 1 else LinearShard(1, h.q_start * d, (h.q_start + h.num_heads) * d)
-        self.o_proj = Linear(s.num_heads * d, s.hidden_size, s.o_bias, dtype, device, o_cols)
+        self.o_proj = Linear(s.num_heads * d, s.hidden_size, s.o_bias, dtype, device, o_cols, fp8)
         if s.qk_norm == "per_head":
             self.q_norm = RMSNorm(d, s.norm_eps, kernels, dtype, device)
             self.k_norm = RMSNorm(d, s.norm_eps, kernels, dtype, device)

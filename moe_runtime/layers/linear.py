@@ -3,6 +3,10 @@
 A tensor-parallel rank holds a shard: `LinearShard(dim=0)` keeps output rows [start, stop)
 (column parallel), `dim=1` keeps input columns (row parallel: partial sums, the caller all-reduces).
 Only that shard is read from the checkpoint.
+
+With `fp8` (`--quantization fp8`) the weight is float8_e4m3fn with row-expanded block scales
+(`weight_scale`, see moe_runtime/quantization/fp8_in_memory.py) and every forward dequantizes it
+tile by tile inside the kernel family's FP8 linear; the bias stays in the compute dtype.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from torch import nn
 
 from kernels.skinny_matmul import linear_rows
 from moe_runtime.checkpoint import CheckpointReader, read_slice
+from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
 from moe_runtime.weight_loading import copy_checked
 
 
@@ -26,22 +31,35 @@ class LinearShard:
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None,
-                 shard: LinearShard | None = None):
+                 shard: LinearShard | None = None, fp8: Fp8InMemory | None = None):
         super().__init__()
         self.shard = shard
+        full_in = in_features
         if shard is not None and shard.dim == 0:
             out_features = shard.stop - shard.start
         if shard is not None and shard.dim == 1:
             in_features = shard.stop - shard.start
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        if fp8 is not None and shard is not None and shard.dim == 1 and not fp8.fits_columns(shard.start, shard.stop,
+                                                                                                full_in):
+            fp8 = None   # the shard cuts a scale block: this layer keeps the compute dtype
+        self.fp8 = fp8
+        weight_dtype = torch.float8_e4m3fn if fp8 else dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype, device=device),
+                                   requires_grad=False)
+        self.weight_scale = None if fp8 is None else nn.Parameter(
+            torch.empty(out_features, fp8.scale_columns(in_features), dtype=torch.float32, device=device),
+            requires_grad=False)                                     # [N, ceil(K / block_k)]
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
 
     def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
         loaded = set()
+        if self.fp8 is not None:
+            self._load_fp8(reader, f"{prefix}weight")
+            loaded |= {"weight", "weight_scale"}
         for name, param in (("weight", self.weight), ("bias", self.bias)):
-            if param is None:
+            if name in loaded or param is None:
                 continue
             full = f"{prefix}{name}"
             if self.shard is None or (name == "bias" and self.shard.dim == 1):
@@ -52,10 +70,20 @@ class Linear(nn.Module):
             loaded.add(name)
         return loaded
 
+    def _load_fp8(self, reader: CheckpointReader, full: str) -> None:
+        rows = reader.read_fp8_rows(full, self.fp8.block_k)                # the whole tensor, then this shard
+        if self.shard is not None and self.shard.dim == 0:
+            rows = rows.rows(self.shard.start, self.shard.stop)
+        elif self.shard is not None:
+            rows = rows.columns(self.shard.start, self.shard.stop, self.fp8.block_k)
+        copy_checked(self.weight, rows.values, full, reader.directory)
+        copy_checked(self.weight_scale, rows.scales, full + "_scale_inv", reader.directory)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.shard is not None and self.shard.dim == 1:
-            return linear_rows(x, self.weight)  # partial sum: see `reduce`
-        return linear_rows(x, self.weight, self.bias)
+        bias = None if self.shard is not None and self.shard.dim == 1 else self.bias  # row parallel: see `reduce`
+        if self.fp8 is not None:
+            return self.fp8.linear(x, self.weight, self.weight_scale, self.fp8.block_k, bias)
+        return linear_rows(x, self.weight, bias)
 
     def reduce(self, partial: torch.Tensor, group) -> torch.Tensor:
         """Row parallel: sum the ranks' partial outputs, then add the bias once."""

@@ -17,8 +17,10 @@ from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Embedding, Linear
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_vocab_logits
+from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.parallel_context import ParallelContext
+from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
 
 
 @dataclass
@@ -30,6 +32,7 @@ class BuildContext:
     parallel: ParallelContext
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
+    fp8: Fp8InMemory | None = None   # --quantization fp8: projections and experts stay FP8 in memory
 
     def owns_layer(self, index: int) -> bool:
         """Whether this pipeline stage holds decoder layer `index`."""
@@ -40,6 +43,11 @@ class BuildContext:
         """Tensor-parallel arguments for a dense MLP (split only when the model runs dense TP)."""
         p = self.parallel
         return dict(tp_size=p.attn_tp_size, tp_rank=p.attn_tp_rank, tp_group=p.attn_tp_group) if p.dense_tp else {}
+
+    def dense_mlp(self, hidden_size: int, intermediate_size: int) -> DenseMLP:
+        """A dense layer's MLP (split under dense tensor parallelism, FP8 when weights are kept in FP8)."""
+        return DenseMLP(hidden_size, intermediate_size, self.kernels, self.dtype, self.device, fp8=self.fp8,
+                        **self.dense_tp())
 
 
 class MissingLayer(nn.Module):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from kernels import RoutingConfig
 from moe_runtime.layers.mla import MLAShape, MultiHeadLatentAttention, mla_softmax_scale
-from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.layer import MoEShape, SparseMoE
 from moe_runtime.models.common import rotary_for
 from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
@@ -44,12 +43,13 @@ def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: b
     def make_layer(i: int) -> DecoderLayer:
         attention = MultiHeadLatentAttention(
             shape, rotary_for(cfg, cfg.qk_rope_head_dim, ctx.device, interleaved_rope), scale, ctx.kernels, ctx.dtype, ctx.device,
-            ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group,
+            ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group, fp8=ctx.fp8,
         )
         if i >= (cfg.first_k_dense_replace or 0):
-            mlp = SparseMoE(moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device)
+            mlp = SparseMoE(moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device,
+                            fp8=ctx.fp8)
         else:
-            mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx.kernels, ctx.dtype, ctx.device)
+            mlp = ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size)
         return DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
 
     return CausalLM(cfg, build_stack(cfg, ctx, make_layer), cfg.tie_word_embeddings, ctx)

@@ -1,7 +1,6 @@
 """Dense Llama / Qwen2 / Mistral: GQA attention and a SiLU MLP run as a single expert."""
 from __future__ import annotations
 
-from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.models.common import gqa_attention
 from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
 
@@ -10,7 +9,7 @@ def build_dense(cfg, ctx: BuildContext, *, qkv_bias: bool, o_bias: bool = False)
     def make_layer(i: int) -> DecoderLayer:
         return DecoderLayer(
             gqa_attention(cfg, i, ctx, qkv_bias=qkv_bias, o_bias=o_bias),
-            DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx.kernels, ctx.dtype, ctx.device, **ctx.dense_tp()),
+            ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size),
             cfg.hidden_size, cfg.rms_norm_eps, ctx,
         )
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from kernels import RoutingConfig
-from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.layer import MoEShape, SparseMoE
 from moe_runtime.models.common import gqa_attention
 from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
@@ -22,9 +21,9 @@ def _build(cfg, ctx: BuildContext, shape: MoEShape, *, qkv_bias: bool, qk_norm: 
 
     def make_layer(i: int) -> DecoderLayer:
         if sparse_rule(cfg, i):
-            mlp = SparseMoE(shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device)
+            mlp = SparseMoE(shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device, fp8=ctx.fp8)
         else:
-            mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx.kernels, ctx.dtype, ctx.device)
+            mlp = ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size)
         attention = gqa_attention(cfg, i, ctx, qkv_bias=qkv_bias, qk_norm=qk_norm)
         return DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
 

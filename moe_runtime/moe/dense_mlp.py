@@ -4,28 +4,33 @@ It runs through the same expert kernel as routed experts (contiguous layout, one
 rows), so there is one MLP code path; no router, no dispatch. Under tensor parallelism the one
 expert is split along its intermediate dim, exactly as an expert is: rank r holds gate/up rows and
 down columns [r * I/tp, (r + 1) * I/tp), and the ranks' partial outputs are summed with one
-all-reduce.
+all-reduce. Kept in FP8, the down projection's column shard must start on a scale block; a shard
+that does not keeps this MLP in the compute dtype.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from dispatch.base import LAYOUT_CONTIGUOUS
 from kernels import KernelSet
 from moe_runtime.checkpoint import CheckpointReader, read_slice
-from moe_runtime.moe.expert_kernel import ContiguousExpertKernel
+from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.expert_weights import ExpertWeights
-from moe_runtime.weight_loading import copy_checked
+from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
 
 
 class DenseMLP(ExpertWeights):
     def __init__(self, hidden_size: int, intermediate_size: int, kernels: KernelSet, dtype=torch.float32,
-                 device=None, tp_size: int = 1, tp_rank: int = 0, tp_group=None):
+                 device=None, tp_size: int = 1, tp_rank: int = 0, tp_group=None, fp8: Fp8InMemory | None = None):
         shard = intermediate_size // tp_size
-        super().__init__([0], hidden_size, shard, dtype=dtype, device=device)  # w13 [1, 2I/tp, H], w2 [1, H, I/tp]
-        self.shard_start = tp_rank * shard
+        start = tp_rank * shard
+        if fp8 is not None and not fp8.fits_columns(start, start + shard, intermediate_size):
+            fp8 = None
+        super().__init__([0], hidden_size, shard, dtype=dtype, device=device, fp8=fp8)  # w13 [1, 2I/tp, H], w2 [1, H, I/tp]
+        self.shard_start = start
         self.tp_size, self.tp_group = tp_size, tp_group
-        self._kernel = ContiguousExpertKernel(kernels.expert_mlp)
+        self._kernel = expert_kernel_for(LAYOUT_CONTIGUOUS, kernels)
 
     def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
         """`<prefix>gate_proj.weight` etc. (no expert index), this rank's shard of each."""
@@ -33,12 +38,19 @@ class DenseMLP(ExpertWeights):
         start, stop = self.shard_start, self.shard_start + shard
         for rows, name in ((slice(0, shard), "gate_proj"), (slice(shard, 2 * shard), "up_proj")):
             full = f"{prefix}{name}.weight"
-            tensor = reader.read(full) if self.tp_size == 1 else read_slice(reader, full, 0, start, stop)
-            copy_checked(self.w13[0, rows], tensor, full, reader.directory)
+            self._fill(0, rows, self._read_shard(reader, full, 0, start, stop), full, reader)
         full = f"{prefix}down_proj.weight"
-        tensor = reader.read(full) if self.tp_size == 1 else read_slice(reader, full, 1, start, stop)
-        copy_checked(self.w2[0], tensor, full, reader.directory)
-        return {"w13", "w2"}
+        self._fill(0, None, self._read_shard(reader, full, 1, start, stop), full, reader)
+        return {"w13", "w2"} | ({"w13_scale", "w2_scale"} if self.fp8 else set())
+
+    def _read_shard(self, reader: CheckpointReader, full: str, dim: int, start: int, stop: int):
+        """This rank's rows (dim 0) or columns (dim 1) of a tensor, as FP8 rows when kept in FP8."""
+        if self.tp_size == 1:
+            return self._read(reader, full)
+        if self.fp8 is None:
+            return read_slice(reader, full, dim, start, stop)
+        whole = self._read(reader, full)
+        return whole.rows(start, stop) if dim == 0 else whole.columns(start, stop, self.fp8.block_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         # [1]: on the input's device, where the expert kernel runs (a Triton kernel cannot read a CPU tensor)

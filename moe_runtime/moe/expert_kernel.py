@@ -4,7 +4,8 @@ A dispatcher hands over `recv_x` in one of two layouts (`Dispatcher.layout()`): 
 grouped by local expert ([N, H] with `tokens_per_local_expert` rows each), or masked
 ([E_local, M, H], the first `tokens_per_local_expert[e]` rows of expert e valid). An expert kernel
 takes one layout and returns UNWEIGHTED outputs in the same layout; the dispatcher's combine
-applies the routing weights. The kernel family (torch, Triton, reference) is the `KernelSet`'s.
+applies the routing weights. The kernel family (torch, Triton, reference) is the `KernelSet`'s;
+experts kept in FP8 (`ExpertWeights.fp8`) run through the family's FP8 twin of the same kernel.
 """
 from __future__ import annotations
 
@@ -29,11 +30,15 @@ class ExpertKernel(Protocol):
 class ContiguousExpertKernel:
     """recv_x [N, H] grouped by local expert -> [N, H]."""
 
-    expert_mlp: Callable  # KernelSet.expert_mlp(x_sorted [N, H], counts [E], w13, w2) -> [N, H]
+    expert_mlp: Callable      # KernelSet.expert_mlp(x_sorted [N, H], counts [E], w13, w2) -> [N, H]
+    fp8_expert_mlp: Callable  # KernelSet.fp8_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale, block_k)
     layout: ClassVar[str] = LAYOUT_CONTIGUOUS
 
     def __call__(self, recv_x: torch.Tensor, tokens_per_local_expert: torch.Tensor,
                  experts: ExpertWeights) -> torch.Tensor:
+        if experts.fp8 is not None:
+            return self.fp8_expert_mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w13_scale,
+                                       experts.w2, experts.w2_scale, experts.fp8.block_k)
         return self.expert_mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w2)
 
 
@@ -42,17 +47,21 @@ class MaskedExpertKernel:
     """recv_x [E_local, M, H] -> [E_local, M, H], rows past each expert's count zero."""
 
     masked_expert_mlp: Callable  # KernelSet.masked_expert_mlp(x [E, M, H], counts [E], w13, w2) -> [E, M, H]
+    fp8_masked_expert_mlp: Callable  # its FP8 twin, taking the scales and block_k as fp8_expert_mlp does
     layout: ClassVar[str] = LAYOUT_MASKED
 
     def __call__(self, recv_x: torch.Tensor, tokens_per_local_expert: torch.Tensor,
                  experts: ExpertWeights) -> torch.Tensor:
+        if experts.fp8 is not None:
+            return self.fp8_masked_expert_mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w13_scale,
+                                              experts.w2, experts.w2_scale, experts.fp8.block_k)
         return self.masked_expert_mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w2)
 
 
 def expert_kernel_for(layout: str, kernels: KernelSet) -> ExpertKernel:
     """The kernel family's expert kernel for a dispatcher's layout."""
     if layout == LAYOUT_CONTIGUOUS:
-        return ContiguousExpertKernel(kernels.expert_mlp)
+        return ContiguousExpertKernel(kernels.expert_mlp, kernels.fp8_expert_mlp)
     if layout == LAYOUT_MASKED:
-        return MaskedExpertKernel(kernels.masked_expert_mlp)
+        return MaskedExpertKernel(kernels.masked_expert_mlp, kernels.fp8_masked_expert_mlp)
     raise ValueError(f"no expert kernel for dispatch layout {layout!r}")

@@ -3,6 +3,11 @@
 Row i of both tensors is this rank's local slot i; `expert_ids[i]` is the logical expert it holds
 (the placement in force says the same). The stack is also the layer's `ExpertStore`: live
 rebalancing reads, stages and commits slots through it and never touches the parameters itself.
+
+With `fp8` (`--quantization fp8`) w13 and w2 are float8_e4m3fn and each has row-expanded block
+scales (`w13_scale` [E_local, 2I, ceil(H/bk)], `w2_scale` [E_local, H, ceil(I/bk)]); a slot's
+weights then travel as their bytes, scales included, so migration and replication move them
+unchanged.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 from torch import nn
 
 from moe_runtime.checkpoint import CheckpointReader, read_rows
+from moe_runtime.quantization.fp8_in_memory import Fp8InMemory, Fp8Rows, quantize_rows
 from moe_runtime.weight_loading import copy_checked
 
 
@@ -33,29 +39,44 @@ class StagedSlot:
 
     local_slot: int
     expert: int
-    packed: torch.Tensor  # [2I*H + H*I] as `read_slot` packs them
+    packed: torch.Tensor  # [slot_bytes] uint8, as `read_slot` packs them
 
 
 class ExpertWeights(nn.Module):
     def __init__(self, expert_ids: list[int], hidden_size: int, intermediate_size: int,
-                 naming: ExpertNaming = ExpertNaming(), dtype=torch.float32, device=None):
+                 naming: ExpertNaming = ExpertNaming(), dtype=torch.float32, device=None,
+                 fp8: Fp8InMemory | None = None):
         super().__init__()
         self.expert_ids = list(expert_ids)  # logical expert held by each local slot
         self.naming = naming
         self.intermediate_size = intermediate_size
+        self.fp8 = fp8
         num_local = len(self.expert_ids)
-        self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
-                                requires_grad=False)  # [E_local, 2I, H]
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype, device=device),
-                               requires_grad=False)  # [E_local, H, I]
+        weight_dtype = torch.float8_e4m3fn if fp8 else dtype
+
+        def param(*shape: int, param_dtype=weight_dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=param_dtype, device=device), requires_grad=False)
+
+        self.w13 = param(num_local, 2 * intermediate_size, hidden_size)    # [E_local, 2I, H]
+        self.w2 = param(num_local, hidden_size, intermediate_size)         # [E_local, H, I]
+        self.w13_scale = self.w2_scale = None
+        if fp8 is not None:
+            self.w13_scale = param(num_local, 2 * intermediate_size, fp8.scale_columns(hidden_size),
+                                   param_dtype=torch.float32)             # [E_local, 2I, ceil(H/bk)]
+            self.w2_scale = param(num_local, hidden_size, fp8.scale_columns(intermediate_size),
+                                  param_dtype=torch.float32)              # [E_local, H, ceil(I/bk)]
         self._staged: list[StagedSlot] = []
 
     @property
     def num_local_experts(self) -> int:
         return len(self.expert_ids)
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with one row per local slot: the weights, and their scales when kept in FP8."""
+        return [t for t in (self.w13, self.w13_scale, self.w2, self.w2_scale) if t is not None]
+
     def resident_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in (self.w13, self.w2))
+        return sum(t.numel() * t.element_size() for t in self.slot_tensors())
 
     def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
         """Per-expert tensors (`<prefix><e>.gate_proj.weight`, the HF layout) or fused 3D ones."""
@@ -65,44 +86,60 @@ class ExpertWeights(nn.Module):
             if reader.has(fused_gate_up):
                 gate_up = read_rows(reader, fused_gate_up, expert, expert + 1)[0]
                 down = read_rows(reader, f"{prefix}down_proj", expert, expert + 1)[0]
-                copy_checked(self.w13[local], gate_up, fused_gate_up, reader.directory)
-                copy_checked(self.w2[local], down, f"{prefix}down_proj", reader.directory)
+                self._fill(local, slice(None), gate_up, fused_gate_up, reader)
+                self._fill(local, None, down, f"{prefix}down_proj", reader)
                 continue
             base = f"{prefix}{expert}."
-            copy_checked(self.w13[local, :inter], reader.read(f"{base}{self.naming.gate}.weight"),
-                         f"{base}{self.naming.gate}.weight", reader.directory)
-            copy_checked(self.w13[local, inter:], reader.read(f"{base}{self.naming.up}.weight"),
-                         f"{base}{self.naming.up}.weight", reader.directory)
-            copy_checked(self.w2[local], reader.read(f"{base}{self.naming.down}.weight"),
-                         f"{base}{self.naming.down}.weight", reader.directory)
-        return {"w13", "w2"}
+            for rows, name in ((slice(0, inter), self.naming.gate), (slice(inter, 2 * inter), self.naming.up)):
+                full = f"{base}{name}.weight"
+                self._fill(local, rows, self._read(reader, full), full, reader)
+            full = f"{base}{self.naming.down}.weight"
+            self._fill(local, None, self._read(reader, full), full, reader)
+        return {"w13", "w2"} | ({"w13_scale", "w2_scale"} if self.fp8 else set())
 
-    # ---- load_balancer.ExpertStore -----------------------------------------------------------------
-    def read_slot(self, local_slot: int) -> torch.Tensor:  # -> [2I*H + H*I], a copy
-        return torch.cat([self.w13[local_slot].reshape(-1), self.w2[local_slot].reshape(-1)])
+    def _read(self, reader: CheckpointReader, full: str) -> torch.Tensor | Fp8Rows:
+        return reader.read_fp8_rows(full, self.fp8.block_k) if self.fp8 else reader.read(full)
+
+    def _fill(self, local: int, w13_rows: slice | None, tensor: torch.Tensor | Fp8Rows, name: str,
+              reader: CheckpointReader) -> None:
+        """Copy one checkpoint tensor into slot `local`: rows `w13_rows` of w13, or (None) all of w2."""
+        weight, scale = (self.w2, self.w2_scale) if w13_rows is None else (self.w13, self.w13_scale)
+        rows = slice(None) if w13_rows is None else w13_rows
+        if self.fp8 is not None and isinstance(tensor, torch.Tensor):
+            tensor = quantize_rows(tensor, self.fp8.block_k)   # a fused stack read in the compute dtype
+        if isinstance(tensor, Fp8Rows):
+            copy_checked(weight[local, rows], tensor.values, name, reader.directory)
+            copy_checked(scale[local, rows], tensor.scales, name + "_scale_inv", reader.directory)
+        else:
+            copy_checked(weight[local, rows], tensor, name, reader.directory)
+
+    # ---- load_balancer.ExpertStore: a slot travels as the bytes of its tensors, in `slot_tensors` order ----
+    def read_slot(self, local_slot: int) -> torch.Tensor:  # -> [slot_bytes] uint8, a copy
+        return torch.cat([t[local_slot].reshape(-1).view(torch.uint8) for t in self.slot_tensors()])
 
     @property
-    def slot_numel(self) -> int:
-        """Elements of one slot's packed weights (2I*H + H*I)."""
-        return self.w13[0].numel() + self.w2[0].numel()
+    def slot_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.slot_tensors())
 
-    def empty_slot(self) -> torch.Tensor:  # -> [2I*H + H*I]
-        return torch.empty(self.slot_numel, dtype=self.w13.dtype, device=self.w13.device)
+    def empty_slot(self) -> torch.Tensor:  # -> [slot_bytes] uint8
+        return torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.w13.device)
 
     def stage(self, local_slot: int, expert: int, packed: torch.Tensor) -> None:
         if not 0 <= local_slot < self.num_local_experts:
             raise IndexError(f"local slot {local_slot} outside this rank's {self.num_local_experts} slots")
-        if tuple(packed.shape) != (self.slot_numel,):
-            raise ValueError(f"staged weights for slot {local_slot} have shape {tuple(packed.shape)}, "
-                             f"expected ({self.slot_numel},)")
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != (self.slot_bytes,):
+            raise ValueError(f"staged weights for slot {local_slot} are {packed.dtype} of shape {tuple(packed.shape)}, "
+                             f"expected uint8 of shape ({self.slot_bytes},)")
         self._staged.append(StagedSlot(local_slot, expert, packed))
 
     def commit(self) -> None:
-        rows13 = self.w13[0].numel()
         with torch.no_grad():
             for staged in self._staged:
-                self.w13[staged.local_slot].copy_(staged.packed[:rows13].view_as(self.w13[0]))
-                self.w2[staged.local_slot].copy_(staged.packed[rows13:].view_as(self.w2[0]))
+                offset = 0
+                for tensor in self.slot_tensors():
+                    row = tensor[staged.local_slot].view(torch.uint8).view(-1)   # this slot's bytes, in place
+                    row.copy_(staged.packed[offset: offset + row.numel()])
+                    offset += row.numel()
                 self.expert_ids[staged.local_slot] = staged.expert
         self._staged.clear()
 

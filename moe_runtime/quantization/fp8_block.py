@@ -52,12 +52,15 @@ class Fp8BlockFormat:
         rows, cols = weight_shape
         return (-(-rows // self.block_rows), -(-cols // self.block_cols))
 
-    def dequantize(self, weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> torch.Tensor:
-        """float32 [N, K] from FP8 values [N, K] and block scales [ceil(N/bn), ceil(K/bk)]."""
+    def check_scale_shape(self, weight: torch.Tensor, scale_inv: torch.Tensor, name: str) -> None:
         if weight.dim() != 2 or tuple(scale_inv.shape) != self.scale_shape(tuple(weight.shape)):
             raise CheckpointError(f"{name}: FP8 weight of shape {tuple(weight.shape)} needs {name}{SCALE_SUFFIX} of "
                                   f"shape {self.scale_shape(tuple(weight.shape)) if weight.dim() == 2 else '?'} "
                                   f"for {self.block_rows}x{self.block_cols} blocks, got {tuple(scale_inv.shape)}")
+
+    def dequantize(self, weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> torch.Tensor:
+        """float32 [N, K] from FP8 values [N, K] and block scales [ceil(N/bn), ceil(K/bk)]."""
+        self.check_scale_shape(weight, scale_inv, name)
         rows, cols = weight.shape
         scales = scale_inv.float().repeat_interleave(self.block_rows, 0)[:rows]       # [N, ceil(K/bk)]
         scales = scales.repeat_interleave(self.block_cols, 1)[:, :cols]               # [N, K]

@@ -1,0 +1,68 @@
+"""`--quantization fp8`: linear and expert weights stay float8_e4m3fn in memory, dequantized per matmul tile.
+
+Every weight kept this way is a pair (`Fp8Rows`): the FP8 values [N, K] and ROW-EXPANDED block
+scales [N, ceil(K / block_k)], where scale[n, j] multiplies values[n, j*block_k : (j+1)*block_k].
+A checkpoint stores one scale per bn x bk block; expanding it along rows costs 4 / block_k bytes per
+weight (3% at 128) and buys two things the block form cannot do: gate and up stacks concatenate
+into w13 whatever I is, and a tensor-parallel row shard may start at any row. A column shard (the
+input dim, row-parallel layers) must start on a block_k boundary; where it does not, the layer stays
+in the compute dtype (`Fp8InMemory.fits_columns`).
+
+Weights the checkpoint does not store in FP8 (a bf16/fp32 checkpoint) are quantized at load with one
+scale per row and block_k columns: the same layout, so the same kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from moe_runtime.quantization.fp8_block import Fp8BlockFormat
+
+ONLINE_BLOCK_K = 128    # column block of weights quantized at load (DeepSeek-V3's, and the Triton tile's multiple)
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    values: torch.Tensor   # [N, K] float8_e4m3fn
+    scales: torch.Tensor   # [N, ceil(K / block_k)] float32
+
+    def columns(self, start: int, stop: int, block_k: int) -> "Fp8Rows":
+        """Input columns [start, stop); `start` on a block boundary (see `Fp8InMemory.fits_columns`)."""
+        return Fp8Rows(self.values[:, start:stop], self.scales[:, start // block_k: -(-stop // block_k)])
+
+    def rows(self, start: int, stop: int) -> "Fp8Rows":
+        return Fp8Rows(self.values[start:stop], self.scales[start:stop])
+
+
+@dataclass(frozen=True)
+class Fp8InMemory:
+    """How this engine keeps FP8 weights: the column block, and the kernel family's FP8 linear."""
+
+    block_k: int
+    linear: Callable      # KernelSet.fp8_linear(x [T, K], values [N, K], scales [N, Kb], block_k, bias) -> [T, N]
+
+    @classmethod
+    def for_checkpoint(cls, checkpoint_format: Fp8BlockFormat | None, linear: Callable) -> "Fp8InMemory":
+        """The checkpoint's column block when it is FP8 (scales must not be re-cut), else ONLINE_BLOCK_K."""
+        return cls(checkpoint_format.block_cols if checkpoint_format else ONLINE_BLOCK_K, linear)
+
+    def scale_columns(self, columns: int) -> int:
+        return -(-columns // self.block_k)
+
+    def fits_columns(self, start: int, stop: int, total: int) -> bool:
+        """Whether input columns [start, stop) of a `total`-column weight cut along block boundaries."""
+        return start % self.block_k == 0 and (stop % self.block_k == 0 or stop == total)
+
+
+def expand_block_scales(scale_inv: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
+    """Checkpoint block scales [ceil(N/bn), Kb] -> row-expanded [N, Kb] (float32)."""
+    return scale_inv.float().repeat_interleave(block_rows, 0)[:rows].contiguous()
+
+
+def quantize_rows(weight: torch.Tensor, block_k: int) -> Fp8Rows:
+    """A weight not stored in FP8, quantized with one scale per row and block_k columns."""
+    values, scales = Fp8BlockFormat(1, block_k).quantize(weight)
+    return Fp8Rows(values, scales)
+
