@@ -4,6 +4,9 @@
     out = dispatcher.dispatch(x, slot_ids, weights)
     y = dispatcher.combine(experts(out.recv_x, out.tokens_per_local_expert), out.handle)
 
+    pending = dispatcher.dispatch_start(x, slot_ids, weights)   # two-phase form: compute meanwhile,
+    out = pending.wait()                                        # then wait (dispatch/pending.py)
+
 The names below load on first use, so that `dispatch.backends` (the backend names) imports without torch.
 """
 from __future__ import annotations
@@ -17,6 +20,8 @@ _EXPORTS = {
     "DispatchConfig": "dispatch.config", "DeepEPDispatcher": "dispatch.deepep", "make_dispatcher": "dispatch.factory",
     "select_backend": "dispatch.factory", "LocalDispatcher": "dispatch.local",
     "naive_moe_reference": "dispatch.reference", "SlotLayout": "dispatch.slots",
+    "Fp8Activations": "dispatch.fp8_activations", "quantize_token_groups": "dispatch.fp8_activations",
+    "dequantize": "dispatch.fp8_activations", "Pending": "dispatch.pending", "Ready": "dispatch.pending",
 }
 __all__ = sorted(_EXPORTS)
 

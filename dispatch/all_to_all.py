@@ -5,7 +5,13 @@ its list of (local expert, weight) for that rank. The receiver expands rows to (
 expert) entries grouped by expert; on combine it folds them back to one weighted partial sum per
 received row and sends that back; the owner sums the partials of its token.
 
-Works on gloo and NCCL (uneven splits through `all_to_all_single`).
+With `fp8_activations`, the dispatched rows carry FP8 values + per-token-group scales instead of
+the compute dtype, in the same single all-to-all (wire format: dispatch/activation_wire.py);
+received rows are dequantized before they are grouped. Combine moves the compute dtype.
+
+Works on gloo and NCCL (uneven splits through `all_to_all_single`). Overlaps: the payload of
+`dispatch_start` and `combine_start` is an `all_to_all_single(async_op=True)` still in flight when
+they return (dispatch/pending.py); `dispatch`/`combine` are those, waited on at once.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ import dataclasses
 
 import torch
 
+from dispatch.activation_wire import ActivationWire
 from dispatch.base import DispatchOutput, DispatchStats, Dispatcher
-from dispatch.collectives import (ColumnSpec, all_to_all_rows, exchange_counts, pack_rows,
+from dispatch.collectives import (ColumnSpec, exchange_counts, pack_rows, start_all_to_all_rows,
                                   unpack_rows)
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
+from dispatch.pending import Pending
 from dispatch.slots import SlotLayout, check_dispatch_inputs
 
 
@@ -69,14 +77,35 @@ def plan_sends(slot_ids: torch.Tensor, weights: torch.Tensor, slots: SlotLayout,
 
 class AllToAllDispatcher(Dispatcher):
     def __init__(self, slots: SlotLayout, rank: int, group=None,
-                 hidden_size: int | None = None, send_once: bool = True):
+                 hidden_size: int | None = None, send_once: bool = True,
+                 fp8_activations: bool = False):
         self.slots = slots
         self.rank = rank
         self.group = group
         self.hidden_size = hidden_size
         self.send_once = send_once
+        self.fp8_activations = fp8_activations
+
+    def sends_fp8_activations(self) -> bool:
+        return self.fp8_activations
+
+    @classmethod
+    def fp8_activations_refusal(cls, hidden_size: int) -> str | None:
+        return None  # any hidden size: a partial last group gets its own scale
+
+    def supports_async(self) -> bool:
+        return True
 
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
+        return self.dispatch_start(x, slot_ids, weights).wait()
+
+    def combine(self, expert_out: torch.Tensor, handle: _AllToAllHandle) -> torch.Tensor:
+        return self.combine_start(expert_out, handle).wait()
+
+    def dispatch_start(self, x, slot_ids, weights) -> Pending[DispatchOutput]:
+        """The counts exchange (R int64 per rank) runs here, synchronously: the receive buffer is
+        sized by it, as DeepEP's normal dispatch also learns its counts before it returns. The
+        payload's all-to-all is what stays in flight."""
         check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size)
         num_topk = slot_ids.shape[1]
         plan = plan_sends(slot_ids, weights, self.slots, self.send_once)
@@ -84,37 +113,50 @@ class AllToAllDispatcher(Dispatcher):
         # Phase 1: how many rows go where. Phase 2: the rows, with their routing metadata.
         recv_counts = exchange_counts(plan.send_counts, self.group)
         send_splits, recv_splits = plan.send_counts.tolist(), recv_counts.tolist()
-        specs = [ColumnSpec(x.dtype, x.shape[1]), ColumnSpec(torch.int32, num_topk),
-                 ColumnSpec(torch.float32, num_topk)]
-        payload = pack_rows(x.index_select(0, plan.token_index), plan.local_expert, plan.weight)
-        received = all_to_all_rows(payload, send_splits, recv_splits, self.group)
-        recv_rows, recv_local, recv_weight = unpack_rows(received, specs)
+        wire = ActivationWire(x.shape[1], x.dtype, self.fp8_activations)
+        meta = [ColumnSpec(torch.int32, num_topk), ColumnSpec(torch.float32, num_topk)]
+        hidden_columns = [c.index_select(0, plan.token_index) for c in wire.encode(x)]  # [S, w]
+        payload = pack_rows(*hidden_columns, plan.local_expert, plan.weight)
+        received = start_all_to_all_rows(payload, send_splits, recv_splits, self.group)
 
-        grouping = group_by_local_expert(recv_local.to(torch.int64), recv_weight,
-                                         self.slots.slots_per_rank)
-        stats = self._dispatch_stats(slot_ids, plan, send_splits, recv_splits, grouping,
-                                     row_bytes=specs[0].nbytes,
-                                     meta_bytes=specs[1].nbytes + specs[2].nbytes)
-        self._stats = stats
-        handle = _AllToAllHandle(plan.token_index, send_splits, recv_splits, grouping,
-                                 num_tokens=x.shape[0], dtype=x.dtype, stats=stats)
-        return DispatchOutput(recv_x=gather_grouped(recv_rows, grouping),
-                              tokens_per_local_expert=grouping.tokens_per_local_expert,
-                              handle=handle)
+        def arrived(rows: torch.Tensor) -> DispatchOutput:
+            *recv_hidden, recv_local, recv_weight = unpack_rows(rows, [*wire.specs(), *meta])
+            recv_rows = wire.decode(recv_hidden)                             # [Rn, H] x.dtype
+            grouping = group_by_local_expert(recv_local.to(torch.int64), recv_weight,
+                                             self.slots.slots_per_rank)
+            stats = self._dispatch_stats(slot_ids, plan, send_splits, recv_splits, grouping,
+                                         dispatch_row_bytes=wire.row_bytes,
+                                         combine_row_bytes=x.shape[1] * x.element_size(),
+                                         meta_bytes=sum(spec.nbytes for spec in meta))
+            self._stats = stats
+            handle = _AllToAllHandle(plan.token_index, send_splits, recv_splits, grouping,
+                                     num_tokens=x.shape[0], dtype=x.dtype, stats=stats)
+            return DispatchOutput(recv_x=gather_grouped(recv_rows, grouping),
+                                  tokens_per_local_expert=grouping.tokens_per_local_expert,
+                                  handle=handle)
 
-    def combine(self, expert_out: torch.Tensor, handle: _AllToAllHandle) -> torch.Tensor:
+        return received.then(arrived)
+
+    def combine_start(self, expert_out: torch.Tensor,
+                      handle: _AllToAllHandle) -> Pending[torch.Tensor]:
         partial = reduce_grouped(expert_out, handle.grouping, handle.dtype)   # [Rn, H]
-        returned = all_to_all_rows(partial, handle.recv_splits, handle.send_splits,
-                                   self.group)                                 # [S, H]
-        acc_dtype = torch.promote_types(handle.dtype, torch.float32)
-        y = torch.zeros(handle.num_tokens, partial.shape[1], dtype=acc_dtype,
-                        device=partial.device)
-        y.index_add_(0, handle.send_token_index, returned.to(acc_dtype))
-        return y.to(handle.dtype)
+        returned = start_all_to_all_rows(partial, handle.recv_splits, handle.send_splits,
+                                         self.group)                           # [S, H] once waited
+
+        def arrived(rows: torch.Tensor) -> torch.Tensor:
+            acc_dtype = torch.promote_types(handle.dtype, torch.float32)
+            y = torch.zeros(handle.num_tokens, partial.shape[1], dtype=acc_dtype,
+                            device=partial.device)
+            y.index_add_(0, handle.send_token_index, rows.to(acc_dtype))
+            return y.to(handle.dtype)
+
+        return returned.then(arrived)
 
     def _dispatch_stats(self, slot_ids, plan: SendPlan, send_splits, recv_splits,
-                        grouping: ExpertGrouping, row_bytes: int, meta_bytes: int
-                        ) -> DispatchStats:
+                        grouping: ExpertGrouping, dispatch_row_bytes: int,
+                        combine_row_bytes: int, meta_bytes: int) -> DispatchStats:
+        """dispatch_row_bytes: hidden state per dispatched row (FP8 + scales, or the compute
+        dtype); combine_row_bytes: per partial sum sent back (always the compute dtype)."""
         rows_sent, rows_back = sum(send_splits), sum(recv_splits)
         to_self, from_self = send_splits[self.rank], recv_splits[self.rank]
         counts_bytes = 8 * len(send_splits)
@@ -124,10 +166,10 @@ class AllToAllDispatcher(Dispatcher):
             pairs_routed=pairs_routed,
             rows_sent=rows_sent,
             rows_sent_remote=rows_sent - to_self,
-            dispatch_bytes=rows_sent * (row_bytes + meta_bytes) + counts_bytes,
-            combine_bytes=rows_back * row_bytes,
-            remote_bytes=((rows_sent - to_self) * (row_bytes + meta_bytes)
-                          + counts_bytes - 8 + (rows_back - from_self) * row_bytes),
-            bytes_saved_by_dedup=((pairs_routed - rows_sent) + (pairs_received - rows_back))
-            * row_bytes,
+            dispatch_bytes=rows_sent * (dispatch_row_bytes + meta_bytes) + counts_bytes,
+            combine_bytes=rows_back * combine_row_bytes,
+            remote_bytes=((rows_sent - to_self) * (dispatch_row_bytes + meta_bytes)
+                          + counts_bytes - 8 + (rows_back - from_self) * combine_row_bytes),
+            bytes_saved_by_dedup=((pairs_routed - rows_sent) * dispatch_row_bytes
+                                  + (pairs_received - rows_back) * combine_row_bytes),
         )

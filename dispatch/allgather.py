@@ -4,6 +4,13 @@ Moves more bytes than all-to-all when tokens reach few ranks, but its collective
 blocks per rank whose size does not depend on routing (only token counts are exchanged), which
 suits small groups such as attention-TP groups and tiny decode batches. Uneven token counts are padded to the
 largest rank's; gloo's missing or uneven reduce-scatter falls back to all-reduce + slice.
+
+With `fp8_activations`, the gathered rows carry FP8 values + per-token-group scales instead of
+the compute dtype (wire format: dispatch/activation_wire.py); only the rows routed to this
+rank's experts are dequantized. Combine's reduce-scatter moves the compute dtype.
+
+Overlaps: the rows' all-gather (dispatch) and the reduce-scatter (combine) are started with
+async_op and left in flight by `dispatch_start` / `combine_start` (dispatch/pending.py).
 """
 
 from __future__ import annotations
@@ -13,10 +20,12 @@ import logging
 
 import torch
 
+from dispatch.activation_wire import ActivationWire
 from dispatch.base import DispatchOutput, DispatchStats, Dispatcher
-from dispatch.collectives import (ColumnSpec, all_gather_counts, all_gather_rows,
-                                  all_reduce_slice, pack_rows, reduce_scatter_rows, unpack_rows)
+from dispatch.collectives import (ColumnSpec, all_gather_counts, pack_rows, start_all_gather_rows,
+                                  start_all_reduce_slice, start_reduce_scatter_rows, unpack_rows)
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
+from dispatch.pending import Pending
 from dispatch.slots import SlotLayout, check_dispatch_inputs
 
 logger = logging.getLogger(__name__)
@@ -33,63 +42,89 @@ class _AllGatherHandle:
 
 class AllGatherDispatcher(Dispatcher):
     def __init__(self, slots: SlotLayout, rank: int, group=None,
-                 hidden_size: int | None = None):
+                 hidden_size: int | None = None, fp8_activations: bool = False):
         self.slots = slots
         self.rank = rank
         self.group = group
         self.hidden_size = hidden_size
+        self.fp8_activations = fp8_activations
         self._use_reduce_scatter = True  # switched off once if the backend lacks it
 
+    def sends_fp8_activations(self) -> bool:
+        return self.fp8_activations
+
+    @classmethod
+    def fp8_activations_refusal(cls, hidden_size: int) -> str | None:
+        return None  # any hidden size: a partial last group gets its own scale
+
+    def supports_async(self) -> bool:
+        return True
+
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
+        return self.dispatch_start(x, slot_ids, weights).wait()
+
+    def combine(self, expert_out: torch.Tensor, handle: _AllGatherHandle) -> torch.Tensor:
+        return self.combine_start(expert_out, handle).wait()
+
+    def dispatch_start(self, x, slot_ids, weights) -> Pending[DispatchOutput]:
+        """The token counts are gathered here, synchronously (they size every block); the rows'
+        all-gather is what stays in flight."""
         check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size)
         num_ranks, num_topk = self.slots.num_ranks, slot_ids.shape[1]
         counts = all_gather_counts(x.shape[0], num_ranks, self.group, x.device)
         padded = max(counts)
 
         pad = padded - x.shape[0]
-        rows = pack_rows(x, slot_ids, weights.to(torch.float32))
+        wire = ActivationWire(x.shape[1], x.dtype, self.fp8_activations)
+        rows = pack_rows(*wire.encode(x), slot_ids, weights.to(torch.float32))
         rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))                 # [T_max, B]
-        gathered = all_gather_rows(rows, num_ranks, self.group)              # [R*T_max, B]
-        specs = [ColumnSpec(x.dtype, x.shape[1]), ColumnSpec(torch.int64, num_topk),
+        gathering = start_all_gather_rows(rows, num_ranks, self.group)       # [R*T_max, B] once waited
+        specs = [*wire.specs(), ColumnSpec(torch.int64, num_topk),
                  ColumnSpec(torch.float32, num_topk)]
-        all_x, all_slots, all_weights = unpack_rows(gathered, specs)
 
-        # Padding rows are zero bytes (slot 0): mask them out before routing.
-        row_in_block = torch.arange(padded, device=x.device).repeat(num_ranks)
-        real = row_in_block < torch.tensor(counts, device=x.device).repeat_interleave(padded)
-        here = (self.slots.rank_of(all_slots) == self.rank) & real.unsqueeze(1)
-        local = torch.where(here, self.slots.local_index_of(all_slots), -1)  # [R*T_max, K]
-        grouping = group_by_local_expert(local, all_weights, self.slots.slots_per_rank)
+        def arrived(gathered: torch.Tensor) -> DispatchOutput:
+            *all_hidden, all_slots, all_weights = unpack_rows(gathered, specs)
+            # Padding rows are zero bytes (slot 0): mask them out before routing.
+            row_in_block = torch.arange(padded, device=x.device).repeat(num_ranks)
+            real = row_in_block < torch.tensor(counts, device=x.device).repeat_interleave(padded)
+            here = (self.slots.rank_of(all_slots) == self.rank) & real.unsqueeze(1)
+            local = torch.where(here, self.slots.local_index_of(all_slots), -1)  # [R*T_max, K]
+            grouping = group_by_local_expert(local, all_weights, self.slots.slots_per_rank)
 
-        row_bytes = specs[0].nbytes
-        stats = DispatchStats(
-            pairs_routed=int((slot_ids >= 0).sum()),
-            rows_sent=padded * num_ranks,
-            rows_sent_remote=padded * (num_ranks - 1),
-            dispatch_bytes=padded * num_ranks * rows.shape[1] + 8 * num_ranks,
-            combine_bytes=padded * (num_ranks - 1) * row_bytes,
-            remote_bytes=padded * (num_ranks - 1) * (rows.shape[1] + row_bytes)
-            + 8 * (num_ranks - 1),
-        )
-        self._stats = stats
-        handle = _AllGatherHandle(grouping, x.shape[0], padded, x.dtype, stats)
-        return DispatchOutput(recv_x=gather_grouped(all_x, grouping),
-                              tokens_per_local_expert=grouping.tokens_per_local_expert,
-                              handle=handle)
+            combine_row_bytes = x.shape[1] * x.element_size()  # partial sums: the compute dtype
+            stats = DispatchStats(
+                pairs_routed=int((slot_ids >= 0).sum()),
+                rows_sent=padded * num_ranks,
+                rows_sent_remote=padded * (num_ranks - 1),
+                dispatch_bytes=padded * num_ranks * rows.shape[1] + 8 * num_ranks,
+                combine_bytes=padded * (num_ranks - 1) * combine_row_bytes,
+                remote_bytes=padded * (num_ranks - 1) * (rows.shape[1] + combine_row_bytes)
+                + 8 * (num_ranks - 1),
+            )
+            self._stats = stats
+            handle = _AllGatherHandle(grouping, x.shape[0], padded, x.dtype, stats)
+            recv_x = wire.decode([gather_grouped(c, grouping) for c in all_hidden])   # [N, H]
+            return DispatchOutput(recv_x=recv_x,
+                                  tokens_per_local_expert=grouping.tokens_per_local_expert,
+                                  handle=handle)
 
-    def combine(self, expert_out: torch.Tensor, handle: _AllGatherHandle) -> torch.Tensor:
+        return gathering.then(arrived)
+
+    def combine_start(self, expert_out: torch.Tensor,
+                      handle: _AllGatherHandle) -> Pending[torch.Tensor]:
         partial = reduce_grouped(expert_out, handle.grouping, handle.dtype)  # [R*T_max, H]
         num_ranks = self.slots.num_ranks
+        pending = None
         if self._use_reduce_scatter:
             try:
-                mine = reduce_scatter_rows(partial, num_ranks, self.group)
+                pending = start_reduce_scatter_rows(partial, num_ranks, self.group)
             except (RuntimeError, NotImplementedError) as err:
                 # Same backend on every rank, so every rank takes this branch together.
                 logger.info("reduce_scatter unavailable (%s); using all_reduce + slice", err)
                 self._use_reduce_scatter = False
-        if not self._use_reduce_scatter:
-            mine = all_reduce_slice(partial, self.rank, num_ranks, self.group)
+        if pending is None:
+            pending = start_all_reduce_slice(partial, self.rank, num_ranks, self.group)
             handle.stats.combine_bytes *= 2
             handle.stats.remote_bytes += handle.padded_tokens * (num_ranks - 1) * (
                 partial.shape[1] * partial.element_size())
-        return mine[:handle.num_tokens]
+        return pending.then(lambda mine: mine[:handle.num_tokens])

@@ -12,6 +12,20 @@ ids < 0 mean "masked, no expert" and contribute 0.
 
 Every rank must call `dispatch` and `combine` in every step, also with T = 0 tokens: the
 backends' collectives are joined by all ranks unconditionally.
+
+The two-phase form, for callers that overlap communication with compute (two-batch overlap):
+
+    pending = dispatcher.dispatch_start(x, slot_ids, weights)  # transfer on its way
+    ...                                                        # e.g. the other micro-batch's attention
+    out = pending.wait()
+    pending = dispatcher.combine_start(experts(...), out.handle)
+    ...
+    y = pending.wait()
+
+Every rank must *start* its dispatches and combines in the same order (that is the order in which
+the backends issue their collectives); waits may come in any order. `supports_async()` says whether
+a start can return before its transfer is done; a backend that cannot runs the whole transfer in
+the start and returns it `Ready`, so the caller's schedule is the same either way.
 """
 
 from __future__ import annotations
@@ -20,6 +34,8 @@ import abc
 import dataclasses
 
 import torch
+
+from dispatch.pending import Pending, Ready
 
 LAYOUT_CONTIGUOUS = "contiguous"  # recv_x [N, H], rows grouped by local expert
 LAYOUT_MASKED = "masked"          # recv_x [E_local, M, H], first tokens_per_local_expert[e] valid
@@ -36,6 +52,8 @@ class DispatchOutput:
 class DispatchStats:
     """What one dispatch + combine moved, seen from this rank (bytes include rows sent to self).
 
+    Bytes are those of the messages: with FP8 activations a dispatched row carries FP8 values and
+    their scales (dispatch/activation_wire.py), while combine rows stay in the compute dtype.
     `bytes_saved_by_dedup` compares the payload against sending one row per routed (token, k)
     pair in both directions, which is what a dispatcher without send-once dedup would move.
     """
@@ -66,6 +84,17 @@ class Dispatcher(abc.ABC):
         """expert_out: same layout as recv_x, unweighted. Returns y [T, H]:
         y[t] = sum_k weights[t, k] * expert_{slot_ids[t, k]}(x[t])."""
 
+    def dispatch_start(self, x: torch.Tensor, slot_ids: torch.Tensor,
+                       weights: torch.Tensor) -> Pending[DispatchOutput]:
+        """`dispatch`, in two phases: start it, `.wait()` for its output. Backends that overlap
+        (`supports_async()`) override this and make `dispatch` the started form waited on at once;
+        the default finishes the whole dispatch here."""
+        return Ready(self.dispatch(x, slot_ids, weights))
+
+    def combine_start(self, expert_out: torch.Tensor, handle: object) -> Pending[torch.Tensor]:
+        """`combine`, in two phases (as `dispatch_start`)."""
+        return Ready(self.combine(expert_out, handle))
+
     _stats: DispatchStats | None = None  # set by each dispatch (+ combine) of backends that count traffic
 
     def layout(self) -> str:
@@ -77,8 +106,24 @@ class Dispatcher(abc.ABC):
         return None
 
     def supports_async(self) -> bool:
-        """Whether dispatch/combine can overlap with compute (none of the built-in ones do yet)."""
+        """Whether `dispatch_start` / `combine_start` return while their transfer is still in flight, so
+        that the caller's compute overlaps it. False: they return a `Ready` result (the same calls
+        work, nothing overlaps)."""
         return False
+
+    def sends_fp8_activations(self) -> bool:
+        """Whether dispatch puts FP8 values with per-token-group scales on the wire instead of the
+        compute dtype (DispatchConfig.fp8_activations). recv_x is in the compute dtype either way,
+        dequantized on arrival, so the expert kernel's contract does not change; only its
+        precision does (dispatch/fp8_activations.py). Combine always moves the compute dtype."""
+        return False
+
+    @classmethod
+    def fp8_activations_refusal(cls, hidden_size: int) -> str | None:
+        """Why this backend cannot send FP8 activations for rows of `hidden_size`, or None when it
+        can (or has no wire at all and ignores the option). A class method: DispatchConfig asks it
+        before any dispatcher is built. A backend that does not override it is refused."""
+        return f"{cls.__name__} has no FP8 wire format"
 
     @property
     def last_stats(self) -> DispatchStats | None:

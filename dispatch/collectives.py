@@ -3,6 +3,10 @@
 Rows of mixed dtypes (hidden states, int32 expert ids, fp32 weights) travel as one uint8 tensor
 per row, so each logical exchange is a single collective whatever the dtypes are (gloo lacks
 some dtypes, e.g. bf16 in older releases; bytes it always has).
+
+Each collective also has a `start_*` form (async_op=True) that returns a `Pending` of the same
+result, for backends that overlap their transfers with compute (dispatch/pending.py); the plain
+form is the started one, waited on at once.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from dispatch.pending import InFlight, Pending
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,21 +64,34 @@ def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
 def all_to_all_rows(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
                     group) -> torch.Tensor:
     """rows [S, ...] sent in rank order with uneven splits -> received rows [sum(recv), ...]."""
+    return start_all_to_all_rows(rows, send_splits, recv_splits, group).wait()
+
+
+def start_all_to_all_rows(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                          group) -> Pending[torch.Tensor]:
+    """`all_to_all_rows` started with async_op: the received rows once waited on."""
     send = as_bytes(rows)
     recv = torch.empty(sum(recv_splits), send.shape[1], dtype=torch.uint8, device=rows.device)
-    dist.all_to_all_single(recv, send, group=group, output_split_sizes=recv_splits,
-                           input_split_sizes=send_splits)
-    return recv.view(rows.dtype).reshape(sum(recv_splits), *rows.shape[1:])
+    work = dist.all_to_all_single(recv, send, group=group, output_split_sizes=recv_splits,
+                                  input_split_sizes=send_splits, async_op=True)
+    return InFlight(work, lambda: recv.view(rows.dtype).reshape(sum(recv_splits), *rows.shape[1:]),
+                    keep_alive=(send, recv))
 
 
 def all_gather_rows(rows: torch.Tensor, world_size: int, group) -> torch.Tensor:
     """rows [M, ...] (same M on every rank) -> [world_size * M, ...] in rank order."""
+    return start_all_gather_rows(rows, world_size, group).wait()
+
+
+def start_all_gather_rows(rows: torch.Tensor, world_size: int, group) -> Pending[torch.Tensor]:
+    """`all_gather_rows` started with async_op: the gathered rows once waited on."""
     send = as_bytes(rows)
     recv = torch.empty(world_size * send.shape[0], send.shape[1], dtype=torch.uint8,
                        device=rows.device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(recv, send, group=group)
-    return recv.view(rows.dtype).reshape(world_size * rows.shape[0], *rows.shape[1:])
+    work = gather(recv, send, group=group, async_op=True)
+    return InFlight(work, lambda: recv.view(rows.dtype).reshape(world_size * rows.shape[0], *rows.shape[1:]),
+                    keep_alive=(send, recv))
 
 
 def all_gather_counts(count: int, world_size: int, group, device) -> list[int]:
@@ -83,16 +102,28 @@ def all_gather_counts(count: int, world_size: int, group, device) -> list[int]:
 
 def reduce_scatter_rows(rows: torch.Tensor, world_size: int, group) -> torch.Tensor:
     """rows [world_size * M, H] summed over ranks -> this rank's [M, H] block."""
+    return start_reduce_scatter_rows(rows, world_size, group).wait()
+
+
+def start_reduce_scatter_rows(rows: torch.Tensor, world_size: int, group) -> Pending[torch.Tensor]:
+    """`reduce_scatter_rows` started with async_op (a backend without it raises here, at the start)."""
     out = torch.empty(rows.shape[0] // world_size, *rows.shape[1:], dtype=rows.dtype,
                       device=rows.device)
+    send = rows.contiguous()
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, rows.contiguous(), op=dist.ReduceOp.SUM, group=group)
-    return out
+    work = scatter(out, send, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return InFlight(work, lambda: out, keep_alive=(send, out))
 
 
 def all_reduce_slice(rows: torch.Tensor, rank: int, world_size: int, group) -> torch.Tensor:
     """Fallback for backends without reduce-scatter: all-reduce, keep this rank's block."""
+    return start_all_reduce_slice(rows, rank, world_size, group).wait()
+
+
+def start_all_reduce_slice(rows: torch.Tensor, rank: int, world_size: int,
+                           group) -> Pending[torch.Tensor]:
+    """`all_reduce_slice` started with async_op."""
     summed = rows.contiguous().clone()
-    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group, async_op=True)
     block = rows.shape[0] // world_size
-    return summed[rank * block:(rank + 1) * block]
+    return InFlight(work, lambda: summed[rank * block:(rank + 1) * block], keep_alive=(summed,))

@@ -6,7 +6,8 @@ import dataclasses
 
 import torch
 
-from dispatch.backends import BACKENDS, PHASES
+from dispatch.backends import BACKEND_AUTO, BACKENDS, PHASES
+from dispatch.capabilities import check_fp8_activations
 from dispatch.slots import SlotLayout
 
 
@@ -23,6 +24,10 @@ class DispatchConfig:
     max_tokens_per_rank: int | None = None  # bound on T per call; required for deepep low-latency
     send_once: bool = True           # all_to_all: send a token once per destination rank
     deepep_buffer_cls: type | None = None   # stand-in for deep_ep.Buffer (tests); None = real one
+    # Dispatch (tokens -> experts) sends FP8 values + per-128-column float32 scales instead of
+    # `dtype`; recv_x is dequantized to `dtype` on arrival, combine stays in `dtype`. Meant for GPU
+    # interconnects (about half bf16's bytes); 'local' ignores it. See dispatch/activation_wire.py.
+    fp8_activations: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -37,6 +42,8 @@ class DispatchConfig:
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
             raise ValueError(f"DispatchConfig.max_tokens_per_rank must be >= 1, got "
                              f"{self.max_tokens_per_rank}")
+        if self.fp8_activations and self.backend != BACKEND_AUTO:
+            check_fp8_activations(self.backend, self.hidden_size)  # 'auto': once resolved
         self.device = torch.device(self.device)
 
     @property

@@ -10,6 +10,17 @@ Two modes, following DeepEP's own split:
   `[E_local, max_tokens_per_rank * R, H]` with per-expert counts; `low_latency_combine` applies the
   routing weights itself. The number of tokens per call is bounded by `max_tokens_per_rank`.
 
+FP8 activations (`fp8_activations=True`), with DeepEP's own API:
+- normal: we quantize x per token group (dispatch/fp8_activations.py) and pass `x` as the tuple
+  `(x_fp8 [T, H] float8_e4m3fn, scales [T, H // 128] float32)`; `dispatch` then returns `recv_x`
+  as the same kind of tuple, which we dequantize to the compute dtype.
+- low-latency: `low_latency_dispatch(..., use_fp8=True)` quantizes inside the kernel and returns
+  `recv_x` as `(values [E_local, M, H] float8_e4m3fn, scales [E_local, M, H // 128] float32)`,
+  the scales column-major in their last two dims; we dequantize to the compute dtype
+  (round_scale / UE8M0 scales are not used).
+Both need H divisible by 128 (one scale per 128 columns), which `fp8_activations_refusal` says.
+Combine stays in the compute dtype (DeepEP combines bf16).
+
 DeepEP places experts by its own rule (expert e on rank e // experts_per_rank as local expert
 e % experts_per_rank): the `SlotLayout` given must be that contiguous one (`load_balancer.SlotGeometry`
 is).
@@ -27,6 +38,7 @@ import torch
 
 from dispatch.base import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchOutput, DispatchStats,
                            Dispatcher)
+from dispatch.fp8_activations import GROUP_SIZE, Fp8Activations, dequantize, quantize_token_groups
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
 from dispatch.slots import SlotLayout, check_dispatch_inputs
 
@@ -70,17 +82,21 @@ class _LowLatencyHandle:
 class DeepEPDispatcher(Dispatcher):
     def __init__(self, slots: SlotLayout, group, hidden_size: int, dtype: torch.dtype,
                  mode: str = MODE_NORMAL, max_tokens_per_rank: int | None = None,
-                 buffer_cls: type | None = None):
+                 buffer_cls: type | None = None, fp8_activations: bool = False):
         if mode not in (MODE_NORMAL, MODE_LOW_LATENCY):
             raise ValueError(f"DeepEPDispatcher mode {mode!r} is not 'normal' or 'low_latency'")
         if mode == MODE_LOW_LATENCY and max_tokens_per_rank is None:
             raise ValueError("DeepEPDispatcher low_latency mode needs max_tokens_per_rank "
                              "(DispatchConfig.max_tokens_per_rank)")
+        refusal = self.fp8_activations_refusal(hidden_size) if fp8_activations else None
+        if refusal is not None:
+            raise ValueError(f"DeepEPDispatcher cannot send FP8 activations: {refusal}")
         self.slots = slots
         self.group = group
         self.hidden_size = hidden_size
         self.mode = mode
         self._max_tokens = max_tokens_per_rank
+        self.fp8_activations = fp8_activations
         buffer_cls = buffer_cls if buffer_cls is not None else import_deep_ep_buffer()
         self.buffer = self._make_buffer(buffer_cls, hidden_size * dtype.itemsize)
 
@@ -107,6 +123,17 @@ class DeepEPDispatcher(Dispatcher):
     def max_tokens_per_rank(self) -> int | None:
         return self._max_tokens if self.mode == MODE_LOW_LATENCY else None
 
+    def sends_fp8_activations(self) -> bool:
+        return self.fp8_activations
+
+    @classmethod
+    def fp8_activations_refusal(cls, hidden_size: int) -> str | None:
+        if hidden_size % GROUP_SIZE:
+            return (f"DeepEP's FP8 dispatch carries one float32 scale per {GROUP_SIZE} hidden "
+                    f"columns (scales [T, hidden // {GROUP_SIZE}]) and needs hidden_size divisible "
+                    f"by {GROUP_SIZE}, got {hidden_size}")
+        return None
+
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
         check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size)
         self._stats = DispatchStats(pairs_routed=int((slot_ids >= 0).sum()))
@@ -128,11 +155,17 @@ class DeepEPDispatcher(Dispatcher):
         num_slots = self.slots.num_slots
         (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
          is_token_in_rank, _) = self.buffer.get_dispatch_layout(slot_ids, num_slots)
-        recv_x, recv_topk_idx, recv_topk_weights, _, deepep_handle, _ = self.buffer.dispatch(
-            x, num_tokens_per_rank=num_tokens_per_rank,
+        if self.fp8_activations:
+            quantized = quantize_token_groups(x)
+            sent = (quantized.values, quantized.scales)          # ([T, H] fp8, [T, H // 128] f32)
+        else:
+            sent = x
+        recv, recv_topk_idx, recv_topk_weights, _, deepep_handle, _ = self.buffer.dispatch(
+            sent, num_tokens_per_rank=num_tokens_per_rank,
             num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
             is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
             topk_idx=slot_ids, topk_weights=weights)
+        recv_x = dequantize(Fp8Activations(*recv), x.dtype) if self.fp8_activations else recv  # [Rn, H]
         # recv_topk_idx [Rn, K]: local expert ids on this rank, -1 elsewhere.
         grouping = group_by_local_expert(recv_topk_idx.to(torch.int64), recv_topk_weights,
                                          self.slots.slots_per_rank)
@@ -144,8 +177,11 @@ class DeepEPDispatcher(Dispatcher):
         if x.shape[0] > self._max_tokens:
             raise ValueError(f"dispatch: x has {x.shape[0]} tokens, more than this low-latency "
                              f"dispatcher's max_tokens_per_rank={self._max_tokens}")
-        recv_x, recv_count, deepep_handle, _, _ = self.buffer.low_latency_dispatch(
-            x, slot_ids, self._max_tokens, self.slots.num_slots, use_fp8=False)
+        recv, recv_count, deepep_handle, _, _ = self.buffer.low_latency_dispatch(
+            x, slot_ids, self._max_tokens, self.slots.num_slots, use_fp8=self.fp8_activations)
+        # FP8: (values [E_local, M, H], scales [E_local, M, H // 128]); rows past recv_count are
+        # garbage either way, and dequantizing them is harmless.
+        recv_x = dequantize(Fp8Activations(*recv), x.dtype) if self.fp8_activations else recv
         return DispatchOutput(recv_x=recv_x,                         # [E_local, M, H]
                               tokens_per_local_expert=recv_count.to(torch.int64),
                               handle=_LowLatencyHandle(deepep_handle, slot_ids, weights))

@@ -8,17 +8,23 @@ can be held against the dispatch contract on gloo without GPUs:
 - `dispatch(x, num_tokens_per_rank=, num_tokens_per_rdma_rank=, is_token_in_rank=,
   num_tokens_per_expert=, topk_idx=, topk_weights=, expert_alignment=)` -> (recv_x [Rn, H],
   recv_topk_idx [Rn, K] local expert ids or -1, recv_topk_weights [Rn, K] (0 where -1),
-  num_recv_tokens_per_expert_list, handle, event); each token reaches a rank once.
+  num_recv_tokens_per_expert_list, handle, event); each token reaches a rank once. FP8: `x` may
+  be the tuple (x [T, H] float8_e4m3fn, scales [T, H // 128] float32, H divisible by 128); then
+  recv_x is the tuple (recv_x [Rn, H] float8_e4m3fn, recv_scales [Rn, H // 128] float32).
 - `combine(x [Rn, H], handle, topk_weights=None)` -> (combined_x [T, H] unweighted sum,
   combined_topk_weights or None, event)
 - `low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-  use_fp8=False)` -> (recv_x [E_local, max * R, H], recv_count [E_local] int32, handle, event,
+  use_fp8=True)` -> (recv_x [E_local, max * R, H], recv_count [E_local] int32, handle, event,
   hook); one row per (token, expert) pair. Rows past recv_count are NaN, so a consumer that reads
-  them is caught.
+  them is caught. With use_fp8 (DeepEP's default) the buffer quantizes x per 128-column group
+  itself (amax / 448 scales, amax floored at 1e-4, as DeepEP's kernel) and recv_x is the tuple
+  (values [E_local, max * R, H] float8_e4m3fn, scales [E_local, max * R, H // 128] float32),
+  the scales column-major in their last two dims as DeepEP returns them; H divisible by 128.
 - `low_latency_combine(x [E_local, max * R, H], topk_idx, topk_weights, handle)` ->
   (combined_x [T, H] weighted sum, event, hook)
 
-Not emulated: FP8, cached-handle dispatch, internode RDMA, async events, hooks' overlap.
+Not emulated: round_scale / UE8M0 scales, LogFMT combine, cached-handle dispatch, internode
+RDMA, async events, hooks' overlap. Hidden sizes are not limited to DeepEP's compiled list.
 Its handles are its own (opaque to callers, as DeepEP's are).
 """
 
@@ -31,6 +37,7 @@ import torch.distributed as dist
 
 from dispatch.collectives import (ColumnSpec, all_to_all_rows, exchange_counts, pack_rows,
                                   unpack_rows)
+from dispatch.fp8_activations import FP8_DTYPE, GROUP_SIZE, quantize_token_groups
 
 
 class EmulatedEvent:
@@ -116,8 +123,9 @@ class EmulatedDeepEPBuffer:
                  allocate_on_comm_stream: bool = False):
         if handle is not None:
             raise NotImplementedError("EmulatedDeepEPBuffer: cached-handle dispatch")
-        if isinstance(x, tuple):
-            raise NotImplementedError("EmulatedDeepEPBuffer: FP8 dispatch")
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        if x_scales is not None:
+            _check_fp8_rows(x, x_scales)
         for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
                             ("is_token_in_rank", is_token_in_rank),
                             ("num_tokens_per_expert", num_tokens_per_expert),
@@ -135,11 +143,13 @@ class EmulatedDeepEPBuffer:
         send_counts = num_tokens_per_rank.to(torch.int64)
         send_splits = send_counts.tolist()
         recv_splits = exchange_counts(send_counts, self.group).tolist()
-        specs = [ColumnSpec(x.dtype, x.shape[1]), ColumnSpec(torch.int64, num_topk),
-                 ColumnSpec(torch.float32, num_topk)]
-        received = all_to_all_rows(pack_rows(x[token], local, weight), send_splits,
-                                   recv_splits, self.group)
-        recv_x, recv_topk_idx, recv_topk_weights = unpack_rows(received, specs)
+        hidden = [x] if x_scales is None else [x, x_scales]      # values (+ their scales)
+        specs = [*(ColumnSpec(c.dtype, c.shape[1]) for c in hidden),
+                 ColumnSpec(torch.int64, num_topk), ColumnSpec(torch.float32, num_topk)]
+        received = all_to_all_rows(pack_rows(*(c[token] for c in hidden), local, weight),
+                                   send_splits, recv_splits, self.group)
+        *recv_hidden, recv_topk_idx, recv_topk_weights = unpack_rows(received, specs)
+        recv_x = tuple(recv_hidden) if x_scales is not None else recv_hidden[0]
 
         per_expert = torch.bincount(recv_topk_idx[recv_topk_idx >= 0],
                                     minlength=experts_per_rank)
@@ -167,10 +177,16 @@ class EmulatedDeepEPBuffer:
 
     # ---------------------------------------------------------------- low-latency mode
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, use_fp8: bool = True, async_finish: bool = False,
-                             return_recv_hook: bool = False, **_ignored):
-        if use_fp8:
-            raise NotImplementedError("EmulatedDeepEPBuffer: FP8 low-latency dispatch")
+                             num_experts: int, cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False,
+                             **_ignored):
+        if round_scale or use_ue8m0:
+            raise NotImplementedError("EmulatedDeepEPBuffer: round_scale / UE8M0 FP8 scales")
+        if use_fp8 and x.shape[1] % GROUP_SIZE:
+            raise ValueError(f"EmulatedDeepEPBuffer: FP8 low-latency dispatch needs hidden "
+                             f"divisible by {GROUP_SIZE}, got {x.shape[1]}")
         if x.shape[0] > num_max_dispatch_tokens_per_rank:
             raise ValueError(f"EmulatedDeepEPBuffer: {x.shape[0]} tokens exceed "
                              f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
@@ -183,11 +199,16 @@ class EmulatedDeepEPBuffer:
         send_counts = torch.bincount(pair_expert // experts_per_rank, minlength=num_ranks)
         send_splits = send_counts.to(torch.int64).tolist()
         recv_splits = exchange_counts(send_counts.to(torch.int64), self.group).tolist()
-        specs = [ColumnSpec(x.dtype, x.shape[1]), ColumnSpec(torch.int64, 1)]
+        if use_fp8:                                  # DeepEP casts in its send kernel
+            quantized = quantize_token_groups(x)
+            hidden = [quantized.values, quantized.scales]        # [T, H] fp8, [T, H // 128] f32
+        else:
+            hidden = [x]
+        specs = [*(ColumnSpec(c.dtype, c.shape[1]) for c in hidden), ColumnSpec(torch.int64, 1)]
         local = (pair_expert % experts_per_rank).unsqueeze(1)
-        received = all_to_all_rows(pack_rows(x[pair_token], local), send_splits, recv_splits,
-                                   self.group)
-        recv_rows, recv_local = unpack_rows(received, specs)
+        received = all_to_all_rows(pack_rows(*(c[pair_token] for c in hidden), local),
+                                   send_splits, recv_splits, self.group)
+        *recv_hidden, recv_local = unpack_rows(received, specs)
         recv_local = recv_local.view(-1)
 
         # Pack per local expert: source rank ascending, then token order (received order).
@@ -200,13 +221,19 @@ class EmulatedDeepEPBuffer:
         position[regroup] = sorted_position
 
         capacity = num_max_dispatch_tokens_per_rank * num_ranks
-        packed = torch.full((experts_per_rank, capacity, x.shape[1]), float("nan"),
-                            dtype=x.dtype, device=x.device)
-        packed[recv_local, position] = recv_rows
+        packed = [torch.full((experts_per_rank, capacity, c.shape[1]), float("nan"),
+                             dtype=c.dtype, device=x.device) for c in recv_hidden]
+        if use_fp8:
+            # DeepEP's scales are column-major in their last two dims (TMA-friendly): the
+            # transpose of a contiguous [E_local, H // 128, capacity].
+            packed[1] = packed[1].transpose(1, 2).contiguous().transpose(1, 2)
+        for out, rows in zip(packed, recv_hidden):
+            out[recv_local, position] = rows
         handle = _LowLatencyHandle(pair_token, pair_k, send_splits, recv_splits, recv_local,
                                    position, x.shape[0])
         hook = (lambda: None) if return_recv_hook else None
-        return packed, recv_count.to(torch.int32), handle, EmulatedEvent(), hook
+        recv_x = tuple(packed) if use_fp8 else packed[0]
+        return recv_x, recv_count.to(torch.int32), handle, EmulatedEvent(), hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: _LowLatencyHandle,
                             zero_copy: bool = False, async_finish: bool = False,
@@ -224,3 +251,15 @@ class EmulatedDeepEPBuffer:
             combined = out
         hook = (lambda: None) if return_recv_hook else None
         return combined, EmulatedEvent(), hook
+
+
+def _check_fp8_rows(values: torch.Tensor, scales: torch.Tensor) -> None:
+    """What DeepEP documents for FP8 `dispatch` input: ([T, H] float8_e4m3fn, [T, H // 128] float32)."""
+    if values.dtype != FP8_DTYPE or scales.dtype != torch.float32:
+        raise ValueError(f"EmulatedDeepEPBuffer.dispatch: FP8 x must be (float8_e4m3fn, float32), got "
+                         f"({values.dtype}, {scales.dtype})")
+    hidden = values.shape[1]
+    if hidden % GROUP_SIZE or tuple(scales.shape) != (values.shape[0], hidden // GROUP_SIZE):
+        raise ValueError(f"EmulatedDeepEPBuffer.dispatch: FP8 scales must be [T, hidden // {GROUP_SIZE}] "
+                         f"with hidden divisible by {GROUP_SIZE}; got values {tuple(values.shape)}, "
+                         f"scales {tuple(scales.shape)}")

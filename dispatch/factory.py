@@ -9,6 +9,7 @@ import torch
 from dispatch.all_to_all import AllToAllDispatcher
 from dispatch.allgather import AllGatherDispatcher
 from dispatch.base import Dispatcher
+from dispatch.capabilities import check_fp8_activations
 from dispatch.backends import (BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_AUTO, BACKEND_DEEPEP,
                                BACKEND_DEEPEP_LOW_LATENCY, BACKEND_DEEPEP_NORMAL, BACKEND_LOCAL, BACKENDS,
                                PHASE_DECODE, PHASE_PREFILL, PHASES)
@@ -49,25 +50,31 @@ def select_backend(name: str, device: torch.device | str, world_size: int,
 def make_dispatcher(config: DispatchConfig) -> Dispatcher:
     """The dispatcher for `config`. When 'auto' or 'deepep' would pick DeepEP low-latency but
     `max_tokens_per_rank` is unset, DeepEP normal mode is used instead (an explicit
-    'deepep_low_latency' without a bound is an error)."""
+    'deepep_low_latency' without a bound is an error). `fp8_activations` is checked against the
+    resolved backend, so 'auto' is refused when it lands on a backend that cannot do it."""
     backend = select_backend(config.backend, config.device, config.world_size, config.phase)
     if (backend == BACKEND_DEEPEP_LOW_LATENCY and config.max_tokens_per_rank is None
             and config.backend in (BACKEND_AUTO, BACKEND_DEEPEP)):
         # Low-latency kernels need a token bound; without one, a derived choice uses normal mode.
         logger.info("dispatch: no max_tokens_per_rank for DeepEP low-latency; using normal mode")
         backend = BACKEND_DEEPEP_NORMAL
+    if config.fp8_activations:
+        check_fp8_activations(backend, config.hidden_size, asked=config.backend)
     _announce(config, backend)
     if backend == BACKEND_LOCAL:
         return LocalDispatcher(config.slots, config.hidden_size)
     if backend == BACKEND_ALL_TO_ALL:
         return AllToAllDispatcher(config.slots, config.rank, config.group, config.hidden_size,
-                                  send_once=config.send_once)
+                                  send_once=config.send_once,
+                                  fp8_activations=config.fp8_activations)
     if backend == BACKEND_ALLGATHER:
-        return AllGatherDispatcher(config.slots, config.rank, config.group, config.hidden_size)
+        return AllGatherDispatcher(config.slots, config.rank, config.group, config.hidden_size,
+                                   fp8_activations=config.fp8_activations)
     mode = MODE_LOW_LATENCY if backend == BACKEND_DEEPEP_LOW_LATENCY else MODE_NORMAL
     return DeepEPDispatcher(config.slots, config.group, config.hidden_size, config.dtype, mode=mode,
                             max_tokens_per_rank=config.max_tokens_per_rank,
-                            buffer_cls=config.deepep_buffer_cls)
+                            buffer_cls=config.deepep_buffer_cls,
+                            fp8_activations=config.fp8_activations)
 
 
 def _announce(config: DispatchConfig, backend: str) -> None:

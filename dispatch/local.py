@@ -18,13 +18,21 @@ class _LocalHandle:
 
 
 class LocalDispatcher(Dispatcher):
-    """One rank: every slot is a local expert."""
+    """One rank: every slot is a local expert.
+
+    DispatchConfig.fp8_activations is accepted and ignored: nothing crosses a wire, so there are
+    no bytes to save, and recv_x keeps x's exact values (`sends_fp8_activations()` is False).
+    """
 
     def __init__(self, slots: SlotLayout, hidden_size: int | None = None):
         if slots.num_ranks != 1:
             raise ValueError(f"LocalDispatcher needs slots on one rank, got {slots.num_ranks} ranks")
         self.slots = slots
         self.hidden_size = hidden_size
+
+    @classmethod
+    def fp8_activations_refusal(cls, hidden_size: int) -> str | None:
+        return None  # accepted, and ignored: see the class docstring
 
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
         check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size)

@@ -45,6 +45,9 @@ class EngineConfig:
     pp_layers: tuple[int, ...] | None = None  # layers per stage; default: as even as possible
     pp_micro_batches: int = 0            # micro-batches per step so stages overlap (0 = pp)
     a2a_backend: str = "auto"            # "auto" | "local" | "all_to_all" | "allgather" | "deepep"
+    dispatch_fp8: bool = False           # dispatch sends FP8 activations + per-128-column scales (GPU bandwidth)
+    enable_two_batch_overlap: bool = False  # each step runs as two micro-batches, one's dispatch/combine in flight
+                                         # while the other computes (SGLang's TBO, vLLM's DBO); see docs/design.md
     num_redundant_experts: int = 0       # extra physical expert slots for replicas of hot experts
     eplb_interval: int = 0               # rebalance experts every N steps (0 = only on demand)
     eplb_threshold: float = 0.0          # ... or when mean balancedness drops below this (0 = off)
@@ -85,6 +88,8 @@ class EngineConfig:
         if self.ep == 1 and self.eplb_interval:
             raise EngineConfigError(f"--eplb-interval {self.eplb_interval} needs --ep > 1 "
                                     "(one rank has nothing to rebalance)")
+        if self.ep == 1 and self.dispatch_fp8:
+            raise EngineConfigError("--dispatch-fp8 needs --ep > 1 (one rank dispatches nothing over a wire)")
         if self.ep == 1 and self.a2a_backend not in ("auto", "local"):
             raise EngineConfigError(f"--a2a-backend {self.a2a_backend} needs --ep > 1; with one rank it is 'local'")
         import torch

@@ -90,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pp", type=positive_int, default=e.pp, help="pipeline-parallel stages")
     g.add_argument("--a2a-backend", default=e.a2a_backend, choices=BACKENDS,
                    help="token dispatch/combine backend between expert-parallel ranks")
+    g.add_argument("--dispatch-fp8", action=argparse.BooleanOptionalAction, default=e.dispatch_fp8,
+                   help="expert-parallel dispatch sends activations as FP8 e4m3 with one float32 scale per 128 "
+                        "hidden columns (about half of bf16's bytes; DeepEP's FP8 dispatch); combine stays in "
+                        "--dtype. Meant for GPUs, where dispatch is bandwidth-bound; needs --ep > 1")
+    g.add_argument("--enable-two-batch-overlap", action=argparse.BooleanOptionalAction,
+                   default=e.enable_two_batch_overlap,
+                   help="two-batch overlap: split each step's batch by requests into two micro-batches whose MoE "
+                        "dispatch/combine is in flight while the other computes attention or experts (backends "
+                        "that cannot overlap run the same schedule synchronously); useful with --ep > 1")
     g.add_argument("--num-redundant-experts", type=non_negative_int, default=e.num_redundant_experts,
                    help="extra expert slots per MoE layer for replicas of hot experts")
     g.add_argument("--cache-aware-routing", action=argparse.BooleanOptionalAction, default=e.cache_aware_routing,

@@ -88,10 +88,12 @@ def make_case(scenario: str, world_size: int, rank: int) -> Case:
 
 
 def dispatch_config(backend: str, world_size: int, rank: int, dtype=torch.float32,
-                    device: str = "cpu") -> DispatchConfig:
+                    device: str = "cpu", hidden_size: int = HIDDEN,
+                    fp8_activations: bool = False) -> DispatchConfig:
     """`backend` may also be "all_to_all_no_dedup" (all_to_all sending one row per (token, k))."""
     send_once = backend != "all_to_all_no_dedup"
     backend = "all_to_all" if backend == "all_to_all_no_dedup" else backend
     return DispatchConfig(backend, SlotGeometry(SLOTS_PER_RANK * world_size, world_size), rank, group=None,
-                          hidden_size=HIDDEN, dtype=dtype, device=device, max_tokens_per_rank=MAX_TOKENS,
-                          send_once=send_once, deepep_buffer_cls=EmulatedDeepEPBuffer)
+                          hidden_size=hidden_size, dtype=dtype, device=device, max_tokens_per_rank=MAX_TOKENS,
+                          send_once=send_once, deepep_buffer_cls=EmulatedDeepEPBuffer,
+                          fp8_activations=fp8_activations)

@@ -186,6 +186,16 @@ def test_an_unquantized_checkpoint_is_quantized_at_load(qwen3_moe_logprobs):
     assert 0 < error.max() < FP8_LOGPROB_MAX_ERROR and error.mean() < FP8_LOGPROB_MEAN_ERROR, error
 
 
+def test_fp8_dispatch_on_two_ep_ranks_stays_within_fp8_error(qwen3_moe_logprobs):
+    """--dispatch-fp8: tokens cross the EP wire as FP8 with per-128-column scales; combine stays fp32."""
+    checkpoint, reference = qwen3_moe_logprobs
+    with LLM(str(checkpoint), device="cpu", dtype="float32", ep=2, dp_attn=2, dispatch_fp8=True) as llm:
+        error = (torch.tensor(_prompt_logprobs(llm)) - reference).abs()
+    assert 0 < error.max() < FP8_LOGPROB_MAX_ERROR and error.mean() < FP8_LOGPROB_MEAN_ERROR, error
+
+
 def test_an_unknown_quantization_is_refused_by_its_flag():
     with pytest.raises(ValueError, match="--quantization int4 is not supported"):
         LLM("unused", device="cpu", quantization="int4")
+    with pytest.raises(ValueError, match="--dispatch-fp8 needs --ep > 1"):
+        LLM("unused", device="cpu", dispatch_fp8=True)

@@ -2,6 +2,12 @@
 
 Parameter names follow the HF checkpoints (model.layers.N.self_attn.q_proj.weight, ...), so weights
 load by name; model files only choose which attention and MLP each layer gets.
+
+The forward pass is staged (moe_runtime/moe/stages.py): an MoE block yields while its dispatch or
+combine is in flight. One batch runs its stages back to back. With two-batch overlap
+(`MoEExecutor.overlaps_micro_batches`) the step is split by sequences into two micro-batches
+(moe_runtime/micro_batches.py) whose stages interleave, each computing while the other's transfer
+travels; their outputs are concatenated back in order.
 """
 from __future__ import annotations
 
@@ -17,8 +23,10 @@ from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Embedding, Linear
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_vocab_logits
+from moe_runtime.micro_batches import MicroBatch, split_in_two
 from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
+from moe_runtime.moe.stages import Staged, call_staged, interleave, run_to_end
 from moe_runtime.parallel_context import ParallelContext
 from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
 
@@ -65,8 +73,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, ctx.kernels, ctx.dtype, ctx.device)
 
     def forward(self, positions, x, batch: AttentionBatch, cache: LayerKVCache) -> torch.Tensor:
+        return run_to_end(self.stages(positions, x, batch, cache))
+
+    def stages(self, positions, x, batch: AttentionBatch, cache: LayerKVCache) -> Staged[torch.Tensor]:  # [T, H]
         x = x + self.self_attn(positions, self.input_layernorm(x), batch, cache)
-        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+        mlp_out = yield from call_staged(getattr(self, self.mlp_name), self.post_attention_layernorm(x))
+        return x + mlp_out
 
 
 class DecoderStack(nn.Module):
@@ -110,6 +122,7 @@ class CausalLM(nn.Module):
         self.tied = tie_word_embeddings
         self.lm_head = None
         self.parallel = p
+        self.executor = ctx.executor   # says whether a step runs as two overlapped micro-batches
         vocab, hidden = hf_config.vocab_size, hf_config.hidden_size
         if p.is_last_stage and p.dense_tp and not tie_word_embeddings:
             self.lm_head = ParallelLMHead(vocab, hidden, p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group,
@@ -128,9 +141,18 @@ class CausalLM(nn.Module):
                 caches: list[LayerKVCache], hidden: torch.Tensor | None = None) -> torch.Tensor:  # [T] -> [T, H]
         """Final hidden states, or, on a pipeline stage that is not the last, this stage's activations
         (`hidden` carries the previous stage's; the first stage embeds `input_ids`)."""
-        x = self.model.embed_tokens(input_ids) if self.parallel.is_first_stage else hidden
+        if not self.executor.overlaps_micro_batches():
+            return run_to_end(self._stages(MicroBatch(input_ids, positions, batch, hidden), caches))
+        # Two-batch overlap: every rank splits, also into two empty halves, and runs the same interleaving,
+        # so the EP group's collectives pair up.
+        first, second = split_in_two(input_ids, positions, batch, hidden)
+        out_first, out_second = interleave(self._stages(first, caches), self._stages(second, caches))
+        return torch.cat([out_first, out_second])                                   # [T, H]
+
+    def _stages(self, micro: MicroBatch, caches: list[LayerKVCache]) -> Staged[torch.Tensor]:  # -> [t, H]
+        x = self.model.embed_tokens(micro.input_ids) if self.parallel.is_first_stage else micro.hidden
         for layer, cache in zip(self.model.owned_layers(), caches):
-            x = layer(positions, x, batch, cache)
+            x = yield from layer.stages(micro.positions, x, micro.batch, cache)
         return self.model.norm(x) if self.parallel.is_last_stage else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V] fp32

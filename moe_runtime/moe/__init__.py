@@ -8,4 +8,6 @@
     modular_moe.ModularMoE  one dispatcher (dispatch/: local, all_to_all, allgather, deepep) x one ExpertKernel
     expert_kernel           ExpertKernel Protocol: contiguous or masked layout, from the KernelSet (torch, Triton)
     token_share.TokenShare  the attention-TP share of the tokens each rank dispatches
+    stages                  staged forward passes (yield while dispatch/combine are in flight), two-batch interleaving
+    comm_timeline           per-phase timestamps of each dispatch/combine: how much of it compute hid
 """

@@ -8,7 +8,9 @@ Every MoE layer of the model goes through it, on one rank as on many:
   `ModularMoE` (dispatcher x expert kernel) per step phase. No scan of the model finds layers.
 - a step: the router's logical ids become physical slots through the `ReplicaTable` of this rank
   (built once per placement, on the step's device), the phase's `ModularMoE` runs them, and the
-  attention-TP share (`TokenShare`) is gathered back.
+  attention-TP share (`TokenShare`) is gathered back. `stages` is the same as a staged computation
+  (moe_runtime/moe/stages.py) that yields while dispatch and combine are in flight: the model runs
+  two micro-batches through it interleaved when `two_batch_overlap` is on.
 - rebalancing: the live rebalancer sees the executor as `load_balancer.live_rebalancer.
   BalancedExperts`: the placement in force, the recorder, each layer's `ExpertStore` (its
   `ExpertWeights`) and `set_placement`.
@@ -16,6 +18,8 @@ Every MoE layer of the model goes through it, on one rank as on many:
 Models know nothing of this: they hand their top-k to `run`.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -29,18 +33,23 @@ from load_balancer.replica_choice import ReplicaTable, choose_replicas, replica_
 from load_balancer.slot_geometry import SlotGeometry
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.moe.expert_kernel import expert_kernel_for
+from moe_runtime.moe.comm_timeline import CommTimeline
 from moe_runtime.moe.expert_weights import ExpertWeights
 from moe_runtime.moe.modular_moe import ModularMoE
+from moe_runtime.moe.stages import Staged, run_to_end
 from moe_runtime.moe.token_share import TokenShare
 from moe_runtime.parallel_context import ParallelContext
 
 PHASES = (PHASE_PREFILL, PHASE_DECODE)
 
+logger = logging.getLogger(__name__)
+
 
 class MoEExecutor:
     def __init__(self, kernels: KernelSet, parallel: ParallelContext, *, backend: str, num_redundant_experts: int,
                  hidden_size: int, dtype: torch.dtype, record_load: bool, record_window: int = 128,
-                 decode_max_tokens: int | None = None):
+                 decode_max_tokens: int | None = None, fp8_activations: bool = False,
+                 two_batch_overlap: bool = False):
         self.kernels = kernels
         self.parallel = parallel
         self.backend = backend
@@ -50,6 +59,10 @@ class MoEExecutor:
         self.record_load = record_load
         self.record_window = record_window
         self.decode_max_tokens = decode_max_tokens  # a decode step's tokens per rank (bounds DeepEP low-latency)
+        self.fp8_activations = fp8_activations      # dispatch sends FP8 values + per-128-column scales
+        # Each step runs as two micro-batches whose dispatch/combine overlap the other's compute (the same
+        # on every rank of the job: their collectives must pair up). A plain setting, read every step.
+        self.two_batch_overlap = two_batch_overlap
         self.num_experts: int | None = None         # logical experts per MoE layer (the same in every layer)
         self.placement: Placement | None = None     # in force; None until registration ends, or without MoE layers
         self.recorder: ExpertLoadRecorder | None = None
@@ -68,7 +81,9 @@ class MoEExecutor:
         return cls(kernels, parallel, backend=config.a2a_backend if parallel.ep_size > 1 else BACKEND_LOCAL,
                    num_redundant_experts=config.num_redundant_experts, hidden_size=hidden_size, dtype=dtype,
                    record_load=parallel.world_size > 1, record_window=config.eplb_window,
-                   decode_max_tokens=config.max_num_seqs)
+                   decode_max_tokens=config.max_num_seqs,
+                   fp8_activations=config.dispatch_fp8 and parallel.ep_size > 1,
+                   two_batch_overlap=config.enable_two_batch_overlap)
 
     # ---- registration (model construction) ------------------------------------------------------------
     def _geometry(self, num_experts: int) -> SlotGeometry:
@@ -109,8 +124,15 @@ class MoEExecutor:
                 backend=self.backend, slots=geometry, rank=p.ep_rank, group=p.ep_group,
                 hidden_size=self.hidden_size, dtype=self.dtype, device=p.device, phase=phase,
                 max_tokens_per_rank=self.decode_max_tokens if phase == PHASE_DECODE else None,
+                fp8_activations=self.fp8_activations,
             ))
             self._by_phase[phase] = ModularMoE(dispatcher, expert_kernel_for(dispatcher.layout(), self.kernels))
+        if self.two_batch_overlap:
+            cannot = sorted({moe.dispatcher.__class__.__name__ for moe in self._by_phase.values()
+                             if not moe.dispatcher.supports_async()})
+            if cannot:
+                logger.info("two-batch overlap: %s cannot overlap its transfers; the micro-batches run the same "
+                            "schedule synchronously", ", ".join(cannot))
 
     @property
     def num_moe_layers(self) -> int:
@@ -150,14 +172,29 @@ class MoEExecutor:
         p = self.parallel
         return len({select_backend(self.backend, p.device, p.ep_size, phase) for phase in PHASES}) > 1
 
+    def overlaps_micro_batches(self) -> bool:
+        """Whether the model should split this step into two overlapped micro-batches: two-batch overlap is on
+        and this rank (so its whole pipeline stage, whose ranks hold the same layers) has MoE layers."""
+        return self.two_batch_overlap and bool(self._experts)
+
     def run(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> torch.Tensor:  # [T, H] -> [T, H]
+        return run_to_end(self.stages(moe_layer, x, topk))
+
+    def stages(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> Staged[torch.Tensor]:  # [T, H] -> [T, H]
+        """`run` as a staged computation: it yields while this layer's dispatch and combine are in flight."""
         rows = self._share.rows(x.shape[0])
         ids, weights = topk.ids[rows], topk.weights[rows]                        # [T', K]
         slots = choose_replicas(ids, self._tables[moe_layer])                    # [T', K]
         if self.recorder is not None:
             self.recorder.record(moe_layer, ids, slots)
-        y_share = self._by_phase[self.phase](x[rows], slots, weights, self._experts[moe_layer])  # [T', H]
+        moe = self._by_phase[self.phase]
+        y_share = yield from moe.stages(x[rows], slots, weights, self._experts[moe_layer])  # [T', H]
         return self._share.gather(y_share, x.shape[0])
+
+    def trace_comm(self, timeline: CommTimeline | None) -> None:
+        """Record every dispatch's and combine's per-phase timestamps into `timeline` (None: stop)."""
+        for moe in self._by_phase.values():
+            moe.timeline = timeline
 
     # ---- what the engine reports ---------------------------------------------------------------------------
     @property

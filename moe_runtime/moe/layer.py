@@ -16,6 +16,7 @@ from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertNaming, ExpertWeights
 from moe_runtime.moe.router import Router
+from moe_runtime.moe.stages import Staged, run_to_end
 from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
 
 
@@ -50,9 +51,14 @@ class SparseMoE(nn.Module):
         self._kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return run_to_end(self.stages(x))
+
+    def stages(self, x: torch.Tensor) -> Staged[torch.Tensor]:  # [T, H] -> [T, H]
+        """The forward pass, yielding while the routed experts' dispatch and combine are in flight
+        (moe_runtime/moe/stages.py): two-batch overlap computes the other micro-batch there."""
         logits = self.gate(x)                                                       # [T, E]
         topk = self._kernels.select_experts(logits, self.routing, self.gate.e_score_correction_bias)
-        out = self._executor.run(self.moe_layer, x, topk)
+        out = yield from self._executor.stages(self.moe_layer, x, topk)
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)
             if self.shared_expert_gate is not None:
