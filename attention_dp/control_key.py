@@ -75,13 +75,15 @@ class ControlKey:
                                   f"torchrun) authenticate with a shared control key, and none is set: {HOW_TO_SET}")
         return cls(value.encode())
 
-    def _curve_pair(self, role: bytes) -> CurveKeyPair:
+    def curve_pair(self, role: bytes) -> CurveKeyPair:
+        """The CURVE key pair of `role` (at most 16 bytes), derived from the secret: every holder of the
+        secret derives the same pair, nobody else can."""
         seed = hashlib.blake2b(self.secret, digest_size=32, person=b"moe-control", salt=role.ljust(16, b"\0")).digest()
         secret = zmq.utils.z85.encode(seed)
         return CurveKeyPair(zmq.curve_public(secret), secret)
 
     def front_pair(self) -> CurveKeyPair:
-        return self._curve_pair(b"front")
+        return self.curve_pair(b"front")
 
     def rank_pair(self) -> CurveKeyPair:
-        return self._curve_pair(b"rank")
+        return self.curve_pair(b"rank")

@@ -121,7 +121,7 @@ class FrontControl:
         self._authenticator.start()
         key = bind.key
         rank_public = key.rank_pair().public
-        self._authenticator.configure_curve_callback(ZAP_DOMAIN, _OnlyKey(rank_public))
+        self._authenticator.configure_curve_callback(ZAP_DOMAIN, OnlyKey(rank_public))
         front = key.front_pair()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.curve_server = True
@@ -283,7 +283,7 @@ def _close_watched(socket: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> b
     return True
 
 
-class _OnlyKey:
+class OnlyKey:
     """ZAP credentials check: admit exactly the ranks' public key."""
 
     def __init__(self, public_z85: bytes):

@@ -7,6 +7,10 @@ one when its own DP worker is idle), so no collective in the MoE layers ever wai
 rank. When nobody has work, ranks block on their command queue instead of spinning. A rebalance
 in progress is work too: every rank starts and finishes it at the same steps, pipeline stages
 included. These agreements are CPU tensors on the world's gloo control group.
+
+On a decode instance of a P/D set, a rank's KV pulls run on its puller's thread; the loop reports
+each one's end to the front (`KVImported`, from every rank: each pulls its own share), also while
+idle, and the front's `ActivateImport` then starts the request on every rank of the worker at once.
 """
 from __future__ import annotations
 
@@ -17,11 +21,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, ExpertLoadTables, RebalanceNow,
-                                   RebalanceReport, ResetPrefixCache, Shutdown, SnapshotExpertLoad, StepOutputs)
+from attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, ExpertLoadReport, ExpertLoadTables,
+                                   ImportRequest, KVImported, RebalanceNow, RebalanceReport, ReleaseExport,
+                                   ResetPrefixCache, Shutdown, SnapshotExpertLoad, StepOutputs)
 from load_balancer.rebalance_event import RebalanceEvent
 
 logger = logging.getLogger(__name__)
+
+IMPORT_POLL_S = 0.005   # idle with KV pulls in flight: how often a rank looks whether one ended
 
 
 class LockstepLoop:
@@ -41,7 +48,7 @@ class LockstepLoop:
         busy = False
         while True:
             if not busy and self._applied == len(self._received) and not self._shutdown_received():
-                self._received.append(self.commands.get())  # everyone idle: wait for the front
+                self._received.append(self._next_command())  # everyone idle: wait for the front
             self._drain()
             agreed, anyone_busy = self._agree()
             new = self._received[self._applied : agreed]
@@ -51,9 +58,26 @@ class LockstepLoop:
                     return
                 self._apply(command)
             rebalancing = self.rebalancer is not None and self.rebalancer.in_progress  # the same on every rank
-            busy = anyone_busy or rebalancing or any(isinstance(c, AddRequest) for c in new)
+            busy = anyone_busy or rebalancing or any(isinstance(c, (AddRequest, ActivateImport)) for c in new)
             if busy:
                 self._step()
+            self._report_landed_imports()
+
+    def _next_command(self):
+        """The front's next command; while KV pulls are in flight, their outcomes are reported as they end
+        (a rank-local event: it never enters the agreed command sequence)."""
+        while self.core.imports_in_flight:
+            try:
+                return self.commands.get(timeout=IMPORT_POLL_S)
+            except queue.Empty:
+                self._report_landed_imports()
+        return self.commands.get()
+
+    def _report_landed_imports(self) -> None:
+        """Every rank of a decode worker reports its own pulls (each pulls its own share of the KV)."""
+        for result in self.core.take_landed_imports():
+            self.results.put(KVImported(rank=self.parallel.rank, request_id=result.request_id, error=result.error,
+                                        num_bytes=result.num_bytes, seconds=result.seconds))
 
     def _drain(self) -> None:
         while not self._shutdown_received():  # nothing follows a Shutdown (the front may close right after)
@@ -73,7 +97,17 @@ class LockstepLoop:
     def _apply(self, command) -> None:
         if isinstance(command, AddRequest):
             if command.dp_rank == self.parallel.dp_rank:
-                self.core.add_request(command.request_id, command.prompt_token_ids, command.params)
+                self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                      export_kv=command.export_kv)
+        elif isinstance(command, ImportRequest):
+            if command.dp_rank == self.parallel.dp_rank:
+                self.core.add_import(command.spec)
+        elif isinstance(command, ActivateImport):
+            if command.dp_rank == self.parallel.dp_rank:
+                self.core.activate_import(command.request_id)
+        elif isinstance(command, ReleaseExport):
+            if command.dp_rank == self.parallel.dp_rank and self.core.release_export(command.request_id):
+                self._report([], always=True)   # its blocks are free: the front's router hears it now
         elif isinstance(command, AbortRequest):
             if self.core.abort(command.request_id, command.finish_reason):
                 # its blocks are free now: tell the front, which would otherwise hear only at the next step

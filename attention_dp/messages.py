@@ -3,7 +3,7 @@
 The control plane decodes only these types: a tagged union per direction, so a payload that is
 not one of them is a `msgspec.DecodeError`/`ValidationError`, never an object of the sender's
 choosing (no pickle anywhere). Engine values that travel here (`EngineConfig`, `SamplingParams`,
-`TokenDelta`, `WorkerStats`, `PrefixCacheEvents`, `RebalanceEvent`) are plain dataclasses of numbers, strings, lists and dicts (and
+`TokenDelta`, `WorkerStats`, `PrefixCacheEvents`, `RebalanceEvent`, `ImportSpec`) are plain dataclasses of numbers, strings, lists and dicts (and
 nested plain dataclasses: a request's `StructuredOutputSpec`), which msgspec decodes field by
 field with their declared types, running each dataclass's `__post_init__` checks. Tensors never travel here: the expert-load
 report carries its tables as nested lists (`ExpertLoadTables`).
@@ -17,6 +17,8 @@ import msgspec
 from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_protocol import WorkerStats
+from moe_runtime.import_spec import ImportSpec
+from moe_runtime.kv_transfer.shard import KVShard
 from moe_runtime.outputs import TokenDelta
 from moe_runtime.prefix_cache import PrefixCacheEvents
 from moe_runtime.sampling_params import SamplingParams
@@ -44,6 +46,7 @@ class WorkerSetup(Message):
     num_threads: int
     log_level: int
     loopback_only: bool      # one node: every socket of the job on 127.0.0.1 (gloo/NCCL pairs too)
+    kv_secret: bytes = b""   # P/D instances: the deployment's KV transfer secret (this socket is CURVE-encrypted)
 
 
 # ---- front -> every worker (broadcast; applied by all ranks at the same lock-step boundary) ------
@@ -51,6 +54,28 @@ class AddRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    dp_rank: int
+    export_kv: bool = False        # prefill instance: park its KV blocks after its first token
+
+
+class ImportRequest(Message):
+    """Decode instance: a request prefilled elsewhere; the worker's ranks allocate blocks and pull its KV."""
+
+    spec: ImportSpec
+    dp_rank: int
+
+
+class ActivateImport(Message):
+    """Every rank of the worker reported the import's KV in place: it decodes from the next step."""
+
+    request_id: str
+    dp_rank: int
+
+
+class ReleaseExport(Message):
+    """Prefill instance: free a parked request's blocks (its decode instance has them, or the timeout passed)."""
+
+    request_id: str
     dp_rank: int
 
 
@@ -77,7 +102,8 @@ class Shutdown(Message):
     pass
 
 
-Command = Union[AddRequest, AbortRequest, SnapshotExpertLoad, RebalanceNow, ResetPrefixCache, Shutdown]
+Command = Union[AddRequest, AbortRequest, SnapshotExpertLoad, RebalanceNow, ResetPrefixCache, Shutdown,
+                ImportRequest, ActivateImport, ReleaseExport]
 
 
 # ---- worker -> front -----------------------------------------------------------------------------
@@ -91,6 +117,7 @@ class WorkerReady(Message):
     total_expert_bytes: int    # bytes of routed-expert weights in the whole model
     weight_bytes: int = 0      # bytes of all weights resident on this rank
     pp_rank: int = 0
+    kv_shard: KVShard | None = None   # P/D instances: its share of the KV cache (and, prefill, its block server)
 
 
 class StepOutputs(Message):
@@ -104,6 +131,16 @@ class StepOutputs(Message):
     stats: WorkerStats
     sent_at: float = 0.0       # the rank's wall clock when it sent these (the front's latency accounting)
     cache_events: PrefixCacheEvents | None = None   # the prefix cache's changes since the last report (routing)
+
+
+class KVImported(Message):
+    """Decode instance: this rank's pull of an import ended (every rank of the worker sends one)."""
+
+    rank: int
+    request_id: str
+    error: str | None = None   # None: its KV is in place
+    num_bytes: int = 0
+    seconds: float = 0.0
 
 
 class ExpertLoadTables(msgspec.Struct, kw_only=True):
@@ -134,7 +171,7 @@ class WorkerFailed(Message):
     traceback: str = ""
 
 
-Report = Union[WorkerReady, StepOutputs, ExpertLoadReport, RebalanceReport, WorkerFailed]
+Report = Union[WorkerReady, StepOutputs, ExpertLoadReport, RebalanceReport, WorkerFailed, KVImported]
 
 
 class MessageCodec:

@@ -29,21 +29,12 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from moe_runtime.engine_protocol import Engine, EngineHealth, EngineStats, EventDrivenEngine
-from moe_runtime.errors import EngineDeadError, MoERuntimeError
+from moe_runtime.errors import EngineDeadError, MoERuntimeError, QueueFullError, RequestFailedError  # noqa: F401
+from moe_runtime.kv_transfer.handle import KVHandle
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class RequestFailedError(MoERuntimeError):
-    """The engine failed this one request (sampling or detokenizing it raised); the engine and every
-    other request carry on. The message is short and safe to show the client."""
-
-    def __init__(self, request_id: str, error: str):
-        super().__init__(f"request {request_id} failed in the engine: {error}")
-        self.request_id = request_id
-        self.error = error
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -57,14 +48,6 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 def _resolve(future: asyncio.Future, value) -> None:
     if not future.done():
         future.set_result(value)
-
-
-class QueueFullError(MoERuntimeError):
-    """Too many requests are waiting for their first token; retry after `retry_after_s`."""
-
-    def __init__(self, message: str, retry_after_s: int):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -144,6 +127,11 @@ class _Add:
     stream: RequestStream
     params: SamplingParams
     admitted: concurrent.futures.Future
+    transfer: dict                 # export_kv / import_kv for a P/D instance; {} otherwise
+
+
+class _Wake:
+    """A KV transfer event waits for the engine thread (a release, a pull that ended)."""
 
 
 @dataclass
@@ -199,6 +187,9 @@ class AsyncEngine:
         self._refresh_snapshots(force_expert_load=True)
         if self._event_driven:
             return self  # attached to the loop of its first caller there (the loop may not run yet)
+        set_wake = getattr(self.engine, "set_wake", None)
+        if set_wake is not None:   # KV transfer events wake the engine thread instead of waiting for a poll
+            set_wake(lambda: self._commands.put(_Wake()))
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         return self
@@ -248,20 +239,23 @@ class AsyncEngine:
 
     # ---- event-loop API --------------------------------------------------------------------
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Admit a request; returns its output stream once the engine accepted it.
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     export_kv: bool = False, import_kv: KVHandle | None = None) -> RequestStream:
+        """Admit a request; returns its output stream once the engine accepted it. `export_kv` / `import_kv`:
+        a prefill / decode instance's half of a disaggregated request (see `Engine.add_request`).
 
         Raises `InvalidRequestError` (the engine's validation), `QueueFullError`, `EngineDeadError`; the
         stream raises `EngineDeadError` or `RequestFailedError` if the request cannot finish.
         """
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, list(prompt_token_ids), loop)
+        transfer = {name: value for name, value in (("export_kv", export_kv), ("import_kv", import_kv)) if value}
         if self._event_driven:
-            return self._submit_here(stream, params)
+            return self._submit_here(stream, params, transfer)
         admitted: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._admit_or_refuse()
-            self._commands.put(_Add(stream, params, admitted))
+            self._commands.put(_Add(stream, params, admitted, transfer))
         try:
             await asyncio.wrap_future(admitted)
         except BaseException:
@@ -285,7 +279,7 @@ class AsyncEngine:
             )
         self._unstarted += 1
 
-    def _submit_here(self, stream: RequestStream, params: SamplingParams) -> RequestStream:
+    def _submit_here(self, stream: RequestStream, params: SamplingParams, transfer: dict) -> RequestStream:
         """Event-driven: admit on the loop; the request is on its way to the ranks when this returns."""
         self._attach_here()
         with self._lock:
@@ -293,7 +287,7 @@ class AsyncEngine:
         try:
             if stream.request_id in self._streams:
                 raise ValueError(f"request id {stream.request_id!r} is already in use")
-            self.engine.add_request(stream.request_id, stream.prompt_token_ids, params)
+            self.engine.add_request(stream.request_id, stream.prompt_token_ids, params, **transfer)
         except BaseException:
             self._mark_started(stream)
             raise
@@ -454,7 +448,7 @@ class AsyncEngine:
         try:
             if stream.request_id in self._streams:
                 raise ValueError(f"request id {stream.request_id!r} is already in use")
-            self.engine.add_request(stream.request_id, stream.prompt_token_ids, command.params)
+            self.engine.add_request(stream.request_id, stream.prompt_token_ids, command.params, **command.transfer)
         except EngineDeadError:
             command.admitted.set_exception(EngineDeadError("the engine died while admitting the request"))
             raise

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from attention_dp.control_key import ControlKey
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.kv_transfer.keys import TransferKey
 
 
 class EngineConfigError(InvalidRequestError):
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 # --dtype names -> torch dtype names (torch is imported where a dtype is needed: `moe-serve --help` stays quick)
+DISAGGREGATION_MODES = ("none", "prefill", "decode")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
 QUANTIZATIONS = (None, "fp8")            # --quantization choices (None = weights in the compute dtype)
@@ -63,6 +65,11 @@ class EngineConfig:
     control_key_file: str | None = None  # shared control secret of multi-node / external-worker jobs
                                          # (default: $MOE_RUNTIME_CONTROL_KEY); one node: a fresh one per launch
     worker_timeout_s: float = 600.0      # a collective stuck this long is a dead job
+    # Prefill/decode disaggregation (docs/design.md): this instance's role, and how KV blocks move between instances.
+    disaggregation_mode: str = "none"    # "none" | "prefill" (parks KV for decode instances) | "decode" (pulls it)
+    kv_transfer_host: str = "127.0.0.1"  # address this instance's KV sockets bind, and other instances reach
+    kv_transfer_key_file: str | None = None  # the deployment's shared KV secret (default: $MOE_RUNTIME_KV_KEY)
+    kv_transfer_timeout_s: float = 30.0  # parked KV not pulled, or a pull not done, by then is freed
 
     def validate(self) -> None:
         """Refuse a configuration that cannot run before anything is loaded or started.
@@ -71,9 +78,7 @@ class EngineConfig:
         underscores. Checks that need the checkpoint (layouts the model admits) come later, in
         `ParallelLayout.validate`.
         """
-        if self.quantization not in QUANTIZATIONS:
-            raise EngineConfigError(f"--quantization {self.quantization} is not supported; choose one of "
-                                    f"{[q for q in QUANTIZATIONS if q]} (or leave it unset to run in --dtype)")
+        self.validate_options()
         if self.node_rank >= self.nnodes:
             raise EngineConfigError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
         if self.ep % self.dp_attn:
@@ -88,8 +93,6 @@ class EngineConfig:
         if self.ep == 1 and self.eplb_interval:
             raise EngineConfigError(f"--eplb-interval {self.eplb_interval} needs --ep > 1 "
                                     "(one rank has nothing to rebalance)")
-        if self.ep == 1 and self.dispatch_fp8:
-            raise EngineConfigError("--dispatch-fp8 needs --ep > 1 (one rank dispatches nothing over a wire)")
         if self.ep == 1 and self.a2a_backend not in ("auto", "local"):
             raise EngineConfigError(f"--a2a-backend {self.a2a_backend} needs --ep > 1; with one rank it is 'local'")
         import torch
@@ -99,6 +102,22 @@ class EngineConfig:
                                     "(use --device cpu, or auto)")
         if self.ranks_start_elsewhere:
             ControlKey.shared(self.control_key_file)  # refuse now, without a shared key, rather than after loading
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise EngineConfigError(f"--disaggregation-mode {self.disaggregation_mode!r}: choose one of "
+                                    f"{', '.join(DISAGGREGATION_MODES)}")
+        if self.disaggregation_mode != "none":
+            if not self.kv_transfer_timeout_s > 0:
+                raise EngineConfigError(f"--kv-transfer-timeout {self.kv_transfer_timeout_s}: must be > 0")
+            TransferKey.shared(self.kv_transfer_key_file)  # the same: no instance of a P/D set runs without it
+
+    def validate_options(self) -> None:
+        """The checks of options the parallel layout's own validation (`ParallelLayout.validate`, which
+        names the `LLM` keywords and the values that would work) does not cover; `LLM` runs these too."""
+        if self.quantization not in QUANTIZATIONS:
+            raise EngineConfigError(f"--quantization {self.quantization} is not supported; choose one of "
+                                    f"{[q for q in QUANTIZATIONS if q]} (or leave it unset to run in --dtype)")
+        if self.ep == 1 and self.dispatch_fp8:
+            raise EngineConfigError("--dispatch-fp8 needs --ep > 1 (one rank dispatches nothing over a wire)")
 
     @property
     def ranks_start_elsewhere(self) -> bool:

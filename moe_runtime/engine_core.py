@@ -2,7 +2,9 @@
 
 It deals in token ids only: each step returns a `TokenDelta` per request that advanced, and
 requests arrive already checked against `limits()`. Text, stop strings and validation are the
-front's (`LocalEngine` in process, `MultiprocessEngine` for ranks in other processes).
+front's (`LocalEngine` in process, `MultiprocessEngine` for ranks in other processes). On a
+prefill instance of a P/D set it parks finished prefills' blocks for decode instances
+(`PrefillExports`); on a decode instance it takes in requests prefilled there (`DecodeImports`).
 """
 from __future__ import annotations
 
@@ -16,11 +18,17 @@ from kernels import get_kernels
 from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.block_manager import BlockManager
 from moe_runtime.checkpoint import CheckpointReader
+from moe_runtime.decode_imports import DecodeImports
+from moe_runtime.import_spec import ImportSpec
 from moe_runtime.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.kv_transfer.keys import TransferKey
+from moe_runtime.kv_transfer.puller import PullResult
+from moe_runtime.kv_transfer.shard import KVShard
+from moe_runtime.kv_transfer.transport import open_sink
 from moe_runtime.model_config import architecture_of, load_hf_config
 from moe_runtime.model_runner import ModelRunner, kv_blocks_for_budget
 from moe_runtime.models.decoder import BuildContext
@@ -28,6 +36,7 @@ from moe_runtime.models.registry import build_model
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.outputs import PromptLogprobs, TokenDelta, error_message
 from moe_runtime.parallel_context import ParallelContext
+from moe_runtime.prefill_exports import PrefillExports
 from moe_runtime.request_limits import RequestLimits
 from moe_runtime.pipeline import broadcast_sampled_tokens, run_pipeline_step
 from moe_runtime.prefix_cache import PrefixCacheEvents
@@ -79,7 +88,9 @@ def eos_token_ids(checkpoint_dir: Path, hf_config, tokenizer) -> set[int]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None,
+                 transfer_key: TransferKey | None = None):
+        """`transfer_key`: a P/D instance's KV secret (default: from `config`: its key file or environment)."""
         started = time.perf_counter()
         self.config = config
         self.checkpoint_dir = Path(config.model)
@@ -123,6 +134,10 @@ class EngineCore:
         # structured output: the tokenizer's xgrammar view is built once here; grammars once per spec
         self.grammars = build_grammar_compiler(self.tokenizer, self.vocab_size, self.eos_ids,
                                                max_threads=torch.get_num_threads())
+        self.exports: PrefillExports | None = None   # --disaggregation-mode prefill: parked KV, its block server
+        self.imports: DecodeImports | None = None    # --disaggregation-mode decode: KV pulled from prefill ranks
+        self.wake = None                             # called (from the puller's thread) when an import's pull ended
+        self._open_kv_transfer(config, transfer_key)
         self._arrivals = 0
         self._sequences: dict[str, Sequence] = {}
         self._prompt_tokens = 0
@@ -133,6 +148,30 @@ class EngineCore:
         logger.info("engine ready: %s (%s, %s, kernels=%s) in %.2fs", self.architecture, self.device,
                     self.dtype, self.kernels.name, time.perf_counter() - started)
 
+    def _open_kv_transfer(self, config: EngineConfig, key: TransferKey | None) -> None:
+        """A prefill instance's rank serves its parked blocks; a decode instance's rank pulls into its own."""
+        if config.disaggregation_mode == "none":
+            return
+        key = key or TransferKey.shared(config.kv_transfer_key_file)
+        first_layer = self.parallel.stage_layers[0] if self.parallel.stage_layers else 0
+        shard = KVShard.of(self.model.kv_cache_specs(), first_layer, config.block_size, self.dtype)
+        if config.disaggregation_mode == "prefill":
+            self.exports = PrefillExports(self.runner.caches, shard, self.block_manager, key, config.kv_transfer_host)
+        else:
+            sink = open_sink(self.runner.caches, shard, key, on_landed=self._pull_ended)
+            self.imports = DecodeImports(shard, sink, self.block_manager, self.parallel.attn_tp_rank,
+                                         config.kv_transfer_timeout_s)
+
+    def _pull_ended(self) -> None:
+        if self.wake is not None:
+            self.wake()
+
+    def kv_shard(self) -> KVShard | None:
+        """This rank's share of the KV cache, as a KV transfer names it (None: not a P/D instance)."""
+        if self.exports is not None:
+            return self.exports.shard
+        return self.imports.local if self.imports is not None else None
+
     @property
     def kv_capacity_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
@@ -142,22 +181,71 @@ class EngineCore:
         return RequestLimits(self.vocab_size, self.max_model_len, self.kv_capacity_tokens,
                              self.tokenizer is not None)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue an admitted request (checked against `limits()` by the front)."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    export_kv: bool = False) -> None:
+        """Queue an admitted request (checked against `limits()` by the front). With `export_kv` (a prefill
+        instance) its blocks are parked after its first token for a decode instance to pull."""
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if export_kv and self.exports is None:
+            raise InvalidRequestError("export_kv: this engine is not a prefill instance (--disaggregation-mode prefill)")
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival=self._arrivals,
-                       grammar=grammar_state_for(self.grammars, params.structured_output))  # compiles (cached)
+                       grammar=grammar_state_for(self.grammars, params.structured_output),  # compiles (cached)
+                       export_kv=export_kv, queued_at=time.perf_counter())
         self._arrivals += 1
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         self._prompt_tokens += len(prompt_token_ids)
 
+    def add_import(self, spec: ImportSpec) -> None:
+        """Take in a request prefilled by a prefill instance (a decode instance): blocks are allocated and its
+        KV pulled; it decodes once `activate_import` says every rank of this worker has it."""
+        if self.imports is None:
+            raise InvalidRequestError("this engine is not a decode instance (--disaggregation-mode decode)")
+        if spec.request_id in self._sequences:
+            raise InvalidRequestError(f"request id {spec.request_id!r} is already in use")
+        params = spec.params
+        seq = Sequence(spec.request_id, list(spec.prompt_token_ids), params, arrival=self._arrivals,
+                       grammar=grammar_state_for(self.grammars, params.structured_output), queued_at=time.perf_counter())
+        seq.output_token_ids.append(spec.first_token)
+        if spec.first_logprob is not None and params.logprobs is not None:
+            seq.logprobs.append(spec.first_logprob)
+        error = seq.grammar.accept(spec.first_token) if seq.grammar is not None else None
+        self._arrivals += 1
+        self._sequences[spec.request_id] = seq
+        self._prompt_tokens += len(spec.prompt_token_ids)
+        self.imports.add(seq, spec, error)
+
+    def take_landed_imports(self) -> list[PullResult]:
+        """Imports whose pull ended on this rank since the last call (ok or with an error), each once."""
+        return self.imports.take_landed() if self.imports is not None else []
+
+    @property
+    def imports_in_flight(self) -> bool:
+        return self.imports is not None and self.imports.in_flight
+
+    def activate_import(self, request_id: str) -> bool:
+        """Every rank of this worker has the import's KV: it decodes from the next step."""
+        seq = self.imports.activate(request_id) if self.imports is not None else None
+        if seq is None:
+            return False
+        self.scheduler.add_running(seq)
+        return True
+
+    def release_export(self, request_id: str) -> bool:
+        """Free a parked request's blocks (its decode instance has them, or gave up, or it timed out)."""
+        return self.exports is not None and self.exports.release(request_id)
+
     def abort(self, request_id: str, reason: str = FinishReason.ABORT.value) -> bool:
         """End a request early; `reason` ("abort", or "stop"/"error" when the front ended it) is its finish reason."""
         seq = self.scheduler.abort(request_id, FinishReason(reason))
+        if seq is None and self.imports is not None:
+            seq = self.imports.abort(request_id)
+            if seq is not None:
+                self.imports.allocate()   # its blocks may admit an import waiting for them
+        parked = self.release_export(request_id)
         self._sequences.pop(request_id, None)
-        return seq is not None
+        return seq is not None or parked
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -214,6 +302,9 @@ class EngineCore:
         sampling = [seq for seq in seqs if seq.samples_this_step]
         phase = phase or ("prefill" if batch is None or batch.is_prefill else "decode")
         started = time.perf_counter()
+        for seq in seqs:
+            if seq.queue_seconds is None:
+                seq.queue_seconds = started - seq.queued_at
         self.executor.begin_step(phase)
         sampled = self._forward_and_sample(seqs, sampling)
         self.executor.end_step()
@@ -233,13 +324,27 @@ class EngineCore:
                 deltas.append(self._fail(seq, error))
                 continue
             reason = self._advance(seq, token, logprob)
+            export = None
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                park = reason == FinishReason.LENGTH and seq.export_kv
+                self.scheduler.finish(seq, reason, keep_blocks=park)
                 self._sequences.pop(seq.request_id, None)
+                export = self.exports.park(seq) if park else None
             deltas.append(TokenDelta(seq.request_id, [token], [logprob] if seq.params.logprobs is not None else None,
                                      reason.value if reason else None, None, seq.num_preemptions,
-                                     prompt_logprobs=scored_prompts.get(seq.request_id)))
+                                     prompt_logprobs=scored_prompts.get(seq.request_id), kv_export=export,
+                                     queue_seconds=self._queue_seconds_once(seq)))
+        if self.imports is not None:
+            self.imports.allocate()   # finished requests freed blocks an import may be waiting for
         return deltas
+
+    @staticmethod
+    def _queue_seconds_once(seq: Sequence) -> float | None:
+        """The request's queue time, in its first delta only."""
+        if seq.queue_reported or seq.queue_seconds is None:
+            return None
+        seq.queue_reported = True
+        return seq.queue_seconds
 
     def _finish_prompt_only(self, seq: Sequence, prompt_logprobs: PromptLogprobs | None) -> TokenDelta:
         """End a request that only scores its prompt (max_tokens 0) after its prefill: the token sampled for
@@ -313,6 +418,10 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._sequences.clear()
+        for transfer in (self.exports, self.imports):
+            if transfer is not None:
+                transfer.close()
+        self.exports = self.imports = None
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """EOS, a stop token, a completed grammar or max_tokens; stop strings are the front's (`OutputProcessor`)."""

@@ -10,9 +10,10 @@ from moe_runtime.multiprocess_engine import MultiprocessEngine
 def make_engine(config: EngineConfig) -> Engine:
     """One rank in this process, or worker processes (one per rank) behind a front in this process.
 
-    The configuration is validated here, so `LLM(...)` refuses what `moe-serve` refuses, naming the flag.
+    Options are checked here, so `LLM(...)` refuses an unknown quantization as `moe-serve` does; the
+    layout is checked against the checkpoint when the engine starts.
     """
-    config.validate()
+    config.validate_options()
     if config.world_size > 1 or config.nnodes > 1 or not config.launch_workers:
         return MultiprocessEngine(config)
     return LocalEngine(config)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
 from load_balancer.rebalance_event import RebalanceEvent
+from moe_runtime.kv_transfer.stats import TransferStats
 from moe_runtime.outputs import RequestOutput
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.request_limits import RequestLimits
@@ -43,6 +44,7 @@ class EngineStats:
     workers: list[WorkerStats] = field(default_factory=list)
     prompt_tokens: int = 0          # prompt tokens of admitted requests, since start
     generation_tokens: int = 0      # tokens generated, since start
+    transfer: TransferStats | None = None   # KV transfers and queue times (the front's; None from a bare core)
 
     @property
     def running(self) -> int:
@@ -73,6 +75,8 @@ class Engine(Protocol):
     limits: RequestLimits         # the one admission check; its structured-output cache is shared with the server
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    # P/D instances also take `export_kv=True` (prefill: park the prompt's KV after the first token; the last
+    # output carries its `kv_handle`) or `import_kv=KVHandle` (decode: continue a request prefilled there).
     def abort(self, request_id: str) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...

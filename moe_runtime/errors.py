@@ -19,3 +19,21 @@ class InvalidRequestError(MoERuntimeError, ValueError):
 
 class EngineDeadError(MoERuntimeError):
     """A worker process of the engine died; the message names the rank."""
+
+
+class RequestFailedError(MoERuntimeError):
+    """The engine failed this one request (sampling or detokenizing it raised); the engine and every
+    other request carry on. The message is short and safe to show the client."""
+
+    def __init__(self, request_id: str, error: str):
+        super().__init__(f"request {request_id} failed in the engine: {error}")
+        self.request_id = request_id
+        self.error = error
+
+
+class QueueFullError(MoERuntimeError):
+    """Too many requests are waiting for their first token; retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -3,7 +3,9 @@ attention workers, collects their outputs, and detects dead ranks.
 
 Implements the same `Engine` face as the in-process `EngineCore`, so `LLM` and the server drive
 either one. Commands are broadcast to every rank (each applies them at the same lock-step
-boundary); a request lives on the ranks of the DP worker the router chose.
+boundary); a request lives on the ranks of the DP worker the router chose. As a P/D instance it
+keeps the front half of KV transfers (`PrefillFront`: handles, releases; `DecodeFront`: imports
+until every rank of the worker has its KV) and turns their events into broadcast commands.
 """
 from __future__ import annotations
 
@@ -25,21 +27,28 @@ import msgspec
 
 from attention_dp.control_key import ControlKey
 from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected
-from attention_dp.messages import (AbortRequest, AddRequest, ExpertLoadReport, RebalanceNow, RebalanceReport,
-                                   ResetPrefixCache, Shutdown, SnapshotExpertLoad, StepOutputs, WorkerFailed,
-                                   WorkerReady, WorkerSetup)
+from attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, ExpertLoadReport, ImportRequest,
+                                   KVImported, RebalanceNow, RebalanceReport, ReleaseExport, ResetPrefixCache,
+                                   Shutdown, SnapshotExpertLoad, StepOutputs, WorkerFailed, WorkerReady, WorkerSetup)
 from attention_dp.router import DPRouter
 from load_balancer.rebalance_event import RebalanceEvent
 from load_balancer.recorder import ExpertLoadSnapshot
+from moe_runtime.decode_front import DecodeFront, ImportOutcome
 from moe_runtime.distributed import free_port
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_core import load_tokenizer
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
+from moe_runtime.import_spec import ImportSpec
+from moe_runtime.kv_transfer.handle import KVHandle
+from moe_runtime.kv_transfer.keys import TransferKey
+from moe_runtime.kv_transfer.shard import KVShard
+from moe_runtime.kv_transfer.stats import TransferStats
 from moe_runtime.model_config import load_hf_config
-from moe_runtime.output_processor import OutputProcessor
+from moe_runtime.output_processor import OutputProcessor, ProcessedStep
+from moe_runtime.prefill_front import PrefillFront, note_step_deltas
 from moe_runtime.prefix_hash import block_hashes
-from moe_runtime.outputs import RequestOutput
+from moe_runtime.outputs import RequestOutput, TokenDelta
 from moe_runtime.request_limits import RequestLimits
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.worker import worker_main
@@ -47,6 +56,7 @@ from moe_runtime.worker import worker_main
 logger = logging.getLogger(__name__)
 
 STEP_WAIT_S = 0.05   # step() returns after this with no outputs, so the offline caller can apply commands
+TRANSFER_TICK_S = 0.1   # P/D instance on a loop: how often releases and transfer deadlines are looked at
 DEATH_REPORT_GRACE_S = 0.3  # after a rank exits, time for its last message (WorkerFailed) to be taken in
 
 
@@ -113,7 +123,14 @@ class MultiprocessEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._seeds = random.Random()
+        self._on_outputs: Callable[[list[RequestOutput]], None] | None = None   # attached to a loop: where outputs go
+        self.transfer_stats = TransferStats(config.disaggregation_mode)
+        self.prefill: PrefillFront | None = None   # --disaggregation-mode prefill: handles, releases of parked KV
+        self.decode: DecodeFront | None = None     # --disaggregation-mode decode: imports in flight
+        self._transfer_key = (TransferKey.shared(config.kv_transfer_key_file)
+                              if config.disaggregation_mode != "none" else None)
         self._start_workers(startup_timeout_s)
+        self._open_kv_transfer()
 
     # ---- start-up and tear-down -------------------------------------------------------------
     def _start_workers(self, timeout_s: float) -> None:
@@ -137,7 +154,8 @@ class MultiprocessEngine:
                             master_addr=self.config.master_addr, master_port=master_port,
                             num_threads=max(1, (os.cpu_count() or 1) // max(local_ranks, world // nnodes)),
                             log_level=logging.getLogger().getEffectiveLevel(),
-                            loopback_only=self._rendezvous_dir is not None)
+                            loopback_only=self._rendezvous_dir is not None,
+                            kv_secret=self._transfer_key.key.secret if self._transfer_key is not None else b"")
         self._control = FrontControl(control, setup)
         address = self._control.address.for_local_ranks()
         context = worker_context()
@@ -178,6 +196,28 @@ class MultiprocessEngine:
                                     self.tokenizer is not None)
         cache_aware = self.config.enable_prefix_caching and self.config.cache_aware_routing and self.layout.dp_size > 1
         self.router = DPRouter.for_workers(self.layout.dp_size, self.num_kv_blocks, cache_aware, self.block_size)
+        self.worker_ranks: dict[int, list[int]] = {}      # DP worker -> its ranks (every stage), in rank order
+        for rank in sorted(self.ready):
+            self.worker_ranks.setdefault(self.ready[rank].dp_rank, []).append(rank)
+
+    def _open_kv_transfer(self) -> None:
+        config = self.config
+        if config.disaggregation_mode == "none":
+            return
+        try:
+            key = self._transfer_key
+            if config.disaggregation_mode == "prefill":
+                self.prefill = PrefillFront(key, config.kv_transfer_host, config.kv_transfer_timeout_s,
+                                            self.transfer_stats)
+            else:
+                self.decode = DecodeFront(key, config.kv_transfer_timeout_s, self.transfer_stats)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def worker_shards(self, dp_rank: int) -> list[KVShard]:
+        """The KV shards of DP worker `dp_rank`'s ranks (a handle's `shards`)."""
+        return [self.ready[rank].kv_shard for rank in self.worker_ranks[dp_rank]]
 
     def _kill_workers(self) -> None:
         for process in self._processes.values():
@@ -191,6 +231,10 @@ class MultiprocessEngine:
                 process.join(timeout=1)
 
     def shutdown(self) -> None:
+        for front in (self.prefill, self.decode):
+            if front is not None:
+                front.close()
+        self.prefill = self.decode = None
         if not getattr(self, "_processes", None) and not getattr(self, "_control", None):
             return
         self._control.detach_from_loop()  # the loop that used it may be gone: shut down with blocking sends
@@ -235,6 +279,12 @@ class MultiprocessEngine:
         """Apply one message from a rank to the front's state; the outputs it completes."""
         if isinstance(message, StepOutputs):
             return self._apply_step(message)
+        if isinstance(message, KVImported):
+            outcome = None
+            if self.decode is not None:
+                outcome = self.decode.landed(message.rank, message.request_id, message.error, message.num_bytes,
+                                             message.seconds)
+            return self._settle(outcome) if outcome is not None else []
         if isinstance(message, RebalanceReport):
             self._rebalance_events.append(message.event)
             if self._rebalance_waiter is not None and not self._rebalance_waiter.done():
@@ -264,7 +314,56 @@ class MultiprocessEngine:
             output.sampled_at = batch.sent_at
             if output.finished:
                 self.router.release(output.request_id)
+        dp_rank = batch.dp_rank
+        note_step_deltas(self.prefill, self.transfer_stats, dp_rank, batch.deltas, processed.outputs,
+                         lambda: self.worker_shards(dp_rank),
+                         lambda request_id: self._control.broadcast(ReleaseExport(request_id=request_id,
+                                                                                  dp_rank=dp_rank)))
         return processed.outputs
+
+    # ---- KV transfers (P/D instances) --------------------------------------------------------
+    def _service_transfers(self) -> list[RequestOutput]:
+        """Apply releases and transfer deadlines (the ranks' pull outcomes arrive as messages: `_handle`)."""
+        if self._dead is not None:
+            return []
+        if self.prefill is not None:
+            for parked in self.prefill.take_due():
+                self._control.broadcast(ReleaseExport(request_id=parked.request_id, dp_rank=parked.dp_rank))
+        outputs: list[RequestOutput] = []
+        if self.decode is not None:
+            for outcome in self.decode.take_expired():
+                outputs.extend(self._settle(outcome))
+        return outputs
+
+    def _settle(self, outcome: ImportOutcome) -> list[RequestOutput]:
+        """Every rank of the worker has the import's KV: decode it; or one failed: fail it alone, on every rank."""
+        if outcome.error is None:
+            self._control.broadcast(ActivateImport(request_id=outcome.request_id, dp_rank=outcome.dp_rank))
+            return []
+        self._control.broadcast(AbortRequest(request_id=outcome.request_id, finish_reason="error"))
+        self.router.release(outcome.request_id)
+        return self._outputs_of(self.outputs.process([TokenDelta(outcome.request_id, [], None, "error",
+                                                                 outcome.error)]))
+
+    def _outputs_of(self, processed: ProcessedStep) -> list[RequestOutput]:
+        """Outputs made in the front (an import's first token, its failure); requests they ended are aborted."""
+        for request_id, reason in processed.ended.items():
+            self._control.broadcast(AbortRequest(request_id=request_id, finish_reason=reason))
+            if self.decode is not None:
+                self.decode.abort(request_id)
+        for output in processed.outputs:
+            if output.finished:
+                self.router.release(output.request_id)
+        return processed.outputs
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Outputs made outside the ranks' messages: to the loop (after the caller returns), or to step()."""
+        if not outputs:
+            return
+        if self._on_outputs is not None:
+            asyncio.get_running_loop().call_soon(self._on_outputs, outputs)
+        else:
+            self._undelivered.extend(outputs)
 
     def _describe_lost_rank(self, rank: int) -> str:
         process = self._processes.get(rank)
@@ -317,22 +416,50 @@ class MultiprocessEngine:
     def kv_capacity_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Admit a request: the one check (`RequestLimits`) happens here; the ranks trust what they get."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    export_kv: bool = False, import_kv: KVHandle | None = None) -> None:
+        """Admit a request: the one check (`RequestLimits`) happens here; the ranks trust what they get.
+
+        `export_kv` (prefill instance): its KV is parked after its first token and its last output carries a
+        `kv_handle`; `import_kv` (decode instance): it was prefilled there, its ranks pull its KV."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if request_id in self.outputs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.limits.check(prompt_token_ids, params)
+        if export_kv and self.prefill is None:
+            raise InvalidRequestError("export_kv: this engine is not a prefill instance (--disaggregation-mode prefill)")
+        if import_kv is not None:
+            if self.decode is None:
+                raise InvalidRequestError("kv_transfer_params: this instance is not --disaggregation-mode decode")
+            import_kv = self.decode.verify(import_kv, list(prompt_token_ids), params)
         if params.seed is None:  # the ranks of a DP worker must draw the same samples
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         hashes = block_hashes(prompt_token_ids, self.block_size) if self.router.prefix_index is not None else None
         decision = self.router.choose(request_id, len(prompt_token_ids), hashes)
-        command = AddRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
-                             dp_rank=decision.dp_rank)
-        self._control.broadcast(command)
-        self.outputs.add(request_id, command.prompt_token_ids, params)
+        prompt = list(prompt_token_ids)
+        if import_kv is None:
+            self._control.broadcast(AddRequest(request_id=request_id, prompt_token_ids=prompt, params=params,
+                                               dp_rank=decision.dp_rank, export_kv=export_kv))
+            self.outputs.add(request_id, prompt, params)
+        else:
+            self._add_import(request_id, prompt, params, import_kv, decision.dp_rank)
         self._prompt_tokens += len(prompt_token_ids)
+
+    def _add_import(self, request_id: str, prompt: list[int], params: SamplingParams, handle: KVHandle,
+                    dp_rank: int) -> None:
+        first_logprob = handle.first_logprob.token_logprob() if handle.first_logprob is not None else None
+        spec = ImportSpec(request_id, prompt, params, handle.first_token, handle.request_id, list(handle.shards),
+                          first_logprob, handle.generator_state)
+        self._control.broadcast(ImportRequest(spec=spec, dp_rank=dp_rank))
+        self.outputs.add(request_id, prompt, params)
+        self.decode.start(request_id, dp_rank, set(self.worker_ranks[dp_rank]), handle)
+        self._generation_tokens += 1
+        self.router.grow(request_id, 1)
+        self.router.first_output(request_id)
+        first = TokenDelta(request_id, [handle.first_token],
+                           [first_logprob] if params.logprobs is not None and first_logprob is not None else None)
+        self._emit(self._outputs_of(self.outputs.process([first])))
 
     def abort(self, request_id: str) -> bool:
         if request_id not in self.outputs or self._dead is not None:
@@ -340,6 +467,8 @@ class MultiprocessEngine:
         self._control.broadcast(AbortRequest(request_id=request_id))
         self.outputs.abort(request_id)
         self.router.release(request_id)
+        if self.decode is not None:
+            self.decode.abort(request_id)   # its prefill instance frees its parked copy
         return True
 
     def has_unfinished(self) -> bool:
@@ -357,6 +486,7 @@ class MultiprocessEngine:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         outputs, self._undelivered = self._undelivered, []
+        outputs.extend(self._service_transfers())
         if outputs or not self.outputs.requests:
             return outputs
         message = self._next_message(timeout=STEP_WAIT_S)  # returns as soon as a rank reports
@@ -408,7 +538,7 @@ class MultiprocessEngine:
         self._absorb_pending()
         workers = [self._worker_stats.get(dp) or WorkerStats(dp, 0, 0, self.num_kv_blocks, self.num_kv_blocks, 0)
                    for dp in range(self.layout.dp_size)]
-        return EngineStats(workers, self._prompt_tokens, self._generation_tokens)
+        return EngineStats(workers, self._prompt_tokens, self._generation_tokens, self.transfer_stats.snapshot())
 
     def _absorb_pending(self) -> None:
         """Take in what arrived while nobody called step() (outputs are kept for it). Attached to a loop,
@@ -435,8 +565,22 @@ class MultiprocessEngine:
         `step`, `expert_load` and `rebalance_now` must not be used after this: use the `_async` ones."""
         loop = asyncio.get_running_loop()
         self._control.attach_to_loop()
+        self._on_outputs = on_outputs
         self._loop_tasks = [loop.create_task(self._take_messages(on_outputs, on_death)),
                             loop.create_task(self._watch_ranks(on_death))]
+        if self.prefill is not None or self.decode is not None:
+            self._loop_tasks.append(loop.create_task(self._tick_transfers(on_outputs)))
+
+    async def _tick_transfers(self, on_outputs) -> None:
+        """Releases from decode instances and transfer deadlines, looked at every TRANSFER_TICK_S."""
+        while self._dead is None:
+            await asyncio.sleep(TRANSFER_TICK_S)
+            try:
+                outputs = self._service_transfers()
+            except RankDisconnected:
+                continue   # _watch_ranks names the rank
+            if outputs:
+                on_outputs(outputs)
 
     async def _take_messages(self, on_outputs, on_death) -> None:
         try:
@@ -517,6 +661,7 @@ class MultiprocessEngine:
         """Stop taking messages on the loop (before shutting down)."""
         for task in self._loop_tasks:
             task.cancel()
+        self._on_outputs = None
         if self._control is not None:
             self._control.detach_from_loop()
 

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moe_runtime.sequence import TokenLogprob
+
+if TYPE_CHECKING:  # the handle's module imports the engine's plain types; outputs only carry it
+    from moe_runtime.kv_transfer.handle import KVHandle
 
 
 @dataclass
@@ -37,6 +41,15 @@ class PromptLogprobs:
 
 
 @dataclass
+class KVExportInfo:
+    """A prefill instance parked the request's KV blocks after sampling its first token: what a handle needs
+    from the ranks (the front knows the rest: prompt, token, where the shards are)."""
+
+    num_tokens: int                            # tokens whose KV is parked (the prompt)
+    generator_state: bytes | None = None       # the request's seeded generator after the first token
+
+
+@dataclass
 class TokenDelta:
     """What one step added to one request: all a rank reports (O(1) bytes in the output length).
 
@@ -51,6 +64,8 @@ class TokenDelta:
     error: str | None = None                  # why the engine failed this request (finish_reason "error")
     num_preemptions: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # in the request's first delta only, when it asked for them
+    kv_export: KVExportInfo | None = None     # prefill instance: its blocks are parked for a decode instance
+    queue_seconds: float | None = None        # arrival on the ranks to its first scheduled step (once, when known)
 
 
 @dataclass
@@ -77,6 +92,7 @@ class RequestOutput:
     sampled_at: float | None = None           # wall clock when the engine had sampled this output's tokens
     prompt_logprobs: list[PromptTokenLogprob | None] | None = None  # one per prompt token (the first: None),
                                                                     # when the request asked for prompt_logprobs
+    kv_handle: KVHandle | None = None         # prefill instance: where its parked KV blocks are, for a decode one
 
 
 def error_message(exc: BaseException, limit: int = 200) -> str:

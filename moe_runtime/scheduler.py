@@ -190,12 +190,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
         logger.debug("preempted request %s (recompute %d tokens)", seq.request_id, seq.num_tokens)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, keep_blocks: bool = False) -> None:
+        """The request is done here; its blocks are freed unless `keep_blocks` (a prefill instance parks them
+        for a decode instance to pull, and frees them on release: `PrefillExports`)."""
         if seq in self.running:
             self.running.remove(seq)
-        self._finish(seq, reason)
+        self._finish(seq, reason, keep_blocks)
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def add_running(self, seq: Sequence) -> None:
+        """Put a request that already holds its blocks and computed tokens (a decode instance's import) straight
+        into the running set: it decodes from the next step."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, keep_blocks: bool = False) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.free(seq)
+        if not keep_blocks:
+            self.block_manager.free(seq)

@@ -54,6 +54,10 @@ class Sequence:
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None            # structured output: where the output is in its grammar
     prompt_logprobs_done: bool = False             # scored once: a preempted request's recompute does not again
+    export_kv: bool = False                        # prefill instance: park its blocks after its first token
+    queued_at: float = 0.0                         # perf_counter when it arrived here (its queue time's start)
+    queue_seconds: float | None = None             # arrival to first scheduled step, once known
+    queue_reported: bool = False                   # ... and handed out in a delta
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

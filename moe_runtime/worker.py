@@ -18,6 +18,7 @@ from attention_dp.control_plane import ControlAddress, WorkerControl
 from attention_dp.lockstep import LockstepLoop
 from attention_dp.messages import Hello, WorkerFailed, WorkerReady
 from load_balancer.live_rebalancer import LiveRebalancer, RebalanceGroups, RebalancePolicy
+from moe_runtime.kv_transfer.keys import TransferKey
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def worker_main(address, rank: int) -> None:
         control.put(WorkerReady(rank=rank, dp_rank=core.parallel.dp_rank, num_kv_blocks=core.block_manager.num_blocks,
                                 block_size=core.block_manager.block_size, max_model_len=core.max_model_len,
                                 expert_bytes=local_bytes, total_expert_bytes=total_bytes, weight_bytes=weight_bytes,
-                                pp_rank=core.parallel.pp_rank))
+                                pp_rank=core.parallel.pp_rank, kv_shard=core.kv_shard()))
         LockstepLoop(core, control, control, core.parallel, build_rebalancer(core, setup.config)).run()
     except EOFError:  # the front is gone: nobody to report to
         os._exit(3)
@@ -85,7 +86,8 @@ def build_worker_engine(setup, rank: int):
                      config.worker_timeout_s, loopback_only=setup.loopback_only)
     layout = config.layout()
     parallel = build_parallel_context(layout, rank, device, load_hf_config(config.model).num_hidden_layers)
-    return EngineCore(config, parallel)
+    key = TransferKey.from_secret(setup.kv_secret) if setup.kv_secret else None
+    return EngineCore(config, parallel, key)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -148,6 +148,10 @@ def build_app(
             metrics.requests.inc("aborted")
             return JSONResponse(APIError(499, "the client closed the request", "aborted").body(), status_code=499)
         metrics.requests.inc("success")
+        kv_transfer_params = generation.kv_transfer_params()
+        if kv_transfer_params is not None:   # a prefill instance's answer: where the prompt's KV waits
+            return JSONResponse({**formatter.response().model_dump(mode="json"),
+                                 "kv_transfer_params": kv_transfer_params})
         return formatter.response()
 
     @app.get("/health")

@@ -21,7 +21,8 @@ import sys
 
 from attention_dp.control_key import CONTROL_KEY_ENV
 from dispatch.backends import BACKENDS
-from moe_runtime.engine_config import DTYPES, QUANTIZATIONS, EngineConfig
+from moe_runtime.engine_config import DISAGGREGATION_MODES, DTYPES, QUANTIZATIONS, EngineConfig
+from moe_runtime.kv_transfer.keys import KV_KEY_ENV
 from moe_runtime.errors import MoERuntimeError
 from server.flag_help import DefaultsHelpFormatter
 from server.flag_types import non_negative_int, parse_size, positive_int, tcp_port
@@ -121,6 +122,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file holding the secret that ranks of a multi-node or --external-workers job share "
                         f"(default: ${CONTROL_KEY_ENV}; one node: a fresh secret per launch)")
 
+    g = p.add_argument_group("prefill/decode disaggregation (docs/design.md; the router: `moe-serve router --help`)")
+    g.add_argument("--disaggregation-mode", default=e.disaggregation_mode, choices=list(DISAGGREGATION_MODES),
+                   help="prefill: run prompts and park their KV for decode instances; decode: continue requests "
+                        "prefilled elsewhere (both also serve whole requests)")
+    g.add_argument("--kv-transfer-host", default=e.kv_transfer_host,
+                   help="address this instance's KV sockets bind and the other instances reach")
+    g.add_argument("--kv-transfer-key-file", default=e.kv_transfer_key_file,
+                   help=f"file holding the secret every instance of a P/D set shares (default: ${KV_KEY_ENV})")
+    g.add_argument("--kv-transfer-timeout", dest="kv_transfer_timeout_s", type=float,
+                   default=e.kv_transfer_timeout_s,
+                   help="seconds parked KV waits to be pulled, and a pull may take, before both are freed")
+    g.add_argument("--pd", default=s.pd, metavar="P:D",
+                   help="start a whole P/D set on this machine: P prefill and D decode instances (each with the "
+                        "other flags given here) behind a router on --host/--port")
+    g.add_argument("--pd-prefill-args", default=s.pd_prefill_args, metavar="FLAGS",
+                   help='with --pd: extra flags of the prefill instances, e.g. "--ep 2 --dp-attn 1"')
+    g.add_argument("--pd-decode-args", default=s.pd_decode_args, metavar="FLAGS",
+                   help='with --pd: extra flags of the decode instances, e.g. "--ep 2 --dp-attn 2"')
+
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default=s.host, help="address to listen on (0.0.0.0 for every interface)")
     g.add_argument("--port", type=tcp_port, default=s.port, help="port to listen on; 0 picks a free one")
@@ -152,12 +172,21 @@ def _values_of_fields(config_class, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["router"]:   # `moe-serve router ...`: the P/D router (its own flags)
+        from server.pd_router.cli import main as router_main
+
+        return router_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     print("moe-serve: starting (loading torch and the engine)\n", end="", flush=True)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = server_config_from_args(args), engine_config_from_args(args)
     try:
+        if server_config.pd is not None:
+            from server.pd_launch import serve_pd_set
+
+            return serve_pd_set(server_config, argv)
         return _serve_or_join(server_config, engine_config)
     except MoERuntimeError as exc:
         parser.exit(2, f"moe-serve: error: {exc}\n")

@@ -29,11 +29,13 @@ class ChoiceTracker:
     finish_reason: str | None = None
     num_tokens: int = 0
     started: bool = False
+    kv_handle: object | None = None    # prefill instance: its parked KV's `KVHandle`, on the last output
 
     def advance(self, output: RequestOutput) -> ChoiceDelta:
         self.num_tokens = len(output.token_ids)
         if output.finished:
             self.finish_reason = output.finish_reason
+            self.kv_handle = output.kv_handle
         first, self.started = not self.started, True
         return ChoiceDelta(output.new_text, output.new_token_ids, output.new_logprobs or [],
                            output.finish_reason if output.finished else None, first,

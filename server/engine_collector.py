@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from load_balancer import ExpertLoadSnapshot, RebalanceEvent
 from moe_runtime.engine_protocol import EngineStats, WorkerStats
+from moe_runtime.kv_transfer.stats import LatencyHistogram, TransferStats
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,32 @@ class EngineCollector:
             yield from self._expert_load_families(self.reading.expert_load)
         if self.reading.rebalance_events:
             yield from self._rebalance_families(self.reading.rebalance_events)
+        if self.reading.stats.transfer is not None:
+            yield from self._transfer_families(self.reading.stats.transfer)
+
+    def _transfer_families(self, stats: TransferStats) -> Iterator[Metric]:
+        """Queue times by the instance's role ("none": colocated); on a P/D instance, the KV it moved and how
+        long that took."""
+        p = self.prefix
+        yield from latency_families(p + "queue_seconds", "Time from a request's arrival on the ranks to its first "
+                                    "scheduled step (imports: their KV transfer included), by the instance's role.",
+                                    stats.queue_seconds, {"role": stats.role})
+        if stats.role == "none":
+            return
+        yield CounterMetricFamily(p + "kv_transfer_bytes", "KV cache bytes pulled from prefill instances.",
+                                  value=stats.bytes)
+        outcomes = CounterMetricFamily(p + "kv_transfers", "KV imports settled, by outcome.", labels=["outcome"])
+        outcomes.add_metric(["ok"], stats.transfers)
+        outcomes.add_metric(["failed"], stats.failures)
+        yield outcomes
+        exports = CounterMetricFamily(p + "kv_exports", "Prompts whose KV a prefill instance parked for a decode "
+                                      "instance, and how their blocks were freed.", labels=["event"])
+        exports.add_metric(["parked"], stats.exports)
+        exports.add_metric(["released"], stats.exports_released)
+        exports.add_metric(["expired"], stats.exports_expired)
+        yield exports
+        yield from latency_families(p + "kv_transfer_seconds", "Time to pull one request's KV (its slowest rank).",
+                                    stats.seconds, {})
 
     def _engine_families(self) -> Iterator[Metric]:
         p, reading = self.prefix, self.reading
@@ -130,3 +157,18 @@ class EngineCollector:
         around_last.add_metric(["before"], last.balancedness_before)
         around_last.add_metric(["after"], last.balancedness_after)
         yield around_last
+
+
+def latency_families(name: str, documentation: str, histogram: LatencyHistogram,
+                     labels: dict[str, str]) -> Iterator[Metric]:
+    """A histogram family, and a `_quantile` gauge with the p50 and p99 of its recent samples."""
+    family = HistogramMetricFamily(name, documentation, labels=list(labels))
+    family.add_metric(list(labels.values()), histogram.cumulative(), sum_value=histogram.total)
+    yield family
+    quantiles = GaugeMetricFamily(name + "_quantile", documentation + " Recent p50 and p99.",
+                                  labels=[*labels, "quantile"])
+    for q in (0.5, 0.99):
+        value = histogram.quantile(q)
+        if value is not None:
+            quantiles.add_metric([*labels.values(), str(q)], value)
+    yield quantiles

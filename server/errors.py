@@ -16,8 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe_runtime.async_engine import QueueFullError, RequestFailedError
-from moe_runtime.errors import EngineDeadError, InvalidRequestError
+from moe_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 

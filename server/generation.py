@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from moe_runtime.async_engine import AsyncEngine, RequestFailedError, RequestStream
+from moe_runtime.kv_transfer.handle import KVHandle
 from moe_runtime.sampling_params import SamplingParams
 from server.deltas import ChoiceDelta, ChoiceTracker
 from server.metrics import ServerMetrics
@@ -28,6 +29,8 @@ class ChoiceSpec:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_text: str = ""       # what an echo shows of the prompt (completions with echo=true; else unused)
+    export_kv: bool = False     # prefill instance: park the prompt's KV, answer with its handle
+    import_kv: KVHandle | None = None   # decode instance: the prompt was prefilled there
 
 
 @dataclass
@@ -54,7 +57,8 @@ class Generation:
         try:
             for spec in self.choices:
                 stream = await self.async_engine.submit(f"{self.request_id}-{spec.index}", spec.prompt_token_ids,
-                                                        spec.params)
+                                                        spec.params, export_kv=spec.export_kv,
+                                                        import_kv=spec.import_kv)
                 self._streams[spec.index] = stream
                 self.trackers[spec.index] = ChoiceTracker()
         except BaseException:
@@ -70,6 +74,11 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(tracker.num_tokens for tracker in self.trackers.values())
+
+    def kv_transfer_params(self) -> dict | None:
+        """A prefill instance's answer: the handle of the (one) choice whose KV it parked."""
+        handles = [tracker.kv_handle for tracker in self.trackers.values() if tracker.kv_handle is not None]
+        return handles[0].to_json_object() if handles else None
 
     @property
     def finished(self) -> bool:

@@ -90,6 +90,9 @@ class SamplingFields(RequestModel):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # prefill/decode disaggregation (vLLM's name): {"do_remote_decode": true} asks a prefill instance to park the
+    # prompt's KV and answer with a handle; a decode instance given that handle continues the request
+    kv_transfer_params: dict | None = None
 
     def unsupported_settings(self) -> dict[str, object]:
         """Fields set to something this server cannot do: name -> value."""

@@ -15,6 +15,7 @@ from moe_runtime.structured_output.spec import StructuredOutputSpec
 from moe_runtime.structured_output.validator import StructuredOutputValidator
 from server.errors import APIError, bad_request
 from server.generation import ChoiceSpec
+from server.kv_transfer_request import with_kv_transfer
 from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from server.structured_output_request import requested_structure
 from server.tool_calls.fallback_rendering import messages_with_tools_in_text
@@ -244,8 +245,9 @@ def completion_choices(request: CompletionRequest, model: ModelInfo) -> list[Cho
     for prompt in prompts:
         check_context(len(prompt), max_tokens, model, "prompt", "max_tokens")
     structure = requested_structure(request, model.structured_output)
-    return choice_specs(request, prompts, max_tokens, request.logprobs, engine_prompt_logprobs(request, max_tokens),
-                        echo_texts(request, model), structured_output=structure)
+    return with_kv_transfer(request, choice_specs(request, prompts, max_tokens, request.logprobs,
+                                                  engine_prompt_logprobs(request, max_tokens),
+                                                  echo_texts(request, model), structured_output=structure))
 
 
 @dataclass(frozen=True)
@@ -276,4 +278,4 @@ def chat_choices(request: ChatCompletionRequest, model: ModelInfo) -> ChatConver
         forced = StructuredOutputSpec(json_schema=tool_use.forced_schema)
         specs = [dataclasses.replace(spec, params=dataclasses.replace(spec.params, structured_output=forced))
                  for spec in specs]
-    return ChatConversion(specs, tool_use.reader)
+    return ChatConversion(with_kv_transfer(request, specs), tool_use.reader)

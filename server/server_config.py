@@ -34,10 +34,22 @@ class ServerConfig:
     max_queue: int = 512                  # requests waiting for their first token; more get HTTP 429
     log_level: str = "info"
     tool_call_parser: str | None = None   # None: from the chat template, then the model type
+    pd: str | None = None                 # "P:D": start P prefill and D decode instances and a router (a P/D set)
+    pd_prefill_args: str = ""             # ... extra flags of the prefill instances (e.g. "--ep 2 --dp-attn 1")
+    pd_decode_args: str = ""              # ... and of the decode instances
 
     def validate(self) -> None:
         if self.model is not None and not Path(self.model).is_dir():
             raise ServerConfigError(f"--model {self.model}: no such checkpoint directory")
+        if self.pd is not None:
+            self.pd_counts()
+
+    def pd_counts(self) -> tuple[int, int]:
+        """(prefill instances, decode instances) of --pd P:D."""
+        prefill, separator, decode = (self.pd or "").partition(":")
+        if not (separator and prefill.isdigit() and decode.isdigit() and int(prefill) > 0 and int(decode) > 0):
+            raise ServerConfigError(f"--pd {self.pd!r}: give prefill:decode instance counts, e.g. 1:1 or 1:2")
+        return int(prefill), int(decode)
 
     def resolve_model(self) -> ResolvedModel:
         """The checkpoint to load and its served name; builds the demo model on first use (slow: call it

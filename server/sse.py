@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
 from server.errors import as_api_error
-from server.generation import ChoiceEvent, Generation
-from server.metrics import ServerMetrics
+
+if TYPE_CHECKING:  # the P/D router streams with this module too, without the engine's imports (torch)
+    from server.generation import ChoiceEvent, Generation
+    from server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 

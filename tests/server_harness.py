@@ -42,8 +42,11 @@ LISTENING = re.compile(r"moe-serve: serving .* on http://([^\s]+):(\d+)")
 class ServerProcess:
     """A `moe-serve` subprocess. Use as a context manager, or `start()` / `stop()`."""
 
-    def __init__(self, args: list[str], startup_timeout_s: float = 120.0, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], startup_timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                 subcommand: list[str] = ()):
+        """`subcommand` goes first (`["router"]`: `moe-serve router ...`)."""
         self.args = list(args)
+        self.subcommand = list(subcommand)
         self.startup_timeout_s = startup_timeout_s
         self.env = env
         self.process: subprocess.Popen | None = None
@@ -63,7 +66,8 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(self.env or {}))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "server.cli", "--host", "127.0.0.1", "--port", "0", *self.args]
+        command = [sys.executable, "-m", "server.cli", *self.subcommand, "--host", "127.0.0.1", "--port", "0",
+                   *self.args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=env, cwd=REPO_ROOT)
         self._reader = threading.Thread(target=self._read_output, daemon=True)

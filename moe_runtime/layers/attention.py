@@ -120,7 +120,8 @@ class Attention(nn.Module):
         self._kernels = kernels
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.heads.num_kv_heads, self.shape.head_dim, self.shape.head_dim)
+        return KVCacheSpec(self.heads.num_kv_heads, self.shape.head_dim, self.shape.head_dim, self.heads.kv_start,
+                           self.shape.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache):
         s, h = self.shape, self.heads

@@ -8,11 +8,17 @@ import torch
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """What one attention layer stores per token. `value_dim=None`: keys only (MLA latent)."""
+    """What one attention layer stores per token. `value_dim=None`: keys only (MLA latent).
+
+    `num_kv_heads` are this rank's, the model's heads [head_start, head_start + num_kv_heads) of
+    `total_kv_heads` (attention TP splits them; MLA's one latent "head" is whole on every rank):
+    what a prefill/decode transfer needs to re-shard between different head splits."""
 
     num_kv_heads: int
     key_dim: int
     value_dim: int | None
+    head_start: int = 0
+    total_kv_heads: int | None = None   # None: num_kv_heads (not split)
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         per_head = self.key_dim + (self.value_dim or 0)

@@ -1,0 +1,75 @@
+"""The secret shared by the instances of one prefill/decode deployment, and what is made from it.
+
+KV blocks cross between instances, usually between machines: every KV socket is authenticated
+by ZeroMQ's CURVE handshake before a byte of payload is read (the prefill side's ZAP handler
+admits only the decode side's public key), with both key pairs derived from this secret exactly as
+the control plane derives its own (`attention_dp.control_key`), under other roles. Handles that
+travel through the router (and so through HTTP clients' hands) carry a MAC made with the same
+secret: a decode instance connects only where a prefill instance of its deployment said to.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from attention_dp.control_key import MIN_SECRET_BYTES, ControlKey, CurveKeyPair
+from moe_runtime.errors import InvalidRequestError
+
+KV_KEY_ENV = "MOE_RUNTIME_KV_KEY"
+
+HOW_TO_SET = (f"set {KV_KEY_ENV} to the same secret for every prefill and decode instance (e.g. `export "
+              f"{KV_KEY_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))')`) or pass "
+              f"--kv-transfer-key-file PATH (a file holding the secret, readable only by you); "
+              f"`moe-serve --pd P:D` makes one for the set it starts")
+
+
+class TransferKeyError(InvalidRequestError):
+    """No usable shared secret for an instance that moves KV blocks to or from other instances."""
+
+
+@dataclass(frozen=True)
+class TransferKey:
+    key: ControlKey
+
+    def __repr__(self) -> str:  # never in a log line
+        return "TransferKey(<secret>)"
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> "TransferKey":
+        if len(secret) < MIN_SECRET_BYTES:
+            raise TransferKeyError(f"the KV transfer key is {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
+                                   f"random bytes ({HOW_TO_SET})")
+        return cls(ControlKey(secret))
+
+    @classmethod
+    def shared(cls, key_file: str | None = None) -> "TransferKey":
+        """--kv-transfer-key-file, else $MOE_RUNTIME_KV_KEY; there is no default (an error says how to set one)."""
+        if key_file:
+            try:
+                secret = Path(key_file).expanduser().read_bytes().strip()
+            except OSError as exc:
+                raise TransferKeyError(f"--kv-transfer-key-file {key_file}: cannot read it ({exc.strerror})") from exc
+            return cls.from_secret(secret)
+        secret = os.environ.get(KV_KEY_ENV, "").strip().encode()
+        if not secret:
+            raise TransferKeyError(f"--disaggregation-mode prefill|decode moves KV blocks between instances, which "
+                                   f"authenticate with a shared key, and none is set: {HOW_TO_SET}")
+        return cls.from_secret(secret)
+
+    def server_pair(self) -> CurveKeyPair:
+        """The prefill side's sockets (KV block servers, the release listener) serve with this pair."""
+        return self.key.curve_pair(b"kv-server")
+
+    def client_pair(self) -> CurveKeyPair:
+        """The decode side's sockets connect with this pair; the servers admit only its public key."""
+        return self.key.curve_pair(b"kv-client")
+
+    def mac(self, payload: bytes) -> str:
+        """A MAC of `payload` (hex): only holders of the secret can make one."""
+        return hashlib.blake2b(payload, key=self.key.secret[:64], digest_size=32, person=b"moe-kv-handle").hexdigest()
+
+    def verify(self, payload: bytes, mac: str) -> bool:
+        return hmac.compare_digest(self.mac(payload), mac)

@@ -1,0 +1,94 @@
+"""`moe-serve router`: the P/D router in front of prefill and decode instances.
+
+    moe-serve --disaggregation-mode prefill --port 8100 --ep 2 --dp-attn 1 ...
+    moe-serve --disaggregation-mode decode  --port 8200 --ep 2 --dp-attn 2 ...
+    moe-serve router --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+Every instance of a set shares the KV transfer secret ($MOE_RUNTIME_KV_KEY or --kv-transfer-key-file);
+the router needs none: it only passes handles on. `moe-serve --pd 1:1` starts a whole set on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import uvicorn
+
+from server.flag_help import DefaultsHelpFormatter
+from server.flag_types import parse_size, positive_int, tcp_port
+from server.listen_socket import bind_socket, socket_url
+from server.pd_router.app import build_router_app
+from server.pd_router.backends import BackendPool
+from server.server_config import DEFAULT_MAX_REQUEST_BYTES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-serve router", formatter_class=DefaultsHelpFormatter,
+                                description="Route OpenAI requests over prefill and decode instances "
+                                            "(moe-serve --disaggregation-mode prefill|decode): each prompt runs "
+                                            "on a prefill instance, the tokens stream from a decode instance.")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances' base URLs")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances' base URLs")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=tcp_port, default=8000, help="port to listen on; 0 picks a free one")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' from clients")
+    p.add_argument("--backend-api-key", default=None,
+                   help="the key the instances require (their --api-key); default: --api-key")
+    p.add_argument("--max-request-bytes", type=parse_size, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted")
+    p.add_argument("--request-timeout", type=positive_int, default=600, help="seconds an instance may take")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def serve_router(pool: BackendPool, host: str, port: int, api_key: str | None, backend_api_key: str | None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_timeout_s: float = 600.0,
+                 log_level: str = "info") -> int:
+    """Listen and route until a signal; prints `moe-serve: serving ...` once listening."""
+    sock = bind_socket(host, port)
+    url = socket_url(sock)
+    app = build_router_app(pool, api_key, backend_api_key, max_request_bytes, request_timeout_s=request_timeout_s)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
+                                           timeout_graceful_shutdown=5))
+
+    async def announce() -> None:
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.02)
+        if server.started:
+            print(f"moe-serve: serving the P/D router ({len(pool.of_role('prefill'))} prefill, "
+                  f"{len(pool.of_role('decode'))} decode instances) on {url} (Ctrl-C to stop)\n", end="", flush=True)
+
+    async def run() -> None:
+        announcer = asyncio.create_task(announce())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            announcer.cancel()
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)   # uvicorn raises SIGTERM again once it stopped
+    try:
+        asyncio.run(run())
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+    return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (after uvicorn's graceful shutdown): return, so the caller's clean-up runs."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    pool = BackendPool.of(args.prefill, args.decode)
+    return serve_router(pool, args.host, args.port, args.api_key, args.backend_api_key or args.api_key,
+                        args.max_request_bytes, args.request_timeout, args.log_level)

@@ -1,0 +1,148 @@
+"""Prefill/decode disaggregation at the engine level (issue 19): the prompt runs on a prefill engine,
+its KV blocks and first token move to a decode engine, which continues.
+
+- greedy tokens equal a single colocated instance's (and so transformers': test_engine_parity.py holds
+  the colocated engine to them) for Qwen3-MoE, DeepSeek-V3 (MLA latent)
+  and Llama, with equal layouts and with different ones: attention TP 2 -> 1 (heads re-sharded),
+  1 -> 2 with MLA's latent whole on every rank, two pipeline stages -> one (layers re-sharded); long
+  prompts are chunked on the prefill side;
+- a seeded sampled request continues its generator on the decode side (the colocated tokens);
+- KV blocks on both sides come back on abort mid-pull, at the transfer timeout, and when the
+  prefill instance is gone (the import fails alone, with a clean error).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pd_helpers import decode, free_blocks, greedy, kv_key_in_env, prefill, run_until, settle, wait_for_free
+from moe_runtime.engine_config import EngineConfig
+from moe_runtime.engine_factory import make_engine
+from moe_runtime.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPTS = [[5, 17, 42, 99, 3], [(7 * i + 3) % 500 + 5 for i in range(40)]]   # the second spans 3 blocks
+NEW_TOKENS = 6
+TIMEOUT_S = 3.0
+CASES = [  # arch, prefill layout, decode layout
+    ("qwen3_moe", {}, {}),
+    ("deepseek_v3", {}, {}),
+    ("llama", {}, {}),
+    ("qwen3_moe", {"ep": 2, "dp_attn": 1}, {}),     # attention TP 2 (4 KV heads split 2+2) -> TP 1
+    ("deepseek_v3", {}, {"ep": 2, "dp_attn": 1}),   # MLA: the latent is whole on every decode rank
+    ("llama", {"pp": 2}, {}),                       # two pipeline stages -> one: layers re-sharded
+]
+ids = itertools.count()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kv_key():
+    with kv_key_in_env() as secret:
+        yield secret
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint_factory, kv_key):
+    """`engines(arch, mode, **layout)`: one engine per (arch, mode, layout) for the module."""
+    built = {}
+
+    def get(arch: str, mode: str, **layout):
+        key = (arch, mode, tuple(sorted(layout.items())))
+        if key not in built:
+            built[key] = make_engine(EngineConfig(
+                model=str(tiny_checkpoint_factory(arch)), device="cpu", kv_cache_memory=2 * 2**20,
+                max_num_batched_tokens=16, disaggregation_mode=mode, kv_transfer_timeout_s=TIMEOUT_S, **layout))
+        return built[key]
+
+    yield get
+    for engine in built.values():
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(engines):
+    """A single colocated instance's greedy tokens for PROMPTS, per arch."""
+    cache = {}
+
+    def get(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            colocated = engines(arch, "none")
+            for index, prompt in enumerate(PROMPTS):
+                colocated.add_request(f"colocated-{arch}-{index}", prompt, greedy(NEW_TOKENS))
+            cache[arch] = [run_until([colocated], f"colocated-{arch}-{index}").token_ids
+                           for index in range(len(PROMPTS))]
+        return cache[arch]
+
+    return get
+
+
+def layout_id(layout: dict) -> str:
+    return "+".join(f"{name}{value}" for name, value in layout.items()) or "1rank"
+
+
+@pytest.mark.parametrize("arch,prefill_layout,decode_layout", CASES,
+                         ids=[f"{a}-P_{layout_id(p)}-D_{layout_id(d)}" for a, p, d in CASES])
+def test_prefill_there_decode_here_equals_one_instance(engines, expected, arch, prefill_layout, decode_layout):
+    p, d = engines(arch, "prefill", **prefill_layout), engines(arch, "decode", **decode_layout)
+    p_free, d_free = free_blocks(p), free_blocks(d)
+    for prompt, want in zip(PROMPTS, expected(arch)):
+        first = prefill(p, f"p{next(ids)}", prompt)
+        assert first.finish_reason == "length" and first.token_ids == want[:1] and first.kv_handle is not None
+        done = decode(p, d, f"d{next(ids)}", prompt, first.kv_handle, NEW_TOKENS)
+        assert (done.finish_reason, done.token_ids) == ("length", want)
+    wait_for_free([(p, p_free), (d, d_free)])   # the prefill's copy released, the decode's freed at the end
+
+
+def test_a_seeded_request_draws_what_it_would_on_one_instance(engines):
+    p, d = engines("qwen3_moe", "prefill"), engines("qwen3_moe", "decode")
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    prompt = PROMPTS[1]
+    p.add_request("colocated", prompt, params)           # a prefill instance serves whole requests too
+    colocated = run_until([p], "colocated")
+    p.add_request("seeded-p", prompt, SamplingParams(max_tokens=1, temperature=1.0, seed=7, ignore_eos=True),
+                  export_kv=True)
+    first = run_until([p], "seeded-p")
+    done = decode(p, d, "seeded-d", prompt, first.kv_handle, 8, params)
+    assert done.token_ids == colocated.token_ids
+
+
+def test_an_import_aborted_mid_pull_frees_both_sides(engines):
+    p, d = engines("deepseek_v3", "prefill"), engines("deepseek_v3", "decode", ep=2, dp_attn=1)
+    p_free, d_free = free_blocks(p), free_blocks(d)
+    first = prefill(p, "abort-p", PROMPTS[1])
+    d.add_request("abort-d", PROMPTS[1], greedy(NEW_TOKENS), import_kv=first.kv_handle)
+    assert d.abort("abort-d")                         # before its ranks report: the pull is cancelled
+    wait_for_free([(p, p_free), (d, d_free)])
+
+
+def test_kv_nobody_pulls_is_freed_at_the_timeout_and_a_late_import_fails_alone(engines):
+    p, d = engines("llama", "prefill", pp=2), engines("llama", "decode")
+    p_free, d_free = free_blocks(p), free_blocks(d)
+    first = prefill(p, "orphan", PROMPTS[1])          # the decode instance that should pull it never comes
+    assert first.kv_handle is not None
+    settle([p], 0.3)
+    assert free_blocks(p) < p_free                     # parked, not freed yet
+    wait_for_free([(p, p_free)], timeout_s=TIMEOUT_S + 10)
+    assert p.stats().transfer.exports_expired >= 1
+    d.add_request("late", PROMPTS[1], greedy(NEW_TOKENS), import_kv=first.kv_handle)
+    late = run_until([d, p], "late")
+    assert late.finish_reason == "error" and "timed out" in late.error   # the prefill rank's own answer
+    wait_for_free([(d, d_free)])
+
+
+def test_a_prefill_instance_gone_fails_only_its_imports(engines, tiny_checkpoint_factory):
+    d = engines("deepseek_v3", "decode")
+    gone = make_engine(EngineConfig(model=str(tiny_checkpoint_factory("deepseek_v3")), device="cpu",
+                                    kv_cache_memory=2 * 2**20, disaggregation_mode="prefill"))
+    first = prefill(gone, "gone-p", PROMPTS[1])
+    gone.shutdown()                                    # its block server and release listener close with it
+    d_free = free_blocks(d)
+    d.add_request("gone-d", PROMPTS[1], greedy(NEW_TOKENS), import_kv=first.kv_handle)
+    failed = run_until([d], "gone-d", timeout_s=TIMEOUT_S + 10)
+    assert failed.finish_reason == "error" and "prefill instance" in failed.error
+    wait_for_free([(d, d_free)])
+    p = engines("deepseek_v3", "prefill")               # the decode instance goes on with the others
+    first = prefill(p, "after-p", PROMPTS[0])
+    assert decode(p, d, "after-d", PROMPTS[0], first.kv_handle, NEW_TOKENS).finish_reason == "length"
