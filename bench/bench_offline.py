@@ -124,7 +124,9 @@ def run_runtime(path: str, dtype: str, prompts, repeats: int, queue, quantizatio
             started = time.perf_counter()
             outputs = llm.generate(prompts, params)
             times.append(time.perf_counter() - started)
-    queue.put(dict(seconds=min(times), tokens=[o.token_ids for o in outputs],
+        model = llm.engine.core.model            # one rank: the engine is in this process
+        weight_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    queue.put(dict(seconds=min(times), tokens=[o.token_ids for o in outputs], weight_mib=weight_mib,
                    peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
 
 
@@ -204,13 +206,17 @@ def main() -> None:
           "\nnear the memcpy figure a system is bound by memory bandwidth, not by its overheads.")
     print_fp8_rows(fp8_rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "offline_generate.json"
-    out.write_text(json.dumps(dict(
-        benchmark="offline_generate", shape=SHAPE, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS,
-        threads=torch.get_num_threads(), machine=platform.machine(), python=sys.version.split()[0],
-        torch=torch.__version__, rows=rows, fp8_rows=fp8_rows,
-        command="python bench/bench_offline.py " + " ".join(sys.argv[1:]),
-    ), indent=2))
+    common = dict(shape=SHAPE, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, threads=torch.get_num_threads(),
+                  machine=platform.machine(), python=sys.version.split()[0], torch=torch.__version__,
+                  command="python bench/bench_offline.py " + " ".join(sys.argv[1:]))
+    written = []
+    if rows:   # each table has its own file: an fp8-only run does not erase the dtype rows
+        written.append(RESULTS / "offline_generate.json")
+        written[-1].write_text(json.dumps(dict(benchmark="offline_generate", **common, rows=rows), indent=2))
+    if fp8_rows:
+        written.append(RESULTS / "offline_fp8.json")
+        written[-1].write_text(json.dumps(dict(benchmark="offline_fp8", **common, rows=fp8_rows), indent=2))
+    out = ", ".join(str(path) for path in written)
     print(f"\nwrote {out}")
 
 
@@ -236,6 +242,7 @@ def measure_fp8(batches: list[int], repeats: int, compute_dtype: str, bandwidth:
             kept_weight_bytes_per_step=kept_bytes, dequantized_weight_bytes_per_step=dense_bytes,
             kept_weight_gbs=kept_bytes * NEW_TOKENS / kept["seconds"] / 1e9,
             dequantized_weight_gbs=dense_bytes * NEW_TOKENS / dequantized["seconds"] / 1e9,
+            kept_weight_mib=kept["weight_mib"], dequantized_weight_mib=dequantized["weight_mib"],
             kept_peak_rss_mib=kept["peak_rss_mib"], dequantized_peak_rss_mib=dequantized["peak_rss_mib"],
             identical_to_dequantized=f"{sum(a == b for a, b in zip(kept['tokens'], dequantized['tokens']))}/{batch}",
             identical_to_transformers=f"{sum(a == b for a, b in zip(kept['tokens'], theirs['tokens']))}/{batch}",
@@ -249,14 +256,14 @@ def print_fp8_rows(rows: list[dict]) -> None:
         return
     print(f"\nFP8 checkpoint (128x128 blocks), compute {rows[0]['compute_dtype']}: decode tok/s")
     header = f"{'batch':>5} {'kept FP8':>9} {'dequantized':>12} {'HF deq.':>8} {'vs deq.':>8} {'vs HF':>7} " \
-             f"{'MB/step FP8/deq.':>17} {'RSS MiB FP8/deq.':>17} {'same tokens deq./HF':>20}"
+             f"{'MB/step FP8/deq.':>17} {'weights MiB FP8/deq.':>21} {'same tokens deq./HF':>20}"
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['batch']:>5} {r['kept_fp8_tok_s']:>9.1f} {r['dequantized_tok_s']:>12.1f} "
               f"{r['transformers_tok_s']:>8.1f} {r['kept_vs_dequantized']:>7.2f}x {r['kept_vs_transformers']:>6.2f}x "
               f"{r['kept_weight_bytes_per_step'] / 1e6:>8.1f}/{r['dequantized_weight_bytes_per_step'] / 1e6:<8.1f} "
-              f"{r['kept_peak_rss_mib']:>8.0f}/{r['dequantized_peak_rss_mib']:<8.0f} "
+              f"{r['kept_weight_mib']:>10.0f}/{r['dequantized_weight_mib']:<10.0f} "
               f"{r['identical_to_dequantized']:>9}/{r['identical_to_transformers']:<10}")
 
 

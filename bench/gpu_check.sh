@@ -10,9 +10,10 @@
 #                                       fp32 tokens exact, bf16 close; ep=2 when 2 GPUs are visible
 #   serve            40 s      100 s    moe-serve --device cuda on the demo model answers a completion
 #   moe_layer        50 s      120 s    bench/bench_moe_layer.py in bf16 vs transformers' MoE block
-#   offline          50 s      120 s    offline generation vs transformers generate (bf16, batch 1 and 16)
+#   offline          70 s      140 s    offline generation vs transformers generate (bf16 and --quantization
+#                                       fp8, batch 1 and 16)
 #   kernel_cases     60 s      120 s    tests/triton_kernel_cases.py compiled (edge cases, bf16 + fp32)
-#   total           ~6.5 min (estimates: no GPU has run it yet). The run stops starting parts at 540 s
+#   total           ~7 min (estimates: no GPU has run it yet). The run stops starting parts at 540 s
 #                   (--total-timeout; less what the wheels took) and this script kills it at
 #                   GPU_CHECK_HARD_LIMIT_S (default 580 s); results are written after each part.
 # Most of a cold run is Triton compiling each kernel variant once; a part far over its budget is itself

@@ -6,6 +6,8 @@ cached Qwen3-MoE checkpoint (`build_checkpoint`), prompts (`make_prompts`), prom
 weight-bytes model, with both systems on the run's device in this one process, one after the
 other. Reported per dtype and batch: tokens/s of each, the ratio, identical sequences, and the
 weight bandwidth each reached. Speed is never gated; a system that fails to produce its tokens is.
+The `fp8` rows run the bf16 checkpoint with `--quantization fp8` (weights quantized at load, the
+Triton FP8 grouped GEMM on the GPU) against transformers in bf16: their tokens may rightly differ.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from gpu_check_outcome import Outcome, judged
 from gpu_check_timing import synchronize
 from moe_runtime import LLM, SamplingParams
 
+FP8 = "fp8"                  # a row name: bf16 compute, weights kept in FP8 (--quantization fp8)
+FP8_COMPUTE_DTYPE = "bfloat16"
+
 
 class OfflinePart:
     def __init__(self, mode: RunMode):
@@ -31,7 +36,7 @@ class OfflinePart:
             self.dtypes, self.batches, self.new_tokens, self.repeats = ("float32",), (1,), 4, 1
             self.prompt_len = 16
         else:
-            self.dtypes, self.batches, self.new_tokens, self.repeats = ("bfloat16",), (1, 16), offline.NEW_TOKENS, 2
+            self.dtypes, self.batches, self.new_tokens, self.repeats = ("bfloat16", FP8), (1, 16), offline.NEW_TOKENS, 2
             self.prompt_len = offline.PROMPT_LEN
         self._systems: dict = {}           # dtype -> (LLM, transformers model): built once per dtype
 
@@ -48,13 +53,15 @@ class OfflinePart:
             self.close()
             from transformers import AutoModelForCausalLM
 
-            path = offline.build_checkpoint(dtype)
+            compute = FP8_COMPUTE_DTYPE if dtype == FP8 else dtype
+            path = offline.build_checkpoint(compute)
             if not any(path.glob("*.safetensors")):       # a build cut short left config.json only
                 shutil.rmtree(path)
-                path = offline.build_checkpoint(dtype)
+                path = offline.build_checkpoint(compute)
             path = str(path)
-            llm = LLM(path, device=self.device, dtype=dtype, max_num_seqs=max(self.batches))
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True)
+            llm = LLM(path, device=self.device, dtype=compute, max_num_seqs=max(self.batches),
+                      quantization=FP8 if dtype == FP8 else None)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, compute), local_files_only=True)
             self._systems[dtype] = (llm, model.to(self.device).eval())
         return self._systems[dtype]
 
@@ -66,8 +73,9 @@ class OfflinePart:
         runtime_s, runtime_tokens = self._time_runtime(llm, prompts)
         hf_s, hf_tokens = self._time_transformers(model, prompts)
         generated = batch * self.new_tokens
-        element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-        step_bytes = offline.weight_bytes_per_decode_step(batch, element)
+        element = torch.tensor([], dtype=getattr(torch, FP8_COMPUTE_DTYPE if dtype == FP8 else dtype)).element_size()
+        step_bytes = offline.weight_bytes_per_decode_step(
+            batch, element, offline.FP8_BYTES_PER_WEIGHT if dtype == FP8 else None)
         core = getattr(llm.engine, "core", None)
         problems = [f"{system} produced {[len(t) for t in tokens]} tokens, wanted {self.new_tokens} each"
                     for system, tokens in (("runtime", runtime_tokens), ("transformers", hf_tokens))

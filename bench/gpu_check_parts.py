@@ -46,8 +46,9 @@ PARTS: tuple[PartSpec, ...] = (
              "bench/bench_moe_layer.py: one MoE layer vs transformers' block (grouped_mm, eager)",
              gpu_budget_s=50, gpu_timeout_s=120, dry_budget_s=20, dry_timeout_s=60),
     PartSpec("offline", "gpu_check_offline",
-             "offline generation vs transformers generate (bench_offline.py's checkpoint and prompts)",
-             gpu_budget_s=50, gpu_timeout_s=120, dry_budget_s=45, dry_timeout_s=90),
+             "offline generation vs transformers generate (bench_offline.py's checkpoint and prompts; bf16 "
+             "and --quantization fp8)",
+             gpu_budget_s=70, gpu_timeout_s=140, dry_budget_s=45, dry_timeout_s=90),
     # Last: the four checks the GPU run exists for come first; this one takes what time is left.
     PartSpec("kernel_cases", "gpu_check_kernel_cases",
              "tests/triton_kernel_cases.py compiled, bf16 + fp32 (empty batches, masked slots, partial tiles)",
