@@ -1,8 +1,9 @@
-"""Session fixtures shared by the test suite: the tiny tokenizer and tiny checkpoints."""
+"""Session fixtures shared by the test suite: the tiny tokenizer, tiny checkpoints, the demo model."""
 
 import pytest
 from tiny_checkpoints import TinyCheckpointFactory, tiny_tokenizer
 
+from moe_runtime.demo import ensure_demo_model
 from moe_runtime.tokenizer_training import save_tokenizer
 
 
@@ -16,3 +17,10 @@ def tiny_tokenizer_dir(tmp_path_factory):
 def tiny_checkpoint_factory(tmp_path_factory, tiny_tokenizer_dir):
     """`factory(arch, *, sharded=False, seed=0, **config_overrides) -> Path`, each built once per session."""
     return TinyCheckpointFactory(tmp_path_factory.mktemp("tiny_checkpoints"), tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    """The embedded demo model (random weights, its own tokenizer and chat template), built once per session
+    into a private cache: the servers that need a real chat template share it."""
+    return ensure_demo_model(tmp_path_factory.mktemp("demo_cache"))

@@ -2,18 +2,13 @@
 
 The torch family runs here against the naive reference (every weight dequantized at once) and the
 plain formula weight.float() * scale.repeat_interleave(block_k, -1)[..., :K]. The Triton family runs
-in fp8_block_triton_cases.py: compiled with CUDA, else in the Triton interpreter in a child process
-(the interpreter must be on before triton is first imported; see test_kernels_triton.py).
+in fp8_block_triton_cases.py: compiled with CUDA, else in the Triton interpreter in
+test_kernels_triton.py's child process (the interpreter must be on before triton is first imported).
 
 Tolerances (outputs are O(1)): fp32 activations rtol = atol = 1e-4 (only summation order differs).
 bf16 / fp16 activations: the torch family computes in fp32 on CPU and rounds the output once, as the
 reference does, so the two differ by at most one ulp of the output: rtol = 8e-3 (bf16), 1e-3 (fp16).
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from fp8_block_inputs import all_e4m3_codes, random_fp8_experts, random_fp8_weight, strided
@@ -23,7 +18,6 @@ from kernels import get_kernels
 
 FAST = get_kernels("cpu", "torch")
 ORACLE = get_kernels("cpu", "reference")
-CASES = Path(__file__).with_name("fp8_block_triton_cases.py")
 HIDDEN, INTERMEDIATE = 56, 52        # partial last column blocks for block_k 16 and 48
 
 
@@ -201,21 +195,8 @@ def test_bad_fp8_arguments_name_the_tensor():
 
 # ----------------------------------------------------------------------------------------------- Triton
 
+# The Triton cases: compiled here on a GPU; on CPU tests/test_kernels_triton.py runs them in its
+# interpreter child together with the other Triton kernel cases (one child start-up for both).
 if torch.cuda.is_available():
     pytest.importorskip("triton")
     from fp8_block_triton_cases import *  # noqa: F401,F403  (collected here, compiled on the GPU)
-else:
-    @pytest.mark.slow
-    def test_triton_fp8_kernels_in_interpreter_child():
-        pytest.importorskip("triton")
-        repo = Path(__file__).resolve().parents[1]
-        path = os.pathsep.join(filter(None, [str(repo), str(repo / "tests"), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "--noconftest",
-             "--timeout", "300"],
-            cwd=repo, env=env, capture_output=True, text=True, timeout=600,
-        )
-        summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-        assert result.returncode == 0 and " passed" in summary and "skipped" not in summary, \
-            result.stdout[-8000:] + result.stderr[-2000:]

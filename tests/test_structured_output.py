@@ -26,7 +26,6 @@ from transformers import AutoTokenizer
 
 from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.demo import ensure_demo_model
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.request_limits import RequestLimits
 from moe_runtime.structured_output.compiler import GrammarCompilerCache
@@ -243,9 +242,8 @@ MAX_TOKENS = 400   # PERSON with at most 16 whitespace characters per gap fits w
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = ensure_demo_model(tmp_path_factory.mktemp("demo_cache"))
-    process = ServerProcess(["--model", str(model), "--device", "cpu", "--served-model-name", MODEL,
+def server(demo_model):
+    process = ServerProcess(["--model", str(demo_model), "--device", "cpu", "--served-model-name", MODEL,
                              "--max-num-seqs", "16", "--log-level", "warning"])
     process.start()
     yield process

@@ -45,11 +45,11 @@ ASK = [{"role": "user", "content": "What will the weather be like?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`moe-serve` with no --model: the demo model, built into a private cache."""
-    cache = tmp_path_factory.mktemp("demo_cache")
-    process = ServerProcess(["--device", "cpu", "--api-key", API_KEY, "--max-num-seqs", "4", "--log-level", "warning"],
-                            env={"MOE_RUNTIME_CACHE": str(cache)}, startup_timeout_s=240)
+def server(demo_model):
+    """`moe-serve` on the demo model (the session's private build), under the name it serves by default."""
+    process = ServerProcess(["--model", str(demo_model), "--served-model-name", MODEL, "--device", "cpu",
+                             "--api-key", API_KEY, "--max-num-seqs", "4", "--log-level", "warning"],
+                            startup_timeout_s=240)
     process.start()
     yield process
     process.stop()
