@@ -41,10 +41,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dispatch.base import LAYOUT_CONTIGUOUS  # noqa: E402
 from dispatch.local import LocalDispatcher  # noqa: E402
 from kernels import KernelSet, RoutingConfig, get_kernels  # noqa: E402
 from load_balancer import SlotGeometry  # noqa: E402
-from moe_runtime.moe.expert_kernel import ContiguousExpertKernel  # noqa: E402
+from moe_runtime.moe.expert_kernel import expert_kernel_for  # noqa: E402
 from moe_runtime.moe.expert_weights import ExpertWeights  # noqa: E402
 from moe_runtime.moe.modular_moe import ModularMoE  # noqa: E402
 
@@ -157,7 +158,7 @@ class Layer:
     def runtime(self, kernels: KernelSet, x: torch.Tensor) -> torch.Tensor:
         topk = kernels.select_experts(self.router_logits(x), self.routing, self.bias)
         weights = topk.weights if self.spec.name == "deepseek" else topk.weights.to(x.dtype).float()
-        expert_kernel = ContiguousExpertKernel(kernels.expert_mlp)
+        expert_kernel = expert_kernel_for(LAYOUT_CONTIGUOUS, kernels)
         y = ModularMoE(self.dispatcher, expert_kernel)(x, topk.ids, weights, self.routed)
         if self.shared is not None:
             dense_counts = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)

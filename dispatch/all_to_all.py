@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from dispatch.activation_wire import ActivationWire
-from dispatch.base import DispatchOutput, DispatchStats, Dispatcher
+from dispatch.base import DispatchOutput, DispatchStats, OverlappingDispatcher
 from dispatch.collectives import (ColumnSpec, exchange_counts, pack_rows, start_all_to_all_rows,
                                   unpack_rows)
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
@@ -75,7 +75,7 @@ def plan_sends(slot_ids: torch.Tensor, weights: torch.Tensor, slots: SlotLayout,
     )
 
 
-class AllToAllDispatcher(Dispatcher):
+class AllToAllDispatcher(OverlappingDispatcher):
     def __init__(self, slots: SlotLayout, rank: int, group=None,
                  hidden_size: int | None = None, send_once: bool = True,
                  fp8_activations: bool = False):
@@ -85,22 +85,6 @@ class AllToAllDispatcher(Dispatcher):
         self.hidden_size = hidden_size
         self.send_once = send_once
         self.fp8_activations = fp8_activations
-
-    def sends_fp8_activations(self) -> bool:
-        return self.fp8_activations
-
-    @classmethod
-    def fp8_activations_refusal(cls, hidden_size: int) -> str | None:
-        return None  # any hidden size: a partial last group gets its own scale
-
-    def supports_async(self) -> bool:
-        return True
-
-    def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
-        return self.dispatch_start(x, slot_ids, weights).wait()
-
-    def combine(self, expert_out: torch.Tensor, handle: _AllToAllHandle) -> torch.Tensor:
-        return self.combine_start(expert_out, handle).wait()
 
     def dispatch_start(self, x, slot_ids, weights) -> Pending[DispatchOutput]:
         """The counts exchange (R int64 per rank) runs here, synchronously: the receive buffer is

@@ -21,7 +21,7 @@ import logging
 import torch
 
 from dispatch.activation_wire import ActivationWire
-from dispatch.base import DispatchOutput, DispatchStats, Dispatcher
+from dispatch.base import DispatchOutput, DispatchStats, OverlappingDispatcher
 from dispatch.collectives import (ColumnSpec, all_gather_counts, pack_rows, start_all_gather_rows,
                                   start_all_reduce_slice, start_reduce_scatter_rows, unpack_rows)
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
@@ -40,7 +40,7 @@ class _AllGatherHandle:
     stats: DispatchStats
 
 
-class AllGatherDispatcher(Dispatcher):
+class AllGatherDispatcher(OverlappingDispatcher):
     def __init__(self, slots: SlotLayout, rank: int, group=None,
                  hidden_size: int | None = None, fp8_activations: bool = False):
         self.slots = slots
@@ -49,22 +49,6 @@ class AllGatherDispatcher(Dispatcher):
         self.hidden_size = hidden_size
         self.fp8_activations = fp8_activations
         self._use_reduce_scatter = True  # switched off once if the backend lacks it
-
-    def sends_fp8_activations(self) -> bool:
-        return self.fp8_activations
-
-    @classmethod
-    def fp8_activations_refusal(cls, hidden_size: int) -> str | None:
-        return None  # any hidden size: a partial last group gets its own scale
-
-    def supports_async(self) -> bool:
-        return True
-
-    def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
-        return self.dispatch_start(x, slot_ids, weights).wait()
-
-    def combine(self, expert_out: torch.Tensor, handle: _AllGatherHandle) -> torch.Tensor:
-        return self.combine_start(expert_out, handle).wait()
 
     def dispatch_start(self, x, slot_ids, weights) -> Pending[DispatchOutput]:
         """The token counts are gathered here, synchronously (they size every block); the rows'

@@ -129,3 +129,35 @@ class Dispatcher(abc.ABC):
     def last_stats(self) -> DispatchStats | None:
         """Traffic of the most recent dispatch (+ combine), for backends that count it."""
         return self._stats
+
+
+class OverlappingDispatcher(Dispatcher):
+    """A backend built on torch.distributed collectives (all_to_all, allgather): its payload collective
+    runs with async_op, so `dispatch_start` / `combine_start` are the primitives and `dispatch` /
+    `combine` their results waited on at once; its rows carry FP8 activations of any hidden size (a
+    partial last group gets its own scale) when `fp8_activations` is set."""
+
+    fp8_activations: bool = False
+
+    @abc.abstractmethod
+    def dispatch_start(self, x: torch.Tensor, slot_ids: torch.Tensor,
+                       weights: torch.Tensor) -> Pending[DispatchOutput]: ...
+
+    @abc.abstractmethod
+    def combine_start(self, expert_out: torch.Tensor, handle: object) -> Pending[torch.Tensor]: ...
+
+    def dispatch(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> DispatchOutput:
+        return self.dispatch_start(x, slot_ids, weights).wait()
+
+    def combine(self, expert_out: torch.Tensor, handle: object) -> torch.Tensor:
+        return self.combine_start(expert_out, handle).wait()
+
+    def supports_async(self) -> bool:
+        return True
+
+    def sends_fp8_activations(self) -> bool:
+        return self.fp8_activations
+
+    @classmethod
+    def fp8_activations_refusal(cls, hidden_size: int) -> str | None:
+        return None

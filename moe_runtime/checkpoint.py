@@ -155,3 +155,9 @@ def read_slice(reader: CheckpointReader, name: str, dim: int, start: int, stop: 
     tensor = view[start:stop] if dim == 0 else view[:, start:stop]
     reader._count(name, tensor)
     return tensor
+
+
+def read_fp8_slice(reader: CheckpointReader, name: str, block_k: int, dim: int, start: int, stop: int) -> Fp8Rows:
+    """`read_slice` for weights kept in FP8: rows (dim 0) or columns (dim 1, on a block_k boundary) [start, stop)."""
+    whole = reader.read_fp8_rows(name, block_k)      # scales cover blocks, not rows: read it all, then cut
+    return whole.rows(start, stop) if dim == 0 else whole.columns(start, stop, block_k)

@@ -1,7 +1,7 @@
 """`serve`: listen at once (503 while starting), build the engine in a thread, serve, shut down cleanly.
 
 Signals: uvicorn handles SIGINT/SIGTERM itself (graceful HTTP shutdown), then restores the previous
-handlers and raises the signal again. `serve` installs a SIGTERM handler that turns that second
+handlers and raises the signal again. `serve_loop.serve_until_stopped` turns that second
 delivery into an exception, so the engine (and, multi-process, its workers) is always shut down
 instead of the process just dying.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from typing import Callable
 
 import uvicorn
@@ -20,6 +19,7 @@ from server.dashboard import dashboard_router
 from server.engine_launch import EngineLaunch
 from server.exposure import warn_if_exposed
 from server.listen_socket import bind_socket, socket_url
+from server.serve_loop import serve_until_stopped, until_started
 from server.server_config import ServerConfig
 from server.startup_gate import StartupGate
 from server.tool_calls.selection import checkpoint_model_type
@@ -49,9 +49,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     exit_code = 0
 
     async def announce_listening() -> None:
-        while not server.started and not server.should_exit:
-            await asyncio.sleep(0.02)
-        if server.started:
+        if await until_started(server):
             print(f"moe-serve: listening on {url}; starting the engine (/health answers 503 until it is ready)\n",
                   end="", flush=True)   # one write: log lines on stderr cannot land inside it
 
@@ -85,20 +83,9 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
         exit_code = 1
         server.should_exit = True
 
-    async def run() -> None:
-        starting = asyncio.create_task(start_then_serve())
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            starting.cancel()
-
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        asyncio.run(run())
-    except _Terminated:
-        pass
+        serve_until_stopped(server, sock, start_then_serve)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         launch.shutdown()
         sock.close()
         logger.info("stopped")
@@ -116,14 +103,6 @@ def ready_lines(served_name: str, url: str, is_demo: bool) -> str:
     demo_note = " (the demo model: seeded random weights, for trying the machinery, not the text)" if is_demo else ""
     return (f"moe-serve: serving {served_name!r}{demo_note} on {url} (Ctrl-C to stop)\n"
             f"moe-serve: dashboard at {url}/dashboard\n")
-
-
-class _Terminated(Exception):
-    """SIGTERM arrived (after uvicorn's graceful shutdown)."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
 
 
 class _Server(uvicorn.Server):

@@ -1,7 +1,7 @@
 """Session fixtures shared by the test suite: the tiny tokenizer, tiny checkpoints, the demo model."""
 
 import pytest
-from tiny_checkpoints import TinyCheckpointFactory, tiny_tokenizer
+from tiny_checkpoints import GreedyOracle, TinyCheckpointFactory, tiny_tokenizer
 
 from moe_runtime.demo import ensure_demo_model
 from moe_runtime.tokenizer_training import save_tokenizer
@@ -17,6 +17,12 @@ def tiny_tokenizer_dir(tmp_path_factory):
 def tiny_checkpoint_factory(tmp_path_factory, tiny_tokenizer_dir):
     """`factory(arch, *, sharded=False, seed=0, **config_overrides) -> Path`, each built once per session."""
     return TinyCheckpointFactory(tmp_path_factory.mktemp("tiny_checkpoints"), tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def greedy_oracle(tiny_checkpoint_factory):
+    """`oracle(arch, prompts, max_new_tokens)`: transformers' greedy tokens, each prompt computed once per session."""
+    return GreedyOracle(tiny_checkpoint_factory)
 
 
 @pytest.fixture(scope="session")

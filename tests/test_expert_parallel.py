@@ -5,7 +5,6 @@ Each engine below starts real worker processes (gloo); one engine serves several
 import pytest
 
 from engine_helpers import PROMPTS, greedy
-from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
 
 NEW_TOKENS = 16
@@ -17,15 +16,8 @@ LAYOUTS = [  # (arch, ep, dp_attn): attention TP = ep / dp_attn; every valid pai
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny_checkpoint_factory):
-    cache = {}
-
-    def get(arch, prompts):
-        key = (arch, tuple(map(tuple, prompts)))
-        if key not in cache:
-            cache[key] = hf_greedy(tiny_checkpoint_factory(arch), prompts, NEW_TOKENS)
-        return cache[key]
-    return get
+def oracle(greedy_oracle):
+    return lambda arch, prompts: greedy_oracle(arch, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("arch, ep, dp_attn", LAYOUTS, ids=[f"{a}-ep{e}-dp{d}" for a, e, d in LAYOUTS])

@@ -16,7 +16,6 @@ import torch
 
 import moe_runtime.models.decoder
 from engine_helpers import PROMPTS, greedy
-from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
 from moe_runtime.sequence import Sequence
 from moe_runtime.moe.stages import interleave
@@ -29,15 +28,8 @@ PREFIX_PROMPTS = [SHARED + [5, 6, 7], SHARED + [9, 10, 11, 12, 13], [300, 301, 3
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny_checkpoint_factory):
-    cache = {}
-
-    def get(arch, prompts):
-        key = (arch, tuple(map(tuple, prompts)))
-        if key not in cache:
-            cache[key] = hf_greedy(tiny_checkpoint_factory(arch), prompts, NEW_TOKENS)
-        return cache[key]
-    return get
+def oracle(greedy_oracle):
+    return lambda arch, prompts: greedy_oracle(arch, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("arch, dp_attn", LAYOUTS, ids=[f"{a}-ep2-dp{d}" for a, d in LAYOUTS])

@@ -326,6 +326,26 @@ class HFOracle:
         return logits[0].float()  # [T, V]
 
 
+class GreedyOracle:
+    """transformers' greedy continuations of tiny checkpoints, each (arch, prompt) computed once per session.
+
+    Greedy decoding with eos ignored is deterministic, so the first n tokens of a longer continuation
+    are the n-token continuation: a test asking for fewer tokens is answered from a longer run.
+    """
+
+    def __init__(self, factory: "TinyCheckpointFactory"):
+        self._factory = factory
+        self._tokens: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+    def __call__(self, arch: str, prompts_token_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        keys = [(arch, tuple(ids)) for ids in prompts_token_ids]
+        missing = list(dict.fromkeys(k for k in keys if len(self._tokens.get(k, ())) < max_new_tokens))
+        if missing:
+            found = HFOracle(self._factory(arch)).greedy([list(ids) for _, ids in missing], max_new_tokens)
+            self._tokens.update(zip(missing, found))
+        return [self._tokens[key][:max_new_tokens] for key in keys]
+
+
 def hf_greedy(path: str | Path, prompts_token_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation (new tokens only) of each prompt: see `HFOracle.greedy`."""
     return HFOracle(path).greedy(prompts_token_ids, max_new_tokens)

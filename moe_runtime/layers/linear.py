@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.skinny_matmul import linear_rows
-from moe_runtime.checkpoint import CheckpointReader, read_slice
+from moe_runtime.checkpoint import CheckpointReader, read_fp8_slice, read_slice
 from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
 from moe_runtime.weight_loading import copy_checked
 
@@ -71,11 +71,8 @@ class Linear(nn.Module):
         return loaded
 
     def _load_fp8(self, reader: CheckpointReader, full: str) -> None:
-        rows = reader.read_fp8_rows(full, self.fp8.block_k)                # the whole tensor, then this shard
-        if self.shard is not None and self.shard.dim == 0:
-            rows = rows.rows(self.shard.start, self.shard.stop)
-        elif self.shard is not None:
-            rows = rows.columns(self.shard.start, self.shard.stop, self.fp8.block_k)
+        rows = (reader.read_fp8_rows(full, self.fp8.block_k) if self.shard is None else
+                read_fp8_slice(reader, full, self.fp8.block_k, self.shard.dim, self.shard.start, self.shard.stop))
         copy_checked(self.weight, rows.values, full, reader.directory)
         copy_checked(self.weight_scale, rows.scales, full + "_scale_inv", reader.directory)
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dispatch.base import LAYOUT_CONTIGUOUS
 from kernels import KernelSet
-from moe_runtime.checkpoint import CheckpointReader, read_slice
+from moe_runtime.checkpoint import CheckpointReader, read_fp8_slice, read_slice
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.expert_weights import ExpertWeights
 from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
@@ -49,8 +49,7 @@ class DenseMLP(ExpertWeights):
             return self._read(reader, full)
         if self.fp8 is None:
             return read_slice(reader, full, dim, start, stop)
-        whole = self._read(reader, full)
-        return whole.rows(start, stop) if dim == 0 else whole.columns(start, stop, self.fp8.block_k)
+        return read_fp8_slice(reader, full, self.fp8.block_k, dim, start, stop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         # [1]: on the input's device, where the expert kernel runs (a Triton kernel cannot read a CPU tensor)

@@ -10,7 +10,7 @@ experts kept in FP8 (`ExpertWeights.fp8`) run through the family's FP8 twin of t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -27,41 +27,26 @@ class ExpertKernel(Protocol):
 
 
 @dataclass(frozen=True)
-class ContiguousExpertKernel:
-    """recv_x [N, H] grouped by local expert -> [N, H]."""
+class LayoutExpertKernel:
+    """One layout's pair of kernels: contiguous, recv_x [N, H] grouped by local expert -> [N, H]; masked,
+    recv_x [E_local, M, H] -> [E_local, M, H] with rows past each expert's count zero."""
 
-    expert_mlp: Callable      # KernelSet.expert_mlp(x_sorted [N, H], counts [E], w13, w2) -> [N, H]
-    fp8_expert_mlp: Callable  # KernelSet.fp8_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale, block_k)
-    layout: ClassVar[str] = LAYOUT_CONTIGUOUS
-
-    def __call__(self, recv_x: torch.Tensor, tokens_per_local_expert: torch.Tensor,
-                 experts: ExpertWeights) -> torch.Tensor:
-        if experts.fp8 is not None:
-            return self.fp8_expert_mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w13_scale,
-                                       experts.w2, experts.w2_scale, experts.fp8.block_k)
-        return self.expert_mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w2)
-
-
-@dataclass(frozen=True)
-class MaskedExpertKernel:
-    """recv_x [E_local, M, H] -> [E_local, M, H], rows past each expert's count zero."""
-
-    masked_expert_mlp: Callable  # KernelSet.masked_expert_mlp(x [E, M, H], counts [E], w13, w2) -> [E, M, H]
-    fp8_masked_expert_mlp: Callable  # its FP8 twin, taking the scales and block_k as fp8_expert_mlp does
-    layout: ClassVar[str] = LAYOUT_MASKED
+    layout: str
+    mlp: Callable      # KernelSet.expert_mlp / masked_expert_mlp(recv_x, counts [E], w13, w2)
+    fp8_mlp: Callable  # their FP8 twins (recv_x, counts, w13, w13_scale, w2, w2_scale, block_k)
 
     def __call__(self, recv_x: torch.Tensor, tokens_per_local_expert: torch.Tensor,
                  experts: ExpertWeights) -> torch.Tensor:
         if experts.fp8 is not None:
-            return self.fp8_masked_expert_mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w13_scale,
-                                              experts.w2, experts.w2_scale, experts.fp8.block_k)
-        return self.masked_expert_mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w2)
+            return self.fp8_mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w13_scale,
+                                experts.w2, experts.w2_scale, experts.fp8.block_k)
+        return self.mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w2)
 
 
 def expert_kernel_for(layout: str, kernels: KernelSet) -> ExpertKernel:
     """The kernel family's expert kernel for a dispatcher's layout."""
     if layout == LAYOUT_CONTIGUOUS:
-        return ContiguousExpertKernel(kernels.expert_mlp, kernels.fp8_expert_mlp)
+        return LayoutExpertKernel(layout, kernels.expert_mlp, kernels.fp8_expert_mlp)
     if layout == LAYOUT_MASKED:
-        return MaskedExpertKernel(kernels.masked_expert_mlp, kernels.fp8_masked_expert_mlp)
+        return LayoutExpertKernel(layout, kernels.masked_expert_mlp, kernels.fp8_masked_expert_mlp)
     raise ValueError(f"no expert kernel for dispatch layout {layout!r}")

@@ -10,15 +10,14 @@ the router needs none: it only passes handles on. `moe-serve --pd 1:1` starts a 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 
 import uvicorn
 
 from server.flag_help import DefaultsHelpFormatter
 from server.flag_types import parse_size, positive_int, tcp_port
 from server.listen_socket import bind_socket, socket_url
+from server.serve_loop import serve_until_stopped, until_started
 from server.pd_router.app import build_router_app
 from server.pd_router.backends import BackendPool
 from server.server_config import DEFAULT_MAX_REQUEST_BYTES
@@ -54,36 +53,15 @@ def serve_router(pool: BackendPool, host: str, port: int, api_key: str | None, b
                                            timeout_graceful_shutdown=5))
 
     async def announce() -> None:
-        while not server.started and not server.should_exit:
-            await asyncio.sleep(0.02)
-        if server.started:
+        if await until_started(server):
             print(f"moe-serve: serving the P/D router ({len(pool.of_role('prefill'))} prefill, "
                   f"{len(pool.of_role('decode'))} decode instances) on {url} (Ctrl-C to stop)\n", end="", flush=True)
 
-    async def run() -> None:
-        announcer = asyncio.create_task(announce())
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            announcer.cancel()
-
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)   # uvicorn raises SIGTERM again once it stopped
     try:
-        asyncio.run(run())
-    except _Terminated:
-        pass
+        serve_until_stopped(server, sock, announce)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         sock.close()
     return 0
-
-
-class _Terminated(Exception):
-    """SIGTERM arrived (after uvicorn's graceful shutdown): return, so the caller's clean-up runs."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
 
 
 def main(argv: list[str]) -> int:
