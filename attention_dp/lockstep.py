@@ -39,7 +39,7 @@ class LockstepLoop:
         self.results = results
         self.parallel = parallel
         # one rank per DP worker talks to the front: on the last pipeline stage, which samples
-        self.reports_outputs = parallel.attn_tp_rank == 0 and parallel.is_last_stage
+        self.reports_outputs = parallel.is_worker_leader and parallel.is_last_stage
         self._received: list = []
         self._applied = 0
         self.steps = 0
@@ -126,7 +126,7 @@ class LockstepLoop:
         elif isinstance(command, SnapshotExpertLoad):
             # summed over the stage's EP group; each pipeline stage's first rank reports its layers
             snapshot = self.core.expert_load(group=self.parallel.ep_group)
-            if self.parallel.ep_rank == 0 and self.parallel.attn_tp_rank == 0 and self.parallel.dp_rank == 0:
+            if self.parallel.ep_rank == 0 and self.parallel.is_worker_leader and self.parallel.dp_rank == 0:
                 tables = None if snapshot is None else ExpertLoadTables(**snapshot.to_dict())
                 self.results.put(ExpertLoadReport(tables=tables, stage=self.parallel.pp_rank))
         else:

@@ -2,8 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+class KVWriter(Protocol):
+    """Stores a step's new K/V when a rank computes only some of its tokens (context parallelism)."""
+
+    def write_kv(self, cache, keys: torch.Tensor, values: torch.Tensor | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class AttentionBatch:
     block_tables: torch.Tensor     # [B, max_blocks] int32, -1 padded
     context_lens_tensor: torch.Tensor  # [B] int32
     block_size: int
+    kv_writer: KVWriter | None = None  # context parallelism: gathers the other ranks' new K/V and stores all
     _splits: dict = field(default_factory=dict, repr=False)   # sliding window -> SingleQuerySplit (per step)
 
     @property
@@ -61,6 +69,14 @@ class AttentionBatch:
                 single, multi, single_rows, multi_rows, self.block_tables.index_select(0, index),
                 self.context_lens_tensor.index_select(0, index))
         return self._splits[sliding_window]
+
+    def write_kv(self, cache, keys: torch.Tensor, values: torch.Tensor | None = None) -> None:
+        """Store this step's new keys [T, h, dk] (and values) in `cache`; under context parallelism the
+        other ranks' new tokens too, so every rank's cache holds the whole step."""
+        if self.kv_writer is not None:
+            self.kv_writer.write_kv(cache, keys, values)
+        else:
+            cache.write(self.slot_mapping, keys, values)
 
     def context_slots(self, seq: int) -> torch.Tensor:
         """[context_lens[seq]] int64 flat cache slots of one sequence's whole context."""

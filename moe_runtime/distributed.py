@@ -72,12 +72,15 @@ def loopback_interface() -> str:
 def build_parallel_context(layout: ParallelLayout, rank: int, device: torch.device, num_layers: int) -> ParallelContext:
     """This rank's groups. Ranks are laid out stage by stage: rank = stage * stage_size + local.
 
-    Within a stage, the EP group is the stage and each DP attention worker is `attn_tp` consecutive
-    ranks; a pipeline group joins the ranks at the same local position of every stage. Each scope
-    gets a data group (the job's backend) and a gloo control group (see ParallelContext).
+    Within a stage, the EP group is the stage and each DP attention worker is `attn_tp x cp`
+    consecutive ranks, context-parallel position major: worker rank = cp_rank * attn_tp + attn_tp_rank.
+    A pipeline group joins the ranks at the same local position of every stage. Each scope gets a
+    data group (the job's backend) and a gloo control group (see ParallelContext).
     """
-    size, tp, dp_size = layout.stage_size, layout.attn_tp, layout.dp_size
+    size, tp, dp_size, width = layout.stage_size, layout.attn_tp, layout.dp_size, layout.worker_size
     stage, local = divmod(rank, size)
+    worker, in_worker = divmod(local, width)
+    cp_rank, tp_rank = divmod(in_worker, tp)
     groups = ScopeGroups.create(layout)
     split = layout.stage_layers(num_layers)
     first_layer = sum(split[:stage])
@@ -85,9 +88,10 @@ def build_parallel_context(layout: ParallelLayout, rank: int, device: torch.devi
         world_size=layout.world_size, rank=rank, device=device, world_control_group=groups.world_control,
         ep_size=layout.ep, ep_rank=local if layout.ep > 1 else 0,
         ep_group=groups.stage[stage], ep_control_group=groups.stage_control[stage],
-        dp_size=dp_size, dp_rank=local // tp,
-        attn_tp_size=tp, attn_tp_rank=local % tp, attn_tp_group=groups.attn_tp[(stage, local // tp)],
-        attn_tp_control_group=groups.attn_tp_control[(stage, local // tp)],
+        dp_size=dp_size, dp_rank=worker,
+        attn_tp_size=tp, attn_tp_rank=tp_rank, attn_tp_group=groups.attn_tp[(stage, worker, cp_rank)],
+        attn_tp_control_group=groups.attn_tp_control[(stage, worker, cp_rank)],
+        cp_size=layout.cp, cp_rank=cp_rank, cp_group=groups.context.get((stage, worker, tp_rank)),
         pp_size=layout.pp, pp_rank=stage, pp_group=groups.pipeline[local],
         pp_control_group=groups.pipeline_control[local],
         pp_prev_rank=rank - size if stage > 0 else None,
@@ -105,8 +109,9 @@ class ScopeGroups:
     world_control: Any
     stage: list
     stage_control: list
-    attn_tp: dict
+    attn_tp: dict                  # (stage, worker, cp rank) -> group
     attn_tp_control: dict
+    context: dict                  # (stage, worker, attention-TP rank) -> group; empty when cp == 1
     pipeline: list
     pipeline_control: list
 
@@ -114,7 +119,7 @@ class ScopeGroups:
     def create(cls, layout: ParallelLayout) -> "ScopeGroups":
         """Every rank creates every group in the same order, as torch.distributed requires (also the
         groups it is not in). With one stage, the stage is the world and reuses its groups."""
-        size, tp, pp = layout.stage_size, layout.attn_tp, layout.pp
+        size, tp, pp, width = layout.stage_size, layout.attn_tp, layout.pp, layout.worker_size
 
         def pair(ranks: list[int]):
             return dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
@@ -124,14 +129,18 @@ class ScopeGroups:
             stage, stage_control = [dist.group.WORLD], [world_control]
         else:
             stage, stage_control = map(list, zip(*(pair(list(range(s * size, (s + 1) * size))) for s in range(pp))))
-        attn_tp, attn_tp_control = {}, {}
+        attn_tp, attn_tp_control, context = {}, {}, {}
         for s in range(pp):
             for d in range(layout.dp_size):
-                key = (s, d)
-                attn_tp[key], attn_tp_control[key] = pair(list(range(s * size + d * tp, s * size + (d + 1) * tp)))
+                first = s * size + d * width
+                for c in range(layout.cp):
+                    key = (s, d, c)
+                    attn_tp[key], attn_tp_control[key] = pair(list(range(first + c * tp, first + (c + 1) * tp)))
+                for t in range(tp if layout.cp > 1 else 0):
+                    context[(s, d, t)] = dist.new_group([first + c * tp + t for c in range(layout.cp)])
         pipeline, pipeline_control = [], []
         for position in range(size):
             data, control = pair([position + s * size for s in range(pp)])
             pipeline.append(data)
             pipeline_control.append(control)
-        return cls(world_control, stage, stage_control, attn_tp, attn_tp_control, pipeline, pipeline_control)
+        return cls(world_control, stage, stage_control, attn_tp, attn_tp_control, context, pipeline, pipeline_control)

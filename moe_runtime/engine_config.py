@@ -46,6 +46,8 @@ class EngineConfig:
     pp: int = 1                          # pipeline stages (layers split across ranks)
     pp_layers: tuple[int, ...] | None = None  # layers per stage; default: as even as possible
     pp_micro_batches: int = 0            # micro-batches per step so stages overlap (0 = pp)
+    cp: int = 1                          # context parallelism: a DP worker's ranks split each step's tokens
+                                         # (ep / dp_attn = attention TP x cp; without EP, tp x cp ranks)
     a2a_backend: str = "auto"            # "auto" | "local" | "all_to_all" | "allgather" | "deepep"
     dispatch_fp8: bool = False           # dispatch sends FP8 activations + per-128-column scales (GPU bandwidth)
     enable_two_batch_overlap: bool = False  # each step runs as two micro-batches, one's dispatch/combine in flight
@@ -118,6 +120,10 @@ class EngineConfig:
                                     f"{[q for q in QUANTIZATIONS if q]} (or leave it unset to run in --dtype)")
         if self.ep == 1 and self.dispatch_fp8:
             raise EngineConfigError("--dispatch-fp8 needs --ep > 1 (one rank dispatches nothing over a wire)")
+        if self.cp > 1 and self.enable_two_batch_overlap:
+            raise EngineConfigError(f"--cp {self.cp} with --enable-two-batch-overlap: a context-parallel step "
+                                    "exchanges every layer's new K/V over the whole step, which two micro-batches "
+                                    "would have to pair up; use one of them")
 
     @property
     def ranks_start_elsewhere(self) -> bool:
@@ -128,7 +134,7 @@ class EngineConfig:
         from moe_runtime.parallel_layout import ParallelLayout
 
         return ParallelLayout(self.ep, self.dp_attn, self.num_redundant_experts, self.tp, self.pp,
-                              tuple(self.pp_layers) if self.pp_layers else None)
+                              tuple(self.pp_layers) if self.pp_layers else None, self.cp)
 
     @property
     def world_size(self) -> int:

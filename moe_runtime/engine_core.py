@@ -159,7 +159,7 @@ class EngineCore:
             self.exports = PrefillExports(self.runner.caches, shard, self.block_manager, key, config.kv_transfer_host)
         else:
             sink = open_sink(self.runner.caches, shard, key, on_landed=self._pull_ended)
-            self.imports = DecodeImports(shard, sink, self.block_manager, self.parallel.attn_tp_rank,
+            self.imports = DecodeImports(shard, sink, self.block_manager, self.parallel.worker_rank,
                                          config.kv_transfer_timeout_s)
 
     def _pull_ended(self) -> None:

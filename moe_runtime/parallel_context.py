@@ -12,9 +12,12 @@ class ParallelContext:
     """Where this process sits in the job.
 
     world = pp stages x stage ranks. Within a stage: the EP group spans the stage's ranks; each DP
-    attention worker spans `attn_tp_size` of them, which split attention heads (for a dense model
-    with tp > 1 they also split the MLP and the vocabulary: `dense_tp`). Across stages, the ranks
-    at the same position form a pipeline group that passes activations on.
+    attention worker spans `attn_tp_size x cp_size` of them. The `attn_tp_size` ranks of an
+    attention-TP group split attention heads (for a dense model with tp > 1 they also split the MLP
+    and the vocabulary: `dense_tp`) and see the same tokens; with context parallelism the worker's
+    `cp_size` attention-TP groups each take a share of every step's tokens and exchange their new K/V
+    over the context-parallel group (moe_runtime/context_parallel.py). Across stages, the ranks at
+    the same position form a pipeline group that passes activations on.
 
     Every scope has two groups. The data group (`*_group`, NCCL on GPU) moves activations and
     expert weights. The control group (`*_control_group`, always gloo) carries the small CPU
@@ -37,6 +40,9 @@ class ParallelContext:
     attn_tp_rank: int = 0
     attn_tp_group: Any = None
     attn_tp_control_group: Any = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: Any = None                # the worker's ranks at this attention-TP position (None when cp_size == 1)
     pp_size: int = 1
     pp_rank: int = 0
     pp_group: Any = None
@@ -46,6 +52,16 @@ class ParallelContext:
     pp_last_rank: int | None = None     # global rank of the last stage's peer (samples the tokens)
     dense_tp: bool = False              # dense MLP, embedding and LM head split over the attention-TP group
     stage_layers: tuple[int, int] | None = None  # [first, last) decoder layers of this stage; None = all
+
+    @property
+    def worker_rank(self) -> int:
+        """This rank's place among its DP attention worker's ranks on its stage."""
+        return self.cp_rank * self.attn_tp_size + self.attn_tp_rank
+
+    @property
+    def is_worker_leader(self) -> bool:
+        """The first rank of its DP attention worker (on each stage): the one that speaks for the worker."""
+        return self.worker_rank == 0
 
     @property
     def is_first_stage(self) -> bool:

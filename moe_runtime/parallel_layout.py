@@ -30,7 +30,14 @@ def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """world = pp stages x stage_size ranks; stage_size = ep (MoE) or tp (dense)."""
+    """world = pp stages x stage_size ranks.
+
+    A stage is the EP group of an MoE model (ep ranks), cut into dp_attn DP attention workers of
+    ep / dp_attn ranks each; a worker's ranks split the heads (attention TP) and, with cp > 1, the
+    tokens of each step (context parallelism): ep / dp_attn = attn_tp x cp, so cp takes ranks from
+    attention TP and adds none. Without EP (dense models, or ep=1) a stage is one worker of tp x cp
+    ranks.
+    """
 
     ep: int = 1
     dp_attn: int = 1
@@ -38,30 +45,38 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     pp_layers: tuple[int, ...] | None = None
+    cp: int = 1
 
     @property
     def stage_size(self) -> int:
-        return self.ep * self.tp  # one of them is 1
+        return self.ep if self.ep > 1 else self.tp * self.cp  # tp > 1 only without EP
 
     @property
     def world_size(self) -> int:
         return self.stage_size * self.pp
 
     @property
+    def worker_size(self) -> int:
+        """Ranks of one DP attention worker (attn_tp x cp)."""
+        return self.attn_tp * self.cp
+
+    @property
     def dp_size(self) -> int:
         """DP attention workers (each with its own requests, scheduler and KV cache)."""
-        return self.stage_size // self.attn_tp
+        return self.stage_size // self.worker_size
 
     @property
     def attn_tp(self) -> int:
         """Ranks splitting the heads of one DP attention worker."""
-        return self.tp if self.tp > 1 else self.ep // self.dp_attn
+        if self.tp > 1 or self.ep == 1:
+            return self.tp
+        return max(self.ep // (self.dp_attn * self.cp), 1)
 
     def stage_layers(self, num_layers: int) -> tuple[int, ...]:
         return self.pp_layers or even_split(num_layers, self.pp)
 
     def validate(self, hf_config) -> None:
-        for name in ("ep", "tp", "pp", "dp_attn"):
+        for name in ("ep", "tp", "pp", "dp_attn", "cp"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.ep > 1 and self.tp > 1:
@@ -76,6 +91,8 @@ class ParallelLayout:
             raise InvalidRequestError(
                 f"dp_attn={self.dp_attn} must divide ep={self.ep}; valid dp_attn for ep={self.ep}: {divisors(self.ep)}"
             )
+        if self.cp > 1:
+            self._validate_context_parallel()
         experts = num_routed_experts(hf_config)
         slots = experts + self.num_redundant_experts
         if self.num_redundant_experts < 0:
@@ -96,15 +113,25 @@ class ParallelLayout:
             raise InvalidRequestError("num_redundant_experts needs ep > 1: replicas on one rank gain nothing")
         heads = hf_config.num_attention_heads
         if self.tp == 1 and heads % self.attn_tp:
-            valid_dp = [d for d in divisors(self.ep) if heads % (self.ep // d) == 0]
+            valid_dp = [d for d in divisors(self.ep) if heads % max(self.ep // (d * self.cp), 1) == 0]
+            cp = "/cp" if self.cp > 1 else ""
             raise InvalidRequestError(
-                f"attention TP = ep/dp_attn = {self.attn_tp} does not divide the {heads} attention heads; "
+                f"attention TP = ep/dp_attn{cp} = {self.attn_tp} does not divide the {heads} attention heads; "
                 f"with ep={self.ep} use dp_attn in {valid_dp}"
             )
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         if kv_heads % self.attn_tp and self.attn_tp % kv_heads:
             raise InvalidRequestError(
                 f"attention TP = {self.attn_tp} and {kv_heads} KV heads: one must divide the other"
+            )
+
+    def _validate_context_parallel(self) -> None:
+        if self.ep > 1 and (self.ep // self.dp_attn) % self.cp:
+            valid = [c for c in divisors(self.ep // self.dp_attn)]
+            raise InvalidRequestError(
+                f"cp={self.cp} must divide the {self.ep // self.dp_attn} ranks of a DP attention worker "
+                f"(ep/dp_attn = {self.ep}/{self.dp_attn}): context parallelism splits a worker's ranks, it adds "
+                f"none; valid cp: {valid}"
             )
 
     def _validate_pipeline(self, hf_config) -> None:

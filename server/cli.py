@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=e.device, choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
     g.add_argument("--quantization", default=e.quantization, choices=[q for q in QUANTIZATIONS if q],
                    help="fp8: keep linear and expert weights in FP8 with block scales (an FP8 checkpoint as "
-                        "stored, any other quantized at load), dequantized per matmul tile; unset: weights in "
-                        "--dtype (FP8 checkpoints are dequantized at load)")
+                        "stored, any other quantized at load), dequantized per matmul tile; int8: keep them int8 "
+                        "with one scale per output row, quantized at load (weight-only: activations stay in "
+                        "--dtype); unset: weights in --dtype (FP8 checkpoints are dequantized at load)")
     g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "reference"],
                    help="MoE/attention kernel implementation")
     g.add_argument("--tool-call-parser", default=s.tool_call_parser, choices=sorted(TOOL_CALL_PARSER_NAMES),
@@ -89,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ep", type=positive_int, default=e.ep, help="expert-parallel ranks")
     g.add_argument("--tp", type=positive_int, default=e.tp, help="tensor-parallel size")
     g.add_argument("--pp", type=positive_int, default=e.pp, help="pipeline-parallel stages")
+    g.add_argument("--cp", type=positive_int, default=e.cp,
+                   help="context parallelism: the ranks of a DP attention worker split each step's tokens (long "
+                        "prompts prefill cp times wider) and exchange their new K/V; cp divides ep / dp-attn "
+                        "(without --ep a worker is --tp x --cp ranks)")
     g.add_argument("--a2a-backend", default=e.a2a_backend, choices=BACKENDS,
                    help="token dispatch/combine backend between expert-parallel ranks")
     g.add_argument("--dispatch-fp8", action=argparse.BooleanOptionalAction, default=e.dispatch_fp8,

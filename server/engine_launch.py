@@ -34,8 +34,9 @@ class EngineLaunch:
             logger.info("loading %s from %s", model.served_name, model.path)
             engine_config = dataclasses.replace(self.engine, model=model.path)
             if engine_config.world_size > 1 or engine_config.ranks_start_elsewhere:
-                logger.info("starting %d worker ranks (ep %d, dp-attn %d, tp %d, pp %d)", engine_config.world_size,
-                            engine_config.ep, engine_config.dp_attn, engine_config.tp, engine_config.pp)
+                logger.info("starting %d worker ranks (ep %d, dp-attn %d, tp %d, pp %d, cp %d)",
+                            engine_config.world_size, engine_config.ep, engine_config.dp_attn, engine_config.tp,
+                            engine_config.pp, engine_config.cp)
             engine = make_engine(engine_config)
             self.async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=self.server.max_queue)).start()
         except BaseException as exc:  # noqa: BLE001 - re-raised by serve() once the HTTP server has stopped

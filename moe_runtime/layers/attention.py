@@ -137,7 +137,7 @@ class Attention(nn.Module):
         if s.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        cache.write(batch.slot_mapping, k, v)
+        batch.write_kv(cache, k, v)
         if num_tokens == 0:
             out = q.new_zeros(0, h.num_heads, s.head_dim)
         else:

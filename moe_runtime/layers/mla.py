@@ -111,7 +111,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)                                      # [T, L]
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None, :])               # [T, h, rope], [T, 1, rope]
-        cache.write(batch.slot_mapping, torch.cat([latent[:, None, :], k_pe], dim=-1))
+        batch.write_kv(cache, torch.cat([latent[:, None, :], k_pe], dim=-1))
         if num_tokens == 0:
             out = x.new_zeros(0, self.num_heads, s.v_head_dim)
         else:

@@ -7,7 +7,9 @@ The forward pass is staged (moe_runtime/moe/stages.py): an MoE block yields whil
 combine is in flight. One batch runs its stages back to back. With two-batch overlap
 (`MoEExecutor.overlaps_micro_batches`) the step is split by sequences into two micro-batches
 (moe_runtime/micro_batches.py) whose stages interleave, each computing while the other's transfer
-travels; their outputs are concatenated back in order.
+travels; their outputs are concatenated back in order. With context parallelism
+(moe_runtime/context_parallel.py) each rank of a DP worker runs its share of the step's rows and
+the ranks gather the final hidden states back into step order.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from torch import nn
 from kernels import KernelSet
 from kernels.skinny_matmul import linear_rows
 from moe_runtime.attention_batch import AttentionBatch
+from moe_runtime.context_parallel import ContextParallel
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Embedding, Linear
 from moe_runtime.layers.norm import RMSNorm
@@ -123,6 +126,7 @@ class CausalLM(nn.Module):
         self.lm_head = None
         self.parallel = p
         self.executor = ctx.executor   # says whether a step runs as two overlapped micro-batches
+        self.context_parallel = ContextParallel(p.cp_size, p.cp_rank, p.cp_group) if p.cp_size > 1 else None
         vocab, hidden = hf_config.vocab_size, hf_config.hidden_size
         if p.is_last_stage and p.dense_tp and not tie_word_embeddings:
             self.lm_head = ParallelLMHead(vocab, hidden, p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group,
@@ -141,6 +145,11 @@ class CausalLM(nn.Module):
                 caches: list[LayerKVCache], hidden: torch.Tensor | None = None) -> torch.Tensor:  # [T] -> [T, H]
         """Final hidden states, or, on a pipeline stage that is not the last, this stage's activations
         (`hidden` carries the previous stage's; the first stage embeds `input_ids`)."""
+        if self.context_parallel is not None:
+            split = self.context_parallel.plan(batch)
+            mine = MicroBatch(input_ids.index_select(0, split.rows), positions.index_select(0, split.rows),
+                              split.local_batch, None if hidden is None else hidden.index_select(0, split.rows))
+            return split.gather(run_to_end(self._stages(mine, caches)))                # [t, H] -> [T, H]
         if not self.executor.overlaps_micro_batches():
             return run_to_end(self._stages(MicroBatch(input_ids, positions, batch, hidden), caches))
         # Two-batch overlap: every rank splits, also into two empty halves, and runs the same interleaving,
