@@ -42,6 +42,7 @@ class AttentionBatch:
     context_lens_tensor: torch.Tensor  # [B] int32
     block_size: int
     kv_writer: KVWriter | None = None  # context parallelism: gathers the other ranks' new K/V and stores all
+    source_seqs: list[int] | None = None  # context parallelism: the step sequence each entry is a piece of
     _splits: dict = field(default_factory=dict, repr=False)   # sliding window -> SingleQuerySplit (per step)
 
     @property
@@ -77,6 +78,11 @@ class AttentionBatch:
             self.kv_writer.write_kv(cache, keys, values)
         else:
             cache.write(self.slot_mapping, keys, values)
+
+    def source_seq(self, seq: int) -> int:
+        """The step sequence entry `seq` belongs to (itself, unless context parallelism cut it into pieces,
+        which then share their cache context up to each piece's end)."""
+        return seq if self.source_seqs is None else self.source_seqs[seq]
 
     def context_slots(self, seq: int) -> torch.Tensor:
         """[context_lens[seq]] int64 flat cache slots of one sequence's whole context."""

@@ -22,6 +22,7 @@ rank has the step's [T, H] output and samples the same tokens.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ class ExchangeStats:
     exchanges: int = 0          # all-gathers of new K/V (one per attention layer per step)
     bytes_received: int = 0     # real rows only (padding excluded)
     rows_received: int = 0
+    seconds: float = 0.0        # wall time inside those all-gathers (waiting for a slower rank included)
 
 
 def assign_pieces(query_lens: list[int], cp_size: int) -> list[list[SequencePiece]]:
@@ -102,7 +104,9 @@ class ContextSplit:
         flat = keys.reshape(rows, key_width)
         if values is not None:
             flat = torch.cat([flat, values.reshape(rows, values.shape[1:].numel())], dim=1)    # [t, F]
+        started = time.perf_counter()
         whole = self.gather(flat)                                                    # [T, F]
+        self.stats.seconds += time.perf_counter() - started
         total = whole.shape[0]
         self.stats.exchanges += 1
         self.stats.rows_received += total - rows
@@ -168,5 +172,5 @@ class ContextParallel:
             slot_mapping=batch.slot_mapping.index_select(0, rows),
             block_tables=batch.block_tables.index_select(0, seqs) if pieces else batch.block_tables[:0],
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            block_size=batch.block_size,
+            block_size=batch.block_size, source_seqs=[piece.seq for piece in pieces],
         )

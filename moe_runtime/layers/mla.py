@@ -132,14 +132,28 @@ class MultiHeadLatentAttention(nn.Module):
     def _prefill_expanded(self, q: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache,
                           seqs: list[int] | None = None) -> torch.Tensor:
         s = self.shape
+        # Context-parallel pieces of one sequence share their context up to each piece's end: expand the
+        # longest once and give the others its prefix (pieces of a sequence come one after another).
+        longest: dict[int, int] = {}
+        for seq in range(batch.num_seqs) if seqs is None else seqs:
+            source = batch.source_seq(seq)
+            if source not in longest or batch.context_lens[seq] > batch.context_lens[longest[source]]:
+                longest[source] = seq
+        expanded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def fetch(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-            entries, _ = cache.gather(batch.context_slots(seq))                   # [S, 1, L + rope]
-            latent, k_pe = entries[:, 0].split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
-            kv = self.kv_b_proj(latent).view(-1, self.num_heads, s.qk_nope_head_dim + s.v_head_dim)
-            k_nope, values = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
-            keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
-            return keys, values                                                   # [S, h, qk], [S, h, v]
+            widest = longest[batch.source_seq(seq)]
+            if widest not in expanded:
+                expanded.clear()                                                  # the previous sequence's
+                entries, _ = cache.gather(batch.context_slots(widest))            # [S, 1, L + rope]
+                latent, k_pe = entries[:, 0].split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+                kv = self.kv_b_proj(latent).view(-1, self.num_heads, s.qk_nope_head_dim + s.v_head_dim)
+                k_nope, values = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
+                keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+                expanded[widest] = keys, values                                   # [S, h, qk], [S, h, v]
+            keys, values = expanded[widest]
+            length = batch.context_lens[seq]
+            return keys[:length], values[:length]
 
         return varlen_causal_attention(q, batch, fetch, self.scale, seqs=seqs)
 
