@@ -121,6 +121,14 @@ def test_with_expert_parallelism_and_chunked_prefill(arch, layout, ranks, long_c
     assert_matches(runs, oracle(arch))
 
 
+@pytest.mark.parametrize("layout", [dict(tp=2, cp=2), dict(cp=2, pp=2)])
+def test_with_tensor_and_pipeline_parallelism(layout, ranks, long_checkpoint, oracle):
+    """Four ranks: heads split inside each cp slice (dense TP), or two pipeline stages whose ranks cut the
+    step the same way (each stage hands the next the whole step's activations)."""
+    runs = ranks(4).run(generate_on_rank, str(long_checkpoint("llama")), PROMPTS, NEW_TOKENS, **layout)
+    assert_matches(runs[2:] if layout.get("pp") else runs, oracle("llama"))   # ranks 2, 3: the last stage (scores)
+
+
 def test_llm_with_two_dp_workers_of_two_context_parallel_ranks(long_checkpoint, oracle):
     """The process layer: 4 worker processes (ep=4), two DP attention workers of cp=2 ranks each; the front routes
     requests to workers and hears each worker's tokens once (from its first rank)."""
