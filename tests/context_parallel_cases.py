@@ -20,6 +20,7 @@ class RankRun:
     exchanges: int                 # K/V all-gathers this rank joined (0 without context parallelism)
     bytes_received: int
     first_prompt_logprobs: list[float]   # logprob of each token 1..P-1 of the first prompt given those before it
+    prefix_cache_hits: int               # prompt tokens found in the prefix cache
 
 
 def generate_on_rank(path: str, prompts: list[list[int]], max_new_tokens: int, **config) -> RankRun:
@@ -41,7 +42,7 @@ def generate_on_rank(path: str, prompts: list[list[int]], max_new_tokens: int, *
                 scored = delta.prompt_logprobs.logprobs
     cp = core.model.context_parallel
     run = RankRun([tokens[str(i)] for i in range(len(prompts))], cp.stats.exchanges if cp else 0,
-                  cp.stats.bytes_received if cp else 0, scored)
+                  cp.stats.bytes_received if cp else 0, scored, core.block_manager.counters.hits)
     core.shutdown()
     return run
 

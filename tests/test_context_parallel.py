@@ -121,6 +121,17 @@ def test_with_expert_parallelism_and_chunked_prefill(arch, layout, ranks, long_c
     assert_matches(runs, oracle(arch))
 
 
+def test_a_prompt_sharing_a_cached_prefix(ranks, long_checkpoint):
+    """A prompt whose first 1504 tokens an earlier prompt had: its blocks come from the prefix cache (written by
+    both ranks' exchanges), and only its 5-token tail is cut among the ranks."""
+    path = long_checkpoint("qwen2")
+    prompts = [PROMPTS[0], PROMPTS[0][:1504] + [7, 8, 9, 10, 11]]
+    expected = HFOracle(path).greedy(prompts, NEW_TOKENS)
+    runs = ranks(2).run(generate_on_rank, str(path), prompts, NEW_TOKENS, cp=2, max_num_batched_tokens=LONG)
+    assert runs[0].tokens == runs[1].tokens == expected
+    assert runs[0].prefix_cache_hits == runs[1].prefix_cache_hits == 1504
+
+
 @pytest.mark.parametrize("layout", [dict(tp=2, cp=2), dict(cp=2, pp=2)])
 def test_with_tensor_and_pipeline_parallelism(layout, ranks, long_checkpoint, oracle):
     """Four ranks: heads split inside each cp slice (dense TP), or two pipeline stages whose ranks cut the
