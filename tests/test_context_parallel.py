@@ -132,19 +132,23 @@ def test_a_prompt_sharing_a_cached_prefix(ranks, long_checkpoint):
     assert runs[0].prefix_cache_hits == runs[1].prefix_cache_hits == 1504
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, cp=2), dict(cp=2, pp=2)])
-def test_with_tensor_and_pipeline_parallelism(layout, ranks, long_checkpoint, oracle):
-    """Four ranks: heads split inside each cp slice (dense TP), or two pipeline stages whose ranks cut the
-    step the same way (each stage hands the next the whole step's activations)."""
-    runs = ranks(4).run(generate_on_rank, str(long_checkpoint("llama")), PROMPTS, NEW_TOKENS, **layout)
-    assert_matches(runs[2:] if layout.get("pp") else runs, oracle("llama"))   # ranks 2, 3: the last stage (scores)
+@pytest.mark.parametrize("arch, layout", [
+    ("llama", dict(tp=2, cp=2)),                     # heads split inside each cp slice (dense TP)
+    ("llama", dict(cp=2, pp=2)),                     # two stages; each hands the next the whole step
+    ("qwen3_moe", dict(ep=4, dp_attn=2, cp=2)),      # two DP workers of two cp ranks, experts over all four
+])
+def test_four_rank_layouts(arch, layout, ranks, long_checkpoint, oracle):
+    """Every rank is given every prompt (with dp_attn=2 both DP workers run them all, independently)."""
+    runs = ranks(4).run(generate_on_rank, str(long_checkpoint(arch)), PROMPTS, NEW_TOKENS, **layout)
+    assert_matches(runs[2:] if layout.get("pp") else runs, oracle(arch))   # with pp, ranks 2 and 3 score prompts
 
 
-def test_llm_with_two_dp_workers_of_two_context_parallel_ranks(long_checkpoint, oracle):
-    """The process layer: 4 worker processes (ep=4), two DP attention workers of cp=2 ranks each; the front routes
-    requests to workers and hears each worker's tokens once (from its first rank)."""
+def test_llm_routes_to_a_context_parallel_worker_and_hears_it_once(long_checkpoint, oracle):
+    """The process layer: two worker processes (ep=2, cp=2) form one DP worker; the front gets each token once,
+    from the worker's first rank."""
     path = long_checkpoint("qwen3_moe")
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(str(path), device="cpu", dtype="float32", ep=4, dp_attn=2, cp=2) as llm:
-        outputs = llm.generate(PROMPTS + PROMPTS[:2], params)
-    assert [o.token_ids for o in outputs] == oracle("qwen3_moe").tokens + oracle("qwen3_moe").tokens[:2]
+    with LLM(str(path), device="cpu", dtype="float32", ep=2, cp=2) as llm:
+        outputs = llm.generate(PROMPTS + PROMPTS[1:], params)
+    expected = oracle("qwen3_moe").tokens
+    assert [o.token_ids for o in outputs] == expected + expected[1:]
