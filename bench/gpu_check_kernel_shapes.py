@@ -41,6 +41,9 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
     "fp8_expert_mlp": GEMM,       # FP8 weights: both sides dequantize the same bytes with the same scales
     "fp8_masked_expert_mlp": GEMM,
     "fp8_linear": GEMM,
+    "int8_expert_mlp": GEMM,      # int8 weights: both sides convert the same bytes and apply the same row scales
+    "int8_masked_expert_mlp": GEMM,
+    "int8_linear": GEMM,
     "unpermute_reduce": {"float32": Tolerance(1e-5, 1e-5), "float16": Tolerance(2e-3, 2e-3),
                          "bfloat16": Tolerance(1e-2, 1e-2)},   # one rounding of the fp32 sum
     "rms_norm": {"float32": Tolerance(1e-5, 1e-5), "float16": Tolerance(4e-3, 4e-3),

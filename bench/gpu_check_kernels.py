@@ -29,6 +29,7 @@ from kernels import KernelSet, RoutingConfig, get_kernels
 from kernels.routing import group_mask
 from kernels.skinny_matmul import batched_linear_rows, linear_rows
 from moe_runtime.quantization.fp8_in_memory import ONLINE_BLOCK_K, quantize_rows
+from moe_runtime.quantization.int8_in_memory import quantize_int8_rows
 from triton_kernel_cases import moe_inputs          # the edge-case suite's input generator
 
 EXTRA_KERNELS = ("align_block_size", "skinny_matmul")
@@ -58,6 +59,27 @@ class Fp8ExpertWeights:
     def of(cls, weights: ExpertWeights) -> "Fp8ExpertWeights":
         def quantized(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             rows = [quantize_rows(expert, ONLINE_BLOCK_K) for expert in stack]   # one expert at a time: memory
+            return torch.stack([r.values for r in rows]), torch.stack([r.scales for r in rows])
+
+        return cls(*quantized(weights.w13_fp32), *quantized(weights.w2_fp32))
+
+    def first(self, experts: int) -> tuple[torch.Tensor, ...]:
+        return self.w13[:experts], self.w13_scale[:experts], self.w2[:experts], self.w2_scale[:experts]
+
+
+@dataclass
+class Int8ExpertWeights:
+    """The same experts quantized as `--quantization int8` keeps them (one fp32 scale per row)."""
+
+    w13: torch.Tensor        # [E, 2I, H] int8
+    w13_scale: torch.Tensor  # [E, 2I] fp32
+    w2: torch.Tensor         # [E, H, I] int8
+    w2_scale: torch.Tensor   # [E, H] fp32
+
+    @classmethod
+    def of(cls, weights: ExpertWeights) -> "Int8ExpertWeights":
+        def quantized(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = [quantize_int8_rows(expert) for expert in stack]   # one expert at a time: memory
             return torch.stack([r.values for r in rows]), torch.stack([r.scales for r in rows])
 
         return cls(*quantized(weights.w13_fp32), *quantized(weights.w2_fp32))
@@ -105,6 +127,7 @@ class KernelsPart:
         self.twin: KernelSet = get_kernels(self.device, "torch")
         self._weights: dict[str, ExpertWeights] = {}
         self._fp8_weights: dict[str, Fp8ExpertWeights] = {}
+        self._int8_weights: dict[str, Int8ExpertWeights] = {}
         self._checks = self._plan()
 
     # ------------------------------------------------------------------------------------- the plan
@@ -137,6 +160,12 @@ class KernelsPart:
             checks[f"fp8_masked_expert_mlp/{s.masked.name}/{dtype}"] = lambda d=dtype: self._fp8_masked(d)
             for rows in s.skinny_rows:
                 checks[f"fp8_linear/rows{rows}/{dtype}"] = lambda r=rows, d=dtype: self._fp8_linear(r, d)
+            # int8 weight-only: the Triton family runs the torch kernels (no Triton int8 kernel yet)
+            checks[f"int8_expert_mlp/{e.name}/T{tokens}/{dtype}"] = (
+                lambda t=tokens, d=dtype: self._int8_expert_mlp(t, d))
+            checks[f"int8_masked_expert_mlp/{s.masked.name}/{dtype}"] = lambda d=dtype: self._int8_masked(d)
+            for rows in s.skinny_rows:
+                checks[f"int8_linear/rows{rows}/{dtype}"] = lambda r=rows, d=dtype: self._int8_linear(r, d)
             for norm in s.norms:
                 for tokens in s.norm_tokens:
                     checks[f"rms_norm/{norm.name}/T{tokens}/{dtype}"] = (
@@ -163,6 +192,7 @@ class KernelsPart:
     def close(self) -> None:
         self._weights.clear()
         self._fp8_weights.clear()
+        self._int8_weights.clear()
 
     def _coverage(self) -> Outcome:
         kernels = [f.name for f in fields(KernelSet) if f.name != "name"] + list(EXTRA_KERNELS)
@@ -188,6 +218,7 @@ class KernelsPart:
         if dtype not in self._weights:
             self._weights.clear()          # one dtype at a time: the real layer is 22.5 GB in bf16
             self._fp8_weights.clear()
+            self._int8_weights.clear()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             e = self.shapes.experts
@@ -201,6 +232,12 @@ class KernelsPart:
         if dtype not in self._fp8_weights:
             self._fp8_weights[dtype] = Fp8ExpertWeights.of(weights)
         return self._fp8_weights[dtype]
+
+    def _int8_expert_weights(self, dtype: str) -> Int8ExpertWeights:
+        weights = self._expert_weights(dtype)
+        if dtype not in self._int8_weights:
+            self._int8_weights[dtype] = Int8ExpertWeights.of(weights)
+        return self._int8_weights[dtype]
 
     def _routing(self, tokens: int):
         """(weights [T, K] fp32, ids [T, K]) on the device, from the edge-case suite's generator."""
@@ -417,6 +454,48 @@ class KernelsPart:
         return self._judge("fp8_linear", dtype, got, want, twin_low, rows=rows, block_k=ONLINE_BLOCK_K,
                            **self._timing(lambda: self.triton.fp8_linear(x, weight, scale, ONLINE_BLOCK_K),
                                           lambda: self.twin.fp8_linear(x, weight, scale, ONLINE_BLOCK_K)))
+
+    def _int8_expert_mlp(self, tokens: int, dtype: str) -> Outcome:
+        """Int8 experts (--quantization int8): each row chunk converted, the scales applied to the output."""
+        e, q = self.shapes.experts, self._int8_expert_weights(dtype)
+        x = self._randn(tokens, e.hidden, dtype=dtype, seed=tokens)
+        _, ids = self._routing(tokens)
+        plan = self.twin.permute_by_expert(ids, e.experts)
+        x_sorted = x[plan.token_index]
+        weights = q.first(e.experts)
+        got = self.triton.int8_expert_mlp(x_sorted, plan.counts, *weights)
+        want = self.twin.int8_expert_mlp(x_sorted.float(), plan.counts, *weights)
+        twin_low = self.twin.int8_expert_mlp(x_sorted, plan.counts, *weights)
+        return self._judge("int8_expert_mlp", dtype, got, want, twin_low, tokens=tokens, rows=plan.num_rows,
+                           **self._timing(lambda: self.triton.int8_expert_mlp(x_sorted, plan.counts, *weights),
+                                          lambda: self.twin.int8_expert_mlp(x_sorted, plan.counts, *weights),
+                                          repeats=3))
+
+    def _int8_masked(self, dtype: str) -> Outcome:
+        m, q = self.shapes.masked, self._int8_expert_weights(dtype)
+        x, counts = self._masked_inputs(dtype)
+        weights = q.first(m.local_experts)
+        got = self.triton.int8_masked_expert_mlp(x, counts, *weights)
+        want = self.twin.int8_masked_expert_mlp(x.float(), counts, *weights)
+        twin_low = self.twin.int8_masked_expert_mlp(x, counts, *weights)
+        stale = torch.arange(m.capacity, device=self.device)[None, :] >= counts[:, None]   # [E, M]
+        problems = [] if bool((got[stale] == 0).all()) else ["rows past an expert's count are not zero"]
+        return self._judge("int8_masked_expert_mlp", dtype, got, want, twin_low, problems,
+                           local_experts=m.local_experts, capacity=m.capacity, rows=int(counts.sum()),
+                           **self._timing(lambda: self.triton.int8_masked_expert_mlp(x, counts, *weights),
+                                          lambda: self.twin.int8_masked_expert_mlp(x, counts, *weights), repeats=3))
+
+    def _int8_linear(self, rows: int, dtype: str) -> Outcome:
+        """An int8 projection: one expert's gate/up stack as the weight."""
+        e, q = self.shapes.experts, self._int8_expert_weights(dtype)
+        x = self._randn(rows, e.hidden, dtype=dtype, seed=15)
+        weight, scale = q.w13[0], q.w13_scale[0]
+        got = self.triton.int8_linear(x, weight, scale)
+        want = self.twin.int8_linear(x.float(), weight, scale)
+        twin_low = self.twin.int8_linear(x, weight, scale)
+        return self._judge("int8_linear", dtype, got, want, twin_low, rows=rows,
+                           **self._timing(lambda: self.triton.int8_linear(x, weight, scale),
+                                          lambda: self.twin.int8_linear(x, weight, scale)))
 
     def _rms_norm(self, norm: NormShape, tokens: int, dtype: str, fused: bool) -> Outcome:
         x = self._randn(tokens, norm.hidden, dtype=dtype, seed=6)

@@ -22,3 +22,7 @@ class KernelSet:
     fp8_linear: Callable             # (x [T, K], weight [N, K], scale [N, Kb], block_k, bias=None) -> [T, N]
     fp8_expert_mlp: Callable         # (x_sorted [N, H], counts [E], w13, w13_scale, w2, w2_scale, block_k) -> [N, H]
     fp8_masked_expert_mlp: Callable  # (x [E, M, H], counts [E], w13, w13_scale, w2, w2_scale, block_k) -> [E, M, H]
+    # Int8 weight-only (kernels/int8_weights.py): weight int8 [..., N, K] with one float32 scale per row [..., N].
+    int8_linear: Callable             # (x [T, K], weight [N, K], scale [N], bias=None) -> [T, N]
+    int8_expert_mlp: Callable         # (x_sorted [N, H], counts [E], w13, w13_scale, w2, w2_scale) -> [N, H]
+    int8_masked_expert_mlp: Callable  # (x [E, M, H], counts [E], w13, w13_scale, w2, w2_scale) -> [E, M, H]

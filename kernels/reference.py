@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from .expert_mlp import check_expert_weights
 from .fp8_block_weights import check_fp8_weight
+from .int8_weights import check_int8_weight
 from .permute import PermutePlan, offsets_from_counts
 from .rms_norm import NormOutput
 
@@ -69,6 +70,25 @@ def fp8_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale, block_k: int)
 def fp8_masked_expert_mlp(x, counts, w13, w13_scale, w2, w2_scale, block_k: int) -> torch.Tensor:
     return masked_expert_mlp(x, counts, dequantize_fp8(w13, w13_scale, block_k),
                              dequantize_fp8(w2, w2_scale, block_k))
+
+
+def dequantize_int8(weight, scale) -> torch.Tensor:
+    """The plain formula, all at once, in fp32: weight * its row's scale."""
+    check_int8_weight(weight, scale)
+    return weight.float() * scale.unsqueeze(-1)
+
+
+def int8_linear(x, weight, scale, bias=None) -> torch.Tensor:
+    out = F.linear(x.float(), dequantize_int8(weight, scale), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def int8_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale) -> torch.Tensor:
+    return expert_mlp(x_sorted, counts, dequantize_int8(w13, w13_scale), dequantize_int8(w2, w2_scale))
+
+
+def int8_masked_expert_mlp(x, counts, w13, w13_scale, w2, w2_scale) -> torch.Tensor:
+    return masked_expert_mlp(x, counts, dequantize_int8(w13, w13_scale), dequantize_int8(w2, w2_scale))
 
 
 def unpermute_reduce(out_sorted, plan: PermutePlan, weights, num_tokens: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 DISAGGREGATION_MODES = ("none", "prefill", "decode")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
-QUANTIZATIONS = (None, "fp8")            # --quantization choices (None = weights in the compute dtype)
+QUANTIZATIONS = (None, "fp8", "int8")    # --quantization choices (None = weights in the compute dtype)
 
 
 @dataclass
@@ -38,7 +38,8 @@ class EngineConfig:
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     kernels: str = "auto"                # "auto" | "torch" | "triton" | "reference"
     quantization: str | None = None      # "fp8": projections and experts stay FP8 in memory (an FP8 checkpoint's
-                                         # blocks as stored; others quantized at load); None: dequantize to dtype
+                                         # blocks as stored; others quantized at load); "int8": int8 with one
+                                         # scale per output row, quantized at load; None: dequantize to dtype
     # Parallel layout: world = ep ranks; dp_attn DP attention workers of ep // dp_attn ranks each.
     ep: int = 1
     dp_attn: int = 1

@@ -21,7 +21,7 @@ from moe_runtime.checkpoint import CheckpointReader
 from moe_runtime.decode_imports import DecodeImports
 from moe_runtime.import_spec import ImportSpec
 from moe_runtime.quantization.fp8_block import Fp8BlockFormat
-from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
+from moe_runtime.quantization.in_memory import weights_in_memory
 from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
@@ -104,9 +104,8 @@ class EngineCore:
         self.executor = MoEExecutor.for_engine(config, self.parallel, self.kernels, self.hf_config.hidden_size,
                                                self.dtype)
         checkpoint_fp8 = Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir))
-        fp8 = (Fp8InMemory.for_checkpoint(checkpoint_fp8, self.kernels.fp8_linear)
-               if config.quantization == "fp8" else None)
-        ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, fp8)
+        quant = weights_in_memory(config.quantization, checkpoint_fp8, self.kernels)
+        ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant)
         reader = CheckpointReader.open(self.checkpoint_dir, checkpoint_fp8)
         self.model = build_model(self.architecture, self.hf_config, ctx)
         self.executor.finish_registration()  # every MoE layer registered itself while the model was built

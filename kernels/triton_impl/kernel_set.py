@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import int8_weights   # no Triton int8 kernel yet: the torch family's (see kernels/int8_weights.py)
 from ..kernel_set_type import KernelSet
 from . import align, fp8_block_weights, fused_moe, grouped_gemm, paged_attention, rms_norm, routing, unpermute
 from .interpreter import running_in_interpreter
@@ -25,4 +26,7 @@ def triton_kernel_set() -> KernelSet:
         fp8_linear=fp8_block_weights.fp8_linear,
         fp8_expert_mlp=fp8_block_weights.fp8_expert_mlp,
         fp8_masked_expert_mlp=fp8_block_weights.fp8_masked_expert_mlp,
+        int8_linear=int8_weights.int8_linear,
+        int8_expert_mlp=int8_weights.int8_expert_mlp,
+        int8_masked_expert_mlp=int8_weights.int8_masked_expert_mlp,
     )

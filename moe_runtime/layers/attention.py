@@ -18,7 +18,7 @@ from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.layers.rotary import RotaryEmbedding
-from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
+from moe_runtime.quantization.weight_quantization import WeightQuantization
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class TensorParallelRMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, shape: AttentionShape, rotary: RotaryEmbedding, kernels, dtype, device=None,
-                 tp_size: int = 1, tp_rank: int = 0, tp_group=None, fp8: Fp8InMemory | None = None):
+                 tp_size: int = 1, tp_rank: int = 0, tp_group=None, quant: WeightQuantization | None = None):
         super().__init__()
         s = shape
         self.shape = s
@@ -96,12 +96,12 @@ class Attention(nn.Module):
         self.tp_group = tp_group
         d = s.head_dim
         self.q_proj = Linear(s.hidden_size, s.num_heads * d, s.qkv_bias, dtype, device, h.rows(h.q_start, h.num_heads, d),
-                             fp8)
+                             quant)
         kv_rows = h.rows(h.kv_start, h.num_kv_heads, d)
-        self.k_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows, fp8)
-        self.v_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows, fp8)
+        self.k_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows, quant)
+        self.v_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows, quant)
         o_cols = None if tp_size == 1 else LinearShard(1, h.q_start * d, (h.q_start + h.num_heads) * d)
-        self.o_proj = Linear(s.num_heads * d, s.hidden_size, s.o_bias, dtype, device, o_cols, fp8)
+        self.o_proj = Linear(s.num_heads * d, s.hidden_size, s.o_bias, dtype, device, o_cols, quant)
         if s.qk_norm == "per_head":
             self.q_norm = RMSNorm(d, s.norm_eps, kernels, dtype, device)
             self.k_norm = RMSNorm(d, s.norm_eps, kernels, dtype, device)

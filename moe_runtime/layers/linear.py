@@ -4,9 +4,10 @@ A tensor-parallel rank holds a shard: `LinearShard(dim=0)` keeps output rows [st
 (column parallel), `dim=1` keeps input columns (row parallel: partial sums, the caller all-reduces).
 Only that shard is read from the checkpoint.
 
-With `fp8` (`--quantization fp8`) the weight is float8_e4m3fn with row-expanded block scales
-(`weight_scale`, see moe_runtime/quantization/fp8_in_memory.py) and every forward dequantizes it
-tile by tile inside the kernel family's FP8 linear; the bias stays in the compute dtype.
+With `quant` (`--quantization fp8 | int8`, a `WeightQuantization`) the weight is kept in the format's
+values dtype with float32 scales (`weight_scale`: FP8's row-expanded block scales [N, ceil(K/bk)], int8's
+one scale per row [N]; see moe_runtime/quantization/) and every forward runs the kernel family's
+quantized linear, which never dequantizes the whole weight; the bias stays in the compute dtype.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.skinny_matmul import linear_rows
-from moe_runtime.checkpoint import CheckpointReader, read_fp8_slice, read_slice
-from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
+from moe_runtime.checkpoint import CheckpointReader, read_slice
+from moe_runtime.quantization.weight_quantization import WeightQuantization
 from moe_runtime.weight_loading import copy_checked
 
 
@@ -31,7 +32,7 @@ class LinearShard:
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None,
-                 shard: LinearShard | None = None, fp8: Fp8InMemory | None = None):
+                 shard: LinearShard | None = None, quant: WeightQuantization | None = None):
         super().__init__()
         self.shard = shard
         full_in = in_features
@@ -39,24 +40,24 @@ class Linear(nn.Module):
             out_features = shard.stop - shard.start
         if shard is not None and shard.dim == 1:
             in_features = shard.stop - shard.start
-        if fp8 is not None and shard is not None and shard.dim == 1 and not fp8.fits_columns(shard.start, shard.stop,
-                                                                                                full_in):
-            fp8 = None   # the shard cuts a scale block: this layer keeps the compute dtype
-        self.fp8 = fp8
-        weight_dtype = torch.float8_e4m3fn if fp8 else dtype
+        if quant is not None and shard is not None and shard.dim == 1 and not quant.fits_columns(
+                shard.start, shard.stop, full_in):
+            quant = None   # the shard cuts a scale block: this layer keeps the compute dtype
+        self.quant = quant
+        weight_dtype = quant.values_dtype if quant else dtype
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype, device=device),
                                    requires_grad=False)
-        self.weight_scale = None if fp8 is None else nn.Parameter(
-            torch.empty(out_features, fp8.scale_columns(in_features), dtype=torch.float32, device=device),
-            requires_grad=False)                                     # [N, ceil(K / block_k)]
+        self.weight_scale = None if quant is None else nn.Parameter(
+            torch.empty(quant.scale_shape(out_features, in_features), dtype=torch.float32, device=device),
+            requires_grad=False)                                     # fp8 [N, ceil(K / block_k)]; int8 [N]
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
 
     def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
         loaded = set()
-        if self.fp8 is not None:
-            self._load_fp8(reader, f"{prefix}weight")
+        if self.quant is not None:
+            self._load_quantized(reader, f"{prefix}weight")
             loaded |= {"weight", "weight_scale"}
         for name, param in (("weight", self.weight), ("bias", self.bias)):
             if name in loaded or param is None:
@@ -70,16 +71,16 @@ class Linear(nn.Module):
             loaded.add(name)
         return loaded
 
-    def _load_fp8(self, reader: CheckpointReader, full: str) -> None:
-        rows = (reader.read_fp8_rows(full, self.fp8.block_k) if self.shard is None else
-                read_fp8_slice(reader, full, self.fp8.block_k, self.shard.dim, self.shard.start, self.shard.stop))
+    def _load_quantized(self, reader: CheckpointReader, full: str) -> None:
+        rows = (self.quant.read(reader, full) if self.shard is None else
+                self.quant.read_slice(reader, full, self.shard.dim, self.shard.start, self.shard.stop))
         copy_checked(self.weight, rows.values, full, reader.directory)
         copy_checked(self.weight_scale, rows.scales, full + "_scale_inv", reader.directory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         bias = None if self.shard is not None and self.shard.dim == 1 else self.bias  # row parallel: see `reduce`
-        if self.fp8 is not None:
-            return self.fp8.linear(x, self.weight, self.weight_scale, self.fp8.block_k, bias)
+        if self.quant is not None:
+            return self.quant.linear(x, self.weight, self.weight_scale, bias)
         return linear_rows(x, self.weight, bias)
 
     def reduce(self, partial: torch.Tensor, group) -> torch.Tensor:

@@ -18,7 +18,7 @@ from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.layers.rotary import RotaryEmbedding
-from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
+from moe_runtime.quantization.weight_quantization import WeightQuantization
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
@@ -54,7 +54,7 @@ def mla_softmax_scale(hf_config, qk_head_dim: int) -> float:
 
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, shape: MLAShape, rotary: RotaryEmbedding, scale: float, kernels, dtype, device=None,
-                 tp_size: int = 1, tp_rank: int = 0, tp_group=None, fp8: Fp8InMemory | None = None):
+                 tp_size: int = 1, tp_rank: int = 0, tp_group=None, quant: WeightQuantization | None = None):
         super().__init__()
         s = shape
         self.shape = s
@@ -67,21 +67,21 @@ class MultiHeadLatentAttention(nn.Module):
 
         if s.q_lora_rank is None:
             self.q_proj = Linear(s.hidden_size, s.num_heads * s.qk_head_dim, False, dtype, device,
-                                 head_rows(s.qk_head_dim), fp8)
+                                 head_rows(s.qk_head_dim), quant)
         else:
-            self.q_a_proj = Linear(s.hidden_size, s.q_lora_rank, s.attention_bias, dtype, device, fp8=fp8)
+            self.q_a_proj = Linear(s.hidden_size, s.q_lora_rank, s.attention_bias, dtype, device, quant=quant)
             self.q_a_layernorm = RMSNorm(s.q_lora_rank, LATENT_NORM_EPS, kernels, dtype, device)
             self.q_b_proj = Linear(s.q_lora_rank, s.num_heads * s.qk_head_dim, False, dtype, device,
-                                   head_rows(s.qk_head_dim), fp8)
+                                   head_rows(s.qk_head_dim), quant)
         self.kv_a_proj_with_mqa = Linear(s.hidden_size, s.kv_lora_rank + s.qk_rope_head_dim, s.attention_bias, dtype,
-                                         device, fp8=fp8)
+                                         device, quant=quant)
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, LATENT_NORM_EPS, kernels, dtype, device)
         # kv_b_proj stays in the compute dtype even under --quantization fp8: decode absorbs it into the
         # queries and outputs as W_UK / W_UV (`_kv_b_split`), which reads the weight itself, not a matmul
         self.kv_b_proj = Linear(s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), False, dtype, device,
                                 head_rows(s.qk_nope_head_dim + s.v_head_dim))
         o_cols = None if tp_size == 1 else LinearShard(1, first * s.v_head_dim, (first + heads) * s.v_head_dim)
-        self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, s.attention_bias, dtype, device, o_cols, fp8)
+        self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, s.attention_bias, dtype, device, o_cols, quant)
         self.rotary = rotary
         self.scale = scale
         self._kernels = kernels

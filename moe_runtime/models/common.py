@@ -46,4 +46,4 @@ def gqa_attention(cfg, layer_index: int, ctx: BuildContext, *, qkv_bias: bool = 
     )
     p = ctx.parallel
     return Attention(shape, rotary_for(cfg, head_dim, ctx.device), ctx.kernels, ctx.dtype, ctx.device,
-                     p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group, fp8=ctx.fp8)
+                     p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group, quant=ctx.quant)

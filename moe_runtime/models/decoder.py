@@ -31,7 +31,7 @@ from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.stages import Staged, call_staged, interleave, run_to_end
 from moe_runtime.parallel_context import ParallelContext
-from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
+from moe_runtime.quantization.weight_quantization import WeightQuantization
 
 
 @dataclass
@@ -43,7 +43,7 @@ class BuildContext:
     parallel: ParallelContext
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
-    fp8: Fp8InMemory | None = None   # --quantization fp8: projections and experts stay FP8 in memory
+    quant: WeightQuantization | None = None   # --quantization fp8 | int8: projections and experts stay quantized
 
     def owns_layer(self, index: int) -> bool:
         """Whether this pipeline stage holds decoder layer `index`."""
@@ -56,8 +56,8 @@ class BuildContext:
         return dict(tp_size=p.attn_tp_size, tp_rank=p.attn_tp_rank, tp_group=p.attn_tp_group) if p.dense_tp else {}
 
     def dense_mlp(self, hidden_size: int, intermediate_size: int) -> DenseMLP:
-        """A dense layer's MLP (split under dense tensor parallelism, FP8 when weights are kept in FP8)."""
-        return DenseMLP(hidden_size, intermediate_size, self.kernels, self.dtype, self.device, fp8=self.fp8,
+        """A dense layer's MLP (split under dense tensor parallelism, quantized when weights are kept quantized)."""
+        return DenseMLP(hidden_size, intermediate_size, self.kernels, self.dtype, self.device, quant=self.quant,
                         **self.dense_tp())
 
 

@@ -43,11 +43,11 @@ def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: b
     def make_layer(i: int) -> DecoderLayer:
         attention = MultiHeadLatentAttention(
             shape, rotary_for(cfg, cfg.qk_rope_head_dim, ctx.device, interleaved_rope), scale, ctx.kernels, ctx.dtype, ctx.device,
-            ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group, fp8=ctx.fp8,
+            ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group, quant=ctx.quant,
         )
         if i >= (cfg.first_k_dense_replace or 0):
             mlp = SparseMoE(moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device,
-                            fp8=ctx.fp8)
+                            quant=ctx.quant)
         else:
             mlp = ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size)
         return DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)

@@ -15,7 +15,8 @@ def build_mixtral(cfg, ctx: BuildContext) -> CausalLM:
     def make_layer(i: int) -> DecoderLayer:
         return DecoderLayer(
             gqa_attention(cfg, i, ctx),
-            SparseMoE(shape, routing, ctx.executor, ctx.kernels, MIXTRAL_NAMING, ctx.dtype, ctx.device, fp8=ctx.fp8),
+            SparseMoE(shape, routing, ctx.executor, ctx.kernels, MIXTRAL_NAMING, ctx.dtype, ctx.device,
+                      quant=ctx.quant),
             cfg.hidden_size, cfg.rms_norm_eps, ctx, mlp_name="block_sparse_moe",
         )
 

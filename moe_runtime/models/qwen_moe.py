@@ -21,7 +21,8 @@ def _build(cfg, ctx: BuildContext, shape: MoEShape, *, qkv_bias: bool, qk_norm: 
 
     def make_layer(i: int) -> DecoderLayer:
         if sparse_rule(cfg, i):
-            mlp = SparseMoE(shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device, fp8=ctx.fp8)
+            mlp = SparseMoE(shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device,
+                            quant=ctx.quant)
         else:
             mlp = ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size)
         attention = gqa_attention(cfg, i, ctx, qkv_bias=qkv_bias, qk_norm=qk_norm)

@@ -5,7 +5,7 @@ rows), so there is one MLP code path; no router, no dispatch. Under tensor paral
 expert is split along its intermediate dim, exactly as an expert is: rank r holds gate/up rows and
 down columns [r * I/tp, (r + 1) * I/tp), and the ranks' partial outputs are summed with one
 all-reduce. Kept in FP8, the down projection's column shard must start on a scale block; a shard
-that does not keeps this MLP in the compute dtype.
+that does not keeps this MLP in the compute dtype (int8 quantizes each shard on its own: any fits).
 """
 from __future__ import annotations
 
@@ -14,20 +14,22 @@ import torch.distributed as dist
 
 from dispatch.base import LAYOUT_CONTIGUOUS
 from kernels import KernelSet
-from moe_runtime.checkpoint import CheckpointReader, read_fp8_slice, read_slice
+from moe_runtime.checkpoint import CheckpointReader, read_slice
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.expert_weights import ExpertWeights
-from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
+from moe_runtime.quantization.weight_quantization import WeightQuantization
 
 
 class DenseMLP(ExpertWeights):
     def __init__(self, hidden_size: int, intermediate_size: int, kernels: KernelSet, dtype=torch.float32,
-                 device=None, tp_size: int = 1, tp_rank: int = 0, tp_group=None, fp8: Fp8InMemory | None = None):
+                 device=None, tp_size: int = 1, tp_rank: int = 0, tp_group=None,
+                 quant: WeightQuantization | None = None):
         shard = intermediate_size // tp_size
         start = tp_rank * shard
-        if fp8 is not None and not fp8.fits_columns(start, start + shard, intermediate_size):
-            fp8 = None
-        super().__init__([0], hidden_size, shard, dtype=dtype, device=device, fp8=fp8)  # w13 [1, 2I/tp, H], w2 [1, H, I/tp]
+        if quant is not None and not quant.fits_columns(start, start + shard, intermediate_size):
+            quant = None
+        # w13 [1, 2I/tp, H], w2 [1, H, I/tp]
+        super().__init__([0], hidden_size, shard, dtype=dtype, device=device, quant=quant)
         self.shard_start = start
         self.tp_size, self.tp_group = tp_size, tp_group
         self._kernel = expert_kernel_for(LAYOUT_CONTIGUOUS, kernels)
@@ -41,15 +43,15 @@ class DenseMLP(ExpertWeights):
             self._fill(0, rows, self._read_shard(reader, full, 0, start, stop), full, reader)
         full = f"{prefix}down_proj.weight"
         self._fill(0, None, self._read_shard(reader, full, 1, start, stop), full, reader)
-        return {"w13", "w2"} | ({"w13_scale", "w2_scale"} if self.fp8 else set())
+        return {"w13", "w2"} | ({"w13_scale", "w2_scale"} if self.quant else set())
 
     def _read_shard(self, reader: CheckpointReader, full: str, dim: int, start: int, stop: int):
-        """This rank's rows (dim 0) or columns (dim 1) of a tensor, as FP8 rows when kept in FP8."""
+        """This rank's rows (dim 0) or columns (dim 1) of a tensor, quantized when kept quantized."""
         if self.tp_size == 1:
             return self._read(reader, full)
-        if self.fp8 is None:
+        if self.quant is None:
             return read_slice(reader, full, dim, start, stop)
-        return read_fp8_slice(reader, full, self.fp8.block_k, dim, start, stop)
+        return self.quant.read_slice(reader, full, dim, start, stop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         # [1]: on the input's device, where the expert kernel runs (a Triton kernel cannot read a CPU tensor)

@@ -4,10 +4,11 @@ Row i of both tensors is this rank's local slot i; `expert_ids[i]` is the logica
 (the placement in force says the same). The stack is also the layer's `ExpertStore`: live
 rebalancing reads, stages and commits slots through it and never touches the parameters itself.
 
-With `fp8` (`--quantization fp8`) w13 and w2 are float8_e4m3fn and each has row-expanded block
-scales (`w13_scale` [E_local, 2I, ceil(H/bk)], `w2_scale` [E_local, H, ceil(I/bk)]); a slot's
-weights then travel as their bytes, scales included, so migration and replication move them
-unchanged.
+With `quant` (`--quantization fp8 | int8`, a `WeightQuantization`) w13 and w2 are kept in the
+format's values dtype with float32 scales: FP8's row-expanded block scales (`w13_scale`
+[E_local, 2I, ceil(H/bk)], `w2_scale` [E_local, H, ceil(I/bk)]) or int8's one scale per row
+([E_local, 2I], [E_local, H]). A slot's weights then travel as their bytes, scales included, so
+migration and replication move them unchanged.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from moe_runtime.checkpoint import CheckpointReader, read_rows
-from moe_runtime.quantization.fp8_in_memory import Fp8InMemory, Fp8Rows, quantize_rows
+from moe_runtime.quantization.weight_quantization import QuantizedRows, WeightQuantization
 from moe_runtime.weight_loading import copy_checked
 
 
@@ -45,14 +46,14 @@ class StagedSlot:
 class ExpertWeights(nn.Module):
     def __init__(self, expert_ids: list[int], hidden_size: int, intermediate_size: int,
                  naming: ExpertNaming = ExpertNaming(), dtype=torch.float32, device=None,
-                 fp8: Fp8InMemory | None = None):
+                 quant: WeightQuantization | None = None):
         super().__init__()
         self.expert_ids = list(expert_ids)  # logical expert held by each local slot
         self.naming = naming
         self.intermediate_size = intermediate_size
-        self.fp8 = fp8
+        self.quant = quant
         num_local = len(self.expert_ids)
-        weight_dtype = torch.float8_e4m3fn if fp8 else dtype
+        weight_dtype = quant.values_dtype if quant else dtype
 
         def param(*shape: int, param_dtype=weight_dtype) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=param_dtype, device=device), requires_grad=False)
@@ -60,11 +61,11 @@ class ExpertWeights(nn.Module):
         self.w13 = param(num_local, 2 * intermediate_size, hidden_size)    # [E_local, 2I, H]
         self.w2 = param(num_local, hidden_size, intermediate_size)         # [E_local, H, I]
         self.w13_scale = self.w2_scale = None
-        if fp8 is not None:
-            self.w13_scale = param(num_local, 2 * intermediate_size, fp8.scale_columns(hidden_size),
-                                   param_dtype=torch.float32)             # [E_local, 2I, ceil(H/bk)]
-            self.w2_scale = param(num_local, hidden_size, fp8.scale_columns(intermediate_size),
-                                  param_dtype=torch.float32)              # [E_local, H, ceil(I/bk)]
+        if quant is not None:   # fp8: [E, 2I, ceil(H/bk)], [E, H, ceil(I/bk)]; int8: [E, 2I], [E, H] (E = E_local)
+            self.w13_scale = param(num_local, *quant.scale_shape(2 * intermediate_size, hidden_size),
+                                   param_dtype=torch.float32)
+            self.w2_scale = param(num_local, *quant.scale_shape(hidden_size, intermediate_size),
+                                  param_dtype=torch.float32)
         self._staged: list[StagedSlot] = []
 
     @property
@@ -72,7 +73,7 @@ class ExpertWeights(nn.Module):
         return len(self.expert_ids)
 
     def slot_tensors(self) -> list[torch.Tensor]:
-        """Every tensor with one row per local slot: the weights, and their scales when kept in FP8."""
+        """Every tensor with one row per local slot: the weights, and their scales when kept quantized."""
         return [t for t in (self.w13, self.w13_scale, self.w2, self.w2_scale) if t is not None]
 
     def resident_bytes(self) -> int:
@@ -95,19 +96,19 @@ class ExpertWeights(nn.Module):
                 self._fill(local, rows, self._read(reader, full), full, reader)
             full = f"{base}{self.naming.down}.weight"
             self._fill(local, None, self._read(reader, full), full, reader)
-        return {"w13", "w2"} | ({"w13_scale", "w2_scale"} if self.fp8 else set())
+        return {"w13", "w2"} | ({"w13_scale", "w2_scale"} if self.quant else set())
 
-    def _read(self, reader: CheckpointReader, full: str) -> torch.Tensor | Fp8Rows:
-        return reader.read_fp8_rows(full, self.fp8.block_k) if self.fp8 else reader.read(full)
+    def _read(self, reader: CheckpointReader, full: str) -> torch.Tensor | QuantizedRows:
+        return self.quant.read(reader, full) if self.quant else reader.read(full)
 
-    def _fill(self, local: int, w13_rows: slice | None, tensor: torch.Tensor | Fp8Rows, name: str,
+    def _fill(self, local: int, w13_rows: slice | None, tensor: torch.Tensor | QuantizedRows, name: str,
               reader: CheckpointReader) -> None:
         """Copy one checkpoint tensor into slot `local`: rows `w13_rows` of w13, or (None) all of w2."""
         weight, scale = (self.w2, self.w2_scale) if w13_rows is None else (self.w13, self.w13_scale)
         rows = slice(None) if w13_rows is None else w13_rows
-        if self.fp8 is not None and isinstance(tensor, torch.Tensor):
-            tensor = quantize_rows(tensor, self.fp8.block_k)   # a fused stack read in the compute dtype
-        if isinstance(tensor, Fp8Rows):
+        if self.quant is not None and isinstance(tensor, torch.Tensor):
+            tensor = self.quant.quantize(tensor)   # a fused stack read in the compute dtype
+        if isinstance(tensor, QuantizedRows):
             copy_checked(weight[local, rows], tensor.values, name, reader.directory)
             copy_checked(scale[local, rows], tensor.scales, name + "_scale_inv", reader.directory)
         else:

@@ -17,7 +17,7 @@ from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertNaming, ExpertWeights
 from moe_runtime.moe.router import Router
 from moe_runtime.moe.stages import Staged, run_to_end
-from moe_runtime.quantization.fp8_in_memory import Fp8InMemory
+from moe_runtime.quantization.weight_quantization import WeightQuantization
 
 
 @dataclass(frozen=True)
@@ -34,18 +34,18 @@ class MoEShape:
 class SparseMoE(nn.Module):
     def __init__(self, shape: MoEShape, routing: RoutingConfig, executor: MoEExecutor, kernels: KernelSet,
                  naming: ExpertNaming = ExpertNaming(), dtype=torch.float32, device=None,
-                 fp8: Fp8InMemory | None = None):
+                 quant: WeightQuantization | None = None):
         super().__init__()
         self.routing = routing
         self.gate = Router(shape.hidden_size, shape.num_experts, shape.correction_bias, dtype, device)
         self.experts = ExpertWeights(executor.local_expert_ids(shape.num_experts), shape.hidden_size,
-                                     shape.moe_intermediate_size, naming, dtype, device, fp8)
+                                     shape.moe_intermediate_size, naming, dtype, device, quant)
         self.moe_layer = executor.register_layer(self.experts, shape.num_experts)
         self.shared_name = None
         if shape.shared_intermediate_size:
             self.shared_name = shape.shared_name
             self.add_module(shape.shared_name, DenseMLP(shape.hidden_size, shape.shared_intermediate_size, kernels,
-                                                        dtype, device, fp8=fp8))
+                                                        dtype, device, quant=quant))
         self.shared_expert_gate = Linear(shape.hidden_size, 1, False, dtype, device) if shape.shared_expert_gate else None
         self._executor = executor
         self._kernels = kernels

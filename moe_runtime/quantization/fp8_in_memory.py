@@ -10,50 +10,76 @@ in the compute dtype (`Fp8InMemory.fits_columns`).
 
 Weights the checkpoint does not store in FP8 (a bf16/fp32 checkpoint) are quantized at load with one
 scale per row and block_k columns: the same layout, so the same kernels.
+
+`Fp8InMemory` is one `WeightQuantization` (quantization/weight_quantization.py), int8 the other.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kernels import KernelSet
 from moe_runtime.quantization.fp8_block import Fp8BlockFormat
+from moe_runtime.quantization.weight_quantization import QuantizedRows
+
+if TYPE_CHECKING:
+    from moe_runtime.checkpoint import CheckpointReader
 
 ONLINE_BLOCK_K = 128    # column block of weights quantized at load (DeepSeek-V3's, and the Triton tile's multiple)
 
 
 @dataclass(frozen=True)
-class Fp8Rows:
-    values: torch.Tensor   # [N, K] float8_e4m3fn
-    scales: torch.Tensor   # [N, ceil(K / block_k)] float32
+class Fp8Rows(QuantizedRows):
+    """values [N, K] float8_e4m3fn, scales [N, ceil(K / block_k)] float32."""
 
     def columns(self, start: int, stop: int, block_k: int) -> "Fp8Rows":
         """Input columns [start, stop); `start` on a block boundary (see `Fp8InMemory.fits_columns`)."""
         return Fp8Rows(self.values[:, start:stop], self.scales[:, start // block_k: -(-stop // block_k)])
 
-    def rows(self, start: int, stop: int) -> "Fp8Rows":
-        return Fp8Rows(self.values[start:stop], self.scales[start:stop])
-
 
 @dataclass(frozen=True)
 class Fp8InMemory:
-    """How this engine keeps FP8 weights: the column block, and the kernel family's FP8 linear."""
+    """A `WeightQuantization`: the column block, and the kernel family whose FP8 twins multiply the weights."""
 
     block_k: int
-    linear: Callable      # KernelSet.fp8_linear(x [T, K], values [N, K], scales [N, Kb], block_k, bias) -> [T, N]
+    kernels: KernelSet    # fp8_linear, fp8_expert_mlp, fp8_masked_expert_mlp
+    name: ClassVar[str] = "fp8"
+    values_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
 
     @classmethod
-    def for_checkpoint(cls, checkpoint_format: Fp8BlockFormat | None, linear: Callable) -> "Fp8InMemory":
+    def for_checkpoint(cls, checkpoint_format: Fp8BlockFormat | None, kernels: KernelSet) -> "Fp8InMemory":
         """The checkpoint's column block when it is FP8 (scales must not be re-cut), else ONLINE_BLOCK_K."""
-        return cls(checkpoint_format.block_cols if checkpoint_format else ONLINE_BLOCK_K, linear)
+        return cls(checkpoint_format.block_cols if checkpoint_format else ONLINE_BLOCK_K, kernels)
 
     def scale_columns(self, columns: int) -> int:
         return -(-columns // self.block_k)
 
+    def scale_shape(self, rows: int, columns: int) -> tuple[int, ...]:
+        return (rows, self.scale_columns(columns))
+
     def fits_columns(self, start: int, stop: int, total: int) -> bool:
         """Whether input columns [start, stop) of a `total`-column weight cut along block boundaries."""
         return start % self.block_k == 0 and (stop % self.block_k == 0 or stop == total)
+
+    def quantize(self, weight: torch.Tensor) -> Fp8Rows:
+        return quantize_rows(weight, self.block_k)
+
+    def read(self, reader: "CheckpointReader", name: str) -> Fp8Rows:
+        return reader.read_fp8_rows(name, self.block_k)
+
+    def read_slice(self, reader: "CheckpointReader", name: str, dim: int, start: int, stop: int) -> Fp8Rows:
+        from moe_runtime.checkpoint import read_fp8_slice   # checkpoint.py imports this module
+
+        return read_fp8_slice(reader, name, self.block_k, dim, start, stop)
+
+    def linear(self, x, values, scales, bias=None):
+        return self.kernels.fp8_linear(x, values, scales, self.block_k, bias)
+
+    def expert_mlp(self, masked, x, counts, w13, w13_scale, w2, w2_scale):
+        kernel = self.kernels.fp8_masked_expert_mlp if masked else self.kernels.fp8_expert_mlp
+        return kernel(x, counts, w13, w13_scale, w2, w2_scale, self.block_k)
 
 
 def expand_block_scales(scale_inv: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
