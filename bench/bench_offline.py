@@ -10,7 +10,32 @@ scales), run three ways in `--fp8-compute-dtype`: this runtime keeping the weigh
 (`--quantization fp8`), this runtime dequantizing them at load, and transformers on the dequantized
 checkpoint.
 
-    python bench/bench_offline.py [--batches 1 16] [--dtypes float32 bfloat16 fp8] [--repeats 2]
+`--dtypes int8` adds int8 rows: the float32 checkpoint run by this runtime with `--quantization int8`
+(projections and experts int8 with one fp32 scale per output row, quantized at load; fp32
+activations), by the same runtime in fp32, and by transformers in fp32; written to
+bench/results/offline_int8.json.
+
+`--llama-cpp DIR` adds llama.cpp, measured in the same run on the same weights converted to GGUF
+(F32 for float32, BF16 for bfloat16): `llama_cpp_tok_s` (llama-batched-bench, batch sequences of
+64 + 64, generated tokens over prefill + decode time like the other columns, best of `--repeats`
+runs), its prefill and decode rates apart, llama-bench's batch-1 rates as a cross-check, and
+`vs_llama_cpp` (this runtime's tok/s over llama.cpp's). DIR holds `llama-bench` and
+`llama-batched-bench` (or is a build directory with them in bin/). The GGUF files are read from
+`--gguf-dir` (default bench/.cache/gguf, named <checkpoint>-<F32|BF16|Q8_0>.gguf); missing or stale
+ones are converted there when `--llama-cpp-src` names llama.cpp's source tree (its
+convert_hf_to_gguf.py, run through bench/gguf_convert.py, which accepts this repo's tokenizer).
+`--dtypes q8_0` adds llama.cpp-only reference rows on the float32 checkpoint quantized to Q8_0.
+How to build llama.cpp and convert by hand: docs/llama_cpp.md. Without `--llama-cpp` nothing
+changes.
+
+`--breakdown` profiles this runtime's decode step per row (bench/step_breakdown.py, its own
+process): `kernel_share` is the self CPU time of operators over the step's wall time under the
+profiler, `other_share` the rest (Python, scheduling, sampling, metadata); `decode_step_ms` is the
+unprofiled step. `--breakdown-steps` sets how many steps are profiled.
+
+    python bench/bench_offline.py [--batches 1 16] [--dtypes float32 bfloat16 fp8 int8 q8_0] [--repeats 2]
+        [--llama-cpp /work/llama_cpp/build/bin [--gguf-dir DIR] [--llama-cpp-src /work/llama_cpp/src]]
+        [--breakdown [--breakdown-steps 5]]
 """
 from __future__ import annotations
 
@@ -18,13 +43,19 @@ import argparse
 import json
 import logging
 import multiprocessing as mp
+import os
 import platform
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from gguf_convert import GgufTarget, ensure_gguf
+from llama_cpp import LlamaCppRates, LlamaCppTools
+from step_breakdown import run_step_breakdown
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"
@@ -34,6 +65,9 @@ NEW_TOKENS = 64
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
              intermediate_size=1024, vocab_size=8192, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
              max_position_embeddings=1024, norm_topk_prob=True, tie_word_embeddings=False)
+
+GGUF_FILE_TYPE = {"float32": "F32", "bfloat16": "BF16"}   # the GGUF a dtype row's checkpoint is converted to
+LLAMA_CPP_ONLY_DTYPE = "q8_0"    # --dtypes q8_0: llama.cpp-only reference rows
 
 logger = logging.getLogger("bench_offline")
 
@@ -90,6 +124,7 @@ def weight_bytes_per_decode_step(batch: int, dtype_bytes: int, projection_bytes:
 
 
 FP8_BYTES_PER_WEIGHT = 1 + 4 / 128   # float8_e4m3fn values and their row-expanded 128-column scales
+INT8_BYTES_PER_WEIGHT = 1 + 4 / 256   # int8 values and one fp32 scale per row (rows of >= 256 inputs here)
 
 
 def build_fp8_checkpoints() -> tuple[Path, Path]:
@@ -164,14 +199,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--fp8-compute-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                         help="activations and dequantized tiles of the fp8 rows")
+    parser.add_argument("--llama-cpp", type=Path, help="directory with llama-bench and llama-batched-bench")
+    parser.add_argument("--gguf-dir", type=Path, default=CACHE / "gguf", help="where the GGUF files are (or go)")
+    parser.add_argument("--llama-cpp-src", type=Path,
+                        help="llama.cpp source tree: convert missing GGUF files with its convert_hf_to_gguf.py")
+    parser.add_argument("--breakdown", action="store_true", help="profile this runtime's decode step per row")
+    parser.add_argument("--breakdown-steps", type=int, default=5)
     args = parser.parse_args()
+    if LLAMA_CPP_ONLY_DTYPE in args.dtypes and args.llama_cpp is None:
+        parser.error(f"--dtypes {LLAMA_CPP_ONLY_DTYPE} rows are llama.cpp's only: pass --llama-cpp")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     rows = []
     bandwidth = copy_bandwidth_gbs()
     fp8_rows = (measure_fp8(args.batches, args.repeats, args.fp8_compute_dtype, bandwidth)
                 if "fp8" in args.dtypes else [])
-    for dtype in (d for d in args.dtypes if d != "fp8"):
+    llama = LlamaCppRun(args.llama_cpp, args.gguf_dir, args.llama_cpp_src, args.repeats) if args.llama_cpp else None
+    int8_rows = measure_int8(args.batches, args.repeats, bandwidth) if "int8" in args.dtypes else []
+    for dtype in (d for d in args.dtypes if d not in ("fp8", "int8", LLAMA_CPP_ONLY_DTYPE)):
         path = str(build_checkpoint(dtype))
+        llama_rates = llama.rates(Path(path), GGUF_FILE_TYPE[dtype], args.batches) if llama else {}
         for batch in args.batches:
             prompts = make_prompts(batch)
             logger.info("dtype=%s batch=%d: runtime", dtype, batch)
@@ -191,33 +237,122 @@ def main() -> None:
                 transformers_weight_gbs=step_bytes * steps_per_s(theirs["seconds"]) / 1e9,
                 copy_bandwidth_gbs=bandwidth,
             ))
-    print(f"\nOffline generation, Qwen3-MoE shape, {PROMPT_LEN} prompt + {NEW_TOKENS} new tokens, "
-          f"{torch.get_num_threads()} threads")
-    header = f"{'dtype':9} {'batch':>5} {'runtime tok/s':>14} {'HF tok/s':>10} {'ratio':>7} {'RSS ours MiB':>13} " \
-             f"{'RSS HF MiB':>11} {'same tokens':>12} {'weights GB/s ours/HF':>21} {'memcpy GB/s':>12}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['dtype']:9} {r['batch']:>5} {r['runtime_tok_s']:>14.1f} {r['transformers_tok_s']:>10.1f} "
-              f"{r['speedup']:>6.2f}x {r['runtime_peak_rss_mib']:>13.0f} {r['transformers_peak_rss_mib']:>11.0f} "
-              f"{r['identical_sequences']:>12} {r['runtime_weight_gbs']:>10.1f}/{r['transformers_weight_gbs']:<10.1f} "
-              f"{r['copy_bandwidth_gbs']:>12.1f}")
-    print("weights GB/s: expert and dense weights a decode step reads (experts the batch touches), times steps/s;"
-          "\nnear the memcpy figure a system is bound by memory bandwidth, not by its overheads.")
+            if llama or args.breakdown:   # the machine may be shared: say how busy it was for this row
+                rows[-1].update(load_avg_1m=os.getloadavg()[0])
+            if batch in llama_rates:
+                rows[-1].update(llama_cpp_columns(llama_rates[batch], rows[-1]["runtime_tok_s"], GGUF_FILE_TYPE[dtype]))
+            if args.breakdown:
+                logger.info("dtype=%s batch=%d: decode step breakdown", dtype, batch)
+                breakdown = in_subprocess(run_step_breakdown, path, dtype, prompts, args.breakdown_steps)
+                rows[-1].update(kernel_share=breakdown["kernel_share"], other_share=breakdown["other_share"],
+                                decode_step_ms=breakdown["step_ms"], step_breakdown=breakdown)
+    reference_rows = (llama.reference_rows(args.batches) if llama and LLAMA_CPP_ONLY_DTYPE in args.dtypes else [])
+    print_rows(rows)
     print_fp8_rows(fp8_rows)
+    print_int8_rows(int8_rows)
+    print_llama_cpp_reference_rows(reference_rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
     common = dict(shape=SHAPE, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, threads=torch.get_num_threads(),
                   machine=platform.machine(), python=sys.version.split()[0], torch=torch.__version__,
                   command="python bench/bench_offline.py " + " ".join(sys.argv[1:]))
+    if llama:
+        common.update(llama_cpp_version=llama.tools.version())
     written = []
-    if rows:   # each table has its own file: an fp8-only run does not erase the dtype rows
+    if rows or reference_rows:   # each table has its own file: an fp8-only run does not erase the dtype rows
+        extra = dict(llama_cpp_reference_rows=reference_rows) if reference_rows else {}
         written.append(RESULTS / "offline_generate.json")
-        written[-1].write_text(json.dumps(dict(benchmark="offline_generate", **common, rows=rows), indent=2))
+        written[-1].write_text(json.dumps(dict(benchmark="offline_generate", **common, rows=rows, **extra), indent=2))
     if fp8_rows:
         written.append(RESULTS / "offline_fp8.json")
         written[-1].write_text(json.dumps(dict(benchmark="offline_fp8", **common, rows=fp8_rows), indent=2))
+    if int8_rows:
+        written.append(RESULTS / "offline_int8.json")
+        written[-1].write_text(json.dumps(dict(benchmark="offline_int8", **common, rows=int8_rows), indent=2))
     out = ", ".join(str(path) for path in written)
     print(f"\nwrote {out}")
+
+
+def print_rows(rows: list[dict]) -> None:
+    """The dtype rows; llama.cpp and breakdown columns only when the rows have them."""
+    with_llama = any("llama_cpp_tok_s" in r for r in rows)
+    with_breakdown = any("kernel_share" in r for r in rows)
+    print(f"\nOffline generation, Qwen3-MoE shape, {PROMPT_LEN} prompt + {NEW_TOKENS} new tokens, "
+          f"{torch.get_num_threads()} threads")
+    header = f"{'dtype':9} {'batch':>5} {'runtime tok/s':>14} {'HF tok/s':>10} {'ratio':>7} {'RSS ours MiB':>13} " \
+             f"{'RSS HF MiB':>11} {'same tokens':>12} {'weights GB/s ours/HF':>21} {'memcpy GB/s':>12}"
+    header += f" {'llama.cpp tok/s':>16} {'vs llama.cpp':>13} {'l.cpp pp/tg tok/s':>18}" if with_llama else ""
+    header += f" {'step ms':>8} {'kernel/other':>13}" if with_breakdown else ""
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        line = f"{r['dtype']:9} {r['batch']:>5} {r['runtime_tok_s']:>14.1f} {r['transformers_tok_s']:>10.1f} " \
+               f"{r['speedup']:>6.2f}x {r['runtime_peak_rss_mib']:>13.0f} {r['transformers_peak_rss_mib']:>11.0f} " \
+               f"{r['identical_sequences']:>12} {r['runtime_weight_gbs']:>10.1f}/{r['transformers_weight_gbs']:<10.1f} " \
+               f"{r['copy_bandwidth_gbs']:>12.1f}"
+        if with_llama:
+            line += f" {r['llama_cpp_tok_s']:>16.1f} {r['vs_llama_cpp']:>12.2f}x " \
+                    f"{r['llama_cpp_prefill_tok_s']:>9.0f}/{r['llama_cpp_decode_tok_s']:<8.1f}"
+        if with_breakdown:
+            line += f" {r['decode_step_ms']:>8.1f} {r['kernel_share']:>6.0%}/{r['other_share']:<6.0%}"
+        print(line)
+    print("weights GB/s: expert and dense weights a decode step reads (experts the batch touches), times steps/s;"
+          "\nnear the memcpy figure a system is bound by memory bandwidth, not by its overheads.")
+    if with_llama:
+        print("llama.cpp: llama-batched-bench on the same weights in GGUF (F32/BF16), batch x (64 prompt + 64 new) "
+              "tokens,\ngenerated tokens over prefill + decode time; vs llama.cpp: runtime tok/s over llama.cpp's.")
+    if with_breakdown:
+        print("step ms: an unprofiled decode step of this runtime; kernel/other: operators' self CPU time vs the rest "
+              "of the step\n(Python, scheduling, sampling, metadata) under torch.profiler.")
+
+
+def llama_cpp_columns(rates: LlamaCppRates, runtime_tok_s: float, file_type: str) -> dict:
+    columns = dict(llama_cpp_gguf=file_type, llama_cpp_tok_s=rates.generated_tok_s,
+                   vs_llama_cpp=runtime_tok_s / rates.generated_tok_s,
+                   llama_cpp_prefill_tok_s=rates.prefill_tok_s, llama_cpp_decode_tok_s=rates.decode_tok_s)
+    if rates.llama_bench_decode_tok_s is not None:
+        columns.update(llama_bench_prefill_tok_s=rates.llama_bench_prefill_tok_s,
+                       llama_bench_decode_tok_s=rates.llama_bench_decode_tok_s)
+    return columns
+
+
+@dataclass(frozen=True)
+class LlamaCppRun:
+    """llama.cpp's side of a bench run: its tools, where the GGUF files are, how to make missing ones."""
+    bin_dir: Path
+    gguf_dir: Path
+    converter_dir: Path | None
+    repeats: int
+
+    @property
+    def tools(self) -> LlamaCppTools:
+        return LlamaCppTools(self.bin_dir, threads=torch.get_num_threads())
+
+    def rates(self, checkpoint: Path, file_type: str, batches: list[int]) -> dict[int, LlamaCppRates]:
+        gguf = ensure_gguf(GgufTarget(checkpoint, file_type, self.gguf_dir), self.converter_dir)
+        logger.info("llama.cpp on %s, batches %s", gguf.name, batches)
+        return self.tools.measure(gguf, PROMPT_LEN, NEW_TOKENS, batches, self.repeats)
+
+    def reference_rows(self, batches: list[int]) -> list[dict]:
+        """llama.cpp alone on the float32 checkpoint quantized to Q8_0: a reference for the `--dtypes int8` rows."""
+        rates = self.rates(build_checkpoint("float32"), "Q8_0", batches)
+        return [dict(dtype=LLAMA_CPP_ONLY_DTYPE, batch=batch, llama_cpp_gguf="Q8_0", llama_cpp_tok_s=r.generated_tok_s,
+                     llama_cpp_prefill_tok_s=r.prefill_tok_s, llama_cpp_decode_tok_s=r.decode_tok_s,
+                     **({} if r.llama_bench_decode_tok_s is None else
+                        dict(llama_bench_prefill_tok_s=r.llama_bench_prefill_tok_s,
+                             llama_bench_decode_tok_s=r.llama_bench_decode_tok_s)))
+                for batch, r in sorted(rates.items())]
+
+
+def print_llama_cpp_reference_rows(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print("\nllama.cpp only, float32 checkpoint quantized to Q8_0 (a reference for the int8 rows)")
+    header = f"{'batch':>5} {'llama.cpp tok/s':>16} {'prefill tok/s':>14} {'decode tok/s':>13}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['batch']:>5} {r['llama_cpp_tok_s']:>16.1f} {r['llama_cpp_prefill_tok_s']:>14.0f} "
+              f"{r['llama_cpp_decode_tok_s']:>13.1f}")
 
 
 def measure_fp8(batches: list[int], repeats: int, compute_dtype: str, bandwidth: float) -> list[dict]:
@@ -265,6 +400,52 @@ def print_fp8_rows(rows: list[dict]) -> None:
               f"{r['kept_weight_bytes_per_step'] / 1e6:>8.1f}/{r['dequantized_weight_bytes_per_step'] / 1e6:<8.1f} "
               f"{r['kept_weight_mib']:>10.0f}/{r['dequantized_weight_mib']:<10.0f} "
               f"{r['identical_to_dequantized']:>9}/{r['identical_to_transformers']:<10}")
+
+
+def measure_int8(batches: list[int], repeats: int, bandwidth: float) -> list[dict]:
+    """The float32 checkpoint: this runtime with int8 weights vs the same runtime in fp32 vs transformers fp32."""
+    path = str(build_checkpoint("float32"))
+    rows = []
+    for batch in batches:
+        prompts = make_prompts(batch)
+        logger.info("int8 batch=%d: runtime int8, runtime fp32, transformers fp32", batch)
+        int8 = in_subprocess(run_runtime, path, "float32", prompts, repeats, quantization="int8")
+        fp32 = in_subprocess(run_runtime, path, "float32", prompts, repeats)
+        theirs = in_subprocess(run_transformers, path, "float32", prompts, repeats)
+        generated = batch * NEW_TOKENS
+        int8_bytes = weight_bytes_per_decode_step(batch, 4, INT8_BYTES_PER_WEIGHT)
+        fp32_bytes = weight_bytes_per_decode_step(batch, 4)
+        same = lambda a, b: f"{sum(x == y for x, y in zip(a['tokens'], b['tokens']))}/{batch}"  # noqa: E731
+        rows.append(dict(
+            batch=batch, int8_tok_s=generated / int8["seconds"], fp32_tok_s=generated / fp32["seconds"],
+            transformers_fp32_tok_s=generated / theirs["seconds"],
+            int8_vs_fp32=fp32["seconds"] / int8["seconds"], int8_vs_transformers=theirs["seconds"] / int8["seconds"],
+            int8_weight_mib=int8["weight_mib"], fp32_weight_mib=fp32["weight_mib"],
+            int8_weight_bytes_per_step=int8_bytes, fp32_weight_bytes_per_step=fp32_bytes,
+            int8_weight_gbs=int8_bytes * NEW_TOKENS / int8["seconds"] / 1e9,
+            fp32_weight_gbs=fp32_bytes * NEW_TOKENS / fp32["seconds"] / 1e9,
+            int8_peak_rss_mib=int8["peak_rss_mib"], fp32_peak_rss_mib=fp32["peak_rss_mib"],
+            identical_int8_to_fp32=same(int8, fp32), identical_int8_to_transformers=same(int8, theirs),
+            identical_fp32_to_transformers=same(fp32, theirs), copy_bandwidth_gbs=bandwidth,
+        ))
+    return rows
+
+
+def print_int8_rows(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print("\nint8 weight-only (--quantization int8) on the float32 checkpoint, fp32 activations: decode tok/s")
+    header = f"{'batch':>5} {'int8':>8} {'fp32':>8} {'HF fp32':>8} {'vs fp32':>8} {'vs HF':>7} " \
+             f"{'MB/step int8/fp32':>18} {'weights MiB int8/fp32':>22} {'same tokens int8~fp32 int8~HF fp32~HF':>38}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        same = "  ".join(r[k] for k in ("identical_int8_to_fp32", "identical_int8_to_transformers",
+                                        "identical_fp32_to_transformers"))
+        print(f"{r['batch']:>5} {r['int8_tok_s']:>8.1f} {r['fp32_tok_s']:>8.1f} {r['transformers_fp32_tok_s']:>8.1f} "
+              f"{r['int8_vs_fp32']:>7.2f}x {r['int8_vs_transformers']:>6.2f}x "
+              f"{r['int8_weight_bytes_per_step'] / 1e6:>8.1f}/{r['fp32_weight_bytes_per_step'] / 1e6:<9.1f} "
+              f"{r['int8_weight_mib']:>10.0f}/{r['fp32_weight_mib']:<11.0f} {same:>38}")
 
 
 if __name__ == "__main__":

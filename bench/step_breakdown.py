@@ -1,0 +1,109 @@
+"""Where a decode step of this runtime spends its wall time: inside operators vs everything else.
+
+One process, the engine in it (`LLM(...).engine.core`): `batch` prompts are prefilled and decoded a
+few steps unmeasured, then `steps` decode steps of `EngineCore.step()` (schedule, forward, sample,
+bookkeeping; not the front's detokenization) run under torch.profiler (CPU activity only).
+
+- kernel time: the self CPU time of every operator event (aten ops and any other `ns::op`), summed.
+  Self time, so a composite op (aten::linear) and the op it calls (aten::addmm) are not counted
+  twice. Intra-op worker threads are not separate events: an op's self time is how long the
+  step's thread was inside it, comparable to the step's wall time.
+- other: the step's wall time minus kernel time: Python, scheduling, sampling's Python, building
+  the batch's metadata, and the profiler's own per-op cost (which is why the unprofiled step time
+  is reported as well).
+
+A view-like op (aten::view, aten::t, aten::as_strided) counts as kernel time although it is mostly
+dispatcher overhead; `top_ops` and `op_calls_per_step` show how much of that there is.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+WARMUP_DECODE_STEPS = 3
+TOP_OPS = 8
+
+
+@dataclass(frozen=True)
+class OpShare:
+    name: str
+    calls_per_step: float
+    self_ms_per_step: float
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """A decode step at `batch` sequences, per step averages over `steps` profiled steps."""
+    batch: int
+    steps: int
+    step_ms: float                 # unprofiled wall time of a decode step
+    profiled_step_ms: float        # wall time of a step under the profiler
+    kernel_ms: float               # self CPU time of operator events per step
+    op_calls_per_step: float
+    top_ops: list[OpShare] = field(default_factory=list)
+
+    @property
+    def kernel_share(self) -> float:
+        return min(self.kernel_ms / self.profiled_step_ms, 1.0)
+
+    @property
+    def other_share(self) -> float:
+        return 1.0 - self.kernel_share
+
+    def as_dict(self) -> dict:
+        return dict(asdict(self), kernel_share=self.kernel_share, other_share=self.other_share)
+
+
+def is_operator(event) -> bool:
+    """A dispatcher operator (aten::mm, myns::op), not a record_function range or a Python frame."""
+    return not event.is_user_annotation and "::" in event.key
+
+
+def timed_steps(core, steps: int, batch: int) -> float:
+    """Run `steps` decode steps of `core`, each advancing all `batch` sequences; their summed wall seconds."""
+    total = 0.0
+    for _ in range(steps):
+        started = time.perf_counter()
+        deltas = core.step()
+        total += time.perf_counter() - started
+        if len(deltas) != batch:
+            raise RuntimeError(f"a decode step advanced {len(deltas)} of {batch} sequences: not a full decode batch")
+    return total
+
+
+def measure(path: str, dtype: str, prompts: list[list[int]], steps: int) -> StepBreakdown:
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_runtime import LLM, SamplingParams
+
+    batch = len(prompts)
+    decode_steps = 2 * steps + WARMUP_DECODE_STEPS
+    params = SamplingParams(max_tokens=decode_steps + 2, temperature=0.0, ignore_eos=True)
+    with LLM(path, device="cpu", dtype=dtype, max_num_seqs=batch) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"breakdown-{i}", prompt, params)
+        started: set[str] = set()
+        while len(started) < batch:       # prefill (in however many steps the scheduler takes) to a first token
+            started.update(o.request_id for o in engine.step() if o.token_ids)
+        core = engine.core                # from here the front's output processing is left out
+        timed_steps(core, WARMUP_DECODE_STEPS, batch)
+        unprofiled = timed_steps(core, steps, batch)
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            profiled = timed_steps(core, steps, batch)
+    operators = [e for e in profiler.key_averages() if is_operator(e)]
+    kernel_us = sum(e.self_cpu_time_total for e in operators)
+    top = sorted(operators, key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP_OPS]
+    return StepBreakdown(
+        batch=batch, steps=steps, step_ms=unprofiled / steps * 1e3, profiled_step_ms=profiled / steps * 1e3,
+        kernel_ms=kernel_us / steps / 1e3, op_calls_per_step=sum(e.count for e in operators) / steps,
+        top_ops=[OpShare(e.key, e.count / steps, e.self_cpu_time_total / steps / 1e3) for e in top])
+
+
+def run_step_breakdown(path: str, dtype: str, prompts: list[list[int]], steps: int, queue) -> None:
+    """`measure` for bench_offline's subprocess: puts the breakdown's dict on `queue`."""
+    torch.set_num_threads(torch.get_num_threads())
+    queue.put(measure(path, dtype, prompts, steps).as_dict())
