@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.prefix_causal_attention import prefix_causal_attention
 from moe_runtime.attention_batch import AttentionBatch
 
 KVFetcher = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # seq -> (keys [S, Hkv, D], values [S, Hkv, Dv])
@@ -36,8 +37,8 @@ def varlen_causal_attention(
         k_seq = keys.transpose(0, 1)[None]                        # [1, Hkv, S, D]
         v_seq = values.transpose(0, 1)[None]                      # [1, Hkv, S, Dv]
         gqa = q_seq.shape[1] != k_seq.shape[1]
-        if length == context and sliding_window is None:
-            out = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True, scale=scale, enable_gqa=gqa)
+        if sliding_window is None:   # a whole prompt, or a chunk / context-parallel piece after its cached prefix
+            out = prefix_causal_attention(q_seq, k_seq, v_seq, scale)
         else:
             query_pos = torch.arange(context - length, context, device=q.device)[:, None]  # [n, 1]
             key_pos = torch.arange(context, device=q.device)[None, :]                      # [1, S]
