@@ -4,7 +4,8 @@ decode at long context, and what the K/V exchange moves and costs, in one run.
 The Qwen3-MoE bench checkpoint of bench_offline.py (hidden 512, 8 layers, 8 heads / 4 KV heads of 64,
 32 experts top-4, fp32), with room for 8k-token prompts. Every system gets this machine's 2 cores:
 
-- cp=1: one `EngineCore` in one process with 2 intra-op threads (what `LLM(...)` runs);
+- cp=1: one `EngineCore` in one process with 2 intra-op threads (what `LLM(...)` runs), and the same with
+  one thread (a rank's own compute: how cp scales where each rank is its own device, as on GPUs);
 - cp=2: two ranks (gloo, one thread each), each an `EngineCore` of the same DP worker, stepped in lock-step;
 - transformers: one forward of the prompt (`use_cache=False`, sdpa attention, 2 threads): the prefill a
   user of transformers would wait for.
@@ -148,10 +149,10 @@ def sharded_decode_collective(parallel: ParallelContext, layers: int, repeats: i
     return layers * (time.perf_counter() - started) / repeats
 
 
-def rank_main(rank: int, world: int, port: int, path: str, lengths: list[int], rounds: int, decode_context: int,
-              queue) -> None:
+def rank_main(rank: int, world: int, threads: int, port: int, path: str, lengths: list[int], rounds: int,
+              decode_context: int, queue) -> None:
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(2 // world)
+    torch.set_num_threads(threads)
     try:
         config = engine_config(path, world)
         if world > 1:
@@ -166,12 +167,13 @@ def rank_main(rank: int, world: int, port: int, path: str, lengths: list[int], r
         queue.put((rank, None, traceback.format_exc()))
 
 
-def run_engine(world: int, path: str, lengths: list[int], rounds: int, decode_context: int) -> list[dict]:
+def run_engine(world: int, threads: int, path: str, lengths: list[int], rounds: int,
+               decode_context: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(rank, world, port, path, lengths, rounds, decode_context, queue),
-                         daemon=True) for rank in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(rank, world, threads, port, path, lengths, rounds, decode_context,
+                                                 queue), daemon=True) for rank in range(world)]
     for proc in procs:
         proc.start()
     results: list = [None] * world
@@ -229,9 +231,11 @@ def main() -> None:
     path = str(long_checkpoint())
     load_before, started = os.getloadavg(), time.perf_counter()
     logger.info("cp=1 (one process, 2 threads)")
-    [one] = run_engine(1, path, lengths, rounds, decode_context)
+    [one] = run_engine(1, 2, path, lengths, rounds, decode_context)
+    logger.info("cp=1 (one process, 1 thread)")
+    [alone] = run_engine(1, 1, path, lengths, rounds, decode_context)
     logger.info("cp=2 (two ranks, 1 thread each)")
-    two = run_engine(2, path, lengths, rounds, decode_context)
+    two = run_engine(2, 1, path, lengths, rounds, decode_context)
     logger.info("transformers forward")
     hf = in_subprocess(transformers_prefill, path, lengths, rounds)
     kv_row_bytes = SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * 2 * 4    # K and V, fp32, per token per layer
@@ -243,6 +247,8 @@ def main() -> None:
         rows.append({
             "prompt_tokens": length, "cp1_prefill_s": one["prefill_s"][key], "cp2_prefill_s": cp2,
             "speedup_cp2_vs_cp1": one["prefill_s"][key] / cp2, "transformers_prefill_s": hf[key],
+            "cp1_one_thread_prefill_s": alone["prefill_s"][key],
+            "scaling_cp2_vs_cp1_one_thread": alone["prefill_s"][key] / cp2,
             "speedup_cp2_vs_transformers": hf[key] / cp2,
             "kv_bytes_received_per_layer_per_rank": received,
             "kv_bytes_expected_per_layer_per_rank": [length // 2 * kv_row_bytes] * 2,
@@ -251,15 +257,17 @@ def main() -> None:
     decode = {
         "batch": DECODE_BATCH, "context_tokens": decode_context,
         "cp1_step_ms": 1e3 * one["decode_step_s"], "cp2_step_ms": 1e3 * max(r["decode_step_s"] for r in two),
+        "cp1_one_thread_step_ms": 1e3 * alone["decode_step_s"],
         "cp2_exchange_ms_per_step": [1e3 * r["decode_exchange_s_per_step"] for r in two],
         "sharded_kv_would_add_ms_per_step": [1e3 * r["sharded_decode_collective_s_per_step"] for r in two],
     }
     decode["speedup_cp2_vs_cp1"] = decode["cp1_step_ms"] / decode["cp2_step_ms"]
-    tokens_equal = one["tokens"] == two[0]["tokens"] == two[1]["tokens"]
+    tokens_equal = one["tokens"] == alone["tokens"] == two[0]["tokens"] == two[1]["tokens"]
     result = {
         "command": "python bench/bench_cp.py" + (" --quick" if args.quick else ""),
         "setup": {"checkpoint": "bench_offline Qwen3-MoE, max_position_embeddings raised", "shape": SHAPE,
-                  "dtype": "float32", "rounds": rounds, "cp1": "1 process x 2 threads", "cp2": "2 ranks x 1 thread"},
+                  "dtype": "float32", "rounds": rounds, "cp1": "1 process x 2 threads (and x 1 thread)",
+                  "cp2": "2 ranks x 1 thread"},
         "environment": {"cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
                         "torch": torch.__version__, "python": platform.python_version(),
                         "wall_s": round(time.perf_counter() - started, 1)},
@@ -267,11 +275,12 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'prompt':>7} {'cp=1 s':>8} {'cp=2 s':>8} {'cp2/cp1':>8} {'HF s':>8} {'cp2/HF':>7} "
-          f"{'KV MiB/layer/rank':>18} {'exchange share':>15}")
+    print(f"\n{'prompt':>7} {'cp=1 s':>8} {'cp=1 1thr s':>12} {'cp=2 s':>8} {'vs cp=1':>8} {'vs 1thr':>8} "
+          f"{'HF s':>8} {'cp2/HF':>7} {'KV MiB/layer/rank':>18} {'exchange share':>15}")
     for r in rows:
-        print(f"{r['prompt_tokens']:>7} {r['cp1_prefill_s']:>8.2f} {r['cp2_prefill_s']:>8.2f} "
-              f"{r['speedup_cp2_vs_cp1']:>7.2f}x {r['transformers_prefill_s']:>8.2f} "
+        print(f"{r['prompt_tokens']:>7} {r['cp1_prefill_s']:>8.2f} {r['cp1_one_thread_prefill_s']:>12.2f} "
+              f"{r['cp2_prefill_s']:>8.2f} {r['speedup_cp2_vs_cp1']:>7.2f}x {r['scaling_cp2_vs_cp1_one_thread']:>7.2f}x "
+              f"{r['transformers_prefill_s']:>8.2f} "
               f"{r['speedup_cp2_vs_transformers']:>6.2f}x {r['kv_bytes_received_per_layer_per_rank'][0] / 2**20:>18.2f} "
               f"{max(r['exchange_share_of_prefill']):>14.1%}")
     print(f"\ndecode, batch {DECODE_BATCH} at {decode_context} tokens of context: cp=1 {decode['cp1_step_ms']:.1f} ms, "

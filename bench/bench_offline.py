@@ -53,9 +53,11 @@ from pathlib import Path
 
 import torch
 
-from gguf_convert import GgufTarget, ensure_gguf
-from llama_cpp import LlamaCppRates, LlamaCppTools
-from step_breakdown import run_step_breakdown
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: the repo root, for bench.*
+
+from bench.gguf_convert import GgufTarget, ensure_gguf
+from bench.llama_cpp import LlamaCppRates, LlamaCppTools
+from bench.step_breakdown import run_step_breakdown
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"

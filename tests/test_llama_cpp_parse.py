@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llama_cpp import BatchedRun, parse_batched_bench, parse_llama_bench_json  # noqa: E402
+from bench.llama_cpp import BatchedRun, parse_batched_bench, parse_llama_bench_json  # noqa: E402
 
 BATCHED_BENCH_MD = """\
 main: n_kv_max = 2048, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, is_tg_separate = 0, \
