@@ -93,13 +93,18 @@ def merge_stage_snapshots(snapshots: list):
     return dataclasses.replace(first, **joined)
 
 
+# What the workers' fork server imports once. `transformers.activations` is what a model's config class pulls
+# in when the checkpoint's config is read (2-3 s of imports behind transformers' lazy modules).
+WORKER_PRELOAD = ("torch", "transformers", "transformers.activations", "moe_runtime.worker", "moe_runtime.engine_core",
+                  "attention_dp.lockstep", "moe_runtime.moe.executor")
+
+
 def worker_context():
     """Workers fork from a server process that has already imported torch and the engine (started
     once per front process): a new job's ranks start in well under a second instead of re-importing
     torch each. Forking from that clean server, never from the front, keeps CUDA and threads sane."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "transformers", "moe_runtime.worker", "moe_runtime.engine_core",
-                                    "attention_dp.lockstep", "moe_runtime.moe.executor"])
+    context.set_forkserver_preload(list(WORKER_PRELOAD))
     return context
 
 

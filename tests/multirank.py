@@ -45,6 +45,8 @@ from typing import Any, Callable
 
 import pytest
 
+from moe_runtime.multiprocess_engine import WORKER_PRELOAD
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_CALL_TIMEOUT_S = 120.0
@@ -141,7 +143,8 @@ class RankPool:
         # forkserver: workers fork from a server that imported torch once, so a restart after a
         # hang costs about a second instead of N fresh interpreters importing torch.
         self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+        # one fork server per process: the engine's workers fork from it too, so it preloads what they need
+        self._ctx.set_forkserver_preload([*WORKER_PRELOAD, "torch.distributed", __name__])
         self._procs: list = []
         self._tasks: list = []
         self._replies = None
