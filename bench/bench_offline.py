@@ -260,16 +260,16 @@ def main() -> None:
     if llama:
         common.update(llama_cpp_version=llama.tools.version())
     written = []
-    if rows or reference_rows:   # each table has its own file: an fp8-only run does not erase the dtype rows
-        extra = dict(llama_cpp_reference_rows=reference_rows) if reference_rows else {}
-        written.append(RESULTS / "offline_generate.json")
+    extra = dict(llama_cpp_reference_rows=reference_rows) if reference_rows else {}
+    if rows or (reference_rows and not int8_rows):   # each table has its own file: an fp8-only or int8-only run
+        written.append(RESULTS / "offline_generate.json")   # does not erase the dtype rows
         written[-1].write_text(json.dumps(dict(benchmark="offline_generate", **common, rows=rows, **extra), indent=2))
     if fp8_rows:
         written.append(RESULTS / "offline_fp8.json")
         written[-1].write_text(json.dumps(dict(benchmark="offline_fp8", **common, rows=fp8_rows), indent=2))
     if int8_rows:
         written.append(RESULTS / "offline_int8.json")
-        written[-1].write_text(json.dumps(dict(benchmark="offline_int8", **common, rows=int8_rows), indent=2))
+        written[-1].write_text(json.dumps(dict(benchmark="offline_int8", **common, rows=int8_rows, **extra), indent=2))
     out = ", ".join(str(path) for path in written)
     print(f"\nwrote {out}")
 
