@@ -37,9 +37,8 @@ import torch
 
 from .expert_mlp import (busy_segments, check_expert_weights, check_masked_counts, check_sorted_counts,
                          masked_segments, silu_and_mul)
-from .skinny_matmul import linear_rows
+from .chunked_weights import chunked_matmul, rows_per_chunk
 
-CHUNK_BYTES = 2 << 20                  # fp32 dequantized rows held at once by one matmul
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_PAYLOAD_SHIFT = 20                # e4m3's 3 mantissa bits to the top of fp32's 23
 E4M3_SIGN_AND_PAYLOAD = 0x87F00000 - (1 << 32)   # as int32: the sign bit and the 7 shifted payload bits
@@ -72,11 +71,6 @@ def check_fp8_expert_weights(hidden: int, w13: torch.Tensor, w13_scale: torch.Te
     check_fp8_weight(w13, w13_scale, block_k, "w13")
     check_fp8_weight(w2, w2_scale, block_k, "w2")
     return intermediate
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp32 on CPU (see the module docstring), the activations' dtype elsewhere."""
-    return torch.float32 if x.device.type == "cpu" else x.dtype
 
 
 def denormals_survive(device: torch.device) -> bool:
@@ -123,10 +117,6 @@ def decode_rows_into(out: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     apply_block_scales_(out, scale, block_k)
 
 
-def rows_per_chunk(in_features: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * max(in_features, 1)))
-
-
 def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor, block_k: int,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The whole dequantized weight [..., N, K] in `dtype` (for loading and tests: matmuls use fp8_linear)."""
@@ -150,23 +140,12 @@ def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor, block_k: int,
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:
     """x [T, K] @ dequantized(weight [N, K]).T -> [T, N] in compute_dtype(x), CHUNK_BYTES of weight at a time."""
-    num_rows, out_features = x.shape[0], weight.shape[0]
-    dtype = compute_dtype(x)
-    out = torch.empty(num_rows, out_features, dtype=dtype, device=x.device)  # [T, N]
-    if num_rows == 0 or out_features == 0:
-        return out
-    if x.shape[1] == 0:
-        return out.zero_()
-    x = x.to(dtype)
     bit_decode = bit_decode_applies(weight, scale)
-    chunk = min(rows_per_chunk(weight.shape[1]), out_features)
-    scratch = torch.empty(chunk, weight.shape[1], dtype=torch.float32, device=x.device)  # [chunk, K]
-    for start in range(0, out_features, chunk):
-        stop = min(start + chunk, out_features)
-        rows = scratch[:stop - start]
+
+    def decode(rows: torch.Tensor, start: int, stop: int) -> None:
         decode_rows_into(rows, weight[start:stop], scale[start:stop], block_k, bit_decode)
-        out[:, start:stop] = linear_rows(x, rows.to(dtype))                # [T, stop - start]
-    return out
+
+    return chunked_matmul(x, weight.shape[0], decode, scratch_dtype=torch.float32)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,

@@ -34,9 +34,9 @@ import torch
 
 from .expert_mlp import (busy_segments, check_expert_weights, check_masked_counts, check_sorted_counts,
                          masked_segments, padded_layout_wins, silu_and_mul)
-from .skinny_matmul import batched_linear_rows, linear_rows
+from .chunked_weights import chunked_matmul, compute_dtype
+from .skinny_matmul import batched_linear_rows
 
-CHUNK_BYTES = 2 << 20          # fp32 converted weight rows held at once by one matmul
 PADDED_CHUNK_BYTES = 4 << 20   # fp32 converted experts held at once by the padded all-experts form
 INT8_MAX = 127                 # symmetric: -128 is never produced
 
@@ -61,15 +61,6 @@ def check_int8_expert_weights(hidden: int, w13: torch.Tensor, w13_scale: torch.T
     return intermediate
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp32 on CPU (see the module docstring), the activations' dtype elsewhere."""
-    return torch.float32 if x.device.type == "cpu" else x.dtype
-
-
-def rows_per_chunk(in_features: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * max(in_features, 1)))
-
-
 def dequantize_int8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The whole dequantized weight [..., N, K] (for tests and the reference family: matmuls never build it)."""
     check_int8_weight(weight, scale)
@@ -78,26 +69,11 @@ def dequantize_int8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ (weight [N, K] * scale [N, 1]).T -> [T, N] in compute_dtype(x), CHUNK_BYTES of weight at a time."""
-    num_rows, out_features = x.shape[0], weight.shape[0]
-    dtype = compute_dtype(x)
-    out = torch.empty(num_rows, out_features, dtype=dtype, device=x.device)  # [T, N]
-    if num_rows == 0 or out_features == 0:
-        return out
-    if x.shape[1] == 0:
-        return out.zero_()
-    x = x.to(dtype)
-    gemv = num_rows == 1 and x.device.type == "cpu"
-    chunk = min(rows_per_chunk(weight.shape[1]), out_features)
-    scratch = torch.empty(chunk, weight.shape[1], dtype=dtype, device=x.device)  # [chunk, K]
-    for start in range(0, out_features, chunk):
-        stop = min(start + chunk, out_features)
-        rows = scratch[:stop - start]
+    def convert(rows: torch.Tensor, start: int, stop: int) -> None:
         rows.copy_(weight[start:stop])                                     # exact: |q| <= 127
-        if gemv:
-            torch.mv(rows, x[0], out=out[0, start:stop])
-        else:
-            out[:, start:stop] = linear_rows(x, rows)                      # [T, stop - start]
-    return out.mul_(scale.to(dtype))                                       # the scales, once per output
+
+    out = chunked_matmul(x, weight.shape[0], convert)
+    return out.mul_(scale.to(out.dtype))                                  # the scales, once per output
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

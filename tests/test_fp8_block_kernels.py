@@ -13,6 +13,7 @@ import pytest
 import torch
 from fp8_block_inputs import all_e4m3_codes, random_fp8_experts, random_fp8_weight, strided
 
+import kernels.chunked_weights as chunked_weights
 import kernels.fp8_block_weights as fp8_module
 from kernels import get_kernels
 
@@ -39,11 +40,11 @@ def assert_same_values(got, expected):
 
 # ------------------------------------------------------------------------------------------ dequantize
 
-@pytest.mark.parametrize("chunk_bytes", [fp8_module.CHUNK_BYTES, 1024])
+@pytest.mark.parametrize("chunk_bytes", [chunked_weights.CHUNK_BYTES, 1024])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_k", [16, 48, 128])
 def test_dequantize_rows_is_the_plain_formula(block_k, dtype, chunk_bytes, monkeypatch):
-    monkeypatch.setattr(fp8_module, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(chunked_weights, "CHUNK_BYTES", chunk_bytes)
     generator = torch.Generator().manual_seed(block_k)
     experts = random_fp8_experts(3, 100, 20, block_k, generator)             # w2 [3, 100, 20]: K < block_k
     for weight in (experts.w13, experts.w2):
@@ -58,7 +59,7 @@ def test_every_e4m3_code_decodes_exactly(rows_per_chunk, monkeypatch):
     take torch's conversion, the other fourteen the CPU bit decode."""
     codes = all_e4m3_codes()                                                 # [16, 16]
     scale = torch.rand(16, 2, generator=torch.Generator().manual_seed(0)) + 0.5   # block_k 8
-    monkeypatch.setattr(fp8_module, "CHUNK_BYTES", rows_per_chunk * 16 * 4)
+    monkeypatch.setattr(chunked_weights, "CHUNK_BYTES", rows_per_chunk * 16 * 4)
     assert_same_values(fp8_module.dequantize_rows(codes, scale, 8), plain_dequantize(codes, scale, 8))
 
 
@@ -129,7 +130,7 @@ def test_fp8_linear_takes_leading_dims():
 def test_fp8_linear_never_holds_more_than_a_chunk_dequantized(monkeypatch):
     weight = random_fp8_weight(100, 48, 16, torch.Generator().manual_seed(5))
     x = torch.randn(4, 48)
-    monkeypatch.setattr(fp8_module, "CHUNK_BYTES", 30 * 48 * 4)              # 30 rows: 4 chunks, the last partial
+    monkeypatch.setattr(chunked_weights, "CHUNK_BYTES", 30 * 48 * 4)              # 30 rows: 4 chunks, the last partial
     decoded_rows = []
     decode = fp8_module.decode_rows_into
 

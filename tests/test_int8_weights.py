@@ -21,7 +21,7 @@ import torch
 from engine_helpers import PROMPTS, greedy, runtime_prefill_logits
 from tiny_checkpoints import HFOracle
 
-import kernels.int8_weights as int8_module
+import kernels.chunked_weights as chunked_weights
 from kernels import get_kernels
 from moe_runtime import LLM
 from moe_runtime.moe.expert_weights import ExpertWeights
@@ -92,11 +92,11 @@ def test_kernels_refuse_weights_that_are_not_int8_rows():
 
 # ------------------------------------------------------------------------------------------- kernels
 
-@pytest.mark.parametrize("chunk_bytes", [int8_module.CHUNK_BYTES, 1000])     # one chunk, and many partial ones
+@pytest.mark.parametrize("chunk_bytes", [chunked_weights.CHUNK_BYTES, 1000])     # one chunk, and many partial ones
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [0, 1, 3, 17])
 def test_int8_linear_is_the_dequantized_linear(tokens, dtype, chunk_bytes, monkeypatch):
-    monkeypatch.setattr(int8_module, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(chunked_weights, "CHUNK_BYTES", chunk_bytes)
     values, scales = quantized(203, 67, seed=tokens)                         # odd N and K
     bias = torch.randn(203).to(dtype)
     x = torch.randn(2, tokens, 67).to(dtype) if tokens else torch.randn(0, 67).to(dtype)
