@@ -47,6 +47,13 @@ def test_flags_map_onto_engine_config(tmp_path):
     assert engine_config.world_size == 1
 
 
+def test_context_parallel_flag_sets_the_worker_split(tmp_path):
+    engine_config = engine_config_from_args(build_parser().parse_args(["--model", str(tmp_path), "--ep", "4",
+                                                                       "--dp-attn", "2", "--cp", "2"]))
+    layout = engine_config.layout()
+    assert (engine_config.cp, layout.world_size, layout.dp_size, layout.attn_tp) == (2, 4, 2, 1)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--node-rank", "2", "--nnodes", "2"], "--node-rank 2 must be < --nnodes 2"),
     (["--num-redundant-experts", "4"], "--num-redundant-experts 4 needs --ep > 1"),
@@ -54,6 +61,7 @@ def test_flags_map_onto_engine_config(tmp_path):
     (["--a2a-backend", "all_to_all"], "--a2a-backend all_to_all needs --ep > 1"),
     (["--dp-attn", "3", "--ep", "4"], "--dp-attn 3 must divide --ep 4"),
     (["--nnodes", "2", "--ep", "4"], "--nnodes 2 needs --master-port"),
+    (["--ep", "2", "--cp", "2", "--enable-two-batch-overlap"], "--cp 2 with --enable-two-batch-overlap"),
 ])
 def test_bad_engine_flag_combinations_name_the_flag(flags, message):
     engine_config = engine_config_from_args(build_parser().parse_args(flags))
