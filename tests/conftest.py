@@ -30,12 +30,3 @@ def demo_model(tmp_path_factory):
     """The embedded demo model (random weights, its own tokenizer and chat template), built once per session
     into a private cache: the servers that need a real chat template share it."""
     return ensure_demo_model(tmp_path_factory.mktemp("demo_cache"))
-
-
-def pytest_collection_finish(session):
-    """Start the Triton interpreter child as soon as the session's tests are chosen, if its test is among them:
-    its ~40 s of interpreted kernels then overlap the tests that run before it."""
-    for item in session.items:
-        if item.name == "test_triton_kernels_in_interpreter_child":
-            item.config.stash[item.module.INTERPRETER_CHILD] = item.module.start_interpreter_child()
-            return
