@@ -95,12 +95,15 @@ def _routing_id(rank: int) -> bytes:
     return f"rank-{rank}".encode()
 
 
-def _apply_liveness(socket: zmq.Socket) -> None:
+def apply_liveness(socket: zmq.Socket, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                   heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> None:
+    """No lingering on close, a CURVE handshake deadline, heartbeats that find a vanished peer, and a bound on
+    what one message may make this end allocate (the KV transfer sockets use it too, with their own limits)."""
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
     socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
-    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout_ms)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
 
 
 class FrontControl:
@@ -129,7 +132,7 @@ class FrontControl:
         self._socket.curve_secretkey = front.secret
         self._socket.zap_domain = ZAP_DOMAIN.encode()
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)   # sending to a gone rank raises, never drops silently
-        _apply_liveness(self._socket)
+        apply_liveness(self._socket)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
@@ -308,7 +311,7 @@ class WorkerControl:
         self._socket.curve_serverkey = address.key.front_pair().public
         self._socket.curve_publickey = rank.public
         self._socket.curve_secretkey = rank.secret
-        _apply_liveness(self._socket)
+        apply_liveness(self._socket)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._socket.connect(address.endpoint)  # retried by libzmq until the front listens
         self._connected = False

@@ -47,7 +47,6 @@ class ExchangeStats:
 
     exchanges: int = 0          # all-gathers of new K/V (one per attention layer per step)
     bytes_received: int = 0     # real rows only (padding excluded)
-    rows_received: int = 0
     seconds: float = 0.0        # wall time inside those all-gathers (waiting for a slower rank included)
 
 
@@ -109,7 +108,6 @@ class ContextSplit:
         self.stats.seconds += time.perf_counter() - started
         total = whole.shape[0]
         self.stats.exchanges += 1
-        self.stats.rows_received += total - rows
         self.stats.bytes_received += (total - rows) * flat.shape[1] * flat.element_size()
         all_keys = whole[:, :key_width].reshape(total, *keys.shape[1:])
         if values is None:
@@ -134,26 +132,26 @@ class ContextParallel:
     def plan(self, batch: AttentionBatch) -> ContextSplit:
         pieces = assign_pieces(batch.query_lens, self.size)
         device = batch.slot_mapping.device
-        position_in_rank = [0] * batch.num_tokens
-        owner = [0] * batch.num_tokens
-        for rank, own in enumerate(pieces):
-            position = 0
-            for piece in own:
-                first = batch.query_start[piece.seq] + piece.offset
-                for row in range(first, first + piece.length):
-                    owner[row], position_in_rank[row] = rank, position
-                    position += 1
-        rows_per_rank = [sum(piece.length for piece in own) for own in pieces]
+        rows_of_rank = [self._rows(batch, own, device) for own in pieces]           # [t_r] each, ascending
+        rows_per_rank = [rows.numel() for rows in rows_of_rank]
         max_rows = max(rows_per_rank, default=0)
-        gather_index = torch.tensor([owner[row] * max_rows + position_in_rank[row] for row in range(batch.num_tokens)],
-                                    dtype=torch.long, device=device)
-        mine = pieces[self.rank]
-        rows = torch.tensor([batch.query_start[p.seq] + p.offset + i for p in mine for i in range(p.length)],
-                            dtype=torch.long, device=device)
-        split = ContextSplit(rows, self._local_batch(batch, mine, rows), batch.slot_mapping, gather_index, max_rows,
-                             rows_per_rank, self.group, self.stats)
+        # step row -> its row in the padded all-gather (rank r's rows start at r * max_rows)
+        gather_index = torch.empty(batch.num_tokens, dtype=torch.long, device=device)
+        for rank, rows in enumerate(rows_of_rank):
+            gather_index[rows] = rank * max_rows + torch.arange(rows.numel(), device=device)
+        rows = rows_of_rank[self.rank]
+        split = ContextSplit(rows, self._local_batch(batch, pieces[self.rank], rows), batch.slot_mapping, gather_index,
+                             max_rows, rows_per_rank, self.group, self.stats)
         split.local_batch.kv_writer = split
         return split
+
+    @staticmethod
+    def _rows(batch: AttentionBatch, pieces: list[SequencePiece], device) -> torch.Tensor:
+        """[t] int64: the step rows of `pieces`, in order."""
+        if not pieces:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        starts = [batch.query_start[p.seq] + p.offset for p in pieces]
+        return torch.cat([torch.arange(start, start + p.length, device=device) for start, p in zip(starts, pieces)])
 
     @staticmethod
     def _local_batch(batch: AttentionBatch, pieces: list[SequencePiece], rows: torch.Tensor) -> AttentionBatch:

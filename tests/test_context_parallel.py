@@ -13,7 +13,7 @@ from context_parallel_cases import generate_on_rank
 from tiny_checkpoints import HFOracle
 
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.context_parallel import assign_pieces
+from moe_runtime.context_parallel import SequencePiece, assign_pieces
 from multirank import ranks  # noqa: F401  (fixture)
 
 ARCHS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
@@ -43,7 +43,7 @@ def test_long_sequences_cut_in_zigzag_pieces_with_equal_causal_cost(cp):
     assert all(len(own) == 2 for own in pieces)
     costs = [causal_cost(own) for own in pieces]
     assert max(costs) / min(costs) < 1.01, costs   # a contiguous split would give rank cp-1 about 2cp-1 times rank 0
-    contiguous = [causal_cost([type(p)(0, r * LONG // cp, LONG // cp)]) for r in range(cp) for p in pieces[0][:1]]
+    contiguous = [causal_cost([SequencePiece(0, r * LONG // cp, LONG // cp)]) for r in range(cp)]
     assert max(contiguous) / min(contiguous) > 2 * cp - 1.5
 
 
@@ -55,7 +55,7 @@ def test_short_sequences_go_whole_to_the_least_loaded_rank():
     assert sum(p.length for p in pieces[0]) in (54, 55) and sum(p.length for p in pieces[1]) in (54, 55)
     assert all(p.length == 3 for own in pieces for p in own if p.seq == 6)
     assert assign_pieces([], 2) == [[], []]
-    assert assign_pieces([1], 2) == [[type(pieces[0][0])(0, 0, 1)], []]   # the other rank runs an empty step
+    assert assign_pieces([1], 2) == [[SequencePiece(0, 0, 1)], []]   # the other rank runs an empty step
 
 
 @pytest.fixture(scope="module")

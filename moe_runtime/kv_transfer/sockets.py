@@ -12,29 +12,19 @@ import logging
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from attention_dp.control_plane import OnlyKey
+from attention_dp.control_plane import OnlyKey, apply_liveness
 from moe_runtime.kv_transfer.keys import TransferKey
 
 logger = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "moe-kv"
-HANDSHAKE_TIMEOUT_MS = 10_000
-HEARTBEAT_INTERVAL_MS = 2_000
-HEARTBEAT_TIMEOUT_MS = 10_000
+HEARTBEAT_TIMEOUT_MS = 10_000   # a pull waits on a silent peer this long (the control plane allows 20 s)
 MAX_REQUEST_BYTES = 64 * 2**10     # what a KV server accepts in one frame (requests are small headers)
 MAX_REPLY_FRAME_BYTES = 256 * 2**20  # what a decode rank accepts in one frame of blocks
 
 
 def tcp_endpoint(host: str, port: int | str) -> str:
     return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
-
-
-def _liveness(socket: zmq.Socket, max_message_bytes: int) -> None:
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
-    socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
-    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
 
 
 class CurveServer:
@@ -51,7 +41,7 @@ class CurveServer:
         self.socket.curve_publickey = pair.public
         self.socket.curve_secretkey = pair.secret
         self.socket.zap_domain = ZAP_DOMAIN.encode()
-        _liveness(self.socket, MAX_REQUEST_BYTES)
+        apply_liveness(self.socket, MAX_REQUEST_BYTES, HEARTBEAT_TIMEOUT_MS)
         port = self.socket.bind_to_random_port(tcp_endpoint(host, "*")[: -len(":*")])
         self.endpoint = tcp_endpoint(host, port)
 
@@ -70,7 +60,7 @@ def curve_client(context: zmq.Context, key: TransferKey, endpoint: str,
     socket.curve_serverkey = key.server_pair().public
     socket.curve_publickey = pair.public
     socket.curve_secretkey = pair.secret
-    _liveness(socket, MAX_REPLY_FRAME_BYTES)
+    apply_liveness(socket, MAX_REPLY_FRAME_BYTES, HEARTBEAT_TIMEOUT_MS)
     monitor = socket.get_monitor_socket(monitor_events) if monitor_events else None
     socket.connect(endpoint)
     return socket, monitor
