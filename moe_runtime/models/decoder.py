@@ -29,7 +29,7 @@ from moe_runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbed
 from moe_runtime.micro_batches import MicroBatch, split_in_two
 from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
-from moe_runtime.moe.stages import Staged, call_staged, interleave, run_to_end
+from moe_runtime.moe.stages import Staged, call_staged, interleave
 from moe_runtime.parallel_context import ParallelContext
 from moe_runtime.quantization.weight_quantization import WeightQuantization
 
@@ -75,10 +75,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps, ctx.kernels, ctx.dtype, ctx.device)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, ctx.kernels, ctx.dtype, ctx.device)
 
-    def forward(self, positions, x, batch: AttentionBatch, cache: LayerKVCache) -> torch.Tensor:
-        return run_to_end(self.stages(positions, x, batch, cache))
+    def forward(self, positions, x, batch: AttentionBatch, cache: LayerKVCache) -> torch.Tensor:  # [T, H]
+        """The layer in one go (no yield points): what one batch runs, and what a captured decode step traces."""
+        x = x + self.self_attn(positions, self.input_layernorm(x), batch, cache)
+        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
 
     def stages(self, positions, x, batch: AttentionBatch, cache: LayerKVCache) -> Staged[torch.Tensor]:  # [T, H]
+        """`forward` as a staged computation, yielding while the MoE block's transfers are in flight."""
         x = x + self.self_attn(positions, self.input_layernorm(x), batch, cache)
         mlp_out = yield from call_staged(getattr(self, self.mlp_name), self.post_attention_layernorm(x))
         return x + mlp_out
@@ -138,6 +141,12 @@ class CausalLM(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.owned_layers())
 
+    def min_sliding_window(self) -> int | None:
+        """The narrowest sliding window among this stage's attention layers (None: all see the whole context;
+        MLA layers have none)."""
+        windows = [getattr(layer.self_attn.shape, "sliding_window", None) for layer in self.model.owned_layers()]
+        return min((window for window in windows if window is not None), default=None)
+
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return [layer.self_attn.kv_cache_spec() for layer in self.model.owned_layers()]
 
@@ -149,16 +158,25 @@ class CausalLM(nn.Module):
             split = self.context_parallel.plan(batch)
             mine = MicroBatch(input_ids.index_select(0, split.rows), positions.index_select(0, split.rows),
                               split.local_batch, None if hidden is None else hidden.index_select(0, split.rows))
-            return split.gather(run_to_end(self._stages(mine, caches)))                # [t, H] -> [T, H]
+            return split.gather(self._run(mine, caches))                               # [t, H] -> [T, H]
         if not self.executor.overlaps_micro_batches():
-            return run_to_end(self._stages(MicroBatch(input_ids, positions, batch, hidden), caches))
+            return self._run(MicroBatch(input_ids, positions, batch, hidden), caches)
         # Two-batch overlap: every rank splits, also into two empty halves, and runs the same interleaving,
         # so the EP group's collectives pair up.
         first, second = split_in_two(input_ids, positions, batch, hidden)
         out_first, out_second = interleave(self._stages(first, caches), self._stages(second, caches))
         return torch.cat([out_first, out_second])                                   # [T, H]
 
+    def _run(self, micro: MicroBatch, caches: list[LayerKVCache]) -> torch.Tensor:  # -> [t, H]
+        """One batch through this stage's layers, no yield points (generators are also opaque to torch.compile,
+        which traces this for a captured decode step)."""
+        x = self.model.embed_tokens(micro.input_ids) if self.parallel.is_first_stage else micro.hidden
+        for layer, cache in zip(self.model.owned_layers(), caches):
+            x = layer(micro.positions, x, micro.batch, cache)
+        return self.model.norm(x) if self.parallel.is_last_stage else x
+
     def _stages(self, micro: MicroBatch, caches: list[LayerKVCache]) -> Staged[torch.Tensor]:  # -> [t, H]
+        """`_run` as a staged computation, for two micro-batches interleaved."""
         x = self.model.embed_tokens(micro.input_ids) if self.parallel.is_first_stage else micro.hidden
         for layer, cache in zip(self.model.owned_layers(), caches):
             x = yield from layer.stages(micro.positions, x, micro.batch, cache)

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import KernelSet, RoutingConfig
+from kernels import KernelSet, RoutingConfig, TopK
 from moe_runtime.layers.linear import Linear
 from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertNaming, ExpertWeights
 from moe_runtime.moe.router import Router
-from moe_runtime.moe.stages import Staged, run_to_end
+from moe_runtime.moe.stages import Staged
 from moe_runtime.quantization.weight_quantization import WeightQuantization
 
 
@@ -51,14 +51,20 @@ class SparseMoE(nn.Module):
         self._kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return run_to_end(self.stages(x))
+        """The block in one go: one batch's forward, and what a captured decode step traces."""
+        return self._add_shared(x, self._executor.run(self.moe_layer, x, self._route(x)))
 
     def stages(self, x: torch.Tensor) -> Staged[torch.Tensor]:  # [T, H] -> [T, H]
         """The forward pass, yielding while the routed experts' dispatch and combine are in flight
         (moe_runtime/moe/stages.py): two-batch overlap computes the other micro-batch there."""
+        out = yield from self._executor.stages(self.moe_layer, x, self._route(x))
+        return self._add_shared(x, out)
+
+    def _route(self, x: torch.Tensor) -> TopK:   # [T, H] -> top-k [T, K]
         logits = self.gate(x)                                                       # [T, E]
-        topk = self._kernels.select_experts(logits, self.routing, self.gate.e_score_correction_bias)
-        out = yield from self._executor.stages(self.moe_layer, x, topk)
+        return self._kernels.select_experts(logits, self.routing, self.gate.e_score_correction_bias)
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:   # routed out [T, H] -> [T, H]
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)
             if self.shared_expert_gate is not None:
