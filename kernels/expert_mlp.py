@@ -72,10 +72,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[..., :intermediate]).mul_(gate_up[..., intermediate:])
 
 
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """w2 @ (silu(gate) * up) of one expert for rows x [n, H]; w13 [2I, H], w2 [H, I] -> [n, H]."""
+    return linear_rows(silu_and_mul(linear_rows(x, w13)), w2)
+
+
 def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor) -> None:
     """out[n, H] = w2 @ (silu(gate) * up) for one expert; w13 [2I, H], w2 [H, I]."""
-    activated = silu_and_mul(linear_rows(x, w13))                          # [n, I]
-    out.copy_(linear_rows(activated, w2))
+    out.copy_(swiglu(x, w13, w2))
 
 
 def swiglu_padded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

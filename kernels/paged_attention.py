@@ -44,15 +44,22 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     if batch == 0:
         return q.new_zeros(0, num_q_heads, v_dim)
-    max_len = int(context_lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
+    if torch.compiler.is_compiling():
+        # A captured decode step (moe_runtime/decode_capture.py) cannot read the longest context off the device;
+        # its block tables are cut to the bucket's width, and every column is attended (masked past each length).
+        num_blocks = block_tables.shape[1]
+    else:
+        max_len = int(context_lens.max())
+        num_blocks = (max_len + block_size - 1) // block_size
     length = num_blocks * block_size
     tables = block_tables[:, :num_blocks].long().clamp(min=0).reshape(-1)           # [B * nb]
     # Gather head-major ([Hkv, B*nb, bs, D] is [Hkv*B, L, D] contiguous): the score and value
     # matmuls then run as plain bmm over (head, sequence) with no transposed copy of K or V.
     keys = _head_major_fp32(k_cache.index_select(0, tables))                        # [Hkv, B*nb, bs, D]
     keys = keys.view(num_kv_heads * batch, length, head_dim)                        # [Hkv*B, L, D]
-    if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride():
+    # Dynamo cannot compare data pointers: a captured step gathers MLA's values as their own view of the keys.
+    if not torch.compiler.is_compiling() and v_cache.data_ptr() == k_cache.data_ptr() \
+            and v_cache.stride() == k_cache.stride():
         values = keys[..., :v_dim]                                                  # MLA: values are the latent keys
     else:
         values = _head_major_fp32(v_cache.index_select(0, tables))

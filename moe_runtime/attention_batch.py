@@ -43,6 +43,9 @@ class AttentionBatch:
     block_size: int
     kv_writer: KVWriter | None = None  # context parallelism: gathers the other ranks' new K/V and stores all
     source_seqs: list[int] | None = None  # context parallelism: the step sequence each entry is a piece of
+    # A captured decode step (moe_runtime/decode_capture.py): every row is one sequence's single new token, the
+    # tensors are padded to a bucket, and the Python lists are left empty (a capture must not depend on them).
+    static_decode: bool = False
     _splits: dict = field(default_factory=dict, repr=False)   # sliding window -> SingleQuerySplit (per step)
 
     @property

@@ -53,6 +53,10 @@ class EngineConfig:
     dispatch_fp8: bool = False           # dispatch sends FP8 activations + per-128-column scales (GPU bandwidth)
     enable_two_batch_overlap: bool = False  # each step runs as two micro-batches, one's dispatch/combine in flight
                                          # while the other computes (SGLang's TBO, vLLM's DBO); see docs/design.md
+    enable_torch_compile: bool = False   # pure decode steps run as one torch.compile graph per batch bucket
+                                         # (moe_runtime/decode_capture.py; SGLang's --enable-torch-compile)
+    torch_compile_max_bs: int = 32       # the largest decode batch bucket captured; larger steps run eagerly
+    torch_compile_backend: str = "inductor"  # torch.compile backend; "eager"/"aot_eager" trace only (debugging)
     num_redundant_experts: int = 0       # extra physical expert slots for replicas of hot experts
     eplb_interval: int = 0               # rebalance experts every N steps (0 = only on demand)
     eplb_threshold: float = 0.0          # ... or when mean balancedness drops below this (0 = off)
@@ -121,10 +125,30 @@ class EngineConfig:
                                     f"{[q for q in QUANTIZATIONS if q]} (or leave it unset to run in --dtype)")
         if self.ep == 1 and self.dispatch_fp8:
             raise EngineConfigError("--dispatch-fp8 needs --ep > 1 (one rank dispatches nothing over a wire)")
+        if self.enable_torch_compile:
+            self.validate_torch_compile()
         if self.cp > 1 and self.enable_two_batch_overlap:
             raise EngineConfigError(f"--cp {self.cp} with --enable-two-batch-overlap: a context-parallel step "
                                     "exchanges every layer's new K/V over the whole step, which two micro-batches "
                                     "would have to pair up; use one of them")
+
+    def validate_torch_compile(self) -> None:
+        """A captured decode step is one rank's whole forward with nothing exchanged and unquantized weights."""
+        if self.torch_compile_max_bs < 1:
+            raise EngineConfigError(f"--torch-compile-max-bs {self.torch_compile_max_bs}: must be >= 1")
+        spread = {"--ep": self.ep, "--tp": self.tp, "--pp": self.pp, "--cp": self.cp}
+        blocking = [f"{flag} {value}" for flag, value in spread.items() if value > 1]
+        if blocking:
+            raise EngineConfigError(f"--enable-torch-compile with {', '.join(blocking)}: the captured decode step is "
+                                    "one rank's forward; steps that exchange tokens or K/V between ranks are not "
+                                    "captured yet (run without --enable-torch-compile)")
+        if self.quantization is not None:
+            raise EngineConfigError(f"--enable-torch-compile with --quantization {self.quantization}: quantized "
+                                    "weights run through their own grouped kernels, which the capture does not "
+                                    "trace; use one of them")
+        if self.enable_two_batch_overlap:
+            raise EngineConfigError("--enable-torch-compile with --enable-two-batch-overlap: overlap needs several "
+                                    "ranks, the capture one; use one of them")
 
     @property
     def ranks_start_elsewhere(self) -> bool:

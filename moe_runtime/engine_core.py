@@ -18,11 +18,12 @@ from kernels import get_kernels
 from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.block_manager import BlockManager
 from moe_runtime.checkpoint import CheckpointReader
+from moe_runtime.decode_capture import CaptureSettings
 from moe_runtime.decode_imports import DecodeImports
 from moe_runtime.import_spec import ImportSpec
 from moe_runtime.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.quantization.in_memory import weights_in_memory
-from moe_runtime.engine_config import EngineConfig
+from moe_runtime.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.kv_transfer.keys import TransferKey
@@ -124,7 +125,8 @@ class EngineCore:
                 f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of {config.block_size} tokens"
             )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device,
+                                  capture=self._capture_settings(config))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill), self.block_manager
@@ -146,6 +148,17 @@ class EngineCore:
         self._compute_seconds = 0.0
         logger.info("engine ready: %s (%s, %s, kernels=%s) in %.2fs", self.architecture, self.device,
                     self.dtype, self.kernels.name, time.perf_counter() - started)
+
+    def _capture_settings(self, config: EngineConfig) -> CaptureSettings | None:
+        """The decode capture of `--enable-torch-compile` (None: off). The config refused layouts it cannot
+        capture; the executor confirms for the model as built."""
+        if not config.enable_torch_compile:
+            return None
+        blocker = self.executor.capture_blocker()
+        if blocker is not None:
+            raise EngineConfigError(f"--enable-torch-compile cannot capture this model's decode step: {blocker}")
+        return CaptureSettings(max_batch=min(config.torch_compile_max_bs, config.max_num_seqs),
+                               backend=config.torch_compile_backend)
 
     def _open_kv_transfer(self, config: EngineConfig, key: TransferKey | None) -> None:
         """A prefill instance's rank serves its parked blocks; a decode instance's rank pulls into its own."""

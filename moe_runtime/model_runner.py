@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_runtime.attention_batch import AttentionBatch
+from moe_runtime.decode_capture import CaptureSettings, DecodeCapture
 from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.outputs import PromptLogprobs
 from moe_runtime.prompt_logprobs import chunk_tokens_for, join_prompt_logprobs, prompt_logprobs_due, score_prompt
@@ -31,14 +32,19 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 capture: CaptureSettings | None = None):
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        # A captured decode step pads its batch; the pad rows write to one scratch block past the managed ones.
+        allocated = num_blocks + (1 if capture is not None else 0)
         self.caches = [
-            LayerKVCache.allocate(spec, num_blocks, block_size, dtype, device) for spec in model.kv_cache_specs()
+            LayerKVCache.allocate(spec, allocated, block_size, dtype, device) for spec in model.kv_cache_specs()
         ]
+        self.capture = None if capture is None else DecodeCapture(model, self.caches, block_size, num_blocks,
+                                                                   device, capture)
         self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)
         self._scored_prompts: dict[str, PromptLogprobs] = {}   # request id -> prompt logprobs not yet taken
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.cache_bytes() / 2**20)
@@ -96,6 +102,13 @@ class ModelRunner:
         """Next-token logits [S, V] (fp32) of the sequences that sample this step (`samples_this_step`), in
         order; marks every sequence's scheduled tokens as cached."""
         inputs = self.prepare(seqs)
+        if self.capture is not None:
+            if self.capture.covers(seqs):
+                logits = self.capture.run(seqs, inputs)                                  # [S, V]
+                for seq in seqs:
+                    seq.commit_scheduled_tokens()
+                return logits
+            self.capture.stats.eager_steps += 1
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
         self.score_prompts(seqs, inputs, hidden)
         for seq in seqs:

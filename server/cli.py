@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "--dtype); unset: weights in --dtype (FP8 checkpoints are dequantized at load)")
     g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "reference"],
                    help="MoE/attention kernel implementation")
+    g.add_argument("--enable-torch-compile", action=argparse.BooleanOptionalAction, default=e.enable_torch_compile,
+                   help="capture decode steps: each batch size bucket (1, 2, 4, ... --torch-compile-max-bs) compiles "
+                        "once with torch.compile (the first step of a bucket waits for it, tens of seconds on CPU); "
+                        "one rank, unquantized weights; without a C++ compiler decode runs eagerly")
+    g.add_argument("--torch-compile-max-bs", type=positive_int, default=e.torch_compile_max_bs,
+                   help="the largest decode batch captured with --enable-torch-compile; larger ones run eagerly")
     g.add_argument("--tool-call-parser", default=s.tool_call_parser, choices=sorted(TOOL_CALL_PARSER_NAMES),
                    help="how the model writes tool calls (read for tool_choice auto); default: recognised from "
                         "the chat template, else the model type")

@@ -56,6 +56,8 @@ def split_attention(batch: AttentionBatch, sliding_window: int | None, single: S
                     varlen: VarlenAttention) -> torch.Tensor:   # [T, Hq, Dv]
     """Attention of a whole batch: one-token sequences through `single` (the paged decode kernel, batched),
     the rest through `varlen`. A pure decode or pure prefill batch goes to one of them whole."""
+    if batch.static_decode:      # a captured decode step: every row a single query (the capture checked windows)
+        return single(None, batch.block_tables, batch.context_lens_tensor)
     split = batch.split_single_queries(sliding_window)
     if not split.multi:
         return single(None, batch.block_tables, batch.context_lens_tensor)

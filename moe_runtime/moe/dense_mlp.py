@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dispatch.base import LAYOUT_CONTIGUOUS
 from kernels import KernelSet
+from kernels.expert_mlp import swiglu
 from moe_runtime.checkpoint import CheckpointReader, read_slice
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.expert_weights import ExpertWeights
@@ -54,9 +55,14 @@ class DenseMLP(ExpertWeights):
         return self.quant.read_slice(reader, full, dim, start, stop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        # [1]: on the input's device, where the expert kernel runs (a Triton kernel cannot read a CPU tensor)
-        counts = torch.full((1,), x.shape[0], dtype=torch.long, device=x.device)
-        out = self._kernel(x, counts, self)
+        if torch.compiler.is_compiling() and self.quant is None:
+            # A captured decode step (moe_runtime/decode_capture.py): the one expert on all rows, without the
+            # grouped kernel's per-segment sizes, which it would have to read off the device
+            out = swiglu(x, self.w13[0], self.w2[0])                               # [T, H]
+        else:
+            # [1]: on the input's device, where the expert kernel runs (a Triton kernel cannot read a CPU tensor)
+            counts = torch.full((1,), x.shape[0], dtype=torch.long, device=x.device)
+            out = self._kernel(x, counts, self)
         if self.tp_size > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out

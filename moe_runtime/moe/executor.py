@@ -27,6 +27,7 @@ from dispatch.backends import BACKEND_LOCAL, PHASE_DECODE, PHASE_PREFILL
 from dispatch.config import DispatchConfig
 from dispatch.factory import make_dispatcher, select_backend
 from kernels import KernelSet, TopK
+from kernels.pair_experts import pair_expert_mlp
 from load_balancer.placement import Placement, static_placement
 from load_balancer.recorder import ExpertLoadRecorder
 from load_balancer.replica_choice import ReplicaTable, choose_replicas, replica_tables
@@ -178,7 +179,28 @@ class MoEExecutor:
         return self.two_batch_overlap and bool(self._experts)
 
     def run(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> torch.Tensor:  # [T, H] -> [T, H]
+        if torch.compiler.is_compiling():
+            return self._captured_run(moe_layer, x, topk)
         return run_to_end(self.stages(moe_layer, x, topk))
+
+    def capture_blocker(self) -> str | None:
+        """Why a captured decode step cannot trace this executor's layers (None: it can). The capture computes
+        the routed experts of this rank as per-(token, expert) GEMVs (kernels/pair_experts.py): every expert
+        local (one EP rank), weights in the compute dtype, no load to record."""
+        if self.parallel.ep_size > 1 or self.parallel.attn_tp_size > 1:
+            return "expert parallelism and attention TP exchange tokens between ranks inside the step"
+        if any(experts.quant is not None for experts in self._experts):
+            return "experts kept quantized (--quantization) run through their own grouped kernels"
+        if self.recorder is not None:
+            return "expert load is recorded per step"
+        return None
+
+    def _captured_run(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> torch.Tensor:  # [T, H] -> [T, H]
+        """The layer inside a captured decode step (moe_runtime/decode_capture.py; `capture_blocker` is None):
+        no dispatch, no data-dependent grouping."""
+        experts = self._experts[moe_layer]
+        slots = choose_replicas(topk.ids, self._tables[moe_layer])                 # [T, K]
+        return pair_expert_mlp(x, slots, topk.weights, experts.w13, experts.w2)    # [T, H]
 
     def stages(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> Staged[torch.Tensor]:  # [T, H] -> [T, H]
         """`run` as a staged computation: it yields while this layer's dispatch and combine are in flight."""

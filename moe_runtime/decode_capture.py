@@ -1,0 +1,162 @@
+"""A captured decode step: `torch.compile` over the whole forward + LM head of a pure decode batch.
+
+Eager decode on CPU spends a third of a step outside kernels (about 5400 operator calls per step of
+the 8-layer bench model, each a Python call and a dispatcher trip) and runs the routed experts through
+grouped kernels whose sizes depend on the routing. The capture removes both (SGLang's
+`--enable-torch-compile`, vLLM's compiled decode):
+
+- **Static shapes.** A step whose sequences all decode one token (and sample it) is padded to the next
+  batch bucket (1, 2, 4, ... `max_batch`): pad rows read nothing (context length 0) and write their K/V
+  to a scratch block the block manager never hands out. The block-table width is the one dynamic
+  dimension (marked so, at least 2 columns so 1 is never specialized): one graph per batch bucket.
+- **No data-dependent sizes inside.** Attention sees `AttentionBatch.static_decode` and goes straight
+  to the paged decode kernel, which attends to the table's full width instead of reading the longest
+  context off the device; the MoE executor computes routed experts as per-(token, expert) GEMVs
+  (kernels/pair_experts.py), which inductor fuses into loops streaming each chosen expert's weights.
+- **Whole step, no graph breaks** (`fullgraph=True`): the layers' plain `forward` (not the staged
+  generators of two-batch overlap) from embedding to logits.
+
+Where capture cannot run it says so once and the engine decodes eagerly: no C++ compiler for
+inductor's CPU backend, or a compile that fails. What cannot be captured at all (several ranks, kept
+quantized weights) is refused when the engine is configured (`EngineConfig.validate_options`,
+`MoEExecutor.capture_blocker`). Mixed steps (prefill chunks beside decodes) always run eagerly.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_runtime.attention_batch import AttentionBatch
+from moe_runtime.layers.kv_cache import LayerKVCache
+from moe_runtime.prompt_logprobs import prompt_logprobs_due
+from moe_runtime.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+MIN_TABLE_WIDTH = 2   # block-table columns a captured step always has (dynamo specializes a dimension of 1)
+# Graphs dynamo keeps for the traced function. It counts per code object, i.e. over every engine in the process
+# (each traces its own model): its default of 8 would stop the ninth engine's capture, or one engine's ninth bucket.
+RECOMPILE_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """`EngineConfig.enable_torch_compile` and its knobs, as the model runner gets them."""
+
+    max_batch: int = 32             # --torch-compile-max-bs: the largest bucket; bigger decode steps run eagerly
+    backend: str = "inductor"       # torch.compile backend ("eager" / "aot_eager" trace without generating code)
+
+    def buckets(self) -> list[int]:
+        """Batch sizes a decode step is padded to: powers of two up to `max_batch`, and `max_batch` itself."""
+        sizes, size = [], 1
+        while size < self.max_batch:
+            sizes.append(size)
+            size *= 2
+        return sizes + [self.max_batch]
+
+
+@dataclass
+class CaptureStats:
+    """What the capture did, for tests, benchmarks and the log."""
+
+    captured_steps: int = 0                          # decode steps run through a compiled graph
+    eager_steps: int = 0                             # steps run eagerly (prefill, mixed, too large, fallback)
+    buckets_compiled: list[int] = field(default_factory=list)  # batch buckets whose first step compiled
+    disabled_reason: str | None = None               # set when capture gave up; every step then runs eagerly
+
+
+def cpu_compiler_missing() -> str | None:
+    """Why inductor's CPU backend cannot build kernels here (None: a C++ compiler was found)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:   # a torch without this helper: let the compile itself find out
+        return None
+    try:
+        get_cpp_compiler()
+    except Exception as missing:   # inductor raises its own InvalidCxxCompiler
+        return f"no C++ compiler for torch.compile's CPU backend ({missing.__class__.__name__}: set CXX or install g++)"
+    return None
+
+
+class DecodeCapture:
+    """Runs pure decode steps of one rank's model through one compiled graph per batch bucket."""
+
+    def __init__(self, model, caches: list[LayerKVCache], block_size: int, scratch_block: int,
+                 device: torch.device, settings: CaptureSettings):
+        self.model = model
+        self.caches = caches
+        self.block_size = block_size
+        self.scratch_slot = scratch_block * block_size   # where pad rows write their K/V
+        self.device = device
+        self.settings = settings
+        self.buckets = settings.buckets()
+        self.sliding_window = model.min_sliding_window()
+        self.stats = CaptureStats()
+        if settings.backend == "inductor" and device.type == "cpu":
+            self._disable(cpu_compiler_missing())
+        self._compiled = torch.compile(self._decode_logits, backend=settings.backend, fullgraph=True, dynamic=False)
+
+    def covers(self, seqs: list[Sequence]) -> bool:
+        """Whether this step is a pure decode step the capture runs: every sequence computes and samples one
+        token (no prompt scored), within the largest bucket and, with sliding-window attention, the window."""
+        if self.stats.disabled_reason is not None or not 0 < len(seqs) <= self.settings.max_batch:
+            return False
+        for seq in seqs:
+            if seq.num_scheduled_tokens != 1 or not seq.samples_this_step or prompt_logprobs_due(seq):
+                return False
+            if self.sliding_window is not None and seq.num_cached_tokens + 1 > self.sliding_window:
+                return False
+        return True
+
+    def run(self, seqs: list[Sequence], inputs) -> torch.Tensor:
+        """Next-token logits [S, V] fp32 of a covered step (`covers`), from the runner's prepared `inputs`."""
+        num_seqs = len(seqs)
+        bucket = next(size for size in self.buckets if size >= num_seqs)
+        padded = self._pad(inputs, bucket)
+        first = bucket not in self.stats.buckets_compiled
+        if first:
+            logger.info("compiling the decode step for batch bucket %d (backend %s)", bucket, self.settings.backend)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                logits = self._compiled(*padded)                              # [bucket, V]
+        except Exception as failure:   # a compile that fails must not fail the step: the same step runs eagerly
+            if not first:
+                raise
+            self._disable(f"compiling the decode step failed ({failure.__class__.__name__}: {failure})")
+            self.stats.eager_steps += 1
+            return self._decode_logits(*padded)[:num_seqs]
+        if first:
+            self.stats.buckets_compiled.append(bucket)
+        self.stats.captured_steps += 1
+        return logits[:num_seqs]
+
+    def _pad(self, inputs, bucket: int) -> tuple[torch.Tensor, ...]:
+        """The step's tensors padded to `bucket` rows (and the table to >= MIN_TABLE_WIDTH columns)."""
+        batch: AttentionBatch = inputs.batch
+        rows = inputs.input_ids.shape[0]
+        extra = bucket - rows
+        input_ids = torch.nn.functional.pad(inputs.input_ids, (0, extra))                          # [B]
+        positions = torch.nn.functional.pad(inputs.positions, (0, extra))                          # [B]
+        slots = torch.nn.functional.pad(batch.slot_mapping, (0, extra), value=self.scratch_slot)  # [B]
+        context_lens = torch.nn.functional.pad(batch.context_lens_tensor, (0, extra))             # [B]
+        width_extra = max(MIN_TABLE_WIDTH - batch.block_tables.shape[1], 0)
+        tables = torch.nn.functional.pad(batch.block_tables, (0, width_extra, 0, extra), value=-1)  # [B, W]
+        torch._dynamo.mark_dynamic(tables, 1)
+        return input_ids, positions, slots, tables, context_lens
+
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                       block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:  # [B] -> [B, V]
+        """The traced step: one new token per row through every layer, then the LM head."""
+        batch = AttentionBatch(query_lens=[], context_lens=[], query_start=[0], slot_mapping=slot_mapping,
+                               block_tables=block_tables, context_lens_tensor=context_lens,
+                               block_size=self.block_size, static_decode=True)
+        hidden = self.model(input_ids, positions, batch, self.caches)                # [B, H]
+        return self.model.logits(hidden)                                             # [B, V] fp32
+
+    def _disable(self, reason: str | None) -> None:
+        if reason is None or self.stats.disabled_reason is not None:
+            return
+        self.stats.disabled_reason = reason
+        logger.warning("decode capture off, decode steps run eagerly: %s", reason)

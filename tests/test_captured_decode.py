@@ -1,0 +1,130 @@
+"""The captured decode step (`enable_torch_compile`): the same greedy tokens as eager on every architecture,
+eager where it cannot capture, and refusals where it never could.
+
+Every architecture is traced with torch.compile's "eager" backend (dynamo captures the whole step with
+`fullgraph=True`, so any graph break fails the capture, and the graph runs without generated code); one
+MoE architecture goes through inductor's generated C++ as well. Eager decode equals transformers
+(test_engine_parity.py), so the transformers oracle is the eager tokens here (shared, computed once).
+"""
+import logging
+
+import pytest
+import torch
+
+from engine_helpers import PROMPTS, greedy
+from moe_runtime import LLM
+from moe_runtime.decode_capture import CaptureSettings
+from moe_runtime.engine_config import EngineConfigError
+from server.cli import build_parser, engine_config_from_args
+
+ARCHS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+         "deepseek_v2", "deepseek_v2_lite", "deepseek_v3"]
+NEW_TOKENS = 20   # the parity tests' length: the oracle's cached tokens are reused
+
+
+def capture_stats(llm):
+    return llm.engine.core.runner.capture.stats
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_decode_gives_eager_tokens(arch, tiny_checkpoint_factory, greedy_oracle):
+    expected = greedy_oracle(arch, PROMPTS, NEW_TOKENS)
+    with LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", enable_torch_compile=True,
+             torch_compile_backend="eager") as llm:
+        outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+        stats = capture_stats(llm)
+    assert [o.token_ids for o in outputs] == expected
+    assert stats.disabled_reason is None
+    assert stats.buckets_compiled == [4]                  # 4 prompts: one bucket, no pad row needed
+    assert stats.captured_steps == NEW_TOKENS - 1         # every decode step; the prefill step ran eagerly
+
+
+def test_padded_buckets_and_mixed_steps(tiny_checkpoint_factory, greedy_oracle):
+    """Three sequences decode in bucket 4 (a pad row writes to the scratch block, which nobody reads), a
+    prefill arriving mid-decode makes a mixed step that runs eagerly, and sequences finishing at different
+    lengths shrink the batch to smaller buckets; the tokens stay the eager ones throughout."""
+    arch = "qwen2_moe"                                     # routed + shared experts, a shared-expert gate
+    lengths = [NEW_TOKENS, 7, 12, 3]
+    expected = [tokens[:n] for tokens, n in zip(greedy_oracle(arch, PROMPTS, NEW_TOKENS), lengths)]
+    with LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", enable_torch_compile=True,
+             torch_compile_backend="eager", torch_compile_max_bs=4) as llm:
+        engine = llm.engine
+        for index in range(3):
+            engine.add_request(f"r{index}", PROMPTS[index], greedy(lengths[index]))
+        tokens: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_unfinished() or steps == 0:
+            if steps == 4:                                 # three decoding: the late prompt's step is mixed
+                engine.add_request("r3", PROMPTS[3], greedy(lengths[3]))
+            for out in engine.step():
+                tokens[out.request_id] = list(out.token_ids)
+            steps += 1
+        stats = capture_stats(llm)
+    assert [tokens[f"r{i}"] for i in range(4)] == expected
+    assert stats.disabled_reason is None
+    assert 4 in stats.buckets_compiled and {1, 2} & set(stats.buckets_compiled)
+    assert stats.eager_steps >= 2                          # the first prefill and the mixed step
+
+
+def test_inductor_generated_code_gives_eager_tokens(tiny_checkpoint_factory, greedy_oracle):
+    """The default backend, inductor's C++ (and its fused per-(token, expert) GEMV loops)."""
+    arch = "qwen3_moe"
+    expected = greedy_oracle(arch, PROMPTS, NEW_TOKENS)
+    with LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", enable_torch_compile=True) as llm:
+        outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+        stats = capture_stats(llm)
+    assert [o.token_ids for o in outputs] == expected
+    assert stats.disabled_reason is None and stats.captured_steps == NEW_TOKENS - 1
+
+
+def test_without_a_cpp_compiler_decode_runs_eagerly_after_one_log_line(tiny_checkpoint_factory, greedy_oracle,
+                                                                        monkeypatch, caplog):
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-compiler++",))
+    expected = greedy_oracle("mixtral", PROMPTS, NEW_TOKENS)
+    with caplog.at_level(logging.WARNING, logger="moe_runtime.decode_capture"):
+        with LLM(str(tiny_checkpoint_factory("mixtral")), device="cpu", dtype="float32",
+                 enable_torch_compile=True) as llm:
+            outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+            stats = capture_stats(llm)
+    assert [o.token_ids for o in outputs] == expected
+    assert "no C++ compiler" in stats.disabled_reason and stats.captured_steps == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_runtime.decode_capture"]
+    assert len(lines) == 1 and "decode steps run eagerly" in lines[0]
+
+
+def test_a_failing_compile_falls_back_to_eager_for_that_step_and_after(tiny_checkpoint_factory, greedy_oracle,
+                                                                       monkeypatch):
+    def broken(*args):
+        raise RuntimeError("inductor exploded")
+
+    expected = greedy_oracle("llama", PROMPTS, NEW_TOKENS)
+    with LLM(str(tiny_checkpoint_factory("llama")), device="cpu", dtype="float32", enable_torch_compile=True,
+             torch_compile_backend="eager") as llm:
+        monkeypatch.setattr(llm.engine.core.runner.capture, "_compiled", broken)
+        outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+        stats = capture_stats(llm)
+    assert [o.token_ids for o in outputs] == expected
+    assert "inductor exploded" in stats.disabled_reason and stats.captured_steps == 0
+
+
+def test_buckets_are_powers_of_two_up_to_the_largest():
+    assert CaptureSettings(max_batch=1).buckets() == [1]
+    assert CaptureSettings(max_batch=16).buckets() == [1, 2, 4, 8, 16]
+    assert CaptureSettings(max_batch=24).buckets() == [1, 2, 4, 8, 16, 24]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--enable-torch-compile", "--ep", "2"], "--enable-torch-compile with --ep 2"),
+    (["--enable-torch-compile", "--tp", "2", "--pp", "2"], "--enable-torch-compile with --tp 2, --pp 2"),
+    (["--enable-torch-compile", "--quantization", "int8"], "--enable-torch-compile with --quantization int8"),
+])
+def test_layouts_the_capture_cannot_trace_are_refused_naming_the_flags(flags, message):
+    config = engine_config_from_args(build_parser().parse_args(flags))
+    with pytest.raises(EngineConfigError, match=message):
+        config.validate()
+
+
+def test_flags_reach_the_engine_config():
+    config = engine_config_from_args(build_parser().parse_args(["--enable-torch-compile", "--torch-compile-max-bs",
+                                                                "8"]))
+    assert config.enable_torch_compile and config.torch_compile_max_bs == 8
