@@ -149,13 +149,17 @@ def make_prompts(batch: int) -> list[list[int]]:
     return torch.randint(100, SHAPE["vocab_size"], (batch, PROMPT_LEN), generator=generator).tolist()
 
 
-def run_runtime(path: str, dtype: str, prompts, repeats: int, queue, quantization: str | None = None) -> None:
+def run_runtime(path: str, dtype: str, prompts, repeats: int, queue, quantization: str | None = None,
+                compile_decode: bool = False) -> None:
     torch.set_num_threads(torch.get_num_threads())
     from moe_runtime import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(path, device="cpu", dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization) as llm:
-        llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    with LLM(path, device="cpu", dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization,
+             enable_torch_compile=compile_decode) as llm:
+        started = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up (+ compile)
+        warmup_seconds = time.perf_counter() - started
         times, outputs = [], None
         for _ in range(repeats):
             started = time.perf_counter()
@@ -163,8 +167,11 @@ def run_runtime(path: str, dtype: str, prompts, repeats: int, queue, quantizatio
             times.append(time.perf_counter() - started)
         model = llm.engine.core.model            # one rank: the engine is in this process
         weight_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        capture = llm.engine.core.runner.capture
+        captured_steps = capture.stats.captured_steps if capture is not None else 0
     queue.put(dict(seconds=min(times), tokens=[o.token_ids for o in outputs], weight_mib=weight_mib,
-                   peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+                   peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   warmup_seconds=warmup_seconds, captured_steps=captured_steps))
 
 
 def run_transformers(path: str, dtype: str, prompts, repeats: int, queue) -> None:
@@ -206,6 +213,8 @@ def main() -> None:
     parser.add_argument("--llama-cpp-src", type=Path,
                         help="llama.cpp source tree: convert missing GGUF files with its convert_hf_to_gguf.py")
     parser.add_argument("--breakdown", action="store_true", help="profile this runtime's decode step per row")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="also run this runtime with --enable-torch-compile (the captured decode step) per row")
     parser.add_argument("--breakdown-steps", type=int, default=5)
     args = parser.parse_args()
     if LLAMA_CPP_ONLY_DTYPE in args.dtypes and args.llama_cpp is None:
@@ -248,8 +257,19 @@ def main() -> None:
                 breakdown = in_subprocess(run_step_breakdown, path, dtype, prompts, args.breakdown_steps)
                 rows[-1].update(kernel_share=breakdown["kernel_share"], other_share=breakdown["other_share"],
                                 decode_step_ms=breakdown["step_ms"], step_breakdown=breakdown)
+            if args.torch_compile:
+                logger.info("dtype=%s batch=%d: runtime, captured decode step", dtype, batch)
+                compiled = in_subprocess(run_runtime, path, dtype, prompts, args.repeats, compile_decode=True)
+                rows[-1].update(compiled_columns(compiled, ours, theirs, rows[-1], generated, step_bytes))
+                if args.breakdown:
+                    breakdown = in_subprocess(run_step_breakdown, path, dtype, prompts, args.breakdown_steps,
+                                              compile_decode=True)
+                    rows[-1].update(compiled_kernel_share=breakdown["kernel_share"],
+                                    compiled_other_share=breakdown["other_share"],
+                                    compiled_decode_step_ms=breakdown["step_ms"], compiled_step_breakdown=breakdown)
     reference_rows = (llama.reference_rows(args.batches) if llama and LLAMA_CPP_ONLY_DTYPE in args.dtypes else [])
     print_rows(rows)
+    print_compiled_rows(rows)
     print_fp8_rows(fp8_rows)
     print_int8_rows(int8_rows)
     print_llama_cpp_reference_rows(reference_rows)
@@ -305,6 +325,38 @@ def print_rows(rows: list[dict]) -> None:
     if with_breakdown:
         print("step ms: an unprofiled decode step of this runtime; kernel/other: operators' self CPU time vs the rest "
               "of the step\n(Python, scheduling, sampling, metadata) under torch.profiler.")
+
+
+def compiled_columns(compiled: dict, eager: dict, theirs: dict, row: dict, generated: int, step_bytes: float) -> dict:
+    """The captured-decode run of a row beside its eager run, transformers and (when measured) llama.cpp."""
+    tok_s = generated / compiled["seconds"]
+    same = sum(a == b for a, b in zip(compiled["tokens"], eager["tokens"]))
+    columns = dict(compiled_tok_s=tok_s, compiled_vs_eager=eager["seconds"] / compiled["seconds"],
+                   compiled_vs_transformers=theirs["seconds"] / compiled["seconds"],
+                   compiled_identical_to_eager=f"{same}/{len(eager['tokens'])}",
+                   compiled_warmup_seconds=compiled["warmup_seconds"], compiled_steps=compiled["captured_steps"],
+                   compiled_weight_gbs=step_bytes * (NEW_TOKENS / compiled["seconds"]) / 1e9)
+    if "llama_cpp_tok_s" in row:
+        columns.update(compiled_vs_llama_cpp=tok_s / row["llama_cpp_tok_s"])
+    return columns
+
+
+def print_compiled_rows(rows: list[dict]) -> None:
+    if not any("compiled_tok_s" in r for r in rows):
+        return
+    print("\n--enable-torch-compile (captured decode step) beside the eager runtime, same checkpoint and prompts")
+    header = f"{'dtype':9} {'batch':>5} {'eager tok/s':>12} {'compiled tok/s':>15} {'vs eager':>9} {'vs HF':>7} " \
+             f"{'vs llama.cpp':>13} {'same tokens':>12} {'weights GB/s':>13} {'compile s':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        vs_llama = f"{r['compiled_vs_llama_cpp']:>12.2f}x" if "compiled_vs_llama_cpp" in r else f"{'-':>13}"
+        print(f"{r['dtype']:9} {r['batch']:>5} {r['runtime_tok_s']:>12.1f} {r['compiled_tok_s']:>15.1f} "
+              f"{r['compiled_vs_eager']:>8.2f}x {r['compiled_vs_transformers']:>6.2f}x {vs_llama} "
+              f"{r['compiled_identical_to_eager']:>12} {r['compiled_weight_gbs']:>13.1f} "
+              f"{r['compiled_warmup_seconds']:>10.0f}")
+    print("compile s: the warm-up generate, which compiles the batch's bucket (the inductor cache in /tmp makes a "
+          "second run\nfaster); same tokens: greedy sequences identical to the eager runtime's.")
 
 
 def llama_cpp_columns(rates: LlamaCppRates, runtime_tok_s: float, file_type: str) -> dict:

@@ -14,6 +14,11 @@ bookkeeping; not the front's detokenization) run under torch.profiler (CPU activ
 
 A view-like op (aten::view, aten::t, aten::as_strided) counts as kernel time although it is mostly
 dispatcher overhead; `top_ops` and `op_calls_per_step` show how much of that there is.
+
+With the captured decode step (`compile_decode`, `--enable-torch-compile`) inductor's generated C++
+loops are no dispatcher operators: the time inside the compiled region (the profiler's "Torch-Compiled
+Region" ranges: generated kernels, the extern GEMMs they call and inductor's thin generated wrapper
+between them) counts as kernel time, plus the operators outside it (sampling, metadata).
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ class StepBreakdown:
     step_ms: float                 # unprofiled wall time of a decode step
     profiled_step_ms: float        # wall time of a step under the profiler
     kernel_ms: float               # self CPU time of operator events per step
-    op_calls_per_step: float
+    op_calls_per_step: float       # dispatcher operator calls outside compiled regions
     top_ops: list[OpShare] = field(default_factory=list)
 
     @property
@@ -73,7 +78,27 @@ def timed_steps(core, steps: int, batch: int) -> float:
     return total
 
 
-def measure(path: str, dtype: str, prompts: list[list[int]], steps: int) -> StepBreakdown:
+COMPILED_REGION = "Torch-Compiled Region"   # the profiler range dynamo opens around a compiled graph's call
+
+
+def kernel_microseconds(events) -> tuple[float, int]:
+    """(kernel time, operator calls) of a profile: the self time of operators outside compiled regions plus the
+    whole time of compiled regions (whose operators are not counted again)."""
+    regions = [e for e in events if e.name.startswith(COMPILED_REGION)]
+    spans = {}
+    for region in regions:
+        spans.setdefault(region.thread, []).append((region.time_range.start, region.time_range.end))
+
+    def inside(event) -> bool:
+        return any(start <= event.time_range.start and event.time_range.end <= end
+                   for start, end in spans.get(event.thread, ()))
+
+    outside = [e for e in events if is_operator(e) and not inside(e)]
+    total = sum(e.self_cpu_time_total for e in outside) + sum(r.cpu_time_total for r in regions)
+    return total, len(outside)
+
+
+def measure(path: str, dtype: str, prompts: list[list[int]], steps: int, compile_decode: bool = False) -> StepBreakdown:
     from torch.profiler import ProfilerActivity, profile
 
     from moe_runtime import LLM, SamplingParams
@@ -81,7 +106,7 @@ def measure(path: str, dtype: str, prompts: list[list[int]], steps: int) -> Step
     batch = len(prompts)
     decode_steps = 2 * steps + WARMUP_DECODE_STEPS
     params = SamplingParams(max_tokens=decode_steps + 2, temperature=0.0, ignore_eos=True)
-    with LLM(path, device="cpu", dtype=dtype, max_num_seqs=batch) as llm:
+    with LLM(path, device="cpu", dtype=dtype, max_num_seqs=batch, enable_torch_compile=compile_decode) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
         engine = llm.engine
         for i, prompt in enumerate(prompts):
@@ -95,15 +120,16 @@ def measure(path: str, dtype: str, prompts: list[list[int]], steps: int) -> Step
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
             profiled = timed_steps(core, steps, batch)
     operators = [e for e in profiler.key_averages() if is_operator(e)]
-    kernel_us = sum(e.self_cpu_time_total for e in operators)
+    kernel_us, calls = kernel_microseconds(profiler.events())
     top = sorted(operators, key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP_OPS]
     return StepBreakdown(
         batch=batch, steps=steps, step_ms=unprofiled / steps * 1e3, profiled_step_ms=profiled / steps * 1e3,
-        kernel_ms=kernel_us / steps / 1e3, op_calls_per_step=sum(e.count for e in operators) / steps,
+        kernel_ms=kernel_us / steps / 1e3, op_calls_per_step=calls / steps,
         top_ops=[OpShare(e.key, e.count / steps, e.self_cpu_time_total / steps / 1e3) for e in top])
 
 
-def run_step_breakdown(path: str, dtype: str, prompts: list[list[int]], steps: int, queue) -> None:
+def run_step_breakdown(path: str, dtype: str, prompts: list[list[int]], steps: int, queue,
+                       compile_decode: bool = False) -> None:
     """`measure` for bench_offline's subprocess: puts the breakdown's dict on `queue`."""
     torch.set_num_threads(torch.get_num_threads())
-    queue.put(measure(path, dtype, prompts, steps).as_dict())
+    queue.put(measure(path, dtype, prompts, steps, compile_decode).as_dict())
