@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,10 @@ from moe_runtime.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.prompt_logprobs import prompt_logprobs_due
 from moe_runtime.sequence import Sequence
+
+if TYPE_CHECKING:   # the runner owns the capture and hands it its prepared inputs
+    from moe_runtime.model_runner import StepInputs
+    from moe_runtime.models.decoder import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +88,7 @@ def cpu_compiler_missing() -> str | None:
 class DecodeCapture:
     """Runs pure decode steps of one rank's model through one compiled graph per batch bucket."""
 
-    def __init__(self, model, caches: list[LayerKVCache], block_size: int, scratch_block: int,
+    def __init__(self, model: CausalLM, caches: list[LayerKVCache], block_size: int, scratch_block: int,
                  device: torch.device, settings: CaptureSettings):
         self.model = model
         self.caches = caches
@@ -110,7 +115,7 @@ class DecodeCapture:
                 return False
         return True
 
-    def run(self, seqs: list[Sequence], inputs) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], inputs: StepInputs) -> torch.Tensor:
         """Next-token logits [S, V] fp32 of a covered step (`covers`), from the runner's prepared `inputs`."""
         num_seqs = len(seqs)
         bucket = next(size for size in self.buckets if size >= num_seqs)
@@ -121,10 +126,10 @@ class DecodeCapture:
         try:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 logits = self._compiled(*padded)                              # [bucket, V]
-        except Exception as failure:   # a compile that fails must not fail the step: the same step runs eagerly
-            if not first:
-                raise
-            self._disable(f"compiling the decode step failed ({failure.__class__.__name__}: {failure})")
+        except Exception as failure:
+            # A compile (first call of a bucket, or a recompile later) that fails must not fail the step: this step
+            # and every later one run eagerly. An error of the model itself raises again there.
+            self._disable(f"the compiled decode step failed ({failure.__class__.__name__}: {failure})")
             self.stats.eager_steps += 1
             return self._decode_logits(*padded)[:num_seqs]
         if first:
@@ -132,7 +137,7 @@ class DecodeCapture:
         self.stats.captured_steps += 1
         return logits[:num_seqs]
 
-    def _pad(self, inputs, bucket: int) -> tuple[torch.Tensor, ...]:
+    def _pad(self, inputs: StepInputs, bucket: int) -> tuple[torch.Tensor, ...]:
         """The step's tensors padded to `bucket` rows (and the table to >= MIN_TABLE_WIDTH columns)."""
         batch: AttentionBatch = inputs.batch
         rows = inputs.input_ids.shape[0]
