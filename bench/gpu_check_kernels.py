@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from kernels.routing import group_mask
 from kernels.skinny_matmul import batched_linear_rows, linear_rows
 from moe_runtime.quantization.fp8_in_memory import ONLINE_BLOCK_K, quantize_rows
 from moe_runtime.quantization.int8_in_memory import quantize_int8_rows
+from moe_runtime.quantization.weight_quantization import QuantizedRows
 from triton_kernel_cases import moe_inputs          # the edge-case suite's input generator
 
 EXTRA_KERNELS = ("align_block_size", "skinny_matmul")
@@ -46,40 +48,40 @@ class ExpertWeights:
     w2_fp32: torch.Tensor
 
 
-@dataclass
-class Fp8ExpertWeights:
-    """The same experts quantized as `--quantization fp8` keeps them (row-expanded 128-column scales)."""
+@dataclass(frozen=True)
+class QuantizedFormat:
+    """A `--quantization` weight format as the checks use it: how an expert stack is quantized, and the
+    extra arguments its kernels take. Its kernels are the KernelSet fields `{name}_linear`,
+    `{name}_expert_mlp` and `{name}_masked_expert_mlp`."""
 
-    w13: torch.Tensor        # [E, 2I, H] float8_e4m3fn
-    w13_scale: torch.Tensor  # [E, 2I, ceil(H/128)] fp32
-    w2: torch.Tensor         # [E, H, I] float8_e4m3fn
-    w2_scale: torch.Tensor   # [E, H, ceil(I/128)] fp32
+    name: str                                          # "fp8" | "int8"
+    quantize: Callable[[torch.Tensor], QuantizedRows]  # one expert's [N, K] -> values and scales
+    kernel_args: tuple = ()                            # after the weights: FP8's block_k
+    details: tuple = ()                                # (key, value) pairs the expert / linear reports add
+
+    def kernel(self, kernel_set: KernelSet, kind: str) -> Callable:
+        """`kind`: "linear", "expert_mlp" or "masked_expert_mlp"."""
+        return getattr(kernel_set, f"{self.name}_{kind}")
+
+
+FP8 = QuantizedFormat("fp8", lambda weight: quantize_rows(weight, ONLINE_BLOCK_K), (ONLINE_BLOCK_K,),
+                      (("block_k", ONLINE_BLOCK_K),))   # row-expanded 128-column scales
+INT8 = QuantizedFormat("int8", quantize_int8_rows)     # one fp32 scale per row
+
+
+@dataclass
+class QuantizedExpertWeights:
+    """The same experts quantized as `--quantization <format>` keeps them."""
+
+    w13: torch.Tensor        # [E, 2I, H] in the format's values dtype
+    w13_scale: torch.Tensor  # fp8 [E, 2I, ceil(H/128)], int8 [E, 2I] fp32
+    w2: torch.Tensor         # [E, H, I]
+    w2_scale: torch.Tensor   # fp8 [E, H, ceil(I/128)], int8 [E, H] fp32
 
     @classmethod
-    def of(cls, weights: ExpertWeights) -> "Fp8ExpertWeights":
+    def of(cls, weights: ExpertWeights, fmt: QuantizedFormat) -> "QuantizedExpertWeights":
         def quantized(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            rows = [quantize_rows(expert, ONLINE_BLOCK_K) for expert in stack]   # one expert at a time: memory
-            return torch.stack([r.values for r in rows]), torch.stack([r.scales for r in rows])
-
-        return cls(*quantized(weights.w13_fp32), *quantized(weights.w2_fp32))
-
-    def first(self, experts: int) -> tuple[torch.Tensor, ...]:
-        return self.w13[:experts], self.w13_scale[:experts], self.w2[:experts], self.w2_scale[:experts]
-
-
-@dataclass
-class Int8ExpertWeights:
-    """The same experts quantized as `--quantization int8` keeps them (one fp32 scale per row)."""
-
-    w13: torch.Tensor        # [E, 2I, H] int8
-    w13_scale: torch.Tensor  # [E, 2I] fp32
-    w2: torch.Tensor         # [E, H, I] int8
-    w2_scale: torch.Tensor   # [E, H] fp32
-
-    @classmethod
-    def of(cls, weights: ExpertWeights) -> "Int8ExpertWeights":
-        def quantized(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            rows = [quantize_int8_rows(expert) for expert in stack]   # one expert at a time: memory
+            rows = [fmt.quantize(expert) for expert in stack]   # one expert at a time: memory
             return torch.stack([r.values for r in rows]), torch.stack([r.scales for r in rows])
 
         return cls(*quantized(weights.w13_fp32), *quantized(weights.w2_fp32))
@@ -126,8 +128,7 @@ class KernelsPart:
         self.triton: KernelSet = get_kernels(self.device, "triton")
         self.twin: KernelSet = get_kernels(self.device, "torch")
         self._weights: dict[str, ExpertWeights] = {}
-        self._fp8_weights: dict[str, Fp8ExpertWeights] = {}
-        self._int8_weights: dict[str, Int8ExpertWeights] = {}
+        self._quantized_weights: dict[tuple[str, str], QuantizedExpertWeights] = {}   # by (format, dtype)
         self._checks = self._plan()
 
     # ------------------------------------------------------------------------------------- the plan
@@ -156,16 +157,14 @@ class KernelsPart:
             checks[f"expert_mlp/dense_one_expert/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._dense(t, d)
             checks[f"unpermute_reduce/{e.name}/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._unpermute(t, d)
             checks[f"masked_expert_mlp/{s.masked.name}/{dtype}"] = lambda d=dtype: self._masked(d)
-            checks[f"fp8_expert_mlp/{e.name}/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._fp8_expert_mlp(t, d)
-            checks[f"fp8_masked_expert_mlp/{s.masked.name}/{dtype}"] = lambda d=dtype: self._fp8_masked(d)
-            for rows in s.skinny_rows:
-                checks[f"fp8_linear/rows{rows}/{dtype}"] = lambda r=rows, d=dtype: self._fp8_linear(r, d)
-            # int8 weight-only: the Triton family runs the torch kernels (no Triton int8 kernel yet)
-            checks[f"int8_expert_mlp/{e.name}/T{tokens}/{dtype}"] = (
-                lambda t=tokens, d=dtype: self._int8_expert_mlp(t, d))
-            checks[f"int8_masked_expert_mlp/{s.masked.name}/{dtype}"] = lambda d=dtype: self._int8_masked(d)
-            for rows in s.skinny_rows:
-                checks[f"int8_linear/rows{rows}/{dtype}"] = lambda r=rows, d=dtype: self._int8_linear(r, d)
+            for fmt in (FP8, INT8):   # int8: the Triton family runs the torch kernels (no Triton int8 kernel yet)
+                checks[f"{fmt.name}_expert_mlp/{e.name}/T{tokens}/{dtype}"] = (
+                    lambda f=fmt, t=tokens, d=dtype: self._quantized_expert_mlp(f, t, d))
+                checks[f"{fmt.name}_masked_expert_mlp/{s.masked.name}/{dtype}"] = (
+                    lambda f=fmt, d=dtype: self._quantized_masked(f, d))
+                for rows in s.skinny_rows:
+                    checks[f"{fmt.name}_linear/rows{rows}/{dtype}"] = (
+                        lambda f=fmt, r=rows, d=dtype: self._quantized_linear(f, r, d))
             for norm in s.norms:
                 for tokens in s.norm_tokens:
                     checks[f"rms_norm/{norm.name}/T{tokens}/{dtype}"] = (
@@ -191,8 +190,7 @@ class KernelsPart:
 
     def close(self) -> None:
         self._weights.clear()
-        self._fp8_weights.clear()
-        self._int8_weights.clear()
+        self._quantized_weights.clear()
 
     def _coverage(self) -> Outcome:
         kernels = [f.name for f in fields(KernelSet) if f.name != "name"] + list(EXTRA_KERNELS)
@@ -217,8 +215,7 @@ class KernelsPart:
     def _expert_weights(self, dtype: str) -> ExpertWeights:
         if dtype not in self._weights:
             self._weights.clear()          # one dtype at a time: the real layer is 22.5 GB in bf16
-            self._fp8_weights.clear()
-            self._int8_weights.clear()
+            self._quantized_weights.clear()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             e = self.shapes.experts
@@ -227,17 +224,11 @@ class KernelsPart:
             self._weights[dtype] = ExpertWeights(w13, w2, w13.float(), w2.float())
         return self._weights[dtype]
 
-    def _fp8_expert_weights(self, dtype: str) -> Fp8ExpertWeights:
+    def _quantized_expert_weights(self, fmt: QuantizedFormat, dtype: str) -> QuantizedExpertWeights:
         weights = self._expert_weights(dtype)
-        if dtype not in self._fp8_weights:
-            self._fp8_weights[dtype] = Fp8ExpertWeights.of(weights)
-        return self._fp8_weights[dtype]
-
-    def _int8_expert_weights(self, dtype: str) -> Int8ExpertWeights:
-        weights = self._expert_weights(dtype)
-        if dtype not in self._int8_weights:
-            self._int8_weights[dtype] = Int8ExpertWeights.of(weights)
-        return self._int8_weights[dtype]
+        if (fmt.name, dtype) not in self._quantized_weights:
+            self._quantized_weights[fmt.name, dtype] = QuantizedExpertWeights.of(weights, fmt)
+        return self._quantized_weights[fmt.name, dtype]
 
     def _routing(self, tokens: int):
         """(weights [T, K] fp32, ids [T, K]) on the device, from the edge-case suite's generator."""
@@ -409,93 +400,50 @@ class KernelsPart:
             x[expert, count:] = float("nan")                           # stale rows, as DeepEP leaves them
         return x, counts.to(self.device)
 
-    def _fp8_expert_mlp(self, tokens: int, dtype: str) -> Outcome:
-        """FP8 experts (--quantization fp8): the Triton grouped GEMM dequantizes per tile, the twin per row chunk."""
-        e, q = self.shapes.experts, self._fp8_expert_weights(dtype)
+    def _quantized_expert_mlp(self, fmt: QuantizedFormat, tokens: int, dtype: str) -> Outcome:
+        """Experts kept quantized: FP8's Triton grouped GEMM dequantizes per tile, the twin per row chunk; int8
+        converts each row chunk and applies the scales to the output."""
+        e, q = self.shapes.experts, self._quantized_expert_weights(fmt, dtype)
         x = self._randn(tokens, e.hidden, dtype=dtype, seed=tokens)
         _, ids = self._routing(tokens)
         plan = self.twin.permute_by_expert(ids, e.experts)
         x_sorted = x[plan.token_index]
-        weights = q.first(e.experts)
-        got = self.triton.fp8_expert_mlp(x_sorted, plan.counts, *weights, ONLINE_BLOCK_K)
-        want = self.twin.fp8_expert_mlp(x_sorted.float(), plan.counts, *weights, ONLINE_BLOCK_K)
-        twin_low = self.twin.fp8_expert_mlp(x_sorted, plan.counts, *weights, ONLINE_BLOCK_K)
-        return self._judge("fp8_expert_mlp", dtype, got, want, twin_low, tokens=tokens, rows=plan.num_rows,
-                           block_k=ONLINE_BLOCK_K,
-                           **self._timing(lambda: self.triton.fp8_expert_mlp(x_sorted, plan.counts, *weights,
-                                                                             ONLINE_BLOCK_K),
-                                          lambda: self.twin.fp8_expert_mlp(x_sorted, plan.counts, *weights,
-                                                                           ONLINE_BLOCK_K), repeats=3))
+        args = (*q.first(e.experts), *fmt.kernel_args)
+        triton, twin = fmt.kernel(self.triton, "expert_mlp"), fmt.kernel(self.twin, "expert_mlp")
+        got = triton(x_sorted, plan.counts, *args)
+        want = twin(x_sorted.float(), plan.counts, *args)
+        twin_low = twin(x_sorted, plan.counts, *args)
+        return self._judge(f"{fmt.name}_expert_mlp", dtype, got, want, twin_low, tokens=tokens, rows=plan.num_rows,
+                           **dict(fmt.details),
+                           **self._timing(lambda: triton(x_sorted, plan.counts, *args),
+                                          lambda: twin(x_sorted, plan.counts, *args), repeats=3))
 
-    def _fp8_masked(self, dtype: str) -> Outcome:
-        m, q = self.shapes.masked, self._fp8_expert_weights(dtype)
+    def _quantized_masked(self, fmt: QuantizedFormat, dtype: str) -> Outcome:
+        m, q = self.shapes.masked, self._quantized_expert_weights(fmt, dtype)
         x, counts = self._masked_inputs(dtype)
-        weights = q.first(m.local_experts)
-        got = self.triton.fp8_masked_expert_mlp(x, counts, *weights, ONLINE_BLOCK_K)
-        want = self.twin.fp8_masked_expert_mlp(x.float(), counts, *weights, ONLINE_BLOCK_K)
-        twin_low = self.twin.fp8_masked_expert_mlp(x, counts, *weights, ONLINE_BLOCK_K)
+        args = (*q.first(m.local_experts), *fmt.kernel_args)
+        triton, twin = fmt.kernel(self.triton, "masked_expert_mlp"), fmt.kernel(self.twin, "masked_expert_mlp")
+        got = triton(x, counts, *args)
+        want = twin(x.float(), counts, *args)
+        twin_low = twin(x, counts, *args)
         stale = torch.arange(m.capacity, device=self.device)[None, :] >= counts[:, None]   # [E, M]
         problems = [] if bool((got[stale] == 0).all()) else ["rows past an expert's count are not zero"]
-        return self._judge("fp8_masked_expert_mlp", dtype, got, want, twin_low, problems,
+        return self._judge(f"{fmt.name}_masked_expert_mlp", dtype, got, want, twin_low, problems,
                            local_experts=m.local_experts, capacity=m.capacity, rows=int(counts.sum()),
-                           **self._timing(lambda: self.triton.fp8_masked_expert_mlp(x, counts, *weights,
-                                                                                    ONLINE_BLOCK_K),
-                                          lambda: self.twin.fp8_masked_expert_mlp(x, counts, *weights,
-                                                                                  ONLINE_BLOCK_K), repeats=3))
-
-    def _fp8_linear(self, rows: int, dtype: str) -> Outcome:
-        """An FP8 projection (attention q/k/v/o): one expert's gate/up stack as the weight."""
-        e, q = self.shapes.experts, self._fp8_expert_weights(dtype)
-        x = self._randn(rows, e.hidden, dtype=dtype, seed=15)
-        weight, scale = q.w13[0], q.w13_scale[0]
-        got = self.triton.fp8_linear(x, weight, scale, ONLINE_BLOCK_K)
-        want = self.twin.fp8_linear(x.float(), weight, scale, ONLINE_BLOCK_K)
-        twin_low = self.twin.fp8_linear(x, weight, scale, ONLINE_BLOCK_K)
-        return self._judge("fp8_linear", dtype, got, want, twin_low, rows=rows, block_k=ONLINE_BLOCK_K,
-                           **self._timing(lambda: self.triton.fp8_linear(x, weight, scale, ONLINE_BLOCK_K),
-                                          lambda: self.twin.fp8_linear(x, weight, scale, ONLINE_BLOCK_K)))
-
-    def _int8_expert_mlp(self, tokens: int, dtype: str) -> Outcome:
-        """Int8 experts (--quantization int8): each row chunk converted, the scales applied to the output."""
-        e, q = self.shapes.experts, self._int8_expert_weights(dtype)
-        x = self._randn(tokens, e.hidden, dtype=dtype, seed=tokens)
-        _, ids = self._routing(tokens)
-        plan = self.twin.permute_by_expert(ids, e.experts)
-        x_sorted = x[plan.token_index]
-        weights = q.first(e.experts)
-        got = self.triton.int8_expert_mlp(x_sorted, plan.counts, *weights)
-        want = self.twin.int8_expert_mlp(x_sorted.float(), plan.counts, *weights)
-        twin_low = self.twin.int8_expert_mlp(x_sorted, plan.counts, *weights)
-        return self._judge("int8_expert_mlp", dtype, got, want, twin_low, tokens=tokens, rows=plan.num_rows,
-                           **self._timing(lambda: self.triton.int8_expert_mlp(x_sorted, plan.counts, *weights),
-                                          lambda: self.twin.int8_expert_mlp(x_sorted, plan.counts, *weights),
+                           **self._timing(lambda: triton(x, counts, *args), lambda: twin(x, counts, *args),
                                           repeats=3))
 
-    def _int8_masked(self, dtype: str) -> Outcome:
-        m, q = self.shapes.masked, self._int8_expert_weights(dtype)
-        x, counts = self._masked_inputs(dtype)
-        weights = q.first(m.local_experts)
-        got = self.triton.int8_masked_expert_mlp(x, counts, *weights)
-        want = self.twin.int8_masked_expert_mlp(x.float(), counts, *weights)
-        twin_low = self.twin.int8_masked_expert_mlp(x, counts, *weights)
-        stale = torch.arange(m.capacity, device=self.device)[None, :] >= counts[:, None]   # [E, M]
-        problems = [] if bool((got[stale] == 0).all()) else ["rows past an expert's count are not zero"]
-        return self._judge("int8_masked_expert_mlp", dtype, got, want, twin_low, problems,
-                           local_experts=m.local_experts, capacity=m.capacity, rows=int(counts.sum()),
-                           **self._timing(lambda: self.triton.int8_masked_expert_mlp(x, counts, *weights),
-                                          lambda: self.twin.int8_masked_expert_mlp(x, counts, *weights), repeats=3))
-
-    def _int8_linear(self, rows: int, dtype: str) -> Outcome:
-        """An int8 projection: one expert's gate/up stack as the weight."""
-        e, q = self.shapes.experts, self._int8_expert_weights(dtype)
+    def _quantized_linear(self, fmt: QuantizedFormat, rows: int, dtype: str) -> Outcome:
+        """A quantized projection (attention q/k/v/o): one expert's gate/up stack as the weight."""
+        e, q = self.shapes.experts, self._quantized_expert_weights(fmt, dtype)
         x = self._randn(rows, e.hidden, dtype=dtype, seed=15)
-        weight, scale = q.w13[0], q.w13_scale[0]
-        got = self.triton.int8_linear(x, weight, scale)
-        want = self.twin.int8_linear(x.float(), weight, scale)
-        twin_low = self.twin.int8_linear(x, weight, scale)
-        return self._judge("int8_linear", dtype, got, want, twin_low, rows=rows,
-                           **self._timing(lambda: self.triton.int8_linear(x, weight, scale),
-                                          lambda: self.twin.int8_linear(x, weight, scale)))
+        args = (q.w13[0], q.w13_scale[0], *fmt.kernel_args)
+        triton, twin = fmt.kernel(self.triton, "linear"), fmt.kernel(self.twin, "linear")
+        got = triton(x, *args)
+        want = twin(x.float(), *args)
+        twin_low = twin(x, *args)
+        return self._judge(f"{fmt.name}_linear", dtype, got, want, twin_low, rows=rows, **dict(fmt.details),
+                           **self._timing(lambda: triton(x, *args), lambda: twin(x, *args)))
 
     def _rms_norm(self, norm: NormShape, tokens: int, dtype: str, fused: bool) -> Outcome:
         x = self._randn(tokens, norm.hidden, dtype=dtype, seed=6)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -109,21 +110,34 @@ def expert_mlp(
     ends = check_sorted_counts(x_sorted, counts, w13.shape[0])             # [E]
     max_count = int(counts.max()) if counts.numel() else 0
     if padded_layout_wins(counts, max_count):
-        return _expert_mlp_padded(x_sorted, counts, ends, w13, w2, max_count)
+        return segments_through_padded(x_sorted, counts, ends, max_count, lambda padded: swiglu_padded(padded, w13, w2))
     out = torch.empty(x_sorted.shape[0], w2.shape[1], dtype=x_sorted.dtype, device=x_sorted.device)  # [N, H]
     for seg in busy_segments(counts, ends):
         swiglu_expert(x_sorted[seg.start:seg.end], w13[seg.expert], w2[seg.expert], out[seg.start:seg.end])
     return out
 
 
-def _expert_mlp_padded(x_sorted, counts, ends, w13, w2, max_count: int) -> torch.Tensor:
-    """Contiguous segments -> masked [E, M, H] layout -> batched experts -> back to segments."""
+AllExperts = Callable[[torch.Tensor], torch.Tensor]   # [E, M, H] -> [E, M, H]: every expert on its own rows
+
+
+def segments_through_padded(x_sorted: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor, max_count: int,
+                            all_experts: AllExperts) -> torch.Tensor:   # [N, H] -> [N, H]
+    """Contiguous segments -> masked [E, M, H] layout -> `all_experts` (batched) -> back to segments."""
     num_experts = counts.shape[0]
     expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=counts.device), counts)  # [N]
     slot_of_row = torch.arange(x_sorted.shape[0], device=counts.device) - (ends - counts)[expert_of_row]  # [N]
     padded = x_sorted.new_zeros(num_experts, max_count, x_sorted.shape[1])  # [E, M, H]
     padded[expert_of_row, slot_of_row] = x_sorted
-    return swiglu_padded(padded, w13, w2)[expert_of_row, slot_of_row]     # [N, H]
+    return all_experts(padded)[expert_of_row, slot_of_row]                # [N, H]
+
+
+def masked_through_padded(out: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, max_count: int,
+                          all_experts: AllExperts) -> None:
+    """out[:, :max_count] = `all_experts` on x's first max_count rows, zero past each expert's count (the stale
+    rows there may hold NaN, which must not leak)."""
+    valid = torch.arange(max_count, device=x.device) < counts.unsqueeze(1)  # [E, M']
+    computed = all_experts(x[:, :max_count])                                # [E, M', H]
+    out[:, :max_count] = torch.where(valid.unsqueeze(-1), computed, 0.0)
 
 
 def masked_expert_mlp(
@@ -136,9 +150,7 @@ def masked_expert_mlp(
     max_count = check_masked_counts(x, counts, w13.shape[0])
     out = torch.zeros(x.shape[0], x.shape[1], w2.shape[1], dtype=x.dtype, device=x.device)  # [E, M, H]
     if padded_layout_wins(counts, max_count):
-        valid = torch.arange(max_count, device=x.device) < counts.unsqueeze(1)  # [E, M']
-        computed = swiglu_padded(x[:, :max_count], w13, w2)                # [E, M', H]
-        out[:, :max_count] = torch.where(valid.unsqueeze(-1), computed, 0.0)  # stale rows may hold NaN
+        masked_through_padded(out, x, counts, max_count, lambda padded: swiglu_padded(padded, w13, w2))
         return out
     for seg in masked_segments(counts):
         swiglu_expert(x[seg.expert, :seg.end], w13[seg.expert], w2[seg.expert], out[seg.expert, :seg.end])

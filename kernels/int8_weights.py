@@ -33,7 +33,8 @@ import math
 import torch
 
 from .expert_mlp import (busy_segments, check_expert_weights, check_masked_counts, check_sorted_counts,
-                         masked_segments, padded_layout_wins, silu_and_mul)
+                         masked_segments, masked_through_padded, padded_layout_wins, segments_through_padded,
+                         silu_and_mul)
 from .chunked_weights import chunked_matmul, compute_dtype
 from .skinny_matmul import batched_linear_rows
 
@@ -138,13 +139,10 @@ def int8_expert_mlp(
     ends = check_sorted_counts(x_sorted, counts, w13.shape[0])             # [E]
     max_count = int(counts.max()) if counts.numel() else 0
     if padded_layout_wins(counts, max_count):
-        num_experts = counts.shape[0]
-        expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=counts.device), counts)  # [N]
-        slot_of_row = torch.arange(x_sorted.shape[0], device=counts.device) - (ends - counts)[expert_of_row]
-        padded = x_sorted.new_zeros(num_experts, max_count, x_sorted.shape[1])   # [E, M, H]
-        padded[expert_of_row, slot_of_row] = x_sorted
-        computed = int8_swiglu_padded(padded, w13, w13_scale, w2, w2_scale)
-        return computed[expert_of_row, slot_of_row].to(x_sorted.dtype)  # [N, H]
+        def all_experts(padded: torch.Tensor) -> torch.Tensor:
+            return int8_swiglu_padded(padded, w13, w13_scale, w2, w2_scale)
+
+        return segments_through_padded(x_sorted, counts, ends, max_count, all_experts).to(x_sorted.dtype)  # [N, H]
     out = torch.empty(x_sorted.shape[0], w2.shape[1], dtype=x_sorted.dtype, device=x_sorted.device)  # [N, H]
     for seg in busy_segments(counts, ends):
         e = seg.expert
@@ -165,9 +163,8 @@ def int8_masked_expert_mlp(
     max_count = check_masked_counts(x, counts, w13.shape[0])
     out = torch.zeros(x.shape[0], x.shape[1], w2.shape[1], dtype=x.dtype, device=x.device)  # [E, M, H]
     if padded_layout_wins(counts, max_count):
-        valid = torch.arange(max_count, device=x.device) < counts.unsqueeze(1)  # [E, M']
-        computed = int8_swiglu_padded(x[:, :max_count], w13, w13_scale, w2, w2_scale)   # [E, M', H]
-        out[:, :max_count] = torch.where(valid.unsqueeze(-1), computed, 0.0)  # stale rows may hold NaN
+        masked_through_padded(out, x, counts, max_count,
+                              lambda padded: int8_swiglu_padded(padded, w13, w13_scale, w2, w2_scale))
         return out
     for seg in masked_segments(counts):
         e = seg.expert

@@ -18,8 +18,8 @@ grouped kernels whose sizes depend on the routing. The capture removes both (SGL
 
 Where capture cannot run it says so once and the engine decodes eagerly: no C++ compiler for
 inductor's CPU backend, or a compile that fails. What cannot be captured at all (several ranks, kept
-quantized weights) is refused when the engine is configured (`EngineConfig.validate_options`,
-`MoEExecutor.capture_blocker`). Mixed steps (prefill chunks beside decodes) always run eagerly.
+quantized weights) is refused when the engine is configured (`EngineConfig.validate_torch_compile`).
+Mixed steps (prefill chunks beside decodes) always run eagerly.
 """
 from __future__ import annotations
 

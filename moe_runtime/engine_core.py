@@ -23,7 +23,7 @@ from moe_runtime.decode_imports import DecodeImports
 from moe_runtime.import_spec import ImportSpec
 from moe_runtime.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.quantization.in_memory import weights_in_memory
-from moe_runtime.engine_config import EngineConfig, EngineConfigError
+from moe_runtime.engine_config import EngineConfig
 from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.kv_transfer.keys import TransferKey
@@ -149,14 +149,12 @@ class EngineCore:
         logger.info("engine ready: %s (%s, %s, kernels=%s) in %.2fs", self.architecture, self.device,
                     self.dtype, self.kernels.name, time.perf_counter() - started)
 
-    def _capture_settings(self, config: EngineConfig) -> CaptureSettings | None:
-        """The decode capture of `--enable-torch-compile` (None: off). The config refused layouts it cannot
-        capture; the executor confirms for the model as built."""
+    @staticmethod
+    def _capture_settings(config: EngineConfig) -> CaptureSettings | None:
+        """The decode capture of `--enable-torch-compile` (None: off); the config refused layouts it cannot
+        capture (`EngineConfig.validate_torch_compile`)."""
         if not config.enable_torch_compile:
             return None
-        blocker = self.executor.capture_blocker()
-        if blocker is not None:
-            raise EngineConfigError(f"--enable-torch-compile cannot capture this model's decode step: {blocker}")
         return CaptureSettings(max_batch=min(config.torch_compile_max_bs, config.max_num_seqs),
                                backend=config.torch_compile_backend)
 

@@ -183,21 +183,10 @@ class MoEExecutor:
             return self._captured_run(moe_layer, x, topk)
         return run_to_end(self.stages(moe_layer, x, topk))
 
-    def capture_blocker(self) -> str | None:
-        """Why a captured decode step cannot trace this executor's layers (None: it can). The capture computes
-        the routed experts of this rank as per-(token, expert) GEMVs (kernels/pair_experts.py): every expert
-        local (one EP rank), weights in the compute dtype, no load to record."""
-        if self.parallel.ep_size > 1 or self.parallel.attn_tp_size > 1:
-            return "expert parallelism and attention TP exchange tokens between ranks inside the step"
-        if any(experts.quant is not None for experts in self._experts):
-            return "experts kept quantized (--quantization) run through their own grouped kernels"
-        if self.recorder is not None:
-            return "expert load is recorded per step"
-        return None
-
     def _captured_run(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> torch.Tensor:  # [T, H] -> [T, H]
-        """The layer inside a captured decode step (moe_runtime/decode_capture.py; `capture_blocker` is None):
-        no dispatch, no data-dependent grouping."""
+        """The layer inside a captured decode step (moe_runtime/decode_capture.py), which the engine config admits
+        only on one rank with weights in the compute dtype (`EngineConfig.validate_torch_compile`): every expert
+        local, nothing to dispatch or record, no data-dependent grouping."""
         experts = self._experts[moe_layer]
         slots = choose_replicas(topk.ids, self._tables[moe_layer])                 # [T, K]
         return pair_expert_mlp(x, slots, topk.weights, experts.w13, experts.w2)    # [T, H]
