@@ -12,8 +12,10 @@
 #   moe_layer        50 s      120 s    bench/bench_moe_layer.py in bf16 vs transformers' MoE block
 #   offline          70 s      140 s    offline generation vs transformers generate (bf16 and --quantization
 #                                       fp8, batch 1 and 16)
+#   captured         90 s      180 s    --enable-torch-compile on CUDA: decode replayed as CUDA graphs gives the
+#                                       eager tokens (qwen3_moe, deepseek_v3), no graph skipped; ms/token vs eager
 #   kernel_cases     60 s      120 s    tests/triton_kernel_cases.py compiled (edge cases, bf16 + fp32)
-#   total           ~7 min (estimates: no GPU has run it yet). The run stops starting parts at 540 s
+#   total           ~8.5 min (estimates: no GPU has run it yet). The run stops starting parts at 540 s
 #                   (--total-timeout; less what the wheels took) and this script kills it at
 #                   GPU_CHECK_HARD_LIMIT_S (default 580 s); results are written after each part.
 # Most of a cold run is Triton compiling each kernel variant once; a part far over its budget is itself

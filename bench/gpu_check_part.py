@@ -48,7 +48,8 @@ class EventLog:
 def describe(result: CheckResult) -> str:
     """One progress line: status, name, time and the figures a reader looks for first."""
     keys = ("max_abs_err", "tolerance", "speedup_vs_torch_twin", "tokens_equal", "argmax_agreement",
-            "first_token_agreement", "kernels", "speedup_vs_transformers", "pytest_summary", "latency_s")
+            "first_token_agreement", "kernels", "speedup_vs_transformers", "speedup_vs_eager", "pytest_summary",
+            "latency_s")
     shown = ", ".join(f"{k}={_short(result.details[k])}" for k in keys if k in result.details)
     tail = f"  {shown}" if shown else ""
     if result.error and result.status != "passed":

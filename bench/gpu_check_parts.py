@@ -49,6 +49,10 @@ PARTS: tuple[PartSpec, ...] = (
              "offline generation vs transformers generate (bench_offline.py's checkpoint and prompts; bf16 "
              "and --quantization fp8)",
              gpu_budget_s=70, gpu_timeout_s=140, dry_budget_s=45, dry_timeout_s=90),
+    PartSpec("captured", "gpu_check_captured",
+             "--enable-torch-compile: decode replayed as CUDA graphs gives the eager tokens (bucket 4, a pad row), "
+             "no graph skipped; ms per token captured vs eager",
+             gpu_budget_s=90, gpu_timeout_s=180, dry_budget_s=40, dry_timeout_s=120),
     # Last: the four checks the GPU run exists for come first; this one takes what time is left.
     PartSpec("kernel_cases", "gpu_check_kernel_cases",
              "tests/triton_kernel_cases.py compiled, bf16 + fp32 (empty batches, masked slots, partial tiles)",

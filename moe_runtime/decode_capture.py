@@ -16,6 +16,14 @@ grouped kernels whose sizes depend on the routing. The capture removes both (SGL
 - **Whole step, no graph breaks** (`fullgraph=True`): the layers' plain `forward` (not the staged
   generators of two-batch overlap) from embedding to logits.
 
+On CUDA the compiled graph is also replayed as a CUDA graph (inductor's `mode="reduce-overhead"`, its
+CUDA-graph trees; what vLLM and SGLang capture at start-up): one launch per step instead of one per
+kernel. A CUDA graph fixes every address and shape it was recorded with, so there the block table
+always has the model's full width (`CaptureSettings.table_width`: the Triton decode kernel loops only
+over each row's own context, so unused columns cost nothing) and the KV caches are marked static
+addresses (written in place, never copied into the graph's input buffers). On CPU the width stays
+dynamic: the torch decode kernel attends to the whole table under capture, so a narrow one is cheaper.
+
 Where capture cannot run it says so once and the engine decodes eagerly: no C++ compiler for
 inductor's CPU backend, or a compile that fails. What cannot be captured at all (several ranks, kept
 quantized weights) is refused when the engine is configured (`EngineConfig.validate_torch_compile`).
@@ -52,6 +60,21 @@ class CaptureSettings:
 
     max_batch: int = 32             # --torch-compile-max-bs: the largest bucket; bigger decode steps run eagerly
     backend: str = "inductor"       # torch.compile backend ("eager" / "aot_eager" trace without generating code)
+    table_width: int | None = None  # block-table columns of every captured step (None: dynamic, the step's own)
+    cuda_graphs: bool = False       # replay the compiled graph as a CUDA graph (inductor's "reduce-overhead")
+
+    @classmethod
+    def for_device(cls, device: torch.device, max_batch: int, backend: str, max_model_len: int,
+                   block_size: int) -> "CaptureSettings":
+        """CUDA replays CUDA graphs, which need one table width for good: the widest a sequence can have."""
+        if device.type != "cuda":
+            return cls(max_batch=max_batch, backend=backend)
+        width = max(-(-max_model_len // block_size), MIN_TABLE_WIDTH)
+        return cls(max_batch=max_batch, backend=backend, table_width=width, cuda_graphs=backend == "inductor")
+
+    def compile_mode(self) -> str | None:
+        """torch.compile's `mode` (only inductor takes one)."""
+        return "reduce-overhead" if self.cuda_graphs else None
 
     def buckets(self) -> list[int]:
         """Batch sizes a decode step is padded to: powers of two up to `max_batch`, and `max_batch` itself."""
@@ -101,7 +124,13 @@ class DecodeCapture:
         self.stats = CaptureStats()
         if settings.backend == "inductor" and device.type == "cpu":
             self._disable(cpu_compiler_missing())
-        self._compiled = torch.compile(self._decode_logits, backend=settings.backend, fullgraph=True, dynamic=False)
+        if settings.cuda_graphs:   # written in place by every step: the graphs must see the caches themselves
+            for cache in caches:
+                for tensor in (cache.keys, cache.values):
+                    if tensor is not None:
+                        torch._dynamo.mark_static_address(tensor)
+        self._compiled = torch.compile(self._decode_logits, backend=settings.backend, mode=settings.compile_mode(),
+                                       fullgraph=True, dynamic=False)
 
     def covers(self, seqs: list[Sequence]) -> bool:
         """Whether this step is a pure decode step the capture runs: every sequence computes and samples one
@@ -112,6 +141,9 @@ class DecodeCapture:
             if seq.num_scheduled_tokens != 1 or not seq.samples_this_step or prompt_logprobs_due(seq):
                 return False
             if self.sliding_window is not None and seq.num_cached_tokens + 1 > self.sliding_window:
+                return False
+            if self.settings.table_width is not None and seq.num_cached_tokens + 1 > self.settings.table_width * \
+                    self.block_size:
                 return False
         return True
 
@@ -124,6 +156,8 @@ class DecodeCapture:
         if first:
             logger.info("compiling the decode step for batch bucket %d (backend %s)", bucket, self.settings.backend)
         try:
+            if self.settings.cuda_graphs:   # the previous step's outputs are consumed: their memory may be reused
+                torch.compiler.cudagraph_mark_step_begin()
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 logits = self._compiled(*padded)                              # [bucket, V]
         except Exception as failure:
@@ -135,7 +169,8 @@ class DecodeCapture:
         if first:
             self.stats.buckets_compiled.append(bucket)
         self.stats.captured_steps += 1
-        return logits[:num_seqs]
+        # A CUDA graph's output lives in its pool and the next replay overwrites it: the caller gets its own copy.
+        return logits[:num_seqs].clone() if self.settings.cuda_graphs else logits[:num_seqs]
 
     def _pad(self, inputs: StepInputs, bucket: int) -> tuple[torch.Tensor, ...]:
         """The step's tensors padded to `bucket` rows (and the table to >= MIN_TABLE_WIDTH columns)."""
@@ -146,9 +181,12 @@ class DecodeCapture:
         positions = torch.nn.functional.pad(inputs.positions, (0, extra))                          # [B]
         slots = torch.nn.functional.pad(batch.slot_mapping, (0, extra), value=self.scratch_slot)  # [B]
         context_lens = torch.nn.functional.pad(batch.context_lens_tensor, (0, extra))             # [B]
-        width_extra = max(MIN_TABLE_WIDTH - batch.block_tables.shape[1], 0)
+        width = batch.block_tables.shape[1]
+        width_extra = max(MIN_TABLE_WIDTH - width, 0) if self.settings.table_width is None \
+            else self.settings.table_width - width
         tables = torch.nn.functional.pad(batch.block_tables, (0, width_extra, 0, extra), value=-1)  # [B, W]
-        torch._dynamo.mark_dynamic(tables, 1)
+        if self.settings.table_width is None:
+            torch._dynamo.mark_dynamic(tables, 1)
         return input_ids, positions, slots, tables, context_lens
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

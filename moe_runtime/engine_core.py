@@ -126,7 +126,7 @@ class EngineCore:
             )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device,
-                                  capture=self._capture_settings(config))
+                                  capture=self._capture_settings(config, self.device, self.max_model_len))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill), self.block_manager
@@ -150,13 +150,14 @@ class EngineCore:
                     self.dtype, self.kernels.name, time.perf_counter() - started)
 
     @staticmethod
-    def _capture_settings(config: EngineConfig) -> CaptureSettings | None:
+    def _capture_settings(config: EngineConfig, device: torch.device, max_model_len: int) -> CaptureSettings | None:
         """The decode capture of `--enable-torch-compile` (None: off); the config refused layouts it cannot
         capture (`EngineConfig.validate_torch_compile`)."""
         if not config.enable_torch_compile:
             return None
-        return CaptureSettings(max_batch=min(config.torch_compile_max_bs, config.max_num_seqs),
-                               backend=config.torch_compile_backend)
+        return CaptureSettings.for_device(device, max_batch=min(config.torch_compile_max_bs, config.max_num_seqs),
+                                          backend=config.torch_compile_backend, max_model_len=max_model_len,
+                                          block_size=config.block_size)
 
     def _open_kv_transfer(self, config: EngineConfig, key: TransferKey | None) -> None:
         """A prefill instance's rank serves its parked blocks; a decode instance's rank pulls into its own."""

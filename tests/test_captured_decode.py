@@ -15,6 +15,7 @@ from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM
 from moe_runtime.decode_capture import CaptureSettings
 from moe_runtime.engine_config import EngineConfigError
+from moe_runtime.engine_core import EngineCore
 from server.cli import build_parser, engine_config_from_args
 
 ARCHS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
@@ -115,6 +116,48 @@ def test_a_failing_compile_falls_back_to_eager_for_that_step_and_after(failing_c
     assert [o.token_ids for o in outputs] == expected
     assert "inductor exploded" in stats.disabled_reason
     assert stats.captured_steps == failing_call - 1 and len(calls) == failing_call
+
+
+def test_cuda_shapes_fixed_table_width_give_eager_tokens(tiny_checkpoint_factory, greedy_oracle, monkeypatch):
+    """What CUDA captures, traced on CPU: every step's block table at the model's full width (CUDA graphs fix
+    shapes for good), pad rows and pad columns included, one graph per bucket; MLA reads V through K's view."""
+    arch = "deepseek_v3"
+    lengths = [NEW_TOKENS, NEW_TOKENS, 9]                  # the third finishing early: bucket 4, then bucket 2
+    expected = [tokens[:n] for tokens, n in zip(greedy_oracle(arch, PROMPTS, NEW_TOKENS), lengths)]
+
+    def cuda_settings(config, device, max_model_len):
+        return CaptureSettings.for_device(torch.device("cuda"), max_batch=4, backend="eager",
+                                          max_model_len=max_model_len, block_size=config.block_size)
+
+    monkeypatch.setattr(EngineCore, "_capture_settings", staticmethod(cuda_settings))
+    with LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", enable_torch_compile=True) as llm:
+        capture = llm.engine.core.runner.capture
+        compiled, widths = capture._compiled, []
+
+        def recording(*inputs):
+            widths.append(inputs[3].shape[1])              # block_tables [B, W]
+            return compiled(*inputs)
+
+        monkeypatch.setattr(capture, "_compiled", recording)
+        outputs = llm.generate(PROMPTS[:3], [greedy(n) for n in lengths])
+        full_width = -(-llm.engine.core.max_model_len // capture.block_size)
+    assert [o.token_ids for o in outputs] == expected
+    assert capture.settings.table_width == full_width and not capture.settings.cuda_graphs
+    assert set(widths) == {full_width} and len(widths) == NEW_TOKENS - 1
+    assert capture.stats.buckets_compiled == [4, 2] and capture.stats.disabled_reason is None
+
+
+def test_cuda_replays_graphs_and_cpu_keeps_a_dynamic_width():
+    def settings(device: str, backend: str) -> CaptureSettings:
+        return CaptureSettings.for_device(torch.device(device), max_batch=8, backend=backend, max_model_len=1000,
+                                          block_size=16)
+
+    cuda = settings("cuda", "inductor")
+    assert (cuda.table_width, cuda.cuda_graphs, cuda.compile_mode()) == (63, True, "reduce-overhead")
+    traced = settings("cuda", "eager")                     # a trace only: same shapes, no graphs to replay
+    assert (traced.table_width, traced.cuda_graphs, traced.compile_mode()) == (63, False, None)
+    cpu = settings("cpu", "inductor")
+    assert (cpu.table_width, cpu.cuda_graphs, cpu.compile_mode()) == (None, False, None)
 
 
 def test_buckets_are_powers_of_two_up_to_the_largest():
