@@ -144,8 +144,9 @@ class EngineConfig:
                                     "captured yet (run without --enable-torch-compile)")
         if self.quantization is not None:
             raise EngineConfigError(f"--enable-torch-compile with --quantization {self.quantization}: quantized "
-                                    "weights run through their own grouped kernels, which the capture does not "
-                                    "trace; use one of them")
+                                    "weights run through their own grouped kernels, which the capture cannot fuse "
+                                    "(as opaque calls inside the graph int8 decoded slower than without it, "
+                                    "docs/design.md); use one of them")
         if self.enable_two_batch_overlap:
             raise EngineConfigError("--enable-torch-compile with --enable-two-batch-overlap: overlap needs several "
                                     "ranks, the capture one; use one of them")
