@@ -179,7 +179,8 @@ class DecodeCapture:
         return logits[:num_seqs].clone() if self.settings.cuda_graphs else logits[:num_seqs]
 
     def _pad(self, inputs: StepInputs, bucket: int) -> tuple[torch.Tensor, ...]:
-        """The step's tensors padded to `bucket` rows (and the table to >= MIN_TABLE_WIDTH columns)."""
+        """The step's tensors padded to `bucket` rows, and the table to `settings.table_width` columns (CUDA) or to at
+        least MIN_TABLE_WIDTH (CPU, where the width stays dynamic)."""
         batch: AttentionBatch = inputs.batch
         rows = inputs.input_ids.shape[0]
         extra = bucket - rows
