@@ -294,18 +294,23 @@ def main() -> None:
     print(f"\nwrote {out}")
 
 
+def print_table_head(title: str, header: str) -> None:
+    """A table's title line, its column header and a rule as wide as the header."""
+    print(title)
+    print(header)
+    print("-" * len(header))
+
+
 def print_rows(rows: list[dict]) -> None:
     """The dtype rows; llama.cpp and breakdown columns only when the rows have them."""
     with_llama = any("llama_cpp_tok_s" in r for r in rows)
     with_breakdown = any("kernel_share" in r for r in rows)
-    print(f"\nOffline generation, Qwen3-MoE shape, {PROMPT_LEN} prompt + {NEW_TOKENS} new tokens, "
-          f"{torch.get_num_threads()} threads")
     header = f"{'dtype':9} {'batch':>5} {'runtime tok/s':>14} {'HF tok/s':>10} {'ratio':>7} {'RSS ours MiB':>13} " \
              f"{'RSS HF MiB':>11} {'same tokens':>12} {'weights GB/s ours/HF':>21} {'memcpy GB/s':>12}"
     header += f" {'llama.cpp tok/s':>16} {'vs llama.cpp':>13} {'l.cpp pp/tg tok/s':>18}" if with_llama else ""
     header += f" {'step ms':>8} {'kernel/other':>13}" if with_breakdown else ""
-    print(header)
-    print("-" * len(header))
+    print_table_head(f"\nOffline generation, Qwen3-MoE shape, {PROMPT_LEN} prompt + {NEW_TOKENS} new tokens, "
+                     f"{torch.get_num_threads()} threads", header)
     for r in rows:
         line = f"{r['dtype']:9} {r['batch']:>5} {r['runtime_tok_s']:>14.1f} {r['transformers_tok_s']:>10.1f} " \
                f"{r['speedup']:>6.2f}x {r['runtime_peak_rss_mib']:>13.0f} {r['transformers_peak_rss_mib']:>11.0f} " \
@@ -344,11 +349,10 @@ def compiled_columns(compiled: dict, eager: dict, theirs: dict, row: dict, gener
 def print_compiled_rows(rows: list[dict]) -> None:
     if not any("compiled_tok_s" in r for r in rows):
         return
-    print("\n--enable-torch-compile (captured decode step) beside the eager runtime, same checkpoint and prompts")
     header = f"{'dtype':9} {'batch':>5} {'eager tok/s':>12} {'compiled tok/s':>15} {'vs eager':>9} {'vs HF':>7} " \
              f"{'vs llama.cpp':>13} {'same tokens':>12} {'weights GB/s':>13} {'compile s':>10}"
-    print(header)
-    print("-" * len(header))
+    print_table_head("\n--enable-torch-compile (captured decode step) beside the eager runtime, same checkpoint "
+                     "and prompts", header)
     for r in rows:
         vs_llama = f"{r['compiled_vs_llama_cpp']:>12.2f}x" if "compiled_vs_llama_cpp" in r else f"{'-':>13}"
         print(f"{r['dtype']:9} {r['batch']:>5} {r['runtime_tok_s']:>12.1f} {r['compiled_tok_s']:>15.1f} "
@@ -400,10 +404,8 @@ class LlamaCppRun:
 def print_llama_cpp_reference_rows(rows: list[dict]) -> None:
     if not rows:
         return
-    print("\nllama.cpp only, float32 checkpoint quantized to Q8_0 (a reference for the int8 rows)")
     header = f"{'batch':>5} {'llama.cpp tok/s':>16} {'prefill tok/s':>14} {'decode tok/s':>13}"
-    print(header)
-    print("-" * len(header))
+    print_table_head("\nllama.cpp only, float32 checkpoint quantized to Q8_0 (a reference for the int8 rows)", header)
     for r in rows:
         print(f"{r['batch']:>5} {r['llama_cpp_tok_s']:>16.1f} {r['llama_cpp_prefill_tok_s']:>14.0f} "
               f"{r['llama_cpp_decode_tok_s']:>13.1f}")
@@ -443,11 +445,9 @@ def measure_fp8(batches: list[int], repeats: int, compute_dtype: str, bandwidth:
 def print_fp8_rows(rows: list[dict]) -> None:
     if not rows:
         return
-    print(f"\nFP8 checkpoint (128x128 blocks), compute {rows[0]['compute_dtype']}: decode tok/s")
     header = f"{'batch':>5} {'kept FP8':>9} {'dequantized':>12} {'HF deq.':>8} {'vs deq.':>8} {'vs HF':>7} " \
              f"{'MB/step FP8/deq.':>17} {'weights MiB FP8/deq.':>21} {'same tokens deq./HF':>20}"
-    print(header)
-    print("-" * len(header))
+    print_table_head(f"\nFP8 checkpoint (128x128 blocks), compute {rows[0]['compute_dtype']}: decode tok/s", header)
     for r in rows:
         print(f"{r['batch']:>5} {r['kept_fp8_tok_s']:>9.1f} {r['dequantized_tok_s']:>12.1f} "
               f"{r['transformers_tok_s']:>8.1f} {r['kept_vs_dequantized']:>7.2f}x {r['kept_vs_transformers']:>6.2f}x "
@@ -488,11 +488,10 @@ def measure_int8(batches: list[int], repeats: int, bandwidth: float) -> list[dic
 def print_int8_rows(rows: list[dict]) -> None:
     if not rows:
         return
-    print("\nint8 weight-only (--quantization int8) on the float32 checkpoint, fp32 activations: decode tok/s")
     header = f"{'batch':>5} {'int8':>8} {'fp32':>8} {'HF fp32':>8} {'vs fp32':>8} {'vs HF':>7} " \
              f"{'MB/step int8/fp32':>18} {'weights MiB int8/fp32':>22} {'same tokens int8~fp32 int8~HF fp32~HF':>38}"
-    print(header)
-    print("-" * len(header))
+    print_table_head("\nint8 weight-only (--quantization int8) on the float32 checkpoint, fp32 activations: "
+                     "decode tok/s", header)
     for r in rows:
         same = "  ".join(r[k] for k in ("identical_int8_to_fp32", "identical_int8_to_transformers",
                                         "identical_fp32_to_transformers"))

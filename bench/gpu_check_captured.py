@@ -45,7 +45,6 @@ class EngineRun:
     tokens: list[list[int]]
     ms_per_token: float
     captured_steps: int
-    eager_steps: int
     buckets: list[int]
     disabled_reason: str | None
 
@@ -92,7 +91,6 @@ class CapturedPart:
         return EngineRun(tokens=[o.token_ids for o in outputs],
                          ms_per_token=1000 * elapsed / new_tokens,
                          captured_steps=(stats.captured_steps - before) if stats else 0,
-                         eager_steps=stats.eager_steps if stats else 0,
                          buckets=list(stats.buckets_compiled) if stats else [],
                          disabled_reason=stats.disabled_reason if stats else None)
 

@@ -117,7 +117,6 @@ class DecodeCapture:
         self.caches = caches
         self.block_size = block_size
         self.scratch_slot = scratch_block * block_size   # where pad rows write their K/V
-        self.device = device
         self.settings = settings
         self.buckets = settings.buckets()
         self.sliding_window = model.min_sliding_window()
@@ -147,8 +146,12 @@ class DecodeCapture:
                 return False
         return True
 
-    def run(self, seqs: list[Sequence], inputs: StepInputs) -> torch.Tensor:
-        """Next-token logits [S, V] fp32 of a covered step (`covers`), from the runner's prepared `inputs`."""
+    def run(self, seqs: list[Sequence], inputs: StepInputs) -> torch.Tensor | None:
+        """Next-token logits [S, V] fp32 of a covered step (`covers`), from the runner's prepared `inputs`; None
+        for any other step, which the runner then runs eagerly (counted in `stats.eager_steps`)."""
+        if not self.covers(seqs):
+            self.stats.eager_steps += 1
+            return None
         num_seqs = len(seqs)
         bucket = next(size for size in self.buckets if size >= num_seqs)
         padded = self._pad(inputs, bucket)

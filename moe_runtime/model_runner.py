@@ -102,13 +102,11 @@ class ModelRunner:
         """Next-token logits [S, V] (fp32) of the sequences that sample this step (`samples_this_step`), in
         order; marks every sequence's scheduled tokens as cached."""
         inputs = self.prepare(seqs)
-        if self.capture is not None:
-            if self.capture.covers(seqs):
-                logits = self.capture.run(seqs, inputs)                                  # [S, V]
-                for seq in seqs:
-                    seq.commit_scheduled_tokens()
-                return logits
-            self.capture.stats.eager_steps += 1
+        logits = None if self.capture is None else self.capture.run(seqs, inputs)   # [S, V], None: not captured
+        if logits is not None:
+            for seq in seqs:
+                seq.commit_scheduled_tokens()
+            return logits
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
         self.score_prompts(seqs, inputs, hidden)
         for seq in seqs:
