@@ -15,13 +15,13 @@ from typing import Union
 import msgspec
 
 from load_balancer.rebalance_event import RebalanceEvent
-from moe_runtime.engine_config import EngineConfig
-from moe_runtime.engine_protocol import WorkerStats
-from moe_runtime.import_spec import ImportSpec
-from moe_runtime.kv_transfer.shard import KVShard
-from moe_runtime.outputs import TokenDelta
-from moe_runtime.prefix_cache import PrefixCacheEvents
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.front.engine_protocol import WorkerStats
+from moe_runtime.disaggregation.import_spec import ImportSpec
+from moe_runtime.disaggregation.kv_transfer.shard import KVShard
+from moe_runtime.engine.outputs import TokenDelta
+from moe_runtime.engine.prefix_cache import PrefixCacheEvents
+from moe_runtime.sampling.params import SamplingParams
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
-from moe_runtime.demo import ensure_demo_model
-from moe_runtime.engine_config import EngineConfig
-from moe_runtime.multiprocess_engine import MultiprocessEngine
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
+from moe_runtime.demo.demo_model import ensure_demo_model
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.front.multiprocess_engine import MultiprocessEngine
+from moe_runtime.sampling.params import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 PROMPT = list(range(40, 72))

@@ -80,8 +80,8 @@ def build_checkpoint(dtype_name: str) -> Path:
         return path
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from moe_runtime.random_weights import RandomWeightScales, randomize_weights
-    from moe_runtime.tokenizer_training import TokenizerSpec, save_tokenizer, train_tokenizer
+    from moe_runtime.weights.random_weights import RandomWeightScales, randomize_weights
+    from moe_runtime.demo.tokenizer_training import TokenizerSpec, save_tokenizer, train_tokenizer
 
     logger.info("building %s checkpoint in %s", dtype_name, path)
     torch.manual_seed(0)
@@ -134,7 +134,7 @@ def build_fp8_checkpoints() -> tuple[Path, Path]:
     fp8, oracle = CACHE / "qwen3moe-bench-fp8", CACHE / "qwen3moe-bench-fp8-dequantized"
     if (fp8 / "config.json").exists() and (oracle / "config.json").exists():
         return fp8, oracle
-    from moe_runtime.quantization.fp8_checkpoint_writer import copy_side_files, write_fp8_checkpoint, write_two_shards
+    from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, write_fp8_checkpoint, write_two_shards
 
     source = build_checkpoint("bfloat16")
     logger.info("writing the FP8 checkpoint %s and its dequantized twin %s", fp8, oracle)

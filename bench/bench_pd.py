@@ -43,12 +43,12 @@ import numpy as np
 import torch
 import zmq
 
-from moe_runtime.kv_transfer.block_server import KVBlockServer
-from moe_runtime.kv_transfer.keys import TransferKey
-from moe_runtime.kv_transfer.plan import plan_pulls
-from moe_runtime.kv_transfer.puller import KVPuller, PullJob
-from moe_runtime.kv_transfer.registry import ExportRegistry
-from moe_runtime.kv_transfer.shard import KVShard
+from moe_runtime.disaggregation.kv_transfer.block_server import KVBlockServer
+from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.disaggregation.kv_transfer.plan import plan_pulls
+from moe_runtime.disaggregation.kv_transfer.puller import KVPuller, PullJob
+from moe_runtime.disaggregation.kv_transfer.registry import ExportRegistry
+from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

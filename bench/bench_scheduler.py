@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
-from moe_runtime.demo import ensure_demo_model
-from moe_runtime.engine_config import EngineConfig
-from moe_runtime.engine_factory import make_engine
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.demo.demo_model import ensure_demo_model
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.front.engine_factory import make_engine
+from moe_runtime.sampling.params import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

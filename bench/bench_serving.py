@@ -350,8 +350,8 @@ def measure_bitmask_share(model: str, device: str, batches: list[int], max_token
     import torch
 
     from moe_runtime import LLM, SamplingParams
-    from moe_runtime.structured_output.grammar_state import GrammarState
-    from moe_runtime.structured_output.spec import StructuredOutputSpec
+    from moe_runtime.sampling.structured_output.grammar_state import GrammarState
+    from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
 
     if threads:
         torch.set_num_threads(threads)
@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     if args.model is None:
-        from moe_runtime.demo import ensure_demo_model
+        from moe_runtime.demo.demo_model import ensure_demo_model
 
         model = str(ensure_demo_model())
     else:

@@ -38,11 +38,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_offline import SHAPE, build_checkpoint
-from moe_runtime.distributed import build_parallel_context, free_port, init_distributed
-from moe_runtime.engine_config import EngineConfig
-from moe_runtime.engine_core import EngineCore
+from moe_runtime.processes.distributed import build_parallel_context, free_port, init_distributed
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.engine.core import EngineCore
 from moe_runtime.moe.comm_timeline import CommTimeline
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.sampling.params import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -35,7 +35,7 @@ def build_checkpoint() -> Path:
         return path
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from moe_runtime.random_weights import RandomWeightScales, randomize_weights
+    from moe_runtime.weights.random_weights import RandomWeightScales, randomize_weights
 
     logger.info("building the ~90M dense checkpoint in %s", path)
     config = LlamaConfig(**SHAPE)

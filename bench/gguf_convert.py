@@ -5,7 +5,7 @@ token ids it gives for a fixed text and looking the hash up in a table of known 
 checkpoints carry this repo's own trained tokenizer, whose hash is in no table, so the converter
 stops with "BPE pre-tokenizer was not recognized". The tokenizer is a plain byte-level BPE
 (`pre_tokenizers.ByteLevel(add_prefix_space=False)` with its default GPT-2 split regex, see
-moe_runtime/tokenizer_training.py), which is exactly llama.cpp's "gpt-2" pre-tokenizer. So this
+moe_runtime/demo/tokenizer_training.py), which is exactly llama.cpp's "gpt-2" pre-tokenizer. So this
 module runs the converter with `TextModel.get_vocab_base_pre` wrapped: a recognised hash keeps
 its name, an unrecognised one becomes "gpt-2". Nothing in the llama.cpp tree is edited.
 

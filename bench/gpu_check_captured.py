@@ -1,7 +1,7 @@
 """gpu_check part `captured`: the captured decode step (`enable_torch_compile`) replayed as CUDA graphs.
 
 On CUDA, `--enable-torch-compile` compiles each pure decode step with inductor's "reduce-overhead"
-mode (moe_runtime/decode_capture.py): Triton kernels replayed as one CUDA graph per batch bucket, the
+mode (moe_runtime/execution/decode_capture.py): Triton kernels replayed as one CUDA graph per batch bucket, the
 block table at its full width and the KV caches as static addresses. Per architecture:
 
   tokens/<arch>   fp32, four prompts (bucket 4), then three (a pad row in bucket 4), greedy: tokens equal
@@ -29,7 +29,7 @@ from engine_helpers import PROMPTS, greedy
 from gpu_check_mode import RunMode
 from gpu_check_outcome import Outcome, judged, passed
 from moe_runtime import LLM
-from moe_runtime.tokenizer_training import save_tokenizer
+from moe_runtime.demo.tokenizer_training import save_tokenizer
 from tiny_checkpoints import TinyCheckpointFactory, tiny_tokenizer
 
 ARCHS = ("qwen3_moe", "deepseek_v3")   # GQA + routed experts; MLA + shared experts + a dense first layer

@@ -29,9 +29,9 @@ from gpu_check_timing import best_ms
 from kernels import KernelSet, RoutingConfig, get_kernels
 from kernels.routing import group_mask
 from kernels.skinny_matmul import batched_linear_rows, linear_rows
-from moe_runtime.quantization.fp8_in_memory import ONLINE_BLOCK_K, quantize_rows
-from moe_runtime.quantization.int8_in_memory import quantize_int8_rows
-from moe_runtime.quantization.weight_quantization import QuantizedRows
+from moe_runtime.weights.quantization.fp8_in_memory import ONLINE_BLOCK_K, quantize_rows
+from moe_runtime.weights.quantization.int8_in_memory import quantize_int8_rows
+from moe_runtime.weights.quantization.weight_quantization import QuantizedRows
 from triton_kernel_cases import moe_inputs          # the edge-case suite's input generator
 
 EXTRA_KERNELS = ("align_block_size", "skinny_matmul")

@@ -34,7 +34,7 @@ from engine_helpers import PROMPTS, greedy, runtime_prefill_logits
 from gpu_check_mode import RunMode
 from gpu_check_outcome import Outcome, judged, skipped
 from moe_runtime import LLM
-from moe_runtime.tokenizer_training import save_tokenizer
+from moe_runtime.demo.tokenizer_training import save_tokenizer
 from test_engine_parity import ARCHS, NEW_TOKENS
 from tiny_checkpoints import HFOracle, TinyCheckpointFactory, tiny_tokenizer
 
@@ -179,7 +179,7 @@ class ParityPart:
     def ep2_fp32_tokens(self, arch: str) -> Outcome:
         visible = torch.cuda.device_count() if self.device == "cuda" else 0
         if self.device == "cuda" and visible < 2:
-            return skipped(f"{visible} CUDA device visible: ep=2 runs one rank per GPU (moe_runtime/worker.py maps "
+            return skipped(f"{visible} CUDA device visible: ep=2 runs one rank per GPU (moe_runtime/processes/worker.py maps "
                            "rank r to cuda:r % device_count) and NCCL refuses two ranks on one device",
                            cuda_devices=visible)
         oracle = self.oracle(arch)

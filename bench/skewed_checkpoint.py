@@ -69,7 +69,7 @@ def build_skewed_checkpoint(shape: SkewedShape = SkewedShape(), skew: SkewSpec =
         return path
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from moe_runtime.random_weights import RandomWeightScales, randomize_weights
+    from moe_runtime.weights.random_weights import RandomWeightScales, randomize_weights
 
     for layer in range(shape.num_hidden_layers):
         bad = [e for e in skew.hot_experts(layer) if not 0 <= e < shape.num_experts]

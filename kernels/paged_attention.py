@@ -45,7 +45,7 @@ def paged_decode_attention(
     if batch == 0:
         return q.new_zeros(0, num_q_heads, v_dim)
     if torch.compiler.is_compiling():
-        # A captured decode step (moe_runtime/decode_capture.py) cannot read the longest context off the device;
+        # A captured decode step (moe_runtime/execution/decode_capture.py) cannot read the longest context off the device;
         # its block tables are cut to the bucket's width, and every column is attended (masked past each length).
         num_blocks = block_tables.shape[1]
     else:

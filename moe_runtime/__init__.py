@@ -11,8 +11,8 @@ import importlib
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-_EXPORTS = {"LLM": "moe_runtime.llm", "RequestOutput": "moe_runtime.outputs",
-            "SamplingParams": "moe_runtime.sampling_params"}
+_EXPORTS = {"LLM": "moe_runtime.front.llm", "RequestOutput": "moe_runtime.engine.outputs",
+            "SamplingParams": "moe_runtime.sampling.params"}
 
 
 def __getattr__(name: str):

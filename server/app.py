@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import moe_runtime
-from moe_runtime.async_engine import AsyncEngine
+from moe_runtime.front.async_engine import AsyncEngine
 from moe_runtime.errors import MoERuntimeError
 from server.auth import ApiKeyGate
 from server.body_limit import RequestSizeLimit

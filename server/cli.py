@@ -3,7 +3,7 @@
     moe-serve                                   # the embedded demo model on 127.0.0.1:8000
     moe-serve --model /path/to/hf-checkpoint --port 8080 --api-key secret
     moe-serve --dp-attn 8 --ep 8 ...            # multi-process expert parallel
-    moe-serve ... --nnodes 2 --node-rank 1 ...  # another node's ranks (moe_runtime.node_launcher)
+    moe-serve ... --nnodes 2 --node-rank 1 ...  # another node's ranks (moe_runtime.processes.node_launcher)
 
 `python -m server.cli --help` lists every flag. Each flag's destination is the name of a field of
 exactly one of `ServerConfig` (HTTP, model choice) and `EngineConfig` (the engine), and its default
@@ -21,8 +21,8 @@ import sys
 
 from attention_dp.control_key import CONTROL_KEY_ENV
 from dispatch.backends import BACKENDS
-from moe_runtime.engine_config import DISAGGREGATION_MODES, DTYPES, QUANTIZATIONS, EngineConfig
-from moe_runtime.kv_transfer.keys import KV_KEY_ENV
+from moe_runtime.config.engine_config import DISAGGREGATION_MODES, DTYPES, QUANTIZATIONS, EngineConfig
+from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
 from moe_runtime.errors import MoERuntimeError
 from server.flag_help import DefaultsHelpFormatter
 from server.flag_types import non_negative_int, parse_size, positive_int, tcp_port
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port where the front (node 0) takes its ranks' connections; default: master port + 1")
     g.add_argument("--external-workers", dest="launch_workers", action="store_false",
                    help="start no worker here: every rank is started elsewhere, by torchrun running "
-                        "'python -m moe_runtime.worker --control-addr A --control-port C' with this job's "
+                        "'python -m moe_runtime.processes.worker --control-addr A --control-port C' with this job's "
                         "--master-addr A --master-port P and --control-port C, and the shared key")
     g.add_argument("--control-key-file", default=e.control_key_file,
                    help="file holding the secret that ranks of a multi-node or --external-workers job share "
@@ -211,7 +211,7 @@ def _serve_or_join(server_config: ServerConfig, engine_config: EngineConfig) -> 
     The imports are here, not at the top: they load the engine, which takes seconds (see the module's doc).
     """
     if engine_config.node_rank > 0:
-        from moe_runtime.node_launcher import run_worker_node
+        from moe_runtime.processes.node_launcher import run_worker_node
 
         server_config.validate()
         engine_config.validate()

@@ -1,15 +1,15 @@
 """What one choice of an API response sends per step: its new text, tokens and logprobs.
 
 The engine's front already made each output's `new_text` safe to stream (held-back incomplete
-UTF-8 and possible stop-string prefixes; see `moe_runtime.output_processor`), so a choice only
+UTF-8 and possible stop-string prefixes; see `moe_runtime.front.output_processor`), so a choice only
 forwards what is new, with no re-diffing of cumulative text.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_runtime.outputs import PromptTokenLogprob, RequestOutput
-from moe_runtime.sequence import TokenLogprob
+from moe_runtime.sampling.logprobs import PromptTokenLogprob, TokenLogprob
+from moe_runtime.engine.outputs import RequestOutput
 
 
 @dataclass

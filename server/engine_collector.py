@@ -12,8 +12,8 @@ from typing import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from load_balancer import ExpertLoadSnapshot, RebalanceEvent
-from moe_runtime.engine_protocol import EngineStats, WorkerStats
-from moe_runtime.kv_transfer.stats import LatencyHistogram, TransferStats
+from moe_runtime.front.engine_protocol import EngineStats, WorkerStats
+from moe_runtime.disaggregation.kv_transfer.stats import LatencyHistogram, TransferStats
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
-from moe_runtime.engine_config import EngineConfig
-from moe_runtime.engine_factory import make_engine
+from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.front.engine_factory import make_engine
 from server.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)

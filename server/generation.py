@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from moe_runtime.async_engine import AsyncEngine, RequestFailedError, RequestStream
-from moe_runtime.kv_transfer.handle import KVHandle
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.front.async_engine import AsyncEngine, RequestFailedError, RequestStream
+from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
+from moe_runtime.sampling.params import SamplingParams
 from server.deltas import ChoiceDelta, ChoiceTracker
 from server.metrics import ServerMetrics
 

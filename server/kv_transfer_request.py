@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moe_runtime.kv_transfer.handle import HandleError, KVHandle
+from moe_runtime.disaggregation.kv_transfer.handle import HandleError, KVHandle
 from server.errors import bad_request
 from server.generation import ChoiceSpec
 from server.protocol import SamplingFields

@@ -2,8 +2,7 @@
 the completions shape (echo) and in vLLM's `prompt_logprobs` shape."""
 from __future__ import annotations
 
-from moe_runtime.outputs import PromptTokenLogprob
-from moe_runtime.sequence import TokenLogprob
+from moe_runtime.sampling.logprobs import PromptTokenLogprob, TokenLogprob
 from server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 
 

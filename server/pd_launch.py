@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from moe_runtime.kv_transfer.keys import KV_KEY_ENV
+from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
 from server.pd_router.backends import BackendPool
 from server.pd_router.cli import serve_router
 from server.server_config import ServerConfig, ServerConfigError

@@ -19,7 +19,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.sampling.params import SamplingParams
 
 TokenIds = list[int]
 

@@ -10,9 +10,9 @@ import json
 from dataclasses import dataclass, field
 
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.sampling_params import SamplingParams
-from moe_runtime.structured_output.spec import StructuredOutputSpec
-from moe_runtime.structured_output.validator import StructuredOutputValidator
+from moe_runtime.sampling.params import SamplingParams
+from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
+from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
 from server.errors import APIError, bad_request
 from server.generation import ChoiceSpec
 from server.kv_transfer_request import with_kv_transfer

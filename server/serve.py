@@ -13,7 +13,7 @@ from typing import Callable
 
 import uvicorn
 
-from moe_runtime.engine_config import EngineConfig
+from moe_runtime.config.engine_config import EngineConfig
 from server.app import build_app
 from server.dashboard import dashboard_router
 from server.engine_launch import EngineLaunch

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_runtime.demo import ensure_demo_model
+from moe_runtime.demo.demo_model import ensure_demo_model
 from moe_runtime.errors import MoERuntimeError
 
 DEMO_SERVED_NAME = "moe-runtime-demo"

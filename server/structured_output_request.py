@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.structured_output.spec import FIELD, StructuredOutputSpec
-from moe_runtime.structured_output.validator import StructuredOutputValidator
+from moe_runtime.sampling.structured_output.spec import FIELD, StructuredOutputSpec
+from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
 from server.errors import bad_request
 from server.protocol import SamplingFields
 

@@ -3,8 +3,8 @@
 import pytest
 from tiny_checkpoints import GreedyOracle, TinyCheckpointFactory, tiny_tokenizer
 
-from moe_runtime.demo import ensure_demo_model
-from moe_runtime.tokenizer_training import save_tokenizer
+from moe_runtime.demo.demo_model import ensure_demo_model
+from moe_runtime.demo.tokenizer_training import save_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_runtime.distributed import build_parallel_context
-from moe_runtime.engine_config import EngineConfig
-from moe_runtime.engine_core import EngineCore
-from moe_runtime.model_config import load_hf_config
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.processes.distributed import build_parallel_context
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.engine.core import EngineCore
+from moe_runtime.config.model_config import load_hf_config
+from moe_runtime.sampling.params import SamplingParams
 
 
 @dataclass

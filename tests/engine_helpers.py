@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_runtime.sequence import Sequence
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.engine.sequence import Sequence
+from moe_runtime.sampling.params import SamplingParams
 
 PROMPTS = [
     [5, 17, 42, 99, 3],

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_runtime.quantization.fp8_block import Fp8BlockFormat
+from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 
 BLOCK_ROWS = 16      # the checkpoint's row block: rows of the expanded scales repeat in runs of this
 

@@ -3,7 +3,7 @@
 From a tiny fp32 checkpoint: every decoder-layer linear weight is quantized blockwise to
 float8_e4m3fn with its `weight_scale_inv`, the config gains `quantization_config`, an MTP layer
 (`num_nextn_predict_layers`) is appended, and the tensors are written as two shards with an
-index (moe_runtime.quantization.fp8_checkpoint_writer). The oracle checkpoint holds the
+index (moe_runtime.weights.quantization.fp8_checkpoint_writer). The oracle checkpoint holds the
 dequantized weights in fp32 with no quantization config, so transformers on it computes exactly
 what a correct FP8 loader must.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from moe_runtime.quantization.fp8_block import Fp8BlockFormat
-from moe_runtime.quantization.fp8_checkpoint_writer import (
+from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
+from moe_runtime.weights.quantization.fp8_checkpoint_writer import (
     copy_side_files, fp8_config, quantize_tensors, read_all_tensors, write_two_shards,
 )
 

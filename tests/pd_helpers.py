@@ -11,8 +11,8 @@ import os
 import time
 from contextlib import contextmanager
 
-from moe_runtime.outputs import RequestOutput
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.sampling.params import SamplingParams
 
 KV_SECRET = "pd-test-secret-0123456789abcdef"
 

@@ -29,11 +29,11 @@ from pathlib import Path
 import httpx
 import openai
 
-from moe_runtime.engine_protocol import EngineHealth, EngineStats, WorkerStats
+from moe_runtime.front.engine_protocol import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
-from moe_runtime.outputs import RequestOutput
-from moe_runtime.request_limits import RequestLimits
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.engine.request_limits import RequestLimits
+from moe_runtime.sampling.params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"moe-serve: serving .* on http://([^\s]+):(\d+)")
@@ -135,7 +135,7 @@ def serve_in_process(engine, scenario, max_queue: int | None = None, timeout_s: 
     `raise_app_exceptions=False` lets a test see the 500 a server sends for an exception it re-raises to
     its log (as uvicorn would), instead of the exception.
     """
-    from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
+    from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
     from server import build_app
 
     async def main():

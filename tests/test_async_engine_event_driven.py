@@ -13,11 +13,11 @@ import time
 import pytest
 
 from engine_helpers import PROMPTS, greedy
-from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
-from moe_runtime.engine_config import EngineConfig
+from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
+from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.errors import EngineDeadError
-from moe_runtime.multiprocess_engine import MultiprocessEngine
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.front.multiprocess_engine import MultiprocessEngine
+from moe_runtime.sampling.params import SamplingParams
 from tiny_checkpoints import hf_greedy
 
 NEW_TOKENS = 10

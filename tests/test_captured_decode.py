@@ -13,9 +13,9 @@ import torch
 
 from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM
-from moe_runtime.decode_capture import CaptureSettings
-from moe_runtime.engine_config import EngineConfigError
-from moe_runtime.engine_core import EngineCore
+from moe_runtime.execution.decode_capture import CaptureSettings
+from moe_runtime.config.engine_config import EngineConfigError
+from moe_runtime.engine.core import EngineCore
 from server.cli import build_parser, engine_config_from_args
 
 ARCHS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
@@ -82,14 +82,14 @@ def test_without_a_cpp_compiler_decode_runs_eagerly_after_one_log_line(tiny_chec
                                                                         monkeypatch, caplog):
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-compiler++",))
     expected = greedy_oracle("mixtral", PROMPTS, NEW_TOKENS)
-    with caplog.at_level(logging.WARNING, logger="moe_runtime.decode_capture"):
+    with caplog.at_level(logging.WARNING, logger="moe_runtime.execution.decode_capture"):
         with LLM(str(tiny_checkpoint_factory("mixtral")), device="cpu", dtype="float32",
                  enable_torch_compile=True) as llm:
             outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
             stats = capture_stats(llm)
     assert [o.token_ids for o in outputs] == expected
     assert "no C++ compiler" in stats.disabled_reason and stats.captured_steps == 0
-    lines = [r.getMessage() for r in caplog.records if r.name == "moe_runtime.decode_capture"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_runtime.execution.decode_capture"]
     assert len(lines) == 1 and "decode steps run eagerly" in lines[0]
 
 

@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from moe_runtime import LLM
-from moe_runtime.checkpoint import CheckpointReader
+from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.errors import CheckpointError, UnsupportedArchitectureError
 from moe_runtime.moe.expert_weights import ExpertWeights
 

@@ -13,7 +13,7 @@ from context_parallel_cases import generate_on_rank
 from tiny_checkpoints import HFOracle
 
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.context_parallel import SequencePiece, assign_pieces
+from moe_runtime.execution.context_parallel import SequencePiece, assign_pieces
 from multirank import ranks  # noqa: F401  (fixture)
 
 ARCHS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
@@ -106,7 +106,7 @@ def test_every_architecture_matches_transformers_on_a_2k_prompt(arch, ranks, lon
 
 
 def _num_layers(path) -> int:
-    from moe_runtime.model_config import load_hf_config
+    from moe_runtime.config.model_config import load_hf_config
 
     return load_hf_config(path).num_hidden_layers
 

@@ -24,7 +24,7 @@ from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconn
 from attention_dp.messages import Hello, MessageCodec, Shutdown, WorkerSetup
 from moe_runtime import LLM, SamplingParams
 from server.cli import main as moe_serve_main
-from moe_runtime.engine_config import EngineConfig
+from moe_runtime.config.engine_config import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("moe_runtime", "attention_dp", "dispatch", "kernels", "load_balancer", "server")

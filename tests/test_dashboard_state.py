@@ -14,8 +14,8 @@ from dashboard_fakes import RoutingFakeEngine
 from server_harness import FakeEngine
 
 from load_balancer import ExpertLoadRecorder, Placement, load_trace
-from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
-from moe_runtime.engine_protocol import EngineStats, WorkerStats
+from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
+from moe_runtime.front.engine_protocol import EngineStats, WorkerStats
 from server import build_app
 from server.dashboard import DashboardConfig, dashboard_router
 from server.dashboard.load_view import load_view

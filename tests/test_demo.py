@@ -11,9 +11,9 @@ from safetensors import safe_open
 from tiny_checkpoints import HFOracle
 from transformers import AutoConfig, AutoTokenizer
 
-from moe_runtime.demo import DEMO_NAME, REQUIRED_FILES, DemoModelSpec, build_demo_model, ensure_demo_model
-from moe_runtime import demo
-from moe_runtime.tokenizer_training import TokenizerSpec, save_tokenizer, train_tokenizer
+from moe_runtime.demo.demo_model import DEMO_NAME, REQUIRED_FILES, DemoModelSpec, build_demo_model, ensure_demo_model
+from moe_runtime.demo import demo_model as demo
+from moe_runtime.demo.tokenizer_training import TokenizerSpec, save_tokenizer, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +53,7 @@ def test_tokenizer_vocab_too_small_is_named():
 
 def test_importing_demo_loads_no_heavy_modules():
     code = (
-        "import sys, moe_runtime; before = set(sys.modules); import moe_runtime.demo; "
+        "import sys, moe_runtime; before = set(sys.modules); import moe_runtime.demo.demo_model; "
         "heavy = {'torch', 'transformers', 'tokenizers'} & (set(sys.modules) - before); "
         "assert not heavy, heavy"
     )
@@ -64,8 +64,8 @@ def test_importing_demo_loads_no_heavy_modules():
 def test_demo_cli_racing_builders_and_cache(tmp_path):
     """Two processes build the same cache entry at once: one wins, the other reuses it, no debris."""
     target = tmp_path / DEMO_NAME
-    by_path = [sys.executable, "-m", "moe_runtime.demo", str(target)]
-    by_cache = [sys.executable, "-m", "moe_runtime.demo"]
+    by_path = [sys.executable, "-m", "moe_runtime.demo.demo_model", str(target)]
+    by_cache = [sys.executable, "-m", "moe_runtime.demo.demo_model"]
     procs = [
         subprocess.Popen(by_path, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
         subprocess.Popen(

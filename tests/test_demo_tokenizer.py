@@ -18,8 +18,8 @@ import pytest
 import transformers
 from transformers import AutoTokenizer
 
-from moe_runtime.demo import default_cache_root, demo_tokenizer_spec
-from moe_runtime.tokenizer_training import (CHAT_TEMPLATE, IM_END_TOKEN, IM_START_TOKEN, PORTABLE_TOKENIZER_CLASS,
+from moe_runtime.demo.demo_model import default_cache_root, demo_tokenizer_spec
+from moe_runtime.demo.tokenizer_training import (CHAT_TEMPLATE, IM_END_TOKEN, IM_START_TOKEN, PORTABLE_TOKENIZER_CLASS,
                                             TOKENIZER_CONFIG_FILE, portable_tokenizer_config, save_tokenizer,
                                             train_tokenizer)
 

@@ -13,10 +13,10 @@ from engine_helpers import PROMPTS, greedy
 from multirank import ranks  # noqa: F401  (pytest fixture)
 from test_engine_parity import ARCHS
 from tiny_checkpoints import hf_greedy
-from moe_runtime.distributed import build_parallel_context
-from moe_runtime.engine_config import EngineConfig
-from moe_runtime.engine_core import EngineCore
-from moe_runtime.model_config import load_hf_config
+from moe_runtime.processes.distributed import build_parallel_context
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.engine.core import EngineCore
+from moe_runtime.config.model_config import load_hf_config
 
 NEW_TOKENS = 4
 

@@ -2,9 +2,9 @@
 from engine_helpers import PROMPTS, greedy
 from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
-from moe_runtime.engine_config import EngineConfig
-from moe_runtime.engine_core import EngineCore
-from moe_runtime.local_engine import LocalEngine
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.engine.core import EngineCore
+from moe_runtime.front.local_engine import LocalEngine
 
 
 def _alone(path, prompts, max_tokens):

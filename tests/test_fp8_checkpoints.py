@@ -17,7 +17,7 @@ from fp8_checkpoints import write_fp8_checkpoint
 from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
 from moe_runtime.errors import CheckpointError
-from moe_runtime.quantization.fp8_block import Fp8BlockFormat
+from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 
 NEW_TOKENS = 8
 # FP8 keeps every weight (or activation) within 2**-4 relative of its block's scale: the tiny random
@@ -66,13 +66,13 @@ def test_deepseek_v3_fp8_with_mtp_layer_matches_transformers_on_two_ep_ranks(fp8
 
 def test_qwen3_moe_fp8_matches_transformers(fp8_checkpoints, caplog):
     fp8, _, expected = fp8_checkpoints("qwen3_moe", (128, 128))
-    with caplog.at_level(logging.INFO, logger="moe_runtime.weight_loading"):
+    with caplog.at_level(logging.INFO, logger="moe_runtime.weights.loading"):
         assert _generate(fp8) == expected
 
 
 def test_mtp_layer_is_skipped_with_a_log_line(fp8_checkpoints, caplog):
     fp8, _, _ = fp8_checkpoints("deepseek_v3", (32, 48))
-    with caplog.at_level(logging.INFO, logger="moe_runtime.weight_loading"):
+    with caplog.at_level(logging.INFO, logger="moe_runtime.weights.loading"):
         LLM(str(fp8), device="cpu", dtype="float32").shutdown()
     assert "multi-token-prediction layer(s) 3..3" in caplog.text
 

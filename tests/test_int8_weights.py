@@ -25,7 +25,7 @@ import kernels.chunked_weights as chunked_weights
 from kernels import get_kernels
 from moe_runtime import LLM
 from moe_runtime.moe.expert_weights import ExpertWeights
-from moe_runtime.quantization.int8_in_memory import Int8InMemory, quantize_int8_rows
+from moe_runtime.weights.quantization.int8_in_memory import Int8InMemory, quantize_int8_rows
 from server.cli import build_parser, engine_config_from_args
 
 FAST = get_kernels("cpu", "torch")

@@ -21,15 +21,15 @@ import torch
 import zmq
 
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.kv_transfer.block_server import KVBlockServer
-from moe_runtime.kv_transfer.handle import HandleError, KVHandle, prompt_digest
-from moe_runtime.kv_transfer.keys import TransferKey
-from moe_runtime.kv_transfer.messages import KVCodec, PullBlocks
-from moe_runtime.kv_transfer.plan import plan_pulls
-from moe_runtime.kv_transfer.puller import NOT_PARKED_GRACE_S, KVPuller, PullJob
-from moe_runtime.kv_transfer.registry import ExportRegistry
-from moe_runtime.kv_transfer.shard import KVLayoutError, KVShard
-from moe_runtime.kv_transfer.sockets import curve_client
+from moe_runtime.disaggregation.kv_transfer.block_server import KVBlockServer
+from moe_runtime.disaggregation.kv_transfer.handle import HandleError, KVHandle, prompt_digest
+from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.disaggregation.kv_transfer.messages import KVCodec, PullBlocks
+from moe_runtime.disaggregation.kv_transfer.plan import plan_pulls
+from moe_runtime.disaggregation.kv_transfer.puller import NOT_PARKED_GRACE_S, KVPuller, PullJob
+from moe_runtime.disaggregation.kv_transfer.registry import ExportRegistry
+from moe_runtime.disaggregation.kv_transfer.shard import KVLayoutError, KVShard
+from moe_runtime.disaggregation.kv_transfer.sockets import curve_client
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 
 

@@ -20,7 +20,7 @@ from kernels import TopK, get_kernels
 from load_balancer import Placement
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertWeights
-from moe_runtime.parallel_context import ParallelContext
+from moe_runtime.config.parallel_context import ParallelContext
 from multirank import ranks  # noqa: F401  (fixture)
 
 SEAM_SCENARIOS = ["uneven", "zero_tokens", "repeated_ranks", "masked"]

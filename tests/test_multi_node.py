@@ -15,7 +15,7 @@ from engine_helpers import PROMPTS, greedy
 from server_harness import ServerProcess
 from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
-from moe_runtime.distributed import free_ports
+from moe_runtime.processes.distributed import free_ports
 
 NEW_TOKENS = 12
 
@@ -63,7 +63,7 @@ def test_moe_serve_with_ranks_started_by_torchrun(tiny_checkpoint_factory):
     master_port, control_port = free_ports(2)
     ranks = subprocess.Popen(
         ["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(master_port), "-m", "moe_runtime.worker", "--control-addr", "127.0.0.1",
+         "--master-port", str(master_port), "-m", "moe_runtime.processes.worker", "--control-addr", "127.0.0.1",
          "--control-port", str(control_port)],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import msgspec
 
 from attention_dp.messages import MessageCodec, StepOutputs
-from moe_runtime.engine_protocol import WorkerStats
-from moe_runtime.output_processor import OutputProcessor, held_back_suffix
-from moe_runtime.outputs import TokenDelta
-from moe_runtime.sampling_params import SamplingParams
-from moe_runtime.sequence import TokenLogprob
+from moe_runtime.sampling.logprobs import TokenLogprob
+from moe_runtime.front.engine_protocol import WorkerStats
+from moe_runtime.front.output_processor import OutputProcessor, held_back_suffix
+from moe_runtime.engine.outputs import TokenDelta
+from moe_runtime.sampling.params import SamplingParams
 
 
 class ByteTokenizer:

@@ -35,7 +35,7 @@ def test_invalid_context_parallel_layouts(kwargs, message, tiny_checkpoint_facto
 
 
 def test_context_parallel_takes_ranks_from_attention_tp():
-    from moe_runtime.parallel_layout import ParallelLayout
+    from moe_runtime.config.parallel_layout import ParallelLayout
 
     cases = {  # layout -> (world, DP workers, attention TP)
         ParallelLayout(ep=2, cp=2): (2, 1, 1),

@@ -17,9 +17,9 @@ import itertools
 import pytest
 
 from pd_helpers import decode, free_blocks, greedy, kv_key_in_env, prefill, run_until, settle, wait_for_free
-from moe_runtime.engine_config import EngineConfig
-from moe_runtime.engine_factory import make_engine
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.front.engine_factory import make_engine
+from moe_runtime.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

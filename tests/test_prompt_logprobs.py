@@ -13,10 +13,11 @@ from attention_dp.messages import MessageCodec, StepOutputs
 from engine_helpers import PROMPTS, greedy
 from tiny_checkpoints import HFOracle
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.engine_protocol import WorkerStats
+from moe_runtime.sampling.logprobs import PromptLogprobs, PromptTokenLogprob
+from moe_runtime.front.engine_protocol import WorkerStats
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.output_processor import OutputProcessor
-from moe_runtime.outputs import PromptLogprobs, PromptTokenLogprob, TokenDelta
+from moe_runtime.front.output_processor import OutputProcessor
+from moe_runtime.engine.outputs import TokenDelta
 
 ATOL = 1e-4
 NUM_TOP = 3

@@ -1,8 +1,9 @@
-"""The README's quick start, `.ci/run` and `python -m moe_runtime.worker --help` say the same things as the code."""
+"""The README's quick start, `.ci/run` and `python -m moe_runtime.processes.worker --help` say the same things as the code."""
 import re
 from pathlib import Path
 
-from moe_runtime import demo, worker
+from moe_runtime.demo import demo_model as demo
+from moe_runtime.processes import worker
 from server.server_config import DEMO_SERVED_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -62,14 +63,14 @@ def test_serving_documents_the_demo_cache_as_demo_py_implements_it():
     serving = readme_section("Serving: `moe-serve`")
     assert f"${demo.CACHE_ENV}/{demo.DEMO_NAME}" in serving
     assert f"~/.cache/moe_runtime/{demo.DEMO_NAME}" in serving
-    assert "python -m moe_runtime.demo DIR" in serving
+    assert "python -m moe_runtime.demo.demo_model DIR" in serving
 
 
 def test_readme_and_worker_help_start_a_torchrun_job_the_same_way():
     serving = words(readme_section("Serving: `moe-serve`"))
     worker_help = words(worker.main.__doc__)
     front = "moe-serve ... --external-workers --master-addr A --master-port P --control-port C"
-    ranks = ("torchrun --nnodes N --nproc-per-node R --master-addr A --master-port P -m moe_runtime.worker "
+    ranks = ("torchrun --nnodes N --nproc-per-node R --master-addr A --master-port P -m moe_runtime.processes.worker "
              "--control-addr A --control-port C")
     for command in (front, ranks):
         assert command in serving and command in worker_help

@@ -23,12 +23,12 @@ from pydantic import ValidationError
 from engine_helpers import PROMPTS, greedy
 from server_harness import serve_in_process
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.async_engine import RequestFailedError
+from moe_runtime.front.async_engine import RequestFailedError
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.request_limits import RequestLimits
-from moe_runtime.sampler import Sampler
-from moe_runtime.structured_output.spec import StructuredOutputSpec
-from moe_runtime.structured_output.validator import StructuredOutputValidator
+from moe_runtime.engine.request_limits import RequestLimits
+from moe_runtime.sampling.sampler import Sampler
+from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
+from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
 from server.errors import APIError
 from server.protocol import CompletionRequest
 from server.request_conversion import choice_specs

@@ -5,8 +5,8 @@ import torch
 from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.sampler import Sampler, apply_top_k_top_p
-from moe_runtime.sequence import Sequence
+from moe_runtime.sampling.sampler import Sampler, apply_top_k_top_p
+from moe_runtime.engine.sequence import Sequence
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,10 @@ from attention_dp.messages import AddRequest, MessageCodec
 from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.request_limits import RequestLimits
-from moe_runtime.sampler import Sampler
-from moe_runtime.sequence import Sequence
-from moe_runtime.structured_output.spec import StructuredOutputSpec
+from moe_runtime.engine.request_limits import RequestLimits
+from moe_runtime.sampling.sampler import Sampler
+from moe_runtime.engine.sequence import Sequence
+from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
 
 EOS = (1, 4)
 VOCAB = 40

@@ -9,9 +9,9 @@ from fastapi import APIRouter
 from server_harness import FakeEngine
 
 from load_balancer import ExpertLoadRecorder, RebalanceEvent
-from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
+from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.sampling.params import SamplingParams
 from server import build_app
 from server.metrics import parse_samples
 

@@ -4,9 +4,9 @@ import asyncio
 import pytest
 from server_harness import FakeEngine
 
-from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig, QueueFullError
+from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig, QueueFullError
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_runtime.engine_config import EngineConfig, EngineConfigError
+from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from server.cli import build_parser, engine_config_from_args, main, server_config_from_args
 from server.flag_types import parse_size
 from server.listen_socket import bind_socket
@@ -150,8 +150,8 @@ def test_help_is_parsed_before_the_server_and_the_engine_are_imported():
     assert result.returncode == 0, result.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "moe-serve" in result.stdout
-    assert not {"torch", "fastapi", "uvicorn", "transformers", "server.serve", "moe_runtime.node_launcher",
-                "moe_runtime.multiprocess_engine"} & imported
+    assert not {"torch", "fastapi", "uvicorn", "transformers", "server.serve", "moe_runtime.processes.node_launcher",
+                "moe_runtime.front.multiprocess_engine"} & imported
 
 
 def test_help_says_what_each_flag_does_without_misleading_defaults():

@@ -103,7 +103,7 @@ def call_asgi(app, scope: dict, receive) -> tuple[int, dict[str, str], bytes]:
 @pytest.fixture
 def keyed_app():
     """build_app(api_key=KEY) with the default size limit (4 MiB) over a fake engine that is never reached."""
-    from moe_runtime.async_engine import AsyncEngine
+    from moe_runtime.front.async_engine import AsyncEngine
 
     return build_app(AsyncEngine(FakeEngine()), "fake", api_key=KEY)
 

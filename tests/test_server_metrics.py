@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_harness import FakeEngine
 
 from load_balancer import ExpertLoadRecorder, RebalanceEvent
-from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
-from moe_runtime.outputs import RequestOutput
+from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
+from moe_runtime.engine.outputs import RequestOutput
 from server import build_app
 from server.metrics import parse_samples
 

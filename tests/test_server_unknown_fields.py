@@ -6,7 +6,7 @@ import httpx
 import pytest
 from server_harness import FakeEngine
 
-from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
+from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from server import build_app
 
 pytestmark = pytest.mark.timeout(60)

@@ -27,12 +27,12 @@ from transformers import AutoTokenizer
 from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.request_limits import RequestLimits
-from moe_runtime.structured_output.compiler import GrammarCompilerCache
-from moe_runtime.structured_output.grammar_bitmask import GrammarBitmask
-from moe_runtime.structured_output.grammar_state import GrammarState
-from moe_runtime.structured_output.spec import StructuredOutputSpec
-from moe_runtime.structured_output.validator import StructuredOutputValidator
+from moe_runtime.engine.request_limits import RequestLimits
+from moe_runtime.sampling.structured_output.compiler import GrammarCompilerCache
+from moe_runtime.sampling.structured_output.grammar_bitmask import GrammarBitmask
+from moe_runtime.sampling.structured_output.grammar_state import GrammarState
+from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
+from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,8 +19,8 @@ from langchain_openai import ChatOpenAI
 from server_harness import FakeEngine, ServerProcess
 from transformers import AutoTokenizer
 
-from moe_runtime.async_engine import AsyncEngine, AsyncEngineConfig
-from moe_runtime.outputs import RequestOutput
+from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
+from moe_runtime.engine.outputs import RequestOutput
 from server import build_app
 
 pytestmark = pytest.mark.timeout(300)

@@ -2,7 +2,7 @@
 
 Each builder writes a standard HF directory (config.json, safetensors, generation_config.json,
 tokenizer files) from a `transformers` model with deterministic random weights
-(`moe_runtime.random_weights`: norm weights around 1 and biases nonzero too, so a loader that
+(`moe_runtime.weights.random_weights`: norm weights around 1 and biases nonzero too, so a loader that
 drops a norm or a bias cannot pass by accident; DeepSeek-V3's e_score_correction_bias is nonzero
 so grouped routing really depends on it).
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from moe_runtime.random_weights import RandomWeightScales, randomize_weights
-from moe_runtime.tokenizer_training import TokenizerSpec, save_tokenizer, train_tokenizer
+from moe_runtime.weights.random_weights import RandomWeightScales, randomize_weights
+from moe_runtime.demo.tokenizer_training import TokenizerSpec, save_tokenizer, train_tokenizer
 
 TINY_VOCAB_SIZE = 512
 TINY_INIT_STD = 0.1  # weight std; large enough that greedy argmax margins are not razor-thin

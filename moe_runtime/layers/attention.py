@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_runtime.attention_batch import AttentionBatch
+from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_ops import split_attention, varlen_causal_attention
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.layers.rotary import RotaryEmbedding
-from moe_runtime.quantization.weight_quantization import WeightQuantization
+from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class TensorParallelRMSNorm(nn.Module):
         self.full_dim, self.start, self.stop, self.eps, self.group = full_dim, start, stop, eps, group
 
     def load_weights(self, reader, prefix: str) -> set[str]:
-        from moe_runtime.weight_loading import copy_checked
+        from moe_runtime.weights.loading import copy_checked
 
         copy_checked(self.weight, reader.read(f"{prefix}weight")[self.start : self.stop], f"{prefix}weight",
                      reader.directory)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.prefix_causal_attention import prefix_causal_attention
-from moe_runtime.attention_batch import AttentionBatch
+from moe_runtime.execution.attention_batch import AttentionBatch
 
 KVFetcher = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # seq -> (keys [S, Hkv, D], values [S, Hkv, Dv])
 # (token rows or None for all, block tables [S, max_blocks], context lens [S]) -> out [S, Hq, Dv]

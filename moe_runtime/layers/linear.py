@@ -6,7 +6,7 @@ Only that shard is read from the checkpoint.
 
 With `quant` (`--quantization fp8 | int8`, a `WeightQuantization`) the weight is kept in the format's
 values dtype with float32 scales (`weight_scale`: FP8's row-expanded block scales [N, ceil(K/bk)], int8's
-one scale per row [N]; see moe_runtime/quantization/) and every forward runs the kernel family's
+one scale per row [N]; see moe_runtime/weights/quantization/) and every forward runs the kernel family's
 quantized linear, which never dequantizes the whole weight; the bias stays in the compute dtype.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.skinny_matmul import linear_rows
-from moe_runtime.checkpoint import CheckpointReader, read_slice
-from moe_runtime.quantization.weight_quantization import WeightQuantization
-from moe_runtime.weight_loading import copy_checked
+from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
+from moe_runtime.weights.loading import copy_checked
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Linear(nn.Module):
             if self.shard is None or (name == "bias" and self.shard.dim == 1):
                 tensor = reader.read(full)  # a row-parallel bias is whole (added once, after the reduce)
             else:
-                tensor = read_slice(reader, full, self.shard.dim, self.shard.start, self.shard.stop)
+                tensor = reader.read_slice(full, self.shard.dim, self.shard.start, self.shard.stop)
             copy_checked(param, tensor, full, reader.directory)
             loaded.add(name)
         return loaded

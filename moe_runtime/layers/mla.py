@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_runtime.attention_batch import AttentionBatch
+from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_ops import split_attention, varlen_causal_attention
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.layers.rotary import RotaryEmbedding
-from moe_runtime.quantization.weight_quantization import WeightQuantization
+from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 

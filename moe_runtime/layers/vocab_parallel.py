@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.skinny_matmul import linear_rows
-from moe_runtime.checkpoint import CheckpointReader, read_slice
-from moe_runtime.weight_loading import copy_checked
+from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.weights.loading import copy_checked
 
 
 class VocabShard(nn.Module):
@@ -28,7 +28,7 @@ class VocabShard(nn.Module):
 
     def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
         name = f"{prefix}weight"
-        rows = read_slice(reader, name, 0, self.start, self.stop)
+        rows = reader.read_slice(name, 0, self.start, self.stop)
         if rows.shape[1:] != self.weight.shape[1:]:
             copy_checked(self.weight, rows, name, reader.directory)  # raises, naming the tensor
         copy_checked(self.weight[: self.stop - self.start], rows, name, reader.directory)

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from dispatch.base import LAYOUT_CONTIGUOUS
 from kernels import KernelSet
 from kernels.expert_mlp import swiglu
-from moe_runtime.checkpoint import CheckpointReader, read_slice
+from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.expert_weights import ExpertWeights
-from moe_runtime.quantization.weight_quantization import WeightQuantization
+from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
 
 
 class DenseMLP(ExpertWeights):
@@ -51,12 +51,12 @@ class DenseMLP(ExpertWeights):
         if self.tp_size == 1:
             return self._read(reader, full)
         if self.quant is None:
-            return read_slice(reader, full, dim, start, stop)
+            return reader.read_slice(full, dim, start, stop)
         return self.quant.read_slice(reader, full, dim, start, stop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         if torch.compiler.is_compiling() and self.quant is None:
-            # A captured decode step (moe_runtime/decode_capture.py): the one expert on all rows, without the
+            # A captured decode step (moe_runtime/execution/decode_capture.py): the one expert on all rows, without the
             # grouped kernel's per-segment sizes, which it would have to read off the device
             out = swiglu(x, self.w13[0], self.w2[0])                               # [T, H]
         else:

@@ -32,14 +32,14 @@ from load_balancer.placement import Placement, static_placement
 from load_balancer.recorder import ExpertLoadRecorder
 from load_balancer.replica_choice import ReplicaTable, choose_replicas, replica_tables
 from load_balancer.slot_geometry import SlotGeometry
-from moe_runtime.engine_config import EngineConfig
+from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.comm_timeline import CommTimeline
 from moe_runtime.moe.expert_weights import ExpertWeights
 from moe_runtime.moe.modular_moe import ModularMoE
 from moe_runtime.moe.stages import Staged, run_to_end
 from moe_runtime.moe.token_share import TokenShare
-from moe_runtime.parallel_context import ParallelContext
+from moe_runtime.config.parallel_context import ParallelContext
 
 PHASES = (PHASE_PREFILL, PHASE_DECODE)
 
@@ -184,7 +184,7 @@ class MoEExecutor:
         return run_to_end(self.stages(moe_layer, x, topk))
 
     def _captured_run(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> torch.Tensor:  # [T, H] -> [T, H]
-        """The layer inside a captured decode step (moe_runtime/decode_capture.py), which the engine config admits
+        """The layer inside a captured decode step (moe_runtime/execution/decode_capture.py), which the engine config admits
         only on one rank with weights in the compute dtype (`EngineConfig.validate_torch_compile`): every expert
         local, nothing to dispatch or record, no data-dependent grouping."""
         experts = self._experts[moe_layer]

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_runtime.checkpoint import CheckpointReader, read_rows
-from moe_runtime.quantization.weight_quantization import QuantizedRows, WeightQuantization
-from moe_runtime.weight_loading import copy_checked
+from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.weights.quantization.weight_quantization import QuantizedRows, WeightQuantization
+from moe_runtime.weights.loading import copy_checked
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,8 @@ class ExpertWeights(nn.Module):
         inter = self.intermediate_size
         for local, expert in enumerate(self.expert_ids):
             if reader.has(fused_gate_up):
-                gate_up = read_rows(reader, fused_gate_up, expert, expert + 1)[0]
-                down = read_rows(reader, f"{prefix}down_proj", expert, expert + 1)[0]
+                gate_up = reader.read_rows(fused_gate_up, expert, expert + 1)[0]
+                down = reader.read_rows(f"{prefix}down_proj", expert, expert + 1)[0]
                 self._fill(local, slice(None), gate_up, fused_gate_up, reader)
                 self._fill(local, None, down, f"{prefix}down_proj", reader)
                 continue

@@ -17,7 +17,7 @@ from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertNaming, ExpertWeights
 from moe_runtime.moe.router import Router
 from moe_runtime.moe.stages import Staged
-from moe_runtime.quantization.weight_quantization import WeightQuantization
+from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from kernels.skinny_matmul import linear_rows
-from moe_runtime.checkpoint import CheckpointReader
-from moe_runtime.weight_loading import copy_checked
+from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.weights.loading import copy_checked
 
 
 class Router(nn.Module):

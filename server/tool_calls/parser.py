@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from server.tool_calls.json_scan import NotJson, skip_whitespace
-from moe_runtime.output_processor import held_back_suffix
+from moe_runtime.front.output_processor import held_back_suffix
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_runtime.structured_output.spec import StructuredOutputSpec
+from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 from server.tool_calls.forced import ForcedCallsParser

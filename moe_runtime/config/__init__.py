@@ -1,0 +1,1 @@
+"""Configuration: the engine's settings, the model's config, parallel layouts."""

@@ -1,0 +1,1 @@
+"""The embedded demo model and its tokenizer trainer."""

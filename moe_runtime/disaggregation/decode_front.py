@@ -1,0 +1,114 @@
+"""A decode instance's front half of KV transfers: admit imports, settle them, release the prefill's copy.
+
+An import is admitted like a request (the same limits), after its handle's signature and prompt
+digest are checked: nothing connects anywhere for a handle this deployment did not make. Its first
+token (sampled by the prefill instance) is output at once. Each rank of the chosen worker reports
+when its pull ended (`landed`); when all have their KV the front activates the request on every
+rank, and when any failed, or the timeout passed first, it fails the request alone. Either way the
+prefill instance is told to free its parked copy (fire-and-forget: its own timeout is the backstop).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from moe_runtime.errors import InvalidRequestError
+from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
+from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.disaggregation.kv_transfer.release import ReleaseSender
+from moe_runtime.disaggregation.kv_transfer.stats import TransferStats
+from moe_runtime.sampling.params import SamplingParams
+
+SETTLE_GRACE_S = 5.0   # past the ranks' own pull timeout, how long the front waits for their reports
+
+
+@dataclass
+class ImportInFlight:
+    request_id: str
+    dp_rank: int
+    waiting_ranks: set[int]                  # ranks of the worker that have not reported yet
+    handle: KVHandle
+    deadline: float
+    num_bytes: int = 0
+    seconds: float = 0.0                     # the slowest rank's pull
+
+
+@dataclass(frozen=True)
+class ImportOutcome:
+    request_id: str
+    dp_rank: int
+    error: str | None                        # None: every rank has the KV, activate it
+
+
+@dataclass
+class DecodeFront:
+    key: TransferKey
+    timeout_s: float
+    stats: TransferStats
+    sender: ReleaseSender = field(init=False)
+    _imports: dict[str, ImportInFlight] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.sender = ReleaseSender(self.key)
+
+    def verify(self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams) -> KVHandle:
+        """`handle`, if this deployment's prefill instance made it for this prompt and the request wants more
+        than the token the prefill sampled; else `InvalidRequestError` (nothing was connected to)."""
+        if params.max_tokens < 2:
+            raise InvalidRequestError(f"max_tokens={params.max_tokens}: a request continued from a prefill instance "
+                                      f"generates at least 2 tokens (the prefill sampled the first)")
+        return handle.verified(self.key, prompt_token_ids)
+
+    def start(self, request_id: str, dp_rank: int, ranks: set[int], handle: KVHandle) -> None:
+        self._imports[request_id] = ImportInFlight(request_id, dp_rank, set(ranks), handle,
+                                                   time.monotonic() + self.timeout_s + SETTLE_GRACE_S)
+
+    def landed(self, rank: int, request_id: str, error: str | None, num_bytes: int,
+               seconds: float) -> ImportOutcome | None:
+        """A rank's pull ended; the outcome once the import is settled (None while ranks are still pulling)."""
+        entry = self._imports.get(request_id)
+        if entry is None or rank not in entry.waiting_ranks:
+            return None
+        if error is not None:
+            return self._settle(entry, f"KV transfer from the prefill instance failed: {error}")
+        entry.waiting_ranks.discard(rank)
+        entry.num_bytes += num_bytes
+        entry.seconds = max(entry.seconds, seconds)
+        return self._settle(entry, None) if not entry.waiting_ranks else None
+
+    def take_expired(self) -> list[ImportOutcome]:
+        now = time.monotonic()
+        return [self._settle(entry, f"KV transfer from the prefill instance timed out ({self.timeout_s:g}s)")
+                for entry in list(self._imports.values()) if entry.deadline <= now]
+
+    def abort(self, request_id: str) -> bool:
+        """The request ended here before its import settled (client gone, stop string): release the prefill's copy."""
+        entry = self._imports.pop(request_id, None)
+        if entry is not None:
+            self.sender.send(entry.handle.release_endpoint, entry.handle.request_id)
+        return entry is not None
+
+    def _settle(self, entry: ImportInFlight, error: str | None) -> ImportOutcome:
+        del self._imports[entry.request_id]
+        self.sender.send(entry.handle.release_endpoint, entry.handle.request_id)
+        if error is None:
+            self.stats.transfers += 1
+            self.stats.bytes += entry.num_bytes
+            self.stats.seconds.observe(entry.seconds)
+        else:
+            self.stats.failures += 1
+        return ImportOutcome(entry.request_id, entry.dp_rank, error)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._imports
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._imports)
+
+    @property
+    def next_deadline(self) -> float | None:
+        return min((entry.deadline for entry in self._imports.values()), default=None)
+
+    def close(self) -> None:
+        self.sender.close()

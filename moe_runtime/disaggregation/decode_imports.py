@@ -1,0 +1,134 @@
+"""A decode instance's rank-side half of a KV transfer: allocate blocks, pull the prefill's KV, then decode.
+
+An imported request arrives as an `ImportSpec` (its prompt, the first token the prefill instance
+sampled, its sampler state, and where the prompt's KV blocks are). Each rank of the DP worker
+allocates blocks for it through its block manager (first come, first served, as blocks free up),
+plans which prefill rank serves each of its (layer, heads) pieces (`kv_transfer.plan`: the two
+instances may split heads and layers differently) and hands the pull to its `KVSink`, which writes
+the blocks on its own thread. The request joins the running batch only on `activate`, a command
+the front sends once every rank of the worker has its KV; a failure on any rank fails it on all
+(`abort`). Every change to the block manager happens at a lock-step boundary or a step, in the same
+order on every rank of the worker, so their block managers never diverge (a pull that failed on one
+rank keeps its blocks until the front's abort reaches all of them).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.disaggregation.import_spec import ImportSpec
+from moe_runtime.disaggregation.kv_transfer.plan import plan_pulls
+from moe_runtime.disaggregation.kv_transfer.puller import PullJob, PullResult
+from moe_runtime.disaggregation.kv_transfer.shard import KVLayoutError, KVShard
+from moe_runtime.disaggregation.kv_transfer.transport import KVSink
+from moe_runtime.engine.sequence import Sequence
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Import:
+    seq: Sequence
+    spec: ImportSpec
+    error: str | None = None                # known before any pull (a bad sampler state, no plan)
+    result: PullResult | None = None        # set when the pull ended (ok or not)
+    reported: bool = False                  # ... and handed to the front
+
+
+class DecodeImports:
+    def __init__(self, local: KVShard, sink: KVSink, block_manager: BlockManager, spread: int, timeout_s: float):
+        self.local = local                  # this rank's share of the cache
+        self.sink = sink
+        self.block_manager = block_manager
+        self.spread = spread                # this rank's attention-TP rank: spreads pulls over replicas
+        self.timeout_s = timeout_s
+        self._waiting: deque[Import] = deque()      # no blocks yet, in arrival order
+        self._imports: dict[str, Import] = {}
+
+    def add(self, seq: Sequence, spec: ImportSpec, error: str | None = None) -> None:
+        """Take in an import (at a lock-step boundary); it gets blocks as soon as enough are free. With `error`
+        (the request cannot go on here) it still takes its turn for blocks, then fails: the front aborts it."""
+        entry = Import(seq, spec, error)
+        if entry.error is None and spec.generator_state is not None:
+            try:
+                seq.generator = seq.generator or torch.Generator()
+                seq.generator.set_state(torch.frombuffer(bytearray(spec.generator_state), dtype=torch.uint8))
+            except (RuntimeError, ValueError) as exc:
+                entry.error = f"the request's sampler state does not load here: {exc}"
+        self._imports[seq.request_id] = entry
+        self._waiting.append(entry)
+        self.allocate()
+
+    def allocate(self) -> None:
+        """Blocks for waiting imports, oldest first, while they fit; start their pulls. Called at lock-step
+        boundaries and after steps, so every rank of the worker allocates alike."""
+        while self._waiting:
+            entry = self._waiting[0]
+            if not self.block_manager.admit(entry.seq, read_cache=False):
+                return
+            self._waiting.popleft()
+            if entry.error is None:
+                try:
+                    sources = plan_pulls(self.local, entry.spec.shards, self.spread)
+                except KVLayoutError as exc:
+                    entry.error = str(exc)
+            if entry.error is not None:
+                entry.result = PullResult(entry.seq.request_id, entry.error, 0, 0.0)
+                continue
+            self.sink.submit(PullJob(entry.seq.request_id, entry.spec.source_request_id, list(entry.seq.block_table),
+                                     len(entry.seq.prompt_token_ids), sources, self.timeout_s))
+
+    def take_landed(self) -> list[PullResult]:
+        """Outcomes of imports that ended since the last call, each once. Nothing is freed here: a failed
+        import keeps its blocks until the front's abort, which every rank of the worker applies alike."""
+        for result in self.sink.take_landed():
+            entry = self._imports.get(result.request_id)
+            if entry is not None and entry.result is None:
+                entry.result = result
+        landed = []
+        for entry in self._imports.values():
+            if entry.result is not None and not entry.reported:
+                entry.reported = True
+                landed.append(entry.result)
+        return landed
+
+    def activate(self, request_id: str) -> Sequence | None:
+        """The request whose KV landed on every rank of the worker, ready to decode (None if unknown or failed)."""
+        entry = self._imports.get(request_id)
+        if entry is None or entry.result is None or entry.result.error is not None:
+            return None
+        del self._imports[request_id]
+        seq = entry.seq
+        seq.num_cached_tokens = len(seq.prompt_token_ids)
+        self.block_manager.cache_full_blocks(seq, seq.num_cached_tokens)   # its prompt blocks serve later prefixes
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop an import wherever it is: its pull writes nothing more, its blocks are freed. The sequence, or None."""
+        entry = self._imports.pop(request_id, None)
+        if entry is None:
+            return None
+        if any(waiting is entry for waiting in self._waiting):
+            self._waiting.remove(entry)
+        self.sink.cancel(request_id)           # no write into its blocks after this returns
+        self.block_manager.free(entry.seq)
+        return entry.seq
+
+    @property
+    def in_flight(self) -> bool:
+        """Some import has not reported its outcome yet (the lock-step loop keeps watching for it)."""
+        return any(not entry.reported for entry in self._imports.values())
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._imports
+
+    def __len__(self) -> int:
+        return len(self._imports)
+
+    def close(self) -> None:
+        self.sink.close()

@@ -1,0 +1,86 @@
+"""`KVHandle`: what a prefill instance hands out for a parked request, and a decode instance takes in.
+
+It says where the request's KV blocks are (each prefill rank's `KVShard`: block server, layers,
+heads), how many tokens they hold, the first token sampled after the prompt (with its logprob
+when asked for) and the request's sampler state (its seeded generator, so a seeded request draws
+on the decode instance what it would have drawn on one), and where to send the release. It
+travels as JSON through the router in `kv_transfer_params`, so it is signed: the decode side
+checks the MAC before connecting anywhere, and checks the prompt's digest against the prompt it
+tokenized itself.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated
+
+import msgspec
+
+from moe_runtime.sampling.logprobs import TokenLogprob
+from moe_runtime.errors import InvalidRequestError
+from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.disaggregation.kv_transfer.messages import RequestId
+from moe_runtime.disaggregation.kv_transfer.shard import Count, Endpoint, KVShard
+
+MAX_SHARDS = 1024            # ranks of one prefill DP worker (attention TP x pipeline stages)
+MAX_TOP_LOGPROBS = 1024
+
+
+class HandleError(InvalidRequestError):
+    """A handle that is not one this deployment's prefill instances made, or does not fit the request."""
+
+
+class HandleLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    token_id: Count
+    logprob: float
+    top_ids: Annotated[list[Count], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)]
+    top_logprobs: Annotated[list[float], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)]
+
+    @classmethod
+    def of(cls, logprob: TokenLogprob) -> "HandleLogprob":
+        return cls(token_id=logprob.token_id, logprob=logprob.logprob, top_ids=list(logprob.top),
+                   top_logprobs=list(logprob.top.values()))
+
+    def token_logprob(self) -> TokenLogprob:
+        return TokenLogprob(self.token_id, self.logprob, dict(zip(self.top_ids, self.top_logprobs)))
+
+
+class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: RequestId                 # the request's id on the prefill instance
+    num_tokens: Count                     # tokens whose KV is parked: the prompt
+    prompt_digest: Annotated[str, msgspec.Meta(max_length=64)]
+    first_token: Count
+    first_logprob: HandleLogprob | None = None
+    generator_state: Annotated[bytes, msgspec.Meta(max_length=16384)] | None = None
+    shards: Annotated[list[KVShard], msgspec.Meta(min_length=1, max_length=MAX_SHARDS)]
+    release_endpoint: Endpoint
+    mac: Annotated[str, msgspec.Meta(max_length=128)] = ""
+
+    def signed(self, key: TransferKey) -> "KVHandle":
+        return msgspec.structs.replace(self, mac=key.mac(self._signed_bytes()))
+
+    def verified(self, key: TransferKey, prompt_token_ids: list[int]) -> "KVHandle":
+        """This handle, if `key` signed it and it is for `prompt_token_ids`; else `HandleError`."""
+        if not key.verify(self._signed_bytes(), self.mac):
+            raise HandleError("kv_transfer_params was not made by a prefill instance of this deployment "
+                              "(bad signature)")
+        if self.num_tokens != len(prompt_token_ids) or self.prompt_digest != prompt_digest(prompt_token_ids):
+            raise HandleError("kv_transfer_params belongs to another prompt than this request's")
+        return self
+
+    def _signed_bytes(self) -> bytes:
+        """Everything but the MAC and the logprob (floats need not survive JSON bit for bit to be safe)."""
+        return msgspec.msgpack.encode(msgspec.structs.replace(self, mac="", first_logprob=None))
+
+    def to_json_object(self) -> dict:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_json_object(cls, value: object) -> "KVHandle":
+        try:
+            return msgspec.convert(value, cls)
+        except msgspec.ValidationError as exc:
+            raise HandleError(f"kv_transfer_params is not a KV handle: {exc}") from exc
+
+
+def prompt_digest(prompt_token_ids: list[int]) -> str:
+    return hashlib.sha256(msgspec.msgpack.encode(list(prompt_token_ids))).hexdigest()

@@ -1,0 +1,61 @@
+"""A prefill instance's rank-side half of a KV transfer: park a finished prefill's blocks, serve them, free them.
+
+A request added with `export_kv` runs its prompt and samples its first token as any other; then,
+instead of freeing its blocks, the engine core parks them here (the scheduler forgets the request,
+the block manager keeps its blocks referenced) and this rank's block server (`transport.KVSource`)
+answers decode ranks' pulls from them. The blocks are freed by `release`, which every rank of the DP
+worker applies at the same lock-step boundary (the front broadcasts it when the decode instance
+says it is done, on abort, and at the transfer timeout), so the ranks' block managers stay alike.
+"""
+from __future__ import annotations
+
+import logging
+
+from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.disaggregation.kv_transfer.registry import ExportRegistry
+from moe_runtime.disaggregation.kv_transfer.shard import KVShard
+from moe_runtime.disaggregation.kv_transfer.transport import open_source
+from moe_runtime.layers.kv_cache import LayerKVCache
+from moe_runtime.engine.outputs import KVExportInfo
+from moe_runtime.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillExports:
+    def __init__(self, caches: list[LayerKVCache], shard: KVShard, block_manager: BlockManager, key: TransferKey,
+                 host: str):
+        self.block_manager = block_manager
+        self.registry = ExportRegistry()
+        self.source = open_source(caches, shard, self.registry, key, host)
+        self._parked: dict[str, Sequence] = {}
+
+    @property
+    def shard(self) -> KVShard:
+        """This rank's shard, with its block server's endpoint."""
+        return self.source.shard
+
+    def park(self, seq: Sequence) -> KVExportInfo:
+        """Keep `seq`'s prompt blocks for a decode instance (the scheduler has finished it, keeping its blocks)."""
+        num_tokens = len(seq.prompt_token_ids)
+        needed = self.block_manager.blocks_needed(num_tokens)
+        self.registry.park(seq.request_id, seq.block_table[:needed], num_tokens)
+        self._parked[seq.request_id] = seq
+        state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
+        return KVExportInfo(num_tokens, state)
+
+    def release(self, request_id: str) -> bool:
+        """Free a parked request's blocks (no pull reads them after this); False if it was not parked here."""
+        seq = self._parked.pop(request_id, None)
+        if seq is None:
+            return False
+        self.registry.release(request_id)
+        self.block_manager.free(seq)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def close(self) -> None:
+        self.source.close()

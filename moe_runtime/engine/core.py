@@ -1,0 +1,449 @@
+"""One DP worker's engine core: model, KV cache, scheduler, sampler; `step()` advances every request.
+
+It deals in token ids only: each step returns a `TokenDelta` per request that advanced, and
+requests arrive already checked against `limits()`. Text, stop strings and validation are the
+front's (`LocalEngine` in process, `MultiprocessEngine` for ranks in other processes). On a
+prefill instance of a P/D set it parks finished prefills' blocks for decode instances
+(`PrefillExports`); on a decode instance it takes in requests prefilled there (`DecodeImports`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from kernels import get_kernels
+from load_balancer.rebalance_event import RebalanceEvent
+from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
+from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.execution.decode_capture import CaptureSettings
+from moe_runtime.disaggregation.decode_imports import DecodeImports
+from moe_runtime.disaggregation.import_spec import ImportSpec
+from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
+from moe_runtime.weights.quantization.in_memory import weights_in_memory
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.front.engine_protocol import EngineHealth, EngineStats, WorkerStats
+from moe_runtime.errors import InvalidRequestError
+from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.disaggregation.kv_transfer.puller import PullResult
+from moe_runtime.disaggregation.kv_transfer.shard import KVShard
+from moe_runtime.disaggregation.kv_transfer.transport import open_sink
+from moe_runtime.config.model_config import architecture_of, load_hf_config
+from moe_runtime.execution.model_runner import ModelRunner, kv_blocks_for_budget
+from moe_runtime.models.decoder import BuildContext
+from moe_runtime.models.registry import build_model
+from moe_runtime.moe.executor import MoEExecutor
+from moe_runtime.engine.outputs import TokenDelta, error_message
+from moe_runtime.config.parallel_context import ParallelContext
+from moe_runtime.disaggregation.prefill_exports import PrefillExports
+from moe_runtime.engine.request_limits import RequestLimits
+from moe_runtime.execution.pipeline import broadcast_sampled_tokens, run_pipeline_step
+from moe_runtime.engine.prefix_cache import PrefixCacheEvents
+from moe_runtime.sampling.sampler import SampleResult, Sampler
+from moe_runtime.sampling.params import SamplingParams
+from moe_runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from moe_runtime.engine.sequence import FinishReason, Sequence
+from moe_runtime.sampling.structured_output.compiler import build_grammar_compiler, grammar_state_for
+from moe_runtime.weights.loading import SkippedTensors, load_model_weights
+
+logger = logging.getLogger(__name__)
+
+
+def agree_on_minimum(value: int, control_group) -> int:
+    """The smallest `value` over the ranks of the (gloo) `control_group`."""
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=control_group)
+    return int(tensor.item())
+
+
+def load_tokenizer(checkpoint_dir: Path):
+    """The checkpoint's tokenizer (local files only), or None when it ships none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(checkpoint_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        logger.warning("no tokenizer in %s (%s): only token-id prompts will work", checkpoint_dir, exc)
+        return None
+
+
+def eos_token_ids(checkpoint_dir: Path, hf_config, tokenizer) -> set[int]:
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        found = GenerationConfig.from_pretrained(str(checkpoint_dir), local_files_only=True).eos_token_id
+    except OSError:
+        found = getattr(hf_config, "eos_token_id", None)
+    if found is None and tokenizer is not None:
+        found = tokenizer.eos_token_id
+    if isinstance(found, int):
+        ids.add(found)
+    elif found:
+        ids.update(int(i) for i in found)
+    return ids
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None,
+                 transfer_key: TransferKey | None = None):
+        """`transfer_key`: a P/D instance's KV secret (default: from `config`: its key file or environment)."""
+        started = time.perf_counter()
+        self.config = config
+        self.checkpoint_dir = Path(config.model)
+        self.hf_config = load_hf_config(self.checkpoint_dir)
+        self.architecture = architecture_of(self.hf_config)
+        config.layout().validate(self.hf_config)
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(self.hf_config)
+        self.parallel = parallel or ParallelContext.single(self.device)
+        self.kernels = get_kernels(self.device, config.kernels)
+        self.executor = MoEExecutor.for_engine(config, self.parallel, self.kernels, self.hf_config.hidden_size,
+                                               self.dtype)
+        checkpoint_fp8 = Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir))
+        quant = weights_in_memory(config.quantization, checkpoint_fp8, self.kernels)
+        ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant)
+        reader = CheckpointReader.open(self.checkpoint_dir, checkpoint_fp8)
+        self.model = build_model(self.architecture, self.hf_config, ctx)
+        self.executor.finish_registration()  # every MoE layer registered itself while the model was built
+        load_model_weights(self.model, reader, SkippedTensors.for_config(self.hf_config),
+                           self.parallel.world_control_group if self.parallel.world_size > 1 else None)
+        self.model.eval()
+        self.tokenizer = load_tokenizer(self.checkpoint_dir)
+        self.eos_ids = eos_token_ids(self.checkpoint_dir, self.hf_config, self.tokenizer)
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
+        num_blocks = kv_blocks_for_budget(self.model, config.kv_cache_memory, config.block_size, self.dtype)
+        if self.parallel.world_size > 1:  # every rank schedules alike: pipeline stages hold different layers
+            num_blocks = agree_on_minimum(num_blocks, self.parallel.world_control_group)
+        if num_blocks < 1:
+            raise InvalidRequestError(
+                f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of {config.block_size} tokens"
+            )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device,
+                                  capture=self._capture_settings(config, self.device, self.max_model_len))
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            config.enable_chunked_prefill), self.block_manager
+        )
+        self.sampler = Sampler(self.eos_ids, grammar_threads=torch.get_num_threads())
+        # structured output: the tokenizer's xgrammar view is built once here; grammars once per spec
+        self.grammars = build_grammar_compiler(self.tokenizer, self.vocab_size, self.eos_ids,
+                                               max_threads=torch.get_num_threads())
+        self.exports: PrefillExports | None = None   # --disaggregation-mode prefill: parked KV, its block server
+        self.imports: DecodeImports | None = None    # --disaggregation-mode decode: KV pulled from prefill ranks
+        self.wake = None                             # called (from the puller's thread) when an import's pull ended
+        self._open_kv_transfer(config, transfer_key)
+        self._arrivals = 0
+        self._sequences: dict[str, Sequence] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._steps = 0
+        self._step_seconds = 0.0
+        self._compute_seconds = 0.0
+        logger.info("engine ready: %s (%s, %s, kernels=%s) in %.2fs", self.architecture, self.device,
+                    self.dtype, self.kernels.name, time.perf_counter() - started)
+
+    @staticmethod
+    def _capture_settings(config: EngineConfig, device: torch.device, max_model_len: int) -> CaptureSettings | None:
+        """The decode capture of `--enable-torch-compile` (None: off); the config refused layouts it cannot
+        capture (`EngineConfig.validate_torch_compile`)."""
+        if not config.enable_torch_compile:
+            return None
+        return CaptureSettings.for_device(device, max_batch=min(config.torch_compile_max_bs, config.max_num_seqs),
+                                          backend=config.torch_compile_backend, max_model_len=max_model_len,
+                                          block_size=config.block_size)
+
+    def _open_kv_transfer(self, config: EngineConfig, key: TransferKey | None) -> None:
+        """A prefill instance's rank serves its parked blocks; a decode instance's rank pulls into its own."""
+        if config.disaggregation_mode == "none":
+            return
+        key = key or TransferKey.shared(config.kv_transfer_key_file)
+        first_layer = self.parallel.stage_layers[0] if self.parallel.stage_layers else 0
+        shard = KVShard.of(self.model.kv_cache_specs(), first_layer, config.block_size, self.dtype)
+        if config.disaggregation_mode == "prefill":
+            self.exports = PrefillExports(self.runner.caches, shard, self.block_manager, key, config.kv_transfer_host)
+        else:
+            sink = open_sink(self.runner.caches, shard, key, on_landed=self._pull_ended)
+            self.imports = DecodeImports(shard, sink, self.block_manager, self.parallel.worker_rank,
+                                         config.kv_transfer_timeout_s)
+
+    def _pull_ended(self) -> None:
+        if self.wake is not None:
+            self.wake()
+
+    def kv_shard(self) -> KVShard | None:
+        """This rank's share of the KV cache, as a KV transfer names it (None: not a P/D instance)."""
+        if self.exports is not None:
+            return self.exports.shard
+        return self.imports.local if self.imports is not None else None
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def limits(self) -> RequestLimits:
+        """What a request must fit; the front checks it once at admission, and this core trusts it."""
+        return RequestLimits(self.vocab_size, self.max_model_len, self.kv_capacity_tokens,
+                             self.tokenizer is not None)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    export_kv: bool = False) -> None:
+        """Queue an admitted request (checked against `limits()` by the front). With `export_kv` (a prefill
+        instance) its blocks are parked after its first token for a decode instance to pull."""
+        if request_id in self._sequences:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if export_kv and self.exports is None:
+            raise InvalidRequestError("export_kv: this engine is not a prefill instance (--disaggregation-mode prefill)")
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival=self._arrivals,
+                       grammar=grammar_state_for(self.grammars, params.structured_output),  # compiles (cached)
+                       export_kv=export_kv, queued_at=time.perf_counter())
+        self._arrivals += 1
+        self._sequences[request_id] = seq
+        self.scheduler.add(seq)
+        self._prompt_tokens += len(prompt_token_ids)
+
+    def add_import(self, spec: ImportSpec) -> None:
+        """Take in a request prefilled by a prefill instance (a decode instance): blocks are allocated and its
+        KV pulled; it decodes once `activate_import` says every rank of this worker has it."""
+        if self.imports is None:
+            raise InvalidRequestError("this engine is not a decode instance (--disaggregation-mode decode)")
+        if spec.request_id in self._sequences:
+            raise InvalidRequestError(f"request id {spec.request_id!r} is already in use")
+        params = spec.params
+        seq = Sequence(spec.request_id, list(spec.prompt_token_ids), params, arrival=self._arrivals,
+                       grammar=grammar_state_for(self.grammars, params.structured_output), queued_at=time.perf_counter())
+        seq.output_token_ids.append(spec.first_token)
+        if spec.first_logprob is not None and params.logprobs is not None:
+            seq.logprobs.append(spec.first_logprob)
+        error = seq.grammar.accept(spec.first_token) if seq.grammar is not None else None
+        self._arrivals += 1
+        self._sequences[spec.request_id] = seq
+        self._prompt_tokens += len(spec.prompt_token_ids)
+        self.imports.add(seq, spec, error)
+
+    def take_landed_imports(self) -> list[PullResult]:
+        """Imports whose pull ended on this rank since the last call (ok or with an error), each once."""
+        return self.imports.take_landed() if self.imports is not None else []
+
+    @property
+    def imports_in_flight(self) -> bool:
+        return self.imports is not None and self.imports.in_flight
+
+    def activate_import(self, request_id: str) -> bool:
+        """Every rank of this worker has the import's KV: it decodes from the next step."""
+        seq = self.imports.activate(request_id) if self.imports is not None else None
+        if seq is None:
+            return False
+        self.scheduler.add_running(seq)
+        return True
+
+    def release_export(self, request_id: str) -> bool:
+        """Free a parked request's blocks (its decode instance has them, or gave up, or it timed out)."""
+        return self.exports is not None and self.exports.release(request_id)
+
+    def abort(self, request_id: str, reason: str = FinishReason.ABORT.value) -> bool:
+        """End a request early; `reason` ("abort", or "stop"/"error" when the front ended it) is its finish reason."""
+        seq = self.scheduler.abort(request_id, FinishReason(reason))
+        if seq is None and self.imports is not None:
+            seq = self.imports.abort(request_id)
+            if seq is not None:
+                self.imports.allocate()   # its blocks may admit an import waiting for them
+        parked = self.release_export(request_id)
+        self._sequences.pop(request_id, None)
+        return seq is not None or parked
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenDelta]:
+        """Run one batch; a delta for every request that advanced."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        return self.execute(batch)
+
+    def _forward_and_sample(self, seqs: list[Sequence], sampling: list[Sequence]) -> SampleResult:
+        """Run `seqs`' scheduled tokens; sample for `sampling`, those of them whose tokens reach their end
+        (a prefill chunk that stops short of it samples nothing)."""
+        if self.parallel.pp_size == 1:
+            logits = self.runner.execute(seqs)                                   # [len(sampling), V]
+            return self._sample(logits, sampling) if sampling else SampleResult.empty()
+        micro_batches = self.config.pp_micro_batches or self.parallel.pp_size
+        result = run_pipeline_step(self.runner, seqs, self.parallel, micro_batches)
+        self._compute_seconds += result.compute_seconds
+        if not sampling:
+            return SampleResult.empty()
+        sampled = self._sample(result.logits, sampling) if self.parallel.is_last_stage else None
+        tokens = broadcast_sampled_tokens(sampled.token_ids if sampled else None, len(sampling), self.parallel)
+        if sampled is not None:
+            return sampled
+        errors = ["sampling failed on the last pipeline stage" if t == SampleResult.NO_TOKEN else None for t in tokens]
+        return SampleResult(tokens, [None] * len(sampling), errors)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:  # logits [B, V]
+        """The batch's tokens. If sampling the batch raises, each request is sampled on its own and only
+        those that raise alone fail. Every rank of a DP worker runs this on the same logits and params,
+        so a failure fails the same requests on every rank and their schedulers stay in step."""
+        try:
+            return self.sampler(logits, seqs)
+        except Exception as exc:  # noqa: BLE001 - find the request(s) at fault below
+            logger.warning("sampling a batch of %d requests failed (%s); sampling each on its own",
+                           len(seqs), error_message(exc))
+        return SampleResult.concat([self._sample_alone(logits[i : i + 1], seq) for i, seq in enumerate(seqs)])
+
+    def _sample_alone(self, logits: torch.Tensor, seq: Sequence) -> SampleResult:  # logits [1, V]
+        try:
+            return self.sampler(logits, [seq])
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            return SampleResult.failed(error_message(exc))
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self.scheduler.schedule()
+
+    def execute(self, batch: ScheduledBatch | None, phase: str | None = None) -> list[TokenDelta]:
+        """Run `batch` through the model; None runs an empty batch (0 tokens) through every layer, so a
+        DP worker with nothing to do still joins every collective of a lock-step."""
+        seqs = batch.seqs if batch is not None else []
+        sampling = [seq for seq in seqs if seq.samples_this_step]
+        phase = phase or ("prefill" if batch is None or batch.is_prefill else "decode")
+        started = time.perf_counter()
+        for seq in seqs:
+            if seq.queue_seconds is None:
+                seq.queue_seconds = started - seq.queued_at
+        self.executor.begin_step(phase)
+        sampled = self._forward_and_sample(seqs, sampling)
+        self.executor.end_step()
+        self._steps += 1
+        self._step_seconds += time.perf_counter() - started
+        scored_prompts = self.runner.take_prompt_logprobs()
+        if not seqs:
+            return []
+        deltas = []
+        for seq, token, logprob, error in zip(sampling, sampled.token_ids, sampled.logprobs, sampled.errors):
+            if seq.params.max_tokens == 0:
+                deltas.append(self._finish_prompt_only(seq, scored_prompts.get(seq.request_id)))
+                continue
+            if error is None and seq.grammar is not None:
+                error = seq.grammar.accept(token)  # every rank alike: they agree on when the grammar ends
+            if error is not None:
+                deltas.append(self._fail(seq, error))
+                continue
+            reason = self._advance(seq, token, logprob)
+            export = None
+            if reason is not None:
+                park = reason == FinishReason.LENGTH and seq.export_kv
+                self.scheduler.finish(seq, reason, keep_blocks=park)
+                self._sequences.pop(seq.request_id, None)
+                export = self.exports.park(seq) if park else None
+            deltas.append(TokenDelta(seq.request_id, [token], [logprob] if seq.params.logprobs is not None else None,
+                                     reason.value if reason else None, None, seq.num_preemptions,
+                                     prompt_logprobs=scored_prompts.get(seq.request_id), kv_export=export,
+                                     queue_seconds=self._queue_seconds_once(seq)))
+        if self.imports is not None:
+            self.imports.allocate()   # finished requests freed blocks an import may be waiting for
+        return deltas
+
+    @staticmethod
+    def _queue_seconds_once(seq: Sequence) -> float | None:
+        """The request's queue time, in its first delta only."""
+        if seq.queue_reported or seq.queue_seconds is None:
+            return None
+        seq.queue_reported = True
+        return seq.queue_seconds
+
+    def _finish_prompt_only(self, seq: Sequence, prompt_logprobs: PromptLogprobs | None) -> TokenDelta:
+        """End a request that only scores its prompt (max_tokens 0) after its prefill: the token sampled for
+        it is dropped, and its delta carries the prompt logprobs with no token, finish_reason "length"."""
+        self.scheduler.finish(seq, FinishReason.LENGTH)
+        self._sequences.pop(seq.request_id, None)
+        return TokenDelta(seq.request_id, [], None, FinishReason.LENGTH.value, None, seq.num_preemptions,
+                          prompt_logprobs=prompt_logprobs)
+
+    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
+        """Append the sampled token (and its logprob) and say whether the request is done."""
+        seq.output_token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        self._generation_tokens += 1
+        return self._finish_reason(seq, token)
+
+    def _fail(self, seq: Sequence, error: str) -> TokenDelta:
+        """End a request the engine could not advance: its KV blocks are freed as for an abort, and its
+        delta says finish_reason "error" with `error` (the other requests of the batch go on)."""
+        logger.warning("request %s failed: %s", seq.request_id, error)
+        self.scheduler.finish(seq, FinishReason.ERROR)
+        self._sequences.pop(seq.request_id, None)
+        return TokenDelta(seq.request_id, [], None, "error", error, seq.num_preemptions)
+
+    def worker_stats(self) -> WorkerStats:
+        return WorkerStats(
+            dp_rank=self.parallel.dp_rank,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.block_manager.num_blocks,
+            kv_blocks_free=self.block_manager.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            steps=self._steps,
+            step_seconds=self._step_seconds,
+            moe_comm_seconds=self.executor.comm_seconds,
+            compute_seconds=self._compute_seconds if self.parallel.pp_size > 1 else self._step_seconds,
+            prefix_cache_queries=self.block_manager.counters.queries,
+            prefix_cache_hits=self.block_manager.counters.hits,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block (those in use stay with their requests); the idle blocks freed."""
+        return self.block_manager.reset_prefix_cache()
+
+    def take_prefix_cache_events(self) -> PrefixCacheEvents | None:
+        """What this worker's prefix cache stored, evicted or cleared since the last call (None: caching off)."""
+        return self.block_manager.take_cache_events()
+
+    def stats(self) -> EngineStats:
+        return EngineStats([self.worker_stats()], self._prompt_tokens, self._generation_tokens)
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(True)
+
+    def expert_load(self, group=None):
+        """The expert-load snapshot (summed over `group`'s ranks when given), or None for a dense model."""
+        recorder = self.executor.recorder
+        return None if recorder is None else recorder.snapshot(group=group)
+
+    def rebalance_now(self):
+        return RebalanceEvent(-1, "manual", time.time(), 0.0, 0, 1.0, 1.0, ok=False,
+                              error="nothing to rebalance on one rank: start with ep > 1")
+
+    def rebalance_events(self) -> list:
+        return []
+
+    def resident_expert_bytes(self) -> tuple[int, int]:
+        """(bytes of routed-expert weights on this rank, bytes of all routed experts of its MoE layers)."""
+        return self.executor.resident_expert_bytes()
+
+    def shutdown(self) -> None:
+        self._sequences.clear()
+        for transfer in (self.exports, self.imports):
+            if transfer is not None:
+                transfer.close()
+        self.exports = self.imports = None
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """EOS, a stop token, a completed grammar or max_tokens; stop strings are the front's (`OutputProcessor`)."""
+        params = seq.params
+        generated = len(seq.output_token_ids)
+        if seq.grammar is not None and seq.grammar.terminated:
+            return FinishReason.STOP  # the grammar was complete and its stop token accepted (ignore_eos or not)
+        if generated >= params.min_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+                return FinishReason.STOP
+        if generated >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None

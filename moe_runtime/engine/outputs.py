@@ -1,0 +1,68 @@
+"""What the engine returns for a request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
+from moe_runtime.sampling.logprobs import PromptLogprobs, PromptTokenLogprob, TokenLogprob
+
+
+@dataclass
+class KVExportInfo:
+    """A prefill instance parked the request's KV blocks after sampling its first token: what a handle needs
+    from the ranks (the front knows the rest: prompt, token, where the shards are)."""
+
+    num_tokens: int                            # tokens whose KV is parked (the prompt)
+    generator_state: bytes | None = None       # the request's seeded generator after the first token
+
+
+@dataclass
+class TokenDelta:
+    """What one step added to one request: all a rank reports (O(1) bytes in the output length).
+
+    The front turns these into `RequestOutput`s (`OutputProcessor`): text, stop strings and the
+    cumulative views exist only there.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None   # one per new token when the request asked for logprobs
+    finish_reason: str | None = None          # "length" | "stop" (EOS / stop token) | "error"; None = running
+    error: str | None = None                  # why the engine failed this request (finish_reason "error")
+    num_preemptions: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # in the request's first delta only, when it asked for them
+    kv_export: KVExportInfo | None = None     # prefill instance: its blocks are parked for a decode instance
+    queue_seconds: float | None = None        # arrival on the ranks to its first scheduled step (once, when known)
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after one step, as the front hands it to callers.
+
+    The cumulative fields (`token_ids`, `text`, `logprobs`) are the request's live lists: read them,
+    copy them to keep a snapshot. The `new_*` fields are what this output adds to the previous one
+    (`new_text` is text safe to stream: it is never taken back).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]                      # generated tokens so far (all of them)
+    text: str                                 # detokenized output so far (cut at a stop string)
+    finished: bool
+    finish_reason: str | None = None          # "length" | "stop" | "abort" | "error"
+    logprobs: list[TokenLogprob] | None = None
+    num_preemptions: int = 0
+    new_token_ids: list[int] = field(default_factory=list)  # tokens added by the step that produced this
+    error: str | None = None                  # why the engine failed this request (finish_reason "error")
+    new_logprobs: list[TokenLogprob] | None = None           # logprobs of new_token_ids
+    new_text: str = ""                                       # text added since the previous output
+    sampled_at: float | None = None           # wall clock when the engine had sampled this output's tokens
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None  # one per prompt token (the first: None),
+                                                                    # when the request asked for prompt_logprobs
+    kv_handle: KVHandle | None = None         # prefill instance: where its parked KV blocks are, for a decode one
+
+
+def error_message(exc: BaseException, limit: int = 200) -> str:
+    """A short, one-line description of `exc` for `RequestOutput.error` (clients see it)."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

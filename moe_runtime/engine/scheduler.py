@@ -1,0 +1,210 @@
+"""Continuous batching: requests join and leave every step.
+
+Each scheduled sequence gets `num_scheduled_tokens` for the step: a whole prompt, a chunk of one,
+or the single token a decoding request sampled last. Two policies:
+
+- **chunked prefill** (`enable_chunked_prefill`): every step runs every running decode, then the
+  prefills in progress, then newly admitted requests, the prefills cut to what is left of the
+  token budget (`max_num_batched_tokens`). A long prompt is split over several steps; its request
+  samples only after its last chunk. Decodes never wait behind a long prompt.
+- **alternating** (the first design): a step is either a prefill batch (waiting requests admitted
+  whole while KV blocks and the token budget allow) or a decode batch.
+
+Admission reserves KV blocks for the whole sequence; with prefix caching, its longest cached prefix
+is reused (`BlockManager.admit`) and only the rest is computed. A request asking for prompt
+logprobs reads nothing from the cache (every prompt position must go through the model). Each
+scheduled full block is registered in the prefix cache as it is scheduled: the step writes a layer's
+K/V for all its tokens before any attention read in that layer, so a request admitted later in the
+same step can already reuse it.
+
+When a decode finds no free block, the most recently admitted request is preempted: its blocks are
+freed (cached ones stay cached) and it goes back to the front of the queue, to be recomputed from
+its prompt plus the tokens it already produced.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+PHASE_PREFILL = "prefill"   # some sequence computes prompt tokens or more than one token (dispatch: any size)
+PHASE_DECODE = "decode"     # every sequence computes one token past its prompt (<= max_num_seqs tokens)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = False
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]           # each with its num_scheduled_tokens for this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(seq.num_scheduled_tokens for seq in self.seqs)
+
+    @property
+    def phase(self) -> str:
+        """"decode" when every sequence decodes one token, else "prefill" (mixed steps included): the
+        expert dispatch picks its mode by it, and a decode mode may bound the tokens per rank."""
+        if all(seq.is_decoding and seq.num_scheduled_tokens == 1 for seq in self.seqs):
+            return PHASE_DECODE
+        return PHASE_PREFILL
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == PHASE_PREFILL
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(seq.num_tokens for seq in self.waiting)
+
+    @property
+    def num_running_tokens(self) -> int:
+        return sum(seq.num_tokens for seq in self.running)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
+        """End a request before the engine would (client gone, or the front saw a stop string); frees its blocks."""
+        for queue in (self.waiting, self.running):
+            for seq in list(queue):
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, reason)
+                    return seq
+        return None
+
+    def schedule(self) -> ScheduledBatch | None:
+        if self.config.enable_chunked_prefill:
+            return self._schedule_mixed()
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_tokens(self, seq: Sequence, num_tokens: int) -> int:
+        """`seq` computes `num_tokens` this step; its blocks they fill are cached now, so that a request
+        scheduled after it in this step can reuse them."""
+        seq.num_scheduled_tokens = num_tokens
+        self.block_manager.cache_full_blocks(seq, seq.num_cached_tokens + num_tokens)
+        return num_tokens
+
+    # ---- chunked prefill: decodes, prefills in progress, new requests, under one token budget -----------
+    def _schedule_mixed(self) -> ScheduledBatch | None:
+        self.running.sort(key=lambda s: s.arrival)
+        scheduled = self._schedule_decodes([seq for seq in self.running if seq.is_decoding])
+        budget = self.config.max_num_batched_tokens - len(scheduled)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.status == SequenceStatus.RUNNING and not seq.is_decoding:
+                budget -= self._schedule_tokens(seq, min(seq.tokens_to_compute(), budget))
+                scheduled.append(seq)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            budget -= self._schedule_tokens(seq, min(seq.tokens_to_compute(), budget))
+            scheduled.append(seq)
+        return ScheduledBatch(scheduled) if scheduled else None
+
+    # ---- alternating prefill and decode steps ---------------------------------------------------------
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        admitted: list[Sequence] = []
+        budget = self.config.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if admitted and seq.num_tokens > budget:   # counted whole: a cache hit only makes it cheaper
+                break
+            if not self._admit(seq):
+                break
+            budget -= self._schedule_tokens(seq, seq.tokens_to_compute())
+            admitted.append(seq)
+        return ScheduledBatch(admitted) if admitted else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        self.running.sort(key=lambda s: s.arrival)
+        scheduled = self._schedule_decodes(list(self.running))
+        return ScheduledBatch(scheduled) if scheduled else None
+
+    def _schedule_decodes(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One token for each of `seqs` (oldest first), preempting the newest running request while a
+        decode finds no free block."""
+        scheduled: list[Sequence] = []
+        for seq in seqs:
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            while not self.block_manager.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.append_slot(seq)
+                self._schedule_tokens(seq, 1)
+                scheduled.append(seq)
+        return scheduled
+
+    # ---- admission, preemption, the end ---------------------------------------------------------------
+    def _admit(self, seq: Sequence) -> bool:
+        """Blocks for `seq` (its cached prefix reused unless it wants its prompt scored); into the running set.
+        A prompt is scored before the first token is sampled; that test reads the same on every rank (only
+        the last pipeline stage scores, so only it knows `prompt_logprobs_done`)."""
+        wants_prompt_scored = seq.params.prompt_logprobs is not None and not seq.output_token_ids
+        if not self.block_manager.admit(seq, read_cache=not wants_prompt_scored):
+            return False
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running request's blocks; it will be recomputed from its tokens so far."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        seq.partial_prompt_logprobs = None
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        logger.debug("preempted request %s (recompute %d tokens)", seq.request_id, seq.num_tokens)
+
+    def finish(self, seq: Sequence, reason: FinishReason, keep_blocks: bool = False) -> None:
+        """The request is done here; its blocks are freed unless `keep_blocks` (a prefill instance parks them
+        for a decode instance to pull, and frees them on release: `PrefillExports`)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self._finish(seq, reason, keep_blocks)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Put a request that already holds its blocks and computed tokens (a decode instance's import) straight
+        into the running set: it decodes from the next step."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, keep_blocks: bool = False) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if not keep_blocks:
+            self.block_manager.free(seq)

@@ -1,0 +1,87 @@
+"""One request's state inside a DP worker: tokens, KV blocks, sampling state (seeded generator, grammar)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
+from moe_runtime.sampling.params import SamplingParams
+from moe_runtime.sampling.structured_output.grammar_state import GrammarState
+
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+    ERROR = "error"     # the engine (or the front) could not advance this request alone
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int                                   # admission order, for FCFS and preemption choice
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0                     # tokens whose K/V are in the cache
+    num_scheduled_tokens: int = 0                  # tokens the current step computes (a prefill chunk, or 1)
+    block_hashes: list[int] = field(default_factory=list)  # prefix hashes of its full blocks (prefix caching)
+    num_registered_blocks: int = 0                 # leading blocks of block_table offered to the prefix cache
+    partial_prompt_logprobs: PromptLogprobs | None = None  # chunked prefill: the prompt scored so far
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    grammar: GrammarState | None = None            # structured output: where the output is in its grammar
+    prompt_logprobs_done: bool = False             # scored once: a preempted request's recompute does not again
+    export_kv: bool = False                        # prefill instance: park its blocks after its first token
+    queued_at: float = 0.0                         # perf_counter when it arrived here (its queue time's start)
+    queue_seconds: float | None = None             # arrival to first scheduled step, once known
+    queue_reported: bool = False                   # ... and handed out in a delta
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def tokens_to_compute(self) -> int:
+        """Tokens not in the cache yet (the whole uncached suffix; a step may compute a chunk of it)."""
+        return self.num_tokens - self.num_cached_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Past its prompt: each step computes the one token it sampled last."""
+        return bool(self.output_token_ids) and self.num_cached_tokens == self.num_tokens - 1
+
+    @property
+    def samples_this_step(self) -> bool:
+        """The scheduled tokens reach its last token: this step's logits give its next token (a prefill
+        chunk that stops short of the end samples nothing)."""
+        return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    def commit_scheduled_tokens(self) -> None:
+        """The step ran: its scheduled tokens are in the cache now."""
+        self.num_cached_tokens += self.num_scheduled_tokens
+        self.num_scheduled_tokens = 0

@@ -1,0 +1,106 @@
+"""Per-step attention metadata: which new tokens belong to which sequence, where their K/V go."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class KVWriter(Protocol):
+    """Stores a step's new K/V when a rank computes only some of its tokens (context parallelism)."""
+
+    def write_kv(self, cache, keys: torch.Tensor, values: torch.Tensor | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class SingleQuerySplit:
+    """A batch split for attention: sequences with one new token (decodes, one-token chunks) attend through
+    the paged decode kernel together; the others (prefills, chunks) through the varlen path."""
+
+    single: list[int]               # batch indices of the one-token sequences
+    multi: list[int]                # batch indices of the others
+    single_rows: torch.Tensor       # [S] int64: token rows of the one-token sequences
+    multi_rows: torch.Tensor        # [M] int64: token rows of the others, sequence by sequence
+    block_tables: torch.Tensor      # [S, max_blocks] int32 of the one-token sequences
+    context_lens: torch.Tensor      # [S] int32 of the one-token sequences
+
+
+@dataclass
+class AttentionBatch:
+    """A flattened batch of T new tokens from B sequences (varlen, no padding).
+
+    Sequence b owns new tokens [query_start[b], query_start[b] + query_lens[b]); after this step
+    its cache holds context_lens[b] tokens, the new ones being the last query_lens[b].
+    """
+
+    query_lens: list[int]          # [B]
+    context_lens: list[int]        # [B]
+    query_start: list[int]         # [B + 1]
+    slot_mapping: torch.Tensor     # [T] int64: flat cache slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor     # [B, max_blocks] int32, -1 padded
+    context_lens_tensor: torch.Tensor  # [B] int32
+    block_size: int
+    kv_writer: KVWriter | None = None  # context parallelism: gathers the other ranks' new K/V and stores all
+    source_seqs: list[int] | None = None  # context parallelism: the step sequence each entry is a piece of
+    # A captured decode step (moe_runtime/execution/decode_capture.py): every row is one sequence's single new token, the
+    # tensors are padded to a bucket, and the Python lists are left empty (a capture must not depend on them).
+    static_decode: bool = False
+    _splits: dict = field(default_factory=dict, repr=False)   # sliding window -> SingleQuerySplit (per step)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start[-1] if self.query_start else 0
+
+    def split_single_queries(self, sliding_window: int | None = None) -> SingleQuerySplit:
+        """Which sequences the paged decode kernel can serve: one new token, and (with a sliding window) a
+        context within the window. Built once per step and window, shared by every layer."""
+        if sliding_window not in self._splits:
+            single = [b for b in range(self.num_seqs) if self.query_lens[b] == 1
+                      and (sliding_window is None or self.context_lens[b] <= sliding_window)]
+            chosen = set(single)
+            multi = [b for b in range(self.num_seqs) if b not in chosen]
+            device = self.slot_mapping.device
+            single_rows = torch.tensor([self.query_start[b] for b in single], dtype=torch.long, device=device)
+            rows = [row for b in multi for row in range(self.query_start[b], self.query_start[b + 1])]
+            multi_rows = torch.tensor(rows, dtype=torch.long, device=device)
+            index = torch.tensor(single, dtype=torch.long, device=device)
+            self._splits[sliding_window] = SingleQuerySplit(
+                single, multi, single_rows, multi_rows, self.block_tables.index_select(0, index),
+                self.context_lens_tensor.index_select(0, index))
+        return self._splits[sliding_window]
+
+    def write_kv(self, cache, keys: torch.Tensor, values: torch.Tensor | None = None) -> None:
+        """Store this step's new keys [T, h, dk] (and values) in `cache`; under context parallelism the
+        other ranks' new tokens too, so every rank's cache holds the whole step."""
+        if self.kv_writer is not None:
+            self.kv_writer.write_kv(cache, keys, values)
+        else:
+            cache.write(self.slot_mapping, keys, values)
+
+    def source_seq(self, seq: int) -> int:
+        """The step sequence entry `seq` belongs to (itself, unless context parallelism cut it into pieces,
+        which then share their cache context up to each piece's end)."""
+        return seq if self.source_seqs is None else self.source_seqs[seq]
+
+    def context_slots(self, seq: int) -> torch.Tensor:
+        """[context_lens[seq]] int64 flat cache slots of one sequence's whole context."""
+        length = self.context_lens[seq]
+        num_blocks = (length + self.block_size - 1) // self.block_size
+        blocks = self.block_tables[seq, :num_blocks].long()
+        offsets = torch.arange(self.block_size, device=blocks.device)
+        return (blocks[:, None] * self.block_size + offsets[None, :]).reshape(-1)[:length]
+
+    @classmethod
+    def empty(cls, block_size: int, device) -> "AttentionBatch":
+        return cls(
+            query_lens=[], context_lens=[], query_start=[0],
+            slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
+            block_tables=torch.zeros(0, 1, dtype=torch.int32, device=device),
+            context_lens_tensor=torch.zeros(0, dtype=torch.int32, device=device),
+            block_size=block_size,
+        )

@@ -1,0 +1,215 @@
+"""A captured decode step: `torch.compile` over the whole forward + LM head of a pure decode batch.
+
+Eager decode on CPU spends a third of a step outside kernels (about 5400 operator calls per step of
+the 8-layer bench model, each a Python call and a dispatcher trip) and runs the routed experts through
+grouped kernels whose sizes depend on the routing. The capture removes both (SGLang's
+`--enable-torch-compile`, vLLM's compiled decode):
+
+- **Static shapes.** A step whose sequences all decode one token (and sample it) is padded to the next
+  batch bucket (1, 2, 4, ... `max_batch`): pad rows read nothing (context length 0) and write their K/V
+  to a scratch block the block manager never hands out. The block-table width is the one dynamic
+  dimension (marked so, at least 2 columns so 1 is never specialized): one graph per batch bucket.
+- **No data-dependent sizes inside.** Attention sees `AttentionBatch.static_decode` and goes straight
+  to the paged decode kernel, which attends to the table's full width instead of reading the longest
+  context off the device; the MoE executor computes routed experts as per-(token, expert) GEMVs
+  (kernels/pair_experts.py), which inductor fuses into loops streaming each chosen expert's weights.
+- **Whole step, no graph breaks** (`fullgraph=True`): the layers' plain `forward` (not the staged
+  generators of two-batch overlap) from embedding to logits.
+
+On CUDA the compiled graph is also replayed as a CUDA graph (inductor's `mode="reduce-overhead"`, its
+CUDA-graph trees; what vLLM and SGLang capture at start-up): one launch per step instead of one per
+kernel. A CUDA graph fixes every address and shape it was recorded with, so there the block table
+always has the model's full width (`CaptureSettings.table_width`: the Triton decode kernel loops only
+over each row's own context, so unused columns cost nothing) and the KV caches are marked static
+addresses (written in place, never copied into the graph's input buffers). On CPU the width stays
+dynamic: the torch decode kernel attends to the whole table under capture, so a narrow one is cheaper.
+
+Where capture cannot run it says so once and the engine decodes eagerly: no C++ compiler for
+inductor's CPU backend, or a compile that fails. What cannot be captured at all (several ranks, kept
+quantized weights) is refused when the engine is configured (`EngineConfig.validate_torch_compile`).
+Mixed steps (prefill chunks beside decodes) always run eagerly.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.kv_cache import LayerKVCache
+from moe_runtime.sampling.prompt_logprobs import prompt_logprobs_due
+from moe_runtime.engine.sequence import Sequence
+from moe_runtime.execution.step_inputs import StepInputs
+
+if TYPE_CHECKING:   # the runner owns the capture and hands it its prepared inputs
+    from moe_runtime.models.decoder import CausalLM
+
+logger = logging.getLogger(__name__)
+
+MIN_TABLE_WIDTH = 2   # block-table columns a captured step always has (dynamo specializes a dimension of 1)
+# Graphs dynamo keeps for the traced function. It counts per code object, i.e. over every engine in the process
+# (each traces its own model): its default of 8 would stop the ninth engine's capture, or one engine's ninth bucket.
+RECOMPILE_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """`EngineConfig.enable_torch_compile` and its knobs, as the model runner gets them."""
+
+    max_batch: int = 32             # --torch-compile-max-bs: the largest bucket; bigger decode steps run eagerly
+    backend: str = "inductor"       # torch.compile backend ("eager" / "aot_eager" trace without generating code)
+    table_width: int | None = None  # block-table columns of every captured step (None: dynamic, the step's own)
+    cuda_graphs: bool = False       # replay the compiled graph as a CUDA graph (inductor's "reduce-overhead")
+
+    @classmethod
+    def for_device(cls, device: torch.device, max_batch: int, backend: str, max_model_len: int,
+                   block_size: int) -> "CaptureSettings":
+        """CUDA replays CUDA graphs, which need one table width for good: the widest a sequence can have."""
+        if device.type != "cuda":
+            return cls(max_batch=max_batch, backend=backend)
+        width = max(-(-max_model_len // block_size), MIN_TABLE_WIDTH)
+        return cls(max_batch=max_batch, backend=backend, table_width=width, cuda_graphs=backend == "inductor")
+
+    def compile_mode(self) -> str | None:
+        """torch.compile's `mode` (only inductor takes one)."""
+        return "reduce-overhead" if self.cuda_graphs else None
+
+    def buckets(self) -> list[int]:
+        """Batch sizes a decode step is padded to: powers of two up to `max_batch`, and `max_batch` itself."""
+        sizes, size = [], 1
+        while size < self.max_batch:
+            sizes.append(size)
+            size *= 2
+        return sizes + [self.max_batch]
+
+
+@dataclass
+class CaptureStats:
+    """What the capture did, for tests, benchmarks and the log."""
+
+    captured_steps: int = 0                          # decode steps run through a compiled graph
+    eager_steps: int = 0                             # steps run eagerly (prefill, mixed, too large, fallback)
+    buckets_compiled: list[int] = field(default_factory=list)  # batch buckets whose first step compiled
+    disabled_reason: str | None = None               # set when capture gave up; every step then runs eagerly
+
+
+def cpu_compiler_missing() -> str | None:
+    """Why inductor's CPU backend cannot build kernels here (None: a C++ compiler was found)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:   # a torch without this helper: let the compile itself find out
+        return None
+    try:
+        get_cpp_compiler()
+    except Exception as missing:   # inductor raises its own InvalidCxxCompiler
+        return f"no C++ compiler for torch.compile's CPU backend ({missing.__class__.__name__}: set CXX or install g++)"
+    return None
+
+
+class DecodeCapture:
+    """Runs pure decode steps of one rank's model through one compiled graph per batch bucket."""
+
+    def __init__(self, model: CausalLM, caches: list[LayerKVCache], block_size: int, scratch_block: int,
+                 device: torch.device, settings: CaptureSettings):
+        self.model = model
+        self.caches = caches
+        self.block_size = block_size
+        self.scratch_slot = scratch_block * block_size   # where pad rows write their K/V
+        self.settings = settings
+        self.buckets = settings.buckets()
+        self.sliding_window = model.min_sliding_window()
+        self.stats = CaptureStats()
+        if settings.backend == "inductor" and device.type == "cpu":
+            self._disable(cpu_compiler_missing())
+        if settings.cuda_graphs:   # written in place by every step: the graphs must see the caches themselves
+            for cache in caches:
+                for tensor in (cache.keys, cache.values):
+                    if tensor is not None:
+                        torch._dynamo.mark_static_address(tensor)
+        self._compiled = torch.compile(self._decode_logits, backend=settings.backend, mode=settings.compile_mode(),
+                                       fullgraph=True, dynamic=False)
+
+    def covers(self, seqs: list[Sequence]) -> bool:
+        """Whether this step is a pure decode step the capture runs: every sequence computes and samples one
+        token (no prompt scored), within the largest bucket and, with sliding-window attention, the window."""
+        if self.stats.disabled_reason is not None or not 0 < len(seqs) <= self.settings.max_batch:
+            return False
+        for seq in seqs:
+            if seq.num_scheduled_tokens != 1 or not seq.samples_this_step or prompt_logprobs_due(seq):
+                return False
+            if self.sliding_window is not None and seq.num_cached_tokens + 1 > self.sliding_window:
+                return False
+            if self.settings.table_width is not None and seq.num_cached_tokens + 1 > self.settings.table_width * \
+                    self.block_size:
+                return False
+        return True
+
+    def run(self, seqs: list[Sequence], inputs: StepInputs) -> torch.Tensor | None:
+        """Next-token logits [S, V] fp32 of a covered step (`covers`), from the runner's prepared `inputs`; None
+        for any other step, which the runner then runs eagerly (counted in `stats.eager_steps`)."""
+        if not self.covers(seqs):
+            self.stats.eager_steps += 1
+            return None
+        num_seqs = len(seqs)
+        bucket = next(size for size in self.buckets if size >= num_seqs)
+        padded = self._pad(inputs, bucket)
+        first = bucket not in self.stats.buckets_compiled
+        if first:
+            logger.info("compiling the decode step for batch bucket %d (backend %s)", bucket, self.settings.backend)
+        try:
+            if self.settings.cuda_graphs:   # the previous step's outputs are consumed: their memory may be reused
+                torch.compiler.cudagraph_mark_step_begin()
+            # A bucket's graph, once compiled, is only told apart from the others (other buckets, other engines'
+            # graphs of this code) by the guards that differ between them: the full guard check (every weight's
+            # shape, dtype and strides, about 1 ms of a 12 ms batch-1 step) runs only on a bucket's first call. A
+            # tensor that changed shape behind it still trips the compiled code's own input asserts: that step
+            # then reruns eagerly below and the capture turns off.
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=not first), \
+                    torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                logits = self._compiled(*padded)                              # [bucket, V]
+        except Exception as failure:
+            # A compile (first call of a bucket, or a recompile later) that fails must not fail the step: this step
+            # and every later one run eagerly. An error of the model itself raises again there.
+            self._disable(f"the compiled decode step failed ({failure.__class__.__name__}: {failure})")
+            self.stats.eager_steps += 1
+            return self._decode_logits(*padded)[:num_seqs]
+        if first:
+            self.stats.buckets_compiled.append(bucket)
+        self.stats.captured_steps += 1
+        # A CUDA graph's output lives in its pool and the next replay overwrites it: the caller gets its own copy.
+        return logits[:num_seqs].clone() if self.settings.cuda_graphs else logits[:num_seqs]
+
+    def _pad(self, inputs: StepInputs, bucket: int) -> tuple[torch.Tensor, ...]:
+        """The step's tensors padded to `bucket` rows, and the table to `settings.table_width` columns (CUDA) or to at
+        least MIN_TABLE_WIDTH (CPU, where the width stays dynamic)."""
+        batch: AttentionBatch = inputs.batch
+        rows = inputs.input_ids.shape[0]
+        extra = bucket - rows
+        input_ids = torch.nn.functional.pad(inputs.input_ids, (0, extra))                          # [B]
+        positions = torch.nn.functional.pad(inputs.positions, (0, extra))                          # [B]
+        slots = torch.nn.functional.pad(batch.slot_mapping, (0, extra), value=self.scratch_slot)  # [B]
+        context_lens = torch.nn.functional.pad(batch.context_lens_tensor, (0, extra))             # [B]
+        width = batch.block_tables.shape[1]
+        width_extra = max(MIN_TABLE_WIDTH - width, 0) if self.settings.table_width is None \
+            else self.settings.table_width - width
+        tables = torch.nn.functional.pad(batch.block_tables, (0, width_extra, 0, extra), value=-1)  # [B, W]
+        if self.settings.table_width is None:
+            torch._dynamo.mark_dynamic(tables, 1)
+        return input_ids, positions, slots, tables, context_lens
+
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                       block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:  # [B] -> [B, V]
+        """The traced step: one new token per row through every layer, then the LM head."""
+        batch = AttentionBatch(query_lens=[], context_lens=[], query_start=[0], slot_mapping=slot_mapping,
+                               block_tables=block_tables, context_lens_tensor=context_lens,
+                               block_size=self.block_size, static_decode=True)
+        hidden = self.model(input_ids, positions, batch, self.caches)                # [B, H]
+        return self.model.logits(hidden)                                             # [B, V] fp32
+
+    def _disable(self, reason: str | None) -> None:
+        if reason is None or self.stats.disabled_reason is not None:
+            return
+        self.stats.disabled_reason = reason
+        logger.warning("decode capture off, decode steps run eagerly: %s", reason)

@@ -1,0 +1,133 @@
+"""Runs one scheduled batch through the model: builds the flattened inputs and attention metadata,
+owns the paged KV cache tensors, returns next-token logits per sequence (and scores the prompts of
+requests that asked for prompt logprobs, kept until the engine core takes them)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from moe_runtime.sampling.logprobs import PromptLogprobs
+from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.execution.decode_capture import CaptureSettings, DecodeCapture
+from moe_runtime.execution.step_inputs import StepInputs
+from moe_runtime.layers.kv_cache import LayerKVCache
+from moe_runtime.sampling.prompt_logprobs import chunk_tokens_for, join_prompt_logprobs, prompt_logprobs_due, score_prompt
+from moe_runtime.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+    per_token = sum(spec.bytes_per_token(dtype) for spec in model.kv_cache_specs())
+    return max(budget_bytes // (per_token * block_size), 0)
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 capture: CaptureSettings | None = None):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        # A captured decode step pads its batch; the pad rows write to one scratch block past the managed ones.
+        allocated = num_blocks + (1 if capture is not None else 0)
+        self.caches = [
+            LayerKVCache.allocate(spec, allocated, block_size, dtype, device) for spec in model.kv_cache_specs()
+        ]
+        self.capture = None if capture is None else DecodeCapture(model, self.caches, block_size, num_blocks,
+                                                                   device, capture)
+        self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)
+        self._scored_prompts: dict[str, PromptLogprobs] = {}   # request id -> prompt logprobs not yet taken
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.cache_bytes() / 2**20)
+
+    def cache_bytes(self) -> int:
+        total = 0
+        for cache in self.caches:
+            total += cache.keys.numel() * cache.keys.element_size()
+            if cache.values is not None:
+                total += cache.values.numel() * cache.values.element_size()
+        return total
+
+    def prepare(self, seqs: list[Sequence]) -> StepInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        query_start = [0]
+        bs = self.block_size
+        for seq in seqs:
+            start = seq.num_cached_tokens
+            end = start + seq.num_scheduled_tokens       # a prefill chunk, the whole rest, or the one decode token
+            tokens = seq.all_token_ids[start:end]
+            input_ids.extend(tokens)
+            positions.extend(range(start, end))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(end - start)
+            context_lens.append(end)
+            query_start.append(query_start[-1] + end - start)
+        max_blocks = max((len(seq.block_table) for seq in seqs), default=1) or 1
+        block_tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32, device="cpu")  # host staging
+        for i, seq in enumerate(seqs):
+            block_tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32, device="cpu")
+        dev = self.device
+        batch = AttentionBatch(
+            query_lens=query_lens,
+            context_lens=context_lens,
+            query_start=query_start,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=block_tables.to(dev),
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            block_size=bs,
+        )
+        last = torch.tensor([stop - 1 for stop, seq in zip(query_start[1:], seqs) if seq.samples_this_step],
+                            dtype=torch.long, device=dev)
+        return StepInputs(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            batch, last,
+        )
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Next-token logits [S, V] (fp32) of the sequences that sample this step (`samples_this_step`), in
+        order; marks every sequence's scheduled tokens as cached."""
+        inputs = self.prepare(seqs)
+        logits = None if self.capture is None else self.capture.run(seqs, inputs)   # [S, V], None: not captured
+        if logits is not None:
+            for seq in seqs:
+                seq.commit_scheduled_tokens()
+            return logits
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
+        self.score_prompts(seqs, inputs, hidden)
+        for seq in seqs:
+            seq.commit_scheduled_tokens()
+        return self.model.logits(hidden[inputs.last_token_index])
+
+    def score_prompts(self, seqs: list[Sequence], inputs: StepInputs, hidden: torch.Tensor) -> None:  # hidden [T, H]
+        """Prompt logprobs of the sequences whose prompt positions this forward runs (`prompt_logprobs_due`),
+        from its final hidden states (before it marks their tokens cached). A prompt prefilled in chunks is
+        scored chunk by chunk; `take_prompt_logprobs` hands it out once its last chunk has run."""
+        for index, seq in enumerate(seqs):
+            if not prompt_logprobs_due(seq):
+                continue
+            prompt_len = len(seq.prompt_token_ids)
+            first = seq.num_cached_tokens                                  # this chunk's first position
+            stop = max(min(first + seq.num_scheduled_tokens, prompt_len - 1), first)  # scores positions [first, stop)
+            start = inputs.batch.query_start[index]
+            part = score_prompt(self.model.logits, hidden[start : start + stop - first],          # [stop - first, H]
+                                seq.prompt_token_ids[first : stop + 1], seq.params.prompt_logprobs,
+                                self.prompt_logprobs_chunk_tokens)
+            scored = part if first == 0 else join_prompt_logprobs(seq.partial_prompt_logprobs, part)
+            if first + seq.num_scheduled_tokens < prompt_len:             # more chunks to come
+                seq.partial_prompt_logprobs = scored
+                continue
+            seq.partial_prompt_logprobs = None
+            self._scored_prompts[seq.request_id] = scored
+            seq.prompt_logprobs_done = True
+
+    def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        """The prompt logprobs scored since the last call, by request id (each handed out once)."""
+        scored, self._scored_prompts = self._scored_prompts, {}
+        return scored

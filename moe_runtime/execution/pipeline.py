@@ -1,0 +1,74 @@
+"""One forward step of a pipeline stage, in micro-batches so that stages overlap.
+
+Every stage of a DP worker holds the same scheduler state, so each knows the batch and its split
+into micro-batches without being told. Stage s receives micro-batch i's activations from stage
+s-1, runs its layers, and sends them on without waiting, then takes micro-batch i+1: while stage
+s+1 works on micro-batch i, stage s already works on i+1. The last stage computes the logits and
+samples; the sampled tokens are broadcast back along the pipeline so every stage advances its
+sequences identically. The number of micro-batches is the same on every rank of a stage (empty
+ones included), because the MoE layers' collectives inside a stage must pair up.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_runtime.engine.sequence import Sequence
+
+
+@dataclass
+class PipelineStepResult:
+    logits: torch.Tensor | None    # [B, V] on the last stage, else None
+    compute_seconds: float         # time this stage spent running its layers (the rest is bubble or comms)
+
+
+def split_micro_batches(seqs: list[Sequence], count: int) -> list[list[Sequence]]:
+    """`count` contiguous groups of sequences, as equal as possible (some may be empty)."""
+    size, extra = divmod(len(seqs), count)
+    groups, start = [], 0
+    for i in range(count):
+        stop = start + size + (1 if i < extra else 0)
+        groups.append(seqs[start:stop])
+        start = stop
+    return groups
+
+
+@torch.inference_mode()
+def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches: int) -> PipelineStepResult:
+    model = runner.model
+    hidden_size = model.hf_config.hidden_size
+    sends, logits, compute = [], [], 0.0
+    for group in split_micro_batches(seqs, num_micro_batches):
+        inputs = runner.prepare(group)
+        num_tokens = inputs.input_ids.shape[0]
+        hidden = None
+        if not parallel.is_first_stage and num_tokens:
+            hidden = torch.empty(num_tokens, hidden_size, dtype=runner.dtype, device=runner.device)
+            dist.recv(hidden, parallel.pp_prev_rank, group=parallel.pp_group)
+        elif not parallel.is_first_stage:
+            hidden = torch.empty(0, hidden_size, dtype=runner.dtype, device=runner.device)
+        started = time.perf_counter()
+        out = model(inputs.input_ids, inputs.positions, inputs.batch, runner.caches, hidden)
+        compute += time.perf_counter() - started
+        if not parallel.is_last_stage:
+            if num_tokens:
+                sends.append(dist.isend(out.contiguous(), parallel.pp_next_rank, group=parallel.pp_group))
+        elif group:
+            runner.score_prompts(group, inputs, out)   # final hidden states exist on the last stage only
+            logits.append(model.logits(out[inputs.last_token_index]))
+    for request in sends:
+        request.wait()
+    for seq in seqs:
+        seq.commit_scheduled_tokens()
+    return PipelineStepResult(torch.cat(logits) if logits else None, compute)
+
+
+def broadcast_sampled_tokens(token_ids: list[int] | None, count: int, parallel) -> list[int]:
+    """The last stage's sampled tokens, on every stage of the pipeline group (a CPU tensor: the
+    pipeline's gloo control group)."""
+    buffer = torch.tensor(token_ids if token_ids is not None else [0] * count, dtype=torch.int64)
+    dist.broadcast(buffer, src=parallel.pp_last_rank, group=parallel.pp_control_group)
+    return buffer.tolist()

@@ -1,0 +1,17 @@
+"""The flattened inputs of one forward step, as the model runner prepares them (and the captured
+decode step replays them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_runtime.execution.attention_batch import AttentionBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    batch: AttentionBatch
+    last_token_index: torch.Tensor  # [S] int64: row of the last new token of each sequence that samples this step

@@ -1,0 +1,1 @@
+"""The process layer: rank processes, the node launcher, torch.distributed set-up."""

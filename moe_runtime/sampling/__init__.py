@@ -1,0 +1,1 @@
+"""Sampling: parameters, logits processors, the sampler, prompt logprobs, structured output."""

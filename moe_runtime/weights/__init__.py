@@ -1,0 +1,1 @@
+"""Weights: checkpoint reading, loading, random weights, quantized formats."""

@@ -1,0 +1,156 @@
+"""Read tensors from an HF checkpoint directory (single or sharded safetensors), lazily.
+
+Only the tensors a rank asks for are read: expert parallelism asks for a subset of experts.
+The reader records every tensor it hands out (`consumed`), so the loader can tell a tensor no
+rank used (a layer the model does not know, a format it does not read) from one it did.
+FP8 block-quantized weights come out dequantized to float32 with their `weight_scale_inv` (`read`),
+or as FP8 values with row-expanded scales for `--quantization fp8` (`read_fp8_rows`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moe_runtime.errors import CheckpointError
+from moe_runtime.weights.quantization.fp8_block import SCALE_SUFFIX, Fp8BlockFormat
+from moe_runtime.weights.quantization.fp8_in_memory import Fp8Rows, expand_block_scales, quantize_rows
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass
+class CheckpointReader:
+    """Maps tensor names to the safetensors file holding them; opens files on demand."""
+
+    directory: Path
+    tensor_to_file: dict[str, str]
+    _handles: dict[str, object] = field(default_factory=dict, repr=False)
+    bytes_read: int = 0
+    tensors_read: int = 0
+    fp8: Fp8BlockFormat | None = None          # the checkpoint's FP8 block format; None = not quantized
+    consumed: set[str] = field(default_factory=set, repr=False)
+
+    @classmethod
+    def open(cls, directory: str | Path, fp8: Fp8BlockFormat | None = None) -> "CheckpointReader":
+        reader = cls._open(Path(directory))
+        reader.fp8 = fp8
+        return reader
+
+    @classmethod
+    def _open(cls, directory: Path) -> "CheckpointReader":
+        if not directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {directory} does not exist")
+        index_path = directory / INDEX_FILE
+        if index_path.exists():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index_path} is not a valid safetensors index: {exc}") from exc
+            for file_name in sorted(set(weight_map.values())):
+                if not (directory / file_name).exists():
+                    raise CheckpointError(f"{index_path} lists shard {file_name}, which is missing from {directory}")
+            return cls(directory, dict(weight_map))
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors weights (nor {INDEX_FILE}) in {directory}")
+        tensor_to_file: dict[str, str] = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    tensor_to_file[name] = path.name
+        return cls(directory, tensor_to_file)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensor_to_file
+
+    def names(self) -> list[str]:
+        return list(self.tensor_to_file)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        handle = self._handle(name)
+        return tuple(handle.get_slice(name).get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        handle = self._handle(name)
+        tensor = handle.get_tensor(name)
+        self._count(name, tensor)
+        if tensor.dtype == torch.float8_e4m3fn:
+            return self._dequantized(name, tensor)
+        return tensor
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0 of a tensor, without reading the rest (fused expert tensors)."""
+        return self.read_slice(name, 0, start, stop)
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """[start, stop) along `dim` (0 or 1) of a tensor, reading only that part (tensor-parallel shards)."""
+        if self.is_fp8(name):  # scales cover blocks, not rows: dequantize the whole tensor, then cut
+            whole = self.read(name)
+            return whole[start:stop] if dim == 0 else whole[:, start:stop]
+        view = self._handle(name).get_slice(name)
+        tensor = view[start:stop] if dim == 0 else view[:, start:stop]
+        self._count(name, tensor)
+        return tensor
+
+    def read_fp8_rows(self, name: str, block_k: int) -> Fp8Rows:
+        """`name` as FP8 values [N, K] with row-expanded scales [N, ceil(K/block_k)].
+
+        A tensor stored in FP8 keeps its values and scales exactly; any other is quantized here.
+        """
+        if not self.is_fp8(name):
+            return quantize_rows(self.read(name), block_k)
+        values = self._handle(name).get_tensor(name)
+        self._count(name, values)
+        scale_inv = self._scales_of(name)
+        if self.fp8.block_cols != block_k:
+            raise CheckpointError(f"tensor {name!r}: FP8 blocks of {self.fp8.block_cols} columns cannot be kept as "
+                                  f"blocks of {block_k}")
+        self.fp8.check_scale_shape(values, scale_inv, name)
+        return Fp8Rows(values, expand_block_scales(scale_inv, values.shape[0], self.fp8.block_rows))
+
+    def is_fp8(self, name: str) -> bool:
+        return self._handle(name).get_slice(name).get_dtype() == "F8_E4M3"
+
+    def _dequantized(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        scale_inv = self._scales_of(name)   # first: it names what is missing when the checkpoint is not FP8-ready
+        return self.fp8.dequantize(tensor, scale_inv, name)
+
+    def _scales_of(self, name: str) -> torch.Tensor:
+        """The block scales `<name>_scale_inv` of an FP8 tensor, refused by name when they cannot be read."""
+        scale_name = name + SCALE_SUFFIX
+        if self.fp8 is None:
+            raise CheckpointError(f"tensor {name!r} in {self.directory} is float8_e4m3fn but config.json has no "
+                                  f"quantization_config saying how it is scaled")
+        if not self.has(scale_name):
+            raise CheckpointError(f"tensor {name!r} in {self.directory} is float8_e4m3fn without its scales "
+                                  f"{scale_name!r}")
+        scale = self._handle(scale_name).get_tensor(scale_name)
+        self._count(scale_name, scale)
+        return scale
+
+    def _count(self, name: str, tensor: torch.Tensor) -> None:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        self.tensors_read += 1
+        self.consumed.add(name)
+
+    def _handle(self, name: str):
+        file_name = self.tensor_to_file.get(name)
+        if file_name is None:
+            raise CheckpointError(f"tensor {name!r} is missing from checkpoint {self.directory}")
+        handle = self._handles.get(file_name)
+        if handle is None:
+            path = self.directory / file_name
+            if not path.exists():
+                raise CheckpointError(f"weight file {path} is missing")
+            handle = safe_open(str(path), framework="pt")
+            self._handles[file_name] = handle
+        return handle
+

@@ -1,0 +1,90 @@
+"""`--quantization fp8`: linear and expert weights stay float8_e4m3fn in memory, dequantized per matmul tile.
+
+Every weight kept this way is a pair (`Fp8Rows`): the FP8 values [N, K] and ROW-EXPANDED block
+scales [N, ceil(K / block_k)], where scale[n, j] multiplies values[n, j*block_k : (j+1)*block_k].
+A checkpoint stores one scale per bn x bk block; expanding it along rows costs 4 / block_k bytes per
+weight (3% at 128) and buys two things the block form cannot do: gate and up stacks concatenate
+into w13 whatever I is, and a tensor-parallel row shard may start at any row. A column shard (the
+input dim, row-parallel layers) must start on a block_k boundary; where it does not, the layer stays
+in the compute dtype (`Fp8InMemory.fits_columns`).
+
+Weights the checkpoint does not store in FP8 (a bf16/fp32 checkpoint) are quantized at load with one
+scale per row and block_k columns: the same layout, so the same kernels.
+
+`Fp8InMemory` is one `WeightQuantization` (quantization/weight_quantization.py), int8 the other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kernels import KernelSet
+from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
+from moe_runtime.weights.quantization.weight_quantization import QuantizedRows, TensorSource
+
+ONLINE_BLOCK_K = 128    # column block of weights quantized at load (DeepSeek-V3's, and the Triton tile's multiple)
+
+
+@dataclass(frozen=True)
+class Fp8Rows(QuantizedRows):
+    """values [N, K] float8_e4m3fn, scales [N, ceil(K / block_k)] float32."""
+
+    def columns(self, start: int, stop: int, block_k: int) -> "Fp8Rows":
+        """Input columns [start, stop); `start` on a block boundary (see `Fp8InMemory.fits_columns`)."""
+        return Fp8Rows(self.values[:, start:stop], self.scales[:, start // block_k: -(-stop // block_k)])
+
+
+@dataclass(frozen=True)
+class Fp8InMemory:
+    """A `WeightQuantization`: the column block, and the kernel family whose FP8 twins multiply the weights."""
+
+    block_k: int
+    kernels: KernelSet    # fp8_linear, fp8_expert_mlp, fp8_masked_expert_mlp
+    name: ClassVar[str] = "fp8"
+    values_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
+
+    @classmethod
+    def for_checkpoint(cls, checkpoint_format: Fp8BlockFormat | None, kernels: KernelSet) -> "Fp8InMemory":
+        """The checkpoint's column block when it is FP8 (scales must not be re-cut), else ONLINE_BLOCK_K."""
+        return cls(checkpoint_format.block_cols if checkpoint_format else ONLINE_BLOCK_K, kernels)
+
+    def scale_columns(self, columns: int) -> int:
+        return -(-columns // self.block_k)
+
+    def scale_shape(self, rows: int, columns: int) -> tuple[int, ...]:
+        return (rows, self.scale_columns(columns))
+
+    def fits_columns(self, start: int, stop: int, total: int) -> bool:
+        """Whether input columns [start, stop) of a `total`-column weight cut along block boundaries."""
+        return start % self.block_k == 0 and (stop % self.block_k == 0 or stop == total)
+
+    def quantize(self, weight: torch.Tensor) -> Fp8Rows:
+        return quantize_rows(weight, self.block_k)
+
+    def read(self, reader: TensorSource, name: str) -> Fp8Rows:
+        return reader.read_fp8_rows(name, self.block_k)
+
+    def read_slice(self, reader: TensorSource, name: str, dim: int, start: int, stop: int) -> Fp8Rows:
+        whole = reader.read_fp8_rows(name, self.block_k)   # scales cover blocks, not rows: read it all, then cut
+        return whole.rows(start, stop) if dim == 0 else whole.columns(start, stop, self.block_k)
+
+    def linear(self, x, values, scales, bias=None):
+        return self.kernels.fp8_linear(x, values, scales, self.block_k, bias)
+
+    def expert_mlp(self, masked, x, counts, w13, w13_scale, w2, w2_scale):
+        kernel = self.kernels.fp8_masked_expert_mlp if masked else self.kernels.fp8_expert_mlp
+        return kernel(x, counts, w13, w13_scale, w2, w2_scale, self.block_k)
+
+
+def expand_block_scales(scale_inv: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
+    """Checkpoint block scales [ceil(N/bn), Kb] -> row-expanded [N, Kb] (float32)."""
+    return scale_inv.float().repeat_interleave(block_rows, 0)[:rows].contiguous()
+
+
+def quantize_rows(weight: torch.Tensor, block_k: int) -> Fp8Rows:
+    """A weight not stored in FP8, quantized with one scale per row and block_k columns."""
+    values, scales = Fp8BlockFormat(1, block_k).quantize(weight)
+    return Fp8Rows(values, scales)
+

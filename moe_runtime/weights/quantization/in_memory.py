@@ -1,0 +1,20 @@
+"""The engine's `WeightQuantization` for `--quantization` (None: weights in the compute dtype)."""
+from __future__ import annotations
+
+from kernels import KernelSet
+from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
+from moe_runtime.weights.quantization.fp8_in_memory import Fp8InMemory
+from moe_runtime.weights.quantization.int8_in_memory import Int8InMemory
+from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
+
+
+def weights_in_memory(quantization: str | None, checkpoint_fp8: Fp8BlockFormat | None,
+                      kernels: KernelSet) -> WeightQuantization | None:
+    """`checkpoint_fp8`: the checkpoint's own FP8 block format (fp8 keeps its blocks; int8 reads them dequantized)."""
+    if quantization is None:
+        return None
+    if quantization == "fp8":
+        return Fp8InMemory.for_checkpoint(checkpoint_fp8, kernels)
+    if quantization == "int8":
+        return Int8InMemory(kernels)
+    raise ValueError(f"no in-memory weight format for quantization {quantization!r}")

@@ -1,0 +1,85 @@
+"""What a layer needs to know about weights kept quantized in memory (`--quantization fp8 | int8`).
+
+One object per engine (`BuildContext.quant`) says how linear and expert weights are kept; `Linear`,
+`ExpertWeights` and `DenseMLP` take it as `quant=` and never ask which format it is. Two formats
+satisfy the Protocol:
+
+- `Fp8InMemory` (quantization/fp8_in_memory.py): float8_e4m3fn values [N, K] with row-expanded block
+  scales [N, ceil(K / block_k)]; an FP8 checkpoint's blocks kept as stored.
+- `Int8InMemory` (quantization/int8_in_memory.py): int8 values [N, K], one scale per row [N],
+  quantized at load from whatever the checkpoint holds.
+
+Every weight is then a pair (`QuantizedRows`): values and float32 scales whose leading dims are the
+weight's rows, so a row cut (`rows`) and an expert slot's bytes (`ExpertWeights.read_slot`) are the
+same for both formats.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    values: torch.Tensor   # [N, K] in the format's values_dtype
+    scales: torch.Tensor   # [N, ...] float32: the format's scales of each row
+
+    def rows(self, start: int, stop: int) -> "QuantizedRows":
+        return replace(self, values=self.values[start:stop], scales=self.scales[start:stop])
+
+
+class TensorSource(Protocol):
+    """What a quantized format reads from a checkpoint (`weights.checkpoint.CheckpointReader` is one)."""
+
+    def read(self, name: str) -> torch.Tensor:
+        """A whole tensor in a float dtype (FP8 blocks dequantized)."""
+        ...
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """[start, stop) along `dim` (0 or 1), reading only that part where the storage allows."""
+        ...
+
+    def read_fp8_rows(self, name: str, block_k: int) -> "QuantizedRows":
+        """FP8 values [N, K] with row-expanded scales [N, ceil(K/block_k)]."""
+        ...
+
+
+class WeightQuantization(Protocol):
+    """How this engine keeps linear and expert weights quantized, and the kernel family that multiplies them."""
+
+    name: str                    # the --quantization value
+    values_dtype: torch.dtype    # dtype of the stored values
+
+    def scale_shape(self, rows: int, columns: int) -> tuple[int, ...]:
+        """Shape of the float32 scales of a [rows, columns] weight."""
+        ...
+
+    def fits_columns(self, start: int, stop: int, total: int) -> bool:
+        """Whether input columns [start, stop) of a `total`-column weight can be kept (a row-parallel shard);
+        a layer whose shard cannot stays in the compute dtype."""
+        ...
+
+    def quantize(self, weight: torch.Tensor) -> QuantizedRows:
+        """A weight [N, K] read in a float dtype, quantized."""
+        ...
+
+    def read(self, reader: TensorSource, name: str) -> QuantizedRows:
+        """A whole checkpoint weight, quantized (an FP8 checkpoint's FP8 tensor kept as stored where the format can)."""
+        ...
+
+    def read_slice(self, reader: TensorSource, name: str, dim: int, start: int, stop: int) -> QuantizedRows:
+        """Rows (dim 0) or input columns (dim 1, `fits_columns`) [start, stop) of a checkpoint weight."""
+        ...
+
+    def linear(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x [..., K], the dequantized weight, bias) -> [..., N] in x.dtype."""
+        ...
+
+    def expert_mlp(self, masked: bool, x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
+                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor) -> torch.Tensor:
+        """The kernel family's expert MLP for these weights: contiguous ([N, H] grouped by expert) or masked
+        ([E, M, H]) layout, unweighted outputs in the same layout."""
+        ...
