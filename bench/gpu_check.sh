@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of moe-runtime: every GPU code path once, with JSON evidence, in under 10 minutes on one H200.
 #
-# What it runs (bench/gpu_check.py, parts in bench/gpu_check_*.py; budgets in bench/gpu_check_parts.py):
+# What it runs (python -m bench.gpu_check: the package bench/gpu_check/; budgets in its supervisor.py):
 #   part          expected  hard limit  what
 #   environment      10 s       60 s    versions, the GPU, the packages the parts import
 #   kernels          80 s      150 s    every Triton kernel vs its torch twin at DeepSeek-V3 shapes, bf16
@@ -28,7 +28,7 @@
 # Exit status 0 = every check passed or was skipped with its reason; 1 = something failed; 2 = no GPU.
 #
 # On a lent GPU machine with no network (the device session, one command):
-#   1. here, once:   python bench/gpu_check_wheels.py   # 27 MiB of wheels into bench/.cache/wheels
+#   1. here, once:   python -m bench.gpu_check.environment   # 27 MiB of wheels into bench/.cache/wheels
 #                    (the serving stack, transformers 5.24: what a bare CUDA image lacks); they are
 #                    installed below into /tmp/gpu_check_site, first on PYTHONPATH
 #   2. device run:   command  "bash bench/gpu_check.sh"   carry ["bench/.cache/wheels"]   timeout_s 600
@@ -83,7 +83,7 @@ if [[ " $* " != *" --total-timeout"* ]]; then
     default_total=540; [[ "$dry_run" == 1 || "$dry_run" == true ]] && default_total=420
     total_args=(--total-timeout "$(( left < default_total ? left : default_total ))")
 fi
-timeout -k 10 "$(( HARD_LIMIT_S - ($(date +%s) - started) ))" "$PY" bench/gpu_check.py ${total_args[@]+"${total_args[@]}"} "$@" 2>&1 | tee "$log"
+timeout -k 10 "$(( HARD_LIMIT_S - ($(date +%s) - started) ))" "$PY" -m bench.gpu_check ${total_args[@]+"${total_args[@]}"} "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 [[ $status == 124 || $status == 137 ]] && echo "gpu_check.sh: killed at GPU_CHECK_HARD_LIMIT_S=${HARD_LIMIT_S}s; the JSON holds the parts that finished"
 echo "gpu_check.sh: exit $status after $(( $(date +%s) - started )) s"

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py's dry run (CPU, Triton interpreter): its cheapest meaningful subset, and its
+"""bench/gpu_check's dry run (CPU, Triton interpreter): its cheapest meaningful subset, and its
 handling of a check whose process dies.
 
 The full dry run (`bash bench/gpu_check.sh --dry-run`, a few minutes) is recorded in
@@ -16,10 +16,9 @@ import pytest
 pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "bench" / "gpu_check.py"
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
 
-from gpu_check_report import CheckReport, CheckResult, PartResult, summary_table  # noqa: E402
+from bench.gpu_check.report import CheckReport, CheckResult, PartResult, summary_table  # noqa: E402
 from kernels import KernelSet  # noqa: E402
 
 
@@ -27,7 +26,8 @@ def run_gpu_check(tmp_path: Path, *args: str, env_extra: dict | None = None):
     """Run the dry run into `tmp_path`; (the finished process, the JSON it wrote)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "GPU_CHECK_DRY_RUN")}
     env.update(env_extra or {})
-    run = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--results-dir", str(tmp_path), *args],
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--results-dir", str(tmp_path),
+                          *args],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     [results] = tmp_path.glob("gpu_check_dry_run*.json")
     return run, json.loads(results.read_text())

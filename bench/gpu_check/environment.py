@@ -1,24 +1,36 @@
-"""gpu_check part `environment`: what this run ran on, and whether the other parts can import what they need.
+"""gpu_check part `environment`: what this run ran on, and whether the other parts can import what they need;
+and, run as a script here, the download of the wheels a GPU machine without network needs.
 
 The lent GPU machine has no network: packages its image lacks (the serving stack, this project's
-transformers) travel as wheels (bench/gpu_check_wheels.py). A missing one fails here by name, so the
-failures it causes later read as what they are.
+transformers) travel as wheels. A missing one fails the `packages` check by name, so the failures it
+causes later read as what they are.
+
+The wheels: a GPU image usually has CUDA torch, triton and an older transformers but not the serving
+stack (fastapi, uvicorn, pydantic, msgspec, pyzmq, plotly). `download_wheels` writes their wheels, and
+transformers (+ regex, which it needs at that version) at the versions installed on this machine (the
+ones the tests were written against), for the GPU machine's Python, into bench/.cache/wheels
+(git-ignored); `bench/gpu_check.sh` installs whatever it finds there into a scratch directory put
+first on PYTHONPATH. Nothing is downloaded there.
+
+    python -m bench.gpu_check.environment                    # wheels for CPython 3.12 on manylinux x86_64
+    python -m bench.gpu_check.environment --python-version 3.11
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata
 import importlib.util
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
-from gpu_check_mode import RunMode
-from gpu_check_outcome import Outcome, judged, passed
+from .report import Outcome, RunMode, judged, passed
 
-REPO = Path(__file__).resolve().parents[1]
-
+REPO = Path(__file__).resolve().parents[2]
+WHEELS = REPO / "bench" / ".cache" / "wheels"
 # import name -> distribution name: every part's needs (the serving stack for `serve`, pytest for
 # `kernel_cases`, transformers for the oracle and the benchmarks).
 REQUIRED_MODULES = {
@@ -68,7 +80,7 @@ class EnvironmentPart:
         problems = []
         if missing:
             problems.append("cannot import: " + ", ".join(missing) + " -- on a machine without network, carry "
-                            "them: `python bench/gpu_check_wheels.py` here, then run with carry bench/.cache/wheels")
+                            "them: `python -m bench.gpu_check.environment` here, then run with carry bench/.cache/wheels")
         if Path(kernels.__file__).resolve().parent != REPO / "kernels":
             problems.append(f"`import kernels` found {kernels.__file__}, not this repo's kernels package")
         return judged(problems, python=sys.version.split()[0], executable=sys.executable, versions=versions,
@@ -97,5 +109,46 @@ class EnvironmentPart:
         return judged([] if info["cuda_available"] else ["no CUDA device visible to torch"], **info)
 
 
-def build_part(mode: RunMode) -> EnvironmentPart:
-    return EnvironmentPart(mode)
+# -------------------------------------------------------------------------------------- the wheels it needs
+
+# Distributions to carry, pinned to this machine's versions. Their own dependencies that a CUDA
+# image has anyway (anyio, h11, click, httpx, narwhals, packaging, typing-extensions, tokenizers,
+# huggingface-hub, safetensors, numpy, pyyaml) are not carried.
+CARRIED = ("fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+           "annotated-doc", "typing-extensions", "uvicorn", "msgspec", "pyzmq", "plotly", "prometheus-client",
+           "transformers", "regex")
+PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
+             "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",
+             "manylinux_2_35_x86_64", "manylinux1_x86_64")
+SIZE_LIMIT_MIB = 48      # what travels with the working tree to the GPU machine is limited (64 MiB there)
+
+
+def download_wheels() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--python-version", default="3.12")
+    parser.add_argument("--dest", default=str(WHEELS))
+    args = parser.parse_args()
+    dest = Path(args.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in CARRIED]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--python-version", args.python_version, "--implementation", "cp", "-d", str(dest)]
+    for platform in PLATFORMS:
+        command += ["--platform", platform]
+    failed = []
+    for pin in pins:               # one at a time: a wheel missing for one platform must not hide the others
+        if subprocess.run(command + [pin], capture_output=True, text=True).returncode != 0:
+            failed.append(pin)
+    wheels = sorted(dest.glob("*.whl"))
+    size_mib = sum(w.stat().st_size for w in wheels) / 2**20
+    print("\n".join(f"  {w.name}" for w in wheels))
+    print(f"{len(wheels)} wheels, {size_mib:.1f} MiB in {dest}")
+    if failed:
+        print(f"no wheel found for: {', '.join(failed)}", file=sys.stderr)
+    if size_mib > SIZE_LIMIT_MIB:
+        print(f"warning: {size_mib:.0f} MiB may not fit beside the working tree on the GPU machine", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(download_wheels())

@@ -1,7 +1,7 @@
 """The GPU check: the whole GPU path of moe-runtime in one run, with JSON evidence and a summary.
 
 `bench/gpu_check.sh` is the entry point (it installs carried wheels, then runs this); its header says
-how to run it on a lent GPU. Parts (bench/gpu_check_parts.py has their budgets):
+how to run it on a lent GPU. Parts (supervisor.PARTS has their budgets):
 
   environment   versions, the device, the packages the parts need
   kernels       every Triton kernel vs its torch twin at DeepSeek-V3 shapes, bf16 (routing also fp32)
@@ -10,16 +10,22 @@ how to run it on a lent GPU. Parts (bench/gpu_check_parts.py has their budgets):
   serve         moe-serve --device cuda on the demo model answers a completion
   moe_layer     bench/bench_moe_layer.py on the GPU vs transformers' MoE block
   offline       offline generation vs transformers generate on the GPU
+  captured      --enable-torch-compile: decode replayed as CUDA graphs gives the eager tokens
   kernel_cases  tests/triton_kernel_cases.py compiled on the GPU (edge cases, bf16 + fp32)
 
 Each part runs in its own process under a hard timeout; a check that fails, raises, or crashes its
 process is recorded and the run goes on. Exit status: 0 when every check passed or was skipped
 (with its reason), 1 otherwise, 2 when there is no GPU (without --dry-run) or the arguments are bad.
 
-    python bench/gpu_check.py                      # on a CUDA machine: bench/results/gpu_check.json
-    python bench/gpu_check.py --dry-run            # CPU rehearsal: bench/results/gpu_check_dry_run.json
-    python bench/gpu_check.py --only parity,serve  # a rerun of some parts: gpu_check_only-parity-serve.json
-    GPU_CHECK_DRY_RUN=1 python bench/gpu_check.py  # the same as --dry-run
+    python -m bench.gpu_check                      # on a CUDA machine: bench/results/gpu_check.json
+    python -m bench.gpu_check --dry-run            # CPU rehearsal: bench/results/gpu_check_dry_run.json
+    python -m bench.gpu_check --only parity,serve  # a rerun of some parts: gpu_check_only-parity-serve.json
+    GPU_CHECK_DRY_RUN=1 python -m bench.gpu_check  # the same as --dry-run
+
+(from the repository root: `bench` is found there.) The package: report.py (RunMode, Outcome, the
+results and the report), supervisor.py (the parts and their budgets, each part's processes),
+environment.py, kernels.py + kernel_shapes.py, models.py (parity, offline, captured) and programs.py
+(serve, moe_layer, kernel_cases).
 """
 from __future__ import annotations
 
@@ -31,14 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-from gpu_check_mode import RunMode  # noqa: E402
-from gpu_check_parts import PART_NAMES, PARTS, select_parts  # noqa: E402
-from gpu_check_report import CheckReport, PartResult, summary_table  # noqa: E402
-from gpu_check_supervisor import run_part  # noqa: E402
+from .report import CheckReport, PartResult, RunMode, summary_table
+from .supervisor import BENCH, PART_NAMES, PARTS, run_part, select_parts
 
 DRY_RUN_ENV = "GPU_CHECK_DRY_RUN"
 # The run stops starting parts after this. Dry: ~90 s of CPU work, but a 2-core machine shared with
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     mode = RunMode(dry_run=args.dry_run, tiny=args.tiny, work_dir=str(work_dir))
     report = CheckReport(
-        mode=label, command=[sys.executable, *sys.argv] if argv is None else ["gpu_check.py", *argv],
+        mode=label, command=[sys.executable, "-m", "bench.gpu_check", *(sys.argv[1:] if argv is None else argv)],
         results_file=str(results_path), started_at=time.time(), total_timeout_s=total_timeout,
         planned_parts=[spec.name for spec in parts],
         notice=("DRY RUN on CPU (Triton interpreter, small shapes): rehearses the GPU check's code paths; "

@@ -2,7 +2,7 @@
 
 Each check runs the Triton kernel in the check's dtype and the torch twin in fp32 on the same
 rounded inputs (rms_norm: the twin in the same dtype, since its rounding is the definition), and
-compares under the tolerance stated in gpu_check_kernel_shapes.TOLERANCES. On the GPU it also times
+compares under the tolerance stated in kernel_shapes.TOLERANCES. On the GPU it also times
 the Triton kernel against the twin in the same dtype (a ratio, reported, never asserted) and reports
 the twin's own error in that dtype beside the Triton kernel's, so a reader sees whether a deviation
 is the dtype's or the kernel's.
@@ -13,110 +13,22 @@ result on any other device). The `coverage` check fails when a KernelSet kernel 
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, fields
-from typing import Callable
+from dataclasses import asdict, fields
 
 import torch
 import torch.nn.functional as F
 
-from gpu_check_compare import compare
-from gpu_check_kernel_shapes import (ROUTING_TIE_MARGIN, TOLERANCES, AttentionShape, KernelShapes, NormShape,
-                                     RoutingCase, shapes_for)
-from gpu_check_mode import RunMode
-from gpu_check_outcome import Outcome, judged
-from gpu_check_timing import best_ms
-from kernels import KernelSet, RoutingConfig, get_kernels
-from kernels.routing import group_mask
+from kernels import KernelSet, get_kernels
 from kernels.skinny_matmul import batched_linear_rows, linear_rows
-from moe_runtime.weights.quantization.fp8_in_memory import ONLINE_BLOCK_K, quantize_rows
-from moe_runtime.weights.quantization.int8_in_memory import quantize_int8_rows
-from moe_runtime.weights.quantization.weight_quantization import QuantizedRows
 from triton_kernel_cases import moe_inputs          # the edge-case suite's input generator
+
+from .kernel_shapes import (FP8, INT8, ROUTING_TIE_MARGIN, TOLERANCES, AttentionShape, ExpertWeights, KernelShapes,
+                            NormShape, QuantizedExpertWeights, QuantizedFormat, RoutingCase, best_ms, compare,
+                            distinct_logits, routing_margins, shapes_for)
+from .report import Outcome, RunMode, judged
 
 EXTRA_KERNELS = ("align_block_size", "skinny_matmul")
 ROUTING_BIAS_STD = 0.3
-
-
-@dataclass
-class ExpertWeights:
-    """One layer's stacked experts in the check's dtype, and fp32 copies for the reference."""
-
-    w13: torch.Tensor       # [E, 2I, H]
-    w2: torch.Tensor        # [E, H, I]
-    w13_fp32: torch.Tensor
-    w2_fp32: torch.Tensor
-
-
-@dataclass(frozen=True)
-class QuantizedFormat:
-    """A `--quantization` weight format as the checks use it: how an expert stack is quantized, and the
-    extra arguments its kernels take. Its kernels are the KernelSet fields `{name}_linear`,
-    `{name}_expert_mlp` and `{name}_masked_expert_mlp`."""
-
-    name: str                                          # "fp8" | "int8"
-    quantize: Callable[[torch.Tensor], QuantizedRows]  # one expert's [N, K] -> values and scales
-    kernel_args: tuple = ()                            # after the weights: FP8's block_k
-    details: tuple = ()                                # (key, value) pairs the expert / linear reports add
-
-    def kernel(self, kernel_set: KernelSet, kind: str) -> Callable:
-        """`kind`: "linear", "expert_mlp" or "masked_expert_mlp"."""
-        return getattr(kernel_set, f"{self.name}_{kind}")
-
-
-FP8 = QuantizedFormat("fp8", lambda weight: quantize_rows(weight, ONLINE_BLOCK_K), (ONLINE_BLOCK_K,),
-                      (("block_k", ONLINE_BLOCK_K),))   # row-expanded 128-column scales
-INT8 = QuantizedFormat("int8", quantize_int8_rows)     # one fp32 scale per row
-
-
-@dataclass
-class QuantizedExpertWeights:
-    """The same experts quantized as `--quantization <format>` keeps them."""
-
-    w13: torch.Tensor        # [E, 2I, H] in the format's values dtype
-    w13_scale: torch.Tensor  # fp8 [E, 2I, ceil(H/128)], int8 [E, 2I] fp32
-    w2: torch.Tensor         # [E, H, I]
-    w2_scale: torch.Tensor   # fp8 [E, H, ceil(I/128)], int8 [E, H] fp32
-
-    @classmethod
-    def of(cls, weights: ExpertWeights, fmt: QuantizedFormat) -> "QuantizedExpertWeights":
-        def quantized(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            rows = [fmt.quantize(expert) for expert in stack]   # one expert at a time: memory
-            return torch.stack([r.values for r in rows]), torch.stack([r.scales for r in rows])
-
-        return cls(*quantized(weights.w13_fp32), *quantized(weights.w2_fp32))
-
-    def first(self, experts: int) -> tuple[torch.Tensor, ...]:
-        return self.w13[:experts], self.w13_scale[:experts], self.w2[:experts], self.w2_scale[:experts]
-
-
-def distinct_logits(tokens: int, experts: int, generator: torch.Generator) -> torch.Tensor:
-    """[T, E] fp32: a random permutation of evenly spaced values per token, exact in bf16 and fp16
-    (integers times a power of two), so neither implementation meets a tie in its inputs."""
-    step = 2.0 ** -math.floor(math.log2(max(experts / 8, 1)))
-    order = torch.rand(tokens, experts, generator=generator).argsort(dim=-1).float()
-    return (order - experts // 2) * step
-
-
-def routing_margins(logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None) -> torch.Tensor:
-    """[T]: the smallest gap at a decision the router makes (kept groups, then the top-k) per token.
-    Below ROUTING_TIE_MARGIN the two implementations may rightly pick different experts."""
-    scores = logits.softmax(dim=-1) if config.scoring == "softmax" else logits.sigmoid()
-    choice = scores if bias is None else scores + bias.float()
-    inf = torch.full((logits.shape[0],), float("inf"), device=logits.device)
-    margin = inf
-    if config.num_groups > 1:
-        grouped = choice.view(logits.shape[0], config.num_groups, -1)
-        group_scores = grouped.max(-1).values if config.group_score == "max" else grouped.topk(2, -1).values.sum(-1)
-        if config.topk_groups < config.num_groups:
-            top = group_scores.topk(config.topk_groups + 1, dim=-1).values
-            margin = torch.minimum(margin, top[:, -2] - top[:, -1])
-        choice = choice.masked_fill(~group_mask(choice, config), float("-inf"))
-    if config.top_k < choice.shape[1]:
-        top = choice.topk(config.top_k + 1, dim=-1).values
-        gap = top[:, -2] - top[:, -1]
-        margin = torch.minimum(margin, torch.where(torch.isfinite(gap), gap, inf))
-    return margin
 
 
 class KernelsPart:
@@ -510,6 +422,3 @@ class KernelsPart:
         return self._judge("skinny_matmul", dtype, got, want, rows=rows, batched=batched,
                            reference="F.linear / torch.bmm in the same dtype")
 
-
-def build_part(mode: RunMode) -> KernelsPart:
-    return KernelsPart(mode)

@@ -1,9 +1,21 @@
-"""What `bench/gpu_check.py` records: one result per check, grouped by part, and the summary.
+"""What a gpu_check run is made of and what it records: its mode, a check's outcome, the results and the report.
 
+RunMode: how a run is set up, on the GPU or the CPU rehearsal (`--dry-run`), and how big. The
+orchestrator passes it to every part's child process as JSON; parts read the device and the dtypes
+from here, so the dry run goes through the same code with other values, never other code.
+
+Outcome and Part: what one check returns, and the protocol every part module implements. A part
+module defines `build_part(mode: RunMode) -> Part`. The child process (supervisor.py's child side)
+asks it for its check names once, then runs them one by one; a part keeps whatever setup its checks
+share (a tokenizer, checkpoints, a started server) on itself, built on first use.
+
+CheckResult, PartResult, CheckReport: one result per check, grouped by part, and the summary.
 Statuses: `passed`, `failed` (ran, outside its tolerance), `error` (raised), `timeout` (its part hit
 the hard timeout while it ran), `not_run` (its part stopped before it: timeout, crash, global
 deadline) and `skipped` (not applicable here, with the reason: e.g. ep=2 on one GPU). Only `passed`
 and `skipped` count as success.
+
+Nothing here imports torch: the parent process and the tests read it cheaply.
 """
 from __future__ import annotations
 
@@ -11,6 +23,72 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class RunMode:
+    dry_run: bool          # CPU rehearsal: device cpu, Triton in its interpreter, small shapes
+    tiny: bool             # the smallest meaningful subset (the dry-run test uses it)
+    work_dir: str          # scratch space of this run: checkpoints, server logs, benchmark output
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.dry_run else "cuda"
+
+    @property
+    def kernel_low_precision(self) -> str:
+        """The 16-bit dtype the Triton kernels are checked in. On the GPU bf16 (what models run in);
+        in the dry run fp16, because the Triton interpreter's `tl.dot` gives wrong results in bf16
+        (measured: fused_moe off by 1e10) while fp16 works (tests/triton_kernel_cases.py does the same)."""
+        return "float16" if self.dry_run else "bfloat16"
+
+    @property
+    def label(self) -> str:
+        return "dry_run" if self.dry_run else "gpu"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunMode":
+        return cls(**json.loads(text))
+
+
+@dataclass
+class Outcome:
+    status: str                                   # passed | failed | skipped (errors are raised)
+    details: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def passed(**details) -> Outcome:
+    return Outcome("passed", details)
+
+
+def failed(reason: str, **details) -> Outcome:
+    return Outcome("failed", details, reason)
+
+
+def skipped(reason: str, **details) -> Outcome:
+    return Outcome("skipped", details, reason)
+
+
+def judged(problems: list[str], **details) -> Outcome:
+    """Passed when `problems` is empty, else failed with all of them."""
+    return passed(**details) if not problems else failed("; ".join(problems), **details)
+
+
+class Part(Protocol):
+    def check_names(self) -> list[str]:
+        """Every check this part will run, in order (unique names)."""
+
+    def run(self, name: str) -> Outcome:
+        """Run one check; raising records an `error` for it and the part goes on with the next."""
+
+    def close(self) -> None:
+        """Release what the checks shared (servers, GPU memory); called once at the end."""
+
 
 SUCCESS = ("passed", "skipped")
 STATUSES = ("passed", "failed", "error", "timeout", "not_run", "skipped")

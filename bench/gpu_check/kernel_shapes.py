@@ -1,4 +1,5 @@
-"""Shapes and tolerances of gpu_check's `kernels` part: DeepSeek-V3 on the GPU, small ones in the dry run.
+"""What gpu_check's `kernels` part measures on and with: shapes (DeepSeek-V3 on the GPU, small ones in the
+dry run), tolerances, generated inputs and weights, the comparison, and timing.
 
 The edge cases (empty batches, masked slots, duplicates, odd block sizes) are not restated here: the
 `kernel_cases` part runs tests/triton_kernel_cases.py itself. This file adds the real shapes, and the
@@ -9,13 +10,29 @@ DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3): hidden 7168, 256 routed ex
 routed_scaling_factor 2.5, moe_intermediate_size 2048, 128 attention heads, MLA with
 kv_lora_rank 512 + qk_rope_head_dim 64 = 576 cached per token (absorbed decode attends over the
 576-dim latent and reads the first 512 as values), q_lora_rank 1536.
+
+Comparison: a kernel's output against its reference under a stated tolerance, with the figures to
+report. Timing: wall-clock time of a device call, best of a few runs after a warm-up, synchronized on
+CUDA. Best-of, not mean: on a shared machine noise only ever adds time. Figures are reported as
+ratios against the alternative (the torch twin, transformers), never asserted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
 
-from kernels import RoutingConfig
+import torch
 
+from kernels import KernelSet, RoutingConfig
+from kernels.routing import group_mask
+from moe_runtime.weights.quantization.fp8_in_memory import ONLINE_BLOCK_K, quantize_rows
+from moe_runtime.weights.quantization.int8_in_memory import quantize_int8_rows
+from moe_runtime.weights.quantization.weight_quantization import QuantizedRows
+
+
+# ------------------------------------------------------------------------------- shapes and tolerances
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -206,3 +223,151 @@ def shapes_for(dry_run: bool, tiny: bool) -> KernelShapes:
     if tiny:
         return TINY_SHAPES
     return DRY_RUN_SHAPES if dry_run else GPU_SHAPES
+
+
+# ---------------------------------------------------------------------------------- inputs and weights
+
+@dataclass
+class ExpertWeights:
+    """One layer's stacked experts in the check's dtype, and fp32 copies for the reference."""
+
+    w13: torch.Tensor       # [E, 2I, H]
+    w2: torch.Tensor        # [E, H, I]
+    w13_fp32: torch.Tensor
+    w2_fp32: torch.Tensor
+
+
+@dataclass(frozen=True)
+class QuantizedFormat:
+    """A `--quantization` weight format as the checks use it: how an expert stack is quantized, and the
+    extra arguments its kernels take. Its kernels are the KernelSet fields `{name}_linear`,
+    `{name}_expert_mlp` and `{name}_masked_expert_mlp`."""
+
+    name: str                                          # "fp8" | "int8"
+    quantize: Callable[[torch.Tensor], QuantizedRows]  # one expert's [N, K] -> values and scales
+    kernel_args: tuple = ()                            # after the weights: FP8's block_k
+    details: tuple = ()                                # (key, value) pairs the expert / linear reports add
+
+    def kernel(self, kernel_set: KernelSet, kind: str) -> Callable:
+        """`kind`: "linear", "expert_mlp" or "masked_expert_mlp"."""
+        return getattr(kernel_set, f"{self.name}_{kind}")
+
+
+FP8 = QuantizedFormat("fp8", lambda weight: quantize_rows(weight, ONLINE_BLOCK_K), (ONLINE_BLOCK_K,),
+                      (("block_k", ONLINE_BLOCK_K),))   # row-expanded 128-column scales
+INT8 = QuantizedFormat("int8", quantize_int8_rows)     # one fp32 scale per row
+
+
+@dataclass
+class QuantizedExpertWeights:
+    """The same experts quantized as `--quantization <format>` keeps them."""
+
+    w13: torch.Tensor        # [E, 2I, H] in the format's values dtype
+    w13_scale: torch.Tensor  # fp8 [E, 2I, ceil(H/128)], int8 [E, 2I] fp32
+    w2: torch.Tensor         # [E, H, I]
+    w2_scale: torch.Tensor   # fp8 [E, H, ceil(I/128)], int8 [E, H] fp32
+
+    @classmethod
+    def of(cls, weights: ExpertWeights, fmt: QuantizedFormat) -> "QuantizedExpertWeights":
+        def quantized(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = [fmt.quantize(expert) for expert in stack]   # one expert at a time: memory
+            return torch.stack([r.values for r in rows]), torch.stack([r.scales for r in rows])
+
+        return cls(*quantized(weights.w13_fp32), *quantized(weights.w2_fp32))
+
+    def first(self, experts: int) -> tuple[torch.Tensor, ...]:
+        return self.w13[:experts], self.w13_scale[:experts], self.w2[:experts], self.w2_scale[:experts]
+
+
+def distinct_logits(tokens: int, experts: int, generator: torch.Generator) -> torch.Tensor:
+    """[T, E] fp32: a random permutation of evenly spaced values per token, exact in bf16 and fp16
+    (integers times a power of two), so neither implementation meets a tie in its inputs."""
+    step = 2.0 ** -math.floor(math.log2(max(experts / 8, 1)))
+    order = torch.rand(tokens, experts, generator=generator).argsort(dim=-1).float()
+    return (order - experts // 2) * step
+
+
+def routing_margins(logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None) -> torch.Tensor:
+    """[T]: the smallest gap at a decision the router makes (kept groups, then the top-k) per token.
+    Below ROUTING_TIE_MARGIN the two implementations may rightly pick different experts."""
+    scores = logits.softmax(dim=-1) if config.scoring == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    inf = torch.full((logits.shape[0],), float("inf"), device=logits.device)
+    margin = inf
+    if config.num_groups > 1:
+        grouped = choice.view(logits.shape[0], config.num_groups, -1)
+        group_scores = grouped.max(-1).values if config.group_score == "max" else grouped.topk(2, -1).values.sum(-1)
+        if config.topk_groups < config.num_groups:
+            top = group_scores.topk(config.topk_groups + 1, dim=-1).values
+            margin = torch.minimum(margin, top[:, -2] - top[:, -1])
+        choice = choice.masked_fill(~group_mask(choice, config), float("-inf"))
+    if config.top_k < choice.shape[1]:
+        top = choice.topk(config.top_k + 1, dim=-1).values
+        gap = top[:, -2] - top[:, -1]
+        margin = torch.minimum(margin, torch.where(torch.isfinite(gap), gap, inf))
+    return margin
+
+
+# ------------------------------------------------------------------------------------------ comparison
+
+@dataclass
+class Comparison:
+    tolerance: str
+    violations: int          # elements outside atol + rtol * |want| (non-finite ones included)
+    elements: int
+    max_abs_err: float
+    max_rel_err: float       # max |got - want| / max |want|
+    rel_l2_err: float        # ||got - want|| / ||want||
+    max_abs_want: float
+
+    @property
+    def ok(self) -> bool:
+        return self.violations == 0
+
+    def problem(self, what: str) -> str | None:
+        if self.ok:
+            return None
+        return (f"{what}: {self.violations} of {self.elements} elements outside {self.tolerance} "
+                f"(max |err| {self.max_abs_err:.3g}, max |want| {self.max_abs_want:.3g})")
+
+    def as_details(self) -> dict:
+        return asdict(self)
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, tolerance: Tolerance) -> Comparison:
+    if got.shape != want.shape:
+        raise AssertionError(f"shape {tuple(got.shape)} != expected {tuple(want.shape)}")
+    got32, want32 = got.detach().float(), want.detach().to(got.device).float()
+    if got32.numel() == 0:
+        return Comparison(str(tolerance), 0, 0, 0.0, 0.0, 0.0, 0.0)
+    diff = (got32 - want32).abs()
+    outside = ~(diff <= tolerance.atol + tolerance.rtol * want32.abs())       # NaN counts as outside
+    scale = float(want32.abs().max())
+    max_abs = float(torch.nan_to_num(diff, nan=float("inf")).max())
+    norm = float(torch.linalg.vector_norm(want32))
+    return Comparison(
+        tolerance=str(tolerance), violations=int(outside.sum()), elements=got32.numel(), max_abs_err=max_abs,
+        max_rel_err=max_abs / scale if scale else max_abs,
+        rel_l2_err=float(torch.linalg.vector_norm(torch.nan_to_num(got32 - want32, nan=float("inf")))) / norm
+        if norm else 0.0,
+        max_abs_want=scale,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_ms(fn, device: torch.device | str, repeats: int = 5) -> float:
+    fn()                                                   # warm-up (and Triton's compile)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, (time.perf_counter() - started) * 1e3)
+    return best
