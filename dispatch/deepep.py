@@ -27,7 +27,8 @@ is).
 
 `deep_ep` is imported only when a dispatcher is built without an injected buffer class, so
 `import dispatch` never needs it. Tests inject a stand-in with DeepEP's documented return layout
-(see dispatch/deepep_emulation.py).
+(`DispatchConfig.deepep_buffer_cls`; the stand-in, a CPU emulation on gloo, lives with the tests:
+tests/deepep_emulation.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dispatch import DispatchConfig
-from dispatch.deepep_emulation import EmulatedDeepEPBuffer
+from deepep_emulation import EmulatedDeepEPBuffer
 from load_balancer import SlotGeometry
 
 HIDDEN = 8

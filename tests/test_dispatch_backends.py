@@ -10,7 +10,7 @@ import torch.distributed as dist
 import dispatch.factory
 from dispatch import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchConfig, LocalDispatcher, make_dispatcher,
                       select_backend)
-from dispatch.deepep_emulation import EmulatedDeepEPBuffer
+from deepep_emulation import EmulatedDeepEPBuffer
 from load_balancer import SlotGeometry
 from multirank import MultiRankError, ranks  # noqa: F401  (fixture)
 

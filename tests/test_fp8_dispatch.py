@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from deepep_emulation import EmulatedDeepEPBuffer
 from dispatch_cases import SLOTS_PER_RANK, Experts, dispatch_config, make_case
 
 import dispatch.factory
@@ -21,7 +22,6 @@ from dispatch import (LAYOUT_MASKED, DispatchConfig, Dispatcher, Fp8Activations,
 from dispatch.activation_wire import ActivationWire
 from dispatch.allgather import AllGatherDispatcher
 from dispatch.collectives import pack_rows, unpack_rows
-from dispatch.deepep_emulation import EmulatedDeepEPBuffer
 from kernels import expert_mlp, masked_expert_mlp
 from load_balancer import SlotGeometry
 from multirank import ranks  # noqa: F401  (fixture)

@@ -1,5 +1,8 @@
 """A torch.distributed emulation of `deep_ep.Buffer`'s documented V1 interface, for CPU tests.
 
+A test double: it lives with the tests, not in the `dispatch` package; tests hand it to the adapter
+as `DispatchConfig(deepep_buffer_cls=EmulatedDeepEPBuffer)`.
+
 It honours the return layouts DeepEP documents for the calls our adapter makes, so the adapter
 can be held against the dispatch contract on gloo without GPUs:
 
