@@ -14,10 +14,10 @@ nothing, but joins every job-wide agreement):
   their stores and switch placement together. If any rank failed, every rank discards what it
   staged and the old placement stays in force on every stage; the failure is logged and reported.
 
-Agreement flags and the plan travel over the gloo control groups (CPU tensors); expert weights and
-load counts over the EP data group. The event is merged over the stages (experts moved summed,
-balancedness averaged weighted by each stage's MoE layer count), so global rank 0 reports one
-`RebalanceEvent` per rebalance.
+Agreement flags, the plan and a failing rank's error text travel over the gloo control groups (CPU
+tensors, no pickled objects); expert weights and load counts over the EP data group. The event is
+merged over the stages (experts moved summed, balancedness averaged weighted by each stage's MoE
+layer count), so global rank 0 reports one `RebalanceEvent` per rebalance.
 """
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ from load_balancer.recorder import ExpertLoadRecorder
 from load_balancer.weight_migration import migrate_layer
 
 logger = logging.getLogger(__name__)
+
+ERROR_TEXT_BYTES = 4096     # a rank's error message crosses in at most this much utf-8 (a longer one is cut)
 
 
 @dataclass(frozen=True)
@@ -224,9 +226,7 @@ class LiveRebalancer:
 
     def _first_error(self, own: str | None) -> str:
         """The failing rank's own message, on every rank (they only know that some rank failed)."""
-        group = self.groups.world_control_group
-        errors: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, own, group=group)
+        errors = all_gather_text(own, self.groups.world_control_group)
         return next((e for e in errors if e is not None), "another rank could not take part in the migration")
 
     def _merge_stages(self, stage: RebalanceEvent, num_layers: int) -> RebalanceEvent:
@@ -243,3 +243,22 @@ class LiveRebalancer:
         return dataclasses.replace(stage, experts_moved=int(moved), duration_s=float(longest.item()),
                                    balancedness_before=before / layers if layers else 1.0,
                                    balancedness_after=after / layers if layers else 1.0)
+
+
+def all_gather_text(text: str | None, group) -> list[str | None]:
+    """Every rank's `text` (None for a rank without one), in rank order, over `group` (gloo, CPU tensors).
+
+    Tensors only, no pickle on the wire: each rank sends its length (-1 for None) and ERROR_TEXT_BYTES
+    of utf-8, the text cut to fit (a character split by the cut is dropped)."""
+    world = dist.get_world_size(group)
+    raw = b"" if text is None else text.encode("utf-8")[:ERROR_TEXT_BYTES]
+    length = torch.tensor([-1 if text is None else len(raw)], dtype=torch.int64)
+    data = torch.zeros(ERROR_TEXT_BYTES, dtype=torch.uint8)
+    if raw:
+        data[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    datas = [torch.empty_like(data) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    dist.all_gather(datas, data, group=group)
+    return [None if int(n) < 0 else bytes(d[:int(n)].tolist()).decode("utf-8", errors="ignore")
+            for n, d in zip(lengths, datas)]
