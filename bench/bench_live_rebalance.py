@@ -7,7 +7,7 @@ under the static placement), two engines with the same settings (4 redundant exp
               experts 0..3) stays in force
   rebalanced  after the same warm-up, `rebalance_now()` plans from the recorded window and moves
               expert weights between ranks; the timed runs then serve on the new placement
-Layouts: ep=4 dp_attn=4 (the issue's; 4 ranks on this machine's 2 cores, which mutes the straggler)
+Layouts: ep=4 dp_attn=4 (4 ranks on this machine's 2 cores, which mutes the straggler)
 and ep=2 dp_attn=2 (one rank per core, where a straggler rank costs wall time as it would on GPUs).
 Repeats alternate between the two engines, in ABBA order (so load from other processes and any
 order effect hit both alike); best and median repeats are reported. Per engine: tokens/s (prefill included) and decode tokens/s, the measured

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation benchmark (issue 19).
+"""Prefill/decode disaggregation benchmark.
 
 1. Decoders streaming while long prompts arrive. A closed loop of --decoders streaming clients
    (each generates --decode-tokens tokens, then starts again) runs for --seconds while a long prompt

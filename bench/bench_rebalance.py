@@ -237,10 +237,10 @@ def main() -> None:
             bench_trace(f"zipf s={exponent}", loads, layout)
         loads = drifting_trace(layout.experts, args.layers, args.drift_rounds, args.tokens, seed + 7)
         bench_trace("drifting hot set", loads, layout)
-    # The reported case ("never below EPLB"): Zipf(1.5), 64 experts on 8 ranks x 9 slots.
-    issue_layout = LayoutSpec("64e/72s/8r global", 64, 72, 8, 1, None)
-    loads = zipf_trace(issue_layout.experts, args.layers, 1.5, args.rounds, args.tokens, 15)
-    bench_trace("zipf s=1.5 8x9", loads, issue_layout)
+    # The case where rebalance once fell below EPLB: Zipf(1.5), 64 experts on 8 ranks x 9 slots.
+    zipf_8x9_layout = LayoutSpec("64e/72s/8r global", 64, 72, 8, 1, None)
+    loads = zipf_trace(zipf_8x9_layout.experts, args.layers, 1.5, args.rounds, args.tokens, 15)
+    bench_trace("zipf s=1.5 8x9", loads, zipf_8x9_layout)
     recorded = recorded_rounds(args.rounds)
     if recorded is None:
         notes.append(f"{RECORDED_TRACE.relative_to(ROOT)} absent: recorded-trace rows skipped")

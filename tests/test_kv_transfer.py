@@ -1,4 +1,4 @@
-"""The pieces of a prefill/decode KV transfer on their own (issue 19; the engines in test_pd_engine.py):
+"""The pieces of a prefill/decode KV transfer on their own (the engines in test_pd_engine.py):
 
 - the re-sharding plan covers a decode rank's (layers x KV heads) with the prefill ranks' pieces:
   attention TP 2 -> 1 and 1 -> 2, layers straddling pipeline stages, MLA's replicated latent spread

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation at the engine level (issue 19): the prompt runs on a prefill engine,
+"""Prefill/decode disaggregation at the engine level: the prompt runs on a prefill engine,
 its KV blocks and first token move to a decode engine, which continues.
 
 - greedy tokens equal a single colocated instance's (and so transformers': test_engine_parity.py holds

@@ -1,4 +1,4 @@
-"""A whole P/D set through HTTP (issue 19): `moe-serve --pd 1:1` starts a prefill instance, a decode
+"""A whole P/D set through HTTP: `moe-serve --pd 1:1` starts a prefill instance, a decode
 instance and the router; the official `openai` client talks to the router.
 
 - completions and chat, streamed and not, equal a single in-process instance's greedy answers;
