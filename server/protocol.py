@@ -9,8 +9,11 @@ repetition_penalty, min_p, on completions prompt_logprobs, and structured output
 (guided_json, guided_regex, guided_grammar, guided_choice, structured_outputs) beside OpenAI's
 response_format, which completions accept too (`server.structured_output_request` reads them all).
 
-The bounds of the sampling fields are `SamplingParams.validate`'s (the engine's); the few repeated
-here take its constants, so that the schema shows them and a violation is a 400 naming the field.
+The bounds of the sampling fields are the engine's table, `moe_runtime.sampling.bounds.BOUNDS`: each
+number field takes its constraints from it (`bounded`: the schema shows them, a violation is a 400
+naming the field), and the list and mapping fields (stop, stop_token_ids, logit_bias) are checked by
+the table's own `refusal`, which the engine's admission check applies too. The HTTP layer and the
+engine take and refuse the same values (tests/test_request_bounds.py checks every edge of the table).
 """
 from __future__ import annotations
 
@@ -19,9 +22,24 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from moe_runtime.sampling.params import SamplingParams
+from moe_runtime.sampling.bounds import BOUND, refusal
 
 TokenIds = list[int]
+
+
+def bounded(name: str, default: object = None, **override) -> object:
+    """A `Field` with the bounds table's constraints of `name` (`override`: an endpoint's stricter lo/hi)."""
+    return Field(default=default, **BOUND[name].schema(**override))
+
+
+def digit_keys(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias has token ids as JSON object keys (strings); the engine's are integers."""
+    converted = {}
+    for key, bias in logit_bias.items():
+        if not (key.isascii() and key.isdigit()):   # int() alone would also take " 5", "+5" and "5_0"
+            raise ValueError(f"keys must be token ids (got {key[:20]!r})")
+        converted[int(key)] = bias
+    return converted
 
 
 class RequestModel(BaseModel):
@@ -64,25 +82,24 @@ class SamplingFields(RequestModel):
     """What completions and chat share."""
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = Field(default=None, ge=0, lt=SamplingParams.SEED_LIMIT)
+    temperature: float | None = bounded("temperature")
+    top_p: float | None = bounded("top_p")
+    top_k: int | None = bounded("top_k")
+    seed: int | None = bounded("seed")
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=64)
+    n: int = bounded("n", 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = bounded("frequency_penalty")
+    presence_penalty: float | None = bounded("presence_penalty")
     logit_bias: dict[str, float] | None = None
     # extensions
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = bounded("min_tokens", 0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    repetition_penalty: float | None = Field(default=None, ge=SamplingParams.MIN_REPETITION_PENALTY,
-                                             le=SamplingParams.MAX_REPETITION_PENALTY)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = bounded("repetition_penalty")
+    min_p: float | None = bounded("min_p")
     # structured output: OpenAI's response_format, or one of vLLM's (at most one of them all)
     response_format: ResponseFormat | None = None
     guided_json: dict | bool | str | None = None
@@ -94,6 +111,17 @@ class SamplingFields(RequestModel):
     # prompt's KV and answer with a handle; a decode instance given that handle continues the request
     kv_transfer_params: dict | None = None
 
+    @field_validator("stop", "stop_token_ids", "logit_bias")
+    @classmethod
+    def _inside_the_bounds(cls, value: object, info) -> object:
+        """The bounds table's check of a list or mapping field (the engine's own `refusal`)."""
+        if value is None:
+            return value
+        why = refusal(info.field_name, digit_keys(value) if info.field_name == "logit_bias" else value)
+        if why is not None:
+            raise ValueError(why)
+        return value
+
     def unsupported_settings(self) -> dict[str, object]:
         """Fields set to something this server cannot do: name -> value."""
         return {}
@@ -101,12 +129,12 @@ class SamplingFields(RequestModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]
-    max_tokens: int | None = Field(default=16, ge=0)    # 0: only with echo or prompt_logprobs (score the prompt)
-    logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)
+    max_tokens: int | None = bounded("max_tokens", 16)   # 0: only with echo or prompt_logprobs (score the prompt)
+    logprobs: int | None = bounded("logprobs")
     echo: bool = False                                   # the prompt leads the text (and, with logprobs, the logprobs)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)   # vLLM's extension
+    prompt_logprobs: int | None = bounded("prompt_logprobs")   # vLLM's extension
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = bounded("n")                   # accepted only equal to n
 
     def unsupported_settings(self) -> dict[str, object]:
         found = super().unsupported_settings()
@@ -170,10 +198,10 @@ class NamedToolChoice(RequestModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = bounded("max_tokens", lo=1)   # a chat answer has at least one token
+    max_completion_tokens: int | None = bounded("max_tokens", lo=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = bounded("logprobs")       # the engine's logprobs
     tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | NamedToolChoice | None = None    # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool | None = None

@@ -2,6 +2,11 @@
 
 Every refusal is an `APIError` naming the parameter at fault. Unknown fields are ignored, each name
 warned about once per server (`server.unknown_fields`).
+
+The sampling fields' bounds were checked by the schema (`server.protocol`, from the engine's bounds
+table); the `SamplingParams` made here are validated once, by the engine's admission check, when each
+choice is submitted. The context-length rule is the engine's too (`check_context_length`): called here
+on every prompt, before any choice is submitted, to word a refusal in OpenAI's terms.
 """
 from __future__ import annotations
 
@@ -9,14 +14,14 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from moe_runtime.errors import InvalidRequestError
+from moe_runtime.engine.request_limits import ContextLengthError, check_context_length
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
 from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
 from server.errors import APIError, bad_request
 from server.generation import ChoiceSpec
 from server.kv_transfer_request import with_kv_transfer
-from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, digit_keys
 from server.structured_output_request import requested_structure
 from server.tool_calls.fallback_rendering import messages_with_tools_in_text
 from server.tool_calls.parser import ToolCallParser
@@ -131,58 +136,45 @@ def with_parsed_arguments(tool_call: dict) -> dict:
 
 def check_context(prompt_len: int, max_tokens: int, model: ModelInfo, prompt_param: str,
                   max_tokens_param: str) -> None:
-    if prompt_len >= model.max_model_len and max_tokens > 0:
-        raise bad_request(
-            f"{prompt_param} has {prompt_len} tokens, which leaves no room to generate within the model's context "
-            f"of {model.max_model_len} tokens", prompt_param, "context_length_exceeded")
-    if prompt_len + max_tokens > model.max_model_len:
+    """The engine's context-length rule (`check_context_length`, which admission applies too), its refusal
+    worded with the endpoint's parameter names and OpenAI's code `context_length_exceeded`."""
+    try:
+        check_context_length(prompt_len, max_tokens, model.max_model_len)
+    except ContextLengthError as exc:
+        if exc.field == "prompt":
+            raise bad_request(
+                f"{prompt_param} has {prompt_len} tokens, which leaves no room to generate within the model's "
+                f"context of {model.max_model_len} tokens", prompt_param, "context_length_exceeded") from exc
         raise bad_request(
             f"{prompt_param} ({prompt_len} tokens) + {max_tokens_param} ({max_tokens}) = {prompt_len + max_tokens} "
-            f"exceeds the model's context of {model.max_model_len} tokens", max_tokens_param, "context_length_exceeded")
-
-
-def token_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's logit_bias has token ids as JSON object keys (strings); the engine's are integers."""
-    converted = {}
-    for key, bias in (logit_bias or {}).items():
-        if not (key.isascii() and key.isdigit()):   # int() alone would also take " 5", "+5" and "5_0"
-            raise bad_request(f"logit_bias keys must be token ids (got {key[:20]!r})", "logit_bias")
-        converted[int(key)] = bias
-    return converted
+            f"exceeds the model's context of {model.max_model_len} tokens", max_tokens_param,
+            "context_length_exceeded") from exc
 
 
 def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None,
                     prompt_logprobs: int | None = None, *,
                     structured_output: StructuredOutputSpec | None = None) -> SamplingParams:
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    if any(not s for s in stop):
-        raise bad_request("stop strings must be non-empty", "stop")
-    if request.min_tokens > max_tokens:
-        raise bad_request(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=-1 if request.top_k in (None, 0) else request.top_k,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=list(request.stop_token_ids or []),
-            ignore_eos=request.ignore_eos,
-            logprobs=logprobs,
-            min_tokens=request.min_tokens,
-            prompt_logprobs=prompt_logprobs,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-            min_p=request.min_p or 0.0,
-            logit_bias=token_logit_bias(request.logit_bias),
-            structured_output=structured_output,
-        )
-    except InvalidRequestError as exc:
-        message = str(exc)
-        param = message[len("SamplingParams."):].split("=", 1)[0] if message.startswith("SamplingParams.") else None
-        raise bad_request(message, param) from exc
+    """The request's sampling fields as engine parameters (the schema checked their bounds; the rules that
+    relate two fields, min_tokens <= max_tokens among them, are the admission check's)."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=-1 if request.top_k in (None, 0) else request.top_k,
+        seed=seed,
+        stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
+        stop_token_ids=list(request.stop_token_ids or []),
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        min_tokens=request.min_tokens,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        min_p=request.min_p or 0.0,
+        logit_bias=digit_keys(request.logit_bias or {}),
+        structured_output=structured_output,
+    )
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:

@@ -204,5 +204,5 @@ def test_the_front_keeps_the_first_deltas_prompt_logprobs():
 ])
 def test_bad_prompt_logprobs_settings_name_the_field(bad, field):
     with pytest.raises(InvalidRequestError, match=f"SamplingParams.{field}="):
-        SamplingParams(**bad)
+        SamplingParams(**bad).validate()   # admission's check (RequestLimits.check): construction checks nothing
 

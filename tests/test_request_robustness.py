@@ -42,6 +42,7 @@ TOP_SEED = 2**63 - 1
 
 # ---- bounds --------------------------------------------------------------------------------
 
+ADMISSION = RequestLimits(vocab_size=2000, max_model_len=10**6, kv_capacity_tokens=10**6)
 REFUSED = [
     (dict(seed=2**63), "seed"),
     (dict(seed=2**64), "seed"),
@@ -72,15 +73,21 @@ REFUSED = [
 @pytest.mark.parametrize("kwargs, param", REFUSED, ids=[f"{p}={str(k[p])[:12]}" for k, p in REFUSED])
 def test_sampling_params_refuse_what_the_engine_cannot_do(kwargs, param):
     with pytest.raises(InvalidRequestError, match=rf"^SamplingParams\.{param}="):
-        SamplingParams(**kwargs)
+        ADMISSION.check([1, 2], SamplingParams(**kwargs))   # at admission: construction checks nothing
+
+
+def admitted(params: SamplingParams) -> SamplingParams:
+    ADMISSION.check([1, 2], params)
+    return params
 
 
 def test_extremes_the_engine_can_do_are_accepted_with_their_meaning():
-    assert SamplingParams(seed=TOP_SEED).seed == TOP_SEED
-    assert SamplingParams(top_k=2**63).top_k == SamplingParams.MAX_TOP_K  # beyond any vocabulary: every token
-    assert SamplingParams(temperature=1e-40).greedy                       # below the floor: greedy
-    assert not SamplingParams(temperature=SamplingParams.MIN_TEMPERATURE).greedy
-    assert SamplingParams(stop=["x" * 1024] * 16, stop_token_ids=list(range(1024))).stop_token_ids[-1] == 1023
+    assert admitted(SamplingParams(seed=TOP_SEED)).seed == TOP_SEED
+    assert admitted(SamplingParams(top_k=2**63)).top_k == SamplingParams.MAX_TOP_K  # beyond any vocabulary: all
+    assert admitted(SamplingParams(temperature=1e-40)).greedy                       # below the floor: greedy
+    assert not admitted(SamplingParams(temperature=SamplingParams.MIN_TEMPERATURE)).greedy
+    assert admitted(SamplingParams(stop=["x" * 1024] * 16,
+                                   stop_token_ids=list(range(1024)))).stop_token_ids[-1] == 1023
 
 
 def test_request_limits_refuse_stop_token_ids_and_logprobs_beyond_the_vocabulary():
@@ -90,7 +97,7 @@ def test_request_limits_refuse_stop_token_ids_and_logprobs_beyond_the_vocabulary
     with pytest.raises(InvalidRequestError, match=r"^SamplingParams\.logprobs="):
         limits.check([1, 2], SamplingParams(logprobs=11))
     params = SamplingParams()
-    params.seed = 2**64  # changed after construction: the engine checks again
+    params.seed = 2**64  # changed after construction: admission checks what it is given
     with pytest.raises(InvalidRequestError, match=r"^SamplingParams\.seed="):
         limits.check([1, 2], params)
 

@@ -99,9 +99,11 @@ def test_greedy_logprobs_pick_the_top_token(llm):
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_k=-5), "top_k"), (dict(logprobs=50), "logprobs"), (dict(stop=[""]), "stop"),
 ])
-def test_bad_sampling_params_name_the_parameter(kwargs, name):
+def test_bad_sampling_params_name_the_parameter(llm, kwargs, name):
+    # refused at admission (construction checks nothing), before any work is queued
     with pytest.raises(InvalidRequestError, match=name):
-        SamplingParams(**kwargs)
+        llm.generate([PROMPTS[0]], SamplingParams(**kwargs))
+    assert not llm.engine.has_unfinished()
 
 
 def test_bad_prompts_are_rejected_clearly(llm):

@@ -170,8 +170,9 @@ REFUSED = [
 
 @pytest.mark.parametrize("kwargs, param", REFUSED, ids=[f"{p}-{i}" for i, (_, p) in enumerate(REFUSED)])
 def test_out_of_range_controls_are_refused_naming_the_parameter(kwargs, param):
+    limits = RequestLimits(vocab_size=2000, max_model_len=100, kv_capacity_tokens=1000)
     with pytest.raises(InvalidRequestError, match=rf"^SamplingParams\.{param}[=:]"):
-        SamplingParams(**kwargs)
+        limits.check([1, 2], SamplingParams(**kwargs))   # at admission: construction checks nothing
 
 
 def test_the_limits_refuse_logit_bias_tokens_outside_the_vocabulary():

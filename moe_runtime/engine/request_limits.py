@@ -1,4 +1,12 @@
-"""The checks every engine applies to a new request, before it is queued anywhere.
+"""The checks every engine applies to a new request, before it is queued anywhere: the admission check.
+
+`RequestLimits.check` is where a request is validated, once: its sampling parameters against the bounds
+table (`SamplingParams.validate`, which nothing else calls), then what needs the model. The front calls
+it once per request; the ranks trust what the front admitted.
+
+The context-length rule is `check_context_length`; the server calls the same function before it
+submits an API call's choices, only to word the refusal in OpenAI's terms (`ContextLengthError` carries
+the numbers; the endpoint names its own parameters) and to refuse every choice of a call together.
 
 Structured output is checked here too: the spec must parse in xgrammar (`StructuredOutputValidator`,
 cached per spec), so a bad schema, regex or grammar is refused at admission, naming the field, and
@@ -13,6 +21,26 @@ from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
 
 
+class ContextLengthError(InvalidRequestError):
+    """prompt + max_tokens does not fit the model's context. `field` is the one at fault: "prompt" when the
+    prompt alone fills the context, else "max_tokens"."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int):
+        total = prompt_tokens + max_tokens
+        super().__init__(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                         f"max_model_len {max_model_len}")
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        self.field = "prompt" if prompt_tokens >= max_model_len else "max_tokens"
+
+
+def check_context_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """The prompt and the tokens to generate must fit the model's context (raises `ContextLengthError`)."""
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(prompt_tokens, max_tokens, max_model_len)
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     vocab_size: int
@@ -23,18 +51,14 @@ class RequestLimits:
                                                          repr=False)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        params.validate()  # again: a caller may have changed the fields since they were checked at construction
+        params.validate()  # the request's one validation (construction checks nothing; the ranks trust this)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty: give at least one token")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        check_context_length(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len {self.max_model_len}"
-            )
         if total > self.kv_capacity_tokens:
             raise InvalidRequestError(
                 f"prompt + max_tokens = {total} tokens exceeds the KV cache of a DP worker "
