@@ -57,6 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 from bench.gguf_convert import GgufTarget, ensure_gguf
 from bench.llama_cpp import LlamaCppRates, LlamaCppTools
+from bench.offline_tables import (print_compiled_rows, print_fp8_rows, print_int8_rows,
+                                  print_llama_cpp_reference_rows, print_rows)
 from bench.step_breakdown import run_step_breakdown
 
 HERE = Path(__file__).resolve().parent
@@ -268,7 +270,7 @@ def main() -> None:
                                     compiled_other_share=breakdown["other_share"],
                                     compiled_decode_step_ms=breakdown["step_ms"], compiled_step_breakdown=breakdown)
     reference_rows = (llama.reference_rows(args.batches) if llama and LLAMA_CPP_ONLY_DTYPE in args.dtypes else [])
-    print_rows(rows)
+    print_rows(rows, PROMPT_LEN, NEW_TOKENS, torch.get_num_threads())
     print_compiled_rows(rows)
     print_fp8_rows(fp8_rows)
     print_int8_rows(int8_rows)
@@ -294,44 +296,6 @@ def main() -> None:
     print(f"\nwrote {out}")
 
 
-def print_table_head(title: str, header: str) -> None:
-    """A table's title line, its column header and a rule as wide as the header."""
-    print(title)
-    print(header)
-    print("-" * len(header))
-
-
-def print_rows(rows: list[dict]) -> None:
-    """The dtype rows; llama.cpp and breakdown columns only when the rows have them."""
-    with_llama = any("llama_cpp_tok_s" in r for r in rows)
-    with_breakdown = any("kernel_share" in r for r in rows)
-    header = f"{'dtype':9} {'batch':>5} {'runtime tok/s':>14} {'HF tok/s':>10} {'ratio':>7} {'RSS ours MiB':>13} " \
-             f"{'RSS HF MiB':>11} {'same tokens':>12} {'weights GB/s ours/HF':>21} {'memcpy GB/s':>12}"
-    header += f" {'llama.cpp tok/s':>16} {'vs llama.cpp':>13} {'l.cpp pp/tg tok/s':>18}" if with_llama else ""
-    header += f" {'step ms':>8} {'kernel/other':>13}" if with_breakdown else ""
-    print_table_head(f"\nOffline generation, Qwen3-MoE shape, {PROMPT_LEN} prompt + {NEW_TOKENS} new tokens, "
-                     f"{torch.get_num_threads()} threads", header)
-    for r in rows:
-        line = f"{r['dtype']:9} {r['batch']:>5} {r['runtime_tok_s']:>14.1f} {r['transformers_tok_s']:>10.1f} " \
-               f"{r['speedup']:>6.2f}x {r['runtime_peak_rss_mib']:>13.0f} {r['transformers_peak_rss_mib']:>11.0f} " \
-               f"{r['identical_sequences']:>12} {r['runtime_weight_gbs']:>10.1f}/{r['transformers_weight_gbs']:<10.1f} " \
-               f"{r['copy_bandwidth_gbs']:>12.1f}"
-        if with_llama:
-            line += f" {r['llama_cpp_tok_s']:>16.1f} {r['vs_llama_cpp']:>12.2f}x " \
-                    f"{r['llama_cpp_prefill_tok_s']:>9.0f}/{r['llama_cpp_decode_tok_s']:<8.1f}"
-        if with_breakdown:
-            line += f" {r['decode_step_ms']:>8.1f} {r['kernel_share']:>6.0%}/{r['other_share']:<6.0%}"
-        print(line)
-    print("weights GB/s: expert and dense weights a decode step reads (experts the batch touches), times steps/s;"
-          "\nnear the memcpy figure a system is bound by memory bandwidth, not by its overheads.")
-    if with_llama:
-        print("llama.cpp: llama-batched-bench on the same weights in GGUF (F32/BF16), batch x (64 prompt + 64 new) "
-              "tokens,\ngenerated tokens over prefill + decode time; vs llama.cpp: runtime tok/s over llama.cpp's.")
-    if with_breakdown:
-        print("step ms: an unprofiled decode step of this runtime; kernel/other: operators' self CPU time vs the rest "
-              "of the step\n(Python, scheduling, sampling, metadata) under torch.profiler.")
-
-
 def compiled_columns(compiled: dict, eager: dict, theirs: dict, row: dict, generated: int, step_bytes: float) -> dict:
     """The captured-decode run of a row beside its eager run, transformers and (when measured) llama.cpp."""
     tok_s = generated / compiled["seconds"]
@@ -344,23 +308,6 @@ def compiled_columns(compiled: dict, eager: dict, theirs: dict, row: dict, gener
     if "llama_cpp_tok_s" in row:
         columns.update(compiled_vs_llama_cpp=tok_s / row["llama_cpp_tok_s"])
     return columns
-
-
-def print_compiled_rows(rows: list[dict]) -> None:
-    if not any("compiled_tok_s" in r for r in rows):
-        return
-    header = f"{'dtype':9} {'batch':>5} {'eager tok/s':>12} {'compiled tok/s':>15} {'vs eager':>9} {'vs HF':>7} " \
-             f"{'vs llama.cpp':>13} {'same tokens':>12} {'weights GB/s':>13} {'compile s':>10}"
-    print_table_head("\n--enable-torch-compile (captured decode step) beside the eager runtime, same checkpoint "
-                     "and prompts", header)
-    for r in rows:
-        vs_llama = f"{r['compiled_vs_llama_cpp']:>12.2f}x" if "compiled_vs_llama_cpp" in r else f"{'-':>13}"
-        print(f"{r['dtype']:9} {r['batch']:>5} {r['runtime_tok_s']:>12.1f} {r['compiled_tok_s']:>15.1f} "
-              f"{r['compiled_vs_eager']:>8.2f}x {r['compiled_vs_transformers']:>6.2f}x {vs_llama} "
-              f"{r['compiled_identical_to_eager']:>12} {r['compiled_weight_gbs']:>13.1f} "
-              f"{r['compiled_warmup_seconds']:>10.0f}")
-    print("compile s: the warm-up generate, which compiles the batch's bucket (the inductor cache in /tmp makes a "
-          "second run\nfaster); same tokens: greedy sequences identical to the eager runtime's.")
 
 
 def llama_cpp_columns(rates: LlamaCppRates, runtime_tok_s: float, file_type: str) -> dict:
@@ -401,16 +348,6 @@ class LlamaCppRun:
                 for batch, r in sorted(rates.items())]
 
 
-def print_llama_cpp_reference_rows(rows: list[dict]) -> None:
-    if not rows:
-        return
-    header = f"{'batch':>5} {'llama.cpp tok/s':>16} {'prefill tok/s':>14} {'decode tok/s':>13}"
-    print_table_head("\nllama.cpp only, float32 checkpoint quantized to Q8_0 (a reference for the int8 rows)", header)
-    for r in rows:
-        print(f"{r['batch']:>5} {r['llama_cpp_tok_s']:>16.1f} {r['llama_cpp_prefill_tok_s']:>14.0f} "
-              f"{r['llama_cpp_decode_tok_s']:>13.1f}")
-
-
 def measure_fp8(batches: list[int], repeats: int, compute_dtype: str, bandwidth: float) -> list[dict]:
     """Kept in FP8 vs dequantized at load vs transformers on the dequantized checkpoint, per batch."""
     fp8, oracle = (str(p) for p in build_fp8_checkpoints())
@@ -442,20 +379,6 @@ def measure_fp8(batches: list[int], repeats: int, compute_dtype: str, bandwidth:
     return rows
 
 
-def print_fp8_rows(rows: list[dict]) -> None:
-    if not rows:
-        return
-    header = f"{'batch':>5} {'kept FP8':>9} {'dequantized':>12} {'HF deq.':>8} {'vs deq.':>8} {'vs HF':>7} " \
-             f"{'MB/step FP8/deq.':>17} {'weights MiB FP8/deq.':>21} {'same tokens deq./HF':>20}"
-    print_table_head(f"\nFP8 checkpoint (128x128 blocks), compute {rows[0]['compute_dtype']}: decode tok/s", header)
-    for r in rows:
-        print(f"{r['batch']:>5} {r['kept_fp8_tok_s']:>9.1f} {r['dequantized_tok_s']:>12.1f} "
-              f"{r['transformers_tok_s']:>8.1f} {r['kept_vs_dequantized']:>7.2f}x {r['kept_vs_transformers']:>6.2f}x "
-              f"{r['kept_weight_bytes_per_step'] / 1e6:>8.1f}/{r['dequantized_weight_bytes_per_step'] / 1e6:<8.1f} "
-              f"{r['kept_weight_mib']:>10.0f}/{r['dequantized_weight_mib']:<10.0f} "
-              f"{r['identical_to_dequantized']:>9}/{r['identical_to_transformers']:<10}")
-
-
 def measure_int8(batches: list[int], repeats: int, bandwidth: float) -> list[dict]:
     """The float32 checkpoint: this runtime with int8 weights vs the same runtime in fp32 vs transformers fp32."""
     path = str(build_checkpoint("float32"))
@@ -485,20 +408,6 @@ def measure_int8(batches: list[int], repeats: int, bandwidth: float) -> list[dic
     return rows
 
 
-def print_int8_rows(rows: list[dict]) -> None:
-    if not rows:
-        return
-    header = f"{'batch':>5} {'int8':>8} {'fp32':>8} {'HF fp32':>8} {'vs fp32':>8} {'vs HF':>7} " \
-             f"{'MB/step int8/fp32':>18} {'weights MiB int8/fp32':>22} {'same tokens int8~fp32 int8~HF fp32~HF':>38}"
-    print_table_head("\nint8 weight-only (--quantization int8) on the float32 checkpoint, fp32 activations: "
-                     "decode tok/s", header)
-    for r in rows:
-        same = "  ".join(r[k] for k in ("identical_int8_to_fp32", "identical_int8_to_transformers",
-                                        "identical_fp32_to_transformers"))
-        print(f"{r['batch']:>5} {r['int8_tok_s']:>8.1f} {r['fp32_tok_s']:>8.1f} {r['transformers_fp32_tok_s']:>8.1f} "
-              f"{r['int8_vs_fp32']:>7.2f}x {r['int8_vs_transformers']:>6.2f}x "
-              f"{r['int8_weight_bytes_per_step'] / 1e6:>8.1f}/{r['fp32_weight_bytes_per_step'] / 1e6:<9.1f} "
-              f"{r['int8_weight_mib']:>10.0f}/{r['fp32_weight_mib']:<11.0f} {same:>38}")
 
 
 if __name__ == "__main__":
