@@ -7,7 +7,7 @@ or the single token a decoding request sampled last. Two policies:
   prefills in progress, then newly admitted requests, the prefills cut to what is left of the
   token budget (`max_num_batched_tokens`). A long prompt is split over several steps; its request
   samples only after its last chunk. Decodes never wait behind a long prompt.
-- **alternating** (the first design): a step is either a prefill batch (waiting requests admitted
+- **alternating** (chunked prefill off): a step is either a prefill batch (waiting requests admitted
   whole while KV blocks and the token budget allow) or a decode batch.
 
 Admission reserves KV blocks for the whole sequence; with prefix caching, its longest cached prefix

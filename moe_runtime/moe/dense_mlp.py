@@ -5,7 +5,8 @@ rows), so there is one MLP code path; no router, no dispatch. Under tensor paral
 expert is split along its intermediate dim, exactly as an expert is: rank r holds gate/up rows and
 down columns [r * I/tp, (r + 1) * I/tp), and the ranks' partial outputs are summed with one
 all-reduce. Kept in FP8, the down projection's column shard must start on a scale block; a shard
-that does not keeps this MLP in the compute dtype (int8 quantizes each shard on its own: any fits).
+that does not keeps this MLP in the compute dtype (int8 has one scale per whole row: the column shard
+is cut from the quantized weight and keeps the full rows' scales, so any shard fits).
 """
 from __future__ import annotations
 
