@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import queue
 import time
 from dataclasses import dataclass
@@ -154,6 +155,13 @@ class FrontControl:
         payload = self.codec.encode(message)
         for routing_id, rank in list(self._peers.items()):
             self._send(routing_id, rank, payload)
+
+    def send(self, message: Message, ranks: set[int]) -> None:
+        """`message` to the ranks in `ranks` only (encoded once)."""
+        payload = self.codec.encode(message)
+        for routing_id, rank in list(self._peers.items()):
+            if rank in ranks:
+                self._send(routing_id, rank, payload)
 
     def _send(self, routing_id: bytes, rank: int, payload: bytes) -> None:
         try:
@@ -296,10 +304,15 @@ class OnlyKey:
         return hmac.compare_digest(client_key_z85, self.public_z85)
 
 
+class Woken:
+    """What `WorkerControl.get` returns when `wake()` was called: a rank-local event, not a command."""
+
+
 class WorkerControl:
     """A rank's end: queue-like `get` / `get_nowait` for commands, `put` for results.
 
-    `get` raises EOFError once the front's connection is gone, so the rank exits.
+    `get` raises EOFError once the front's connection is gone, so the rank exits. `wake()` (any thread)
+    makes a waiting `get` return a `Woken` (a KV pull ended: the loop reports it without polling).
     """
 
     def __init__(self, address: ControlAddress, hello: Hello, connect_timeout_s: float = 600.0):
@@ -314,6 +327,8 @@ class WorkerControl:
         apply_liveness(self._socket)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._socket.connect(address.endpoint)  # retried by libzmq until the front listens
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
         self._connected = False
         self._socket.send(self.codec.encode(hello))
         self.setup: WorkerSetup = self._first_setup(connect_timeout_s, address)
@@ -333,11 +348,15 @@ class WorkerControl:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         while True:
             wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
             ready = dict(poller.poll(wait_ms))
             if self._socket in ready:  # messages first: the front's Shutdown arrives before its disconnect
                 return self.codec.decode_to_rank(self._socket.recv())
+            if self._wake_read in ready:
+                self._drain_wakes()
+                return Woken()
             if self._monitor in ready:
                 self._watch_connection()
             if not ready and deadline is not None and time.monotonic() >= deadline:
@@ -355,6 +374,17 @@ class WorkerControl:
     def get_nowait(self) -> Message:
         return self.get(timeout=0)
 
+    def wake(self) -> None:
+        """Thread-safe: the next (or a waiting) `get` returns a `Woken`."""
+        os.write(self._wake_write, b"w")
+
+    def _drain_wakes(self) -> None:
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
     def put(self, message: Message) -> None:
         self._socket.send(self.codec.encode(message))
 
@@ -365,3 +395,5 @@ class WorkerControl:
 
     def close(self) -> None:
         self.flush(0)
+        for fd in (self._wake_read, self._wake_write):
+            os.close(fd)

@@ -8,27 +8,25 @@ rank. When nobody has work, ranks block on their command queue instead of spinni
 in progress is work too: every rank starts and finishes it at the same steps, pipeline stages
 included. These agreements are CPU tensors on the world's gloo control group.
 
-On a decode instance of a P/D set, a rank's KV pulls run on its puller's thread; the loop reports
-each one's end to the front (`KVImported`, from every rank: each pulls its own share), also while
-idle, and the front's `ActivateImport` then starts the request on every rank of the worker at once.
+On a decode instance of a P/D set, a rank's KV pulls run on its puller's thread, which wakes the loop
+when one ends (`commands.wake()`: no polling); the loop reports each one's end to the front
+(`KVImported`, from every rank: each pulls its own share), also while idle, and the front's
+`ActivateImport` then starts the request on every rank of the worker at once. What a command does
+to the core is `CoreCommands`' (shared with the in-process core of a one-rank engine).
 """
 from __future__ import annotations
 
 import logging
 import queue
-import time
 
 import torch
 import torch.distributed as dist
 
-from attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, ExpertLoadReport, ExpertLoadTables,
-                                   ImportRequest, KVImported, RebalanceNow, RebalanceReport, ReleaseExport,
-                                   ResetPrefixCache, Shutdown, SnapshotExpertLoad, StepOutputs)
-from load_balancer.rebalance_event import RebalanceEvent
+from attention_dp.control_plane import Woken
+from attention_dp.core_commands import CoreCommands, RankRole
+from attention_dp.messages import RebalanceReport, Shutdown
 
 logger = logging.getLogger(__name__)
-
-IMPORT_POLL_S = 0.005   # idle with KV pulls in flight: how often a rank looks whether one ended
 
 
 class LockstepLoop:
@@ -36,10 +34,16 @@ class LockstepLoop:
         self.core = core
         self.rebalancer = rebalancer  # on every rank or on none (a stage without MoE layers joins, moving nothing)
         self.commands = commands
-        self.results = results
         self.parallel = parallel
         # one rank per DP worker talks to the front: on the last pipeline stage, which samples
-        self.reports_outputs = parallel.is_worker_leader and parallel.is_last_stage
+        role = RankRole(rank=parallel.rank, dp_rank=parallel.dp_rank,
+                        reports_outputs=parallel.is_worker_leader and parallel.is_last_stage,
+                        reports_expert_load=(parallel.ep_rank == 0 and parallel.is_worker_leader
+                                             and parallel.dp_rank == 0),
+                        reports_rebalance=parallel.rank == 0, pp_rank=parallel.pp_rank)
+        self.applier = CoreCommands(core, role, results.put, rebalancer, ep_group=parallel.ep_group)
+        self.results = results
+        core.wake = commands.wake   # a KV pull ended (puller thread): the loop reports it at once
         self._received: list = []
         self._applied = 0
         self.steps = 0
@@ -56,35 +60,30 @@ class LockstepLoop:
             for command in new:
                 if isinstance(command, Shutdown):
                     return
-                self._apply(command)
+                self.applier.apply(command)
             rebalancing = self.rebalancer is not None and self.rebalancer.in_progress  # the same on every rank
-            busy = anyone_busy or rebalancing or any(isinstance(c, (AddRequest, ActivateImport)) for c in new)
+            busy = anyone_busy or rebalancing or any(CoreCommands.starts_work(c) for c in new)
             if busy:
                 self._step()
-            self._report_landed_imports()
+            self.applier.report_landed_imports()
 
     def _next_command(self):
-        """The front's next command; while KV pulls are in flight, their outcomes are reported as they end
+        """The front's next command; a KV pull that ends meanwhile wakes the wait and is reported at once
         (a rank-local event: it never enters the agreed command sequence)."""
-        while self.core.imports_in_flight:
-            try:
-                return self.commands.get(timeout=IMPORT_POLL_S)
-            except queue.Empty:
-                self._report_landed_imports()
-        return self.commands.get()
-
-    def _report_landed_imports(self) -> None:
-        """Every rank of a decode worker reports its own pulls (each pulls its own share of the KV)."""
-        for result in self.core.take_landed_imports():
-            self.results.put(KVImported(rank=self.parallel.rank, request_id=result.request_id, error=result.error,
-                                        num_bytes=result.num_bytes, seconds=result.seconds))
+        while True:
+            command = self.commands.get()
+            if not isinstance(command, Woken):
+                return command
+            self.applier.report_landed_imports()
 
     def _drain(self) -> None:
         while not self._shutdown_received():  # nothing follows a Shutdown (the front may close right after)
             try:
-                self._received.append(self.commands.get_nowait())
+                command = self.commands.get_nowait()
             except queue.Empty:
                 return
+            if not isinstance(command, Woken):
+                self._received.append(command)
 
     def _shutdown_received(self) -> bool:
         return bool(self._received) and isinstance(self._received[-1], Shutdown)
@@ -93,44 +92,6 @@ class LockstepLoop:
         flags = torch.tensor([-len(self._received), int(self.core.has_unfinished())], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.parallel.world_control_group)
         return int(-flags[0]), bool(flags[1])
-
-    def _apply(self, command) -> None:
-        if isinstance(command, AddRequest):
-            if command.dp_rank == self.parallel.dp_rank:
-                self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                      export_kv=command.export_kv)
-        elif isinstance(command, ImportRequest):
-            if command.dp_rank == self.parallel.dp_rank:
-                self.core.add_import(command.spec)
-        elif isinstance(command, ActivateImport):
-            if command.dp_rank == self.parallel.dp_rank:
-                self.core.activate_import(command.request_id)
-        elif isinstance(command, ReleaseExport):
-            if command.dp_rank == self.parallel.dp_rank and self.core.release_export(command.request_id):
-                self._report([], always=True)   # its blocks are free: the front's router hears it now
-        elif isinstance(command, AbortRequest):
-            if self.core.abort(command.request_id, command.finish_reason):
-                # its blocks are free now: tell the front, which would otherwise hear only at the next step
-                self._report([], always=True)
-        elif isinstance(command, ResetPrefixCache):
-            self.core.reset_prefix_cache()
-            self._report([], always=True)   # the front's cache-aware router forgets this worker's blocks in order
-        elif isinstance(command, RebalanceNow):
-            if self.rebalancer is None:
-                if self.parallel.rank == 0:
-                    self.results.put(RebalanceReport(event=RebalanceEvent(
-                        -1, "manual", 0.0, 0.0, 0, 1.0, 1.0, ok=False,
-                        error="nothing to rebalance: one expert-parallel rank (start with ep > 1)")))
-            else:
-                self.rebalancer.start("manual", command.fail_on_rank)
-        elif isinstance(command, SnapshotExpertLoad):
-            # summed over the stage's EP group; each pipeline stage's first rank reports its layers
-            snapshot = self.core.expert_load(group=self.parallel.ep_group)
-            if self.parallel.ep_rank == 0 and self.parallel.is_worker_leader and self.parallel.dp_rank == 0:
-                tables = None if snapshot is None else ExpertLoadTables(**snapshot.to_dict())
-                self.results.put(ExpertLoadReport(tables=tables, stage=self.parallel.pp_rank))
-        else:
-            raise TypeError(f"unknown command {command!r}")
 
     def _step(self) -> None:
         batch = self.core.schedule()
@@ -145,13 +106,4 @@ class LockstepLoop:
             event = self.rebalancer.after_step(self.steps)
             if event is not None and self.parallel.rank == 0:  # merged over the stages already
                 self.results.put(RebalanceReport(event=event))
-        self._report(deltas, always=batch is not None)
-
-    def _report(self, deltas: list, always: bool) -> None:
-        """Send the front this worker's outputs, stats and prefix-cache changes (from its reporting rank), when
-        `always` or the cache changed. Every rank drains its cache's changes, so none piles them up."""
-        cache_events = self.core.take_prefix_cache_events()
-        if self.reports_outputs and (always or cache_events):
-            self.results.put(StepOutputs(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank, deltas=deltas,
-                                         stats=self.core.worker_stats(), sent_at=time.time(),
-                                         cache_events=cache_events or None))
+        self.applier.report_step(deltas, always=batch is not None)

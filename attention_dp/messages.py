@@ -3,10 +3,11 @@
 The control plane decodes only these types: a tagged union per direction, so a payload that is
 not one of them is a `msgspec.DecodeError`/`ValidationError`, never an object of the sender's
 choosing (no pickle anywhere). Engine values that travel here (`EngineConfig`, `SamplingParams`,
-`TokenDelta`, `WorkerStats`, `PrefixCacheEvents`, `RebalanceEvent`, `ImportSpec`) are plain dataclasses of numbers, strings, lists and dicts (and
-nested plain dataclasses: a request's `StructuredOutputSpec`), which msgspec decodes field by
-field with their declared types, running each dataclass's `__post_init__` checks. Tensors never travel here: the expert-load
-report carries its tables as nested lists (`ExpertLoadTables`).
+`TokenDelta`, `WorkerStats`, `PrefixCacheEvents`, `RebalanceEvent`, `ImportSpec`) are plain
+dataclasses of numbers, strings, lists and dicts (and nested plain dataclasses: a request's
+`StructuredOutputSpec`), which msgspec decodes field by field with their declared types. A request's
+values were checked once, at the front's admission; the ranks trust them. Tensors never travel
+here: the expert-load report carries its tables as nested lists (`ExpertLoadTables`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import msgspec
 
 from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.front.engine_protocol import WorkerStats
+from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.engine.outputs import TokenDelta
@@ -49,7 +50,7 @@ class WorkerSetup(Message):
     kv_secret: bytes = b""   # P/D instances: the deployment's KV transfer secret (this socket is CURVE-encrypted)
 
 
-# ---- front -> every worker (broadcast; applied by all ranks at the same lock-step boundary) ------
+# ---- front -> ranks (every rank gets each command, or its marker, and applies it at the same lock-step boundary)
 class AddRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
@@ -63,6 +64,12 @@ class ImportRequest(Message):
 
     spec: ImportSpec
     dp_rank: int
+
+
+class AdmittedElsewhere(Message):
+    """What the ranks of every other DP worker get in place of an `AddRequest` or `ImportRequest`: a request was
+    admitted on another worker. It carries nothing (the prompt goes only to the ranks that run it), but it
+    counts in the lock-step agreement on commands, so every rank steps from the same boundary."""
 
 
 class ActivateImport(Message):
@@ -103,7 +110,7 @@ class Shutdown(Message):
 
 
 Command = Union[AddRequest, AbortRequest, SnapshotExpertLoad, RebalanceNow, ResetPrefixCache, Shutdown,
-                ImportRequest, ActivateImport, ReleaseExport]
+                ImportRequest, ActivateImport, ReleaseExport, AdmittedElsewhere]
 
 
 # ---- worker -> front -----------------------------------------------------------------------------

@@ -1,12 +1,8 @@
-"""The front's cost per token: the event-driven front against the engine-thread front it replaced.
+"""The front's cost per token, over both engine-core clients, side by side in one process:
 
-Both fronts run in this one process, side by side, over the same 2-rank engine layout (`ep=2,
-dp_attn=2`) on the embedded demo model:
-- `thread`: AsyncEngine's engine thread calls `MultiprocessEngine.step()`, which polls the control
-  socket (up to 50 ms) and hands outputs to the loop with `call_soon_threadsafe` (the design
-  before the process-layer rewrite; still how in-process engines are driven);
-- `event`: the control socket is registered with the asyncio loop, which takes in each rank
-  message as it arrives.
+- `ranks`: worker ranks (`ep=2, dp_attn=2`) on the embedded demo model; the control socket is registered
+  with the asyncio loop, which takes in each rank message as it arrives;
+- `inprocess`: one rank in this process; its core thread hands each step's messages to the loop.
 
 Front overhead per token = the time a stream's consumer on the loop receives an output minus the
 wall-clock time at which the rank sent the step that produced it (`RequestOutput.sampled_at`):
@@ -39,7 +35,8 @@ import numpy as np
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.demo.demo_model import ensure_demo_model
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.front.multiprocess_engine import MultiprocessEngine
+from moe_runtime.front.engine_factory import make_engine
+from moe_runtime.front.front import Front
 from moe_runtime.sampling.params import SamplingParams
 
 HERE = Path(__file__).resolve().parent
@@ -51,9 +48,9 @@ def greedy(tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
 
-def start_engine(model: Path) -> MultiprocessEngine:
-    return MultiprocessEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", ep=2, dp_attn=2,
-                                           max_num_seqs=128))
+def start_engine(model: Path, mode: str = "ranks") -> Front:
+    ranks = {"ep": 2, "dp_attn": 2} if mode == "ranks" else {}
+    return make_engine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_num_seqs=128, **ranks))
 
 
 async def run_streams(async_engine: AsyncEngine, streams: int, tokens: int) -> dict:
@@ -83,8 +80,8 @@ async def run_streams(async_engine: AsyncEngine, streams: int, tokens: int) -> d
 
 
 def measure_front(model: Path, mode: str, streams: int, tokens: int) -> dict:
-    engine = start_engine(model)
-    async_engine = AsyncEngine(engine, AsyncEngineConfig(event_driven=(mode == "event"))).start()
+    engine = start_engine(model, mode)
+    async_engine = AsyncEngine(engine, AsyncEngineConfig()).start()
     try:
         async def scenario():
             await run_streams(async_engine, streams, 4)  # warm-up: compile paths, first allocations
@@ -102,11 +99,11 @@ def control_bytes_per_token(model: Path, lengths: list[int]) -> list[dict]:
     rows = []
     try:
         for tokens in lengths:
-            before = engine._control.traffic.bytes_received
+            before = engine.client.control.traffic.bytes_received
             engine.add_request(f"bytes-{tokens}", PROMPT, greedy(tokens))
             while engine.has_unfinished():
                 engine.step()
-            received = engine._control.traffic.bytes_received - before
+            received = engine.client.control.traffic.bytes_received - before
             rows.append({"output_tokens": tokens, "bytes_received": received,
                          "bytes_per_token": round(received / tokens, 1)})
     finally:
@@ -149,7 +146,7 @@ def legacy_bytes_per_token(tree: Path, model: Path, lengths: list[int]) -> list[
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Median over rounds of each (front, streams) cell, and event/thread ratios."""
+    """Median over rounds of each (front, streams) cell, and ranks/in-process ratios."""
     cells: dict[tuple[str, int], list[dict]] = {}
     for row in rows:
         cells.setdefault((row["front"], row["streams"]), []).append(row)
@@ -159,12 +156,11 @@ def summarize(rows: list[dict]) -> dict:
                                          for key in group[0] if key not in ("front", "streams")
                                          and group[0][key] is not None}
     for streams in sorted({s for _, s in cells}):
-        thread, event = summary.get(f"thread/{streams}"), summary.get(f"event/{streams}")
-        if thread and event:
-            summary[f"event_over_thread/{streams}"] = {
-                "overhead_p50": round(event["overhead_p50_ms"] / thread["overhead_p50_ms"], 3),
-                "overhead_p99": round(event["overhead_p99_ms"] / thread["overhead_p99_ms"], 3),
-                "tokens_per_s": round(event["tokens_per_s"] / thread["tokens_per_s"], 3)}
+        local, ranks = summary.get(f"inprocess/{streams}"), summary.get(f"ranks/{streams}")
+        if local and ranks:
+            summary[f"ranks_over_inprocess/{streams}"] = {
+                "overhead_p50": round(ranks["overhead_p50_ms"] / local["overhead_p50_ms"], 3),
+                "overhead_p99": round(ranks["overhead_p99_ms"] / local["overhead_p99_ms"], 3)}
     return summary
 
 
@@ -184,7 +180,7 @@ def main() -> None:
     model = ensure_demo_model()
     rows = []
     for round_index in range(args.rounds):
-        modes = ["thread", "event"] if round_index % 2 == 0 else ["event", "thread"]
+        modes = ["inprocess", "ranks"] if round_index % 2 == 0 else ["ranks", "inprocess"]
         for streams in args.streams:
             for mode in modes:
                 rows.append({"round": round_index, **measure_front(model, mode, streams, args.tokens)})
@@ -192,8 +188,8 @@ def main() -> None:
     legacy_rows = legacy_bytes_per_token(args.legacy_tree, model, args.bytes_lengths) if args.legacy_tree else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
     result = {
-        "what": "front overhead per token (rank sent -> output on the streaming coroutine), event-driven vs "
-                "engine-thread front, ep=2 dp_attn=2 on the demo model; control-plane bytes per token",
+        "what": "front overhead per token (core sent -> output on the streaming coroutine), ranks (ep=2 dp_attn=2) "
+                "and one in-process rank on the demo model; control-plane bytes per token",
         "machine": {"cpus": platform.processor() or platform.machine(), "python": platform.python_version()},
         "commit": commit.stdout.strip(), "tokens_per_stream": args.tokens, "rows": rows,
         "summary": summarize(rows), "control_plane_bytes": bytes_rows,

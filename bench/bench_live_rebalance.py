@@ -133,7 +133,7 @@ class EngineMark:
 
     @classmethod
     def take(cls, engine) -> EngineMark:
-        load = engine.expert_load()
+        load = engine.wait(engine.expert_load())
         workers = [StepTime(w.steps, w.step_seconds, w.moe_comm_seconds) for w in engine.stats().workers]
         return cls(load, workers)
 
@@ -147,7 +147,7 @@ def record_trace(engine, waves: list[list[list[int]]], params, path: Path, num_s
     """Snapshot the expert load after every batch of outputs while `waves` of prompts run one after another;
     save the per-interval differences of the cumulative totals as an ExpertLoadTrace."""
     rows, steps_per_row = [], []
-    previous = engine.expert_load()
+    previous = engine.wait(engine.expert_load())
     for wave_index, prompts in enumerate(waves):
         request_ids = [f"trace-{wave_index}-{i}" for i in range(len(prompts))]
         for request_id, prompt in zip(request_ids, prompts):
@@ -157,7 +157,7 @@ def record_trace(engine, waves: list[list[list[int]]], params, path: Path, num_s
             for output in engine.step():
                 if output.finished:
                     pending.discard(output.request_id)
-            snapshot = engine.expert_load()
+            snapshot = engine.wait(engine.expert_load())
             if snapshot.steps > previous.steps:
                 rows.append(snapshot.totals - previous.totals)  # [L, E]
                 steps_per_row.append(snapshot.steps - previous.steps)
@@ -234,7 +234,7 @@ def bench_layout(ep: int, dp_attn: int, args, path: str, work: Workload, trace_p
             span, _ = EngineMark.take(llm.engine).since(start)
             if variant == "rebalanced":
                 before_rebalance = span
-                event = llm.engine.rebalance_now()
+                event = llm.rebalance_now()
                 logger.info("rebalance: ok=%s, %d experts moved in %.3fs, balancedness %.3f -> %.3f (planning window)",
                             event.ok, event.experts_moved, event.duration_s, event.balancedness_before,
                             event.balancedness_after)

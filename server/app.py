@@ -170,7 +170,7 @@ def build_app(
         """Every DP worker forgets its cached KV blocks (behind the API key; blocks in use stay with their
         requests). Benchmarks call it between runs; a new model revision behind the same name needs it."""
         try:
-            await async_engine.call(lambda engine: engine.reset_prefix_cache())
+            async_engine.reset_prefix_cache()
         except MoERuntimeError as exc:
             raise as_api_error(exc) from exc
         return JSONResponse({"status": "ok"})

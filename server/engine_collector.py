@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from load_balancer import ExpertLoadSnapshot, RebalanceEvent
-from moe_runtime.front.engine_protocol import EngineStats, WorkerStats
+from moe_runtime.engine.stats import EngineStats, WorkerStats
 from moe_runtime.disaggregation.kv_transfer.stats import LatencyHistogram, TransferStats
 
 
@@ -35,7 +35,7 @@ class EngineReading:
             queued=async_engine.num_unstarted,
             stats=async_engine.stats(),
             expert_load=expert_load,
-            rebalance_events=list(async_engine.rebalance_events()),
+            rebalance_events=async_engine.rebalance_events() or [],
         )
 
 

@@ -37,10 +37,10 @@ class RoutingFakeEngine(FakeEngine):
         self.recorder.end_step()
         return outputs
 
-    def expert_load(self):
+    def load_snapshot(self):
         return self.recorder.snapshot()
 
-    def rebalance_now(self) -> RebalanceEvent:
+    def rebalance_event(self) -> RebalanceEvent:
         started = time.time()
         before = self.recorder.placement
         snapshot = self.recorder.snapshot()

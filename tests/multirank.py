@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import pytest
 
-from moe_runtime.front.multiprocess_engine import WORKER_PRELOAD
+from moe_runtime.processes.launcher import WORKER_PRELOAD
 
 logger = logging.getLogger(__name__)
 

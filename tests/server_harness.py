@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import os
 import re
 import signal
@@ -29,7 +30,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from moe_runtime.front.engine_protocol import EngineHealth, EngineStats, WorkerStats
+from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.engine.request_limits import RequestLimits
@@ -139,7 +140,7 @@ def serve_in_process(engine, scenario, max_queue: int | None = None, timeout_s: 
     from server import build_app
 
     async def main():
-        async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=max_queue, idle_poll_s=0.01)).start()
+        async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=max_queue)).start()
         app = build_app(async_engine, "fake", **app_kwargs)
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
         try:
@@ -185,6 +186,9 @@ class FakeEngine:
         self.shut_down = False
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self._lock = threading.RLock()      # the driver thread steps; the loop admits and aborts
+        self._driver: threading.Thread | None = None
+        self._detached = threading.Event()
 
     @staticmethod
     def expected_tokens(prompt: list[int], n: int) -> list[int]:
@@ -199,6 +203,10 @@ class FakeEngine:
         self.prompt_tokens += len(prompt_token_ids)
 
     def abort(self, request_id: str) -> bool:
+        with self._lock:
+            return self._abort(request_id)
+
+    def _abort(self, request_id: str) -> bool:
         for queue in (self.waiting, self.running):
             for request in list(queue):
                 if request.request_id == request_id:
@@ -244,14 +252,73 @@ class FakeEngine:
             return EngineHealth(False, "rank 3 stopped answering (fake)")
         return EngineHealth(True)
 
-    def expert_load(self):
+    def load_snapshot(self):
+        """What `expert_load()` answers (subclasses: their recorder's snapshot)."""
         return self.snapshot
 
     def rebalance_events(self) -> list:
         return list(self.events)
 
-    def rebalance_now(self):
+    def rebalance_event(self):
+        """What `rebalance_now()` answers (subclasses: a planned RebalanceEvent)."""
         raise InvalidRequestError("the fake engine has one rank: nothing to rebalance")
 
     def shutdown(self) -> None:
+        self.detach()
         self.shut_down = True
+
+    # ---- the rest of the front's face (`Engine`), as AsyncEngine drives it ----------------------------
+    def prepare(self, request_id, prompt_token_ids, params, export_kv=False, import_kv=None):
+        return (request_id, list(prompt_token_ids), params)
+
+    def admit(self, admission) -> None:
+        with self._lock:
+            self.add_request(*admission)
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    @staticmethod
+    def _answer(produce) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(produce())
+        except Exception as exc:  # noqa: BLE001 - the caller awaits it
+            future.set_exception(exc)
+        return future
+
+    def expert_load(self) -> concurrent.futures.Future:
+        return self._answer(self.load_snapshot)
+
+    def rebalance_now(self) -> concurrent.futures.Future:
+        return self._answer(self.rebalance_event)
+
+    def attach(self, on_outputs, on_death) -> None:
+        """A driver thread steps the fake while it has work (the real front's in-process core does the same)."""
+        loop = asyncio.get_running_loop()
+        self._driver = threading.Thread(target=self._drive, args=(loop, on_outputs, on_death), daemon=True)
+        self._driver.start()
+
+    def _drive(self, loop, on_outputs, on_death) -> None:
+        while not self._detached.is_set():
+            try:
+                with self._lock:
+                    outputs = self.step() if self.has_unfinished() else None
+                health = self.health()
+                if not health.healthy:
+                    raise EngineDeadError(health.detail)
+            except EngineDeadError as exc:
+                loop.call_soon_threadsafe(on_death, str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - a crashed fake is a dead engine
+                loop.call_soon_threadsafe(on_death, f"the engine core failed: {exc!r}")
+                return
+            if outputs:
+                loop.call_soon_threadsafe(on_outputs, outputs)
+            elif outputs is None:
+                self._detached.wait(0.002)   # idle: a fake may sleep where the real core waits on its queue
+
+    def detach(self) -> None:
+        self._detached.set()
+        if self._driver is not None and self._driver is not threading.current_thread():
+            self._driver.join(timeout=10)

@@ -16,7 +16,7 @@ from engine_helpers import PROMPTS, greedy
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.errors import EngineDeadError
-from moe_runtime.front.multiprocess_engine import MultiprocessEngine
+from moe_runtime.front.engine_factory import make_engine
 from moe_runtime.sampling.params import SamplingParams
 from tiny_checkpoints import hf_greedy
 
@@ -46,7 +46,7 @@ def checkpoint(tiny_checkpoint_factory):
 
 @pytest.fixture(scope="module")
 def setup(checkpoint):
-    engine = MultiprocessEngine(EngineConfig(model=str(checkpoint), device="cpu", dtype="float32", ep=2, dp_attn=2))
+    engine = make_engine(EngineConfig(model=str(checkpoint), device="cpu", dtype="float32", ep=2, dp_attn=2))
     async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=64)).start()
     loop = LoopThread()
     yield async_engine, loop
@@ -73,7 +73,7 @@ def test_concurrent_streams_get_their_greedy_tokens_with_no_engine_thread(setup,
     results = loop.run(scenario())
     assert [r[-1].token_ids for r in results] == expected
     assert all(sum(len(o.new_token_ids) for o in r) == NEW_TOKENS for r in results)
-    assert async_engine._thread is None and async_engine._loop is loop.loop
+    assert async_engine._loop is loop.loop
     assert not any(t.name == "engine-loop" for t in threading.enumerate())
 
 
@@ -119,7 +119,7 @@ def test_a_killed_rank_ends_every_stream_at_once(setup):
         first = await stream.__anext__()
         await asyncio.sleep(0.1)
         assert not death.done()
-        os.kill(engine._processes[1].pid, signal.SIGKILL)
+        os.kill(engine.client.processes[1].pid, signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(EngineDeadError):
             async for _ in stream:

@@ -16,7 +16,7 @@ from attention_dp.messages import MessageCodec, ResetPrefixCache, StepOutputs
 from attention_dp.prefix_index import PrefixCacheIndex
 from attention_dp.router import DPRouter
 from moe_runtime import LLM
-from moe_runtime.front.engine_protocol import WorkerStats
+from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.engine.prefix_cache import PrefixCacheEvents
 from moe_runtime.engine.prefix_hash import block_hashes
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import re
 import socket
 import threading
@@ -20,8 +21,8 @@ import pytest
 import zmq
 
 from attention_dp.control_key import CONTROL_KEY_ENV, ControlKey, ControlKeyError
-from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected, WorkerControl
-from attention_dp.messages import Hello, MessageCodec, Shutdown, WorkerSetup
+from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected, WorkerControl, Woken
+from attention_dp.messages import Hello, MessageCodec, ResetPrefixCache, Shutdown, WorkerSetup
 from moe_runtime import LLM, SamplingParams
 from server.cli import main as moe_serve_main
 from moe_runtime.config.engine_config import EngineConfig
@@ -56,7 +57,7 @@ def _join(address: ControlAddress, rank: int, timeout_s: float = 10.0) -> Worker
 
 
 def _join_in_background(front: FrontControl, address: ControlAddress, rank: int) -> WorkerControl:
-    """A rank joins while the front's thread serves its socket (as MultiprocessEngine's start-up loop does)."""
+    """A rank joins while the front's thread serves its socket (as the launcher's start-up loop does)."""
     joined: dict[str, WorkerControl] = {}
     thread = threading.Thread(target=lambda: joined.setdefault("rank", _join(address, rank)))
     thread.start()
@@ -66,6 +67,28 @@ def _join_in_background(front: FrontControl, address: ControlAddress, rank: int)
     thread.join()
     assert "rank" in joined, f"rank {rank} did not join"
     return joined["rank"]
+
+
+def test_a_command_sent_to_some_ranks_reaches_only_them(front):
+    ranks = [_join_in_background(front, front.address, rank) for rank in (0, 1)]
+    front.send(ResetPrefixCache(), {1})
+    assert isinstance(ranks[1].get(5), ResetPrefixCache)
+    with pytest.raises(queue.Empty):
+        ranks[0].get(0.3)
+    for rank in ranks:
+        rank.close()
+
+
+def test_a_wake_ends_a_ranks_wait_at_once_and_is_no_command(front):
+    """A KV pull that ends wakes a waiting rank (its lock-step loop reports it) instead of a 5 ms poll."""
+    rank = _join_in_background(front, front.address, rank=0)
+    threading.Timer(0.2, rank.wake).start()
+    started = time.monotonic()
+    assert isinstance(rank.get(), Woken)
+    assert time.monotonic() - started < 2
+    front.broadcast(Shutdown())
+    assert isinstance(rank.get(5), Shutdown), "the wake left nothing behind"
+    rank.close()
 
 
 def test_pickle_sent_to_the_control_port_runs_nothing(front, tmp_path):
@@ -220,10 +243,10 @@ def two_ranks(tiny_checkpoint_factory):
 
 
 def test_a_single_node_job_listens_on_loopback_only(two_ranks):
-    pids = {p.pid for p in two_ranks.engine._processes.values()} | {os.getpid()}
+    pids = {p.pid for p in two_ranks.engine.client.processes.values()} | {os.getpid()}
     listening = _listening_sockets(pids)
     assert listening, "expected the ranks' gloo sockets"
-    control = two_ranks.engine._control.address.endpoint
+    control = two_ranks.engine.client.control.address.endpoint
     assert control.startswith("ipc://"), f"one node: the control socket is a unix socket, not {control}"
     private = Path(control.removeprefix("ipc://")).parent
     assert private.stat().st_mode & 0o077 == 0, "the job's directory must be private to its user"
@@ -234,7 +257,7 @@ def test_a_single_node_job_listens_on_loopback_only(two_ranks):
 
 def test_control_plane_bytes_per_token_do_not_grow_with_the_output(two_ranks):
     """Ranks send each step's new tokens only (never the prompt, earlier tokens or text)."""
-    traffic = two_ranks.engine._control.traffic
+    traffic = two_ranks.engine.client.control.traffic
     prompt = list(range(3, 40))
 
     def bytes_per_token(new_tokens: int) -> float:
@@ -248,10 +271,28 @@ def test_control_plane_bytes_per_token_do_not_grow_with_the_output(two_ranks):
     assert long <= short * 1.05, f"{long:.1f} bytes/token at 256 tokens vs {short:.1f} at 16"
 
 
+def test_a_prompt_goes_only_to_the_ranks_of_its_worker(two_ranks):
+    """The other DP worker's rank gets a fixed-size `AdmittedElsewhere` in its place: it steps with the
+    request but never decodes its prompt (at 64 ranks, 1x the prompt's bytes on the wire instead of 64x)."""
+    engine = two_ranks.engine
+    traffic = engine.client.control.traffic
+    prompt = [100 + (7 * i) % 150 for i in range(480)]          # two msgpack bytes per token id
+    prompt_bytes = len(msgspec.msgpack.encode(prompt))
+    before = traffic.bytes_sent
+    engine.add_request("one-worker", prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    sent = traffic.bytes_sent - before
+    assert prompt_bytes <= sent < 1.5 * prompt_bytes, f"{sent} bytes sent for a prompt of {prompt_bytes}"
+    finished = []
+    while engine.has_unfinished():
+        finished += [o for o in engine.step() if o.finished]
+    assert [len(o.token_ids) for o in finished] == [2]
+
+
 def test_no_pickle_in_the_packages():
     """No deserializer that builds arbitrary objects, anywhere a socket could feed it."""
     forbidden = re.compile(r"^\s*(import pickle|from pickle|import dill|from multiprocessing\.connection|"
-                           r"import cloudpickle)|torch\.load\(|pickle\.loads", re.MULTILINE)
+                           r"import cloudpickle)|torch\.load\(|pickle\.loads|"
+                           r"(all_)?gather_object|broadcast_object_list|scatter_object_list", re.MULTILINE)
     offenders = [str(path.relative_to(REPO_ROOT)) for package in PACKAGES
                  for path in (REPO_ROOT / package).rglob("*.py") if forbidden.search(path.read_text())]
     assert offenders == []

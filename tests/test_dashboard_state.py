@@ -15,7 +15,7 @@ from server_harness import FakeEngine
 
 from load_balancer import ExpertLoadRecorder, Placement, load_trace
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
-from moe_runtime.front.engine_protocol import EngineStats, WorkerStats
+from moe_runtime.engine.stats import EngineStats, WorkerStats
 from server import build_app
 from server.dashboard import DashboardConfig, dashboard_router
 from server.dashboard.load_view import load_view
@@ -29,7 +29,7 @@ def serve(engine, api_key=None, **dashboard_kwargs):
 
     def runner(fn):
         async def main():
-            async_engine = AsyncEngine(engine, AsyncEngineConfig(idle_poll_s=0.01, expert_load_refresh_s=0.05)).start()
+            async_engine = AsyncEngine(engine, AsyncEngineConfig(expert_load_refresh_s=0.05)).start()
             router = dashboard_router(api_key=api_key, config=DashboardConfig(**dashboard_kwargs))
             app = build_app(async_engine, "fake", api_key=api_key, extra_routers=[router])
             transport = httpx.ASGITransport(app=app)

@@ -4,7 +4,7 @@ from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.core import EngineCore
-from moe_runtime.front.local_engine import LocalEngine
+from moe_runtime.front.engine_factory import make_engine
 
 
 def _alone(path, prompts, max_tokens):
@@ -14,7 +14,7 @@ def _alone(path, prompts, max_tokens):
 def test_requests_joining_mid_decode_get_their_solo_tokens(tiny_checkpoint_factory):
     path = tiny_checkpoint_factory("deepseek_v3")
     expected = _alone(path, PROMPTS, 24)
-    engine = LocalEngine(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+    engine = make_engine(EngineConfig(model=str(path), device="cpu", dtype="float32"))
     finished = {}
     engine.add_request("r0", PROMPTS[0], greedy(24))
     arrivals = {3: ("r1", PROMPTS[1]), 7: ("r2", PROMPTS[2]), 8: ("r3", PROMPTS[3])}
@@ -30,6 +30,7 @@ def test_requests_joining_mid_decode_get_their_solo_tokens(tiny_checkpoint_facto
             if out.finished:
                 finished[out.request_id] = out.token_ids
         step += 1
+    engine.shutdown()
     assert saw_mixed_batch, "requests never shared a decode step"
     assert [finished[f"r{i}"] for i in range(4)] == expected
 

@@ -35,7 +35,7 @@ def test_layout_matches_one_rank(arch, ep, dp_attn, tiny_checkpoint_factory, ora
         mixed = llm.generate(PROMPTS, [greedy(n) for n in lengths])
         assert [o.token_ids for o in mixed] == [tokens[:n] for tokens, n in zip(oracle(arch, PROMPTS), lengths)]
         # each rank holds ~1/ep of the routed-expert bytes
-        resident = llm.engine.resident_expert_bytes()
+        resident = llm.engine.client.resident_expert_bytes()
         for rank, (local, total) in resident.items():
             assert local * ep == total, f"rank {rank} holds {local} of {total} expert bytes"
 

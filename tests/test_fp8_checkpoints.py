@@ -158,7 +158,7 @@ def test_deepseek_v3_kept_in_fp8_on_two_ep_ranks_survives_moving_experts(fp8_che
     fp8, _, expected = fp8_checkpoints("deepseek_v3", (32, 48))
     with LLM(str(fp8), device="cpu", dtype="float32", quantization="fp8", ep=2, num_redundant_experts=2) as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
-        moved = llm.engine.rebalance_now()
+        moved = llm.rebalance_now()
         assert moved.ok and moved.experts_moved > 0, moved
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
 

@@ -31,7 +31,7 @@ def test_rebalances_during_decoding_keep_greedy_tokens(checkpoint, expected):
         assert any(e.experts_moved > 0 for e in events), "no rebalance moved anything: the test proves nothing"
         assert [e.index for e in events] == list(range(len(events)))
         assert all(e.duration_s > 0 and e.trigger == "interval" for e in events)
-        placement = llm.engine.expert_load().placement
+        placement = llm.expert_load().placement
         assert not (placement == placement[:, :1].new_tensor(range(placement.shape[1])) % 8).all(), \
             "the placement in force is still the static one"
 
@@ -40,15 +40,15 @@ def test_manual_rebalance_and_injected_failure(checkpoint, expected):
     with LLM(str(checkpoint), device="cpu", dtype="float32", ep=2, dp_attn=1, num_redundant_experts=2) as llm:
         engine = llm.engine
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
-        before = engine.expert_load()
-        failed = engine.rebalance_now(fail_on_rank=1)
+        before = llm.expert_load()
+        failed = llm.rebalance_now(fail_on_rank=1)
         assert not failed.ok and failed.experts_moved == 0 and "rank" in failed.error
-        assert (engine.expert_load().placement == before.placement).all(), "a failed migration changed the placement"
+        assert (llm.expert_load().placement == before.placement).all(), "a failed migration changed the placement"
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
-        done = engine.rebalance_now()
+        done = llm.rebalance_now()
         assert done.ok and done.experts_moved > 0
         assert done.balancedness_after >= done.balancedness_before
-        assert not (engine.expert_load().placement == before.placement).all()
+        assert not (llm.expert_load().placement == before.placement).all()
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
         assert [e.ok for e in engine.rebalance_events()] == [False, True]
 

@@ -44,8 +44,8 @@ def test_second_node_started_with_node_rank(tiny_checkpoint_factory, monkeypatch
     try:
         with LLM(str(path), device="cpu", dtype="float32", ep=4, dp_attn=2, nnodes=2, node_rank=0,
                  master_port=master_port, control_port=control_port) as llm:
-            assert sorted(llm.engine._processes) == [0, 1], "node 0 starts ranks 0 and 1 only"
-            hosts = llm.engine._control.hellos
+            assert sorted(llm.engine.client.processes) == [0, 1], "node 0 starts ranks 0 and 1 only"
+            hosts = llm.engine.client.control.hellos
             assert sorted(hosts) == [0, 1, 2, 3]
             assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
         assert node1.wait(30) == 0, node1.stdout.read()

@@ -16,11 +16,11 @@ def test_pipeline_stages_rebalance_together_and_keep_greedy_tokens(tiny_checkpoi
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
         interval = engine.rebalance_events()
         assert interval and all(e.ok and e.trigger == "interval" for e in interval), interval
-        before = engine.expert_load().placement
+        before = llm.expert_load().placement
         assert before.shape[0] == 4, "the MoE layers of both stages"
-        failed = engine.rebalance_now(fail_on_rank=3)  # a rank of the last stage: every stage rolls back
+        failed = llm.rebalance_now(fail_on_rank=3)  # a rank of the last stage: every stage rolls back
         assert not failed.ok and failed.experts_moved == 0 and "rank 3" in failed.error, failed
-        assert (engine.expert_load().placement == before).all(), "a failed migration changed the placement"
+        assert (llm.expert_load().placement == before).all(), "a failed migration changed the placement"
         done = llm.rebalance_now()
         assert done.ok and done.experts_moved > 0, done
         assert 0 < done.balancedness_before <= 1 and 0 < done.balancedness_after <= 1
@@ -38,12 +38,12 @@ def test_a_stage_without_moe_layers_does_not_stop_the_others_from_balancing(tiny
     with LLM(str(path), device="cpu", dtype="float32", ep=2, pp=2, pp_layers=(1, 2), num_redundant_experts=2,
              eplb_interval=3, eplb_window=2) as llm:
         engine = llm.engine
-        before = engine.expert_load().placement
+        before = llm.expert_load().placement
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
         events = engine.rebalance_events()
         assert events and all(e.ok and e.trigger == "interval" for e in events), events
         assert any(e.experts_moved > 0 for e in events), "no rebalance moved anything: the test proves nothing"
-        after = engine.expert_load().placement
+        after = llm.expert_load().placement
         assert before.shape == after.shape == (2, 18), "the MoE layers of stage 1 only"
         assert not (after == before).all(), "the stage with MoE layers kept its static placement"
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected

@@ -26,7 +26,7 @@ from engine_helpers import greedy
 from tiny_checkpoints import HFOracle
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.block_manager import BlockManager
-from moe_runtime.front.engine_protocol import EngineStats, WorkerStats
+from moe_runtime.engine.stats import EngineStats, WorkerStats
 from moe_runtime.engine.prefix_cache import PrefixCache
 from moe_runtime.engine.prefix_hash import block_hashes
 from moe_runtime.sampling.sampler import Sampler

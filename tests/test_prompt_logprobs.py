@@ -14,7 +14,7 @@ from engine_helpers import PROMPTS, greedy
 from tiny_checkpoints import HFOracle
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.sampling.logprobs import PromptLogprobs, PromptTokenLogprob
-from moe_runtime.front.engine_protocol import WorkerStats
+from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.front.output_processor import OutputProcessor
 from moe_runtime.engine.outputs import TokenDelta

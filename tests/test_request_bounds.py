@@ -176,7 +176,7 @@ def test_a_bad_offline_value_is_refused_at_admission_naming_the_field(llm, valid
 
 
 def test_one_validation_per_request_on_the_multi_rank_front_path(validations):
-    """What `MultiprocessEngine.add_request` does: admit, fill in a seed, broadcast an AddRequest; each
+    """What `Front.add_request` does for ranks: admit, fill in a seed, send an AddRequest; each
     rank decodes it (msgspec runs `__post_init__`) and trusts it."""
     params = SamplingParams(max_tokens=4, temperature=0.7, top_k=2**40, stop="x", logit_bias={3: 1.5})
     LIMITS.check([1, 2], params)

@@ -20,7 +20,7 @@ def post_completions(bodies: list[dict]) -> list[httpx.Response]:
     """POST each body to /v1/completions of the app over a fake engine, in order."""
 
     async def main():
-        async_engine = AsyncEngine(FakeEngine(), AsyncEngineConfig(idle_poll_s=0.01)).start()
+        async_engine = AsyncEngine(FakeEngine(), AsyncEngineConfig()).start()
         transport = httpx.ASGITransport(app=build_app(async_engine, "fake"))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=20) as client:

@@ -16,7 +16,7 @@ def run(coro):
 
 
 def started(engine: FakeEngine, **config) -> AsyncEngine:
-    return AsyncEngine(engine, AsyncEngineConfig(idle_poll_s=0.01, **config)).start()
+    return AsyncEngine(engine, AsyncEngineConfig(**config)).start()
 
 
 def test_generate_yields_every_step_and_ends_finished():
@@ -138,31 +138,31 @@ def test_queue_full_rejects_beyond_max_queue():
     assert outputs[-1].finished
 
 
-def test_giving_up_on_a_submission_or_call_leaves_the_engine_healthy_and_empty():
+def test_giving_up_on_a_long_submission_leaves_the_engine_healthy_and_empty():
+    """A long prompt's admission checks run in a worker thread; a caller that stops waiting for them leaves
+    nothing behind (the request is never admitted), and aborting a running request empties the engine."""
     engine = FakeEngine(step_delay_s=0.1)
-    async_engine = started(engine)
+    async_engine = started(engine, offload_prompt_tokens=8)
 
     async def main():
         busy = await async_engine.submit("busy", [1], SamplingParams(max_tokens=10_000))
-        await busy.__anext__()          # the engine thread now sleeps 0.1 s per step
+        await busy.__anext__()          # the engine now sleeps 0.1 s per step
         with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(async_engine.submit("impatient", [1], SamplingParams(max_tokens=10_000)), 0.01)
-        with pytest.raises(asyncio.TimeoutError):
-            await async_engine.call(lambda e: e.steps, timeout_s=0.01)
+            await asyncio.wait_for(async_engine.submit("impatient", [1] * 64, SamplingParams(max_tokens=10)), 0)
         async_engine.abort("busy")
         for _ in range(100):
             await asyncio.sleep(0.05)
             if not engine.has_unfinished():
                 break
-        return await async_engine.call(lambda e: e.has_unfinished())
+        return engine.has_unfinished(), [r.request_id for r in engine.waiting]
 
     try:
-        unfinished = run(main())
+        unfinished, waiting = run(main())
         health = async_engine.health()
     finally:
         async_engine.shutdown()
     assert health.healthy, health.detail
-    assert unfinished is False
+    assert unfinished is False and waiting == []
     assert async_engine.num_unstarted == 0
 
 
@@ -259,19 +259,20 @@ class CountingSnapshots(FakeEngine):
         super().__init__()
         self.snapshots_taken = 0
 
-    def expert_load(self):
+    def load_snapshot(self):
         self.snapshots_taken += 1
         return self.snapshots_taken
 
 
 def test_expert_load_is_refreshed_only_while_someone_asks():
     engine = CountingSnapshots()
-    async_engine = started(engine, expert_load_refresh_s=0.01, expert_load_interest_s=0.2)
+    async_engine = started(engine, expert_load_refresh_s=0.01)
 
     async def main():
-        await asyncio.sleep(0.5)                  # nobody asked: only the snapshot taken at start
+        await async_engine.submit("a", [1], SamplingParams(max_tokens=3))   # attached and running
+        await asyncio.sleep(0.3)                  # nobody asked: only the snapshot taken when attached
         untouched = engine.snapshots_taken
-        first = async_engine.expert_load()
+        first = async_engine.expert_load()        # asked: refreshed (the fake answers at once)
         await asyncio.sleep(0.1)
         later = async_engine.expert_load()
         fresh = await async_engine.fresh_expert_load()
@@ -281,6 +282,6 @@ def test_expert_load_is_refreshed_only_while_someone_asks():
         untouched, first, later, fresh = run(main())
     finally:
         async_engine.shutdown()
-    assert untouched == 1 and first == 1
-    assert later > first
-    assert fresh > later    # taken on demand, between steps
+    assert untouched == 1 and first == 2
+    assert later > first    # stale after expert_load_refresh_s: asked again, refreshed again
+    assert fresh > later    # taken on demand

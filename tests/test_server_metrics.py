@@ -25,7 +25,7 @@ def serve(engine, scenario, expert_load_refresh_s: float = 1.0):
     """`await scenario(client)` against `build_app` on `engine` (one event loop, ASGI transport)."""
 
     async def main():
-        config = AsyncEngineConfig(idle_poll_s=0.01, expert_load_refresh_s=expert_load_refresh_s)
+        config = AsyncEngineConfig(expert_load_refresh_s=expert_load_refresh_s)
         async_engine = AsyncEngine(engine, config).start()
         transport = httpx.ASGITransport(app=build_app(async_engine, "fake"))
         try:

@@ -36,7 +36,7 @@ def post_all(requests: list[tuple[str, dict]], tokenizer=None) -> list[httpx.Res
     async def main():
         engine = FakeEngine()
         engine.tokenizer = tokenizer
-        async_engine = AsyncEngine(engine, AsyncEngineConfig(idle_poll_s=0.01)).start()
+        async_engine = AsyncEngine(engine, AsyncEngineConfig()).start()
         app = build_app(async_engine, "fake")
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",

@@ -22,7 +22,7 @@ def test_dense_layouts_match_one_rank(arch, layout, tiny_checkpoint_factory):
     expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
     with LLM(str(path), device="cpu", dtype="float32", **layout) as llm:
         outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
-        ready = llm.engine.ready
+        ready = llm.engine.client.job.ready
     assert [o.token_ids for o in outputs] == expected
     # each rank holds only its stage's layers (and its TP share of them): well under the whole model
     whole = checkpoint_bytes(path)
@@ -61,7 +61,7 @@ def test_moe_pipeline_with_expert_parallel_stages(arch, layout, tiny_checkpoint_
     with LLM(str(path), device="cpu", dtype="float32", pp_micro_batches=2, **layout) as llm:
         outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
         [single] = llm.generate([PROMPTS[2]], greedy(NEW_TOKENS))  # other DP workers idle in both stages
-        snapshot = llm.engine.expert_load()
+        snapshot = llm.expert_load()
     assert [o.token_ids for o in outputs] == expected
     assert single.token_ids == expected[2]
     assert snapshot.counts.shape[0] == 4 - (1 if arch == "deepseek_v3" else 0), "MoE layers of both stages"

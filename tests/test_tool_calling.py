@@ -221,7 +221,7 @@ def with_openai_client(tokenizer_dir, scenario):
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
 
     async def main():
-        async_engine = AsyncEngine(ScriptedEngine(tokenizer), AsyncEngineConfig(idle_poll_s=0.01)).start()
+        async_engine = AsyncEngine(ScriptedEngine(tokenizer), AsyncEngineConfig()).start()
         transport = httpx.ASGITransport(app=build_app(async_engine, "scripted"))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=20) as http:

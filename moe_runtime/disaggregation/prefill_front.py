@@ -78,13 +78,9 @@ class PrefillFront:
         return len(self._parked)
 
     @property
-    def has_due(self) -> bool:
-        """A release arrived or a deadline passed (cheap: the engine thread asks it between steps)."""
-        with self._lock:
-            if self._released:
-                return True
-        now = time.monotonic()
-        return any(p.deadline <= now for p in self._parked.values())
+    def next_deadline(self) -> float | None:
+        """When the earliest parked request is freed anyway (time.monotonic()); None: nothing parked."""
+        return min((p.deadline for p in self._parked.values()), default=None)
 
     def _on_release(self, request_id: str) -> None:
         with self._lock:

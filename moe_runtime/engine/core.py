@@ -2,7 +2,7 @@
 
 It deals in token ids only: each step returns a `TokenDelta` per request that advanced, and
 requests arrive already checked against `limits()`. Text, stop strings and validation are the
-front's (`LocalEngine` in process, `MultiprocessEngine` for ranks in other processes). On a
+front's (`moe_runtime.front.Front`, over an in-process or a ranks' core client). On a
 prefill instance of a P/D set it parks finished prefills' blocks for decode instances
 (`PrefillExports`); on a decode instance it takes in requests prefilled there (`DecodeImports`).
 """
@@ -25,7 +25,7 @@ from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.in_memory import weights_in_memory
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.front.engine_protocol import EngineHealth, EngineStats, WorkerStats
+from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.disaggregation.kv_transfer.puller import PullResult

@@ -54,9 +54,9 @@ class RequestLimits:
         params.validate()  # the request's one validation (construction checks nothing; the ranks trust this)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty: give at least one token")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:   # C loops: 128k ids in ~2 ms
+            bad = next(t for t in prompt_token_ids if not 0 <= t < self.vocab_size)
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         check_context_length(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.kv_capacity_tokens:

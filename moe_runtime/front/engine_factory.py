@@ -1,19 +1,34 @@
-"""`make_engine`: the one place that picks the engine for a configuration (`LLM` and `moe-serve` both use it)."""
+"""`make_engine`: the one place that picks the engine core client for a configuration (`LLM` and `moe-serve`
+both use it): one rank in this process, or worker ranks in other processes, behind the same `Front`."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.front.engine_protocol import Engine
-from moe_runtime.front.local_engine import LocalEngine
-from moe_runtime.front.multiprocess_engine import MultiprocessEngine
+from moe_runtime.config.model_config import load_hf_config
+from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.engine.core import EngineCore, load_tokenizer
+from moe_runtime.front.front import Front
+from moe_runtime.front.inprocess_client import InProcessClient
+from moe_runtime.front.rank_client import RankClient
 
 
-def make_engine(config: EngineConfig) -> Engine:
-    """One rank in this process, or worker processes (one per rank) behind a front in this process.
-
-    Options are checked here, so `LLM(...)` refuses an unknown quantization as `moe-serve` does; the
-    layout is checked against the checkpoint when the engine starts.
-    """
+def make_engine(config: EngineConfig, startup_timeout_s: float = 600.0) -> Front:
+    """Options are checked here, so `LLM(...)` refuses an unknown quantization as `moe-serve` does; the
+    layout is checked against the checkpoint before any rank starts."""
     config.validate_options()
     if config.world_size > 1 or config.nnodes > 1 or not config.launch_workers:
-        return MultiprocessEngine(config)
-    return LocalEngine(config)
+        hf_config = load_hf_config(config.model)
+        layout = config.layout()
+        layout.validate(hf_config)
+        kv_secret = (TransferKey.shared(config.kv_transfer_key_file).key.secret
+                     if config.disaggregation_mode != "none" else b"")
+        client = RankClient(config, layout.world_size, load_tokenizer(Path(config.model)), hf_config.vocab_size,
+                            kv_secret, startup_timeout_s)
+    else:
+        client = InProcessClient(EngineCore(config))
+    try:
+        return Front(config, client)
+    except BaseException:
+        client.shutdown()
+        raise

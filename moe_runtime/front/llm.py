@@ -69,11 +69,13 @@ class LLM:
     def expert_load(self):
         """The expert-load snapshot summed over ranks (`load_balancer.ExpertLoadSnapshot`: counts [L, E] over
         the window, totals, per-rank load [L, W], balancedness [L], placement), or None for a dense model."""
-        return self._engine.expert_load()
+        return self._engine.wait(self._engine.expert_load())
 
-    def rebalance_now(self):
-        """Plan a placement from the recorded window and migrate expert weights now; a RebalanceEvent."""
-        return self._engine.rebalance_now()
+    def rebalance_now(self, fail_on_rank: int | None = None):
+        """Plan a placement from the recorded window and migrate expert weights now; a RebalanceEvent.
+        `fail_on_rank` injects a migration failure on that rank (fault-injection tests): the event then
+        reports ok=False and the previous placement stays in force."""
+        return self._engine.wait(self._engine.rebalance_now(fail_on_rank))
 
     def shutdown(self) -> None:
         if self._engine is not None:

@@ -13,7 +13,7 @@ import time
 from attention_dp.control_key import ControlKey
 from attention_dp.control_plane import ControlAddress
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.front.multiprocess_engine import main_module_hidden, worker_context
+from moe_runtime.processes.launcher import main_module_hidden, worker_context
 from moe_runtime.processes.worker import worker_main
 
 logger = logging.getLogger(__name__)

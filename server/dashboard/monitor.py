@@ -52,7 +52,7 @@ class DashboardMonitor:
     def sample(self, now: float):
         """Read the engine's views; add a timeline sample and a trace row when one is due."""
         engine = self.async_engine
-        snapshot = engine.expert_load()       # also tells the engine thread to keep the snapshot fresh
+        snapshot = engine.expert_load()       # also keeps the snapshot fresh while the dashboard asks
         stats = engine.stats()
         health = engine.health()
         if now - self._last_sample_t >= self.config.sample_interval_s:
@@ -89,10 +89,10 @@ class DashboardMonitor:
 
     def rebalance_events(self) -> list[dict] | None:
         """Every rebalance the engine reports, plus the ones we triggered (by index); None if it keeps none."""
-        reader = getattr(self.async_engine, "rebalance_events", None)
+        events = self.async_engine.rebalance_events()
         merged = dict(self._own_events)
-        if reader is not None:
-            for event in reader():
+        if events is not None:
+            for event in events:
                 merged[event.index] = event.to_dict()
         elif not merged:
             return None
@@ -103,8 +103,6 @@ class DashboardMonitor:
             return self._rebalance_unsupported
         if not has_expert_load:
             return "this engine has no expert-parallel load to balance (one rank, or a dense model)"
-        if getattr(self.async_engine, "call", None) is None:
-            return "this server's AsyncEngine cannot run engine operations (no AsyncEngine.call)"
         if getattr(self.async_engine.engine, "rebalance_now", None) is None:
             return f"{type(self.async_engine.engine).__name__} has no rebalance_now()"
         return None

@@ -1,0 +1,58 @@
+"""What the engine reports about itself: each DP worker's queue, KV cache and step times, the totals, health."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moe_runtime.disaggregation.kv_transfer.stats import TransferStats
+
+
+@dataclass
+class WorkerStats:
+    """One DP attention worker's queue and KV cache."""
+
+    dp_rank: int
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_preemptions: int
+    steps: int = 0                  # forward steps run (lock-step ones with empty batches included)
+    step_seconds: float = 0.0       # wall time in forward steps, cumulative
+    moe_comm_seconds: float = 0.0   # ... of which in dispatch + combine (expert-parallel communication)
+    compute_seconds: float = 0.0    # ... of which running this rank's layers (pipeline: the rest is bubble)
+    prefix_cache_queries: int = 0   # tokens looked up in the prefix cache at admissions (readmissions too), cumulative
+    prefix_cache_hits: int = 0      # ... of which found cached (not computed again)
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_blocks_free / max(self.kv_blocks_total, 1)
+
+
+@dataclass
+class EngineStats:
+    workers: list[WorkerStats] = field(default_factory=list)
+    prompt_tokens: int = 0          # prompt tokens of admitted requests, since start
+    generation_tokens: int = 0      # tokens generated, since start
+    transfer: TransferStats | None = None   # KV transfers and queue times (the front's; None from a bare core)
+
+    @property
+    def running(self) -> int:
+        return sum(w.running for w in self.workers)
+
+    @property
+    def waiting(self) -> int:
+        return sum(w.waiting for w in self.workers)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return sum(w.prefix_cache_queries for w in self.workers)
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return sum(w.prefix_cache_hits for w in self.workers)
+
+
+@dataclass
+class EngineHealth:
+    healthy: bool
+    detail: str = "ok"

@@ -1,0 +1,454 @@
+"""The front: one class between the callers (`LLM`, `AsyncEngine`) and the engine core, for every layout.
+
+It owns what happens around the core: admission (the one `RequestLimits` check), DP routing (the
+least-loaded or cache-aware `DPRouter`), output processing (`OutputProcessor`: detokenization, stop
+strings), the front halves of P/D transfers (`PrefillFront`: handles and releases; `DecodeFront`:
+imports until every rank of the worker has its KV) and the engine's stats. It talks to the core through
+one `EngineCoreClient`: in process for one rank, over ZeroMQ for ranks elsewhere. Both deliver the
+ranks' messages, which `_take` turns into outputs.
+
+Two drivers, one at a time: a blocking caller calls `step()` (and `wait` for an expert-load snapshot or
+a rebalance), or an asyncio loop `attach`es and gets outputs as messages arrive; then nothing polls:
+the core client wakes the loop, a KV release wakes it from the listener's thread, and transfer
+deadlines are loop timers.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import random
+import time
+from typing import Callable
+
+import msgspec
+
+from attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, ExpertLoadReport, ImportRequest,
+                                   KVImported, RebalanceNow, RebalanceReport, ReleaseExport, ResetPrefixCache,
+                                   SnapshotExpertLoad, StepOutputs)
+from attention_dp.router import DPRouter
+from load_balancer.rebalance_event import RebalanceEvent
+from load_balancer.recorder import ExpertLoadSnapshot
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.disaggregation.decode_front import DecodeFront, ImportOutcome
+from moe_runtime.disaggregation.import_spec import ImportSpec
+from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
+from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.disaggregation.kv_transfer.shard import KVShard
+from moe_runtime.disaggregation.kv_transfer.stats import TransferStats
+from moe_runtime.disaggregation.prefill_front import PrefillFront, note_step_deltas
+from moe_runtime.engine.outputs import RequestOutput, TokenDelta
+from moe_runtime.engine.prefix_hash import block_hashes
+from moe_runtime.engine.request_limits import RequestLimits
+from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
+from moe_runtime.errors import EngineDeadError, InvalidRequestError
+from moe_runtime.front.core_client import EngineCoreClient
+from moe_runtime.front.output_processor import OutputProcessor, ProcessedStep
+from moe_runtime.front.stage_snapshots import merge_stage_snapshots
+from moe_runtime.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STEP_WAIT_S = 0.05   # step() returns after this with no outputs, so a blocking caller can send commands
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """A request checked and prepared for routing (the part of admission that may run off the event loop:
+    on a 128k-token prompt the limit check and the block hashes take tens of milliseconds)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    block_hashes: list[int] | None      # the prompt's full blocks, for cache-aware routing (None: not routed so)
+    import_kv: KVHandle | None = None   # decode instance: verified
+    export_kv: bool = False
+
+
+class Front:
+    def __init__(self, config: EngineConfig, client: EngineCoreClient):
+        self.config = config
+        self.client = client
+        shape = client.shape
+        self.shape = shape
+        self.tokenizer = client.tokenizer
+        self.max_model_len = shape.max_model_len
+        self.block_size = shape.block_size
+        self.num_kv_blocks = shape.num_kv_blocks
+        self.limits = RequestLimits(shape.vocab_size, shape.max_model_len, shape.kv_capacity_tokens,
+                                    self.tokenizer is not None)
+        cache_aware = config.enable_prefix_caching and config.cache_aware_routing and shape.dp_size > 1
+        self.router = DPRouter.for_workers(shape.dp_size, shape.num_kv_blocks, cache_aware, shape.block_size)
+        self.outputs = OutputProcessor(self.tokenizer)   # the requests in flight, as the front sees them
+        self.transfer_stats = TransferStats(config.disaggregation_mode)
+        self.prefill: PrefillFront | None = None   # --disaggregation-mode prefill: handles, releases of parked KV
+        self.decode: DecodeFront | None = None     # --disaggregation-mode decode: imports in flight
+        self._dead: str | None = None
+        self._undelivered: list[RequestOutput] = []     # outputs for the next step() (blocking driver)
+        self._worker_stats: dict[int, WorkerStats] = {}
+        self._load_reports: dict[int, ExpertLoadSnapshot | None] = {}   # pipeline stage -> its snapshot
+        self._load_future: concurrent.futures.Future | None = None
+        self._rebalance_future: concurrent.futures.Future | None = None
+        self._rebalance_events: list[RebalanceEvent] = []
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._seeds = random.Random()
+        self._loop: asyncio.AbstractEventLoop | None = None     # attached: the loop outputs go to
+        self._on_outputs: Callable[[list[RequestOutput]], None] | None = None
+        self._on_death: Callable[[str], None] | None = None
+        self._transfer_timer: asyncio.TimerHandle | None = None
+        if config.disaggregation_mode != "none":
+            self._open_kv_transfer()
+
+    def _open_kv_transfer(self) -> None:
+        key = TransferKey.shared(self.config.kv_transfer_key_file)
+        if self.config.disaggregation_mode == "prefill":
+            self.prefill = PrefillFront(key, self.config.kv_transfer_host, self.config.kv_transfer_timeout_s,
+                                        self.transfer_stats)
+        else:
+            self.decode = DecodeFront(key, self.config.kv_transfer_timeout_s, self.transfer_stats)
+
+    def worker_shards(self, dp_rank: int) -> list[KVShard]:
+        """The KV shards of DP worker `dp_rank`'s ranks (a handle's `shards`)."""
+        return [self.shape.kv_shards[rank] for rank in self.shape.worker_ranks[dp_rank]]
+
+    @property
+    def core(self):
+        """The engine core, when it runs in this process (one rank): for tests and benchmarks."""
+        return self.client.core
+
+    # ---- admission ----------------------------------------------------------------------------------
+    def prepare(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                export_kv: bool = False, import_kv: KVHandle | None = None) -> Admission:
+        """Check a request against the engine's limits (the one check: the ranks trust what they get) and
+        hash its blocks. Touches no routing state, so a loop can run it in a worker thread."""
+        self.limits.check(prompt_token_ids, params)
+        if export_kv and self.prefill is None:
+            raise InvalidRequestError("export_kv: this engine is not a prefill instance (--disaggregation-mode prefill)")
+        prompt = list(prompt_token_ids)
+        if import_kv is not None:
+            if self.decode is None:
+                raise InvalidRequestError("kv_transfer_params: this instance is not --disaggregation-mode decode")
+            import_kv = self.decode.verify(import_kv, prompt, params)
+        hashes = block_hashes(prompt, self.block_size) if self.router.prefix_index is not None else None
+        return Admission(request_id, prompt, params, hashes, import_kv, export_kv)
+
+    def admit(self, admission: Admission) -> None:
+        """Route a prepared request to a DP worker and send it to that worker's ranks."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        request_id, prompt, params = admission.request_id, admission.prompt, admission.params
+        if request_id in self.outputs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.seed is None and self.shape.world_size > 1:  # the ranks of a DP worker must draw the same samples
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+        decision = self.router.choose(request_id, len(prompt), admission.block_hashes)
+        if admission.import_kv is None:
+            self.client.send(AddRequest(request_id=request_id, prompt_token_ids=prompt, params=params,
+                                        dp_rank=decision.dp_rank, export_kv=admission.export_kv),
+                             only_worker=decision.dp_rank)
+            self.outputs.add(request_id, prompt, params)
+        else:
+            self._add_import(request_id, prompt, params, admission.import_kv, decision.dp_rank)
+        self._prompt_tokens += len(prompt)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    export_kv: bool = False, import_kv: KVHandle | None = None) -> None:
+        """Admit a request: `prepare` then `admit`. `export_kv` (prefill instance): its KV is parked after its
+        first token and its last output carries a `kv_handle`; `import_kv` (decode instance): it was
+        prefilled there, its ranks pull its KV."""
+        self.admit(self.prepare(request_id, prompt_token_ids, params, export_kv, import_kv))
+
+    def _add_import(self, request_id: str, prompt: list[int], params: SamplingParams, handle: KVHandle,
+                    dp_rank: int) -> None:
+        first_logprob = handle.first_logprob.token_logprob() if handle.first_logprob is not None else None
+        spec = ImportSpec(request_id, prompt, params, handle.first_token, handle.request_id, list(handle.shards),
+                          first_logprob, handle.generator_state)
+        self.client.send(ImportRequest(spec=spec, dp_rank=dp_rank), only_worker=dp_rank)
+        self.outputs.add(request_id, prompt, params)
+        self.decode.start(request_id, dp_rank, set(self.shape.worker_ranks[dp_rank]), handle)
+        self._generation_tokens += 1
+        self.router.grow(request_id, 1)
+        self.router.first_output(request_id)
+        first = TokenDelta(request_id, [handle.first_token],
+                           [first_logprob] if params.logprobs is not None and first_logprob is not None else None)
+        self._emit(self._outputs_of(self.outputs.process([first])))
+        self._arm_transfer_timer()
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self.outputs or self._dead is not None:
+            return False
+        self.client.send(AbortRequest(request_id=request_id))
+        self.outputs.abort(request_id)
+        self.router.release(request_id)
+        if self.decode is not None:
+            self.decode.abort(request_id)   # its prefill instance frees its parked copy
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.outputs.requests) or bool(self._undelivered)
+
+    def reset_prefix_cache(self) -> None:
+        """Every DP worker forgets its cached KV blocks at its next step boundary (blocks in use stay with their
+        requests); each reports it, and the cache-aware router forgets them in order."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        self.client.send(ResetPrefixCache())
+
+    # ---- messages from the core ---------------------------------------------------------------------
+    def _take(self, message) -> list[RequestOutput]:
+        """Apply one message from a rank to the front's state; the outputs it completes."""
+        if isinstance(message, StepOutputs):
+            return self._apply_step(message)
+        if isinstance(message, KVImported):
+            outcome = None
+            if self.decode is not None:
+                outcome = self.decode.landed(message.rank, message.request_id, message.error, message.num_bytes,
+                                             message.seconds)
+            return self._settle(outcome) if outcome is not None else []
+        if isinstance(message, RebalanceReport):
+            self._rebalance_events.append(message.event)
+            if self._rebalance_future is not None and not self._rebalance_future.done():
+                self._rebalance_future.set_result(message.event)
+        elif isinstance(message, ExpertLoadReport):
+            self._load_reports[message.stage] = (None if message.tables is None else
+                                                 ExpertLoadSnapshot.from_dict(msgspec.structs.asdict(message.tables)))
+            future = self._load_future
+            if len(self._load_reports) == self.shape.pp_size and future is not None and not future.done():
+                future.set_result(merge_stage_snapshots([self._load_reports[s] for s in range(self.shape.pp_size)]))
+        return []
+
+    def _apply_step(self, batch: StepOutputs) -> list[RequestOutput]:
+        self._worker_stats[batch.dp_rank] = batch.stats
+        self.router.report_kv(batch.dp_rank, batch.stats.kv_blocks_free, batch.stats.kv_blocks_total)
+        if batch.cache_events is not None:   # before the deltas: a first output settles what its request expected
+            self.router.report_cache(batch.dp_rank, batch.cache_events)
+        live = [d for d in batch.deltas if d.request_id in self.outputs]  # not aborted or stopped meanwhile
+        for delta in live:
+            self._generation_tokens += len(delta.new_token_ids)
+            self.router.grow(delta.request_id, len(delta.new_token_ids))
+            self.router.first_output(delta.request_id)
+        processed = self.outputs.process(live)
+        for request_id, reason in processed.ended.items():  # ended here (stop string, error): ranks free its blocks
+            self.client.send(AbortRequest(request_id=request_id, finish_reason=reason))
+        for output in processed.outputs:
+            output.sampled_at = batch.sent_at
+            if output.finished:
+                self.router.release(output.request_id)
+        dp_rank = batch.dp_rank
+        note_step_deltas(self.prefill, self.transfer_stats, dp_rank, batch.deltas, processed.outputs,
+                         lambda: self.worker_shards(dp_rank),
+                         lambda request_id: self.client.send(ReleaseExport(request_id=request_id, dp_rank=dp_rank)))
+        return processed.outputs
+
+    # ---- KV transfers (P/D instances) ---------------------------------------------------------------
+    def _service_transfers(self) -> list[RequestOutput]:
+        """Apply releases and transfer deadlines (the ranks' pull outcomes arrive as messages: `_take`)."""
+        if self._dead is not None:
+            return []
+        if self.prefill is not None:
+            for parked in self.prefill.take_due():
+                self.client.send(ReleaseExport(request_id=parked.request_id, dp_rank=parked.dp_rank))
+        outputs: list[RequestOutput] = []
+        if self.decode is not None:
+            for outcome in self.decode.take_expired():
+                outputs.extend(self._settle(outcome))
+        return outputs
+
+    def _settle(self, outcome: ImportOutcome) -> list[RequestOutput]:
+        """Every rank of the worker has the import's KV: decode it; or one failed: fail it alone, on every rank."""
+        if outcome.error is None:
+            self.client.send(ActivateImport(request_id=outcome.request_id, dp_rank=outcome.dp_rank))
+            return []
+        self.client.send(AbortRequest(request_id=outcome.request_id, finish_reason="error"))
+        self.router.release(outcome.request_id)
+        return self._outputs_of(self.outputs.process([TokenDelta(outcome.request_id, [], None, "error",
+                                                                 outcome.error)]))
+
+    def _outputs_of(self, processed: ProcessedStep) -> list[RequestOutput]:
+        """Outputs made in the front (an import's first token, its failure); requests they ended are aborted."""
+        for request_id, reason in processed.ended.items():
+            self.client.send(AbortRequest(request_id=request_id, finish_reason=reason))
+            if self.decode is not None:
+                self.decode.abort(request_id)
+        for output in processed.outputs:
+            if output.finished:
+                self.router.release(output.request_id)
+        return processed.outputs
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Outputs made outside the core's messages: to the loop (after the caller returns), or to step()."""
+        if not outputs:
+            return
+        if self._on_outputs is not None:
+            self._loop.call_soon(self._on_outputs, outputs)
+        else:
+            self._undelivered.extend(outputs)
+
+    # ---- the blocking driver ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Outputs since the last call; waits briefly for at least one (an in-process core steps here)."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        outputs, self._undelivered = self._undelivered, []
+        outputs.extend(self._service_transfers())
+        if outputs or not self.outputs.requests:
+            return outputs
+        return outputs + self._take_messages(STEP_WAIT_S)
+
+    def _take_messages(self, timeout: float) -> list[RequestOutput]:
+        try:
+            messages = self.client.receive(timeout)
+        except EngineDeadError as exc:
+            self._dead = str(exc)
+            self._fail_futures()
+            raise
+        outputs = []
+        for message in messages:
+            outputs.extend(self._take(message))
+        return outputs
+
+    def _absorb_pending(self) -> None:
+        """Blocking driver: take in what arrived while nobody called step() (its outputs are kept for it).
+        Attached to a loop, messages are taken in as they arrive instead."""
+        if self._dead is not None or self._on_outputs is not None:
+            return
+        try:
+            messages = self.client.pending()
+        except EngineDeadError as exc:
+            self._dead = str(exc)
+            return
+        for message in messages:
+            self._undelivered.extend(self._take(message))
+
+    def wait(self, future: concurrent.futures.Future, timeout_s: float | None = None):
+        """Blocking driver: take messages in until `future` (from `expert_load` or `rebalance_now`) is done; the
+        outputs that arrive meanwhile are kept for the next `step()`."""
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.worker_timeout_s)
+        while not future.done():
+            if time.monotonic() > deadline:
+                raise EngineDeadError("the engine did not answer in time (expert-load snapshot or rebalance)")
+            self._undelivered.extend(self._take_messages(STEP_WAIT_S))
+        return future.result()
+
+    # ---- the loop driver ----------------------------------------------------------------------------
+    def attach(self, on_outputs: Callable[[list[RequestOutput]], None], on_death: Callable[[str], None]) -> None:
+        """From now on the running loop takes in the core's messages as they arrive: outputs go to `on_outputs`,
+        and a dead core to `on_death(reason)` once. `step` and `wait` must not be used after this."""
+        self._loop = asyncio.get_running_loop()
+        self._on_outputs = on_outputs
+        self._on_death = on_death
+        if self._undelivered:
+            outputs, self._undelivered = self._undelivered, []
+            self._loop.call_soon(on_outputs, outputs)
+        if self.prefill is not None:   # a decode instance released parked KV (the listener's thread)
+            loop = self._loop
+            self.prefill.wake = lambda: loop.call_soon_threadsafe(self._transfers_due)
+        self.client.attach(self._on_messages, self._on_lost)
+        self._arm_transfer_timer()
+
+    def _on_messages(self, messages) -> None:
+        outputs = []
+        try:
+            for message in messages:
+                outputs.extend(self._take(message))
+        except EngineDeadError:
+            pass   # a send to a lost rank: the client reports the loss
+        if outputs:
+            self._on_outputs(outputs)
+        self._arm_transfer_timer()
+
+    def _on_lost(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+        self._fail_futures()
+        if self._on_death is not None:
+            self._on_death(self._dead)
+
+    def _transfers_due(self) -> None:
+        """A release arrived or a transfer deadline passed: apply it now (on the loop)."""
+        self._transfer_timer = None
+        try:
+            outputs = self._service_transfers()
+        except EngineDeadError:
+            return   # the client reports the loss
+        if outputs and self._on_outputs is not None:
+            self._on_outputs(outputs)
+        self._arm_transfer_timer()
+
+    def _arm_transfer_timer(self) -> None:
+        """One loop timer at the earliest transfer deadline (a parked export's, an import's), instead of a tick."""
+        if self._loop is None:
+            return
+        deadlines = [front.next_deadline for front in (self.prefill, self.decode) if front is not None]
+        deadlines = [d for d in deadlines if d is not None]
+        if not deadlines:
+            return
+        when = self._loop.time() + max(min(deadlines) - time.monotonic(), 0.0)
+        if self._transfer_timer is not None:
+            if self._transfer_timer.when() <= when:
+                return
+            self._transfer_timer.cancel()
+        self._transfer_timer = self._loop.call_at(when, self._transfers_due)
+
+    def detach(self) -> None:
+        """Stop taking messages on the loop (before shutting down)."""
+        if self._transfer_timer is not None:
+            self._transfer_timer.cancel()
+            self._transfer_timer = None
+        self._on_outputs = None
+        self.client.detach()
+
+    # ---- load balancing -----------------------------------------------------------------------------
+    def expert_load(self) -> concurrent.futures.Future:
+        """An expert-load snapshot summed over every rank (a lock-step command: all ranks join), as a future
+        (`ExpertLoadSnapshot`, or None for a dense model). One snapshot in flight serves every caller."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._load_future is None or self._load_future.done():
+            self._load_reports = {}
+            self._load_future = concurrent.futures.Future()
+            self.client.send(SnapshotExpertLoad())
+        return self._load_future
+
+    def rebalance_now(self, fail_on_rank: int | None = None) -> concurrent.futures.Future:
+        """Plan from the recorded window and migrate now (all ranks, at one step boundary): a future of the
+        `RebalanceEvent`. `fail_on_rank` injects a migration failure on that rank (fault-injection tests): the
+        event then reports ok=False and the previous placement stays in force."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._rebalance_future is None or self._rebalance_future.done():
+            self._rebalance_future = concurrent.futures.Future()
+            self.client.send(RebalanceNow(fail_on_rank=fail_on_rank))
+        return self._rebalance_future
+
+    def rebalance_events(self) -> list[RebalanceEvent]:
+        return list(self._rebalance_events)
+
+    def _fail_futures(self) -> None:
+        for future in (self._load_future, self._rebalance_future):
+            if future is not None and not future.done():
+                future.set_exception(EngineDeadError(self._dead or "the engine stopped"))
+
+    # ---- state and tear-down ------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Each DP worker's stats as it last reported them (after every step with work, and after an abort)."""
+        self._absorb_pending()
+        workers = [self._worker_stats.get(dp) or WorkerStats(dp, 0, 0, self.num_kv_blocks, self.num_kv_blocks, 0)
+                   for dp in range(self.shape.dp_size)]
+        return EngineStats(workers, self._prompt_tokens, self._generation_tokens, self.transfer_stats.snapshot())
+
+    def health(self) -> EngineHealth:
+        if self._dead is not None:
+            return EngineHealth(False, self._dead)
+        return self.client.health()
+
+    def shutdown(self) -> None:
+        for front in (self.prefill, self.decode):
+            if front is not None:
+                front.close()
+        self.prefill = self.decode = None
+        if self._transfer_timer is not None:
+            self._transfer_timer.cancel()
+        self.client.shutdown()

@@ -1,0 +1,195 @@
+"""Worker ranks in other processes (or on other nodes) behind the front's core-client interface.
+
+`processes.launcher` starts them and waits until every rank is ready; this client sends the front's
+commands on the control plane (ZeroMQ + CURVE), takes in the ranks' messages, and watches that every
+rank is alive. A rank that fails or dies ends the job: the others are stopped and the reason is the
+first one seen (a rank whose collective broke because a peer died names that peer).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from attention_dp.control_plane import RankDisconnected
+from attention_dp.messages import AdmittedElsewhere, Message, Shutdown, WorkerFailed
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.engine.stats import EngineHealth
+from moe_runtime.errors import EngineDeadError
+from moe_runtime.front.core_client import CoreShape
+from moe_runtime.processes.launcher import LaunchedJob, launch_job
+
+logger = logging.getLogger(__name__)
+
+DEATH_REPORT_GRACE_S = 0.3  # after a rank exits, time for its last message (WorkerFailed) to be taken in
+SHUTDOWN_WAIT_S = 10.0      # how long ranks get to leave after Shutdown before they are terminated
+
+
+class RankClient:
+    def __init__(self, config: EngineConfig, world_size: int, tokenizer, vocab_size: int, kv_secret: bytes,
+                 startup_timeout_s: float = 600.0):
+        self.tokenizer = tokenizer
+        self.job: LaunchedJob = launch_job(config, world_size, kv_secret, startup_timeout_s)
+        self.control = self.job.control
+        ready = self.job.ready
+        first = ready[0]
+        self.shape = CoreShape(block_size=first.block_size,
+                               num_kv_blocks=min(r.num_kv_blocks for r in ready.values()),
+                               max_model_len=first.max_model_len, vocab_size=vocab_size,
+                               pp_size=max(r.pp_rank for r in ready.values()) + 1,
+                               worker_ranks=self.job.worker_ranks,
+                               kv_shards={rank: r.kv_shard for rank, r in ready.items()})
+        self._all_ranks = set(ready)
+        self._dead: str | None = None
+        self._loop_tasks: list[asyncio.Task] = []
+
+    @property
+    def processes(self):
+        """The rank processes this front spawned (none for ranks of other nodes or torchrun's)."""
+        return self.job.processes
+
+    def resident_expert_bytes(self) -> dict[int, tuple[int, int]]:
+        """Rank -> (bytes of routed-expert weights it holds, bytes of all routed experts), as it reported at start."""
+        return {rank: (r.expert_bytes, r.total_expert_bytes) for rank, r in self.job.ready.items()}
+
+    # ---- commands ---------------------------------------------------------------------------------
+    def send(self, command: Message, only_worker: int | None = None) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            if only_worker is None:
+                self.control.broadcast(command)
+                return
+            ranks = set(self.shape.worker_ranks[only_worker])
+            self.control.send(command, ranks)
+            self.control.send(AdmittedElsewhere(), self._all_ranks - ranks)
+        except RankDisconnected as lost:
+            self._die(self.job.describe_lost(lost.rank))
+
+    # ---- the blocking driver ----------------------------------------------------------------------
+    def receive(self, timeout: float) -> list[Message]:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        messages = []
+        message = self._next(timeout)   # returns as soon as a rank reports
+        while message is not None:
+            messages.append(message)
+            message = self._next(0)
+        return messages
+
+    def pending(self) -> list[Message]:
+        return self.receive(0)
+
+    def _next(self, timeout: float) -> Message | None:
+        try:
+            received = self.control.receive(timeout)
+        except RankDisconnected as lost:
+            self._die_with_last_words(self.job.describe_lost(lost.rank))
+        if received is None:
+            for rank, process in self.job.processes.items():
+                if not process.is_alive():
+                    self._die_with_last_words(f"worker rank {rank} died (exit code {process.exitcode})")
+            return None
+        message = received[1]
+        if isinstance(message, WorkerFailed):
+            self._die(self.job.root_cause(message), message.traceback)
+        return message
+
+    def _die_with_last_words(self, reason: str):
+        """A rank that raised sends WorkerFailed and then exits: prefer its message to a bare exit code."""
+        failed = self.job.last_words(1.0)
+        if failed is not None:
+            self._die(self.job.root_cause(failed), failed.traceback)
+        self._die(reason)
+
+    def _die(self, reason: str, detail: str = ""):
+        if self._dead is None:
+            self._dead = reason
+            logger.error("%s; stopping the other ranks%s", reason, f"\n{detail}" if detail else "")
+            self.job.kill()
+        raise EngineDeadError(self._dead)
+
+    # ---- the loop driver --------------------------------------------------------------------------
+    def attach(self, on_messages: Callable[[list[Message]], None], on_lost: Callable[[str], None]) -> None:
+        """The control socket is registered with the running loop: each rank message is taken in as it
+        arrives (no thread, no polling); rank processes' exits and closed connections are awaited too."""
+        loop = asyncio.get_running_loop()
+        self.control.attach_to_loop()
+        self._loop_tasks = [loop.create_task(self._take_messages(on_messages, on_lost)),
+                            loop.create_task(self._watch_ranks(on_lost))]
+
+    async def _take_messages(self, on_messages, on_lost) -> None:
+        try:
+            while self._dead is None:
+                _, message = await self.control.receive_async()
+                if isinstance(message, WorkerFailed):
+                    await asyncio.to_thread(self._stop_after, self.job.root_cause, message)
+                    break
+                on_messages([message])
+        except RankDisconnected:
+            return  # _watch_ranks names the rank
+        except Exception as exc:  # noqa: BLE001 - the front cannot go on without its ranks' messages
+            logger.exception("control-plane reader failed")
+            self._stop_after(lambda _: f"the front lost its control plane: {exc}", None)
+        on_lost(self._dead)
+
+    async def _watch_ranks(self, on_lost) -> None:
+        """Wake when a local rank process exits or any rank's connection closes; then stop the job."""
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future = loop.create_future()
+        for rank, process in self.job.processes.items():
+            loop.add_reader(process.sentinel, lambda r=rank: exited.done() or exited.set_result(r))
+        disconnected = loop.create_task(self.control.wait_for_disconnect())
+        try:
+            await asyncio.wait([exited, disconnected], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for process in self.job.processes.values():
+                loop.remove_reader(process.sentinel)
+            disconnected.cancel()
+        rank = exited.result() if exited.done() else disconnected.result()
+        await asyncio.sleep(DEATH_REPORT_GRACE_S)  # a rank that raised sends WorkerFailed just before exiting
+        if self._dead is None:
+            await asyncio.to_thread(self._stop_after, self.job.describe_lost, rank)
+            on_lost(self._dead)
+
+    def _stop_after(self, describe, subject) -> None:
+        detail = subject.traceback if isinstance(subject, WorkerFailed) else ""
+        try:
+            self._die(describe(subject), detail)
+        except EngineDeadError:
+            pass
+
+    def detach(self) -> None:
+        for task in self._loop_tasks:
+            task.cancel()
+        self._loop_tasks = []
+        self.control.detach_from_loop()
+
+    # ---- state and tear-down ----------------------------------------------------------------------
+    def health(self) -> EngineHealth:
+        if self._dead is not None:
+            return EngineHealth(False, self._dead)
+        for rank, process in self.job.processes.items():
+            if not process.is_alive():
+                return EngineHealth(False, f"worker rank {rank} died (exit code {process.exitcode})")
+        return EngineHealth(True)
+
+    def shutdown(self) -> None:
+        if self.control is None:
+            return
+        self.control.detach_from_loop()  # the loop that used it may be gone: shut down with blocking sends
+        if self._dead is None:
+            try:
+                self.control.broadcast(Shutdown())
+            except RankDisconnected:
+                pass
+            deadline = time.monotonic() + SHUTDOWN_WAIT_S
+            for process in self.job.processes.values():
+                process.join(timeout=max(deadline - time.monotonic(), 0.1))
+            # ranks started elsewhere (another node, torchrun) must read the Shutdown before the socket goes
+            self.control.wait_for_ranks_to_leave(max(deadline - time.monotonic(), 0.1))
+        self.job.kill()
+        self.control.close()  # remote ranks see the connection close and exit
+        self.job.remove_rendezvous()
+        self.control = None
