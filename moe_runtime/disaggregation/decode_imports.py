@@ -17,7 +17,6 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-import torch
 
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.disaggregation.import_spec import ImportSpec
@@ -54,12 +53,6 @@ class DecodeImports:
         """Take in an import (at a lock-step boundary); it gets blocks as soon as enough are free. With `error`
         (the request cannot go on here) it still takes its turn for blocks, then fails: the front aborts it."""
         entry = Import(seq, spec, error)
-        if entry.error is None and spec.generator_state is not None:
-            try:
-                seq.generator = seq.generator or torch.Generator()
-                seq.generator.set_state(torch.frombuffer(bytearray(spec.generator_state), dtype=torch.uint8))
-            except (RuntimeError, ValueError) as exc:
-                entry.error = f"the request's sampler state does not load here: {exc}"
         self._imports[seq.request_id] = entry
         self._waiting.append(entry)
         self.allocate()

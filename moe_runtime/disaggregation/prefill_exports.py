@@ -42,8 +42,7 @@ class PrefillExports:
         needed = self.block_manager.blocks_needed(num_tokens)
         self.registry.park(seq.request_id, seq.block_table[:needed], num_tokens)
         self._parked[seq.request_id] = seq
-        state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
-        return KVExportInfo(num_tokens, state)
+        return KVExportInfo(num_tokens)
 
     def release(self, request_id: str) -> bool:
         """Free a parked request's blocks (no pull reads them after this); False if it was not parked here."""

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import enum
+import secrets
 from dataclasses import dataclass, field
-
-import torch
 
 from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
 from moe_runtime.sampling.params import SamplingParams
@@ -42,7 +41,7 @@ class Sequence:
     num_registered_blocks: int = 0                 # leading blocks of block_table offered to the prefix cache
     partial_prompt_logprobs: PromptLogprobs | None = None  # chunked prefill: the prompt scored so far
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
+    sampling_seed: int = -1                        # what keys its random draws (the request's seed, else a fresh one)
     grammar: GrammarState | None = None            # structured output: where the output is in its grammar
     prompt_logprobs_done: bool = False             # scored once: a preempted request's recompute does not again
     export_kv: bool = False                        # prefill instance: park its blocks after its first token
@@ -51,8 +50,8 @@ class Sequence:
     queue_reported: bool = False                   # ... and handed out in a delta
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.sampling_seed < 0:
+            self.sampling_seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
 
     @property
     def num_tokens(self) -> int:

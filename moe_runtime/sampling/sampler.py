@@ -1,6 +1,10 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, optional logprobs,
 after the logits processors (structured output, min_tokens, logit_bias, penalties: `process`).
 
+Random draws are made on the logits' device for all sampled rows at once, keyed by each request's seed
+and the position it samples (`counter_noise.exponential_race`): no probabilities go to the host, and a
+seeded request draws the same tokens in any batch, on any device, after a preemption or a P/D hand-off.
+
 One request's bad luck stays its own: a row whose probabilities are not finite, whose grammar could
 not be set up, or whose draw raises, gets an error instead of a token and the other rows are sampled
 as usual. Everything before the per-row draws is vectorised and consumes no random numbers (nor
@@ -18,6 +22,7 @@ from typing import ClassVar, Iterable
 
 import torch
 
+from moe_runtime.sampling.counter_noise import exponential_race
 from moe_runtime.sampling.logprobs import TokenLogprob
 from moe_runtime.sampling.logits_processors import (add_logit_bias, apply_min_p, apply_penalties,
                                            ban_stop_tokens_below_min_tokens)
@@ -88,15 +93,16 @@ class Sampler:
         logp = raw[wanted].log_softmax(dim=-1) if wanted else None                        # [W, V]
         # nothing above draws a random number: from here on, a failure is one row's alone
         if probs is not None:
-            usable = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()   # [S]
-            for j, row in enumerate(sampled_rows):
-                if not usable[j]:
+            usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)                 # [S]
+            device = probs.device
+            seeds = torch.tensor([seqs[row].sampling_seed for row in sampled_rows], dtype=torch.int64, device=device)
+            positions = torch.tensor([seqs[row].num_tokens for row in sampled_rows], dtype=torch.int64, device=device)
+            drawn = exponential_race(probs.nan_to_num(0.0), seeds, positions)                     # [S]
+            for row, ok, token in zip(sampled_rows, usable.tolist(), drawn.tolist()):
+                if ok:
+                    token_ids[row] = token
+                else:
                     errors[row] = "the sampling probabilities are not finite"
-                    continue
-                try:
-                    token_ids[row] = int(torch.multinomial(probs[j].cpu(), 1, generator=seqs[row].generator)[0])
-                except Exception as exc:  # noqa: BLE001 - fails this request only
-                    errors[row] = error_message(exc)
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         for j, row in enumerate(wanted):
             if errors[row] is None:
