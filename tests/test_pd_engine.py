@@ -8,17 +8,23 @@ its KV blocks and first token move to a decode engine, which continues.
   prompts are chunked on the prefill side;
 - a seeded sampled request continues its generator on the decode side (the colocated tokens);
 - KV blocks on both sides come back on abort mid-pull, at the transfer timeout, and when the
-  prefill instance is gone (the import fails alone, with a clean error).
+  prefill instance is gone (the import fails alone, with a clean error);
+- a handle is good for one request: a replay is refused at once, before any transfer (no pull waits
+  for blocks that are gone), and so is an expired one; a hand-off the decode side refuses
+  (max_tokens < 2, another prompt) frees the prefill's parked blocks at once, not at the timeout.
 """
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 
 from pd_helpers import decode, free_blocks, greedy, kv_key_in_env, prefill, run_until, settle, wait_for_free
 from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.disaggregation.kv_transfer.handle import HandleError
 from moe_runtime.front.engine_factory import make_engine
+from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -126,10 +132,38 @@ def test_kv_nobody_pulls_is_freed_at_the_timeout_and_a_late_import_fails_alone(e
     assert free_blocks(p) < p_free                     # parked, not freed yet
     wait_for_free([(p, p_free)], timeout_s=TIMEOUT_S + 10)
     assert p.stats().transfer.exports_expired >= 1
-    d.add_request("late", PROMPTS[1], greedy(NEW_TOKENS), import_kv=first.kv_handle)
-    late = run_until([d, p], "late")
-    assert late.finish_reason == "error" and "timed out" in late.error   # the prefill rank's own answer
-    wait_for_free([(d, d_free)])
+    with pytest.raises(HandleError, match="expired"):   # refused before anything connects
+        d.add_request("late", PROMPTS[1], greedy(NEW_TOKENS), import_kv=first.kv_handle)
+    assert free_blocks(d) == d_free and not d.has_unfinished()
+
+
+def test_a_used_handle_is_refused_at_once_without_a_transfer(engines):
+    p, d = engines("qwen3_moe", "prefill"), engines("qwen3_moe", "decode")
+    first = prefill(p, "once-p", PROMPTS[1])
+    assert decode(p, d, "once-d", PROMPTS[1], first.kv_handle, NEW_TOKENS).finish_reason == "length"
+    pulls = d.stats().transfer.transfers + d.stats().transfer.failures
+    for replay in range(5):
+        started = time.monotonic()
+        with pytest.raises(HandleError, match="already used"):
+            d.add_request(f"replay-{replay}", PROMPTS[1], greedy(NEW_TOKENS), import_kv=first.kv_handle)
+        assert time.monotonic() - started < 0.2        # not the 2 s a pull waits for blocks that are gone
+    settle([d, p], 0.2)
+    assert d.stats().transfer.transfers + d.stats().transfer.failures == pulls and not d.has_unfinished()
+
+
+def test_a_hand_off_the_decode_side_refuses_frees_the_prefill_copy_at_once(engines):
+    p, d = engines("qwen3_moe", "prefill"), engines("qwen3_moe", "decode")
+    p_free, d_free = free_blocks(p), free_blocks(d)
+    for name, prompt, params in (("short", PROMPTS[1], greedy(1)), ("other-prompt", PROMPTS[0], greedy(NEW_TOKENS))):
+        first = prefill(p, f"refused-{name}", PROMPTS[1])
+        settle([p], 0.1)
+        assert free_blocks(p) < p_free                 # parked
+        parked_at = time.monotonic()
+        with pytest.raises(InvalidRequestError):
+            d.add_request(f"refused-{name}-d", prompt, params, import_kv=first.kv_handle)
+        wait_for_free([(p, p_free)], timeout_s=1.0)    # the timeout is TIMEOUT_S (3 s)
+        assert time.monotonic() - parked_at < TIMEOUT_S
+    assert free_blocks(d) == d_free
 
 
 def test_a_prefill_instance_gone_fails_only_its_imports(engines, tiny_checkpoint_factory):

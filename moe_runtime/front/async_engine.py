@@ -187,8 +187,17 @@ class AsyncEngine:
 
         Raises `InvalidRequestError` (the engine's validation), `QueueFullError`, `EngineDeadError`; the
         stream raises `EngineDeadError` or `RequestFailedError` if the request cannot finish. A long prompt's
-        checks (limits, block hashes) run in a worker thread, so the loop keeps serving meanwhile.
+        checks (limits, block hashes) run in a worker thread, so the loop keeps serving meanwhile. A refused
+        `import_kv` request has its prefill instance free the parked KV at once (`Engine.refuse_import`).
         """
+        try:
+            return await self._submit(request_id, prompt_token_ids, params, export_kv, import_kv)
+        except BaseException:
+            self.engine.refuse_import(import_kv)
+            raise
+
+    async def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      export_kv: bool, import_kv: KVHandle | None) -> RequestStream:
         self._attach_here()
         self._admit_or_refuse()
         stream = RequestStream(request_id, list(prompt_token_ids), asyncio.get_running_loop())

@@ -122,20 +122,39 @@ class Front:
     def prepare(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 export_kv: bool = False, import_kv: KVHandle | None = None) -> Admission:
         """Check a request against the engine's limits (the one check: the ranks trust what they get) and
-        hash its blocks. Touches no routing state, so a loop can run it in a worker thread."""
-        self.limits.check(prompt_token_ids, params)
-        if export_kv and self.prefill is None:
-            raise InvalidRequestError("export_kv: this engine is not a prefill instance (--disaggregation-mode prefill)")
-        prompt = list(prompt_token_ids)
+        hash its blocks. Touches no routing state, so a loop can run it in a worker thread.
+
+        An `import_kv` handle is claimed first (signed, unexpired, never used: else refused, nothing
+        connected to); if the request is then refused, its prefill instance frees the parked KV at once."""
         if import_kv is not None:
             if self.decode is None:
                 raise InvalidRequestError("kv_transfer_params: this instance is not --disaggregation-mode decode")
-            import_kv = self.decode.verify(import_kv, prompt, params)
-        hashes = block_hashes(prompt, self.block_size) if self.router.prefix_index is not None else None
+            import_kv = self.decode.claim(import_kv)
+        try:
+            self.limits.check(prompt_token_ids, params)
+            if export_kv and self.prefill is None:
+                raise InvalidRequestError("export_kv: this engine is not a prefill instance "
+                                          "(--disaggregation-mode prefill)")
+            prompt = list(prompt_token_ids)
+            if import_kv is not None:
+                self.decode.check_fits(import_kv, prompt, params)
+            hashes = block_hashes(prompt, self.block_size) if self.router.prefix_index is not None else None
+        except BaseException:
+            self.refuse_import(import_kv)
+            raise
         return Admission(request_id, prompt, params, hashes, import_kv, export_kv)
+
+    def refuse_import(self, handle: KVHandle | None) -> None:
+        """A request that came with `handle` will not run here (refused before or at admission): its prefill
+        instance frees the parked KV now, not at its timeout (only for a handle claimed and not started, or
+        still claimable: a replayed copy frees nothing)."""
+        if handle is not None and self.decode is not None:
+            self.decode.refuse(handle)
 
     def admit(self, admission: Admission) -> None:
         """Route a prepared request to a DP worker and send it to that worker's ranks."""
+        if self._dead is not None or admission.request_id in self.outputs:
+            self.refuse_import(admission.import_kv)
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         request_id, prompt, params = admission.request_id, admission.prompt, admission.params
@@ -165,9 +184,9 @@ class Front:
         first_logprob = handle.first_logprob.token_logprob() if handle.first_logprob is not None else None
         spec = ImportSpec(request_id, prompt, params, handle.first_token, handle.request_id, list(handle.shards),
                           first_logprob, handle.generator_state)
+        self.decode.start(request_id, dp_rank, set(self.shape.worker_ranks[dp_rank]), handle)
         self.client.send(ImportRequest(spec=spec, dp_rank=dp_rank), only_worker=dp_rank)
         self.outputs.add(request_id, prompt, params)
-        self.decode.start(request_id, dp_rank, set(self.shape.worker_ranks[dp_rank]), handle)
         self._generation_tokens += 1
         self.router.grow(request_id, 1)
         self.router.first_output(request_id)
