@@ -5,10 +5,15 @@ the flags given here, plus --pd-prefill-args / --pd-decode-args for its role, on
 port) and the router on --host/--port in front of them. The instances share a fresh KV transfer
 secret (unless $MOE_RUNTIME_KV_KEY or --kv-transfer-key-file names one), handed over in their
 environment. Their output is forwarded here, each line prefixed with its instance. Ctrl-C or
-SIGTERM stops the router, then the instances.
+SIGTERM stops the router, then the instances (exit code 0).
+
+An instance that exits while the set serves (it crashed, its engine died, it was killed) stops the
+whole set, with a line naming it and its exit code, and `moe-serve --pd` exits 1: as a moe-serve
+whose rank dies, the set does not limp on with a role missing; whoever supervises it restarts it.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -20,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
 from server.pd_router.backends import BackendPool
@@ -40,6 +46,7 @@ class Instance:
     process: subprocess.Popen
     url: str | None = None
     ready: threading.Event = field(default_factory=threading.Event)
+    on_exit: Callable[[], None] | None = None      # called on the output thread once the process has exited
 
     def forward_output(self) -> None:
         """Echo the instance's lines, its name in them (`moe-serve[prefill0]: ...`, so only the router's own line
@@ -51,7 +58,10 @@ class Instance:
             if match and self.url is None:
                 self.url = match.group(1)
                 self.ready.set()
+        self.process.wait()
         self.ready.set()   # it exited: whoever waits must look
+        if self.on_exit is not None:
+            self.on_exit()
 
 
 def instance_args(argv: list[str]) -> list[str]:
@@ -76,6 +86,29 @@ def start_instance(name: str, role: str, args: list[str], env: dict) -> Instance
     instance = Instance(name, process)
     threading.Thread(target=instance.forward_output, name=f"{name}-output", daemon=True).start()
     return instance
+
+
+async def first_exit(instances: list[Instance]) -> str:
+    """Wait (woken by the instances' output threads, no polling) until one instance exits; which and how."""
+    loop = asyncio.get_running_loop()
+    exited = asyncio.Event()
+
+    def wake() -> None:
+        try:
+            loop.call_soon_threadsafe(exited.set)
+        except RuntimeError:
+            pass   # the loop is closed: the set is stopping anyway
+
+    for instance in instances:
+        instance.on_exit = wake
+    while True:
+        gone = [instance for instance in instances if instance.process.poll() is not None]
+        if gone:
+            instance = gone[0]
+            return (f"the {instance.name} instance (pid {instance.process.pid}) exited with code "
+                    f"{instance.process.returncode}; the P/D set stops (exit code 1) for its supervisor to restart")
+        await exited.wait()
+        exited.clear()
 
 
 def stop(instances: list[Instance]) -> None:
@@ -116,7 +149,7 @@ def serve_pd_set(server: ServerConfig, argv: list[str]) -> int:
                               [i.url for i in instances if i.name.startswith("decode")])
         signal.signal(signal.SIGTERM, previous)   # the router handles it from here
         return serve_router(pool, server.host, server.port, server.api_key, server.api_key, server.max_request_bytes,
-                            log_level=server.log_level)
+                            log_level=server.log_level, stop_when=lambda: first_exit(instances))
     except _Terminated:
         return 0
     finally:

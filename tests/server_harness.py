@@ -275,6 +275,9 @@ class FakeEngine:
         with self._lock:
             self.add_request(*admission)
 
+    def refuse_import(self, handle) -> None:
+        pass
+
     def reset_prefix_cache(self) -> None:
         pass
 

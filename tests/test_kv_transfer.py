@@ -5,6 +5,10 @@
   over ranks; incompatible caches are refused naming why;
 - a handle is checked before anything connects: its MAC (another key, a moved endpoint) and the
   prompt it belongs to; a malformed one is refused;
+- every field of a handle is signed (the first token's logprob too) and survives JSON; an expired
+  handle is refused; a handle is good for one request: a replay is refused before any transfer, the
+  decode front remembers nonces only until their handles expire (and never more than its cap), and a
+  refused request frees its prefill's copy at once, but a replayed copy frees nothing;
 - a block server answers only holders of the deployment's key, and only pulls of what it holds
   (layers, heads, the request's blocks), of a request still parked;
 - a puller waits a moment for a prefill rank that parks the request a step after the rank that
@@ -12,6 +16,8 @@
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 
@@ -20,17 +26,49 @@ import pytest
 import torch
 import zmq
 
-from moe_runtime.errors import InvalidRequestError
+from moe_runtime.errors import InvalidRequestError, QueueFullError
+from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
+from server_harness import FakeEngine
 from moe_runtime.disaggregation.kv_transfer.block_server import KVBlockServer
-from moe_runtime.disaggregation.kv_transfer.handle import HandleError, KVHandle, prompt_digest
+from moe_runtime.disaggregation.decode_front import DecodeFront
+from moe_runtime.disaggregation.kv_transfer.handle import HandleError, HandleLogprob, KVHandle, prompt_digest
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.disaggregation.kv_transfer.messages import KVCodec, PullBlocks
 from moe_runtime.disaggregation.kv_transfer.plan import plan_pulls
 from moe_runtime.disaggregation.kv_transfer.puller import NOT_PARKED_GRACE_S, KVPuller, PullJob
 from moe_runtime.disaggregation.kv_transfer.registry import ExportRegistry
 from moe_runtime.disaggregation.kv_transfer.shard import KVLayoutError, KVShard
+from moe_runtime.disaggregation.kv_transfer.stats import TransferStats
+from moe_runtime.disaggregation.kv_transfer.used_nonces import NonceRefused, UsedNonces
 from moe_runtime.disaggregation.kv_transfer.sockets import curve_client
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
+from moe_runtime.sampling.params import SamplingParams
+
+KEY = TransferKey.from_secret(b"rtrGEeVCilT80xVvHljgG6XfVkYKTOJP")
+
+
+def a_handle(prompt: list[int], expires_in_s: float = 30.0, key: TransferKey = KEY) -> KVHandle:
+    return KVHandle(request_id="r", num_tokens=len(prompt), prompt_digest=prompt_digest(prompt), first_token=4,
+                    first_logprob=HandleLogprob(token_id=4, logprob=-0.1234567891234, top_ids=[4, 9],
+                                                top_logprobs=[-0.1234567891234, -2.5]),
+                    shards=[KVShard(endpoint="tcp://127.0.0.1:1", first_layer=0, num_layers=1, head_start=0,
+                                    num_heads=1, total_heads=1, key_dim=8, value_dim=0, block_size=16,
+                                    dtype="float32")],
+                    release_endpoint="tcp://127.0.0.1:2", nonce=KVHandle.new_nonce(),
+                    expires_at=time.time() + expires_in_s).signed(key)
+
+
+class RecordedReleases:
+    """Stands in for the decode front's ReleaseSender: what it would send, where."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, str]] = []
+
+    def send(self, endpoint: str, request_id: str) -> None:
+        self.sent.append((endpoint, request_id))
+
+    def close(self) -> None:
+        pass
 
 
 def test_plan_re_shards_heads_and_layers():
@@ -58,19 +96,20 @@ def test_plan_re_shards_heads_and_layers():
 
 
 def test_a_handle_is_checked_before_anything_connects():
-    key = TransferKey.from_secret(b"0123456789abcdef0123")
+    key = TransferKey.from_secret(b"rtrGEeVCilT80xVvHljgG6XfVkYKTOJP")
     prompt = [1, 2, 3]
     handle = KVHandle(request_id="r", num_tokens=3, prompt_digest=prompt_digest(prompt), first_token=4,
                       shards=[KVShard(endpoint="tcp://127.0.0.1:1", first_layer=0, num_layers=1, head_start=0,
                                       num_heads=1, total_heads=1, key_dim=8, value_dim=0, block_size=16,
                                       dtype="float32")],
-                      release_endpoint="tcp://127.0.0.1:2").signed(key)
+                      release_endpoint="tcp://127.0.0.1:2", nonce=KVHandle.new_nonce(),
+                      expires_at=time.time() + 30).signed(key)
     assert KVHandle.from_json_object(handle.to_json_object()).verified(key, prompt) == handle
     moved = msgspec.structs.replace(handle, release_endpoint="tcp://10.0.0.1:2")
     with pytest.raises(HandleError, match="signature"):
         moved.verified(key, prompt)
     with pytest.raises(HandleError, match="signature"):
-        handle.verified(TransferKey.from_secret(b"another-deployment-key"), prompt)
+        handle.verified(TransferKey.from_secret(b"clTPo4KBlyscmZ3elE61BDUjuyDUURb5"), prompt)
     with pytest.raises(HandleError, match="another prompt"):
         handle.verified(key, [1, 2, 4])
     with pytest.raises(InvalidRequestError, match="not a KV handle"):
@@ -78,7 +117,7 @@ def test_a_handle_is_checked_before_anything_connects():
 
 
 def test_the_block_server_answers_only_its_deployment_and_only_what_it_holds():
-    key = TransferKey.from_secret(b"0123456789abcdef0123")
+    key = TransferKey.from_secret(b"rtrGEeVCilT80xVvHljgG6XfVkYKTOJP")
     cache = LayerKVCache.allocate(KVCacheSpec(2, 4, 4, head_start=2, total_kv_heads=4), 8, 4, torch.float32, "cpu")
     cache.keys.copy_(torch.arange(cache.keys.numel(), dtype=torch.float32).view_as(cache.keys))
     registry = ExportRegistry()
@@ -99,7 +138,7 @@ def test_the_block_server_answers_only_its_deployment_and_only_what_it_holds():
             finally:
                 socket.close(linger=0)
 
-        assert ask(TransferKey.from_secret(b"another-deployment-key")) is None   # no handshake, no answer
+        assert ask(TransferKey.from_secret(b"clTPo4KBlyscmZ3elE61BDUjuyDUURb5")) is None   # no handshake, no answer
         header, keys, values = ask(key)
         assert codec.decode_reply(header).error == ""
         torch.testing.assert_close(torch.frombuffer(bytearray(keys), dtype=torch.float32).view(2, 4, 2, 4),
@@ -115,7 +154,7 @@ def test_the_block_server_answers_only_its_deployment_and_only_what_it_holds():
 
 
 def test_a_puller_waits_for_a_rank_that_parks_a_moment_later_and_no_longer():
-    key = TransferKey.from_secret(b"0123456789abcdef0123")
+    key = TransferKey.from_secret(b"rtrGEeVCilT80xVvHljgG6XfVkYKTOJP")
     spec = KVCacheSpec(2, 4, 4)
     source = LayerKVCache.allocate(spec, 4, 4, torch.float32, "cpu")
     source.keys.copy_(torch.arange(source.keys.numel(), dtype=torch.float32).view_as(source.keys))
@@ -142,3 +181,89 @@ def test_a_puller_waits_for_a_rank_that_parks_a_moment_later_and_no_longer():
     finally:
         puller.close()
         server.close()
+
+
+def test_every_field_of_a_handle_is_signed_and_it_survives_json_but_not_its_expiry():
+    prompt = [1, 2, 3]
+    handle = a_handle(prompt)
+    through_the_router = json.loads(json.dumps(handle.to_json_object()))   # as httpx and the router carry it
+    assert KVHandle.from_json_object(through_the_router).verified(KEY, prompt) == handle
+    better = msgspec.structs.replace(handle.first_logprob, logprob=-0.0001)
+    for altered in (msgspec.structs.replace(handle, first_logprob=better),
+                    msgspec.structs.replace(handle, first_logprob=None),
+                    msgspec.structs.replace(handle, nonce=KVHandle.new_nonce()),
+                    msgspec.structs.replace(handle, expires_at=handle.expires_at + 3600)):
+        with pytest.raises(HandleError, match="signature"):
+            altered.verified(KEY, prompt)
+    with pytest.raises(HandleError, match="expired"):
+        a_handle(prompt, expires_in_s=-1).verified(KEY, prompt)
+
+
+def test_a_handle_is_good_for_one_request_and_a_refusal_frees_the_prefill_copy_once():
+    front = DecodeFront(KEY, 30.0, TransferStats("decode"))
+    front.sender.close()
+    front.sender = releases = RecordedReleases()
+    prompt, params = [1, 2, 3], SamplingParams(max_tokens=8)
+    handle = a_handle(prompt)
+    assert front.verify(handle, prompt, params) is handle
+    replay = KVHandle.from_json_object(json.loads(json.dumps(handle.to_json_object())))
+    with pytest.raises(HandleError, match="already used"):
+        front.verify(replay, prompt, params)
+    assert not front.refuse(replay) and releases.sent == []       # a replayed copy frees nothing
+    assert front.refuse(handle) and releases.sent == [("tcp://127.0.0.1:2", "r")]   # its own request was refused
+    assert not front.refuse(handle) and len(releases.sent) == 1   # once
+    unseen = a_handle(prompt)                     # refused before the front looked at it (a full queue)
+    assert front.refuse(unseen) and len(releases.sent) == 2
+    with pytest.raises(HandleError, match="already used"):
+        front.claim(unseen)
+    wrong_prompt, too_short = a_handle(prompt), a_handle(prompt)
+    with pytest.raises(HandleError, match="another prompt"):
+        front.verify(wrong_prompt, [1, 2, 4], params)
+    with pytest.raises(InvalidRequestError, match="max_tokens=1"):
+        front.verify(too_short, prompt, SamplingParams(max_tokens=1))
+    assert len(releases.sent) == 4                # both freed at once, not at the prefill's timeout
+    forged = a_handle(prompt, key=TransferKey.from_secret(b"clTPo4KBlyscmZ3elE61BDUjuyDUURb5"))
+    assert not front.refuse(forged) and len(releases.sent) == 4   # never connects where a forgery says
+    front.start("started", 0, {0}, started := front.claim(a_handle(prompt)))
+    assert not front.refuse(started) and len(releases.sent) == 4  # in flight: its settle releases it
+
+
+def test_used_nonces_are_remembered_until_their_handles_expire_and_never_beyond_the_cap():
+    now = [1000.0]
+    nonces = UsedNonces(capacity=2, clock=lambda: now[0])
+    nonces.use("a", 1010.0)
+    with pytest.raises(NonceRefused, match="already used"):
+        nonces.use("a", 1010.0)
+    nonces.use("b", 1020.0)
+    with pytest.raises(NonceRefused, match="most"):
+        nonces.use("c", 1020.0)                   # full of unexpired nonces: refused, nothing forgotten early
+    now[0] = 1010.0                               # "a"'s handle expired (and is refused as expired anyway)
+    assert "a" not in nonces and len(nonces) == 1
+    nonces.use("c", 1020.0)
+
+
+def test_an_import_refused_before_the_front_sees_it_is_refused_to_the_front():
+    """A full queue (or a dead engine) refuses before `prepare`: the front still hears of the handle, so its
+    prefill instance frees the parked KV at once."""
+    class RecordingEngine(FakeEngine):
+        def __init__(self):
+            super().__init__(max_running=0)        # nothing starts: the queue stays full
+            self.refused: list = []
+
+        def refuse_import(self, handle) -> None:
+            self.refused.append(handle)
+
+    engine = RecordingEngine()
+    handle = a_handle([1, 2, 3])
+
+    async def scenario():
+        async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=1)).start()
+        try:
+            await async_engine.submit("first", [1, 2, 3], SamplingParams(max_tokens=4))
+            with pytest.raises(QueueFullError):
+                await async_engine.submit("second", [1, 2, 3], SamplingParams(max_tokens=4), import_kv=handle)
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert engine.refused == [handle]

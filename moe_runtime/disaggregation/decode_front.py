@@ -6,17 +6,25 @@ token (sampled by the prefill instance) is output at once. Each rank of the chos
 when its pull ended (`landed`); when all have their KV the front activates the request on every
 rank, and when any failed, or the timeout passed first, it fails the request alone. Either way the
 prefill instance is told to free its parked copy (fire-and-forget: its own timeout is the backstop).
+
+A handle is good for one request: `claim` checks its signature and expiry and takes its nonce (a
+second use is refused before anything connects). A claimed handle whose request is then refused
+(its limits, its prompt, max_tokens < 2, a full queue, a dead engine) is `refuse`d: the prefill
+instance frees its copy at once instead of at its timeout. Only a handle this front claimed, or
+can still claim, is released that way, so a replayed copy cannot free blocks another import pulls.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
+from moe_runtime.disaggregation.kv_transfer.handle import HandleError, KVHandle
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.disaggregation.kv_transfer.release import ReleaseSender
 from moe_runtime.disaggregation.kv_transfer.stats import TransferStats
+from moe_runtime.disaggregation.kv_transfer.used_nonces import NonceRefused, UsedNonces
 from moe_runtime.sampling.params import SamplingParams
 
 SETTLE_GRACE_S = 5.0   # past the ranks' own pull timeout, how long the front waits for their reports
@@ -46,20 +54,66 @@ class DecodeFront:
     timeout_s: float
     stats: TransferStats
     sender: ReleaseSender = field(init=False)
+    nonces: UsedNonces = field(default_factory=UsedNonces)
     _imports: dict[str, ImportInFlight] = field(default_factory=dict)
+    _claimed: dict[str, KVHandle] = field(default_factory=dict)    # nonce -> handle claimed, import not started
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # `claim`/`refuse` may run in worker threads
 
     def __post_init__(self) -> None:
         self.sender = ReleaseSender(self.key)
 
-    def verify(self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams) -> KVHandle:
-        """`handle`, if this deployment's prefill instance made it for this prompt and the request wants more
-        than the token the prefill sampled; else `InvalidRequestError` (nothing was connected to)."""
+    def claim(self, handle: KVHandle) -> KVHandle:
+        """`handle`, if this deployment's prefill instance signed it, it has not expired and it was not used
+        before (its nonce is taken now); else `HandleError`, and nothing was connected to."""
+        handle.authentic(self.key)
+        with self._lock:
+            try:
+                self.nonces.use(handle.nonce, handle.expires_at)
+            except NonceRefused as exc:
+                raise HandleError(f"kv_transfer_params refused: {exc} (a KV handle is good for one request)") from exc
+            self._claimed[handle.nonce] = handle
+        return handle
+
+    def check_fits(self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """`InvalidRequestError` unless `handle` is for this prompt and the request wants more than the token
+        the prefill sampled."""
         if params.max_tokens < 2:
             raise InvalidRequestError(f"max_tokens={params.max_tokens}: a request continued from a prefill instance "
                                       f"generates at least 2 tokens (the prefill sampled the first)")
-        return handle.verified(self.key, prompt_token_ids)
+        handle.check_prompt(prompt_token_ids)
+
+    def verify(self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams) -> KVHandle:
+        """`claim` and `check_fits`; a claimed handle that does not fit is `refuse`d (its KV freed at once)."""
+        handle = self.claim(handle)
+        try:
+            self.check_fits(handle, prompt_token_ids, params)
+        except InvalidRequestError:
+            self.refuse(handle)
+            raise
+        return handle
+
+    def refuse(self, handle: KVHandle) -> bool:
+        """The request that came with `handle` was refused (or never reached the front): tell its prefill
+        instance to free the parked copy now. Only for a handle claimed here and not started, or one still
+        claimable (authentic, unexpired, unused: it is claimed now); any other is left alone. Whether a
+        release was sent."""
+        with self._lock:
+            claimed = self._claimed.get(handle.nonce) is handle    # this request's claim, not a replayed copy's
+            if claimed:
+                del self._claimed[handle.nonce]
+        if not claimed:
+            try:
+                self.claim(handle)
+            except HandleError:
+                return False
+            with self._lock:
+                self._claimed.pop(handle.nonce, None)
+        self.sender.send(handle.release_endpoint, handle.request_id)
+        return True
 
     def start(self, request_id: str, dp_rank: int, ranks: set[int], handle: KVHandle) -> None:
+        with self._lock:
+            self._claimed.pop(handle.nonce, None)
         self._imports[request_id] = ImportInFlight(request_id, dp_rank, set(ranks), handle,
                                                    time.monotonic() + self.timeout_s + SETTLE_GRACE_S)
 

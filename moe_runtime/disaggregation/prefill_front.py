@@ -50,7 +50,8 @@ class PrefillFront:
                         prompt_digest=prompt_digest(prompt_token_ids), first_token=first_token,
                         first_logprob=HandleLogprob.of(first_logprob) if first_logprob is not None else None,
                         generator_state=export.generator_state, shards=shards,
-                        release_endpoint=self.listener.endpoint).signed(self.key)
+                        release_endpoint=self.listener.endpoint, nonce=KVHandle.new_nonce(),
+                        expires_at=time.time() + self.timeout_s).signed(self.key)
 
     def take_due(self) -> list[ParkedExport]:
         """Parked requests to free now: released by their decode instance, or past their deadline."""

@@ -10,12 +10,12 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from server.auth import ApiKeyGate
+from server.auth import ApiKeyGate, key_matches
 from server.body_limit import RequestSizeLimit
 from server.errors import install_error_handlers
 from server.pd_router.backends import BackendPool, NoBackend
 from server.pd_router.forwarding import Forwarder, error_response, parse_body
-from server.pd_router.health import keep_probing, probe_all
+from server.pd_router.health import keep_probing, probe_all, quiet_http_client_log
 from server.pd_router.metrics import RouterMetrics
 from server.server_config import DEFAULT_MAX_REQUEST_BYTES
 
@@ -26,6 +26,7 @@ def build_router_app(pool: BackendPool, api_key: str | None = None, backend_api_
     """`backend_api_key` is what the router sends the instances (their --api-key); `api_key` its clients'."""
     metrics = RouterMetrics(pool)
     state: dict = {}
+    quiet_http_client_log()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -71,9 +72,13 @@ def build_router_app(pool: BackendPool, api_key: str | None = None, backend_api_
         return Response(response.content, response.status_code, media_type="application/json")
 
     @app.get("/health")
-    async def health() -> Response:
-        """200 while every role has a healthy instance, else 503; the body says which instance is in what state."""
+    async def health(request: Request) -> Response:
+        """200 while every role has a healthy instance, else 503. The body is only the status, except to a
+        caller with the API key (or when there is none): then each instance, where it is and its counters
+        (the route is open to probes, and topology is no business of theirs)."""
         healthy, body = pool.health()
+        if api_key is not None and not key_matches(request.headers.get("authorization", ""), api_key):
+            body = {"status": body["status"]}
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/metrics")

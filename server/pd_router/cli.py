@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Awaitable, Callable
 
 import uvicorn
 
@@ -44,24 +45,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve_router(pool: BackendPool, host: str, port: int, api_key: str | None, backend_api_key: str | None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_timeout_s: float = 600.0,
-                 log_level: str = "info") -> int:
-    """Listen and route until a signal; prints `moe-serve: serving ...` once listening."""
+                 log_level: str = "info", stop_when: Callable[[], Awaitable[str]] | None = None) -> int:
+    """Listen and route until a signal (exit code 0); prints `moe-serve: serving ...` once listening.
+    `stop_when()`: a coroutine that returns why the router must stop (`moe-serve --pd`: an instance of its set
+    died); the router then stops (its clients' requests get a short grace) and the exit code is 1."""
     sock = bind_socket(host, port)
     url = socket_url(sock)
     app = build_router_app(pool, api_key, backend_api_key, max_request_bytes, request_timeout_s=request_timeout_s)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
                                            timeout_graceful_shutdown=5))
+    stopped_because: list[str] = []
 
-    async def announce() -> None:
-        if await until_started(server):
-            print(f"moe-serve: serving the P/D router ({len(pool.of_role('prefill'))} prefill, "
-                  f"{len(pool.of_role('decode'))} decode instances) on {url} (Ctrl-C to stop)\n", end="", flush=True)
+    async def announce_and_watch() -> None:
+        if not await until_started(server):
+            return
+        print(f"moe-serve: serving the P/D router ({len(pool.of_role('prefill'))} prefill, "
+              f"{len(pool.of_role('decode'))} decode instances) on {url} (Ctrl-C to stop)\n", end="", flush=True)
+        if stop_when is not None:
+            stopped_because.append(await stop_when())
+            print(f"moe-serve: {stopped_because[0]}; stopping\n", end="", flush=True)
+            server.should_exit = True
 
     try:
-        serve_until_stopped(server, sock, announce)
+        serve_until_stopped(server, sock, announce_and_watch)
     finally:
         sock.close()
-    return 0
+    return 1 if stopped_because else 0
 
 
 def main(argv: list[str]) -> int:

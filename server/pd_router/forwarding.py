@@ -1,17 +1,23 @@
 """One client request through the router: the prompt on a prefill instance, the rest on a decode instance.
 
-1. The prefill half: the request as the client sent it, with `max_tokens` 1, not streamed, and
-   `kv_transfer_params: {"do_remote_decode": true}`. The instance validates it (its refusal, a 400,
-   goes back to the client as it is), runs the prompt, and answers with the handle of the parked KV.
+1. The prefill half: the request as the client sent it, not streamed, with
+   `kv_transfer_params: {"do_remote_decode": true}`. The instance validates it as the whole request
+   (its refusal, a 400, goes back to the client as it is: before any prefill), runs the prompt and
+   its first token, and answers with the handle of the parked KV. If that first token ended the
+   request (EOS, a stop, no room for more) the answer has no handle: it is the client's answer
+   (`final_answer`), nothing runs twice.
 2. The decode half: the request as the client sent it, with that handle as `kv_transfer_params`.
    Its answer (an SSE stream relayed byte for byte, or a JSON body) is the client's.
 
-A request the split does not fit (several choices, echo, prompt logprobs, max_tokens below 2) goes
-whole to a decode instance, and so does one the prefill instance finished by itself (its first
-token ended it: nothing to continue). A client that leaves cancels whichever half is running; the
-instance sees its connection close and aborts (KV blocks freed on both sides: the decode instance
-releases the prefill's copy). An instance that fails (no connection, a broken stream) fails the
-requests it was serving with a clean error and is left out until its /health answers again.
+`kv_transfer_params` from a client is refused: only the router's own prefill answer supplies one
+(a handle is good for one request, and a client has no business choosing what a decode instance
+pulls). A request the split does not fit (several choices, echo, prompt logprobs, max_tokens below
+2) goes whole to a decode instance (a full engine), and so does every request while no prefill
+instance can take it (none usable, or the chosen one unreachable). A client that leaves cancels
+whichever half is running; the instance sees its connection close and aborts (KV blocks freed on
+both sides: the decode instance releases the prefill's copy). An instance that fails (no
+connection, a broken stream) fails the requests it was serving with a clean error and is left out
+until its /health answers again.
 """
 from __future__ import annotations
 
@@ -25,7 +31,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from server.errors import APIError
+from server.json_body import too_deep, too_long_integer
 from server.pd_router.backends import Backend, BackendPool, NoBackend
+from server.pd_router.final_answer import final_body, final_events
 from server.pd_router.metrics import RouterMetrics
 from server.pd_router.relay import RelayedStream
 from server.sse import EventStreamResponse
@@ -33,6 +41,8 @@ from server.sse import EventStreamResponse
 logger = logging.getLogger(__name__)
 
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+KV_TRANSFER_PARAM = "kv_transfer_params"
+PREFILL_UNREACHABLE = object()   # `_prefill`'s answer when its instance could not be reached
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,7 @@ class Split:
 
 def split_of(route: str, body: dict) -> Split:
     stream = body.get("stream") is True
-    if body.get("n", 1) != 1 or body.get("kv_transfer_params") is not None:
+    if body.get("n", 1) != 1:
         return Split(False, stream)
     if route == "completions":
         prompt = body.get("prompt")
@@ -61,17 +71,16 @@ def split_of(route: str, body: dict) -> Split:
     return Split(True, stream)
 
 
-def prefill_body(route: str, body: dict) -> dict:
-    half = {name: value for name, value in body.items() if name not in ("stream_options", "max_tokens")}
+def prefill_body(body: dict) -> dict:
+    """The prefill half: the client's request (its max_tokens too: the instance validates the whole
+    request, then runs one token), not streamed, asking for a handle."""
+    half = {name: value for name, value in body.items() if name != "stream_options"}
     half.update(stream=False, kv_transfer_params={"do_remote_decode": True})
-    half["max_tokens" if route == "completions" else "max_completion_tokens"] = 1
-    if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 1:
-        half["min_tokens"] = 1
     return half
 
 
-def error_response(status: int, message: str, kind: str) -> JSONResponse:
-    return APIError(status, message, kind).response()
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return APIError(status, message, kind, param).response()
 
 
 class Forwarder:
@@ -83,40 +92,52 @@ class Forwarder:
         self.headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
 
     async def forward(self, route: str, body: dict, request: Request) -> Response:
+        if KV_TRANSFER_PARAM in body:
+            self.metrics.count("refused")
+            return error_response(400, f"{KV_TRANSFER_PARAM}: set by the router between its prefill and decode "
+                                       f"instances, not by clients", "invalid_request_error", KV_TRANSFER_PARAM)
         split = split_of(route, body)
         if not split.disaggregated:
             self.metrics.count("decode_only")
             return await self._decode(route, body, split.stream, request)
         try:
             prefill = self.pool.choose("prefill")
-        except NoBackend as exc:
-            self.metrics.count("no_instance")
-            return error_response(503, str(exc), "service_unavailable")
+        except NoBackend as exc:   # a decode instance is a full engine: it serves the request whole
+            logger.debug("%s; serving a request whole on a decode instance", exc)
+            self.metrics.count("prefill_fallback")
+            return await self._decode(route, body, split.stream, request)
         answer = await self._until_disconnect(request, self._prefill(prefill, route, body))
         if answer is None:
             self.metrics.count("aborted")
             return error_response(499, "the client closed the request", "aborted")
+        if answer is PREFILL_UNREACHABLE:
+            self.metrics.count("prefill_fallback")
+            return await self._decode(route, body, split.stream, request)
         if isinstance(answer, Response):
             return answer
-        handle = answer.get("kv_transfer_params")
-        if handle is None:   # the prefill instance finished it (its first token ended it): run it whole
-            self.metrics.count("decode_only")
-            return await self._decode(route, body, split.stream, request)
+        handle = answer.get(KV_TRANSFER_PARAM)
+        if handle is None:   # its first token ended it: the prefill's answer is the whole answer
+            self.metrics.count("prefill_only")
+            if split.stream:
+                return Response(b"".join(final_events(route, answer, body)), media_type="text/event-stream")
+            return JSONResponse(final_body(answer))
         self.metrics.count("disaggregated")
-        return await self._decode(route, {**body, "kv_transfer_params": handle}, split.stream, request)
+        return await self._decode(route, {**body, KV_TRANSFER_PARAM: handle}, split.stream, request)
 
-    async def _prefill(self, backend: Backend, route: str, body: dict) -> dict | Response:
-        """The prefill instance's JSON answer, or the response to send the client instead (its refusal, or
-        a clean error when it failed)."""
+    async def _prefill(self, backend: Backend, route: str, body: dict) -> dict | Response | object:
+        """The prefill instance's JSON answer, the response to send the client instead (its refusal, or a
+        clean error when it failed), or PREFILL_UNREACHABLE (no connection: the request never ran)."""
         started = time.perf_counter()
         backend.in_flight += 1
         try:
-            response = await self.client.post(backend.url + ROUTES[route], json=prefill_body(route, body),
+            response = await self.client.post(backend.url + ROUTES[route], json=prefill_body(body),
                                               headers=self.headers)
         except httpx.HTTPError as exc:
             self.pool.mark_failed(backend, f"{type(exc).__name__}: {exc}")
-            self.metrics.count("prefill_failed")
             logger.warning("prefill instance %s failed a request: %s", backend.url, exc)
+            if isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException):
+                return PREFILL_UNREACHABLE   # gone (refused, reset): nothing ran for the client; serve it whole
+            self.metrics.count("prefill_failed")
             return error_response(502, f"the prefill instance {backend.url} failed: {type(exc).__name__}",
                                   "prefill_failed")
         finally:
@@ -209,8 +230,12 @@ async def wait_for_disconnect(request: Request) -> None:
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except ValueError as exc:
+    except RecursionError:   # nested past the parser's limit: name the field, as an instance would
+        raise too_deep(raw) from None
+    except json.JSONDecodeError as exc:
         raise APIError(400, f"the body is not JSON: {exc}", "invalid_request_error") from exc
+    except ValueError:       # an integer literal longer than Python converts
+        raise too_long_integer(raw) from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", "invalid_request_error")
     return body

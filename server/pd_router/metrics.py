@@ -11,7 +11,8 @@ from server.pd_router.backends import BackendPool
 
 PREFIX = "moe_"   # as moe-serve's own metrics (server.metrics, not imported: it brings the engine, and torch)
 
-OUTCOMES = ("disaggregated", "decode_only", "prefill_failed", "decode_failed", "no_instance", "refused", "aborted")
+OUTCOMES = ("disaggregated", "decode_only", "prefill_only", "prefill_fallback", "prefill_failed", "decode_failed",
+            "no_instance", "refused", "aborted")
 PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -21,8 +22,9 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             PREFIX + "router_requests", "Requests by how they were served: disaggregated (prefill, then decode), "
-            "decode_only (whole on a decode instance: n > 1, echo, prompt logprobs, max_tokens < 2), or how they "
-            "failed.", ["outcome"], registry=self.registry)
+            "decode_only (whole on a decode instance: n > 1, echo, prompt logprobs, max_tokens < 2), prefill_only "
+            "(the first token ended it: the prefill's answer), prefill_fallback (whole on a decode instance: no "
+            "prefill instance could take it), or how they failed.", ["outcome"], registry=self.registry)
         for outcome in OUTCOMES:   # exported as 0 from the start
             self.requests.labels(outcome)
         self.prefill_seconds = Histogram(PREFIX + "router_prefill_seconds",

@@ -4,13 +4,18 @@ It says where the request's KV blocks are (each prefill rank's `KVShard`: block 
 heads), how many tokens they hold, the first token sampled after the prompt (with its logprob
 when asked for) and the request's sampler state (its seeded generator, so a seeded request draws
 on the decode instance what it would have drawn on one), and where to send the release. It
-travels as JSON through the router in `kv_transfer_params`, so it is signed: the decode side
+travels as JSON through the router in `kv_transfer_params`, so every field is signed (the logprob's
+floats too: JSON carries a finite float exactly, as its shortest round-trip repr): the decode side
 checks the MAC before connecting anywhere, and checks the prompt's digest against the prompt it
-tokenized itself.
+tokenized itself. It is good for one import before `expires_at` (the prefill frees the parked
+blocks at its transfer timeout anyway): its random `nonce` is what the decode side remembers
+(`used_nonces.UsedNonces`) to refuse a second use.
 """
 from __future__ import annotations
 
 import hashlib
+import secrets
+import time
 from typing import Annotated
 
 import msgspec
@@ -23,6 +28,7 @@ from moe_runtime.disaggregation.kv_transfer.shard import Count, Endpoint, KVShar
 
 MAX_SHARDS = 1024            # ranks of one prefill DP worker (attention TP x pipeline stages)
 MAX_TOP_LOGPROBS = 1024
+NONCE_HEX_CHARS = 32          # 128 random bits
 
 
 class HandleError(InvalidRequestError):
@@ -53,23 +59,43 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
     generator_state: Annotated[bytes, msgspec.Meta(max_length=16384)] | None = None
     shards: Annotated[list[KVShard], msgspec.Meta(min_length=1, max_length=MAX_SHARDS)]
     release_endpoint: Endpoint
+    nonce: Annotated[str, msgspec.Meta(min_length=NONCE_HEX_CHARS, max_length=NONCE_HEX_CHARS,
+                                       pattern="^[0-9a-f]+$")]
+    expires_at: float                     # time.time() on the prefill instance when its parked copy is freed
     mac: Annotated[str, msgspec.Meta(max_length=128)] = ""
+
+    @staticmethod
+    def new_nonce() -> str:
+        return secrets.token_hex(NONCE_HEX_CHARS // 2)
 
     def signed(self, key: TransferKey) -> "KVHandle":
         return msgspec.structs.replace(self, mac=key.mac(self._signed_bytes()))
 
-    def verified(self, key: TransferKey, prompt_token_ids: list[int]) -> "KVHandle":
-        """This handle, if `key` signed it and it is for `prompt_token_ids`; else `HandleError`."""
+    def authentic(self, key: TransferKey, now: float | None = None) -> "KVHandle":
+        """This handle, if `key` signed it (every field) and it has not expired; else `HandleError`."""
         if not key.verify(self._signed_bytes(), self.mac):
             raise HandleError("kv_transfer_params was not made by a prefill instance of this deployment "
                               "(bad signature)")
+        now = time.time() if now is None else now
+        if self.expires_at <= now:
+            raise HandleError(f"kv_transfer_params expired {now - self.expires_at:.1f}s ago (the prefill instance "
+                              f"freed its KV at its --kv-transfer-timeout; if this is far off, check both clocks)")
+        return self
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> "KVHandle":
+        """This handle, if it is for `prompt_token_ids`; else `HandleError`."""
         if self.num_tokens != len(prompt_token_ids) or self.prompt_digest != prompt_digest(prompt_token_ids):
             raise HandleError("kv_transfer_params belongs to another prompt than this request's")
         return self
 
+    def verified(self, key: TransferKey, prompt_token_ids: list[int]) -> "KVHandle":
+        """This handle, if `key` signed it, it has not expired and it is for `prompt_token_ids`; else
+        `HandleError`. (Whether it was used already is the decode front's to know.)"""
+        return self.authentic(key).check_prompt(prompt_token_ids)
+
     def _signed_bytes(self) -> bytes:
-        """Everything but the MAC and the logprob (floats need not survive JSON bit for bit to be safe)."""
-        return msgspec.msgpack.encode(msgspec.structs.replace(self, mac="", first_logprob=None))
+        """Every field but the MAC."""
+        return msgspec.msgpack.encode(msgspec.structs.replace(self, mac=""))
 
     def to_json_object(self) -> dict:
         return msgspec.to_builtins(self)

@@ -69,8 +69,15 @@ class ReleaseSender:
         self.codec = KVCodec()
         self._context = zmq.Context()
         self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self._lock = threading.Lock()   # a refused admission releases from a worker thread; the loop from its own
+        self._closed = False
 
     def send(self, endpoint: str, request_id: str) -> None:
+        with self._lock:
+            if not self._closed:   # shut down: the prefill's timeout frees it
+                self._send(endpoint, request_id)
+
+    def _send(self, endpoint: str, request_id: str) -> None:
         socket = self._sockets.get(endpoint)
         if socket is None:
             socket, _ = curve_client(self._context, self.key, endpoint)
@@ -84,7 +91,9 @@ class ReleaseSender:
             logger.warning("KV release of %s to %s not sent (queue full); its timeout frees it", request_id, endpoint)
 
     def close(self) -> None:
-        for socket in self._sockets.values():
-            socket.close(linger=200)   # a release sent just before shutdown still leaves
-        self._sockets.clear()
-        self._context.term()
+        with self._lock:
+            self._closed = True
+            for socket in self._sockets.values():
+                socket.close(linger=200)   # a release sent just before shutdown still leaves
+            self._sockets.clear()
+            self._context.term()
