@@ -23,4 +23,3 @@ class ImportSpec:
     source_request_id: str                  # on the prefill instance
     shards: list[KVShard]                   # the prefilling worker's ranks
     first_logprob: TokenLogprob | None = None
-    generator_state: bytes | None = None

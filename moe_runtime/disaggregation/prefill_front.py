@@ -49,7 +49,7 @@ class PrefillFront:
         return KVHandle(request_id=request_id, num_tokens=export.num_tokens,
                         prompt_digest=prompt_digest(prompt_token_ids), first_token=first_token,
                         first_logprob=HandleLogprob.of(first_logprob) if first_logprob is not None else None,
-                        generator_state=export.generator_state, shards=shards,
+                        shards=shards,
                         release_endpoint=self.listener.endpoint, nonce=KVHandle.new_nonce(),
                         expires_at=time.time() + self.timeout_s).signed(self.key)
 

@@ -13,7 +13,6 @@ class KVExportInfo:
     from the ranks (the front knows the rest: prompt, token, where the shards are)."""
 
     num_tokens: int                            # tokens whose KV is parked (the prompt)
-    generator_state: bytes | None = None       # the request's seeded generator after the first token
 
 
 @dataclass

@@ -138,7 +138,8 @@ class Front:
             prompt = list(prompt_token_ids)
             if import_kv is not None:
                 self.decode.check_fits(import_kv, prompt, params)
-            hashes = block_hashes(prompt, self.block_size) if self.router.prefix_index is not None else None
+            hashes = (block_hashes(prompt, self.block_size, params.cache_salt)   # the ranks' salted chain
+                      if self.router.prefix_index is not None else None)
         except BaseException:
             self.refuse_import(import_kv)
             raise
@@ -183,7 +184,7 @@ class Front:
                     dp_rank: int) -> None:
         first_logprob = handle.first_logprob.token_logprob() if handle.first_logprob is not None else None
         spec = ImportSpec(request_id, prompt, params, handle.first_token, handle.request_id, list(handle.shards),
-                          first_logprob, handle.generator_state)
+                          first_logprob)
         self.decode.start(request_id, dp_rank, set(self.shape.worker_ranks[dp_rank]), handle)
         self.client.send(ImportRequest(spec=spec, dp_rank=dp_rank), only_worker=dp_rank)
         self.outputs.add(request_id, prompt, params)

@@ -2,8 +2,8 @@
 
 It says where the request's KV blocks are (each prefill rank's `KVShard`: block server, layers,
 heads), how many tokens they hold, the first token sampled after the prompt (with its logprob
-when asked for) and the request's sampler state (its seeded generator, so a seeded request draws
-on the decode instance what it would have drawn on one), and where to send the release. It
+when asked for) and where to send the release (a seeded request needs no sampler state: its draws
+are keyed by seed and position, so the decode instance draws what one instance would have). It
 travels as JSON through the router in `kv_transfer_params`, so every field is signed (the logprob's
 floats too: JSON carries a finite float exactly, as its shortest round-trip repr): the decode side
 checks the MAC before connecting anywhere, and checks the prompt's digest against the prompt it
@@ -56,7 +56,6 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
     prompt_digest: Annotated[str, msgspec.Meta(max_length=64)]
     first_token: Count
     first_logprob: HandleLogprob | None = None
-    generator_state: Annotated[bytes, msgspec.Meta(max_length=16384)] | None = None
     shards: Annotated[list[KVShard], msgspec.Meta(min_length=1, max_length=MAX_SHARDS)]
     release_endpoint: Endpoint
     nonce: Annotated[str, msgspec.Meta(min_length=NONCE_HEX_CHARS, max_length=NONCE_HEX_CHARS,
