@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 import moe_runtime
 from moe_runtime.front.async_engine import AsyncEngine
 from moe_runtime.errors import MoERuntimeError
-from server.auth import ApiKeyGate
+from server.auth import ApiKeyGate, ApiKeys
 from server.body_limit import RequestSizeLimit
 from server.chat import ChatFormatter
 from server.completions import CompletionFormatter
@@ -37,6 +37,7 @@ from server.request_conversion import ModelInfo, chat_choices, check_model, comp
 from server.server_config import DEFAULT_MAX_REQUEST_BYTES
 from server.sse import EventStreamResponse, sse_stream
 from server.stream_usage import stream_usage
+from server.tenant_salt import TenantSalts
 from server.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                  detokenize, tokenize)
 from server.tool_calls.selection import choose_parser
@@ -56,7 +57,7 @@ class Mount:
 def build_app(
     async_engine: AsyncEngine,
     served_model_name: str,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     extra_routers: Sequence[APIRouter] = (),
     mounts: Sequence[Mount] = (),
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -64,7 +65,8 @@ def build_app(
     model_type: str | None = None,
 ) -> FastAPI:
     """`tool_call_parser` names the parser of tool calls (`server.tool_calls.selection.PARSERS`); None chooses
-    one from the chat template, then `model_type` (config.json's)."""
+    one from the chat template, then `model_type` (config.json's). `api_key`: one key, or one per tenant (each
+    tenant's requests then share prefix-cache blocks only among themselves: `server.tenant_salt`)."""
     app = FastAPI(title="moe-runtime", version=moe_runtime.__version__)
     app.state.async_engine = async_engine
     app.state.metrics = metrics = ServerMetrics()
@@ -72,6 +74,7 @@ def build_app(
     model = ModelInfo(served_model_name, async_engine.max_model_len, async_engine.tokenizer, parser,
                       structured_output=async_engine.structured_output_validator)
     namer = TokenNamer(async_engine.tokenizer)
+    salts = TenantSalts.for_keys(ApiKeys.of(api_key))
     install_error_handlers(app)
     install_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
 
@@ -108,6 +111,7 @@ def build_app(
 
     @v1.post("/completions", openapi_extra=documented_body(CompletionRequest))
     async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))):
+        body = salts.salted(body, request)
         usage = stream_usage(body)
         choices = await asyncio.to_thread(completion_choices, body, model)   # tokenizes: off the event loop
         generation = Generation(async_engine, f"cmpl-{uuid.uuid4().hex}", choices, metrics)
@@ -120,6 +124,7 @@ def build_app(
     @v1.post("/chat/completions", openapi_extra=documented_body(ChatCompletionRequest))
     async def chat_completions(request: Request,
                                body: ChatCompletionRequest = Depends(json_body(ChatCompletionRequest))):
+        body = salts.salted(body, request)
         usage = stream_usage(body)
         chat = await asyncio.to_thread(chat_choices, body, model)   # renders and tokenizes: off the event loop
         generation = Generation(async_engine, f"chatcmpl-{uuid.uuid4().hex}", chat.choices, metrics)
@@ -177,13 +182,15 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        """Request metrics and the engine's state, with the same fresh expert load /v1/expert_load serves."""
-        expert_load = await async_engine.fresh_expert_load()   # the cached snapshot can be 30 s old
+        """Request metrics and the engine's state, with the expert load /v1/expert_load serves: the engine's
+        shared snapshot, refreshed at most every `expert_load_refresh_s` (a snapshot pauses every rank, and
+        this route is open: a scrape must never send the ranks a command of its own)."""
+        expert_load = await async_engine.recent_expert_load()
         return PlainTextResponse(metrics.render(async_engine, expert_load), media_type=CONTENT_TYPE)
 
     @v1.get("/expert_load")
     async def expert_load() -> Response:
-        snapshot = await async_engine.fresh_expert_load()
+        snapshot = await async_engine.recent_expert_load()   # shared with /metrics, never one per request
         if snapshot is None:
             return APIError(404, "this engine records no expert load (a single-rank engine, or no MoE layers)",
                             "not_found_error", None, "no_expert_load").response()

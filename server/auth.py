@@ -5,13 +5,18 @@ the body is read, so a client without the key cannot make the server read, parse
 anything. The key comes as `Authorization: Bearer <key>` (API clients) or as the password of
 `Authorization: Basic` (any user name): a browser opening /dashboard or /docs gets a Basic challenge,
 asks its user for the key once, and then sends it with every request of the page by itself.
+
+Several keys (one per tenant) may be given: any of them opens the routes, and the gate records which one
+a request presented (its index, `KEY_INDEX_STATE` in the request's state) so that the app can keep the
+tenants' prefix caches apart (`server.tenant_salt`). The raw key goes no further than this module.
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 from fastapi import Request
 
@@ -20,6 +25,7 @@ from server.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 BROWSER_REALM = 'Basic realm="moe-serve", charset="UTF-8"'
+KEY_INDEX_STATE = "api_key_index"   # request.state's name for the index of the key the request presented
 
 
 def presented_key(authorization: str) -> str | None:
@@ -42,6 +48,38 @@ def key_matches(authorization: str, api_key: str) -> bool:
     return presented is not None and secrets.compare_digest(presented.encode(), api_key.encode())
 
 
+@dataclass(frozen=True)
+class ApiKeys:
+    """The keys the server accepts; a request's key identity is the index of the key it presented."""
+
+    keys: tuple[str, ...]
+
+    @classmethod
+    def of(cls, api_key: str | Sequence[str] | None) -> "ApiKeys | None":
+        """None without a key; one key (a string) or several."""
+        if api_key is None:
+            return None
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key)
+        if not keys:
+            raise ValueError("api_key: give at least one key (or None for none)")
+        if len(set(keys)) != len(keys):
+            raise ValueError("api_key: the same key is given twice (each tenant needs a key of its own)")
+        return cls(keys)
+
+    @property
+    def several(self) -> bool:
+        return len(self.keys) > 1
+
+    def identify(self, authorization: str) -> int | None:
+        """The index of the key an `Authorization` header carries; None if it carries none of them. Every
+        key is compared, in constant time each, so the time taken does not tell which key matched."""
+        presented = presented_key(authorization)
+        if presented is None:
+            return None
+        matches = [secrets.compare_digest(presented.encode(), key.encode()) for key in self.keys]
+        return matches.index(True) if any(matches) else None
+
+
 def unauthorized() -> APIError:
     return APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error",
                     None, "invalid_api_key")
@@ -49,18 +87,24 @@ def unauthorized() -> APIError:
 
 @dataclass
 class ApiKeyGate:
-    """ASGI middleware: 401 for every HTTP request without the key, except on `OPEN_PATHS`."""
+    """ASGI middleware: 401 for every HTTP request without a key, except on `OPEN_PATHS`; a request that
+    presents one has the key's index in its state (`KEY_INDEX_STATE`)."""
 
     app: object
-    api_key: str | None
+    api_key: str | Sequence[str] | None
+    keys: ApiKeys | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.keys = ApiKeys.of(self.api_key)
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.api_key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if self.keys is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        authorization = headers.get(b"authorization", b"").decode("latin-1")
-        if key_matches(authorization, self.api_key):
+        key_index = self.keys.identify(headers.get(b"authorization", b"").decode("latin-1"))
+        if key_index is not None:
+            scope.setdefault("state", {})[KEY_INDEX_STATE] = key_index
             await self.app(scope, receive, send)
             return
         extra = {"WWW-Authenticate": BROWSER_REALM if not scope["path"].startswith("/v1/") else "Bearer"}
@@ -71,15 +115,17 @@ class ApiKeyGate:
         await response(scope, receive, send)
 
 
-def api_key_dependency(api_key: str | None):
+def api_key_dependency(api_key: str | Sequence[str] | None):
     """A FastAPI dependency that raises 401 without the key (a no-op without one), for routers used on their own.
 
     An app from `build_app(api_key=...)` already checks every route in `ApiKeyGate`; this guards a
     router (the dashboard's rebalance) even in an app built without that key.
     """
 
+    keys = ApiKeys.of(api_key)
+
     async def require_api_key(request: Request) -> None:
-        if api_key is not None and not key_matches(request.headers.get("authorization", ""), api_key):
+        if keys is not None and keys.identify(request.headers.get("authorization", "")) is None:
             raise unauthorized()
 
     return require_api_key

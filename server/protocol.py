@@ -23,6 +23,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from moe_runtime.sampling.bounds import BOUND, refusal
+from moe_runtime.sampling.params import SamplingParams
 
 TokenIds = list[int]
 
@@ -110,6 +111,9 @@ class SamplingFields(RequestModel):
     # prefill/decode disaggregation (vLLM's name): {"do_remote_decode": true} asks a prefill instance to park the
     # prompt's KV and answer with a handle; a decode instance given that handle continues the request
     kv_transfer_params: dict | None = None
+    # vLLM's: the prompt's KV blocks are shared only with requests of the same salt (and, with several API
+    # keys, of the same key: `server.tenant_salt`), so no one learns another's prompt from a cache hit's speed
+    cache_salt: str | None = Field(None, min_length=1, max_length=SamplingParams.MAX_CACHE_SALT_CHARS)
 
     @field_validator("stop", "stop_token_ids", "logit_bias")
     @classmethod

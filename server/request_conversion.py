@@ -174,6 +174,7 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
         min_p=request.min_p or 0.0,
         logit_bias=digit_keys(request.logit_bias or {}),
         structured_output=structured_output,
+        cache_salt=request.cache_salt,   # the app's tenant salt (`server.tenant_salt`) already applied
     )
 
 

@@ -23,13 +23,15 @@ from server.dashboard.timeline import Timeline
 
 pytestmark = pytest.mark.timeout(60)
 
+REFRESH_S = 0.05   # the engine's expert-load snapshot, which /v1/expert_load and the dashboard read, is this old at most
+
 
 def serve(engine, api_key=None, **dashboard_kwargs):
     """Run `await fn(client)` against the app (with the dashboard) on `engine`, over the ASGI transport."""
 
     def runner(fn):
         async def main():
-            async_engine = AsyncEngine(engine, AsyncEngineConfig(expert_load_refresh_s=0.05)).start()
+            async_engine = AsyncEngine(engine, AsyncEngineConfig(expert_load_refresh_s=REFRESH_S)).start()
             router = dashboard_router(api_key=api_key, config=DashboardConfig(**dashboard_kwargs))
             app = build_app(async_engine, "fake", api_key=api_key, extra_routers=[router])
             transport = httpx.ASGITransport(app=app)
@@ -50,7 +52,11 @@ async def complete(client, prompt: list[int], max_tokens: int, headers=None) -> 
 
 
 async def settled_state(client) -> dict:
-    """/dashboard/state once the engine's cached snapshot caught up with /v1/expert_load (engine idle)."""
+    """/dashboard/state once the engine's cached snapshot caught up with /v1/expert_load (engine idle).
+
+    Both read the engine's one snapshot, refreshed at most every REFRESH_S: after a period with the engine
+    idle, the next read refreshes it with every step done."""
+    await asyncio.sleep(2 * REFRESH_S)
     for _ in range(200):
         fresh = (await client.get("/v1/expert_load")).json()
         state = (await client.get("/dashboard/state")).json()

@@ -1,4 +1,4 @@
-"""/metrics with prometheus_client: one registry per app, the fresh expert load, requests the engine failed."""
+"""/metrics with prometheus_client: one registry per app, the shared expert load, requests the engine failed."""
 import asyncio
 import logging
 
@@ -18,7 +18,7 @@ from server.metrics import parse_samples
 pytestmark = pytest.mark.timeout(60)
 
 FAILING_TOKEN = 666   # FailingEngine fails every request whose prompt ends with it
-NEVER = 3600.0        # an expert-load refresh period no test outlives: the cached snapshot stays stale
+REFRESH_S = 0.05      # a short expert-load refresh period: a test waits it out to see a new load
 
 
 def serve(engine, scenario, expert_load_refresh_s: float = 1.0):
@@ -63,11 +63,12 @@ def test_metrics_and_expert_load_agree_after_the_load_changes():
         before = await scrape(client)
         engine.snapshot = changed                  # the load moves between scrapes...
         engine.events.append(rebalance_event(0))   # ...and a rebalance happened
+        await asyncio.sleep(2 * REFRESH_S)         # the shared snapshot is refreshed at most every REFRESH_S
         after = await scrape(client)               # /metrics first: no /v1/expert_load call refreshed the cache
         served = (await client.get("/v1/expert_load")).json()
         return before, after, served
 
-    before, after, served = serve(engine, scenario, expert_load_refresh_s=NEVER)
+    before, after, served = serve(engine, scenario, expert_load_refresh_s=REFRESH_S)
     assert before['moe_expert_balancedness{layer="0"}'] == pytest.approx(2 / 3)   # mean 2 over max 3
     assert served == changed.to_dict()
     for layer in (0, 1):

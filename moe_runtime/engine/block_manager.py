@@ -3,14 +3,15 @@
 With prefix caching (`PrefixCache`) a block can be shared: a request admitted with a cached prefix
 references those blocks instead of computing them again, and a block whose last reference goes
 away stays cached (idle) until a new block is needed and no plain free one is left. Idle blocks
-count as free: `num_free_blocks` is what a request can get now.
+count as free: `num_free_blocks` is what a request can get now. A request's `cache_salt` roots its hash
+chain (`chain_root`): it shares blocks only with requests of the same salt.
 """
 from __future__ import annotations
 
 from collections import deque
 
 from moe_runtime.engine.prefix_cache import PrefixCache, PrefixCacheCounters, PrefixCacheEvents
-from moe_runtime.engine.prefix_hash import extend_block_hashes
+from moe_runtime.engine.prefix_hash import chain_root, extend_block_hashes
 from moe_runtime.engine.sequence import Sequence
 
 
@@ -73,7 +74,8 @@ class BlockManager:
         usable = (seq.num_tokens - 1) // self.block_size
         if usable == 0:
             return []
-        hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, usable)
+        hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, usable,
+                                     root=chain_root(seq.params.cache_salt))
         return self.prefix_cache.lookup(hashes[:usable])
 
     def can_append(self, seq: Sequence) -> bool:
@@ -92,7 +94,8 @@ class BlockManager:
         full = min(num_computed_tokens // self.block_size, len(seq.block_table))
         if full <= seq.num_registered_blocks:
             return
-        hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, full)
+        hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, full,
+                                     root=chain_root(seq.params.cache_salt))
         for index in range(seq.num_registered_blocks, full):
             self.prefix_cache.store(seq.block_table[index], hashes[index])
         seq.num_registered_blocks = full

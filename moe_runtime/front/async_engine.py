@@ -126,7 +126,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._unstarted = 0                    # submitted, no output yet
         self._expert_load = None
-        self._expert_load_at = float("-inf")
+        self._expert_load_asked_at = float("-inf")   # monotonic start of the latest snapshot command
         self._stop_requested = False           # set by begin_shutdown (a plain store: signal-safe)
         self._loop: asyncio.AbstractEventLoop | None = None   # the loop the engine is attached to
         self._load_refresh: asyncio.Task | None = None
@@ -281,23 +281,40 @@ class AsyncEngine:
             self._refresh_load_soon()
         return self._expert_load
 
+    async def recent_expert_load(self, timeout_s: float = 10.0):
+        """The cached snapshot while it is younger than `expert_load_refresh_s`; else the one refresh in flight
+        (started here if none), which every concurrent caller awaits. However many callers (/metrics scrapes,
+        /v1/expert_load), the ranks see at most one snapshot command per `expert_load_refresh_s`, and no
+        caller's wait is longer than one snapshot (or `timeout_s`: then the cached one)."""
+        self._attach_here()
+        self._refresh_load_soon()
+        refresh = self._load_refresh
+        if refresh is not None and not refresh.done():
+            try:   # shielded: a caller that gives up (a client gone) leaves the shared refresh running
+                await asyncio.wait_for(asyncio.shield(refresh), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self._expert_load
+
     def _refresh_load_soon(self) -> None:
-        stale = time.monotonic() - self._expert_load_at >= self.config.expert_load_refresh_s
+        """Start a snapshot command unless one is in flight or the latest started under `expert_load_refresh_s`
+        ago (counted from its start, so a failed or slow one does not make the next caller send another)."""
+        stale = time.monotonic() - self._expert_load_asked_at >= self.config.expert_load_refresh_s
         if not stale or (self._load_refresh is not None and not self._load_refresh.done()) or self._dead_detail:
             return
+        self._expert_load_asked_at = time.monotonic()
         try:
             future = self.engine.expert_load()
         except MoERuntimeError:
             return
         if future.done() and future.exception() is None:   # answered at once (nothing to wait for)
-            self._expert_load, self._expert_load_at = future.result(), time.monotonic()
+            self._expert_load = future.result()
             return
         self._load_refresh = self._loop.create_task(self._await_load(future, timeout_s=10.0))
 
     async def _await_load(self, future, timeout_s: float):
         try:
             self._expert_load = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
-            self._expert_load_at = time.monotonic()
         except (asyncio.TimeoutError, MoERuntimeError):
             pass
         return self._expert_load
@@ -311,7 +328,9 @@ class AsyncEngine:
         """Plan a placement from the recorded window and migrate now; the engine's RebalanceEvent."""
         self._attach_here()
         self._check_alive()
-        return await asyncio.wait_for(asyncio.wrap_future(self.engine.rebalance_now()), timeout_s)
+        event = await asyncio.wait_for(asyncio.wrap_future(self.engine.rebalance_now()), timeout_s)
+        self._expert_load_asked_at = float("-inf")   # the placement moved: the next reader refreshes the snapshot
+        return event
 
     async def fresh_expert_load(self, timeout_s: float = 10.0):
         """An expert-load snapshot taken now (between steps); the cached one if the engine is slow or gone."""
@@ -320,6 +339,7 @@ class AsyncEngine:
             future = self.engine.expert_load()
         except MoERuntimeError:
             return self._expert_load
+        self._expert_load_asked_at = time.monotonic()
         return await self._await_load(future, timeout_s)
 
     @property

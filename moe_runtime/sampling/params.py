@@ -49,6 +49,7 @@ class SamplingParams:
     min_p: float = 0.0                # drop tokens below min_p x the top token's probability (after temperature)
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     structured_output: StructuredOutputSpec | None = None        # the output must match it (xgrammar)
+    cache_salt: str | None = None     # vLLM's: a prefix-cache partition; blocks are shared only under the same salt
 
     # the table's values under their old names (`bounds` states them)
     SEED_LIMIT: ClassVar[int] = bounds.SEED_LIMIT
@@ -64,6 +65,7 @@ class SamplingParams:
     MAX_REPETITION_PENALTY: ClassVar[float] = BOUND["repetition_penalty"].hi
     MAX_LOGIT_BIAS: ClassVar[float] = BOUND["logit_bias.bias"].hi
     MAX_LOGIT_BIAS_ENTRIES: ClassVar[int] = BOUND["logit_bias.count"].hi
+    MAX_CACHE_SALT_CHARS: ClassVar[int] = 1024
 
     def __post_init__(self) -> None:
         """Normalize, never check (see the module's docstring): a value of the wrong type is left as it is,
@@ -94,6 +96,10 @@ class SamplingParams:
             raise self._bad("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputSpec):
             raise self._bad("structured_output", "must be a StructuredOutputSpec (or None)")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
+                                                and 0 < len(self.cache_salt) <= self.MAX_CACHE_SALT_CHARS):
+            raise self._bad("cache_salt", f"must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} "
+                                          "characters (or None)")
 
     def _bad(self, name: str, why: str) -> InvalidRequestError:
         return InvalidRequestError(f"SamplingParams.{name}={_shown(getattr(self, name))}: {why}")
