@@ -5,9 +5,10 @@ vLLM's /tokenize, /detokenize and /version.
 mounts (the dashboard) plug in through `extra_routers` / `mounts`; they find the engine and the
 metrics on `app.state.async_engine` and `app.state.metrics`.
 
-Before any route, from the headers alone: the API key (every route but /health and /metrics,
-`ApiKeyGate`), then the body size (`RequestSizeLimit`). Bodies are parsed and prompts tokenized
-off the event loop, so one large request cannot stall /health or the other requests' streams.
+HEAD answers on every GET route (`HeadAsGet`). Before any route, from the headers alone: the API key
+(every route but /health and /metrics, `ApiKeyGate`), then the body size (`RequestSizeLimit`). Bodies are
+parsed and prompts tokenized off the event loop, so one large request cannot stall /health or the other
+requests' streams.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from server.chat import ChatFormatter
 from server.completions import CompletionFormatter
 from server.errors import APIError, as_api_error, install_error_handlers
 from server.generation import Generation
+from server.head_requests import HeadAsGet
 from server.json_body import documented_body, install_body_schemas, json_body
 from server.logprobs import TokenNamer
 from server.metrics import CONTENT_TYPE, ServerMetrics
@@ -78,10 +80,11 @@ def build_app(
     install_error_handlers(app)
     install_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
 
-    # the last added runs first: count refusals, check the key, then the size, then route
+    # the last added runs first: HEAD as GET, count refusals, check the key, then the size, then route
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
     app.add_middleware(ApiKeyGate, api_key=api_key)
     app.add_middleware(RefusalCounter, metrics=metrics)
+    app.add_middleware(HeadAsGet)
 
     v1 = APIRouter(prefix="/v1")
 
@@ -164,11 +167,6 @@ def build_app(
         """200 {"status": "ok"} or 503 {"status": "unhealthy"} (why is in the server log: this route is open)."""
         healthy = async_engine.health().healthy
         return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
-
-    @app.head("/health", include_in_schema=False)
-    async def health_head() -> Response:
-        """The status of GET /health, without a body (load balancers probe with HEAD)."""
-        return Response(status_code=200 if async_engine.health().healthy else 503)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

@@ -64,7 +64,7 @@ class CompletionFormatter:
             logprobs = CompletionLogprobs()
             if echo:
                 append_logprobs(logprobs, echoed_prompt_logprobs(prompt.prompt_token_ids, entries, self.namer,
-                                                                 self.num_logprobs))
+                                                                 self.num_logprobs, echoed_text))
             offset = len(before) + len(echoed_text)
             append_logprobs(logprobs, completion_logprobs(delta.logprobs, self.namer, offset))
         prompt_logprobs = None

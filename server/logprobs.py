@@ -12,6 +12,7 @@ class TokenNamer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", None) or ())   # BOS, EOS, ...
 
     def __call__(self, token_id: int) -> str:
         name = self._cache.get(token_id)
@@ -53,14 +54,15 @@ def top_by_name(top: dict[int, float], namer: TokenNamer, limit: int | None = No
 
 
 def echoed_prompt_logprobs(prompt_token_ids: list[int], entries: list[PromptTokenLogprob | None],
-                           namer: TokenNamer, num_top: int) -> CompletionLogprobs:
-    """An echoed prompt's tokens in the completions shape, from text offset 0: the first token (and any
-    without an entry) has a null logprob and null alternatives, as OpenAI gives them; the others' alternatives
-    hold the token itself too, as a generated token's do."""
+                           namer: TokenNamer, num_top: int, echoed_text: str) -> CompletionLogprobs:
+    """An echoed prompt's tokens in the completions shape, their `text_offset`s into `echoed_text` (the echo,
+    from offset 0): the first token (and any without an entry) has a null logprob and null alternatives, as
+    OpenAI gives them; the others' alternatives hold the token itself too, as a generated token's do."""
     result = CompletionLogprobs()
-    offset = 0
-    for token_id, entry in zip(prompt_token_ids, entries):
-        token = namer(token_id)
+    tokens = [namer(token_id) for token_id in prompt_token_ids]
+    result.text_offset = echoed_text_offsets(tokens, [t in namer.special_ids for t in prompt_token_ids],
+                                             echoed_text)
+    for token, entry in zip(tokens, entries):
         result.tokens.append(token)
         top = None
         if entry is not None:
@@ -68,9 +70,23 @@ def echoed_prompt_logprobs(prompt_token_ids: list[int], entries: list[PromptToke
             top.setdefault(token, entry.logprob)
         result.token_logprobs.append(None if entry is None else entry.logprob)
         result.top_logprobs.append(top)
-        result.text_offset.append(offset)
-        offset += len(token)
     return result
+
+
+def echoed_text_offsets(tokens: list[str], special: list[bool], echoed_text: str) -> list[int]:
+    """Where each prompt token starts in the echoed text.
+
+    A text prompt is echoed as the client wrote it, so what the tokenizer added to it (a BOS) is not there:
+    a special token that is not at its place in the text takes no room. Token ids are echoed decoded,
+    special tokens included, and one the client wrote ("<s>" in a text prompt) is in the text: those
+    have their width."""
+    offsets, cursor = [], 0
+    for token, is_special in zip(tokens, special):
+        offsets.append(cursor)
+        added_by_the_tokenizer = is_special and not echoed_text.startswith(token, cursor)
+        if not added_by_the_tokenizer:
+            cursor += len(token)
+    return offsets
 
 
 def vllm_prompt_logprobs(entries: list[PromptTokenLogprob | None], namer: TokenNamer,
