@@ -37,3 +37,12 @@ class QueueFullError(MoERuntimeError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class ShuttingDownError(MoERuntimeError):
+    """The server is draining before it stops (SIGTERM): it takes no new request, the running ones finish.
+    Retry after `retry_after_s`, on another instance."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

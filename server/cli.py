@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=s.api_key,
                    help="require 'Authorization: Bearer <key>' on every route but /health and /metrics "
                         "(a browser opening /dashboard or /docs asks for it as the password)")
+    g.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=non_negative_int,
+                   default=s.shutdown_timeout_s, metavar="SECONDS",
+                   help="on SIGTERM, refuse new requests (503 with Retry-After; /health says draining) and let "
+                        "the running ones finish for up to this many seconds, then stop (those still running end "
+                        "with an error) and exit 0; keep it under Kubernetes' terminationGracePeriodSeconds "
+                        "(30 by default) by a few seconds. 0: stop at once. Ctrl-C and a second SIGTERM stop at once")
     g.add_argument("--max-request-bytes", type=parse_size, default=s.max_request_bytes,
                    help="largest request body accepted, e.g. 4M; larger ones get HTTP 413")
     g.add_argument("--log-level", default=s.log_level, choices=["debug", "info", "warning", "error"],

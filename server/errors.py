@@ -16,7 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
+from moe_runtime.errors import (EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError,
+                                ShuttingDownError)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), "invalid_request_error", _param_named_in(str(exc)))
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), "rate_limit_exceeded", None, "queue_full", retry_after_s=exc.retry_after_s)
+    if isinstance(exc, ShuttingDownError):   # draining before a stop: another instance can take it
+        return APIError(503, str(exc), "service_unavailable", None, "shutting_down", retry_after_s=exc.retry_after_s)
     if isinstance(exc, EngineDeadError):
         logger.warning("request refused, the engine is unavailable: %s", exc)
         return engine_unavailable()

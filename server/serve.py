@@ -1,14 +1,16 @@
 """`serve`: listen at once (503 while starting), build the engine in a thread, serve, shut down cleanly.
 
-Signals: uvicorn handles SIGINT/SIGTERM itself (graceful HTTP shutdown), then restores the previous
-handlers and raises the signal again. `serve_loop.serve_until_stopped` turns that second
-delivery into an exception, so the engine (and, multi-process, its workers) is always shut down
-instead of the process just dying.
+Signals: SIGTERM first drains (`graceful_drain`: new requests get 503, the running ones finish for up to
+`--shutdown-timeout` seconds); SIGINT, a second SIGTERM and the drain's end stop at once: uvicorn's
+graceful HTTP shutdown, which then restores the previous handlers and raises the signal again.
+`serve_loop.serve_until_stopped` turns that second delivery into an exception, so the engine (and,
+multi-process, its workers) is always shut down instead of the process just dying.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from typing import Callable
 
 import uvicorn
@@ -18,6 +20,7 @@ from server.app import build_app
 from server.dashboard import dashboard_router
 from server.engine_launch import EngineLaunch
 from server.exposure import warn_if_exposed
+from server.graceful_drain import GracefulDrain
 from server.listen_socket import bind_socket, socket_url
 from server.serve_loop import serve_until_stopped, until_started
 from server.server_config import ServerConfig
@@ -45,7 +48,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     log_level = server_config.log_level
     server = _Server(uvicorn.Config(gate, log_level=log_level, access_log=log_level == "debug",
                                     timeout_graceful_shutdown=5, lifespan="off"),
-                     on_exit=launch.begin_shutdown)
+                     on_exit=launch.begin_shutdown, shutdown_timeout_s=server_config.shutdown_timeout_s)
     exit_code = 0
 
     async def announce_listening() -> None:
@@ -68,6 +71,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
                             model_type=checkpoint_model_type(launch.model_path)))
         if server.should_exit:
             return
+        server.drain.serving(launch.async_engine)
         print(ready_lines(launch.served_name, url, is_demo=server_config.model is None), end="", flush=True)
         await stop_when_the_engine_dies()
 
@@ -79,8 +83,8 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
         if server.should_exit or launch.async_engine.stopping:
             return  # the shutdown we asked for
         logger.error("engine died (%s); exiting with code 1 in %.0fs", detail, DEAD_ENGINE_GRACE_S)
+        exit_code = 1   # even if a drain under way stops the server before the grace is over
         await asyncio.sleep(DEAD_ENGINE_GRACE_S)
-        exit_code = 1
         server.should_exit = True
 
     try:
@@ -106,12 +110,19 @@ def ready_lines(served_name: str, url: str, is_demo: bool) -> str:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server that also tells the engine to stop when a signal arrives (in-flight requests end)."""
+    """uvicorn's server that drains on SIGTERM first (`drain`), and tells the engine to stop when it stops
+    (the requests still in flight end)."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None], shutdown_timeout_s: float):
         super().__init__(config)
         self._on_exit = on_exit
+        self.drain = GracefulDrain(shutdown_timeout_s, stop=self._stop_after_drain)
 
     def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and not self.should_exit and self.drain.begin():
+            return   # draining: the drain's end stops the server (`_stop_after_drain`)
         self._on_exit()
         super().handle_exit(sig, frame)
+
+    def _stop_after_drain(self) -> None:
+        self.handle_exit(signal.SIGTERM, None)

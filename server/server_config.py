@@ -32,6 +32,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES   # larger request bodies get HTTP 413
     max_queue: int = 512                  # requests waiting for their first token; more get HTTP 429
+    shutdown_timeout_s: int = 20          # SIGTERM: seconds the running requests may take to finish (0: none)
     log_level: str = "info"
     tool_call_parser: str | None = None   # None: from the chat template, then the model type
     pd: str | None = None                 # "P:D": start P prefill and D decode instances and a router (a P/D set)

@@ -7,7 +7,9 @@ and outputs reach their streams in the same loop iteration. No polling.
 
 When the engine dies every in-flight request ends with `EngineDeadError`, later submissions fail at
 once, and `health()` says why: nothing waits forever on a dead engine. A request the engine failed on
-its own (finish_reason "error") ends with `RequestFailedError`, for its caller only.
+its own (finish_reason "error") ends with `RequestFailedError`, for its caller only. A draining engine
+(`begin_drain`, SIGTERM) refuses new submissions with `ShuttingDownError` and lets those in flight finish;
+`wait_until_idle` says when none is left.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from typing import AsyncIterator
 from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
 from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.engine.stats import EngineHealth, EngineStats
-from moe_runtime.errors import EngineDeadError, MoERuntimeError, QueueFullError, RequestFailedError
+from moe_runtime.errors import (EngineDeadError, MoERuntimeError, QueueFullError, RequestFailedError,
+                                ShuttingDownError)
 from moe_runtime.front.engine_protocol import Engine
 from moe_runtime.sampling.params import SamplingParams
 
@@ -69,8 +72,8 @@ class RequestStream:
 
     When the consumer falls behind, the outputs waiting for it are merged into one (`merge_outputs`:
     the latest state with all their new tokens, logprobs and text).
-    The last output has `finished=True`; an engine failure raises `EngineDeadError` instead, and a
-    request the engine failed alone raises `RequestFailedError`.
+    The last output has `finished=True`; an engine failure raises `EngineDeadError` instead (a stop the
+    server asked for: `ShuttingDownError`), and a request the engine failed alone raises `RequestFailedError`.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], loop: asyncio.AbstractEventLoop):
@@ -131,6 +134,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None   # the loop the engine is attached to
         self._load_refresh: asyncio.Task | None = None
         self._death_waiters: list[asyncio.Future] = []
+        self._draining = False                 # set by begin_drain (a plain store: signal-safe)
+        self._idle_waiters: list[asyncio.Future] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -146,6 +151,39 @@ class AsyncEngine:
             self.engine.shutdown()
         except Exception:  # noqa: BLE001 - shutting down anyway; say what went wrong
             logger.exception("engine.shutdown() failed")
+
+    def begin_drain(self) -> None:
+        """Thread- and signal-safe: take no new request from now on (`ShuttingDownError`, which the server
+        answers with 503 and Retry-After); the requests in flight carry on. `wait_until_idle` says when they
+        have all ended; `begin_shutdown` then stops (and ends what still runs)."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    async def wait_until_idle(self) -> None:
+        """Wait (without polling) until no request is in flight: every stream has ended and no submission is
+        under way. Meant for a drain; requests admitted meanwhile are waited for too."""
+        if self._is_idle():
+            return
+        future = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(future)
+        await future
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests admitted (or being admitted) that have not ended."""
+        return len(self._streams) + max(0, self._unstarted - sum(not s.started for s in self._streams.values()))
+
+    def _is_idle(self) -> bool:
+        return not self._streams and self._unstarted == 0
+
+    def _wake_if_idle(self) -> None:
+        if self._idle_waiters and self._is_idle():
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                _resolve(waiter, None)
 
     def begin_shutdown(self) -> None:
         """Thread- and signal-safe: stop; in-flight requests end with an error."""
@@ -220,8 +258,11 @@ class AsyncEngine:
         return stream
 
     def _admit_or_refuse(self) -> None:
-        """Count a new request against max_queue."""
+        """Count a new request against max_queue; none while draining."""
         self._check_alive()
+        if self._draining:
+            raise ShuttingDownError("the server is shutting down and takes no new request; retry on another "
+                                    "instance", self.config.retry_after_s)
         limit = self.config.max_queue
         if limit is not None and self._unstarted >= limit:
             raise QueueFullError(
@@ -368,11 +409,13 @@ class AsyncEngine:
         for stream, item in batch:
             self._mark_started(stream)
             stream._put(item)
+        self._wake_if_idle()   # the streams that ended here have left `_streams` already
 
     def _mark_started(self, stream: RequestStream) -> None:
         if not stream.started:
             stream.started = True
             self._unstarted -= 1
+            self._wake_if_idle()   # a refused submission may have been the last one in flight
 
     def _die(self, detail: str) -> None:
         """The engine is gone (or shutting down): fail every stream and wake whoever waits for it."""
@@ -402,15 +445,21 @@ class AsyncEngine:
         """begin_shutdown() was called: a death that follows is the shutdown, not a failure."""
         return self._stop_requested
 
+    def _cut_short_error(self, detail: str) -> MoERuntimeError:
+        if self._stop_requested:
+            return ShuttingDownError("the server stopped before this request finished", self.config.retry_after_s)
+        return EngineDeadError(f"the request was cut short: {detail}")
+
     def _fail_everything(self, detail: str) -> None:
-        """End every in-flight request with EngineDeadError (on its loop; from any thread)."""
+        """End every in-flight request with EngineDeadError, or ShuttingDownError where the stop was asked for
+        (`begin_shutdown`: a drain's time ran out, Ctrl-C), on its loop; from any thread."""
         with self._lock:
             if self._dead_detail is None:
                 self._dead_detail = detail
         streams, self._streams = self._streams, {}
         running = _running_loop()
         for stream in streams.values():
-            item = [(stream, EngineDeadError(f"the request was cut short: {detail}"))]
+            item = [(stream, self._cut_short_error(detail))]
             if stream.loop is running:
                 self._receive(item)
                 continue
