@@ -141,6 +141,8 @@ def test_the_keyless_health_answers_only_the_status_and_probes_are_not_logged_at
             time.sleep(0.7)                     # a few probes of each instance
         keyless = client.get("/health")
         assert keyless.status_code == 503 and keyless.json() == {"status": "unhealthy"}
+        head = client.head("/health")                      # load balancers probe with HEAD
+        assert head.status_code == 503 and head.content == b""
         detailed = client.get("/health", headers=AUTH).json()
         assert [b["status"] for b in detailed["prefill"]] == ["unreachable"]
         assert [b["url"] for b in detailed["decode"]] == [decode.url]

@@ -18,6 +18,7 @@ from server.pd_router.forwarding import Forwarder, error_response, parse_body
 from server.pd_router.health import keep_probing, probe_all, quiet_http_client_log
 from server.pd_router.metrics import RouterMetrics
 from server.server_config import DEFAULT_MAX_REQUEST_BYTES
+from server.head_requests import HeadAsGet
 
 
 def build_router_app(pool: BackendPool, api_key: str | None = None, backend_api_key: str | None = None,
@@ -47,6 +48,7 @@ def build_router_app(pool: BackendPool, api_key: str | None = None, backend_api_
     install_error_handlers(app)
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
     app.add_middleware(ApiKeyGate, api_key=api_key)
+    app.add_middleware(HeadAsGet)   # load balancers probe /health with HEAD
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
