@@ -8,6 +8,13 @@ rank. When nobody has work, ranks block on their command queue instead of spinni
 in progress is work too: every rank starts and finishes it at the same steps, pipeline stages
 included. These agreements are CPU tensors on the world's gloo control group.
 
+A request with structured output waits for its grammar, which compiles on a thread pool
+(`GrammarWaits`), and starts at the same step on every rank of its worker: while any rank has such
+a request, the agreement also says whether any does, and a second all-reduce agrees, per DP worker,
+on which of them are settled on every rank or past their deadline on some (`_start_grammars`). An
+idle world waits for that on its command queue up to `GRAMMAR_WAIT_S` at a time, not forever: a
+compile ending on one rank wakes only that rank, and the others must come to the agreement too.
+
 On a decode instance of a P/D set, a rank's KV pulls run on its puller's thread, which wakes the loop
 when one ends (`commands.wake()`: no polling); the loop reports each one's end to the front
 (`KVImported`, from every rank: each pulls its own share), also while idle, and the front's
@@ -25,8 +32,11 @@ import torch.distributed as dist
 from attention_dp.control_plane import Woken
 from attention_dp.core_commands import CoreCommands, RankRole
 from attention_dp.messages import RebalanceReport, Shutdown
+from moe_runtime.sampling.structured_output.grammar_waits import AGREEMENT_WINDOW, Readiness
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.005   # an idle world with grammars compiling comes back to the agreement this often
 
 
 class LockstepLoop:
@@ -49,32 +59,43 @@ class LockstepLoop:
         self.steps = 0
 
     def run(self) -> None:
-        busy = False
+        busy = grammars_waiting = False
         while True:
             if not busy and self._applied == len(self._received) and not self._shutdown_received():
-                self._received.append(self._next_command())  # everyone idle: wait for the front
+                # everyone idle: wait for the front (briefly while grammars compile somewhere)
+                command = self._next_command(GRAMMAR_WAIT_S if grammars_waiting else None)
+                if command is not None:
+                    self._received.append(command)
             self._drain()
-            agreed, anyone_busy = self._agree()
+            agreed, anyone_busy, grammars_waiting = self._agree()
             new = self._received[self._applied : agreed]
             self._applied = agreed
             for command in new:
                 if isinstance(command, Shutdown):
                     return
                 self.applier.apply(command)
+            if grammars_waiting:
+                self._start_grammars()   # their requests step from the next agreement on (anyone_busy)
             rebalancing = self.rebalancer is not None and self.rebalancer.in_progress  # the same on every rank
             busy = anyone_busy or rebalancing or any(CoreCommands.starts_work(c) for c in new)
             if busy:
                 self._step()
             self.applier.report_landed_imports()
 
-    def _next_command(self):
+    def _next_command(self, timeout: float | None = None):
         """The front's next command; a KV pull that ends meanwhile wakes the wait and is reported at once
-        (a rank-local event: it never enters the agreed command sequence)."""
+        (a rank-local event: it never enters the agreed command sequence). With `timeout`: None when none
+        came by then, or when a wake came (a grammar compile ended here: time to agree on it)."""
         while True:
-            command = self.commands.get()
+            try:
+                command = self.commands.get(timeout=timeout)
+            except queue.Empty:
+                return None
             if not isinstance(command, Woken):
                 return command
             self.applier.report_landed_imports()
+            if timeout is not None:
+                return None
 
     def _drain(self) -> None:
         while not self._shutdown_received():  # nothing follows a Shutdown (the front may close right after)
@@ -88,10 +109,28 @@ class LockstepLoop:
     def _shutdown_received(self) -> bool:
         return bool(self._received) and isinstance(self._received[-1], Shutdown)
 
-    def _agree(self) -> tuple[int, bool]:
-        flags = torch.tensor([-len(self._received), int(self.core.has_unfinished())], dtype=torch.int64)
+    def _agree(self) -> tuple[int, bool, bool]:
+        """(commands every rank has, whether any rank has work, whether any rank has requests waiting for
+        their grammars)."""
+        flags = torch.tensor([-len(self._received), int(self.core.has_unfinished()),
+                              int(self.core.waiting_for_grammars)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.parallel.world_control_group)
-        return int(-flags[0]), bool(flags[1])
+        return int(-flags[0]), bool(flags[1]), bool(flags[2])
+
+    def _start_grammars(self) -> None:
+        """Agree, per DP worker, on its first waiting requests: settled on all of its ranks (MAX of -settled is
+        -1 only if every rank says 1) and past the deadline on any (MAX of expired). Rows of other workers are
+        filled with what changes nothing (settled, not expired), so one all-reduce over the world serves all."""
+        view = self.core.grammar_readiness()
+        readiness = torch.zeros(self.parallel.dp_size, AGREEMENT_WINDOW, 2, dtype=torch.int64)
+        readiness[:, :, 0] = -1
+        for i, local in enumerate(view):
+            readiness[self.parallel.dp_rank, i, 0] = -int(local.settled)
+            readiness[self.parallel.dp_rank, i, 1] = int(local.expired)
+        dist.all_reduce(readiness, op=dist.ReduceOp.MAX, group=self.parallel.world_control_group)
+        mine = readiness[self.parallel.dp_rank]
+        self.core.start_grammars([Readiness(settled=bool(mine[i, 0] == -1), expired=bool(mine[i, 1]))
+                                  for i in range(len(view))])
 
     def _step(self) -> None:
         batch = self.core.schedule()

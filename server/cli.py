@@ -88,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory", type=parse_size, default=e.kv_cache_memory,
                    help="KV cache per DP worker: bytes or a size such as 512M, 2G")
     g.add_argument("--block-size", type=positive_int, default=e.block_size, help="tokens per KV cache block")
+    g.add_argument("--grammar-compile-timeout", dest="grammar_compile_timeout_s", type=float,
+                   default=e.grammar_compile_timeout_s,
+                   help="seconds a structured-output grammar may take to compile (off the stepping loop; the "
+                        "request waits, the others do not); a request whose grammar takes longer fails alone")
+    g.add_argument("--structured-output-any-whitespace", action=argparse.BooleanOptionalAction,
+                   default=e.structured_output_any_whitespace,
+                   help="let JSON structured output (json_schema, json_object, forced tool calls) hold whitespace "
+                        "between elements (at most 16 characters in a row); by default it is compact, as with "
+                        "vLLM's disable-any-whitespace. A request decides for itself with "
+                        "structured_outputs.disable_any_whitespace")
     g.add_argument("--max-queue", type=positive_int, default=s.max_queue,
                    help="requests that may wait for their first token; more get HTTP 429 with Retry-After")
 

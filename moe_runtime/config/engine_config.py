@@ -77,6 +77,10 @@ class EngineConfig:
     kv_transfer_host: str = "127.0.0.1"  # address this instance's KV sockets bind, and other instances reach
     kv_transfer_key_file: str | None = None  # the deployment's shared KV secret (default: $MOE_RUNTIME_KV_KEY)
     kv_transfer_timeout_s: float = 30.0  # parked KV not pulled, or a pull not done, by then is freed
+    # Structured output: a grammar compiles off the stepping loop; one still compiling after this fails its request.
+    grammar_compile_timeout_s: float = 10.0
+    structured_output_any_whitespace: bool = False   # JSON output may hold whitespace between elements (else
+                                                     # compact; a request's disable_any_whitespace decides for it)
 
     def validate(self) -> None:
         """Refuse a configuration that cannot run before anything is loaded or started.
@@ -120,6 +124,8 @@ class EngineConfig:
     def validate_options(self) -> None:
         """The checks of options the parallel layout's own validation (`ParallelLayout.validate`, which
         names the `LLM` keywords and the values that would work) does not cover; `LLM` runs these too."""
+        if not self.grammar_compile_timeout_s > 0:
+            raise EngineConfigError(f"--grammar-compile-timeout {self.grammar_compile_timeout_s}: must be > 0")
         if self.quantization not in QUANTIZATIONS:
             raise EngineConfigError(f"--quantization {self.quantization} is not supported; choose one of "
                                     f"{[q for q in QUANTIZATIONS if q]} (or leave it unset to run in --dtype)")

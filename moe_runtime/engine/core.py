@@ -47,6 +47,7 @@ from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moe_runtime.engine.sequence import FinishReason, Sequence
 from moe_runtime.sampling.structured_output.compiler import build_grammar_compiler, grammar_state_for
+from moe_runtime.sampling.structured_output.grammar_waits import GrammarWaits, Readiness
 from moe_runtime.weights.loading import SkippedTensors, load_model_weights
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,10 @@ class EngineCore:
         self.sampler = Sampler(self.eos_ids, grammar_threads=torch.get_num_threads())
         # structured output: the tokenizer's xgrammar view is built once here; grammars once per spec
         self.grammars = build_grammar_compiler(self.tokenizer, self.vocab_size, self.eos_ids,
-                                               max_threads=torch.get_num_threads())
+                                               max_threads=torch.get_num_threads(),
+                                               any_whitespace=config.structured_output_any_whitespace)
+        # ... compiled off the stepping loop: a request waits there for its grammar, the others step on
+        self.grammar_waits = GrammarWaits(self.grammars, config.grammar_compile_timeout_s, wake=self._wake_loop)
         self.exports: PrefillExports | None = None   # --disaggregation-mode prefill: parked KV, its block server
         self.imports: DecodeImports | None = None    # --disaggregation-mode decode: KV pulled from prefill ranks
         self.wake = None                             # called (from the puller's thread) when an import's pull ended
@@ -175,6 +179,10 @@ class EngineCore:
                                          config.kv_transfer_timeout_s)
 
     def _pull_ended(self) -> None:
+        self._wake_loop()
+
+    def _wake_loop(self) -> None:
+        """From another thread: a KV pull or a grammar compile ended, or a compile's deadline passed."""
         if self.wake is not None:
             self.wake()
 
@@ -202,12 +210,30 @@ class EngineCore:
         if export_kv and self.exports is None:
             raise InvalidRequestError("export_kv: this engine is not a prefill instance (--disaggregation-mode prefill)")
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival=self._arrivals,
-                       grammar=grammar_state_for(self.grammars, params.structured_output),  # compiles (cached)
                        export_kv=export_kv, queued_at=time.perf_counter())
         self._arrivals += 1
         self._sequences[request_id] = seq
-        self.scheduler.add(seq)
+        if params.structured_output is None:
+            self.scheduler.add(seq)
+        else:   # scheduled once its grammar compiled on every rank of this worker (`start_grammars`)
+            self.grammar_waits.add(seq, params.structured_output)
         self._prompt_tokens += len(prompt_token_ids)
+
+    @property
+    def waiting_for_grammars(self) -> bool:
+        return len(self.grammar_waits) > 0
+
+    def grammar_readiness(self) -> list[Readiness]:
+        """This rank's view of the requests waiting for their grammars (the lock-step loop agrees on it)."""
+        return self.grammar_waits.local_view()
+
+    def start_grammars(self, agreed: list[Readiness]) -> int:
+        """Schedule the waiting requests the ranks of this worker agree are settled (or timed out: those fail
+        at their first step); how many."""
+        started = self.grammar_waits.start(agreed)
+        for seq in started:
+            self.scheduler.add(seq)
+        return len(started)
 
     def add_import(self, spec: ImportSpec) -> None:
         """Take in a request prefilled by a prefill instance (a decode instance): blocks are allocated and its
@@ -255,11 +281,17 @@ class EngineCore:
             seq = self.imports.abort(request_id)
             if seq is not None:
                 self.imports.allocate()   # its blocks may admit an import waiting for them
+        if seq is None:
+            seq = self.grammar_waits.abort(request_id)
         parked = self.release_export(request_id)
         self._sequences.pop(request_id, None)
         return seq is not None or parked
 
     def has_unfinished(self) -> bool:
+        """Work to step: scheduled requests (a request waiting for its grammar is not, until it may start:
+        alone, this core decides that itself; in lock-step, the ranks agree on it)."""
+        if self.parallel.world_size == 1 and self.waiting_for_grammars:
+            self.start_grammars(self.grammar_readiness())
         return self.scheduler.has_work()
 
     def step(self) -> list[TokenDelta]:
@@ -430,6 +462,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._sequences.clear()
+        self.grammar_waits.close()
         for transfer in (self.exports, self.imports):
             if transfer is not None:
                 transfer.close()

@@ -2,8 +2,8 @@
 
 Compiling turns a grammar into token-level masks for this tokenizer (xgrammar's adaptive token mask
 cache): about a millisecond for an ordinary schema on a small vocabulary, longer on a large one.
-It runs on the rank when a request is added (all ranks of a DP worker alike, at the same lock-step
-boundary), never on the server's event loop. xgrammar's own cache is off: this LRU is the one
+It runs on the rank's compile threads (`GrammarWaits`: the request waits for it, the stepping loop
+and the other requests do not), never on the server's event loop. xgrammar's own cache is off: this LRU is the one
 bound (entries and bytes) on what compiled grammars hold.
 
 A spec that fails to compile here (the front checked that it parses, so this is rare) does not
@@ -32,8 +32,10 @@ class GrammarCompilerCache:
     MAX_BYTES = 512 * 2**20
 
     def __init__(self, tokenizer_info: xgrammar.TokenizerInfo, max_threads: int = 1,
-                 max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES):
+                 max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES, any_whitespace: bool = False):
+        """`any_whitespace`: JSON specs that do not say may hold whitespace (--structured-output-any-whitespace)."""
         self.tokenizer_info = tokenizer_info
+        self.any_whitespace = any_whitespace
         self.vocab_size = tokenizer_info.vocab_size
         self._compiler = xgrammar.GrammarCompiler(tokenizer_info, max_threads=max(1, max_threads),
                                                   cache_enabled=False)
@@ -43,14 +45,15 @@ class GrammarCompilerCache:
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: Iterable[int],
-                      max_threads: int = 1) -> "GrammarCompilerCache":
-        return cls(build_tokenizer_info(tokenizer, vocab_size, stop_token_ids), max_threads)
+                      max_threads: int = 1, any_whitespace: bool = False) -> "GrammarCompilerCache":
+        return cls(build_tokenizer_info(tokenizer, vocab_size, stop_token_ids), max_threads,
+                   any_whitespace=any_whitespace)
 
     def compile(self, spec: StructuredOutputSpec) -> xgrammar.CompiledGrammar:
         """The spec's compiled grammar (cached); `InvalidRequestError` naming the field if it cannot be."""
         compiled = self._compiled.get(spec)
         if compiled is None:
-            grammar = parse_grammar(spec)
+            grammar = parse_grammar(spec, self.any_whitespace)
             try:
                 compiled = self._compiler.compile_grammar(grammar)
             except Exception as exc:  # noqa: BLE001 - xgrammar's errors are RuntimeErrors of any kind
@@ -73,13 +76,13 @@ class GrammarCompilerCache:
 
 
 def build_grammar_compiler(tokenizer, vocab_size: int, stop_token_ids: Iterable[int],
-                           max_threads: int = 1) -> GrammarCompilerCache | None:
+                           max_threads: int = 1, any_whitespace: bool = False) -> GrammarCompilerCache | None:
     """An engine's compiler (its TokenizerInfo built now, once), or None without a (usable) tokenizer:
     structured requests then fail alone (the front refuses them first when there is no tokenizer)."""
     if tokenizer is None:
         return None
     try:
-        return GrammarCompilerCache.for_tokenizer(tokenizer, vocab_size, stop_token_ids, max_threads)
+        return GrammarCompilerCache.for_tokenizer(tokenizer, vocab_size, stop_token_ids, max_threads, any_whitespace)
     except Exception as exc:  # noqa: BLE001 - an odd tokenizer costs structured output, not the engine
         logger.warning("structured output is unavailable: xgrammar cannot read this tokenizer (%s)",
                        error_message(exc))

@@ -4,9 +4,11 @@ Both the front (to refuse a bad schema, regex or grammar before the request is a
 ranks (which then compile the grammar against the tokenizer) go through `parse_grammar`, so the two
 can never disagree on what a spec means.
 
-JSON (json_schema and json_object) allows any whitespace between elements, but at most
-`JSON_MAX_WHITESPACE` characters in a row: a model that prefers a whitespace token would otherwise
-be free to emit whitespace until max_tokens (greedy decoding of a weak model does exactly that).
+JSON (json_schema and json_object) is compact by default: no whitespace between elements, "," and
+":" as separators (xgrammar's `any_whitespace=False`, vLLM's `disable-any-whitespace`), because a
+model that prefers a whitespace token would otherwise spend its tokens on it (a forced tool call on
+the demo model ran to max_tokens in whitespace). A spec with `any_whitespace` (or an engine started
+with --structured-output-any-whitespace) allows it, at most `JSON_MAX_WHITESPACE` characters in a row.
 json_schema follows xgrammar's strict mode, as vLLM does: properties and array items the schema does
 not name are not generated (unless the schema allows them explicitly). json_object is any JSON object.
 
@@ -31,6 +33,7 @@ from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling.structured_output.spec import FIELD, StructuredOutputSpec
 
 JSON_MAX_WHITESPACE = 16                       # characters of whitespace in a row between JSON elements
+COMPACT_SEPARATORS = (",", ":")                # as json.dumps(separators=...) writes compact JSON
 ANY_JSON_OBJECT_SCHEMA = '{"type": "object"}'  # parsed without strict mode: any object
 XGRAMMAR_STRING_CHARACTERS = (                    # as xgrammar's EBNF prints them
     '[^\\"\\\\\\r\\n]',                                  # a length-bounded string's
@@ -40,18 +43,22 @@ JSON_STRING_CHARACTER = '[^\\0-\\x1f\\"\\\\\\uD800-\\uDFFF]'   # JSON's unescape
 _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
-def parse_grammar(spec: StructuredOutputSpec) -> xgrammar.Grammar:
-    """The spec's grammar; an `InvalidRequestError` naming the spec's field when xgrammar cannot read it."""
+def parse_grammar(spec: StructuredOutputSpec, any_whitespace_default: bool = False) -> xgrammar.Grammar:
+    """The spec's grammar; an `InvalidRequestError` naming the spec's field when xgrammar cannot read it.
+    `any_whitespace_default`: whether JSON may hold whitespace when the spec does not say."""
     field = f"{FIELD}.{spec.kind}"
+    any_whitespace = spec.any_whitespace if spec.any_whitespace is not None else any_whitespace_default
+    whitespace = (dict(any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE) if any_whitespace else
+                  dict(any_whitespace=False, separators=COMPACT_SEPARATORS))
     if spec.kind == "json_schema":
         check_json_schema_text(spec.json_schema, field)
     try:
         if spec.kind == "json_schema":
             return valid_json_strings(xgrammar.Grammar.from_json_schema(
-                spec.json_schema, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE, strict_mode=True))
+                spec.json_schema, **whitespace, strict_mode=True))
         if spec.kind == "json_object":
             return valid_json_strings(xgrammar.Grammar.from_json_schema(
-                ANY_JSON_OBJECT_SCHEMA, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE, strict_mode=False))
+                ANY_JSON_OBJECT_SCHEMA, **whitespace, strict_mode=False))
         if spec.kind == "regex":
             return xgrammar.Grammar.from_regex(spec.regex)
         return xgrammar.Grammar.from_ebnf(spec.grammar)
@@ -80,6 +87,8 @@ def check_json_schema_text(text: str, field: str) -> None:
     """The schema must be JSON, and an object or a boolean (as JSON Schema defines)."""
     try:
         schema = json.loads(text)
+    except RecursionError:   # nested past Python's recursion limit (the validator's depth bound refuses it first)
+        raise InvalidRequestError(f"{field}: the schema is nested too deeply") from None
     except ValueError as exc:
         raise InvalidRequestError(f"{field}: not valid JSON: {exc}") from exc
     if not isinstance(schema, (dict, bool)):

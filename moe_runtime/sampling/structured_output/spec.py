@@ -23,10 +23,14 @@ class StructuredOutputSpec:
     json_object: bool = False         # any JSON object
     regex: str | None = None
     grammar: str | None = None        # EBNF (GBNF-style, as xgrammar reads it; the root rule is `root`)
+    any_whitespace: bool | None = None   # JSON kinds: whitespace between elements (None: the engine's default,
+                                         # compact unless --structured-output-any-whitespace)
 
     MAX_CHARS = 64 * 1024             # a schema, regex or grammar longer than this is refused
 
     def __post_init__(self) -> None:
+        if self.any_whitespace is not None and not isinstance(self.any_whitespace, bool):
+            raise InvalidRequestError(f"{FIELD}.any_whitespace={self.any_whitespace!r:.40}: must be true or false")
         if not isinstance(self.json_object, bool):
             raise InvalidRequestError(f"{FIELD}.json_object={self.json_object!r:.40}: must be true or false")
         kinds = [name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None]
