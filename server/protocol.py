@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
 from moe_runtime.sampling.bounds import BOUND, refusal
 from moe_runtime.sampling.params import SamplingParams
@@ -77,6 +77,7 @@ class StructuredOutputsField(RequestModel):
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    disable_any_whitespace: bool | None = None   # JSON without whitespace between elements (default: the server's)
 
 
 class SamplingFields(RequestModel):
@@ -326,12 +327,21 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class DeltaFunctionCall(BaseModel):
+class OmitsUnset(BaseModel):
+    """Serialized without the fields left None, as OpenAI omits them: a streamed call's later deltas carry no
+    `id`, `type` or `name` (openai-python's stream helper merges deltas, and a null would overwrite them)."""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, serialize):
+        return {key: value for key, value in serialize(self).items() if value is not None}
+
+
+class DeltaFunctionCall(OmitsUnset):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(OmitsUnset):
     """A call's first delta has its id, type and function name; later ones carry argument fragments."""
 
     index: int

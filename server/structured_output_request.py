@@ -6,7 +6,9 @@ The fields, as OpenAI and vLLM spell them (at most one per request; two are a 40
   {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}};
 - vLLM's `guided_json` (a schema, as an object or its text), `guided_regex`, `guided_grammar` (EBNF,
   GBNF syntax with a `root` rule), `guided_choice` (one of a list of strings);
-- vLLM's `structured_outputs`: {"json" | "json_object" | "regex" | "grammar" | "choice": ...}.
+- vLLM's `structured_outputs`: {"json" | "json_object" | "regex" | "grammar" | "choice": ...}, with
+  vLLM's `disable_any_whitespace` (false: JSON may hold whitespace between elements; unset: the
+  server's default, compact unless `--structured-output-any-whitespace`).
 
 Whether xgrammar can read the schema, regex or grammar is checked here, in the request's conversion
 thread (off the event loop), with the server's `StructuredOutputValidator` (parsed once per spec):
@@ -14,6 +16,7 @@ a bad one is a 400 whose `param` is the field that carried it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Callable
@@ -28,8 +31,13 @@ MAX_CHOICES = 256
 
 
 def schema_spec(schema: dict | bool | str) -> StructuredOutputSpec:
-    """A schema given as an object (or true/false) is serialized; one given as text is kept as it is."""
-    text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
+    """A schema given as an object (or true/false) is serialized; one given as text is kept as it is. The
+    body's parser took the object, but serializing it recurses too: one nested near the recursion limit is
+    refused here (the validator refuses any schema deeper than its depth bound in any case)."""
+    try:
+        text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
+    except RecursionError:
+        raise InvalidRequestError("the schema is nested too deeply") from None
     return StructuredOutputSpec(json_schema=text)
 
 
@@ -101,7 +109,9 @@ def _candidates(request: SamplingFields) -> list[Candidate]:
             raise bad_request(f"structured_outputs: give exactly one of {', '.join(VLLM_KINDS)} "
                               f"(got {sorted(given_kinds) or 'none'})", "structured_outputs")
         (kind, value), = given_kinds.items()
-        found.append(Candidate(f"structured_outputs.{kind}", lambda: VLLM_KINDS[kind](value)))
+        whitespace = None if outputs.disable_any_whitespace is None else not outputs.disable_any_whitespace
+        found.append(Candidate(f"structured_outputs.{kind}",
+                               lambda: dataclasses.replace(VLLM_KINDS[kind](value), any_whitespace=whitespace)))
     return found
 
 

@@ -193,35 +193,38 @@ KNOWN_ANSWER = ['Let me', ' check.\n<tool', '_call>\n{"name": "get_weather", ', 
 
 
 class ScriptedEngine(FakeEngine):
-    """Answers every request with the pieces of `KNOWN_ANSWER`, one per step, then stops."""
+    """Answers every request with the pieces of `answer` (`KNOWN_ANSWER`), one per step, then ends with
+    `finish_reason`."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, answer: list[str] = KNOWN_ANSWER, finish_reason: str = "stop"):
         super().__init__(vocab_size=len(tokenizer))
         self.tokenizer = tokenizer
+        self.answer = answer
+        self.finish_reason = finish_reason
 
     def step(self) -> list[RequestOutput]:
         while self.waiting:
             self.running.append(self.waiting.popleft())
         outputs = []
         for request in list(self.running):
-            piece = KNOWN_ANSWER[len(request.tokens)]
+            piece = self.answer[len(request.tokens)]
             request.tokens.append(1)
-            finished = len(request.tokens) == len(KNOWN_ANSWER)
+            finished = len(request.tokens) == len(self.answer)
             if finished:
                 self.running.remove(request)
             outputs.append(RequestOutput(
                 request_id=request.request_id, prompt_token_ids=request.prompt, token_ids=list(request.tokens),
-                text="".join(KNOWN_ANSWER[:len(request.tokens)]), finished=finished,
-                finish_reason="stop" if finished else None, new_token_ids=[1], new_text=piece))
+                text="".join(self.answer[:len(request.tokens)]), finished=finished,
+                finish_reason=self.finish_reason if finished else None, new_token_ids=[1], new_text=piece))
         return outputs
 
 
-def with_openai_client(tokenizer_dir, scenario):
+def with_openai_client(tokenizer_dir, scenario, answer: list[str] = KNOWN_ANSWER, finish_reason: str = "stop"):
     """`await scenario(AsyncOpenAI)` against the app on a `ScriptedEngine` (ASGI transport, one event loop)."""
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
 
     async def main():
-        async_engine = AsyncEngine(ScriptedEngine(tokenizer), AsyncEngineConfig()).start()
+        async_engine = AsyncEngine(ScriptedEngine(tokenizer, answer, finish_reason), AsyncEngineConfig()).start()
         transport = httpx.ASGITransport(app=build_app(async_engine, "scripted"))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=20) as http:
@@ -248,3 +251,54 @@ def test_auto_reads_the_models_calls_streamed_as_openai_deltas_and_whole(tiny_to
     calls, reasons, content = streamed_calls(chunks)
     assert (calls, reasons, content) == (expected, ["tool_calls"], "Let me check.\n")
     assert not any("<tool" in (ch.delta.content or "") for c in chunks for ch in c.choices)
+
+
+def test_the_openai_stream_helper_assembles_streamed_calls(tiny_tokenizer_dir):
+    """openai-python's `chat.completions.stream()` merges deltas and asserts on what it gets: after a call's
+    first delta, fields OpenAI omits (id, type, name) must be absent, not null."""
+    async def scenario(client):
+        async with client.chat.completions.stream(model="scripted", messages=ASK, tools=TOOLS) as stream:
+            events = [event async for event in stream]
+            final = await stream.get_final_completion()
+        raw = await client.chat.completions.with_raw_response.create(model="scripted", messages=ASK, tools=TOOLS,
+                                                                     stream=True)
+        lines = [line async for line in raw.http_response.aiter_lines()]
+        return events, final, lines
+
+    events, final, lines = with_openai_client(tiny_tokenizer_dir, scenario)
+    message = final.choices[0].message
+    assert [call.type for call in message.tool_calls] == ["function", "function"]   # not overwritten by nulls
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("get_weather", '{"unit": "celsius", "days": 3, "detailed": true}'), ("get_time", "{}")]
+    assert "get_weather" in [e.name for e in events if e.type == "tool_calls.function.arguments.done"]
+    deltas = [call for line in lines if line.startswith("data: {")
+              for choice in json.loads(line[6:])["choices"] for call in choice["delta"].get("tool_calls") or []]
+    firsts = [d for d in deltas if "id" in d]
+    assert len(firsts) == 2 and all(d["type"] == "function" and d["function"]["name"] for d in firsts)
+    later = [d for d in deltas if "id" not in d]
+    assert later and all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in later)
+    assert not any(value is None for d in deltas for value in (*d.values(), *d["function"].values()))
+
+
+FORCED_CUT = ['[{"name": "get_weather", ', '"arguments": {"unit": "cel']   # max_tokens ended it here
+
+
+@pytest.mark.parametrize("cut", [FORCED_CUT, FORCED_CUT[:1], ['[{"na']], ids=["in-arguments", "after-name",
+                                                                                 "in-name"])
+def test_a_forced_call_cut_by_max_tokens_never_becomes_content(tiny_tokenizer_dir, cut):
+    async def scenario(client):
+        request = dict(model="scripted", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=8)
+        whole = await client.chat.completions.create(**request)
+        chunks = [chunk async for chunk in await client.chat.completions.create(**request, stream=True)]
+        return whole, chunks
+
+    whole, chunks = with_openai_client(tiny_tokenizer_dir, scenario, answer=cut, finish_reason="length")
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    streamed_content = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
+    assert streamed_content == ""
+    assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["length"]
+    announced = [d for c in chunks for ch in c.choices for d in ch.delta.tool_calls or [] if d.id]
+    assert [d.function.name for d in announced] == ([] if cut == ['[{"na'] else ["get_weather"])
+    # the whole answer shows what the stream showed: the call as far as it got (the client sees "length")
+    assert [c.function.name for c in choice.message.tool_calls or []] == [d.function.name for d in announced]

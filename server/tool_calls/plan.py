@@ -30,12 +30,13 @@ class ToolCallReader:
 
     parser: ToolCallParser
     max_calls: int
+    forced: bool = False   # required / named: the answer is only calls (its text is never content)
 
     def stream(self) -> ToolCallStream:
-        return ToolCallStream(self.parser, self.max_calls)
+        return ToolCallStream(self.parser, self.max_calls, only_calls=self.forced)
 
     def read(self, text: str) -> ReadMessage:
-        return read_message(self.parser, self.max_calls, text)
+        return read_message(self.parser, self.max_calls, text, only_calls=self.forced)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def plan_tool_use(request: ChatCompletionRequest, parser: ToolCallParser | None)
         raise bad_request(f"the tools' parameter schemas make a {len(schema)}-character schema for the forced call, "
                           f"more than {StructuredOutputSpec.MAX_CHARS}", "tools")
     call_ids = parser.new_call_id if parser is not None else openai_call_id
-    return ToolUse(template_tools, schema, ToolCallReader(ForcedCallsParser(call_ids), max_calls))
+    return ToolUse(template_tools, schema, ToolCallReader(ForcedCallsParser(call_ids), max_calls, forced=True))
 
 
 def named_tool(tools: list[ToolDefinition], choice: NamedToolChoice) -> list[ToolDefinition]:

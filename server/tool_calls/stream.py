@@ -9,6 +9,10 @@ content (no calls) when a call is malformed or incomplete, as a client cannot us
 
 Each update rescans only the call in progress (calls are short), and the calls of one choice are
 capped (`max_calls`).
+
+A forced answer (`tool_choice` required or named: `only_calls`) is the calls and nothing else: its
+text is the internal JSON array, never content. Cut short (max_tokens), it shows the calls as far as
+they got, streamed and whole alike, and the finish reason ("length") tells the client they are cut.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ class SentCall:
 class ToolCallStream:
     parser: ToolCallParser
     max_calls: int
+    only_calls: bool = False          # a forced answer: the text is never content, even when the calls break off
     text: str = ""
     calls: list[SentCall] = field(default_factory=list)
     malformed: bool = False           # a call went wrong after some were sent: the rest is dropped
@@ -125,8 +130,8 @@ class ToolCallStream:
 
     def _give_up(self, piece: StreamPiece) -> None:
         """The text is not (or no longer) this format's calls: before any call was sent, it was all content;
-        after, the rest is dropped."""
-        if self.calls:
+        after, the rest is dropped (a forced answer's text is never content)."""
+        if self.calls or self.only_calls:
             self.malformed = True
             return
         self._plain = True
@@ -141,13 +146,17 @@ class ReadMessage:
     tool_calls: list[ToolCall]
 
 
-def read_message(parser: ToolCallParser, max_calls: int, text: str) -> ReadMessage:
+def read_message(parser: ToolCallParser, max_calls: int, text: str, only_calls: bool = False) -> ReadMessage:
     """`text` through a `ToolCallStream`; calls only if every one is complete with a JSON object as arguments
-    (otherwise the whole text is the content, as vLLM answers)."""
-    stream = ToolCallStream(parser, max_calls)
+    (otherwise the whole text is the content, as vLLM answers). With `only_calls` (a forced answer) the calls
+    as far as the text has them, and no content."""
+    stream = ToolCallStream(parser, max_calls, only_calls)
     piece = stream.feed(text)
     piece.extend(stream.finish())
     calls = stream.calls
+    if only_calls:
+        return ReadMessage(None, [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                                  for call in calls])
     usable = calls and not stream.malformed and all(call.complete and is_json_object(call.arguments)
                                                     for call in calls)
     if not usable:
