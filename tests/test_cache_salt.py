@@ -1,4 +1,4 @@
-"""`cache_salt` (vLLM's field): tenants never share prefix-cache blocks (issue 29, item 6).
+"""`cache_salt` (vLLM's field): tenants never share prefix-cache blocks.
 
 - the hash chain: a salt roots it, so the same tokens under another salt (or none) hash apart at every
   block; the front's routing hashes are the ranks' (the same salted chain);

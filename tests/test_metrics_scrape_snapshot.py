@@ -1,5 +1,5 @@
 """/metrics and /v1/expert_load read a shared expert-load snapshot: concurrent scrapes all succeed, and the
-ranks see at most one snapshot command per refresh period, however many scrapes arrive (issue 29, item 5)."""
+ranks see at most one snapshot command per refresh period, however many scrapes arrive."""
 import asyncio
 import concurrent.futures
 import threading
