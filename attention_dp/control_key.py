@@ -3,7 +3,9 @@
 A job launched whole by one front on one node gets a fresh random secret per launch; it reaches
 the ranks the front spawns through their process arguments and never leaves the machine. Ranks
 started elsewhere (other nodes, torchrun) must be given the same secret by the operator: there is
-no default, so a job that needs one and has none refuses to start and says how to set it.
+no default, so a job that needs one and has none refuses to start and says how to set it. A guessable
+secret (fewer than 32 random bytes' worth, a repeated pattern) or a key file other users can read is refused
+too (`shared_secret`).
 
 ZeroMQ's CURVE handshake authenticates both ends before any message is delivered: the front's
 key pair and the ranks' key pair are both derived from the secret, and the front's ZAP handler
@@ -16,18 +18,17 @@ import hashlib
 import os
 import secrets
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 
+from attention_dp.shared_secret import (MAKE_ONE, MIN_KEY_BYTES, KeyFileOpenToOthers, read_private_key_file,
+                                        strength_rule, weakness)
 from moe_runtime.errors import InvalidRequestError
 
 CONTROL_KEY_ENV = "MOE_RUNTIME_CONTROL_KEY"
-MIN_SECRET_BYTES = 16
 
 HOW_TO_SET = (f"set {CONTROL_KEY_ENV} to the same secret on every node (e.g. `export {CONTROL_KEY_ENV}="
-              f"$(python -c 'import secrets; print(secrets.token_hex(32))')`) or pass --control-key-file PATH "
-              f"(a file holding the secret, readable only by you)")
+              f"$({MAKE_ONE})`) or pass --control-key-file PATH (a file holding the secret, mode 600)")
 
 
 class ControlKeyError(InvalidRequestError):
@@ -45,9 +46,10 @@ class ControlKey:
     secret: bytes
 
     def __post_init__(self) -> None:
-        if len(self.secret) < MIN_SECRET_BYTES:
-            raise ControlKeyError(f"the control key is {len(self.secret)} bytes; use at least {MIN_SECRET_BYTES} "
-                                  f"random bytes ({HOW_TO_SET})")
+        reason = weakness(self.secret)
+        if reason is not None:
+            raise ControlKeyError(f"the control key is too easy to guess: {reason}; "
+                                  f"{strength_rule('it')} ({HOW_TO_SET})")
 
     def __repr__(self) -> str:  # never in a log line
         return "ControlKey(<secret>)"
@@ -55,15 +57,16 @@ class ControlKey:
     @classmethod
     def generate(cls) -> "ControlKey":
         """A fresh secret for one launch whose ranks are all the front's own children."""
-        return cls(secrets.token_bytes(32))
+        return cls(secrets.token_bytes(MIN_KEY_BYTES))
 
     @classmethod
     def shared(cls, key_file: str | None = None) -> "ControlKey":
         """The operator's secret for ranks started elsewhere: --control-key-file, else $MOE_RUNTIME_CONTROL_KEY."""
         if key_file:
-            path = Path(key_file).expanduser()
             try:
-                text = path.read_bytes().strip()
+                text = read_private_key_file(key_file, "--control-key-file")
+            except KeyFileOpenToOthers as exc:
+                raise ControlKeyError(str(exc)) from None
             except OSError as exc:
                 raise ControlKeyError(f"--control-key-file {key_file}: cannot read it ({exc.strerror})") from exc
             if not text:

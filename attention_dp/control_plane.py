@@ -10,7 +10,9 @@ Security: every connection is authenticated by the CURVE handshake (see `control
 single byte of payload reaches this code; messages are msgpack decoded only into the types of
 `attention_dp.messages`; a payload that fails to decode is logged and dropped. libzmq's I/O
 thread runs the handshakes, with a timeout, so a silent or garbage connection never blocks or
-kills anything here: it is simply never admitted.
+kills anything here: it is simply never admitted. On a TCP control port, connections that have not said
+Hello are capped per peer address and overall (`pending_handshakes`): a flood of them is closed as it
+arrives instead of taking the front's descriptors, and is logged once.
 
 Liveness: the front watches its socket's events: a rank whose connection (known by its file
 descriptor, taken from its Hello) closes is reported as disconnected, and heartbeats close
@@ -34,6 +36,7 @@ from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from attention_dp.control_key import ControlKey
 from attention_dp.messages import Hello, Message, MessageCodec, WorkerSetup
+from attention_dp.pending_handshakes import HandshakeCaps, PendingHandshakes
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +137,8 @@ class FrontControl:
         self._socket.zap_domain = ZAP_DOMAIN.encode()
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)   # sending to a gone rank raises, never drops silently
         apply_liveness(self._socket)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        watched = zmq.EVENT_DISCONNECTED | (zmq.EVENT_ACCEPTED if bind.endpoint.startswith("tcp://") else 0)
+        self._monitor = self._socket.get_monitor_socket(watched)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -146,6 +150,9 @@ class FrontControl:
         else:
             self._socket.bind(bind.endpoint)
         self.address = bind
+        self.handshakes = (PendingHandshakes(bind.port, HandshakeCaps.for_job(setup.world_size),
+                                             expire_s=HANDSHAKE_TIMEOUT_MS / 1000 + 5.0)
+                           if bind.port is not None else None)
 
     @property
     def ranks(self) -> list[int]:
@@ -227,7 +234,17 @@ class FrontControl:
         self._forget_connection(recv_monitor_message(self._monitor))
 
     def _forget_connection(self, event: dict) -> None:
-        rank = self._rank_by_fd.pop(event["value"], None) if event["event"] == zmq.EVENT_DISCONNECTED else None
+        """Count a connection the port accepted (TCP), forget one that closed; RankDisconnected if a rank's."""
+        fd = event["value"]
+        if event["event"] == zmq.EVENT_ACCEPTED:
+            if self.handshakes is not None and fd not in self._rank_by_fd:
+                self.handshakes.accepted(fd)
+            return
+        if event["event"] != zmq.EVENT_DISCONNECTED:
+            return
+        if self.handshakes is not None:
+            self.handshakes.ended(fd)
+        rank = self._rank_by_fd.pop(fd, None)
         if rank is not None:
             self._peers.pop(_routing_id(rank), None)
             raise RankDisconnected(rank)
@@ -265,6 +282,8 @@ class FrontControl:
             return
         self._peers[routing_id] = hello.rank
         self._rank_by_fd[fd] = hello.rank
+        if self.handshakes is not None:
+            self.handshakes.ended(fd)
         self.hellos[hello.rank] = hello
         self._send(routing_id, hello.rank, self.codec.encode(self.setup))
 

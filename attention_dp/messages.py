@@ -47,7 +47,9 @@ class WorkerSetup(Message):
     num_threads: int
     log_level: int
     loopback_only: bool      # one node: every socket of the job on 127.0.0.1 (gloo/NCCL pairs too)
-    kv_secret: bytes = b""   # P/D instances: the deployment's KV transfer secret (this socket is CURVE-encrypted)
+    # No secret travels here: a P/D instance's ranks read the KV transfer key as the front does (its process
+    # arguments for the ranks it spawns, the key file or environment variable elsewhere), so whoever holds the
+    # control key still holds nothing else.
 
 
 # ---- front -> ranks (every rank gets each command, or its marker, and applies it at the same lock-step boundary)

@@ -22,6 +22,7 @@ from server.engine_launch import EngineLaunch
 from server.exposure import warn_if_exposed
 from server.graceful_drain import GracefulDrain
 from server.listen_socket import bind_socket, socket_url
+from server.open_files import AcceptFailureLog, raise_open_file_limit
 from server.serve_loop import serve_until_stopped, until_started
 from server.server_config import ServerConfig
 from server.startup_gate import StartupGate
@@ -41,6 +42,8 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     server_config.validate()
     engine_config.validate()
     warn_if_exposed(server_config)
+    raise_open_file_limit()   # before the ranks start: they inherit it
+    AcceptFailureLog.install(logging.getLogger("asyncio"))   # a flood: one line a minute, not a traceback each
     sock = bind_socket(server_config.host, server_config.port)  # fail on a taken port before loading anything
     url = socket_url(sock)
     gate = StartupGate()

@@ -8,13 +8,14 @@ releases and frees land; `free_blocks` reads an engine's free KV blocks (either 
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from contextlib import contextmanager
 
 from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.sampling.params import SamplingParams
 
-KV_SECRET = "pd-test-secret-0123456789abcdef"
+KV_SECRET = secrets.token_hex(32)   # the deployment's secret: 32 random bytes, as every shared key must be
 
 
 @contextmanager

@@ -6,16 +6,22 @@ garbage connection blocked or killed).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import pickle
 import queue
 import re
+import resource
+import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -24,6 +30,9 @@ from attention_dp.control_key import CONTROL_KEY_ENV, ControlKey, ControlKeyErro
 from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected, WorkerControl, Woken
 from attention_dp.messages import Hello, MessageCodec, ResetPrefixCache, Shutdown, WorkerSetup
 from moe_runtime import LLM, SamplingParams
+from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV, TransferKey, TransferKeyError
+from moe_runtime.front.engine_factory import make_engine
+from moe_runtime.processes.distributed import free_ports
 from server.cli import main as moe_serve_main
 from moe_runtime.config.engine_config import EngineConfig
 
@@ -200,12 +209,197 @@ def test_multi_node_and_external_worker_jobs_refuse_to_start_without_a_key(monke
     assert CONTROL_KEY_ENV in error and "--control-key-file" in error
     short = tmp_path / "short.key"
     short.write_text("secret")
-    with pytest.raises(ControlKeyError, match="at least 16"):
+    short.chmod(0o600)
+    with pytest.raises(ControlKeyError, match="at least 32"):
         ControlKey.shared(str(short))
     good = tmp_path / "good.key"
-    good.write_text("0123456789abcdef0123\n")
-    assert ControlKey.shared(str(good)).secret == b"0123456789abcdef0123"
-    assert "0123" not in repr(ControlKey.shared(str(good)))
+    strong = secrets.token_hex(32)
+    good.write_text(strong + "\n")
+    good.chmod(0o600)
+    assert ControlKey.shared(str(good)).secret == strong.encode()
+    assert strong[:8] not in repr(ControlKey.shared(str(good)))
+
+
+WEAK_KEYS = {
+    "sixteen equal bytes": "aaaaaaaaaaaaaaaa",
+    "64 equal characters": "a" * 64,
+    "40 hex digits (20 bytes)": secrets.token_hex(20),
+    "a 16-character pattern twice": "abcdefghijklmnop" * 2,
+    "64 hex digits of an 8-byte pattern": "0123456789abcdef" * 4,
+    "31 random characters": secrets.token_urlsafe(32)[:31],
+}
+SHARED_KEYS = [(ControlKey.shared, CONTROL_KEY_ENV, ControlKeyError),
+               (TransferKey.shared, KV_KEY_ENV, TransferKeyError)]
+
+
+@pytest.mark.parametrize("load, env, error", SHARED_KEYS, ids=["control key", "kv key"])
+@pytest.mark.parametrize("weak", WEAK_KEYS.values(), ids=WEAK_KEYS)
+def test_a_guessable_key_is_refused(load, env, error, weak, monkeypatch, tmp_path):
+    """`aaaaaaaaaaaaaaaa` once keyed a job: a peer that guessed it claimed a rank and read the setup."""
+    monkeypatch.setenv(env, weak)
+    with pytest.raises(error, match="32 random bytes"):
+        load()
+    key_file = tmp_path / "weak.key"
+    key_file.write_text(weak + "\n")
+    key_file.chmod(0o600)
+    with pytest.raises(error, match="32 random bytes"):
+        load(str(key_file))
+
+
+@pytest.mark.parametrize("load, env, error", SHARED_KEYS, ids=["control key", "kv key"])
+def test_random_keys_are_accepted_in_every_spelling(load, env, error, monkeypatch):
+    for strong in (secrets.token_hex(32), secrets.token_urlsafe(32)):
+        monkeypatch.setenv(env, strong)
+        assert load() is not None
+    assert ControlKey(secrets.token_bytes(32)) and TransferKey.from_secret(secrets.token_bytes(32))
+
+
+@pytest.mark.parametrize("load, env, error", SHARED_KEYS, ids=["control key", "kv key"])
+def test_a_key_file_other_users_can_read_is_refused(load, env, error, tmp_path):
+    key_file = tmp_path / "shared.key"
+    key_file.write_text(secrets.token_hex(32))
+    for mode in (0o644, 0o640, 0o604):
+        key_file.chmod(mode)
+        with pytest.raises(error) as refused:
+            load(str(key_file))
+        assert str(key_file) in str(refused.value) and f"chmod 600 {key_file}" in str(refused.value)
+    key_file.chmod(0o600)
+    assert load(str(key_file)) is not None
+
+
+def test_a_peer_holding_the_control_key_learns_no_kv_secret(tiny_checkpoint_factory, monkeypatch):
+    """One secret never travels inside a message another protects: a peer that claims a rank of a P/D job
+    gets its `WorkerSetup`, which carries no KV transfer secret (ranks read it as the front does)."""
+    kv_secret = secrets.token_hex(32)
+    monkeypatch.setenv(CONTROL_KEY_ENV, secrets.token_hex(32))
+    monkeypatch.setenv(KV_KEY_ENV, kv_secret)
+    master_port, control_port = free_ports(2)
+    config = EngineConfig(model=str(tiny_checkpoint_factory("mixtral")), device="cpu", ep=2, dp_attn=2,
+                          launch_workers=False, master_port=master_port, control_port=control_port,
+                          disaggregation_mode="prefill")
+    outcome: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            make_engine(config, startup_timeout_s=20).shutdown()
+        except BaseException as exc:  # noqa: BLE001 - the start-up is meant to fail: no real ranks come
+            outcome.append(exc)
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    impostor = _join(ControlAddress.tcp("127.0.0.1", control_port, ControlKey.shared()), rank=1, timeout_s=20)
+    encoded = MessageCodec().encode(impostor.setup)
+    impostor.close()
+    starting.join(30)
+    assert not starting.is_alive() and outcome, "the start-up should end when the claimed rank leaves"
+    assert impostor.setup.config.disaggregation_mode == "prefill"
+    assert kv_secret.encode() not in encoded and bytes.fromhex(kv_secret) not in encoded
+
+
+def _connections_accepted_on(port: int) -> int:
+    """How many established TCP connections this process holds whose local end is `port` (the accepted ones)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # ESTABLISHED
+                inodes.add(fields[9])
+    held = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            match = re.fullmatch(r"socket:\[(\d+)\]", str(fd.readlink()))
+        except OSError:
+            continue
+        held += bool(match and match.group(1) in inodes)
+    return held
+
+
+def test_a_flood_of_half_open_connections_is_capped_and_logged_once(front, caplog):
+    """1,100 silent connections once took every descriptor of the front (HTTP stalled 9 s): the control port
+    holds only a few handshakes per peer and overall, closes the rest at once, and says so once."""
+    port = front.address.port
+    flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="attention_dp"):
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                assert front.receive(0.1) is None
+        held = _connections_accepted_on(port)
+        assert held <= 32, f"the front holds {held} of the flood's 300 connections"
+        flood_lines = [r for r in caplog.records if "control port" in r.getMessage()]
+        assert 1 <= len(flood_lines) <= 2, [r.getMessage() for r in flood_lines]
+        assert not any(r.exc_info for r in caplog.records)
+    finally:
+        for sock in flood:
+            sock.close()
+    ranks = [_join_in_background(front, front.address, rank) for rank in (0, 1)]   # the flood is over: ranks join
+    assert sorted(front.hellos) == [0, 1]
+    for rank in ranks:
+        rank.close()
+
+
+def test_the_cap_holds_while_the_loop_serves_the_control_socket(front):
+    """Serving, the front's loop watches the socket's events (`wait_for_disconnect`): the same cap applies."""
+    port = front.address.port
+
+    async def flood_while_serving() -> int:
+        front.attach_to_loop()
+        watcher = asyncio.ensure_future(front.wait_for_disconnect())
+        flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
+        try:
+            await asyncio.sleep(1.5)
+            return _connections_accepted_on(port)
+        finally:
+            watcher.cancel()
+            front.detach_from_loop()
+            for sock in flood:
+                sock.close()
+
+    held = asyncio.run(flood_while_serving())
+    assert held <= 32, f"the front holds {held} of the flood's 300 connections"
+
+
+@pytest.mark.slow
+def test_http_stays_responsive_while_the_control_port_is_flooded(tiny_checkpoint_factory):
+    """`moe-serve --external-workers` (its TCP control port open, waiting for ranks) with 256 descriptors in all:
+    300 silent connections to the control port once took them all (HTTP stalled 8 s, 38,000 tracebacks in the
+    log); now HTTP answers at once and the flood is one log line."""
+    http_port, master_port, control_port = free_ports(3)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{CONTROL_KEY_ENV: secrets.token_hex(32)})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "--model", str(tiny_checkpoint_factory("mixtral")), "--device", "cpu",
+         "--host", "127.0.0.1", "--port", str(http_port), "--ep", "2", "--dp-attn", "2", "--external-workers",
+         "--master-port", str(master_port), "--control-port", str(control_port)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
+    health = f"http://127.0.0.1:{http_port}/health"
+    flood: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not any("started 0 of 2 worker ranks" in line for line in log):   # the control port listens
+            assert time.monotonic() < deadline and server.poll() is None, "".join(log)
+            time.sleep(0.2)
+        before = len(log)
+        flood = [socket.create_connection(("127.0.0.1", control_port), timeout=5) for _ in range(300)]
+        time.sleep(1.0)
+        for _ in range(5):
+            started = time.monotonic()
+            assert httpx.get(health, timeout=10).status_code == 503   # still starting: no rank has come
+            assert time.monotonic() - started < 2.0, f"/health took {time.monotonic() - started:.1f}s"
+        flood_log = log[before:]
+        assert not any("Traceback" in line for line in flood_log), "".join(flood_log[:20])
+        assert sum("control port" in line for line in flood_log) == 1 and len(flood_log) <= 5, "".join(flood_log)
+    finally:
+        for sock in flood:
+            sock.close()
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def _listening_sockets(pids: set[int]) -> list[str]:

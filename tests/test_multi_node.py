@@ -2,6 +2,7 @@
 `moe-serve --node-rank 1`, and ranks started by torchrun. Both on loopback, as two nodes would be,
 and both authenticated by the operator's shared control key."""
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ NEW_TOKENS = 12
 pytestmark = pytest.mark.slow
 
 
-SHARED_KEY = "test-only-shared-control-key-0123456789"
+SHARED_KEY = secrets.token_hex(32)   # 32 random bytes, as every shared key must be
 
 
 def _env():

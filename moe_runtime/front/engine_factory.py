@@ -21,10 +21,10 @@ def make_engine(config: EngineConfig, startup_timeout_s: float = 600.0) -> Front
         hf_config = load_hf_config(config.model)
         layout = config.layout()
         layout.validate(hf_config)
-        kv_secret = (TransferKey.shared(config.kv_transfer_key_file).key.secret
-                     if config.disaggregation_mode != "none" else b"")
+        transfer_key = (TransferKey.shared(config.kv_transfer_key_file)
+                        if config.disaggregation_mode != "none" else None)
         client = RankClient(config, layout.world_size, load_tokenizer(Path(config.model)), hf_config.vocab_size,
-                            kv_secret, startup_timeout_s)
+                            transfer_key, startup_timeout_s)
     else:
         client = InProcessClient(EngineCore(config))
     try:

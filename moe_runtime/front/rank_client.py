@@ -15,6 +15,7 @@ from typing import Callable
 from attention_dp.control_plane import RankDisconnected
 from attention_dp.messages import AdmittedElsewhere, Message, Shutdown, WorkerFailed
 from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import CoreShape
@@ -27,10 +28,10 @@ SHUTDOWN_WAIT_S = 10.0      # how long ranks get to leave after Shutdown before 
 
 
 class RankClient:
-    def __init__(self, config: EngineConfig, world_size: int, tokenizer, vocab_size: int, kv_secret: bytes,
-                 startup_timeout_s: float = 600.0):
+    def __init__(self, config: EngineConfig, world_size: int, tokenizer, vocab_size: int,
+                 transfer_key: TransferKey | None, startup_timeout_s: float = 600.0):
         self.tokenizer = tokenizer
-        self.job: LaunchedJob = launch_job(config, world_size, kv_secret, startup_timeout_s)
+        self.job: LaunchedJob = launch_job(config, world_size, transfer_key, startup_timeout_s)
         self.control = self.job.control
         ready = self.job.ready
         first = ready[0]

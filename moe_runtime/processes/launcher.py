@@ -4,7 +4,8 @@ On one node the front spawns every rank (a fork server that has imported torch a
 the ranks meet in a private file store and a loopback-only control socket keyed with a fresh secret.
 Across nodes, or with ranks torchrun starts, the ranks connect to the front's TCP control port with the
 job's shared key. Either way each rank says Hello, gets its `WorkerSetup`, builds its share of the model
-and answers `WorkerReady`.
+and answers `WorkerReady`. Secrets reach the ranks this front spawns through their process arguments (never
+over the control plane); ranks started elsewhere read them from their own key files or environment.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from attention_dp.control_key import ControlKey
 from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected
 from attention_dp.messages import WorkerFailed, WorkerReady, WorkerSetup
 from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.processes.distributed import free_port
 from moe_runtime.processes.worker import worker_main
@@ -127,8 +129,10 @@ class LaunchedJob:
             self.rendezvous_dir = None
 
 
-def launch_job(config: EngineConfig, world: int, kv_secret: bytes, timeout_s: float) -> LaunchedJob:
-    """Start (or, for other nodes and torchrun, await) every rank; returns once all are ready."""
+def launch_job(config: EngineConfig, world: int, transfer_key: TransferKey | None, timeout_s: float) -> LaunchedJob:
+    """Start (or, for other nodes and torchrun, await) every rank; returns once all are ready.
+
+    `transfer_key`: a P/D instance's KV transfer key, handed to the ranks spawned here with their arguments."""
     nnodes = config.nnodes
     if world % nnodes:
         raise InvalidRequestError(f"nnodes={nnodes} must divide the {world} ranks of this layout")
@@ -149,14 +153,14 @@ def launch_job(config: EngineConfig, world: int, kv_secret: bytes, timeout_s: fl
                         master_port=master_port,
                         num_threads=max(1, (os.cpu_count() or 1) // max(local_ranks, world // nnodes)),
                         log_level=logging.getLogger().getEffectiveLevel(),
-                        loopback_only=rendezvous_dir is not None, kv_secret=kv_secret)
+                        loopback_only=rendezvous_dir is not None)
     control = FrontControl(address, setup)
     local_address = control.address.for_local_ranks()
     context = worker_context()
     processes: dict[int, mp.Process] = {}
     for rank in range(local_ranks):
-        process = context.Process(target=worker_main, args=(local_address, rank), name=f"moe-worker-{rank}",
-                                  daemon=True)
+        process = context.Process(target=worker_main, args=(local_address, rank, transfer_key),
+                                  name=f"moe-worker-{rank}", daemon=True)
         with main_module_hidden():
             process.start()
         processes[rank] = process

@@ -25,15 +25,18 @@ logger = logging.getLogger(__name__)
 LAST_WORDS_TIMEOUT_S = 5.0   # how long an exiting rank waits for its last message to leave
 
 
-def worker_main(address, rank: int) -> None:
-    """Run rank `rank` until the front says Shutdown (exit 0) or something fails (exit 1)."""
+def worker_main(address, rank: int, transfer_key: TransferKey | None = None) -> None:
+    """Run rank `rank` until the front says Shutdown (exit 0) or something fails (exit 1).
+
+    `transfer_key`: a P/D instance's KV transfer key, from the front that spawned this rank; ranks started
+    elsewhere (None) read it as the front does, from --kv-transfer-key-file's path or $MOE_RUNTIME_KV_KEY."""
 
     control = WorkerControl(address, Hello(rank=rank, pid=os.getpid(), host=socket.gethostname()))
     setup = control.setup
     logging.basicConfig(level=setup.log_level, format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
     try:
         torch.set_num_threads(setup.num_threads)
-        core = build_worker_engine(setup, rank)
+        core = build_worker_engine(setup, rank, transfer_key)
         local_bytes, total_bytes = core.resident_expert_bytes()
         weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
         control.put(WorkerReady(rank=rank, dp_rank=core.parallel.dp_rank, num_kv_blocks=core.block_manager.num_blocks,
@@ -72,7 +75,7 @@ def build_rebalancer(core, config):
     return LiveRebalancer(core.executor, policy, groups)
 
 
-def build_worker_engine(setup, rank: int):
+def build_worker_engine(setup, rank: int, transfer_key: TransferKey | None = None):
     from moe_runtime.processes.distributed import build_parallel_context, init_distributed
     from moe_runtime.engine.core import EngineCore
     from moe_runtime.config.model_config import load_hf_config
@@ -86,8 +89,9 @@ def build_worker_engine(setup, rank: int):
                      config.worker_timeout_s, loopback_only=setup.loopback_only)
     layout = config.layout()
     parallel = build_parallel_context(layout, rank, device, load_hf_config(config.model).num_hidden_layers)
-    key = TransferKey.from_secret(setup.kv_secret) if setup.kv_secret else None
-    return EngineCore(config, parallel, key)
+    if transfer_key is None and config.disaggregation_mode != "none":
+        transfer_key = TransferKey.shared(config.kv_transfer_key_file)
+    return EngineCore(config, parallel, transfer_key)
 
 
 def main(argv: list[str] | None = None) -> None:

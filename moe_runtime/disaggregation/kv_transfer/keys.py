@@ -6,6 +6,11 @@ admits only the decode side's public key), with both key pairs derived from this
 the control plane derives its own (`attention_dp.control_key`), under other roles. Handles that
 travel through the router (and so through HTTP clients' hands) carry a MAC made with the same
 secret: a decode instance connects only where a prefill instance of its deployment said to.
+
+Every process that needs the secret reads it where the front does (the key file or the environment variable; the
+ranks a front spawns get it with their process arguments, as the control key): it never travels inside another
+secret's channel, so a holder of the control key learns nothing of this one. The same strength and key-file rules
+apply (`attention_dp.shared_secret`).
 """
 from __future__ import annotations
 
@@ -13,16 +18,16 @@ import hashlib
 import hmac
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-from attention_dp.control_key import MIN_SECRET_BYTES, ControlKey, CurveKeyPair
+from attention_dp.control_key import ControlKey, CurveKeyPair
+from attention_dp.shared_secret import MAKE_ONE, KeyFileOpenToOthers, read_private_key_file, strength_rule, weakness
 from moe_runtime.errors import InvalidRequestError
 
 KV_KEY_ENV = "MOE_RUNTIME_KV_KEY"
 
 HOW_TO_SET = (f"set {KV_KEY_ENV} to the same secret for every prefill and decode instance (e.g. `export "
-              f"{KV_KEY_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))')`) or pass "
-              f"--kv-transfer-key-file PATH (a file holding the secret, readable only by you); "
+              f"{KV_KEY_ENV}=$({MAKE_ONE})`) or pass --kv-transfer-key-file PATH (a file holding the secret, "
+              f"mode 600, at that path on every node); "
               f"`moe-serve --pd P:D` makes one for the set it starts")
 
 
@@ -39,9 +44,10 @@ class TransferKey:
 
     @classmethod
     def from_secret(cls, secret: bytes) -> "TransferKey":
-        if len(secret) < MIN_SECRET_BYTES:
-            raise TransferKeyError(f"the KV transfer key is {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
-                                   f"random bytes ({HOW_TO_SET})")
+        reason = weakness(secret)
+        if reason is not None:
+            raise TransferKeyError(f"the KV transfer key is too easy to guess: {reason}; "
+                                   f"{strength_rule('it')} ({HOW_TO_SET})")
         return cls(ControlKey(secret))
 
     @classmethod
@@ -49,7 +55,9 @@ class TransferKey:
         """--kv-transfer-key-file, else $MOE_RUNTIME_KV_KEY; there is no default (an error says how to set one)."""
         if key_file:
             try:
-                secret = Path(key_file).expanduser().read_bytes().strip()
+                secret = read_private_key_file(key_file, "--kv-transfer-key-file")
+            except KeyFileOpenToOthers as exc:
+                raise TransferKeyError(str(exc)) from None
             except OSError as exc:
                 raise TransferKeyError(f"--kv-transfer-key-file {key_file}: cannot read it ({exc.strerror})") from exc
             return cls.from_secret(secret)
