@@ -25,7 +25,7 @@ from moe_runtime.config.engine_config import DISAGGREGATION_MODES, DTYPES, QUANT
 from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
 from moe_runtime.errors import MoERuntimeError
 from server.flag_help import DefaultsHelpFormatter
-from server.flag_types import non_negative_int, parse_size, positive_int, tcp_port
+from server.flag_types import AppendToTuple, non_negative_int, parse_size, positive_int, tcp_port
 from server.server_config import DEMO_SERVED_NAME, ServerConfig
 from server.tool_calls.names import TOOL_CALL_PARSER_NAMES
 
@@ -165,9 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default=s.host, help="address to listen on (0.0.0.0 for every interface)")
     g.add_argument("--port", type=tcp_port, default=s.port, help="port to listen on; 0 picks a free one")
-    g.add_argument("--api-key", default=s.api_key,
+    g.add_argument("--api-key", dest="api_keys", action=AppendToTuple, default=s.api_keys,
+                   metavar="KEY",
                    help="require 'Authorization: Bearer <key>' on every route but /health and /metrics "
-                        "(a browser opening /dashboard or /docs asks for it as the password)")
+                        "(a browser opening /dashboard or /docs asks for it as the password); repeat it for "
+                        "several tenants: each key's requests then share prefix-cache blocks only among "
+                        "themselves")
     g.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=non_negative_int,
                    default=s.shutdown_timeout_s, metavar="SECONDS",
                    help="on SIGTERM, refuse new requests (503 with Retry-After; /health says draining) and let "

@@ -20,7 +20,7 @@ def is_loopback(host: str) -> bool:
 
 def warn_if_exposed(config: ServerConfig) -> None:
     """Listening beyond this machine without a key lets anyone who can connect use everything."""
-    if config.api_key is None and not is_loopback(config.host):
+    if not config.api_keys and not is_loopback(config.host):
         logger.warning("--host %s accepts connections from other machines and no --api-key is set: anyone who "
                        "can connect can generate, read the expert load and rebalance the experts. Set --api-key "
                        "(or listen on 127.0.0.1).", config.host)

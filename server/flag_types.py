@@ -45,3 +45,11 @@ def _integer(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+class AppendToTuple(argparse.Action):
+    """A repeatable flag whose values collect in a tuple (its config field's type; argparse's "append" makes a
+    list and would append to the default itself)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest, ()), values))

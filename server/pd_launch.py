@@ -148,7 +148,8 @@ def serve_pd_set(server: ServerConfig, argv: list[str]) -> int:
         pool = BackendPool.of([i.url for i in instances if i.name.startswith("prefill")],
                               [i.url for i in instances if i.name.startswith("decode")])
         signal.signal(signal.SIGTERM, previous)   # the router handles it from here
-        return serve_router(pool, server.host, server.port, server.api_key, server.api_key, server.max_request_bytes,
+        key = server.api_keys[0] if server.api_keys else None
+        return serve_router(pool, server.host, server.port, key, key, server.max_request_bytes,
                             log_level=server.log_level, stop_when=lambda: first_exit(instances))
     except _Terminated:
         return 0

@@ -66,7 +66,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
         if launch.error is not None:
             server.should_exit = True
             return
-        api_key = server_config.api_key
+        api_key = server_config.api_keys or None
         gate.open(build_app(launch.async_engine, launch.served_name, api_key=api_key,
                             extra_routers=[dashboard_router(api_key)],
                             max_request_bytes=server_config.max_request_bytes,

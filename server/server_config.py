@@ -29,7 +29,7 @@ class ServerConfig:
     served_model_name: str | None = None  # default: the checkpoint directory's name
     host: str = "127.0.0.1"
     port: int = 8000                      # 0 = a free one
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()        # --api-key, repeatable: one per tenant (empty: no key)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES   # larger request bodies get HTTP 413
     max_queue: int = 512                  # requests waiting for their first token; more get HTTP 429
     shutdown_timeout_s: int = 20          # SIGTERM: seconds the running requests may take to finish (0: none)
@@ -40,6 +40,11 @@ class ServerConfig:
     pd_decode_args: str = ""              # ... and of the decode instances
 
     def validate(self) -> None:
+        if len(set(self.api_keys)) != len(self.api_keys):
+            raise ServerConfigError("--api-key: the same key is given twice")
+        if self.pd is not None and len(self.api_keys) > 1:
+            raise ServerConfigError("--pd takes one --api-key (its router passes it on to the instances); "
+                                    "serve several tenants' keys from instances started on their own")
         if self.model is not None and not Path(self.model).is_dir():
             raise ServerConfigError(f"--model {self.model}: no such checkpoint directory")
         if self.pd is not None:

@@ -43,7 +43,7 @@ def test_flags_map_onto_engine_config(tmp_path):
     engine_config.validate()
     assert (engine_config.device, engine_config.dtype, engine_config.max_num_seqs) == ("cpu", "bf16", 7)
     assert (engine_config.max_model_len, engine_config.kv_cache_memory, engine_config.block_size) == (300, 64 * 2**20, 8)
-    assert (config.max_queue, config.api_key, config.port, config.host) == (3, "k", 0, "127.0.0.1")
+    assert (config.max_queue, config.api_keys, config.port, config.host) == (3, ("k",), 0, "127.0.0.1")
     assert engine_config.world_size == 1
 
 
@@ -179,3 +179,15 @@ def test_ready_lines_name_the_model_the_dashboard_and_the_demo(is_demo):
         "on http://127.0.0.1:8000 (Ctrl-C to stop)")
     assert ("seeded random weights" in serving) == is_demo
     assert dashboard == "moe-serve: dashboard at http://127.0.0.1:8000/dashboard"
+
+
+def test_api_key_repeats_for_tenants_and_pd_takes_one():
+    parser = build_parser()
+    config = server_config_from_args(parser.parse_args(["--api-key", "tenant-a-key", "--api-key", "tenant-b-key"]))
+    config.validate()
+    assert config.api_keys == ("tenant-a-key", "tenant-b-key")
+    assert server_config_from_args(parser.parse_args([])).api_keys == ()
+    with pytest.raises(ServerConfigError, match="twice"):
+        server_config_from_args(parser.parse_args(["--api-key", "k", "--api-key", "k"])).validate()
+    with pytest.raises(ServerConfigError, match="--pd takes one --api-key"):
+        server_config_from_args(parser.parse_args(["--pd", "1:1", "--api-key", "a", "--api-key", "b"])).validate()

@@ -234,7 +234,7 @@ def test_warns_when_listening_beyond_loopback_without_an_api_key(caplog):
     for host, api_key, warns in cases:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="server.exposure"):
-            warn_if_exposed(ServerConfig(host=host, api_key=api_key))
+            warn_if_exposed(ServerConfig(host=host, api_keys=(api_key,) if api_key else ()))
         warned = [r for r in caplog.records if r.levelno == logging.WARNING and "--api-key" in r.getMessage()]
         assert bool(warned) == warns, (host, api_key, caplog.text)
 
