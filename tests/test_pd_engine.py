@@ -6,7 +6,7 @@ its KV blocks and first token move to a decode engine, which continues.
   and Llama, with equal layouts and with different ones: attention TP 2 -> 1 (heads re-sharded),
   1 -> 2 with MLA's latent whole on every rank, two pipeline stages -> one (layers re-sharded); long
   prompts are chunked on the prefill side;
-- a seeded sampled request continues its generator on the decode side (the colocated tokens);
+- a seeded sampled request draws on the decode side what it would have drawn colocated (its draws are keyed by seed and position);
 - KV blocks on both sides come back on abort mid-pull, at the transfer timeout, and when the
   prefill instance is gone (the import fails alone, with a clean error);
 - a handle is good for one request: a replay is refused at once, before any transfer (no pull waits
