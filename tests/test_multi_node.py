@@ -6,6 +6,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -79,8 +80,15 @@ def test_moe_serve_with_ranks_started_by_torchrun(tiny_checkpoint_factory):
                     "ignore_eos": True})
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["choices"][0]["text"] == tokenizer.decode(tokens)
-            load = httpx.get(server.base_url + "/v1/expert_load", timeout=60)
-            assert load.status_code == 200, load.text
+            # the served snapshot is refreshed at most once a second (scrapes never pause the ranks): the
+            # traffic above shows in it within a few refreshes
+            deadline = time.monotonic() + 10
+            while True:
+                load = httpx.get(server.base_url + "/v1/expert_load", timeout=60)
+                assert load.status_code == 200, load.text
+                if sum(map(sum, load.json()["totals"])) > 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
             assert sum(map(sum, load.json()["totals"])) > 0
         assert ranks.wait(60) == 0, ranks.stdout.read()
     finally:
