@@ -4,7 +4,8 @@ Routes take `body: Model = Depends(json_body(Model))` instead of FastAPI's own b
 parses and validates on the event loop and calls an empty body "missing required parameter None".
 Every refusal is a 400 that says what is wrong with the body: empty, not JSON, not a JSON object,
 text that is not valid Unicode (a lone surrogate escape such as "\\ud800", which no tokenizer can
-take), or the first invalid field.
+take), or the first invalid field. A body nested past the parser's recursion limit, or holding an
+integer of more than 4,300 digits, is refused naming the field that holds it (`server.json_failure_field`).
 
 json and pydantic-core hold the GIL while they run, so a worker thread lets the event loop in
 between the steps of a large body rather than during each; the request-size limit bounds the rest.
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from typing import Awaitable, Callable, Iterable, TypeVar
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 
 from server.errors import APIError, bad_request, validation_error
+from server.json_failure_field import deepest_field, long_integer_field
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -46,10 +49,11 @@ def parse_body(raw: bytes, model: type[Model]) -> Model:
     except UnicodeDecodeError:
         raise bad_request("the request body is not UTF-8 text: send a JSON object", code="invalid_json") from None
     except RecursionError:
-        raise bad_request("malformed JSON body: nested too deeply", code="invalid_json") from None
-    except ValueError as exc:   # JSONDecodeError, or an integer literal of thousands of digits
-        message = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
-        raise bad_request(f"malformed JSON body: {message}", code="invalid_json") from None
+        raise too_deep(raw) from None
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"malformed JSON body: {exc.msg}", code="invalid_json") from None
+    except ValueError:   # an integer literal of more digits than Python converts
+        raise too_long_integer(raw) from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, not {json_kind(data)}", code="invalid_body")
     if b"\\ud" in raw or b"\\uD" in raw:   # the only way a lone surrogate gets into decoded JSON
@@ -61,6 +65,25 @@ def parse_body(raw: bytes, model: type[Model]) -> Model:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
+
+
+def too_deep(raw: bytes) -> APIError:
+    """The 400 for a body nested past the parser's recursion limit, naming the field that nests so deep."""
+    found = deepest_field(raw.decode("utf-8", "replace"))
+    where = found.field if found.field is not None else "the body"
+    return bad_request(f"{where} is nested too deeply ({found.amount} levels of objects and arrays): malformed JSON "
+                       "body", found.field, "invalid_json")
+
+
+def too_long_integer(raw: bytes) -> APIError:
+    """The 400 for an integer literal longer than Python converts, naming the field that holds it."""
+    limit = sys.get_int_max_str_digits()
+    found = long_integer_field(raw.decode("utf-8", "replace"), limit)
+    if found is None:
+        return bad_request(f"malformed JSON body: an integer literal of more than {limit} digits", code="invalid_json")
+    where = found.field if found.field is not None else "the body"
+    return bad_request(f"{where} holds an integer of {found.amount} digits, more than {limit}: malformed JSON body",
+                       found.field, "invalid_json")
 
 
 def json_kind(value: object) -> str:

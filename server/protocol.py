@@ -22,7 +22,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
-from moe_runtime.sampling.bounds import BOUND, refusal
+from moe_runtime.sampling.bounds import BOUND, TOKEN_ID_DIGITS, refusal
 from moe_runtime.sampling.params import SamplingParams
 
 TokenIds = list[int]
@@ -34,11 +34,17 @@ def bounded(name: str, default: object = None, **override) -> object:
 
 
 def digit_keys(logit_bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's logit_bias has token ids as JSON object keys (strings); the engine's are integers."""
+    """OpenAI's logit_bias has token ids as JSON object keys (strings); the engine's are integers.
+
+    A key longer than any token id is refused before int() sees it: int() refuses more than 4,300 digits
+    with a message about Python's settings, and takes a few thousand in quadratic time."""
     converted = {}
     for key, bias in logit_bias.items():
         if not (key.isascii() and key.isdigit()):   # int() alone would also take " 5", "+5" and "5_0"
             raise ValueError(f"keys must be token ids (got {key[:20]!r})")
+        if len(key) > TOKEN_ID_DIGITS:
+            raise ValueError(f"keys must be token ids ({BOUND['logit_bias.key'].describe()}): got a key of "
+                             f"{len(key)} digits")
         converted[int(key)] = bias
     return converted
 

@@ -15,13 +15,16 @@ import json
 from dataclasses import dataclass, field
 
 from moe_runtime.engine.request_limits import ContextLengthError, check_context_length
+from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling.params import SamplingParams
-from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
+from moe_runtime.sampling.structured_output.spec import FIELD, StructuredOutputSpec
 from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
 from server.errors import APIError, bad_request
 from server.generation import ChoiceSpec
 from server.kv_transfer_request import with_kv_transfer
 from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, digit_keys
+from server.request_work import (chat_logprob_views, check_choices, check_logprobs, check_prompt_tokens,
+                                 completion_logprob_views)
 from server.structured_output_request import requested_structure
 from server.tool_calls.fallback_rendering import messages_with_tools_in_text
 from server.tool_calls.parser import ToolCallParser
@@ -129,7 +132,7 @@ def with_parsed_arguments(tool_call: dict) -> dict:
         return tool_call
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):   # not JSON, or nested past the parser's depth: the template gets the text
         return tool_call
     return {**tool_call, "function": {**function, "arguments": arguments}}
 
@@ -190,14 +193,18 @@ def choice_specs(request: SamplingFields, prompts: list[list[int]], max_tokens: 
                  logprobs: int | None, prompt_logprobs: int | None = None,
                  prompt_texts: list[str] | None = None, *,
                  structured_output: StructuredOutputSpec | None = None) -> list[ChoiceSpec]:
-    """n choices per prompt; with a seed, choice j of a prompt uses `choice_seed` (reproducible, distinct)."""
+    """n choices per prompt; with a seed, choice j of a prompt uses `choice_seed` (reproducible, distinct).
+
+    The request's parameters are converted once and the choices differ only in their seed: they share the
+    stop strings, stop token ids and logit_bias mapping (which nothing changes), so a 1,024-entry logit_bias
+    is one mapping however many choices there are."""
+    shared = sampling_params(request, max_tokens, logprobs, request.seed, prompt_logprobs,
+                             structured_output=structured_output)
     specs = []
     for prompt_index, prompt in enumerate(prompts):
         for j in range(request.n):
-            seed = choice_seed(request.seed, j)
+            params = dataclasses.replace(shared, seed=choice_seed(request.seed, j))
             index = prompt_index * request.n + j
-            params = sampling_params(request, max_tokens, logprobs, seed, prompt_logprobs,
-                                     structured_output=structured_output)
             text = prompt_texts[prompt_index] if prompt_texts is not None else ""
             specs.append(ChoiceSpec(index, prompt_index, prompt, params, text))
     return specs
@@ -230,6 +237,7 @@ def completion_choices(request: CompletionRequest, model: ModelInfo) -> list[Cho
     model.unknown_fields.warn_new(request, "/v1/completions")
     check_model(request.model, model)
     check_supported(request)
+    check_choices(len(given_prompts(request)), request.n, len(request.logit_bias or {}))
     prompts = completion_prompts(request, model)
     max_tokens = 16 if request.max_tokens is None else request.max_tokens
     if max_tokens == 0 and not request.echo and request.prompt_logprobs is None:
@@ -237,6 +245,10 @@ def completion_choices(request: CompletionRequest, model: ModelInfo) -> list[Cho
                           "prompt)", "max_tokens")
     for prompt in prompts:
         check_context(len(prompt), max_tokens, model, "prompt", "max_tokens")
+    lengths = [len(prompt) for prompt in prompts]
+    check_prompt_tokens(lengths, request.n)
+    check_logprobs(completion_logprob_views(lengths, max_tokens, request.logprobs, request.prompt_logprobs,
+                                            request.echo), request.n)
     structure = requested_structure(request, model.structured_output)
     return with_kv_transfer(request, choice_specs(request, prompts, max_tokens, request.logprobs,
                                                   engine_prompt_logprobs(request, max_tokens),
@@ -255,12 +267,17 @@ def chat_choices(request: ChatCompletionRequest, model: ModelInfo) -> ChatConver
     check_supported(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    check_choices(1, request.n, len(request.logit_bias or {}), "messages")
     tool_use = plan_tool_use(request, model.tool_call_parser)
     prompt = chat_prompt(request, model, tool_use.template_tools)
     asked = request.max_completion_tokens or request.max_tokens
     param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
     max_tokens = asked if asked is not None else max(model.max_model_len - len(prompt), 1)
     check_context(len(prompt), max_tokens, model, "messages", param)
+    check_prompt_tokens([len(prompt)], request.n, "messages")
+    check_logprobs(chat_logprob_views(request.logprobs, request.top_logprobs, max_tokens,
+                                      param if asked is not None else f"{param}, by default the rest of the context"),
+                   request.n)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     structure = requested_structure(request, model.structured_output)
     specs = choice_specs(request, [prompt], max_tokens, logprobs, structured_output=structure)
@@ -269,6 +286,11 @@ def chat_choices(request: ChatCompletionRequest, model: ModelInfo) -> ChatConver
             raise bad_request(f"tool_choice={request.tool_choice!r} forces the answer into tool calls, which cannot "
                               f"be combined with a structured-output request", "tool_choice")
         forced = StructuredOutputSpec(json_schema=tool_use.forced_schema)
+        try:   # here, off the event loop, naming the field (admission would check it again, from the cache)
+            model.structured_output.check(forced)
+        except InvalidRequestError as exc:
+            why = str(exc).removeprefix(f"{FIELD}.json_schema: ")
+            raise bad_request(f"the tools' parameter schemas cannot force the call: {why}", "tools") from exc
         specs = [dataclasses.replace(spec, params=dataclasses.replace(spec.params, structured_output=forced))
                  for spec in specs]
     return ChatConversion(with_kv_transfer(request, specs), tool_use.reader)

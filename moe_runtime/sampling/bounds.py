@@ -26,6 +26,17 @@ Why these values:
 Rules that relate two fields (max_tokens 0 only with prompt_logprobs, min_tokens <= max_tokens) and the
 ones that need the model (token ids inside the vocabulary, a tokenizer) are not bounds: they are checked
 at admission (`SamplingParams.validate`, `RequestLimits`).
+
+`WORK_BOUNDS` bound what one HTTP request asks for in all, products of its fields: the server makes one
+engine request per choice (prompts x n), each with the whole prompt and its own sampling state, and one
+response holds them all. Each is checked before anything is built (`server.request_work`):
+- choices (prompts x n) at most 256: a choice is an engine request, a queue slot, a stream;
+- prompt tokens x n at most 2**20: each choice's prompt is admitted (checked, hashed) and may be prefilled;
+- logit_bias entries x choices at most 2**16 (1,024 entries on 64 choices): they are applied at every step;
+- logprob entries in the response at most 2**17: positions x (alternatives + 1) x choices over every view
+  (prompt_logprobs, an echo's logprobs, the generated tokens' logprobs), about 80 bytes of JSON and 1.3 KB
+  of the front's memory each (prompt_logprobs=20 on a 2,000-token prompt with n=64 made 2.7 million: a
+  180 MB response after minutes); 2**17 is 20 alternatives over a 6,000-token prompt.
 """
 from __future__ import annotations
 
@@ -37,6 +48,7 @@ MAX_INT = 2**63 - 1          # the largest integer the engine carries (int64)
 SEED_LIMIT = 2**63           # seeds are in [0, SEED_LIMIT)
 MAX_TOP_K = 2**31 - 1        # above any vocabulary: a larger top_k is capped here
 MIN_TEMPERATURE = 1e-5       # below it sampling is greedy
+TOKEN_ID_DIGITS = len(str(MAX_INT))   # a token id written in decimal has at most this many digits
 
 
 def is_int(value: object) -> bool:
@@ -189,3 +201,24 @@ def refusal(field: str, value: object) -> str | None:
     if value is None and field in OPTIONAL:
         return None
     return None if bound.admits(value) else f"must be {bound.describe()}"
+
+
+@dataclass(frozen=True)
+class WorkBound:
+    """A bound on one HTTP request as a whole: `counted` (a product of its fields) is at most `hi`."""
+
+    name: str
+    hi: int
+    counted: str       # what is counted, as a refusal says it
+
+    def exceeded_by(self, amount: int) -> bool:
+        return amount > self.hi
+
+
+WORK_BOUNDS: tuple[WorkBound, ...] = (
+    WorkBound("choices", 256, "choices (prompts x n)"),
+    WorkBound("prompt_tokens", 2**20, "prompt tokens to admit (prompt tokens x n)"),
+    WorkBound("logit_bias", 2**16, "logit_bias entries to apply (entries x choices)"),
+    WorkBound("logprobs", 2**17, "logprobs in the response (positions x (alternatives + 1) x choices)"),
+)
+WORK_BOUND: dict[str, WorkBound] = {bound.name: bound for bound in WORK_BOUNDS}

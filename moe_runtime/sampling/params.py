@@ -110,6 +110,10 @@ class SamplingParams:
 
 
 def _shown(value: object, limit: int = 80) -> str:
-    """`repr(value)`, shortened: an error message must not echo a megabyte of stop strings back."""
-    text = repr(value)
+    """`repr(value)`, shortened: an error message must not echo a megabyte of stop strings back. An integer
+    of more than 4,300 digits has no repr (Python refuses to convert it): the message says so instead."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<a {type(value).__name__} holding an integer too long to show>"
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
