@@ -11,7 +11,10 @@ its KV blocks and first token move to a decode engine, which continues.
   prefill instance is gone (the import fails alone, with a clean error);
 - a handle is good for one request: a replay is refused at once, before any transfer (no pull waits
   for blocks that are gone), and so is an expired one; a hand-off the decode side refuses
-  (max_tokens < 2, another prompt) frees the prefill's parked blocks at once, not at the timeout.
+  (max_tokens < 2, another prompt) frees the prefill's parked blocks at once, not at the timeout;
+- an import's grammar compiles off the decode instance's stepping loop: a stream decoding there keeps its
+  inter-token gap while it compiles, and the import then gives a colocated instance's tokens; one whose
+  compile misses the timeout fails alone, and one aborted while its grammar compiles leaves nothing.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from moe_runtime.disaggregation.kv_transfer.handle import HandleError
 from moe_runtime.front.engine_factory import make_engine
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling.params import SamplingParams
+from moe_runtime.sampling.structured_output import compiler as compiler_module
+from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -180,3 +185,98 @@ def test_a_prefill_instance_gone_fails_only_its_imports(engines, tiny_checkpoint
     p = engines("deepseek_v3", "prefill")               # the decode instance goes on with the others
     first = prefill(p, "after-p", PROMPTS[0])
     assert decode(p, d, "after-d", PROMPTS[0], first.kv_handle, NEW_TOKENS).finish_reason == "length"
+
+
+SLOW_COMPILE_S = 3.0   # a grammar's compile on the decode instance (a shared CPU's steps were seen at 0.5 s)
+
+
+@pytest.fixture
+def slow_parse(monkeypatch):
+    """`slow_parse()`: from now on, parsing a grammar takes SLOW_COMPILE_S (sleeping releases the GIL, as
+    xgrammar's C++ does). Called after the prefill side compiled its grammar, so only the decode side's is slow."""
+    def start():
+        real = compiler_module.parse_grammar
+
+        def slow(*args):
+            time.sleep(SLOW_COMPILE_S)
+            return real(*args)
+
+        monkeypatch.setattr(compiler_module, "parse_grammar", slow)
+
+    return start
+
+
+def step_all(engines, done, timeout_s: float = 60.0, pace_s: float = 0.0) -> list:
+    """Step every engine until `done(outputs so far)`, at most once per `pace_s`; every output, with the time
+    it came."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while not done(seen):
+        assert time.monotonic() < deadline, "requests did not finish"
+        for engine in engines:
+            seen += [(time.perf_counter(), out) for out in engine.step()]
+        time.sleep(pace_s)
+    return seen
+
+
+def finished(*request_ids):
+    return lambda seen: all(any(out.request_id == r and out.finished for _, out in seen) for r in request_ids)
+
+
+def structured_first_token(p, request_id: str, prompt: list[int], spec: StructuredOutputSpec):
+    p.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, structured_output=spec),
+                  export_kv=True)
+    return run_until([p], request_id)
+
+
+def test_an_import_whose_grammar_compiles_slowly_does_not_stall_the_decoding_streams(engines, slow_parse):
+    p, d, colocated = engines("qwen3_moe", "prefill"), engines("qwen3_moe", "decode"), engines("qwen3_moe", "none")
+    spec = StructuredOutputSpec(regex=r"[a-z]{2,5}-\d{3}")   # compiled nowhere else on the decode instance
+    params = SamplingParams(max_tokens=16, temperature=0.0, structured_output=spec)
+    colocated.add_request("so-colocated", PROMPTS[1], params)
+    want = run_until([colocated], "so-colocated")
+    d_free = free_blocks(d)
+    stream = prefill(p, "stream-p", PROMPTS[0])
+    d.add_request("stream-d", PROMPTS[0], greedy(480), import_kv=stream.kv_handle)   # paced: >= 4.7 s more
+    seen = step_all([d, p], lambda seen: sum(out.request_id == "stream-d" for _, out in seen) >= 5)
+    first = structured_first_token(p, "so-p", PROMPTS[1], spec)   # d keeps still meanwhile: short
+    assert first.token_ids == want.token_ids[:1] and first.kv_handle is not None
+    slow_parse()
+    added = time.perf_counter()
+    d.add_request("so-d", PROMPTS[1], params, import_kv=first.kv_handle)
+    seen += step_all([d, p], finished("so-d"), pace_s=0.01)
+    ended = time.perf_counter()
+    assert ended - added >= SLOW_COMPILE_S * 0.9        # it did wait for its grammar
+    times = [when for when, out in seen if out.request_id == "stream-d"]
+    assert times[-1] >= added + SLOW_COMPILE_S, "the stream ended before the import's grammar compiled"
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) < SLOW_COMPILE_S / 2, f"the stream stalled {max(gaps):.2f}s while a grammar compiled"
+    done = next(out for _, out in seen if out.request_id == "so-d" and out.finished)
+    assert (done.token_ids, done.finish_reason, done.error) == (want.token_ids, want.finish_reason, None)
+    d.abort("stream-d")
+    wait_for_free([(d, d_free)])
+
+
+def test_an_import_whose_grammar_misses_the_compile_timeout_fails_alone(engines, slow_parse, monkeypatch):
+    p, d = engines("qwen3_moe", "prefill"), engines("qwen3_moe", "decode")
+    monkeypatch.setattr(d.core.grammar_waits, "timeout_s", SLOW_COMPILE_S / 4)
+    p_free, d_free = free_blocks(p), free_blocks(d)
+    spec = StructuredOutputSpec(regex=r"[0-9]{3}[a-z]{2}")    # compiled nowhere else on the decode instance
+    late = structured_first_token(p, "late-p", PROMPTS[1], spec)
+    gone_spec = StructuredOutputSpec(regex=r"[a-z]{4}[0-9]")
+    gone = structured_first_token(p, "gone-p", PROMPTS[1], gone_spec)
+    fine = prefill(p, "fine-p", PROMPTS[0])
+    slow_parse()
+    started = time.monotonic()
+    d.add_request("gone-d", PROMPTS[1], SamplingParams(max_tokens=8, structured_output=gone_spec),
+                  import_kv=gone.kv_handle)
+    assert d.abort("gone-d")                              # aborted while its grammar compiles: nothing stays
+    d.add_request("late-d", PROMPTS[1], SamplingParams(max_tokens=8, structured_output=spec), import_kv=late.kv_handle)
+    d.add_request("fine-d", PROMPTS[0], greedy(NEW_TOKENS), import_kv=fine.kv_handle)
+    seen = step_all([d, p], finished("late-d", "fine-d"))
+    last = {out.request_id: out for _, out in seen}
+    assert last["late-d"].finish_reason == "error" and "did not compile within" in last["late-d"].error
+    assert time.monotonic() - started < SLOW_COMPILE_S    # failed at the timeout, not when the compile ended
+    assert last["fine-d"].finish_reason == "length" and len(last["fine-d"].token_ids) == NEW_TOKENS
+    wait_for_free([(p, p_free), (d, d_free)])
+    assert not d.has_unfinished() and not d.core.imports and not d.core.imports.grammars

@@ -10,6 +10,10 @@ the front sends once every rank of the worker has its KV; a failure on any rank 
 (`abort`). Every change to the block manager happens at a lock-step boundary or a step, in the same
 order on every rank of the worker, so their block managers never diverge (a pull that failed on one
 rank keeps its blocks until the front's abort reaches all of them).
+
+An import with structured output compiles its grammar meanwhile, off the stepping loop
+(`ImportGrammars`); this rank reports its pull's end only once the grammar is ready too, with the
+grammar's error if it failed, so the front activates the request only when every rank can mask it.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 
 from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.disaggregation.import_grammars import ImportGrammars
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.disaggregation.kv_transfer.plan import plan_pulls
 from moe_runtime.disaggregation.kv_transfer.puller import PullJob, PullResult
@@ -40,19 +45,24 @@ class Import:
 
 
 class DecodeImports:
-    def __init__(self, local: KVShard, sink: KVSink, block_manager: BlockManager, spread: int, timeout_s: float):
+    def __init__(self, local: KVShard, sink: KVSink, block_manager: BlockManager, spread: int, timeout_s: float,
+                 grammars: ImportGrammars):
         self.local = local                  # this rank's share of the cache
         self.sink = sink
         self.block_manager = block_manager
         self.spread = spread                # this rank's attention-TP rank: spreads pulls over replicas
         self.timeout_s = timeout_s
+        self.grammars = grammars            # imports' grammars compiling: their reports wait for them
         self._waiting: deque[Import] = deque()      # no blocks yet, in arrival order
         self._imports: dict[str, Import] = {}
 
     def add(self, seq: Sequence, spec: ImportSpec, error: str | None = None) -> None:
         """Take in an import (at a lock-step boundary); it gets blocks as soon as enough are free. With `error`
-        (the request cannot go on here) it still takes its turn for blocks, then fails: the front aborts it."""
+        (the request cannot go on here) it still takes its turn for blocks, then fails: the front aborts it.
+        Its grammar, if it has one, starts compiling now; `seq.grammar` is set when it is reported."""
         entry = Import(seq, spec, error)
+        if error is None and spec.params.structured_output is not None:
+            self.grammars.add(seq, spec.params.structured_output, spec.first_token)
         self._imports[seq.request_id] = entry
         self._waiting.append(entry)
         self.allocate()
@@ -78,16 +88,24 @@ class DecodeImports:
 
     def take_landed(self) -> list[PullResult]:
         """Outcomes of imports that ended since the last call, each once. Nothing is freed here: a failed
-        import keeps its blocks until the front's abort, which every rank of the worker applies alike."""
+        import keeps its blocks until the front's abort, which every rank of the worker applies alike. A pull
+        that landed waits for its grammar to be ready; the grammar's error, if any, is then its outcome."""
         for result in self.sink.take_landed():
             entry = self._imports.get(result.request_id)
             if entry is not None and entry.result is None:
                 entry.result = result
         landed = []
-        for entry in self._imports.values():
-            if entry.result is not None and not entry.reported:
-                entry.reported = True
-                landed.append(entry.result)
+        for request_id, entry in self._imports.items():
+            if entry.result is None or entry.reported:
+                continue
+            if entry.result.error is None and request_id in self.grammars:
+                if not self.grammars.ready(request_id):
+                    continue
+                error = self.grammars.finish(request_id)
+                if error is not None:
+                    entry.result = PullResult(request_id, error, entry.result.num_bytes, entry.result.seconds)
+            entry.reported = True
+            landed.append(entry.result)
         return landed
 
     def activate(self, request_id: str) -> Sequence | None:
@@ -109,6 +127,7 @@ class DecodeImports:
         if any(waiting is entry for waiting in self._waiting):
             self._waiting.remove(entry)
         self.sink.cancel(request_id)           # no write into its blocks after this returns
+        self.grammars.abort(request_id)        # its compile, if still queued, is cancelled
         self.block_manager.free(entry.seq)
         return entry.seq
 
@@ -124,4 +143,5 @@ class DecodeImports:
         return len(self._imports)
 
     def close(self) -> None:
+        self.grammars.close()
         self.sink.close()

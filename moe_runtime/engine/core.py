@@ -21,6 +21,7 @@ from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.execution.decode_capture import CaptureSettings
 from moe_runtime.disaggregation.decode_imports import DecodeImports
+from moe_runtime.disaggregation.import_grammars import ImportGrammars
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.in_memory import weights_in_memory
@@ -46,7 +47,7 @@ from moe_runtime.sampling.sampler import SampleResult, Sampler
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moe_runtime.engine.sequence import FinishReason, Sequence
-from moe_runtime.sampling.structured_output.compiler import build_grammar_compiler, grammar_state_for
+from moe_runtime.sampling.structured_output.compiler import build_grammar_compiler
 from moe_runtime.sampling.structured_output.grammar_waits import GrammarWaits, Readiness
 from moe_runtime.weights.loading import SkippedTensors, load_model_weights
 
@@ -142,7 +143,7 @@ class EngineCore:
         self.grammar_waits = GrammarWaits(self.grammars, config.grammar_compile_timeout_s, wake=self._wake_loop)
         self.exports: PrefillExports | None = None   # --disaggregation-mode prefill: parked KV, its block server
         self.imports: DecodeImports | None = None    # --disaggregation-mode decode: KV pulled from prefill ranks
-        self.wake = None                             # called (from the puller's thread) when an import's pull ended
+        self.wake = None                             # called (from another thread) when a pull or compile ended
         self._open_kv_transfer(config, transfer_key)
         self._arrivals = 0
         self._sequences: dict[str, Sequence] = {}
@@ -176,7 +177,7 @@ class EngineCore:
         else:
             sink = open_sink(self.runner.caches, shard, key, on_landed=self._pull_ended)
             self.imports = DecodeImports(shard, sink, self.block_manager, self.parallel.worker_rank,
-                                         config.kv_transfer_timeout_s)
+                                         config.kv_transfer_timeout_s, ImportGrammars(self.grammar_waits))
 
     def _pull_ended(self) -> None:
         self._wake_loop()
@@ -237,25 +238,26 @@ class EngineCore:
 
     def add_import(self, spec: ImportSpec) -> None:
         """Take in a request prefilled by a prefill instance (a decode instance): blocks are allocated and its
-        KV pulled; it decodes once `activate_import` says every rank of this worker has it."""
+        KV pulled, and its grammar (structured output) compiles off this loop meanwhile; it decodes once
+        `activate_import` says every rank of this worker has both."""
         if self.imports is None:
             raise InvalidRequestError("this engine is not a decode instance (--disaggregation-mode decode)")
         if spec.request_id in self._sequences:
             raise InvalidRequestError(f"request id {spec.request_id!r} is already in use")
         params = spec.params
         seq = Sequence(spec.request_id, list(spec.prompt_token_ids), params, arrival=self._arrivals,
-                       grammar=grammar_state_for(self.grammars, params.structured_output), queued_at=time.perf_counter())
+                       queued_at=time.perf_counter())   # its grammar: once compiled (`DecodeImports.take_landed`)
         seq.output_token_ids.append(spec.first_token)
         if spec.first_logprob is not None and params.logprobs is not None:
             seq.logprobs.append(spec.first_logprob)
-        error = seq.grammar.accept(spec.first_token) if seq.grammar is not None else None
         self._arrivals += 1
         self._sequences[spec.request_id] = seq
         self._prompt_tokens += len(spec.prompt_token_ids)
-        self.imports.add(seq, spec, error)
+        self.imports.add(seq, spec)
 
     def take_landed_imports(self) -> list[PullResult]:
-        """Imports whose pull ended on this rank since the last call (ok or with an error), each once."""
+        """Imports whose pull ended on this rank since the last call (ok or with an error), each once; one with
+        a grammar only once that compiled too (or failed: the outcome then carries its error)."""
         return self.imports.take_landed() if self.imports is not None else []
 
     @property

@@ -23,6 +23,10 @@ passed on this rank's clock. The lock-step loop agrees on these (`attention_dp.l
 settled on every rank starts with its grammar; one past its deadline on any rank that is not settled
 on all fails on all with the timeout error; otherwise it waits. A one-rank core agrees with itself
 (`local_view`). Requests beyond the window wait for a place in it (they compile meanwhile).
+
+A P/D decode instance's imports wait elsewhere (`disaggregation.import_grammars`: the front's
+activation, not this agreement, starts them) but compile here (`compile`/`drop`): same pool, cache,
+in-flight compile per spec and timeout.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -93,15 +97,42 @@ class GrammarWaits:
         self._waiting: OrderedDict[str, Waiting] = OrderedDict()    # in the order they were added
         self._compiling: dict[StructuredOutputSpec, concurrent.futures.Future] = {}   # one compile per spec
         self._alarm: threading.Timer | None = None                   # at the earliest deadline
+        self._held: Counter[concurrent.futures.Future] = Counter()   # compiles waited for outside (`compile`)
 
     def add(self, request: WaitsForGrammar, spec: StructuredOutputSpec) -> None:
         """Park `request` and compile its grammar off the calling thread (a cached one is ready at once)."""
-        compiled = self._compiling.get(spec)
-        if compiled is None or compiled.done():   # done: in the LRU now, a new compile is a lookup
-            compiled = self._compiling[spec] = self._pool.submit(self._compile, spec)
-            compiled.add_done_callback(lambda _: self.wake())
+        compiled = self._compile_once(spec)
         self._waiting[request.request_id] = Waiting(request, compiled, time.monotonic() + self.timeout_s)
         self._arm_alarm()
+
+    def compile(self, spec: StructuredOutputSpec) -> concurrent.futures.Future:
+        """A future `Compiled` of `spec`, for a request that waits for it outside this class (a P/D import);
+        `wake` is called when it ends. Hand it back with `drop` once read or no longer wanted."""
+        compiled = self._compile_once(spec)
+        self._held[compiled] += 1
+        return compiled
+
+    def drop(self, compiled: concurrent.futures.Future) -> None:
+        """One holder of a `compile` is done with it: a compile nobody waits for any more and not started yet
+        is cancelled."""
+        self._held[compiled] -= 1
+        if self._held[compiled] <= 0:
+            del self._held[compiled]
+            if not any(waiting.compiled is compiled for waiting in self._waiting.values()):
+                compiled.cancel()
+
+    def timeout_error(self) -> str:
+        return (f"structured output: the grammar did not compile within {self.timeout_s:g}s "
+                f"(--grammar-compile-timeout); a smaller or simpler schema, regex or grammar compiles faster")
+
+    def _compile_once(self, spec: StructuredOutputSpec) -> concurrent.futures.Future:
+        """The running compile of `spec`, or a new one (a cached grammar is then a lookup)."""
+        self._compiling = {s: compiled for s, compiled in self._compiling.items() if not compiled.done()}
+        compiled = self._compiling.get(spec)
+        if compiled is None:
+            compiled = self._compiling[spec] = self._pool.submit(self._compile, spec)
+            compiled.add_done_callback(lambda _: self.wake())
+        return compiled
 
     def _compile(self, spec: StructuredOutputSpec) -> Compiled:
         """On a pool thread; never raises (a failure fails the requests that wait for it, alone)."""
@@ -131,9 +162,7 @@ class GrammarWaits:
                 waiting.request.grammar = waiting.compiled.result().new_state()
             elif verdict.expired:
                 self._cancel_unshared(waiting)
-                waiting.request.grammar = GrammarState.failed(
-                    f"structured output: the grammar did not compile within {self.timeout_s:g}s "
-                    f"(--grammar-compile-timeout); a smaller or simpler schema, regex or grammar compiles faster")
+                waiting.request.grammar = GrammarState.failed(self.timeout_error())
             else:
                 continue
             decided.append(waiting.request)
@@ -153,7 +182,9 @@ class GrammarWaits:
         return waiting.request
 
     def _cancel_unshared(self, gone: Waiting) -> None:
-        """Drop a compile that has not started, unless another waiting request shares it."""
+        """Drop a compile that has not started, unless another waiting request (or a `compile` holder) shares it."""
+        if gone.compiled in self._held:
+            return
         if not any(other.compiled is gone.compiled for other in self._waiting.values() if other is not gone):
             gone.compiled.cancel()
 
@@ -178,4 +209,5 @@ class GrammarWaits:
         if self._alarm is not None:
             self._alarm.cancel()
         self._waiting.clear()
+        self._held.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
