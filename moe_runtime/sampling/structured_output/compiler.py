@@ -88,11 +88,3 @@ def build_grammar_compiler(tokenizer, vocab_size: int, stop_token_ids: Iterable[
                        error_message(exc))
         return None
 
-
-def grammar_state_for(grammars: GrammarCompilerCache | None, spec: StructuredOutputSpec | None) -> GrammarState | None:
-    """The grammar state a new request starts with: None when it asked for no structured output."""
-    if spec is None:
-        return None
-    if grammars is None:
-        return GrammarState.failed("structured output is unavailable on this engine (no tokenizer xgrammar can read)")
-    return grammars.new_state(spec)
