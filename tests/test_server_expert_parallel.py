@@ -81,7 +81,12 @@ def test_concurrent_clients_use_both_dp_workers(server, llm):
     for t in threads:
         t.join(90)
     assert [results.get(i) for i in range(len(prompts))] == expected
+    # the served snapshot is refreshed at most once a second (scrapes never pause the ranks)
+    deadline = time.monotonic() + 10
     load = httpx.get(server.base_url + "/v1/expert_load", timeout=30).json()
+    while sum(sum(row) for row in load["counts"]) == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        load = httpx.get(server.base_url + "/v1/expert_load", timeout=30).json()
     assert sum(sum(row) for row in load["counts"]) > 0
     assert len(load["rank_load"][0]) == 2
 
