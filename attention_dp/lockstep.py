@@ -134,7 +134,9 @@ class LockstepLoop:
 
     def _step(self) -> None:
         batch = self.core.schedule()
-        phase = "prefill" if batch is None or batch.is_prefill else "decode"
+        # only ranks with work vote: an idle rank follows, so DeepEP's low-latency mode runs whenever every
+        # busy rank decodes (an idle vote for prefill would force normal mode whenever any worker is idle)
+        phase = "prefill" if batch is not None and batch.is_prefill else "decode"
         if self.core.executor.needs_phase_agreement():
             flag = torch.tensor([int(phase == "prefill")], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.parallel.world_control_group)
