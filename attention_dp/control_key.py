@@ -15,14 +15,12 @@ byte they send is ever decoded.
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 from dataclasses import dataclass
 
 import zmq
 
-from attention_dp.shared_secret import (MAKE_ONE, MIN_KEY_BYTES, KeyFileOpenToOthers, read_private_key_file,
-                                        strength_rule, weakness)
+from attention_dp.shared_secret import MAKE_ONE, MIN_KEY_BYTES, read_shared_secret, strength_rule, weakness
 from moe_runtime.errors import InvalidRequestError
 
 CONTROL_KEY_ENV = "MOE_RUNTIME_CONTROL_KEY"
@@ -62,21 +60,13 @@ class ControlKey:
     @classmethod
     def shared(cls, key_file: str | None = None) -> "ControlKey":
         """The operator's secret for ranks started elsewhere: --control-key-file, else $MOE_RUNTIME_CONTROL_KEY."""
-        if key_file:
-            try:
-                text = read_private_key_file(key_file, "--control-key-file")
-            except KeyFileOpenToOthers as exc:
-                raise ControlKeyError(str(exc)) from None
-            except OSError as exc:
-                raise ControlKeyError(f"--control-key-file {key_file}: cannot read it ({exc.strerror})") from exc
-            if not text:
-                raise ControlKeyError(f"--control-key-file {key_file} is empty ({HOW_TO_SET})")
-            return cls(text)
-        value = os.environ.get(CONTROL_KEY_ENV, "").strip()
-        if not value:
-            raise ControlKeyError(f"ranks started outside this process (--nnodes > 1, --node-rank, --external-workers, "
-                                  f"torchrun) authenticate with a shared control key, and none is set: {HOW_TO_SET}")
-        return cls(value.encode())
+        secret = read_shared_secret(
+            key_file, "--control-key-file", CONTROL_KEY_ENV, ControlKeyError,
+            f"ranks started outside this process (--nnodes > 1, --node-rank, --external-workers, torchrun) "
+            f"authenticate with a shared control key, and none is set: {HOW_TO_SET}")
+        if not secret:
+            raise ControlKeyError(f"--control-key-file {key_file} is empty ({HOW_TO_SET})")
+        return cls(secret)
 
     def curve_pair(self, role: bytes) -> CurveKeyPair:
         """The CURVE key pair of `role` (at most 16 bytes), derived from the secret: every holder of the

@@ -79,3 +79,20 @@ def read_private_key_file(path: str, option: str) -> bytes:
             return file.read().strip()
     finally:
         os.close(descriptor)
+
+
+def read_shared_secret(key_file: str | None, option: str, env: str, error: type[Exception], missing: str) -> bytes:
+    """A job's secret from the key file `key_file` (the command-line `option`), else from the environment
+    variable `env`, stripped; `error(...)` naming the file or the variable when it cannot be had (`missing`: what
+    to say when neither holds one). Its strength is the caller's to check (`weakness`)."""
+    if key_file:
+        try:
+            return read_private_key_file(key_file, option)
+        except KeyFileOpenToOthers as exc:
+            raise error(str(exc)) from None
+        except OSError as exc:
+            raise error(f"{option} {key_file}: cannot read it ({exc.strerror})") from exc
+    secret = os.environ.get(env, "").strip().encode()
+    if not secret:
+        raise error(missing)
+    return secret

@@ -64,9 +64,8 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch_and_order():
     reversed_batch = sampler(logits.flip(0), seqs[::-1]).token_ids[::-1]
     assert together == alone == reversed_batch
     # a longer sequence samples the next position: another draw (same logits, same seed)
-    longer = _sequence("r0", [1, 2, 3, 9], seed=1000)
     draws = {sampler(logits[:1], [_sequence("r0", [1, 2, 3] + [9] * n, seed=1000)]).token_ids[0] for n in range(20)}
-    assert len(draws) > 1 and longer.num_tokens == 4
+    assert len(draws) > 1
 
 
 def test_unseeded_requests_draw_independently():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -242,11 +243,12 @@ class AsyncEngine:
         try:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            prepare = (self.engine.prepare, request_id, stream.prompt_token_ids, params, export_kv, import_kv)
+            prepare = functools.partial(self.engine.prepare, request_id, stream.prompt_token_ids, params, export_kv,
+                                        import_kv)
             if len(prompt_token_ids) > self.config.offload_prompt_tokens:
-                admission = await asyncio.to_thread(*prepare)
+                admission = await asyncio.to_thread(prepare)
             else:
-                admission = prepare[0](*prepare[1:])
+                admission = prepare()
             self._check_alive()
             if request_id in self._streams:   # another submit of the same id got there while this one waited
                 raise ValueError(f"request id {request_id!r} is already in use")

@@ -125,14 +125,14 @@ class RankClient:
             while self._dead is None:
                 _, message = await self.control.receive_async()
                 if isinstance(message, WorkerFailed):
-                    await asyncio.to_thread(self._stop_after, self.job.root_cause, message)
+                    await asyncio.to_thread(self._stop_after_failure, message)
                     break
                 on_messages([message])
         except RankDisconnected:
             return  # _watch_ranks names the rank
         except Exception as exc:  # noqa: BLE001 - the front cannot go on without its ranks' messages
             logger.exception("control-plane reader failed")
-            self._stop_after(lambda _: f"the front lost its control plane: {exc}", None)
+            self._stop_after(f"the front lost its control plane: {exc}")
         on_lost(self._dead)
 
     async def _watch_ranks(self, on_lost) -> None:
@@ -151,13 +151,16 @@ class RankClient:
         rank = exited.result() if exited.done() else disconnected.result()
         await asyncio.sleep(DEATH_REPORT_GRACE_S)  # a rank that raised sends WorkerFailed just before exiting
         if self._dead is None:
-            await asyncio.to_thread(self._stop_after, self.job.describe_lost, rank)
+            await asyncio.to_thread(lambda: self._stop_after(self.job.describe_lost(rank)))
             on_lost(self._dead)
 
-    def _stop_after(self, describe, subject) -> None:
-        detail = subject.traceback if isinstance(subject, WorkerFailed) else ""
+    def _stop_after_failure(self, failed: WorkerFailed) -> None:
+        """A rank's WorkerFailed (naming the dead peer first can take a second: run in a thread)."""
+        self._stop_after(self.job.root_cause(failed), failed.traceback)
+
+    def _stop_after(self, reason: str, detail: str = "") -> None:
         try:
-            self._die(describe(subject), detail)
+            self._die(reason, detail)
         except EngineDeadError:
             pass
 

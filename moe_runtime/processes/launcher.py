@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from attention_dp.control_key import ControlKey
 from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected
@@ -74,11 +74,14 @@ class LaunchedJob:
     processes: dict[int, mp.Process]
     ready: dict[int, WorkerReady]
     rendezvous_dir: str | None
-    worker_ranks: dict[int, list[int]] = field(default_factory=dict)   # DP worker -> its ranks, in rank order
 
-    def __post_init__(self) -> None:
+    @property
+    def worker_ranks(self) -> dict[int, list[int]]:
+        """DP worker -> its ranks (every stage), in rank order."""
+        ranks: dict[int, list[int]] = {}
         for rank in sorted(self.ready):
-            self.worker_ranks.setdefault(self.ready[rank].dp_rank, []).append(rank)
+            ranks.setdefault(self.ready[rank].dp_rank, []).append(rank)
+        return ranks
 
     def kill(self) -> None:
         """Terminate the ranks this process spawned (then kill what does not exit within 5 s)."""
@@ -176,7 +179,6 @@ def launch_job(config: EngineConfig, world: int, transfer_key: TransferKey | Non
         control.close()
         job.remove_rendezvous()
         raise
-    job.__post_init__()
     return job
 
 

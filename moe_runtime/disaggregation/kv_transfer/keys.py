@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from dataclasses import dataclass
 
 from attention_dp.control_key import ControlKey, CurveKeyPair
-from attention_dp.shared_secret import MAKE_ONE, KeyFileOpenToOthers, read_private_key_file, strength_rule, weakness
+from attention_dp.shared_secret import MAKE_ONE, read_shared_secret, strength_rule, weakness
 from moe_runtime.errors import InvalidRequestError
 
 KV_KEY_ENV = "MOE_RUNTIME_KV_KEY"
@@ -53,19 +52,10 @@ class TransferKey:
     @classmethod
     def shared(cls, key_file: str | None = None) -> "TransferKey":
         """--kv-transfer-key-file, else $MOE_RUNTIME_KV_KEY; there is no default (an error says how to set one)."""
-        if key_file:
-            try:
-                secret = read_private_key_file(key_file, "--kv-transfer-key-file")
-            except KeyFileOpenToOthers as exc:
-                raise TransferKeyError(str(exc)) from None
-            except OSError as exc:
-                raise TransferKeyError(f"--kv-transfer-key-file {key_file}: cannot read it ({exc.strerror})") from exc
-            return cls.from_secret(secret)
-        secret = os.environ.get(KV_KEY_ENV, "").strip().encode()
-        if not secret:
-            raise TransferKeyError(f"--disaggregation-mode prefill|decode moves KV blocks between instances, which "
-                                   f"authenticate with a shared key, and none is set: {HOW_TO_SET}")
-        return cls.from_secret(secret)
+        return cls.from_secret(read_shared_secret(
+            key_file, "--kv-transfer-key-file", KV_KEY_ENV, TransferKeyError,
+            f"--disaggregation-mode prefill|decode moves KV blocks between instances, which authenticate with a "
+            f"shared key, and none is set: {HOW_TO_SET}"))
 
     def server_pair(self) -> CurveKeyPair:
         """The prefill side's sockets (KV block servers, the release listener) serve with this pair."""
