@@ -84,6 +84,10 @@ PARTS: tuple[PartSpec, ...] = (
     PartSpec("kernels", "bench.gpu_check.kernels:KernelsPart",
              "every Triton kernel vs its torch twin at DeepSeek-V3 shapes (bf16; routing also fp32)",
              gpu_budget_s=80, gpu_timeout_s=150, dry_budget_s=15, dry_timeout_s=60, triton_interpreter=True),
+    PartSpec("attention", "bench.gpu_check.attention_kernels:AttentionKernelsPart",
+             "varlen paged prefill and split-context decode (Triton; FlashInfer where it imports) vs the torch twins "
+             "at DeepSeek-V3 MLA / Llama GQA shapes, bf16, timed",
+             gpu_budget_s=60, gpu_timeout_s=150, dry_budget_s=15, dry_timeout_s=60, triton_interpreter=True),
     PartSpec("parity", "bench.gpu_check.models:ParityPart",
              "LLM(device=...) greedy tokens vs transformers on every tiny architecture: fp32 exact, bf16 close; ep=2",
              gpu_budget_s=100, gpu_timeout_s=170, dry_budget_s=60, dry_timeout_s=120),

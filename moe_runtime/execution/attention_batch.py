@@ -6,6 +6,8 @@ from typing import Protocol
 
 import torch
 
+from kernels.paged_prefill_attention import PagedPrefillBatch
+
 
 class KVWriter(Protocol):
     """Stores a step's new K/V when a rank computes only some of its tokens (context parallelism)."""
@@ -47,6 +49,7 @@ class AttentionBatch:
     # tensors are padded to a bucket, and the Python lists are left empty (a capture must not depend on them).
     static_decode: bool = False
     _splits: dict = field(default_factory=dict, repr=False)   # sliding window -> SingleQuerySplit (per step)
+    _prefills: dict = field(default_factory=dict, repr=False)  # seqs -> (rows, PagedPrefillBatch) (per step)
 
     @property
     def num_seqs(self) -> int:
@@ -73,6 +76,24 @@ class AttentionBatch:
                 single, multi, single_rows, multi_rows, self.block_tables.index_select(0, index),
                 self.context_lens_tensor.index_select(0, index))
         return self._splits[sliding_window]
+
+    def prefill_batch(self, seqs: list[int] | None = None) -> tuple[torch.Tensor | None, PagedPrefillBatch]:
+        """The varlen prefill kernel's input for sequences `seqs` (default all): their token rows ([M] int64,
+        None for all rows in order) and their cu_seqlens, block tables and context lengths. Built once per
+        step and selection, shared by every layer."""
+        key = None if seqs is None else tuple(seqs)
+        if key not in self._prefills:
+            chosen = range(self.num_seqs) if seqs is None else seqs
+            device = self.slot_mapping.device
+            rows = None
+            tables = self.block_tables
+            if seqs is not None:
+                rows = torch.tensor([r for b in seqs for r in range(self.query_start[b], self.query_start[b + 1])],
+                                    dtype=torch.long, device=device)
+                tables = self.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.long, device=device))
+            self._prefills[key] = rows, PagedPrefillBatch.build(
+                [self.query_lens[b] for b in chosen], [self.context_lens[b] for b in chosen], tables, self.block_size)
+        return self._prefills[key]
 
     def write_kv(self, cache, keys: torch.Tensor, values: torch.Tensor | None = None) -> None:
         """Store this step's new keys [T, h, dk] (and values) in `cache`; under context parallelism the

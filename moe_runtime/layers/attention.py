@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_runtime.execution.attention_batch import AttentionBatch
-from moe_runtime.layers.attention_ops import split_attention, varlen_causal_attention
+from moe_runtime.layers.attention_backend import attention_kernels_for
+from moe_runtime.layers.attention_ops import paged_varlen_attention, split_attention, varlen_causal_attention
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
@@ -117,7 +118,7 @@ class Attention(nn.Module):
                                                 (h.kv_start + h.num_kv_heads) * d, s.norm_eps, tp_group, dtype, device)
         self.rotary = rotary
         self.scale = d ** -0.5
-        self._kernels = kernels
+        self._attention = attention_kernels_for(kernels, torch.device(device if device is not None else "cpu"))
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(self.heads.num_kv_heads, self.shape.head_dim, self.shape.head_dim, self.heads.kv_start,
@@ -142,10 +143,13 @@ class Attention(nn.Module):
             out = q.new_zeros(0, h.num_heads, s.head_dim)
         else:
             def single(rows, block_tables, context_lens):   # one new token per sequence: the paged kernel
-                return self._kernels.paged_decode_attention(
+                return self._attention.decode(
                     q if rows is None else q[rows], cache.keys, cache.values, block_tables, context_lens, self.scale)
 
             def varlen(seqs):                                # prefills and chunks, with their cached context
+                if self._attention.prefill is not None:      # one varlen launch over the paged cache (GPU)
+                    return paged_varlen_attention(q, batch, self._attention.prefill, cache.keys, cache.values,
+                                                  self.scale, s.sliding_window, seqs)
                 return varlen_causal_attention(q, batch, lambda seq: cache.gather(batch.context_slots(seq)),
                                                self.scale, s.sliding_window, seqs)
 

@@ -1,5 +1,6 @@
-"""Attention over a varlen batch whose context lives in the paged KV cache (torch path), and the split of
-a mixed batch (decodes next to prefill chunks) between the paged decode kernel and that path."""
+"""Attention over a varlen batch whose context lives in the paged KV cache (the torch path, a loop over
+sequences, and the one-launch varlen kernel of the attention backend), and the split of a mixed batch
+(decodes next to prefill chunks) between the paged decode kernel and that path."""
 from __future__ import annotations
 
 from typing import Callable
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from kernels.prefix_causal_attention import prefix_causal_attention
 from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_backend import PrefillAttention
 
 KVFetcher = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # seq -> (keys [S, Hkv, D], values [S, Hkv, Dv])
 # (token rows or None for all, block tables [S, max_blocks], context lens [S]) -> out [S, Hq, Dv]
@@ -50,6 +52,25 @@ def varlen_causal_attention(
     if not outputs:
         return q.new_zeros(0, q.shape[1], 0)
     return torch.cat(outputs, dim=0)
+
+
+def paged_varlen_attention(
+    q: torch.Tensor,             # [T, Hq, D]: every new row of the step
+    batch: AttentionBatch,
+    prefill: PrefillAttention,
+    k_cache: torch.Tensor,       # [blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,       # [blocks, block_size, Hkv, Dv]
+    scale: float,
+    sliding_window: int | None = None,
+    seqs: list[int] | None = None,
+    rows_selected: bool = False,
+) -> torch.Tensor:               # [rows of `seqs`, Hq, Dv]
+    """`varlen_causal_attention`'s result from one varlen kernel launch over the paged cache. `rows_selected`:
+    q holds only the rows of `seqs` already (MLA absorbs the queries of those rows only)."""
+    rows, prefill_batch = batch.prefill_batch(seqs)
+    if rows is not None and not rows_selected:
+        q = q[rows]
+    return prefill(q, k_cache, v_cache, prefill_batch, scale, sliding_window)
 
 
 def split_attention(batch: AttentionBatch, sliding_window: int | None, single: SingleQueryAttention,

@@ -1,8 +1,13 @@
 """Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of compressed latents.
 
 The cache holds, per token, one "head" of [kv_lora_rank latent | qk_rope_head_dim rotated key].
-Prefill expands the latents with kv_b_proj; decode absorbs kv_b_proj into the query and the
-output (attention runs in the latent space, MQA with 1 KV head), the layout DeepSeek serves with.
+Decode absorbs kv_b_proj into the query and the output (attention runs in the latent space, MQA with 1
+KV head), the layout DeepSeek serves with. Prefill on the torch path expands the latents with kv_b_proj
+(per-sequence SDPA over [S, heads, 192] keys); where the attention backend has a varlen kernel (Triton,
+FlashInfer on a GPU) prefill is absorbed too: one launch over the paged latent cache for every chunk of the
+step, prefix included, with no expansion of the cached context (at 128 heads the expansion writes 64 KiB
+per context token and layer; the absorbed scores cost 576 + 512 instead of 192 + 128 multiply-adds per
+query, key and head, which a long fresh prompt pays and a chunk over a long prefix saves).
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ import torch
 from torch import nn
 
 from moe_runtime.execution.attention_batch import AttentionBatch
-from moe_runtime.layers.attention_ops import split_attention, varlen_causal_attention
+from moe_runtime.layers.attention_backend import attention_kernels_for
+from moe_runtime.layers.attention_ops import paged_varlen_attention, split_attention, varlen_causal_attention
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
@@ -84,7 +90,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, s.attention_bias, dtype, device, o_cols, quant)
         self.rotary = rotary
         self.scale = scale
-        self._kernels = kernels
+        self._attention = attention_kernels_for(kernels, torch.device(device if device is not None else "cpu"))
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(1, self.shape.kv_lora_rank + self.shape.qk_rope_head_dim, None)
@@ -120,7 +126,9 @@ class MultiHeadLatentAttention(nn.Module):
                     return self._decode_absorbed(q_nope[rows], q_pe[rows], block_tables, context_lens, cache)
                 return self._decode_absorbed(q_nope, q_pe, block_tables, context_lens, cache)
 
-            def varlen(seqs):                                # prefills and chunks: latents expanded per head
+            def varlen(seqs):                                # prefills and chunks
+                if self._attention.prefill is not None:      # absorbed, one varlen launch over the latent cache
+                    return self._prefill_absorbed(q_nope, q_pe, batch, cache, seqs)
                 return self._prefill_expanded(torch.cat([q_nope, q_pe], dim=-1), batch, cache, seqs)
 
             out = split_attention(batch, None, single, varlen)               # [T, h, v]
@@ -157,14 +165,27 @@ class MultiHeadLatentAttention(nn.Module):
 
         return varlen_causal_attention(q, batch, fetch, self.scale, seqs=seqs)
 
-    def _decode_absorbed(self, q_nope, q_pe, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                         cache: LayerKVCache) -> torch.Tensor:   # q_nope [S, h, nope], q_pe [S, h, rope]
-        s = self.shape
+    def _absorbed(self, q_nope, q_pe, attend) -> torch.Tensor:   # q_nope [T, h, nope], q_pe [T, h, rope]
+        """Attention in the latent space: W_UK folded into the queries, W_UV applied to the latent output.
+        `attend(q_full [T, h, L + rope], latent_values [NB, BS, 1, L] view) -> [T, h, L]`."""
         w_uk, w_uv = self._kv_b_split()
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)                     # [T, h, L]
         q_full = torch.cat([q_latent, q_pe], dim=-1)                              # [T, h, L + rope]
-        latent_values = cache.keys[..., : s.kv_lora_rank]                         # [NB, BS, 1, L] view
-        out_latent = self._kernels.paged_decode_attention(
-            q_full, cache.keys, latent_values, block_tables, context_lens, self.scale
-        )                                                                         # [S, h, L]
+        out_latent = attend(q_full)                                               # [T, h, L]
         return torch.einsum("thl,hvl->thv", out_latent, w_uv)                     # [T, h, v]
+
+    def _decode_absorbed(self, q_nope, q_pe, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                         cache: LayerKVCache) -> torch.Tensor:   # q_nope [S, h, nope], q_pe [S, h, rope]
+        latent_values = cache.keys[..., : self.shape.kv_lora_rank]                # [NB, BS, 1, L] view
+        return self._absorbed(q_nope, q_pe, lambda q_full: self._attention.decode(
+            q_full, cache.keys, latent_values, block_tables, context_lens, self.scale))
+
+    def _prefill_absorbed(self, q_nope, q_pe, batch: AttentionBatch, cache: LayerKVCache,
+                          seqs: list[int] | None) -> torch.Tensor:   # q_nope [T, h, nope] -> [rows of seqs, h, v]
+        rows, _ = batch.prefill_batch(seqs)
+        if rows is not None:
+            q_nope, q_pe = q_nope[rows], q_pe[rows]
+        latent_values = cache.keys[..., : self.shape.kv_lora_rank]                # [NB, BS, 1, L] view
+        return self._absorbed(q_nope, q_pe, lambda q_full: paged_varlen_attention(
+            q_full, batch, self._attention.prefill, cache.keys, latent_values, self.scale, seqs=seqs,
+            rows_selected=True))

@@ -1,0 +1,100 @@
+"""Which kernels serve attention over the paged cache: decode (one new token per sequence) and varlen
+prefill (all of a step's chunks in one launch), chosen once per kernel family and device.
+
+- **FlashInfer** on CUDA when `flashinfer` imports (`pip install moe-runtime[gpu]`) and the Triton family
+  runs: for fp16 / bf16 with head dims it is built for (GQA 64/128/256; MLA 512 + 64), eager steps only;
+  any other call takes the Triton kernels below. Not yet run on a GPU (kernels/flashinfer_attention.py).
+- **Triton** (the family `get_kernels` picks on CUDA, or in the interpreter for tests): the split-context
+  decode kernel and the varlen prefill kernel (kernels/triton_impl/).
+- **torch** (CPU, and the fallback): the family's paged decode kernel and `prefill=None`, which sends
+  prefills through the per-sequence path in attention_ops.py (the CPU flash kernel, a loop per sequence).
+
+`MOE_ATTENTION_BACKEND` (flashinfer / triton / torch) overrides "auto" for comparisons on a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels.flashinfer_attention import FlashInferAttention, import_flashinfer
+from kernels.kernel_set_type import KernelSet
+
+logger = logging.getLogger(__name__)
+BACKEND_ENV = "MOE_ATTENTION_BACKEND"
+BACKENDS = ("flashinfer", "triton", "torch")
+
+# (q [S, Hq, D], k_cache, v_cache, block_tables [S, W], context_lens [S], scale) -> [S, Hq, Dv]
+DecodeAttention = Callable[..., torch.Tensor]
+# (q [T, Hq, D], k_cache, v_cache, PagedPrefillBatch, scale, sliding_window) -> [T, Hq, Dv]
+PrefillAttention = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    name: str
+    decode: DecodeAttention
+    prefill: PrefillAttention | None      # None: the torch per-sequence path (attention_ops.varlen_causal_attention)
+
+
+@dataclass(frozen=True)
+class FlashInferFirst:
+    """FlashInfer where it `supports` the call, else the Triton kernel with the same signature."""
+
+    flashinfer: FlashInferAttention
+    triton_decode: DecodeAttention
+    triton_prefill: PrefillAttention
+
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        if self.flashinfer.supports(q, k_cache, v_cache):
+            return self.flashinfer.decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return self.triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+    def prefill(self, q, k_cache, v_cache, batch, scale, sliding_window=None):
+        mla_window = sliding_window is not None and k_cache.shape[2] == 1 and v_cache.data_ptr() == k_cache.data_ptr()
+        if self.flashinfer.supports(q, k_cache, v_cache) and not mla_window:
+            return self.flashinfer.prefill(q, k_cache, v_cache, batch, scale, sliding_window)
+        return self.triton_prefill(q, k_cache, v_cache, batch, scale, sliding_window)
+
+
+def triton_prefill_kernel() -> PrefillAttention:
+    from kernels.triton_impl.paged_prefill_attention import paged_prefill_attention   # imports triton: only here
+
+    return paged_prefill_attention
+
+
+def _requested() -> str:
+    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if choice not in BACKENDS + ("auto",):
+        raise ValueError(f"{BACKEND_ENV}={choice!r} is not one of {BACKENDS + ('auto',)}")
+    return choice
+
+
+@functools.lru_cache(maxsize=None)
+def attention_kernels(kernels: KernelSet, device_type: str, device_index: int | None = None) -> AttentionKernels:
+    """The attention kernels for a kernel family on a device (one instance per pair: FlashInfer's workspace
+    and plans are shared by all layers)."""
+    choice = _requested()
+    torch_path = AttentionKernels("torch", kernels.paged_decode_attention, None)
+    if choice == "torch" or kernels.name != "triton":
+        return torch_path
+    triton_path = AttentionKernels("triton", kernels.paged_decode_attention, triton_prefill_kernel())
+    if choice == "triton" or device_type != "cuda":
+        return triton_path
+    module = import_flashinfer()
+    if module is None:
+        if choice == "flashinfer":
+            raise RuntimeError(f"{BACKEND_ENV}=flashinfer but flashinfer does not import (pip install moe-runtime[gpu])")
+        return triton_path
+    device = torch.device(device_type, device_index)
+    first = FlashInferFirst(FlashInferAttention(module, device), triton_path.decode, triton_path.prefill)
+    logger.info("attention: FlashInfer on %s where it supports the shapes, Triton otherwise", device)
+    return AttentionKernels("flashinfer", first.decode, first.prefill)
+
+
+def attention_kernels_for(kernels: KernelSet, device: torch.device) -> AttentionKernels:
+    return attention_kernels(kernels, device.type, device.index)
