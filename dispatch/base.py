@@ -105,6 +105,11 @@ class Dispatcher(abc.ABC):
         """Upper bound on T per dispatch call, or None when unbounded."""
         return None
 
+    def begin_step(self) -> None:
+        """Called before every step this dispatcher serves, outside any captured graph: a backend that shares
+        state with another phase's dispatcher (DeepEP's one buffer for both modes) makes it ready here."""
+        return None
+
     def supports_async(self) -> bool:
         """Whether `dispatch_start` / `combine_start` return while their transfer is still in flight, so
         that the caller's compute overlaps it. False: they return a `Ready` result (the same calls

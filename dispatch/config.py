@@ -23,7 +23,8 @@ class DispatchConfig:
     phase: str | None = None         # "prefill" | "decode" | None (mixed / unknown)
     max_tokens_per_rank: int | None = None  # bound on T per call; required for deepep low-latency
     send_once: bool = True           # all_to_all: send a token once per destination rank
-    deepep_buffer_cls: type | None = None   # stand-in for deep_ep.Buffer (tests); None = real one
+    deepep_module: str = "deep_ep"          # the module whose `Buffer` is DeepEP's (a fork, or the tests' emulation)
+    deepep_buffer_cls: type | None = None   # a `Buffer` class given directly (tests); None: deepep_module's
     # Dispatch (tokens -> experts) sends FP8 values + per-128-column float32 scales instead of
     # `dtype`; recv_x is dequantized to `dtype` on arrival, combine stays in `dtype`. Meant for GPU
     # interconnects (about half bf16's bytes); 'local' ignores it. See dispatch/activation_wire.py.

@@ -25,46 +25,51 @@ DeepEP places experts by its own rule (expert e on rank e // experts_per_rank as
 e % experts_per_rank): the `SlotLayout` given must be that contiguous one (`load_balancer.SlotGeometry`
 is).
 
-`deep_ep` is imported only when a dispatcher is built without an injected buffer class, so
-`import dispatch` never needs it. Tests inject a stand-in with DeepEP's documented return layout
-(`DispatchConfig.deepep_buffer_cls`; the stand-in, a CPU emulation on gloo, lives with the tests:
-tests/deepep_emulation.py).
+Both modes of a rank share one buffer (dispatch/deepep_buffer.py); the dispatcher enters its mode before
+each step (`begin_step`), which cleans the low-latency memory after normal-mode use. What DeepEP accepts
+(bf16 rows, the low-latency hidden sizes) is checked before a buffer is made (dispatch/deepep_preconditions.py).
+
+`deep_ep` is imported only when a DeepEP dispatcher is built, so `import dispatch` never needs it. Another
+module with DeepEP's `Buffer` API can stand in for it (`DispatchConfig.deepep_module`, `--deepep-module`):
+a fork or a drop-in implementation, or, in the tests, a CPU emulation on gloo with DeepEP's documented
+return layouts (tests/deepep_emulation.py), which also reaches rank processes that way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
 import torch
 
-from dispatch.base import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchOutput, DispatchStats,
-                           Dispatcher)
+from dispatch.base import LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchOutput, Dispatcher
+from dispatch.deepep_buffer import SharedDeepEPBuffer
+from dispatch.deepep_preconditions import MODE_LOW_LATENCY, MODE_NORMAL, deepep_refusal
 from dispatch.fp8_activations import GROUP_SIZE, Fp8Activations, dequantize, quantize_token_groups
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
 from dispatch.slots import SlotLayout, check_dispatch_inputs
 
-MODE_NORMAL = "normal"
-MODE_LOW_LATENCY = "low_latency"
+
+DEFAULT_DEEPEP_MODULE = "deep_ep"
 
 
-def import_deep_ep_buffer() -> type:
-    """`deep_ep.Buffer`, with an error that says what to install when it is missing."""
+def import_deep_ep_buffer(module: str = DEFAULT_DEEPEP_MODULE) -> type:
+    """`<module>.Buffer` (DeepEP's), with an error that says what to install when it is missing."""
     try:
-        from deep_ep import Buffer
-    except ImportError as err:
-        raise ImportError("dispatch backend 'deepep' needs the deep_ep package (DeepEP, "
+        return importlib.import_module(module).Buffer
+    except (ImportError, AttributeError) as err:
+        raise ImportError(f"dispatch backend 'deepep' needs the {module} package's Buffer (DeepEP, "
                           "https://github.com/deepseek-ai/DeepEP); install it or pick "
                           "backend 'all_to_all'") from err
-    return Buffer
 
 
 @functools.cache
-def deep_ep_importable() -> bool:
-    """Whether `deep_ep` imports, asked once per process ('auto' asks it for every dispatcher it resolves, and
+def deep_ep_importable(module: str = DEFAULT_DEEPEP_MODULE) -> bool:
+    """Whether DeepEP imports, asked once per process ('auto' asks it for every dispatcher it resolves, and
     a failed import is not cheap: 0.3 ms each, twice per step before this was cached)."""
     try:
-        import_deep_ep_buffer()
+        import_deep_ep_buffer(module)
     except ImportError:
         return False
     return True
@@ -85,42 +90,33 @@ class _LowLatencyHandle:
 
 
 class DeepEPDispatcher(Dispatcher):
-    def __init__(self, slots: SlotLayout, group, hidden_size: int, dtype: torch.dtype,
-                 mode: str = MODE_NORMAL, max_tokens_per_rank: int | None = None,
-                 buffer_cls: type | None = None, fp8_activations: bool = False):
+    """`buffer`: the rank's DeepEP buffer, shared with its other mode's dispatcher (sized for this mode)."""
+
+    def __init__(self, slots: SlotLayout, buffer: SharedDeepEPBuffer, hidden_size: int, dtype: torch.dtype,
+                 mode: str = MODE_NORMAL, max_tokens_per_rank: int | None = None, fp8_activations: bool = False):
         if mode not in (MODE_NORMAL, MODE_LOW_LATENCY):
             raise ValueError(f"DeepEPDispatcher mode {mode!r} is not 'normal' or 'low_latency'")
         if mode == MODE_LOW_LATENCY and max_tokens_per_rank is None:
             raise ValueError("DeepEPDispatcher low_latency mode needs max_tokens_per_rank "
                              "(DispatchConfig.max_tokens_per_rank)")
+        refusal = deepep_refusal(mode, dtype, hidden_size)
+        if refusal is not None:
+            raise ValueError(f"DeepEPDispatcher ({mode} mode) cannot run: {refusal}")
         refusal = self.fp8_activations_refusal(hidden_size) if fp8_activations else None
         if refusal is not None:
             raise ValueError(f"DeepEPDispatcher cannot send FP8 activations: {refusal}")
+        if mode not in buffer.modes:
+            raise ValueError(f"DeepEPDispatcher {mode} mode: the shared buffer was sized for {sorted(buffer.modes)}")
         self.slots = slots
-        self.group = group
         self.hidden_size = hidden_size
         self.mode = mode
         self._max_tokens = max_tokens_per_rank
         self.fp8_activations = fp8_activations
-        buffer_cls = buffer_cls if buffer_cls is not None else import_deep_ep_buffer()
-        self.buffer = self._make_buffer(buffer_cls, hidden_size * dtype.itemsize)
+        self.shared = buffer
+        self.buffer = buffer.buffer
 
-    def _make_buffer(self, buffer_cls: type, hidden_bytes: int):
-        num_ranks = self.slots.num_ranks
-        if self.mode == MODE_NORMAL:
-            num_nvl_bytes = num_rdma_bytes = 0
-            for config in (buffer_cls.get_dispatch_config(num_ranks),
-                           buffer_cls.get_combine_config(num_ranks)):
-                num_nvl_bytes = max(num_nvl_bytes,
-                                    config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
-                num_rdma_bytes = max(num_rdma_bytes,
-                                     config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
-            return buffer_cls(self.group, num_nvl_bytes, num_rdma_bytes)
-        num_rdma_bytes = buffer_cls.get_low_latency_rdma_size_hint(
-            self._max_tokens, self.hidden_size, num_ranks, self.slots.num_slots)
-        # DeepEP's low-latency mode wants one queue pair per local expert.
-        return buffer_cls(self.group, 0, num_rdma_bytes, low_latency_mode=True,
-                          num_qps_per_rank=self.slots.slots_per_rank)
+    def begin_step(self) -> None:
+        self.shared.enter(self.mode)
 
     def layout(self) -> str:
         return LAYOUT_CONTIGUOUS if self.mode == MODE_NORMAL else LAYOUT_MASKED
@@ -140,8 +136,9 @@ class DeepEPDispatcher(Dispatcher):
         return None
 
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
-        check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size)
-        self._stats = DispatchStats(pairs_routed=int((slot_ids >= 0).sum()))
+        check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size,
+                              check_values=self.mode == MODE_NORMAL)   # low latency: no host read
+        self.shared.enter(self.mode)   # no traffic counted (`last_stats` None): counting would read the device
         weights = weights.to(torch.float32)
         if self.mode == MODE_NORMAL:
             return self._dispatch_normal(x, slot_ids, weights)

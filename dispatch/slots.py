@@ -36,8 +36,13 @@ class SlotLayout(Protocol):
 
 
 def check_dispatch_inputs(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
-                          num_slots: int, hidden_size: int | None = None) -> None:
-    """Raise ValueError naming the offending tensor when the inputs break the contract."""
+                          num_slots: int, hidden_size: int | None = None, check_values: bool = True) -> None:
+    """Raise ValueError naming the offending tensor when the inputs break the contract.
+
+    `check_values=False` checks shapes and dtypes only (host metadata): the range of the slot ids is a value on
+    the device, and reading it would stall a GPU decode step. DeepEP's low-latency path skips it: its slot
+    ids come from the replica tables (load_balancer/replica_choice.py), in range by construction, and the
+    backends that read the device anyway (their split sizes) keep the check."""
     if x.dim() != 2:
         raise ValueError(f"dispatch: x must be [T, H], got shape {tuple(x.shape)}")
     if hidden_size is not None and x.shape[1] != hidden_size:
@@ -53,6 +58,6 @@ def check_dispatch_inputs(x: torch.Tensor, slot_ids: torch.Tensor, weights: torc
                          f"{tuple(slot_ids.shape)}, got {tuple(weights.shape)}")
     if not weights.is_floating_point():
         raise ValueError(f"dispatch: weights must be floating point, got {weights.dtype}")
-    if slot_ids.numel() and int(slot_ids.max()) >= num_slots:
+    if check_values and slot_ids.numel() and int(slot_ids.max()) >= num_slots:
         raise ValueError(f"dispatch: slot_ids holds slot {int(slot_ids.max())}, but there are "
                          f"only num_slots={num_slots} physical slots")

@@ -55,6 +55,14 @@ def check_masked_counts(x: torch.Tensor, counts: torch.Tensor, num_experts: int)
     return max_count
 
 
+def check_masked_layout(x: torch.Tensor, counts: torch.Tensor, num_experts: int) -> None:
+    """Validate the shapes of the masked layout x [E, M, H] and counts [E]; the counts' values stay on the device."""
+    if x.dim() != 3 or x.shape[0] != num_experts:
+        raise ValueError(f"x must be [E={num_experts}, M, H], got shape {tuple(x.shape)}")
+    if counts.shape != (num_experts,):
+        raise ValueError(f"counts must be [E={num_experts}], got shape {tuple(counts.shape)}")
+
+
 def busy_segments(counts: torch.Tensor, ends: torch.Tensor) -> list[ExpertSegment]:
     """One segment per expert that received rows: idle experts cost nothing (no weight is touched)."""
     busy = torch.nonzero(counts).flatten()                                 # experts that received rows
@@ -146,12 +154,11 @@ def masked_expert_mlp(
     w13: torch.Tensor,        # [E, 2I, H]
     w2: torch.Tensor,         # [E, H, I]
 ) -> torch.Tensor:            # [E, M, H], rows past counts[e] are zero
+    """The masked layout at its fixed capacity, as DeepEP's low-latency API is meant to be used: every expert
+    computes all M rows (two batched matmuls) and the rows past its count are zeroed on the device. Nothing
+    is read back: no segment sizes, no busiest count. It is the decode path of a low-latency dispatcher, whose
+    M (max_tokens_per_rank x ranks) is small; the rows past a count may hold NaN, which `where` drops."""
     check_expert_weights(x.shape[-1], w13, w2)
-    max_count = check_masked_counts(x, counts, w13.shape[0])
-    out = torch.zeros(x.shape[0], x.shape[1], w2.shape[1], dtype=x.dtype, device=x.device)  # [E, M, H]
-    if padded_layout_wins(counts, max_count):
-        masked_through_padded(out, x, counts, max_count, lambda padded: swiglu_padded(padded, w13, w2))
-        return out
-    for seg in masked_segments(counts):
-        swiglu_expert(x[seg.expert, :seg.end], w13[seg.expert], w2[seg.expert], out[seg.expert, :seg.end])
-    return out
+    check_masked_layout(x, counts, w13.shape[0])
+    valid = torch.arange(x.shape[1], device=x.device) < counts.unsqueeze(1)           # [E, M]
+    return torch.where(valid.unsqueeze(-1), swiglu_padded(x, w13, w2), 0.0)           # [E, M, H]

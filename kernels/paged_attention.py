@@ -44,13 +44,9 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     if batch == 0:
         return q.new_zeros(0, num_q_heads, v_dim)
-    if torch.compiler.is_compiling():
-        # A captured decode step (moe_runtime/execution/decode_capture.py) cannot read the longest context off the device;
-        # its block tables are cut to the bucket's width, and every column is attended (masked past each length).
-        num_blocks = block_tables.shape[1]
-    else:
-        max_len = int(context_lens.max())
-        num_blocks = (max_len + block_size - 1) // block_size
+    # Every column of the table is attended (masked past each length): reading the longest context off the device
+    # would stall a GPU and break a captured step, and the caller cuts the table to its sequences' widest context.
+    num_blocks = block_tables.shape[1]
     length = num_blocks * block_size
     tables = block_tables[:, :num_blocks].long().clamp(min=0).reshape(-1)           # [B * nb]
     # Gather head-major ([Hkv, B*nb, bs, D] is [Hkv*B, L, D] contiguous): the score and value

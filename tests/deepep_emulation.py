@@ -26,9 +26,20 @@ can be held against the dispatch contract on gloo without GPUs:
 - `low_latency_combine(x [E_local, max * R, H], topk_idx, topk_weights, handle)` ->
   (combined_x [T, H] weighted sum, event, hook)
 
+It holds its callers to DeepEP's rules (dispatch/deepep_preconditions.py), so a configuration the
+real kernels would refuse fails here too: bfloat16 rows only (or an FP8 pair), the low-latency hidden
+sizes DeepEP compiles, a low-latency call only on a buffer made with `low_latency_mode=True` and only
+after `clean_low_latency_buffer` once normal-mode traffic has used it, normal calls only on a buffer with
+NVLink bytes. `instances` counts the buffers each process made (one per rank is the rule).
+
+Each call runs under `opaque_device_kernel()`: it stands for one DeepEP kernel, which counts on the
+device, so its own host reads (the emulation's, on gloo) are not the step's.
+
 Not emulated: round_scale / UE8M0 scales, LogFMT combine, cached-handle dispatch, internode
-RDMA, async events, hooks' overlap. Hidden sizes are not limited to DeepEP's compiled list.
-Its handles are its own (opaque to callers, as DeepEP's are).
+RDMA, async events, hooks' overlap. Its handles are its own (opaque to callers, as DeepEP's are).
+
+The module's `Buffer` is the emulation, so `EngineConfig(deepep_module="deepep_emulation")` reaches rank
+processes with it.
 """
 
 from __future__ import annotations
@@ -40,7 +51,9 @@ import torch.distributed as dist
 
 from dispatch.collectives import (ColumnSpec, all_to_all_rows, exchange_counts, pack_rows,
                                   unpack_rows)
+from dispatch.deepep_preconditions import DEEPEP_DTYPE, MODE_LOW_LATENCY, MODE_NORMAL, deepep_refusal
 from dispatch.fp8_activations import FP8_DTYPE, GROUP_SIZE, quantize_token_groups
+from moe_runtime.execution.host_reads import opaque_device_kernel
 
 
 class EmulatedEvent:
@@ -51,13 +64,35 @@ class EmulatedEvent:
 
 
 class _SizeHintConfig:
-    """Stands in for deep_ep.Config's buffer-size hints (the emulation needs no buffers)."""
+    """Stands in for deep_ep.Config's buffer-size hints (the emulation allocates nothing; the sizes say which
+    modes a buffer was made for)."""
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return 0
+        return hidden_bytes * num_ranks * 4096
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return 0
+        return 0 if num_ranks <= 8 else hidden_bytes * num_ranks * 4096
+
+
+def _emulated_kernel(method):
+    """A DeepEP call: one device kernel, unseen by host-read counting."""
+    def call(self, *args, **kwargs):
+        with opaque_device_kernel():
+            return method(self, *args, **kwargs)
+    call.__name__, call.__doc__ = method.__name__, method.__doc__
+    return call
+
+
+class DeepEPRuleBroken(RuntimeError):
+    """What DeepEP's host assertions would stop (the emulation says which rule)."""
+
+
+def _check_rows(x, mode: str) -> None:
+    if isinstance(x, tuple):            # an FP8 pair: its values were quantized from bf16
+        return
+    refusal = deepep_refusal(mode, x.dtype, x.shape[-1])
+    if refusal is not None:
+        raise DeepEPRuleBroken(f"EmulatedDeepEPBuffer ({mode}): {refusal}")
 
 
 @dataclasses.dataclass
@@ -81,9 +116,12 @@ class _LowLatencyHandle:
 
 class EmulatedDeepEPBuffer:
     num_sms: int = 20
+    instances: int = 0          # buffers made in this process
 
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 12, **_ignored):
+        EmulatedDeepEPBuffer.instances += 1
+        self.low_latency_memory_dirty = False
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
@@ -103,9 +141,27 @@ class EmulatedDeepEPBuffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
-        return 0
+        return 2 * num_max_dispatch_tokens_per_rank * hidden * DEEPEP_DTYPE.itemsize * num_experts
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        self.low_latency_memory_dirty = False
+
+    def _normal_call(self) -> None:
+        if self.num_nvl_bytes <= 0:
+            raise DeepEPRuleBroken("EmulatedDeepEPBuffer: a normal-mode call on a buffer made without NVLink bytes")
+        self.low_latency_memory_dirty = True
+
+    def _low_latency_call(self) -> None:
+        if not self.low_latency_mode or self.num_rdma_bytes <= 0:
+            raise DeepEPRuleBroken("EmulatedDeepEPBuffer: a low-latency call on a buffer made without "
+                                   "low_latency_mode=True and RDMA bytes")
+        if self.low_latency_memory_dirty:
+            raise DeepEPRuleBroken("EmulatedDeepEPBuffer: a low-latency call after normal-mode traffic without "
+                                   "clean_low_latency_buffer (DeepEP's kernels expect that memory zeroed)")
 
     # ---------------------------------------------------------------- normal (throughput) mode
+    @_emulated_kernel
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event=None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
@@ -119,6 +175,7 @@ class EmulatedDeepEPBuffer:
         return (num_tokens_per_rank, None, num_tokens_per_expert.to(torch.int32),
                 is_token_in_rank, EmulatedEvent())
 
+    @_emulated_kernel
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
                  topk_weights=None, expert_alignment: int = 1, config=None,
@@ -126,6 +183,8 @@ class EmulatedDeepEPBuffer:
                  allocate_on_comm_stream: bool = False):
         if handle is not None:
             raise NotImplementedError("EmulatedDeepEPBuffer: cached-handle dispatch")
+        self._normal_call()
+        _check_rows(x, MODE_NORMAL)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         if x_scales is not None:
             _check_fp8_rows(x, x_scales)
@@ -161,10 +220,13 @@ class EmulatedDeepEPBuffer:
         return (recv_x, recv_topk_idx, recv_topk_weights, aligned.tolist(), handle,
                 EmulatedEvent())
 
+    @_emulated_kernel
     def combine(self, x, handle: _NormalHandle, topk_weights=None, config=None,
                 previous_event=None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
         """Sums (without weights) the rows each rank sends back for a token."""
+        self._normal_call()
+        _check_rows(x, MODE_NORMAL)
         returned = all_to_all_rows(x, handle.recv_splits, handle.send_splits, self.group)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         combined = torch.zeros(handle.num_tokens, x.shape[1], dtype=acc_dtype, device=x.device)
@@ -179,6 +241,7 @@ class EmulatedDeepEPBuffer:
         return combined.to(x.dtype), combined_weights, EmulatedEvent()
 
     # ---------------------------------------------------------------- low-latency mode
+    @_emulated_kernel
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats=None,
                              dispatch_wait_recv_cost_stats=None, use_fp8: bool = True,
@@ -187,6 +250,8 @@ class EmulatedDeepEPBuffer:
                              **_ignored):
         if round_scale or use_ue8m0:
             raise NotImplementedError("EmulatedDeepEPBuffer: round_scale / UE8M0 FP8 scales")
+        self._low_latency_call()
+        _check_rows(x, MODE_LOW_LATENCY)
         if use_fp8 and x.shape[1] % GROUP_SIZE:
             raise ValueError(f"EmulatedDeepEPBuffer: FP8 low-latency dispatch needs hidden "
                              f"divisible by {GROUP_SIZE}, got {x.shape[1]}")
@@ -238,10 +303,13 @@ class EmulatedDeepEPBuffer:
         recv_x = tuple(packed) if use_fp8 else packed[0]
         return recv_x, recv_count.to(torch.int32), handle, EmulatedEvent(), hook
 
+    @_emulated_kernel
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: _LowLatencyHandle,
                             zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out=None, **_ignored):
         """Sends each pair's expert output home and reduces it there with its top-k weight."""
+        self._low_latency_call()
+        _check_rows(x, MODE_LOW_LATENCY)
         rows = x[handle.recv_expert, handle.recv_position]                          # [Pr, H]
         returned = all_to_all_rows(rows, handle.recv_splits, handle.send_splits, self.group)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -266,3 +334,6 @@ def _check_fp8_rows(values: torch.Tensor, scales: torch.Tensor) -> None:
         raise ValueError(f"EmulatedDeepEPBuffer.dispatch: FP8 scales must be [T, hidden // {GROUP_SIZE}] "
                          f"with hidden divisible by {GROUP_SIZE}; got values {tuple(values.shape)}, "
                          f"scales {tuple(scales.shape)}")
+
+
+Buffer = EmulatedDeepEPBuffer   # `deepep_module="deepep_emulation"`: this module's Buffer is DeepEP's

@@ -24,6 +24,23 @@ EXPERT_SEED = 1234
 SCENARIOS = ["uneven", "zero_tokens", "all_empty", "zero_experts", "repeated_ranks", "masked"]
 MULTI_RANK_BACKENDS = ["all_to_all", "all_to_all_no_dedup", "allgather", "deepep_normal",
                        "deepep_low_latency"]
+DEEPEP_BACKENDS = ("deepep_normal", "deepep_low_latency")
+DEEPEP_HIDDEN = 2048    # DeepEP moves bf16 rows only, and its low-latency kernels take a fixed list of sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFormat:
+    """The rows a backend's cases carry: DeepEP's (and its emulation's) are bf16 of a size it compiles."""
+
+    hidden: int
+    dtype: torch.dtype
+    tolerance: float        # of the combined output against the float64 oracle, relative to its scale
+
+
+def row_format(backend: str, dtype: torch.dtype = torch.float32) -> RowFormat:
+    if backend in DEEPEP_BACKENDS or dtype == torch.bfloat16:
+        return RowFormat(DEEPEP_HIDDEN if backend in DEEPEP_BACKENDS else HIDDEN, torch.bfloat16, 5e-2)
+    return RowFormat(HIDDEN, dtype, 1e-5)
 
 
 @dataclasses.dataclass
@@ -43,10 +60,11 @@ class Experts:
         return (F.silu(gate) * up) @ self.w2[slot].t()
 
 
-def make_experts(num_slots: int) -> Experts:
+def make_experts(num_slots: int, hidden: int = HIDDEN) -> Experts:
     gen = torch.Generator().manual_seed(EXPERT_SEED)
-    return Experts(w13=0.3 * torch.randn(num_slots, 2 * INTERMEDIATE, HIDDEN, generator=gen),
-                   w2=0.3 * torch.randn(num_slots, HIDDEN, INTERMEDIATE, generator=gen))
+    scale = 0.3 * (HIDDEN / hidden) ** 0.5          # outputs of the same size whatever the hidden size
+    return Experts(w13=scale * torch.randn(num_slots, 2 * INTERMEDIATE, hidden, generator=gen),
+                   w2=0.3 * torch.randn(num_slots, hidden, INTERMEDIATE, generator=gen))
 
 
 def _distinct_slots(num_tokens: int, choices: torch.Tensor, k: int, gen) -> torch.Tensor:
@@ -54,8 +72,9 @@ def _distinct_slots(num_tokens: int, choices: torch.Tensor, k: int, gen) -> torc
     return torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
 
 
-def make_case(scenario: str, world_size: int, rank: int) -> Case:
-    """Deterministic inputs of `rank`; any rank can rebuild any other rank's case."""
+def make_case(scenario: str, world_size: int, rank: int, hidden: int = HIDDEN) -> Case:
+    """Deterministic inputs of `rank`; any rank can rebuild any other rank's case. Rows are bf16 values (exact
+    in every dtype the cases run in), so the rows a rank receives sum exactly to what was sent."""
     gen = torch.Generator().manual_seed(1000 * world_size + 10 * rank + SCENARIOS.index(scenario))
     num_slots = SLOTS_PER_RANK * world_size
     all_slots = torch.arange(num_slots)
@@ -83,14 +102,18 @@ def make_case(scenario: str, world_size: int, rank: int) -> Case:
             slots[torch.rand(slots.shape, generator=gen) < 0.3] = -1
             slots[0] = -1  # a token with no expert at all
     weights = torch.rand(num_tokens, TOP_K, generator=gen)
-    x = torch.randn(num_tokens, HIDDEN, generator=gen)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16).float()
     return Case(x, slots, weights)
 
 
-def dispatch_config(backend: str, world_size: int, rank: int, dtype=torch.float32,
-                    device: str = "cpu", hidden_size: int = HIDDEN,
+def dispatch_config(backend: str, world_size: int, rank: int, dtype=None,
+                    device: str = "cpu", hidden_size: int | None = None,
                     fp8_activations: bool = False) -> DispatchConfig:
-    """`backend` may also be "all_to_all_no_dedup" (all_to_all sending one row per (token, k))."""
+    """`backend` may also be "all_to_all_no_dedup" (all_to_all sending one row per (token, k)). The dtype and
+    hidden size default to the backend's `row_format`."""
+    rows = row_format(backend, dtype or torch.float32)
+    dtype = dtype or rows.dtype
+    hidden_size = hidden_size or rows.hidden
     send_once = backend != "all_to_all_no_dedup"
     backend = "all_to_all" if backend == "all_to_all_no_dedup" else backend
     return DispatchConfig(backend, SlotGeometry(SLOTS_PER_RANK * world_size, world_size), rank, group=None,

@@ -7,7 +7,8 @@ Shared by test_moe_seam_contract.py (torch and reference kernels on CPU) and tri
 
 import torch
 import torch.distributed as dist
-from dispatch_cases import HIDDEN, INTERMEDIATE, SLOTS_PER_RANK, dispatch_config, make_case, make_experts
+from dispatch_cases import (HIDDEN, INTERMEDIATE, SLOTS_PER_RANK, dispatch_config, make_case, make_experts,
+                            row_format)
 
 from dispatch import DispatchConfig, make_dispatcher, naive_moe_reference
 from kernels import get_kernels
@@ -23,20 +24,23 @@ def seam_on_rank(backend: str, scenario: str, family: str, dtype_name: str = "fl
     """Run one case through the seam on this rank (`backend` "local": one rank holding every slot of the
     two-rank case, no process group needed); the result's error against the reference, and shapes."""
     dtype = getattr(torch, dtype_name)
+    hidden = HIDDEN
     if backend == LOCAL:
         rank, case = 0, make_case(scenario, world_size=2, rank=0)
         geometry = SlotGeometry(2 * SLOTS_PER_RANK, 1)
         config = DispatchConfig(LOCAL, geometry, 0, None, HIDDEN, dtype, device)
     else:
+        rows = row_format(backend, dtype)
+        dtype, hidden = rows.dtype, rows.hidden
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        case = make_case(scenario, world_size, rank)
+        case = make_case(scenario, world_size, rank, hidden)
         config = dispatch_config(backend, world_size, rank, dtype, device)
         geometry = config.slots
-    bank = make_experts(geometry.num_slots)
+    bank = make_experts(geometry.num_slots, hidden)
     dispatcher = make_dispatcher(config)
     seam = ModularMoE(dispatcher, expert_kernel_for(dispatcher.layout(), get_kernels(device, family)))
     mine = list(geometry.rank_slots(rank))
-    experts = ExpertWeights(mine, HIDDEN, INTERMEDIATE, dtype=dtype, device=device)
+    experts = ExpertWeights(mine, hidden, INTERMEDIATE, dtype=dtype, device=device)
     with torch.no_grad():
         experts.w13.copy_(bank.w13[mine])
         experts.w2.copy_(bank.w2[mine])
@@ -50,12 +54,16 @@ def seam_on_rank(backend: str, scenario: str, family: str, dtype_name: str = "fl
         "y_shape": tuple(y.shape), "x_shape": tuple(case.x.shape), "y_dtype": str(y.dtype),
         "max_err": float((y.double().cpu() - reference).abs().max()) if y.numel() else 0.0,
         "ref_scale": float(reference.abs().max()) if reference.numel() else 0.0,
+        "dtype": str(dtype).removeprefix("torch."),     # DeepEP's rows are bf16 whatever was asked
     }
 
 
 def check_seam_results(results: list[dict], tolerance: float) -> None:
+    """`tolerance` of float32 results; bf16 ones (DeepEP's rows) are held to bf16's."""
     for rank, res in enumerate(results):
         where = f"rank {rank}"
+        if res["dtype"] == "bfloat16":
+            tolerance = max(tolerance, 5e-2)
         assert res["kernel_layout"] == res["dispatch_layout"], where
         assert res["y_shape"] == res["x_shape"], where
         assert res["max_err"] <= tolerance * max(1.0, res["ref_scale"]), \

@@ -24,12 +24,12 @@ def test_auto_picks_local_for_one_rank_and_all_to_all_on_cpu():
 
 
 def test_auto_on_cuda_without_deep_ep_falls_back_to_all_to_all(monkeypatch):
-    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda: False)
+    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda module: False)
     assert select_backend("auto", "cuda", 8, "decode") == "all_to_all"
 
 
 def test_auto_on_cuda_with_deep_ep_picks_mode_by_phase(monkeypatch):
-    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda: True)
+    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda module: True)
     assert select_backend("auto", "cuda", 8, "prefill") == "deepep_normal"
     assert select_backend("auto", "cuda", 8, None) == "deepep_normal"
     assert select_backend("auto", "cuda", 8, "decode") == "deepep_low_latency"
@@ -65,22 +65,25 @@ class _NoCommBuffer(EmulatedDeepEPBuffer):
         self.group, self.rank, self.group_size = group, 0, 2
 
 
+DEEPEP_HIDDEN = 2048   # one of DeepEP's low-latency sizes (its kernels take bf16 rows: DispatchConfig's default)
+
+
 def test_capabilities_are_methods():
     local = make_dispatcher(DispatchConfig("local", SlotGeometry(4, 1), 0, None, 8))
     assert (local.layout(), local.max_tokens_per_rank(), local.supports_async()) == \
         (LAYOUT_CONTIGUOUS, None, False)
-    low_latency = make_dispatcher(DispatchConfig("deepep", SlotGeometry(4, 2), 0, None, 8, phase="decode",
+    low_latency = make_dispatcher(DispatchConfig("deepep", SlotGeometry(4, 2), 0, None, DEEPEP_HIDDEN, phase="decode",
                                                  max_tokens_per_rank=32,
                                                  deepep_buffer_cls=_NoCommBuffer))
     assert (low_latency.layout(), low_latency.max_tokens_per_rank()) == (LAYOUT_MASKED, 32)
-    normal = make_dispatcher(DispatchConfig("deepep", SlotGeometry(4, 2), 0, None, 8, phase="prefill",
+    normal = make_dispatcher(DispatchConfig("deepep", SlotGeometry(4, 2), 0, None, DEEPEP_HIDDEN, phase="prefill",
                                             deepep_buffer_cls=_NoCommBuffer))
     assert (normal.layout(), normal.max_tokens_per_rank()) == (LAYOUT_CONTIGUOUS, None)
 
 
 def test_low_latency_needs_a_token_bound():
     with pytest.raises(ValueError, match="max_tokens_per_rank"):
-        make_dispatcher(DispatchConfig("deepep_low_latency", SlotGeometry(4, 2), 0, None, 8,
+        make_dispatcher(DispatchConfig("deepep_low_latency", SlotGeometry(4, 2), 0, None, DEEPEP_HIDDEN,
                                        deepep_buffer_cls=_NoCommBuffer))
 
 
@@ -125,11 +128,11 @@ def test_bad_config_is_rejected():
 # ------------------------------------------------------------------------ multi-rank behaviour
 def _too_many_tokens_for_low_latency():
     rank = dist.get_rank()
-    dispatcher = make_dispatcher(DispatchConfig("deepep_low_latency", SlotGeometry(4, 2), rank, None, 8,
+    dispatcher = make_dispatcher(DispatchConfig("deepep_low_latency", SlotGeometry(4, 2), rank, None, DEEPEP_HIDDEN,
                                                 max_tokens_per_rank=2,
                                                 deepep_buffer_cls=EmulatedDeepEPBuffer))
-    x, slots, weights = _inputs(tokens=3)
-    dispatcher.dispatch(x, slots, weights)
+    slots, weights = torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+    dispatcher.dispatch(torch.randn(3, DEEPEP_HIDDEN, dtype=torch.bfloat16), slots, weights)
 
 
 def test_low_latency_rejects_more_tokens_than_its_bound(ranks):
@@ -192,13 +195,13 @@ def test_combine_reduction_in_small_chunks_matches_one_pass(monkeypatch):
 
 
 def test_derived_low_latency_choice_without_token_bound_uses_normal_mode(monkeypatch):
-    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda: True)
+    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda module: True)
     for backend in ("auto", "deepep"):
-        unbounded = make_dispatcher(DispatchConfig(backend, SlotGeometry(4, 2), 0, None, 8, device="cuda",
+        unbounded = make_dispatcher(DispatchConfig(backend, SlotGeometry(4, 2), 0, None, DEEPEP_HIDDEN, device="cuda",
                                                    phase="decode",
                                                    deepep_buffer_cls=_NoCommBuffer))
         assert unbounded.layout() == LAYOUT_CONTIGUOUS
-    bounded = make_dispatcher(DispatchConfig("auto", SlotGeometry(4, 2), 0, None, 8, device="cuda",
+    bounded = make_dispatcher(DispatchConfig("auto", SlotGeometry(4, 2), 0, None, DEEPEP_HIDDEN, device="cuda",
                                              phase="decode", max_tokens_per_rank=64,
                                              deepep_buffer_cls=_NoCommBuffer))
     assert bounded.layout() == LAYOUT_MASKED
@@ -208,14 +211,14 @@ def test_a_missing_deep_ep_is_looked_for_once_per_process(monkeypatch):
     """'auto' asks for every dispatcher it resolves; a failed import costs 0.3 ms, so the answer is kept."""
     calls = []
 
-    def missing():
-        calls.append(1)
+    def missing(module):
+        calls.append(module)
         raise ImportError("no deep_ep here")
 
     monkeypatch.setattr(dispatch.deepep, "import_deep_ep_buffer", missing)
     dispatch.deepep.deep_ep_importable.cache_clear()
     try:
         assert not dispatch.deepep.deep_ep_importable() and not dispatch.deepep.deep_ep_importable()
-        assert len(calls) == 1
+        assert calls == ["deep_ep"]
     finally:
         dispatch.deepep.deep_ep_importable.cache_clear()

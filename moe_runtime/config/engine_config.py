@@ -51,12 +51,15 @@ class EngineConfig:
                                          # (ep / dp_attn = attention TP x cp; without EP, tp x cp ranks)
     a2a_backend: str = "auto"            # "auto" | "local" | "all_to_all" | "allgather" | "deepep"
     dispatch_fp8: bool = False           # dispatch sends FP8 activations + per-128-column scales (GPU bandwidth)
+    deepep_module: str = "deep_ep"       # the module whose `Buffer` is DeepEP's: deep_ep, or a drop-in (a fork)
     enable_two_batch_overlap: bool = False  # each step runs as two micro-batches, one's dispatch/combine in flight
                                          # while the other computes (SGLang's TBO, vLLM's DBO); see docs/design.md
     enable_torch_compile: bool = False   # pure decode steps run as one torch.compile graph per batch bucket
                                          # (moe_runtime/execution/decode_capture.py; SGLang's --enable-torch-compile)
     torch_compile_max_bs: int = 32       # the largest decode batch bucket captured; larger steps run eagerly
     torch_compile_backend: str = "inductor"  # torch.compile backend; "eager"/"aot_eager" trace only (debugging)
+    debug_host_reads: bool = False       # count each decode step's host reads (device values read on the host,
+                                         # which stall a GPU and break graph capture): WorkerStats.decode_host_reads
     num_redundant_experts: int = 0       # extra physical expert slots for replicas of hot experts
     eplb_interval: int = 0               # rebalance experts every N steps (0 = only on demand)
     eplb_threshold: float = 0.0          # ... or when mean balancedness drops below this (0 = off)

@@ -20,6 +20,7 @@ from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.execution.decode_capture import CaptureSettings
+from moe_runtime.execution.host_reads import DecodeHostReads
 from moe_runtime.disaggregation.decode_imports import DecodeImports
 from moe_runtime.disaggregation.import_grammars import ImportGrammars
 from moe_runtime.disaggregation.import_spec import ImportSpec
@@ -135,6 +136,7 @@ class EngineCore:
                             config.enable_chunked_prefill), self.block_manager
         )
         self.sampler = Sampler(self.eos_ids, grammar_threads=torch.get_num_threads())
+        self.decode_host_reads = DecodeHostReads() if config.debug_host_reads else None
         # structured output: the tokenizer's xgrammar view is built once here; grammars once per spec
         self.grammars = build_grammar_compiler(self.tokenizer, self.vocab_size, self.eos_ids,
                                                max_threads=torch.get_num_threads(),
@@ -352,7 +354,8 @@ class EngineCore:
             if seq.queue_seconds is None:
                 seq.queue_seconds = started - seq.queued_at
         self.executor.begin_step(phase)
-        sampled = self._forward_and_sample(seqs, sampling)
+        with DecodeHostReads.window(self.decode_host_reads, batch is not None and phase == "decode"):
+            sampled = self._forward_and_sample(seqs, sampling)
         self.executor.end_step()
         self._steps += 1
         self._step_seconds += time.perf_counter() - started
@@ -430,6 +433,7 @@ class EngineCore:
             compute_seconds=self._compute_seconds if self.parallel.pp_size > 1 else self._step_seconds,
             prefix_cache_queries=self.block_manager.counters.queries,
             prefix_cache_hits=self.block_manager.counters.hits,
+            **DecodeHostReads.stats(self.decode_host_reads),
         )
 
     def reset_prefix_cache(self) -> int:

@@ -22,6 +22,11 @@ class WorkerStats:
     compute_seconds: float = 0.0    # ... of which running this rank's layers (pipeline: the rest is bubble)
     prefix_cache_queries: int = 0   # tokens looked up in the prefix cache at admissions (readmissions too), cumulative
     prefix_cache_hits: int = 0      # ... of which found cached (not computed again)
+    # With EngineConfig.debug_host_reads: decode steps counted, the host reads in them (forward + sampling, the
+    # step's one result copy excluded), and those reads by "operation at file:line"
+    decode_steps_counted: int = 0
+    decode_host_reads: int = 0
+    decode_host_read_sites: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:

@@ -72,8 +72,10 @@ class AttentionBatch:
             rows = [row for b in multi for row in range(self.query_start[b], self.query_start[b + 1])]
             multi_rows = torch.tensor(rows, dtype=torch.long, device=device)
             index = torch.tensor(single, dtype=torch.long, device=device)
+            # the decode kernel attends to its table's whole width: cut to what these contexts need (known here)
+            width = max(-(-max((self.context_lens[b] for b in single), default=1) // self.block_size), 1)
             self._splits[sliding_window] = SingleQuerySplit(
-                single, multi, single_rows, multi_rows, self.block_tables.index_select(0, index),
+                single, multi, single_rows, multi_rows, self.block_tables.index_select(0, index)[:, :width],
                 self.context_lens_tensor.index_select(0, index))
         return self._splits[sliding_window]
 

@@ -1,7 +1,8 @@
 """A dense SiLU-gated MLP is `ExpertWeights` with one local expert that every token uses with weight 1.
 
-It runs through the same expert kernel as routed experts (contiguous layout, one segment of all T
-rows), so there is one MLP code path; no router, no dispatch. Under tensor parallelism the one
+In the compute dtype it runs as the expert SwiGLU's two matmuls on all T rows (kernels.expert_mlp.swiglu: no
+router, no dispatch, and no segment sizes read off the device); kept quantized it runs through its format's
+expert kernel (contiguous layout, one segment of all T rows), as a routed expert does. Under tensor parallelism the one
 expert is split along its intermediate dim, exactly as an expert is: rank r holds gate/up rows and
 down columns [r * I/tp, (r + 1) * I/tp), and the ranks' partial outputs are summed with one
 all-reduce. Kept in FP8, the down projection's column shard must start on a scale block; a shard
@@ -56,9 +57,9 @@ class DenseMLP(ExpertWeights):
         return self.quant.read_slice(reader, full, dim, start, stop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        if torch.compiler.is_compiling() and self.quant is None:
-            # A captured decode step (moe_runtime/execution/decode_capture.py): the one expert on all rows, without the
-            # grouped kernel's per-segment sizes, which it would have to read off the device
+        if self.quant is None:
+            # the one expert on all rows as two plain matmuls: the grouped kernel would read its segment sizes off
+            # the device (a stall on a GPU, a break in a captured step) and has nothing to group
             out = swiglu(x, self.w13[0], self.w2[0])                               # [T, H]
         else:
             # [1]: on the input's device, where the expert kernel runs (a Triton kernel cannot read a CPU tensor)

@@ -25,7 +25,8 @@ import torch
 
 from dispatch.backends import BACKEND_LOCAL, PHASE_DECODE, PHASE_PREFILL
 from dispatch.config import DispatchConfig
-from dispatch.factory import make_dispatcher, select_backend
+from dispatch.deepep import DEFAULT_DEEPEP_MODULE
+from dispatch.factory import backend_for, make_phase_dispatchers
 from kernels import KernelSet, TopK
 from kernels.pair_experts import pair_expert_mlp
 from load_balancer.placement import Placement, static_placement
@@ -50,7 +51,7 @@ class MoEExecutor:
     def __init__(self, kernels: KernelSet, parallel: ParallelContext, *, backend: str, num_redundant_experts: int,
                  hidden_size: int, dtype: torch.dtype, record_load: bool, record_window: int = 128,
                  decode_max_tokens: int | None = None, fp8_activations: bool = False,
-                 two_batch_overlap: bool = False):
+                 two_batch_overlap: bool = False, deepep_module: str = DEFAULT_DEEPEP_MODULE):
         self.kernels = kernels
         self.parallel = parallel
         self.backend = backend
@@ -61,6 +62,7 @@ class MoEExecutor:
         self.record_window = record_window
         self.decode_max_tokens = decode_max_tokens  # a decode step's tokens per rank (bounds DeepEP low-latency)
         self.fp8_activations = fp8_activations      # dispatch sends FP8 values + per-128-column scales
+        self.deepep_module = deepep_module          # the module whose Buffer is DeepEP's
         # Each step runs as two micro-batches whose dispatch/combine overlap the other's compute (the same
         # on every rank of the job: their collectives must pair up). A plain setting, read every step.
         self.two_batch_overlap = two_batch_overlap
@@ -84,7 +86,7 @@ class MoEExecutor:
                    record_load=parallel.world_size > 1, record_window=config.eplb_window,
                    decode_max_tokens=config.max_num_seqs,
                    fp8_activations=config.dispatch_fp8 and parallel.ep_size > 1,
-                   two_batch_overlap=config.enable_two_batch_overlap)
+                   two_batch_overlap=config.enable_two_batch_overlap, deepep_module=config.deepep_module)
 
     # ---- registration (model construction) ------------------------------------------------------------
     def _geometry(self, num_experts: int) -> SlotGeometry:
@@ -120,13 +122,8 @@ class MoEExecutor:
                                                geometry.num_ranks, window=self.record_window, device=p.device,
                                                placement=placement)
         self.set_placement(placement)
-        for phase in PHASES:
-            dispatcher = make_dispatcher(DispatchConfig(
-                backend=self.backend, slots=geometry, rank=p.ep_rank, group=p.ep_group,
-                hidden_size=self.hidden_size, dtype=self.dtype, device=p.device, phase=phase,
-                max_tokens_per_rank=self.decode_max_tokens if phase == PHASE_DECODE else None,
-                fp8_activations=self.fp8_activations,
-            ))
+        dispatchers = make_phase_dispatchers(self._dispatch_config(geometry))
+        for phase, dispatcher in dispatchers.items():
             self._by_phase[phase] = ModularMoE(dispatcher, expert_kernel_for(dispatcher.layout(), self.kernels))
         if self.two_batch_overlap:
             cannot = sorted({moe.dispatcher.__class__.__name__ for moe in self._by_phase.values()
@@ -134,6 +131,14 @@ class MoEExecutor:
             if cannot:
                 logger.info("two-batch overlap: %s cannot overlap its transfers; the micro-batches run the same "
                             "schedule synchronously", ", ".join(cannot))
+
+    def _dispatch_config(self, geometry: SlotGeometry, phase: str | None = None) -> DispatchConfig:
+        """This rank's dispatch settings; `max_tokens_per_rank` bounds decode steps (DeepEP low-latency)."""
+        p = self.parallel
+        return DispatchConfig(backend=self.backend, slots=geometry, rank=p.ep_rank, group=p.ep_group,
+                              hidden_size=self.hidden_size, dtype=self.dtype, device=p.device, phase=phase,
+                              max_tokens_per_rank=self.decode_max_tokens, fp8_activations=self.fp8_activations,
+                              deepep_module=self.deepep_module)
 
     @property
     def num_moe_layers(self) -> int:
@@ -163,6 +168,8 @@ class MoEExecutor:
     def begin_step(self, phase: str) -> None:
         """Every rank must use the same backend in a step: the engine passes the agreed phase."""
         self.phase = phase
+        if phase in self._by_phase:
+            self._by_phase[phase].dispatcher.begin_step()
 
     def end_step(self) -> None:
         if self.recorder is not None:
@@ -170,8 +177,9 @@ class MoEExecutor:
 
     def needs_phase_agreement(self) -> bool:
         """True when prefill and decode steps use different backends (DeepEP normal vs low-latency)."""
-        p = self.parallel
-        return len({select_backend(self.backend, p.device, p.ep_size, phase) for phase in PHASES}) > 1
+        # asked of every rank alike (a pipeline stage without MoE layers too: the vote is one collective)
+        config = self._dispatch_config(SlotGeometry(self.parallel.ep_size, self.parallel.ep_size))
+        return len({backend_for(config, phase).backend for phase in PHASES}) > 1
 
     def overlaps_micro_batches(self) -> bool:
         """Whether the model should split this step into two overlapped micro-batches: two-batch overlap is on

@@ -14,43 +14,25 @@ exactly what they would have drawn in any other batch.
 
 Logprobs are the model's own (log-softmax of the raw logits, before any processor), as vLLM reports
 them by default.
+
+Nothing here reads the device before the end: `draw` leaves the tokens, each row's verdict (`DrawStatus`)
+and the asked logprobs on the device, and `DeviceDraw.to_host` brings them back in one copy, the step's
+result (moe_runtime/sampling/device_draw.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Iterable
+from typing import Iterable
 
 import torch
 
+from moe_runtime.execution.host_reads import step_result_transfer
 from moe_runtime.sampling.counter_noise import exponential_race
-from moe_runtime.sampling.logprobs import TokenLogprob
+from moe_runtime.sampling.device_draw import DeviceDraw, DrawStatus, SampleResult, TopLogprobs
 from moe_runtime.sampling.logits_processors import (add_logit_bias, apply_min_p, apply_penalties,
                                            ban_stop_tokens_below_min_tokens)
-from moe_runtime.engine.outputs import error_message
 from moe_runtime.engine.sequence import Sequence
 from moe_runtime.sampling.structured_output.grammar_bitmask import GrammarBitmask
-
-@dataclass
-class SampleResult:
-    token_ids: list[int]                       # [B], NO_TOKEN where the row failed
-    logprobs: list[TokenLogprob | None]        # [B], None where the request did not ask (or failed)
-    errors: list[str | None]                   # [B], why the row could not be sampled; None = sampled
-
-    NO_TOKEN: ClassVar[int] = -1
-
-    @classmethod
-    def empty(cls) -> "SampleResult":
-        return cls([], [], [])
-
-    @classmethod
-    def failed(cls, message: str) -> "SampleResult":
-        """One row that could not be sampled."""
-        return cls([cls.NO_TOKEN], [None], [message])
-
-    @classmethod
-    def concat(cls, parts: list["SampleResult"]) -> "SampleResult":
-        return cls([t for p in parts for t in p.token_ids], [lp for p in parts for lp in p.logprobs],
-                   [e for p in parts for e in p.errors])
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -74,6 +56,13 @@ class ProcessedLogits:
     errors: list[str | None]           # [B], why a row cannot be sampled; None = it can
 
 
+@dataclass
+class DeviceProcessedLogits:
+    logits: torch.Tensor               # [B, V] float32, what every choice is made from
+    errors: list[str | None]           # [B], failures known on the host (a grammar that could not be set up)
+    status: torch.Tensor               # [B] int64 DrawStatus codes, on the logits' device
+
+
 class Sampler:
     """`eos_token_ids`: the engine's EOS ids, which min_tokens holds back; `grammar_threads`: xgrammar's
     threads for filling the bitmasks of large batches (`GrammarBitmask`)."""
@@ -83,39 +72,43 @@ class Sampler:
         self.grammar_bitmask = GrammarBitmask(grammar_threads)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:  # logits [B, V]
+        drawn = self.draw(logits, seqs)
+        with step_result_transfer():
+            return drawn.to_host()
+
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceDraw:  # logits [B, V]
+        """The batch's tokens, row failures and asked logprobs, left on the logits' device (no host read)."""
         raw = logits.float()
-        processed = self.process(raw, seqs)
-        errors = processed.errors
-        token_ids = processed.logits.argmax(dim=-1).tolist()             # [B] the greedy choice
-        sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy and errors[i] is None]
-        probs = self._probs(processed.logits, seqs, sampled_rows) if sampled_rows else None   # [S, V]
-        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        logp = raw[wanted].log_softmax(dim=-1) if wanted else None                        # [W, V]
-        # nothing above draws a random number: from here on, a failure is one row's alone
-        if probs is not None:
-            usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)                 # [S]
+        processed = self.process_on_device(raw, seqs)
+        token_ids = processed.logits.argmax(dim=-1)                                        # [B] the greedy choice
+        status = processed.status                                                          # [B]
+        sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy and processed.errors[i] is None]
+        if sampled_rows:
+            probs = self._probs(processed.logits, seqs, sampled_rows)                      # [S, V]
+            # nothing above draws a random number: from here on, a failure is one row's alone
             device = probs.device
+            usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)           # [S]
             seeds = torch.tensor([seqs[row].sampling_seed for row in sampled_rows], dtype=torch.int64, device=device)
             positions = torch.tensor([seqs[row].num_tokens for row in sampled_rows], dtype=torch.int64, device=device)
-            drawn = exponential_race(probs.nan_to_num(0.0), seeds, positions)                     # [S]
-            for row, ok, token in zip(sampled_rows, usable.tolist(), drawn.tolist()):
-                if ok:
-                    token_ids[row] = token
-                else:
-                    errors[row] = "the sampling probabilities are not finite"
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        for j, row in enumerate(wanted):
-            if errors[row] is None:
-                try:
-                    logprobs[row] = self._token_logprob(logp[j], token_ids[row], seqs[row].params.logprobs)
-                except Exception as exc:  # noqa: BLE001 - fails this request only
-                    errors[row] = error_message(exc)
-        token_ids = [SampleResult.NO_TOKEN if error is not None else t for t, error in zip(token_ids, errors)]
-        return SampleResult(token_ids, logprobs, errors)
+            index = torch.tensor(sampled_rows, dtype=torch.int64, device=device)            # [S]
+            token_ids = token_ids.index_copy(0, index, exponential_race(probs.nan_to_num(0.0), seeds, positions))
+            before = status[index]                                                          # [S]
+            verdict = torch.where((before == DrawStatus.OK) & ~usable, DrawStatus.PROBS_NOT_FINITE, before)
+            status = status.index_copy(0, index, verdict)
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        logprobs = TopLogprobs.of(raw, token_ids, wanted, [seqs[row].params.logprobs for row in wanted])
+        return DeviceDraw(token_ids, status, processed.errors, logprobs)
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> ProcessedLogits:
         """The batch's logits [B, V] after structured output, min_tokens, logit_bias and the penalties, in
         that order (vLLM's): each a batched op, skipped when no row uses it. `logits` is not changed."""
+        on_device = self.process_on_device(logits, seqs)
+        errors = [error if error is not None else DrawStatus.message(code)
+                  for error, code in zip(on_device.errors, on_device.status.tolist())]
+        return ProcessedLogits(on_device.logits, errors)
+
+    def process_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceProcessedLogits:
+        """`process` without reading the rows' verdicts back: they stay on the device as `DrawStatus` codes."""
         errors: list[str | None] = [None] * len(seqs)
         constrained = []
         for row, seq in enumerate(seqs):
@@ -130,12 +123,11 @@ class Sampler:
         logits = ban_stop_tokens_below_min_tokens(logits, seqs, self.eos_token_ids)
         logits = add_logit_bias(logits, seqs)
         logits = apply_penalties(logits, seqs)
-        has_token = torch.isfinite(logits).any(dim=-1).tolist()                   # [B]
-        for row, ok in enumerate(has_token):
-            if not ok and errors[row] is None:
-                errors[row] = ("the logits are not finite" if bool(torch.isnan(logits[row]).any()) else
-                               "no token is allowed (structured output, logit_bias and min_tokens forbid them all)")
-        return ProcessedLogits(logits, errors)
+        has_token = torch.isfinite(logits).any(dim=-1)                                     # [B]
+        has_nan = torch.isnan(logits).any(dim=-1)                                          # [B]
+        no_token = torch.where(has_nan, DrawStatus.LOGITS_NOT_FINITE, DrawStatus.NO_TOKEN_ALLOWED)
+        status = torch.where(has_token, DrawStatus.OK, no_token).to(torch.int64)          # [B]
+        return DeviceProcessedLogits(logits, errors, status)
 
     @staticmethod
     def _probs(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
@@ -148,14 +140,7 @@ class Sampler:
         top_p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device)  # [S]
         min_p = torch.tensor([float(p.min_p) for p in params], dtype=torch.float32, device=device)  # [S]
         index = torch.tensor(rows, device=device)
-        scaled = apply_min_p(logits[index] / temperature[:, None], min_p)                    # [S, V]
+        scaled = logits[index] / temperature[:, None]                                        # [S, V]
+        if any(p.min_p > 0 for p in params):                                                 # decided on the host
+            scaled = apply_min_p(scaled, min_p)
         return apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
-
-    @staticmethod
-    def _token_logprob(logp: torch.Tensor, token_id: int, n: int) -> TokenLogprob:  # logp [V]
-        top_values, top_ids = logp.topk(n) if n else (logp[:0], logp[:0].long())
-        return TokenLogprob(
-            token_id=token_id,
-            logprob=float(logp[token_id]),
-            top={int(t): float(v) for t, v in zip(top_ids.tolist(), top_values.tolist())},
-        )
