@@ -148,12 +148,25 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     return chunked_matmul(x, weight.shape[0], decode, scratch_dtype=torch.float32)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x [..., K], dequantized weight [N, K], bias) -> [..., N] in x.dtype, never dequantizing it whole."""
+def check_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> None:
+    """Validate fp8_linear's arguments: the weight [N, K] with its scales, and x [..., K]."""
     check_fp8_weight(weight, scale, block_k)
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [..., K] and [N, K]")
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x [..., K], dequantized weight [N, K], bias) -> [..., N] in x.dtype, never dequantizing it whole."""
+    check_fp8_linear(x, weight, scale, block_k)
+    return fp8_linear_prechecked(x, weight, scale, block_k, bias)
+
+
+def fp8_linear_prechecked(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear` for a weight whose fixed properties (dtype, shapes, block size, scale layout) were
+    checked once, at load (`Fp8InMemory` does, and its layers' parameters cannot change shape): a
+    layer's forward pays none of those checks. x's last dim still has to be K (torch's matmul says so)."""
     out = fp8_matmul(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), weight, scale, block_k)  # [T, N]
     if bias is not None:
         out.add_(bias)

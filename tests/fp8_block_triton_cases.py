@@ -2,9 +2,11 @@
 test_fp8_block_kernels.py).
 
 With CUDA they run compiled in bf16 and fp32; on CPU in the Triton interpreter in fp32 and fp16
-(the interpreter has no bf16), in a child process started with TRITON_INTERPRET=1. The cases read
-FP8 the way the device picks by itself (fp8_e4m3.py: the bytes decoded by hand in the interpreter, the
-native float8_e4m3fn load on recent GPUs); one test forces each of the two ways in turn.
+(the interpreter has no bf16), in a child process started with TRITON_INTERPRET=1. These cases run
+the dequantize scheme (fp8_scheme.py), whatever the device's own choice: FP8 weights read the way the
+device can (the bytes decoded by hand in the interpreter and below sm89, the native float8_e4m3fn load
+on sm89+); one test forces each of the two reads in turn. The FP8-activation scheme, the default on
+sm89+, has its own cases (fp8_activation_triton_cases.py).
 
 Tolerances (outputs are O(1)): fp32 rtol = atol = 1e-4. In fp16 / bf16 the dequantized weight tile
 and the SwiGLU activation between the two projections are rounded to that dtype before tl.dot:
@@ -19,15 +21,16 @@ import triton.language as tl
 from fp8_block_inputs import all_e4m3_codes, random_fp8_experts, random_fp8_weight, strided
 
 from kernels import get_kernels
-from kernels.triton_impl import fp8_block_weights as triton_fp8
-from kernels.triton_impl.fp8_e4m3 import e4m3_bits_to_float, native_fp8_loads
+from kernels.triton_impl.fp8_e4m3 import e4m3_bits_to_float
+from kernels.triton_impl.fp8_scheme import Fp8Scheme, device_fp8_scheme
+from kernels.triton_impl.kernel_set import triton_kernel_set
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPES = [torch.bfloat16, torch.float32] if ON_CUDA else [torch.float32, torch.float16]
 ORACLE = get_kernels("cpu", "reference")
 HIDDEN, INTERMEDIATE = 56, 52        # partial last column blocks for block_k 16 and 48
-LOADS = {"native": lambda weight: weight, "bytes": lambda weight: weight.view(torch.uint8)}
+NATIVE_HERE = ON_CUDA and torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 9)
 
 if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("fp8_block_triton_cases.py runs on CUDA or with TRITON_INTERPRET=1 set before triton is "
@@ -36,7 +39,8 @@ if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 
 @pytest.fixture(scope="module")
 def triton_kernels():
-    return get_kernels(DEVICE, "triton")
+    """The Triton family with the dequantize scheme, FP8 weights read as this device reads them by itself."""
+    return triton_kernel_set(Fp8Scheme(native_loads=NATIVE_HERE))
 
 
 def tolerance(dtype):
@@ -98,6 +102,8 @@ def test_fp8_expert_mlp(triton_kernels, block_k, counts):
         torch.testing.assert_close(got.float().cpu(), expected, **tolerance(dtype))
 
 
+# Counts: an idle expert, a full one (count == M), one past M (treated as M: no host read may check
+# it), and stale rows past each count filled with NaN / inf, which must not leak into valid rows.
 def test_fp8_masked_expert_mlp_ignores_nan_stale_rows(triton_kernels):
     block_k = 48
     generator = torch.Generator().manual_seed(block_k)
@@ -106,40 +112,61 @@ def test_fp8_masked_expert_mlp_ignores_nan_stale_rows(triton_kernels):
     counts = torch.tensor([2, 0, 1, 5])
     x = torch.randn(4, 5, HIDDEN, generator=generator)
     x[0, 2:] = float("nan")                                                  # a dispatch buffer's stale rows
+    x[1] = float("nan")
     x[2, 1:] = float("inf")
     for dtype in DTYPES:
         x_d = x.to(DEVICE, dtype)
-        got = triton_kernels.fp8_masked_expert_mlp(x_d, counts.to(DEVICE), w13, w13_scale, w2, w2_scale, block_k)
-        assert got.shape == x.shape and got.dtype == dtype and torch.isfinite(got).all()
-        assert torch.all(got[0, 2:] == 0) and torch.all(got[1] == 0) and torch.all(got[2, 1:] == 0)
-        expected = ORACLE.fp8_masked_expert_mlp(torch.nan_to_num(x_d.cpu().float()), counts, *experts.args())
-        torch.testing.assert_close(got.float().cpu(), expected, **tolerance(dtype))
+        for device_counts in (counts, torch.tensor([2, 0, 1, 9])):
+            got = triton_kernels.fp8_masked_expert_mlp(x_d, device_counts.to(DEVICE), w13, w13_scale, w2, w2_scale,
+                                                       block_k)
+            assert got.shape == x.shape and got.dtype == dtype
+            expected = ORACLE.fp8_masked_expert_mlp(torch.nan_to_num(x_d.cpu().float()), counts, *experts.args())
+            for expert, count in enumerate(counts.tolist()):                  # rows past a count: undefined
+                torch.testing.assert_close(got[expert, :count].float().cpu(), expected[expert, :count],
+                                           **tolerance(dtype))
 
 
 # Every read this device can compile: the interpreter runs both; a GPU below sm89 has no native fp8
-# load in Triton, so there only the bytes read exists (and the kernels pick it: the next test).
-READS_HERE = sorted(load for load in LOADS if load == "bytes" or not ON_CUDA or native_fp8_loads(torch.device(DEVICE)))
+# load in Triton, so there only the bytes read exists.
+READS_HERE = ["bytes", "native"] if NATIVE_HERE or not ON_CUDA else ["bytes"]
 
 
-def test_the_device_picks_the_bytes_read_where_it_has_no_native_fp8_load():
+def test_the_device_picks_its_fp8_scheme():
+    """FP8 activations with native loads and dots on sm89+ (not ROCm), else the dequantize path reading bytes."""
+    expected = (Fp8Scheme(native_loads=True, fp8_activations=True, native_dot=True) if NATIVE_HERE
+                else Fp8Scheme(native_loads=False))
+    assert device_fp8_scheme() == expected
+    assert get_kernels(DEVICE, "triton").fp8_linear.__self__.scheme == expected
     weight = random_fp8_weight(4, 16, 16, torch.Generator().manual_seed(0)).values.to(DEVICE)
-    native = ON_CUDA and torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 9)
-    assert triton_fp8.fp8_operand(weight).dtype == (torch.float8_e4m3fn if native else torch.uint8)
+    assert expected.weight_operand(weight).dtype == (torch.float8_e4m3fn if NATIVE_HERE else torch.uint8)
 
 
 @pytest.mark.parametrize("load", READS_HERE)
-def test_native_and_bytes_reads_of_fp8_weights(triton_kernels, load, monkeypatch):
+def test_native_and_bytes_reads_of_fp8_weights(load):
     """The same linear and expert MLP with the weights read each way (the device's own choice aside)."""
-    monkeypatch.setattr(triton_fp8, "fp8_operand", LOADS[load])
+    kernels = triton_kernel_set(Fp8Scheme(native_loads=load == "native"))
     generator = torch.Generator().manual_seed(7)
     weight = random_fp8_weight(40, 100, 48, generator)
     experts = random_fp8_experts(2, HIDDEN, INTERMEDIATE, 16, generator)
     counts = torch.tensor([2, 3])
     x = torch.randn(5, 100, generator=generator)
     x_sorted = torch.randn(5, HIDDEN, generator=generator)
-    got = triton_kernels.fp8_linear(*to_device(x, weight.values, weight.scale), 48)
+    got = kernels.fp8_linear(*to_device(x, weight.values, weight.scale), 48)
     torch.testing.assert_close(got.cpu(), ORACLE.fp8_linear(x, weight.values, weight.scale, 48),
                                **tolerance(torch.float32))
-    got = triton_kernels.fp8_expert_mlp(*to_device(x_sorted, counts, *experts.args()[:4]), 16)
+    got = kernels.fp8_expert_mlp(*to_device(x_sorted, counts, *experts.args()[:4]), 16)
     torch.testing.assert_close(got.cpu(), ORACLE.fp8_expert_mlp(x_sorted, counts, *experts.args()),
+                               **tolerance(torch.float32))
+
+
+def test_fp8_in_memory_takes_the_triton_linear_without_its_checks(triton_kernels):
+    from moe_runtime.weights.quantization.fp8_in_memory import Fp8InMemory
+
+    quant = Fp8InMemory(48, triton_kernels)
+    assert quant.linear_kernel == triton_kernels.fp8_linear.__self__.linear_prechecked
+    generator = torch.Generator().manual_seed(9)
+    weight = random_fp8_weight(40, 100, 48, generator)
+    x = torch.randn(3, 100, generator=generator)
+    got = quant.linear(*to_device(x, weight.values, weight.scale))
+    torch.testing.assert_close(got.cpu(), ORACLE.fp8_linear(x, weight.values, weight.scale, 48),
                                **tolerance(torch.float32))

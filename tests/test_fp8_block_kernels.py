@@ -2,8 +2,10 @@
 
 The torch family runs here against the naive reference (every weight dequantized at once) and the
 plain formula weight.float() * scale.repeat_interleave(block_k, -1)[..., :K]. The Triton family runs
-in fp8_block_triton_cases.py: compiled with CUDA, else in the Triton interpreter in
-test_kernels_triton.py's child process (the interpreter must be on before triton is first imported).
+in fp8_block_triton_cases.py and fp8_activation_triton_cases.py: compiled with CUDA (collected by
+test_fp8_triton_kernels.py, apart from this module so their helpers cannot replace this one's), else
+in the Triton interpreter in test_kernels_triton.py's child process (the interpreter must be on
+before triton is first imported).
 
 Tolerances (outputs are O(1)): fp32 activations rtol = atol = 1e-4 (only summation order differs).
 bf16 / fp16 activations: the torch family computes in fp32 on CPU and rounds the output once, as the
@@ -195,10 +197,31 @@ def test_bad_fp8_arguments_name_the_tensor():
         FAST.fp8_linear(x, w2[0], w2_scale[0].t(), block_k)
 
 
-# ----------------------------------------------------------------------------------------------- Triton
+# ------------------------------------------------------------------------- a layer's linear: checked at load
 
-# The Triton cases: compiled here on a GPU; on CPU tests/test_kernels_triton.py runs them in its
-# interpreter child together with the other Triton kernel cases (one child start-up for both).
-if torch.cuda.is_available():
-    pytest.importorskip("triton")
-    from fp8_block_triton_cases import *  # noqa: F401,F403  (collected here, compiled on the GPU)
+def test_fp8_in_memory_checks_a_weight_once_at_load_not_per_forward(monkeypatch):
+    from moe_runtime.weights.quantization.fp8_in_memory import Fp8InMemory, Fp8Rows
+
+    quant = Fp8InMemory(16, FAST)
+    checks = []
+    check = fp8_module.check_fp8_weight
+    monkeypatch.setattr(fp8_module, "check_fp8_weight",
+                        lambda *args, **kwargs: checks.append(args) or check(*args, **kwargs))
+    rows = quant.quantize(torch.randn(24, 40, generator=torch.Generator().manual_seed(8)))
+    assert len(checks) == 1                                                  # at load
+    x = torch.randn(3, 40)
+    for _ in range(3):
+        got = quant.linear(x, rows.values, rows.scales)
+    assert len(checks) == 1                                                  # no forward checked it again
+    assert quant.linear_kernel is fp8_module.fp8_linear_prechecked
+    torch.testing.assert_close(got, ORACLE.fp8_linear(x, rows.values, rows.scales, 16), **tolerance(torch.float32))
+    FAST.fp8_linear(x, rows.values, rows.scales, 16)                         # the public entry point still checks
+    assert len(checks) == 2
+    with pytest.raises(ValueError, match="w_scale"):                         # a bad weight is refused at load, by name
+        quant.checked(Fp8Rows(rows.values, rows.scales[:, :1]), "w")
+
+
+def test_families_without_a_prechecked_linear_keep_their_own():
+    from moe_runtime.weights.quantization.fp8_in_memory import Fp8InMemory
+
+    assert Fp8InMemory(16, ORACLE).linear_kernel is ORACLE.fp8_linear

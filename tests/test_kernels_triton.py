@@ -1,10 +1,10 @@
 """The Triton kernels against their torch twins (the cases live in triton_kernel_cases.py and, for
-FP8 weights, fp8_block_triton_cases.py).
+FP8 weights, fp8_block_triton_cases.py and fp8_activation_triton_cases.py).
 
 With CUDA the cases run here, compiled. Without it they run in the Triton interpreter, which must be
 switched on before triton is first imported, and importing transformers' model files (as other test
 modules do) already imports triton: so on CPU one test runs the cases in a child pytest process with
-TRITON_INTERPRET=1 (both case files in one child: its start-up, torch and triton imports, is a
+TRITON_INTERPRET=1 (all case files in one child: its start-up, torch and triton imports, is a
 third of its time), and another checks that asking for Triton kernels on a plain CPU is a clear error.
 """
 import os
@@ -17,7 +17,8 @@ import torch
 
 pytest.importorskip("triton")
 
-CASES = [Path(__file__).with_name(name) for name in ("triton_kernel_cases.py", "fp8_block_triton_cases.py")]
+CASES = [Path(__file__).with_name(name) for name in ("triton_kernel_cases.py", "fp8_block_triton_cases.py",
+                                                     "fp8_activation_triton_cases.py")]
 
 if torch.cuda.is_available():
     from triton_kernel_cases import *  # noqa: F401,F403  (collected here, compiled on the GPU)

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from dispatch_cases import MULTI_RANK_BACKENDS
+from host_reads import HostReadWatch
 from moe_seam_cases import LOCAL, check_seam_results, seam_on_rank
 
 from kernels import RoutingConfig, get_kernels
@@ -162,18 +163,32 @@ def test_fused_moe_and_its_stages(triton_kernels, case, dtype):
     torch.testing.assert_close(reduced.float().cpu(), expected_reduced, **tol)
 
 
+# Counts on the device, read there: idle experts, full ones (count == M), one past M (the kernel reads
+# it as M: no host read may check it). M = 5 fits one BLOCK_M tile, M = 20 takes two.
+MASKED_CASES = {"one_tile": (5, [0, 5, 1, 3]), "all_idle": (5, [0, 0, 0, 0]), "all_full": (5, [5, 5, 5, 5]),
+                "two_tiles": (20, [20, 17, 16, 0]), "count_past_capacity": (5, [7, 5, 0, 2])}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("counts", [[0, 5, 1, 3], [0, 0, 0, 0], [5, 5, 5, 5]])
-def test_masked_expert_mlp(triton_kernels, counts, dtype):
-    x, w13, w2, _, _ = moe_inputs(tokens=20, top_k=1, experts=4)
-    x = x.view(4, 5, 24)
-    x_d, w13_d, w2_d = on_device(x, w13, w2, dtype=dtype)
+@pytest.mark.parametrize("case", sorted(MASKED_CASES))
+def test_masked_expert_mlp(triton_kernels, case, dtype):
+    """Valid rows match the reference, NaN in the stale rows past each count never reaches them, and the
+    call neither reads the counts back to the host nor zero-fills its [E, M, H] output (rows past a count
+    are undefined: DeepEP's combine reads only rows below it)."""
+    capacity, counts = MASKED_CASES[case]
+    x, w13, w2, _, _ = moe_inputs(tokens=4 * capacity, top_k=1, experts=4)
+    x = x.view(4, capacity, 24)
     counts = torch.tensor(counts)
-    got = triton_kernels.masked_expert_mlp(x_d, counts.to(DEVICE), w13_d, w2_d)
-    expected = ORACLE.masked_expert_mlp(*(t.float().cpu() for t in (x_d, counts, w13_d, w2_d)))
-    torch.testing.assert_close(got.float().cpu(), expected, **tolerance(dtype))
-    for expert, count in enumerate(counts.tolist()):
-        assert torch.all(got[expert, count:] == 0)
+    valid = torch.arange(capacity)[None, :] < counts[:, None]                 # [E, M]
+    x[~valid] = float("nan")                                                  # a dispatch buffer's stale rows
+    x_d, w13_d, w2_d = on_device(x, w13, w2, dtype=dtype)
+    with HostReadWatch(min_fill_elements=x.numel()) as watch:
+        got = triton_kernels.masked_expert_mlp(x_d, counts.to(DEVICE), w13_d, w2_d)
+    assert watch.host_reads == [] and watch.fills == [], (watch.host_reads, watch.fills)
+    assert got.shape == x.shape and got.dtype == dtype
+    expected = ORACLE.masked_expert_mlp(*(t.float().cpu() for t in (torch.nan_to_num(x_d), counts.clamp(max=capacity),
+                                                                        w13_d, w2_d)))
+    torch.testing.assert_close(got.float().cpu()[valid], expected[valid], **tolerance(dtype))
 
 
 # ------------------------------------------------------------------------- the MoE seam, Triton experts

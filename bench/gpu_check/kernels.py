@@ -10,6 +10,14 @@ is the dtype's or the kernel's.
 The kernels are the fields of `KernelSet` plus the Triton-only `align_block_size` (the grouped
 GEMM's tile schedule) and `skinny_matmul` (the CPU fast path, which must hand back F.linear's
 result on any other device). The `coverage` check fails when a KernelSet kernel has no check here.
+
+FP8 weights run both Triton schemes (kernels/triton_impl/fp8_scheme.py) whatever the device's own
+pick: the dequantize path against the torch twin (the checks named plainly), and the FP8-activation
+path (`.../fp8_tiles`: fp8 x fp8 tiles with per-block scales, native on sm89+, the dot emulated in
+the dry run and on older GPUs) against a float64 reference that quantizes the activations as the
+kernel does (tests/fp8_activation_reference.py). The masked layout's checks compare the rows below
+each count only (the Triton kernels leave the rest undefined) and fail on any host read or an
+output-sized fill during the Triton call (tests/host_reads.py).
 """
 from __future__ import annotations
 
@@ -18,8 +26,12 @@ from dataclasses import asdict, fields
 import torch
 import torch.nn.functional as F
 
+import fp8_activation_reference as fp8_reference     # tests/: the FP8-activation scheme in float64
+from host_reads import HostReadWatch                 # tests/: host reads and fills during a call
 from kernels import KernelSet, get_kernels
 from kernels.skinny_matmul import batched_linear_rows, linear_rows
+from kernels.triton_impl.fp8_scheme import Fp8Scheme
+from kernels.triton_impl.kernel_set import triton_kernel_set
 from triton_kernel_cases import moe_inputs          # the edge-case suite's input generator
 
 from .kernel_shapes import (FP8, INT8, ROUTING_TIE_MARGIN, TOLERANCES, AttentionShape, ExpertWeights, KernelShapes,
@@ -39,6 +51,11 @@ class KernelsPart:
         self.dtypes = self.shapes.dtypes or (mode.kernel_low_precision,)
         self.triton: KernelSet = get_kernels(self.device, "triton")
         self.twin: KernelSet = get_kernels(self.device, "torch")
+        native = self.triton.fp8_linear.__self__.scheme.native_loads          # the device's own pick: sm89+
+        self.fp8_schemes: dict[str, KernelSet] = {   # check suffix -> the Triton family with that FP8 scheme
+            "": triton_kernel_set(Fp8Scheme(native_loads=native)),
+            "/fp8_tiles": triton_kernel_set(Fp8Scheme(native_loads=native, fp8_activations=True, native_dot=native)),
+        }
         self._weights: dict[str, ExpertWeights] = {}
         self._quantized_weights: dict[tuple[str, str], QuantizedExpertWeights] = {}   # by (format, dtype)
         self._checks = self._plan()
@@ -69,14 +86,15 @@ class KernelsPart:
             checks[f"expert_mlp/dense_one_expert/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._dense(t, d)
             checks[f"unpermute_reduce/{e.name}/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._unpermute(t, d)
             checks[f"masked_expert_mlp/{s.masked.name}/{dtype}"] = lambda d=dtype: self._masked(d)
-            for fmt in (FP8, INT8):   # int8: the Triton family runs the torch kernels (no Triton int8 kernel yet)
-                checks[f"{fmt.name}_expert_mlp/{e.name}/T{tokens}/{dtype}"] = (
-                    lambda f=fmt, t=tokens, d=dtype: self._quantized_expert_mlp(f, t, d))
-                checks[f"{fmt.name}_masked_expert_mlp/{s.masked.name}/{dtype}"] = (
-                    lambda f=fmt, d=dtype: self._quantized_masked(f, d))
+            # int8: the Triton family runs the torch kernels (no Triton int8 kernel yet); FP8: both schemes
+            for fmt, scheme in ((FP8, ""), (FP8, "/fp8_tiles"), (INT8, "")):
+                checks[f"{fmt.name}_expert_mlp/{e.name}/T{tokens}/{dtype}{scheme}"] = (
+                    lambda f=fmt, t=tokens, d=dtype, c=scheme: self._quantized_expert_mlp(f, t, d, c))
+                checks[f"{fmt.name}_masked_expert_mlp/{s.masked.name}/{dtype}{scheme}"] = (
+                    lambda f=fmt, d=dtype, c=scheme: self._quantized_masked(f, d, c))
                 for rows in s.skinny_rows:
-                    checks[f"{fmt.name}_linear/rows{rows}/{dtype}"] = (
-                        lambda f=fmt, r=rows, d=dtype: self._quantized_linear(f, r, d))
+                    checks[f"{fmt.name}_linear/rows{rows}/{dtype}{scheme}"] = (
+                        lambda f=fmt, r=rows, d=dtype, c=scheme: self._quantized_linear(f, r, d, c))
             for norm in s.norms:
                 for tokens in s.norm_tokens:
                     checks[f"rms_norm/{norm.name}/T{tokens}/{dtype}"] = (
@@ -291,16 +309,27 @@ class KernelsPart:
         m, w = self.shapes.masked, self._expert_weights(dtype)
         x, counts = self._masked_inputs(dtype)
         w13, w2 = w.w13[:m.local_experts], w.w2[:m.local_experts]
-        got = self.triton.masked_expert_mlp(x, counts, w13, w2)
+        got, problems = self._watched(lambda: self.triton.masked_expert_mlp(x, counts, w13, w2), x.numel())
         want = self.twin.masked_expert_mlp(x.float(), counts, w.w13_fp32[:m.local_experts],
                                            w.w2_fp32[:m.local_experts])
         twin_low = self.twin.masked_expert_mlp(x, counts, w13, w2)
-        stale = torch.arange(m.capacity, device=self.device)[None, :] >= counts[:, None]   # [E, M]
-        problems = [] if bool((got[stale] == 0).all()) else ["rows past an expert's count are not zero"]
-        return self._judge("masked_expert_mlp", dtype, got, want, twin_low, problems, local_experts=m.local_experts,
-                           capacity=m.capacity, rows=int(counts.sum()), stale_rows="NaN",
+        valid = self._valid_rows(counts)
+        return self._judge("masked_expert_mlp", dtype, got[valid], want[valid], twin_low[valid], problems,
+                           local_experts=m.local_experts, capacity=m.capacity, rows=int(counts.sum()),
+                           stale_rows="NaN; output rows past a count undefined, not compared",
                            **self._timing(lambda: self.triton.masked_expert_mlp(x, counts, w13, w2),
                                           lambda: self.twin.masked_expert_mlp(x, counts, w13, w2), repeats=3))
+
+    def _valid_rows(self, counts: torch.Tensor) -> torch.Tensor:
+        """[E, M] bool: the masked layout's rows below each expert's count."""
+        return torch.arange(self.shapes.masked.capacity, device=self.device)[None, :] < counts[:, None]
+
+    def _watched(self, call, output_elements: int) -> tuple[torch.Tensor, list[str]]:
+        """A masked-layout Triton call's result, and a problem for each host read or output-sized fill in it."""
+        with HostReadWatch(min_fill_elements=output_elements) as watch:
+            got = call()
+        return got, ([f"host reads during the call: {watch.host_reads}"] if watch.host_reads else []) + (
+            [f"output-sized fills during the call: {watch.fills}"] if watch.fills else [])
 
     def _masked_inputs(self, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(x [E, M, H] with NaN in the rows past each count, counts [E]): an idle expert and a full one."""
@@ -312,50 +341,63 @@ class KernelsPart:
             x[expert, count:] = float("nan")                           # stale rows, as DeepEP leaves them
         return x, counts.to(self.device)
 
-    def _quantized_expert_mlp(self, fmt: QuantizedFormat, tokens: int, dtype: str) -> Outcome:
-        """Experts kept quantized: FP8's Triton grouped GEMM dequantizes per tile, the twin per row chunk; int8
-        converts each row chunk and applies the scales to the output."""
+    def _quantized_expert_mlp(self, fmt: QuantizedFormat, tokens: int, dtype: str, scheme: str) -> Outcome:
+        """Experts kept quantized: FP8's Triton grouped GEMM dequantizes per tile (or, `scheme` /fp8_tiles,
+        multiplies fp8 tiles), the twin per row chunk; int8 converts each row chunk and scales the output."""
         e, q = self.shapes.experts, self._quantized_expert_weights(fmt, dtype)
         x = self._randn(tokens, e.hidden, dtype=dtype, seed=tokens)
         _, ids = self._routing(tokens)
         plan = self.twin.permute_by_expert(ids, e.experts)
         x_sorted = x[plan.token_index]
         args = (*q.first(e.experts), *fmt.kernel_args)
-        triton, twin = fmt.kernel(self.triton, "expert_mlp"), fmt.kernel(self.twin, "expert_mlp")
+        triton, twin = fmt.kernel(self.fp8_schemes[scheme], "expert_mlp"), fmt.kernel(self.twin, "expert_mlp")
         got = triton(x_sorted, plan.counts, *args)
-        want = twin(x_sorted.float(), plan.counts, *args)
         twin_low = twin(x_sorted, plan.counts, *args)
+        want, details = self._quantized_reference(fmt, scheme, fp8_reference.fp8_activation_expert_mlp, twin,
+                                                  x_sorted, plan.counts, *args)
         return self._judge(f"{fmt.name}_expert_mlp", dtype, got, want, twin_low, tokens=tokens, rows=plan.num_rows,
-                           **dict(fmt.details),
+                           **dict(fmt.details), **details,
                            **self._timing(lambda: triton(x_sorted, plan.counts, *args),
                                           lambda: twin(x_sorted, plan.counts, *args), repeats=3))
 
-    def _quantized_masked(self, fmt: QuantizedFormat, dtype: str) -> Outcome:
+    def _quantized_reference(self, fmt: QuantizedFormat, scheme: str, fp8_activation_kernel, twin, x,
+                             *args) -> tuple[torch.Tensor, dict]:
+        """The reference of a quantized check: the torch twin in fp32, or for /fp8_tiles the float64 math of
+        the FP8-activation scheme (activations quantized 1x128 as the kernel does)."""
+        if scheme:
+            return fp8_activation_kernel(x, *args), {"fp8_scheme": "fp8 activations (1x128) x fp8 weight blocks",
+                                                     "reference": "float64, activations quantized as the kernel"}
+        return twin(x.float(), *args), {"fp8_scheme": "dequantize"} if fmt is FP8 else {}
+
+    def _quantized_masked(self, fmt: QuantizedFormat, dtype: str, scheme: str) -> Outcome:
         m, q = self.shapes.masked, self._quantized_expert_weights(fmt, dtype)
         x, counts = self._masked_inputs(dtype)
         args = (*q.first(m.local_experts), *fmt.kernel_args)
-        triton, twin = fmt.kernel(self.triton, "masked_expert_mlp"), fmt.kernel(self.twin, "masked_expert_mlp")
-        got = triton(x, counts, *args)
-        want = twin(x.float(), counts, *args)
+        triton = fmt.kernel(self.fp8_schemes[scheme], "masked_expert_mlp")
+        twin = fmt.kernel(self.twin, "masked_expert_mlp")
+        # int8 has no Triton kernel: the Triton family's is the torch one, whose host reads are not watched here
+        got, problems = self._watched(lambda: triton(x, counts, *args), x.numel()) if fmt is FP8 else (
+            triton(x, counts, *args), [])
+        want, details = self._quantized_reference(fmt, scheme, fp8_reference.fp8_activation_masked_expert_mlp, twin,
+                                                  x, counts, *args)
         twin_low = twin(x, counts, *args)
-        stale = torch.arange(m.capacity, device=self.device)[None, :] >= counts[:, None]   # [E, M]
-        problems = [] if bool((got[stale] == 0).all()) else ["rows past an expert's count are not zero"]
-        return self._judge(f"{fmt.name}_masked_expert_mlp", dtype, got, want, twin_low, problems,
-                           local_experts=m.local_experts, capacity=m.capacity, rows=int(counts.sum()),
-                           **self._timing(lambda: triton(x, counts, *args), lambda: twin(x, counts, *args),
-                                          repeats=3))
+        valid = self._valid_rows(counts)
+        return self._judge(f"{fmt.name}_masked_expert_mlp", dtype, got[valid], want[valid], twin_low[valid],
+                           problems, local_experts=m.local_experts, capacity=m.capacity, rows=int(counts.sum()),
+                           **details, **self._timing(lambda: triton(x, counts, *args), lambda: twin(x, counts, *args),
+                                                     repeats=3))
 
-    def _quantized_linear(self, fmt: QuantizedFormat, rows: int, dtype: str) -> Outcome:
+    def _quantized_linear(self, fmt: QuantizedFormat, rows: int, dtype: str, scheme: str) -> Outcome:
         """A quantized projection (attention q/k/v/o): one expert's gate/up stack as the weight."""
         e, q = self.shapes.experts, self._quantized_expert_weights(fmt, dtype)
         x = self._randn(rows, e.hidden, dtype=dtype, seed=15)
         args = (q.w13[0], q.w13_scale[0], *fmt.kernel_args)
-        triton, twin = fmt.kernel(self.triton, "linear"), fmt.kernel(self.twin, "linear")
+        triton, twin = fmt.kernel(self.fp8_schemes[scheme], "linear"), fmt.kernel(self.twin, "linear")
         got = triton(x, *args)
-        want = twin(x.float(), *args)
+        want, details = self._quantized_reference(fmt, scheme, fp8_reference.fp8_activation_linear, twin, x, *args)
         twin_low = twin(x, *args)
         return self._judge(f"{fmt.name}_linear", dtype, got, want, twin_low, rows=rows, **dict(fmt.details),
-                           **self._timing(lambda: triton(x, *args), lambda: twin(x, *args)))
+                           **details, **self._timing(lambda: triton(x, *args), lambda: twin(x, *args)))
 
     def _rms_norm(self, norm: NormShape, tokens: int, dtype: str, fused: bool) -> Outcome:
         x = self._randn(tokens, norm.hidden, dtype=dtype, seed=6)

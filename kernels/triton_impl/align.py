@@ -3,8 +3,10 @@
 `align_block_size` is the `moe_align_block_size` of this runtime: from topk ids it builds both the
 unpadded sorted order (a `PermutePlan`) and a `BlockSchedule` whose segments are padded to BLOCK_M
 rows so every GEMM tile belongs to exactly one expert. `schedule_from_counts` builds the same
-schedule for rows that are already grouped (contiguous or masked layouts). None of this syncs
-with the host; only `permute_by_expert` reads N back to size its outputs.
+schedule for rows that are already grouped (the contiguous layout). None of this syncs with the
+host; only `permute_by_expert` reads N back to size its outputs. The masked layout (DeepEP
+low-latency) needs no schedule at all: its GEMM tiles a fixed grid and reads the counts itself
+(masked_layout.py), so it neither fills a [P] schedule nor builds one per call.
 """
 from __future__ import annotations
 
@@ -26,6 +28,11 @@ class BlockSchedule:
     @property
     def num_blocks(self) -> int:
         return self.block_expert.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        """Rows of an intermediate tensor in padded-slot order."""
+        return self.padded_rows.shape[0]
 
 
 @dataclass

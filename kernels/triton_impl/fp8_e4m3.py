@@ -1,7 +1,7 @@
-"""Reading float8_e4m3fn weights in a Triton kernel: the native FP8 load where the target has one,
-the raw bytes decoded by hand everywhere else.
+"""float8_e4m3fn in Triton kernels: the native FP8 type where the target has one, its bytes
+decoded (and encoded) by hand everywhere else.
 
-Which path runs where (`native_fp8_loads`):
+Which read runs where is the kernel set's `Fp8Scheme` (fp8_scheme.py), decided once:
 - native: the float8_e4m3fn tensor is loaded as such and converted with `.to(tl.float32)`. Compiled on
   NVIDIA GPUs of compute capability >= 8.9 (Ada, Hopper, Blackwell), where Triton supports fp8e4nv
   and the conversion is a hardware instruction.
@@ -11,28 +11,15 @@ Which path runs where (`native_fp8_loads`):
   The interpreter of Triton 3.9 can load float8_e4m3fn itself, but it decodes the NaN codes 0x7F/0xFF
   as +-480, and the interpreters of older releases (pyproject allows triton >= 3.0) have no FP8 loads;
   the bytes path is exact e4m3fn on all of them. The tests run both paths in the interpreter.
+
+`float_to_e4m3_bits` is the way back (fp32 -> e4m3fn code, rounded to nearest even as torch's
+`.to(torch.float8_e4m3fn)` rounds): the FP8-activation scheme's quantizer stores its codes with it
+where the dot is emulated (the interpreter); compiled on sm89+ it stores float8_e4m3fn natively.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from .interpreter import running_in_interpreter
-
-NATIVE_FP8_CAPABILITY = (8, 9)   # first NVIDIA architecture with fp8e4nv in Triton
-
-
-def native_fp8_loads(device: torch.device) -> bool:
-    """Whether kernels on `device` load float8_e4m3fn natively (else they decode its bytes)."""
-    if running_in_interpreter() or device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device) >= NATIVE_FP8_CAPABILITY
-
-
-def fp8_operand(weight: torch.Tensor) -> torch.Tensor:
-    """The tensor a kernel receives for an FP8 weight: itself, or its uint8 view on the bytes path."""
-    return weight if native_fp8_loads(weight.device) else weight.view(torch.uint8)
 
 
 @triton.jit
@@ -62,3 +49,24 @@ def fp8_tile_to_float(tile, E4M3_BYTES: tl.constexpr):
     else:
         values = tile.to(tl.float32)
     return values
+
+
+@triton.jit
+def float_to_e4m3_bits(value):
+    """fp32 values with |value| <= 448 (or NaN) -> uint8 e4m3fn codes, rounded to nearest even.
+
+    Normals (|v| >= 2^-6) round fp32's 23 mantissa bits to 3 with one integer add (ties to even via
+    the kept bit) and rebias the exponent (127 -> 7); a carry rolls into the exponent as it should.
+    Subnormals are round(|v| * 2^9) in float (the 2^23 add rounds to an integer, ties to even); 8
+    there is the smallest normal's code. NaN -> 0x7F with its sign. Callers clamp to +-448 first.
+    """
+    bits = value.to(tl.int32, bitcast=True)
+    sign = ((bits >> 31) & 1) << 7
+    magnitude_bits = bits & 0x7FFFFFFF
+    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
+    rounded = magnitude_bits + 0x7FFFF + ((magnitude_bits >> 20) & 1)
+    normal = (rounded >> 20) - (120 << 3)                                 # exponent bias 127 -> 7
+    subnormal = ((magnitude * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(magnitude < 0.015625, subnormal, normal)
+    code = tl.where(magnitude != magnitude, 0x7F, code)                   # NaN
+    return (code | sign).to(tl.uint8)

@@ -1,15 +1,32 @@
-"""Grouped GEMM over a BlockSchedule: every BLOCK_M tile multiplies rows of one expert.
+"""Grouped GEMM: every BLOCK_M tile multiplies rows of one expert.
 
 One kernel serves both expert projections: with SWIGLU it computes silu(x @ gate.T) * (x @ up.T)
 from w13 [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1) in one pass; without it, x @ w2[e].T.
 Row gathering (tokens -> tiles) and scattering (tiles -> rows) are folded into the loads/stores.
 
-With FP8_WEIGHTS the weights stay float8_e4m3fn in memory (the runtime's FP8 layout: row-expanded
-block scales [E, N, ceil(K / block_k)], see kernels/fp8_block_weights.py): each weight tile is
-loaded as FP8 (or as its bytes, see fp8_e4m3.py), converted to fp32, multiplied by the scale of its
-k-block, cast to the activations' dtype and fed to tl.dot. BLOCK_K is chosen to divide block_k so a
-tile needs one scale per weight row; where no power of two >= 16 divides block_k, each element
-looks up its own block's scale (SCALE_PER_ELEMENT).
+Tiles come from one of two row layouts (`tile_rows`):
+- a BlockSchedule (align.py): tile -> expert and padded slots -> source rows, built on the device
+  from the counts (contiguous layout, fused MoE, dense linears);
+- the masked layout (masked_layout.py, DeepEP low-latency [E, M, H]): a fixed grid of
+  E * ceil(M / BLOCK_M) tiles, each reading counts[e] on the device and exiting past it. No
+  schedule, no host read, no zero fill: output rows past counts[e] are undefined.
+
+FP8 weights (`BlockScales`: float8_e4m3fn, row-expanded block scales [E, N, ceil(K / block_k)], see
+kernels/fp8_block_weights.py) are multiplied one of two ways, the kernel set's `Fp8Scheme`
+(fp8_scheme.py), chosen once by device capability:
+- dequantize (FP8_WEIGHTS without FP8_ACTIVATIONS; GPUs below sm89, the interpreter's default):
+  each weight tile is loaded as FP8 (or as its bytes, fp8_e4m3.py), converted to fp32, multiplied by
+  its k-block's scale, cast to the activations' dtype and fed to tl.dot. BLOCK_K divides block_k so a
+  tile needs one scale per weight row; where no power of two >= 16 divides block_k, each element
+  looks up its own block's scale (SCALE_PER_ELEMENT).
+- FP8 activations (FP8_ACTIVATIONS; sm89+): `a` arrives quantized per token and 128 columns
+  (fp8_activations.py), and each BLOCK_K tile, inside one activation group and one weight block, is
+  ONE fp8 x fp8 dot accumulated in fp32 and scaled by a_scale[m, k0 // 128] * w_scale[n, k0 // block_k]
+  (DeepGEMM's scheme). What runs where: compiled on sm89+ (NATIVE_DOT) `tl.dot` takes the two
+  float8e4nv tiles; in the Triton interpreter (and wherever NATIVE_DOT is off) both tiles are decoded
+  to fp32, exactly, and dotted in ieee fp32, so the CPU tests check the quantized activations, the
+  per-block scales and the fp32 accumulation against a float64 reference, but not the fp8 MMA itself
+  (its in-tile accumulation precision is the GPU check's to measure).
 """
 from __future__ import annotations
 
@@ -19,12 +36,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..expert_mlp import check_expert_weights, check_masked_counts, check_sorted_counts
+from ..expert_mlp import check_expert_weights, check_sorted_counts
 from .align import BlockSchedule, schedule_from_counts
-from .fp8_e4m3 import fp8_tile_to_float
+from .fp8_activations import QuantizedActivations, quantize_activations
+from .fp8_e4m3 import e4m3_bits_to_float, fp8_tile_to_float
+from .fp8_scheme import ACTIVATION_GROUP, Fp8Scheme
+from .masked_layout import MaskedRows, check_masked_layout
 
 MIN_DOT_K = 16        # tl.dot's smallest K
 MAX_BLOCK_K = 64
+
+Tiles = BlockSchedule | MaskedRows
 
 
 @dataclass(frozen=True)
@@ -36,6 +58,29 @@ class BlockScales:
 
     scale: torch.Tensor   # [E, N, ceil(K / block_k)] float32
     block_k: int
+
+
+@triton.jit
+def tile_rows(tile, padded_rows_ptr, block_expert_ptr, counts_ptr, capacity, tiles_per_expert,
+              MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, slots, rows, valid, dead) of one tile: slots index intermediate tensors, rows the
+    gathered / scattered ones; in the masked layout the two are the same."""
+    if MASKED:
+        expert = (tile // tiles_per_expert).to(tl.int64)
+        start = (tile % tiles_per_expert) * BLOCK_M
+        local = start + tl.arange(0, BLOCK_M)
+        count = tl.minimum(tl.maximum(tl.load(counts_ptr + expert).to(tl.int64), 0), capacity)
+        valid = local < count
+        rows = tl.where(valid, expert * capacity + local, -1)
+        slots = rows
+        dead = start >= count
+    else:
+        expert = tl.load(block_expert_ptr + tile).to(tl.int64)
+        slots = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rows = tl.load(padded_rows_ptr + slots)                           # [BM] int64, -1 = padding
+        valid = rows >= 0
+        dead = expert < 0
+    return expert, slots, rows, valid, dead
 
 
 @triton.jit
@@ -57,29 +102,43 @@ def load_weight_tile(w_base, s_base, rows, ks, k0, row_ok, k_ok, stride_wn, stri
 
 
 @triton.jit
+def fp8_block_dot(a, a_scale, w_base, s_base, rows, ks, k0, row_ok, k_ok, stride_wn, stride_wk, stride_sn,
+                  stride_sk, scale_block_k, NATIVE_DOT: tl.constexpr, E4M3_BYTES: tl.constexpr):
+    """One K tile of the FP8-activation scheme: (a [BM, BK] fp8 . w[rows, ks].T fp8) in fp32, times
+    a_scale [BM] * w's k-block scale [BN]."""
+    w = tl.load(w_base + rows[None, :] * stride_wn + ks[:, None] * stride_wk,
+                mask=k_ok[:, None] & row_ok[None, :], other=0.0)              # [BK, BN] FP8 codes
+    w_scale = tl.load(s_base + rows * stride_sn + (k0 // scale_block_k) * stride_sk, mask=row_ok, other=0.0)
+    if NATIVE_DOT:
+        part = tl.dot(a, w, out_dtype=tl.float32)
+    else:
+        part = tl.dot(e4m3_bits_to_float(a), fp8_tile_to_float(w, E4M3_BYTES), input_precision="ieee")
+    return part * a_scale[:, None] * w_scale[None, :]
+
+
+@triton.jit
 def grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, padded_rows_ptr, block_expert_ptr, scale_ptr,
-    N, K, up_offset, a_row_divisor, scale_block_k,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_se, stride_sn, stride_sk,
-    GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, SWIGLU: tl.constexpr, PRECISION: tl.constexpr,
-    FP8_WEIGHTS: tl.constexpr, E4M3_BYTES: tl.constexpr, SCALE_PER_ELEMENT: tl.constexpr,
+    a_ptr, a_scale_ptr, w_ptr, out_ptr, padded_rows_ptr, block_expert_ptr, counts_ptr, scale_ptr,
+    N, K, up_offset, a_row_divisor, scale_block_k, capacity, tiles_per_expert,
+    stride_am, stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_se, stride_sn, stride_sk,
+    MASKED: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, SWIGLU: tl.constexpr,
+    PRECISION: tl.constexpr, FP8_WEIGHTS: tl.constexpr, E4M3_BYTES: tl.constexpr, SCALE_PER_ELEMENT: tl.constexpr,
+    FP8_ACTIVATIONS: tl.constexpr, NATIVE_DOT: tl.constexpr, ACT_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + tile).to(tl.int64)
-    if expert < 0:
+    expert, slots, rows, valid, dead = tile_rows(tl.program_id(0), padded_rows_ptr, block_expert_ptr, counts_ptr,
+                                                 capacity, tiles_per_expert, MASKED, BLOCK_M)
+    if dead:
         return
-    slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)                        # padded slots of this tile
-    rows = tl.load(padded_rows_ptr + slots)                               # [BM] int64, -1 = padding
-    valid = rows >= 0
     if GATHER_A:
         a_rows = tl.where(valid, rows // a_row_divisor, 0)
     else:
-        a_rows = slots.to(tl.int64)
+        a_rows = tl.where(valid, slots, 0)
     if SCATTER_OUT:
         out_rows = tl.where(valid, rows, 0)
     else:
-        out_rows = slots.to(tl.int64)
+        out_rows = tl.where(valid, slots, 0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_base = w_ptr + expert * stride_we
@@ -91,13 +150,23 @@ def grouped_gemm_kernel(
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
                     mask=valid[:, None] & k_ok[None, :], other=0.0)       # [BM, BK]
-        w = load_weight_tile(w_base, s_base, cols, ks, k0, col_ok, k_ok, stride_wn, stride_wk, stride_sn, stride_sk,
-                             scale_block_k, FP8_WEIGHTS, E4M3_BYTES, SCALE_PER_ELEMENT)      # [BK, BN]
-        acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
-        if SWIGLU:
-            w_up = load_weight_tile(w_base, s_base, cols + up_offset, ks, k0, col_ok, k_ok, stride_wn, stride_wk,
-                                    stride_sn, stride_sk, scale_block_k, FP8_WEIGHTS, E4M3_BYTES, SCALE_PER_ELEMENT)
-            acc_up += tl.dot(a, w_up.to(a.dtype), input_precision=PRECISION)
+        if FP8_ACTIVATIONS:
+            a_scale = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // ACT_GROUP) * stride_ask, mask=valid, other=0.0)
+            acc += fp8_block_dot(a, a_scale, w_base, s_base, cols, ks, k0, col_ok, k_ok, stride_wn, stride_wk,
+                                 stride_sn, stride_sk, scale_block_k, NATIVE_DOT, E4M3_BYTES)
+            if SWIGLU:
+                acc_up += fp8_block_dot(a, a_scale, w_base, s_base, cols + up_offset, ks, k0, col_ok, k_ok,
+                                        stride_wn, stride_wk, stride_sn, stride_sk, scale_block_k, NATIVE_DOT,
+                                        E4M3_BYTES)
+        else:
+            w = load_weight_tile(w_base, s_base, cols, ks, k0, col_ok, k_ok, stride_wn, stride_wk, stride_sn,
+                                 stride_sk, scale_block_k, FP8_WEIGHTS, E4M3_BYTES, SCALE_PER_ELEMENT)  # [BK, BN]
+            acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
+            if SWIGLU:
+                w_up = load_weight_tile(w_base, s_base, cols + up_offset, ks, k0, col_ok, k_ok, stride_wn, stride_wk,
+                                        stride_sn, stride_sk, scale_block_k, FP8_WEIGHTS, E4M3_BYTES,
+                                        SCALE_PER_ELEMENT)
+                acc_up += tl.dot(a, w_up.to(a.dtype), input_precision=PRECISION)
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     tl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :] * stride_on,
@@ -118,68 +187,98 @@ def pick_block_k(k_dim: int, scales: BlockScales | None) -> int:
     return block_k
 
 
-def run_grouped_gemm(a, w, out, schedule: BlockSchedule, *, swiglu: bool, gather_a: bool, scatter_out: bool,
-                     a_row_divisor: int = 1, scales: BlockScales | None = None) -> None:
-    """out[rows] = (swiglu of) a[rows] @ w[expert].T for every tile of the schedule.
+def run_grouped_gemm(a: torch.Tensor | QuantizedActivations, w, out, tiles: Tiles, *, swiglu: bool, gather_a: bool,
+                     scatter_out: bool, a_row_divisor: int = 1, scales: BlockScales | None = None,
+                     dot_block_k: int | None = None) -> None:
+    """out[rows] = (swiglu of) a[rows] @ w[expert].T for every tile.
 
     With `scales`, w is an FP8 weight: float8_e4m3fn, or its uint8 view for the bytes path (fp8_e4m3.py).
+    With `a` quantized (QuantizedActivations) the FP8-activation scheme runs with BLOCK_K = dot_block_k
+    (Fp8Scheme.dot_block_k): native fp8 dots when a's codes are float8_e4m3fn, decoded ones when uint8.
     """
     n_out = w.shape[1] // 2 if swiglu else w.shape[1]
     k_dim = w.shape[2]
-    if schedule.num_blocks == 0 or n_out == 0:
+    if tiles.num_blocks == 0 or n_out == 0:
         return
+    fp8_activations = isinstance(a, QuantizedActivations)
+    if fp8_activations and (scales is None or dot_block_k is None):
+        raise ValueError("run_grouped_gemm: quantized activations need FP8 weights and the scheme's BLOCK_K")
+    a_values, a_scales = (a.values, a.scales) if fp8_activations else (a, a)   # a as scales: unread
     block_n = min(64, max(16, triton.next_power_of_2(n_out)))
-    block_k = pick_block_k(k_dim, scales)
+    block_k = dot_block_k if fp8_activations else pick_block_k(k_dim, scales)
     scale = w if scales is None else scales.scale                         # unread without FP8_WEIGHTS
     scale_block_k = 1 if scales is None else scales.block_k
-    grid = (schedule.num_blocks, triton.cdiv(n_out, block_n))
+    masked = isinstance(tiles, MaskedRows)
+    # Each layout reads its own tensors; the other's pointers are filled with any tensor, unread.
+    padded_rows, block_expert, counts = ((tiles.counts, tiles.counts, tiles.counts) if masked else
+                                         (tiles.padded_rows, tiles.block_expert, tiles.padded_rows))
+    grid = (tiles.num_blocks, triton.cdiv(n_out, block_n))
     grouped_gemm_kernel[grid](
-        a, w, out, schedule.padded_rows, schedule.block_expert, scale,
+        a_values, a_scales, w, out, padded_rows, block_expert, counts, scale,
         n_out, k_dim, n_out, a_row_divisor, scale_block_k,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        tiles.capacity if masked else 0, tiles.tiles_per_expert if masked else 1,
+        a_values.stride(0), a_values.stride(1), *(a_scales.stride() if fp8_activations else (0, 0)),
+        w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         *(scale.stride() if scales is not None else (0, 0, 0)),
-        GATHER_A=gather_a, SCATTER_OUT=scatter_out, SWIGLU=swiglu,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        MASKED=masked, GATHER_A=gather_a, SCATTER_OUT=scatter_out, SWIGLU=swiglu,
+        PRECISION="ieee" if a_values.dtype == torch.float32 else "tf32",
         FP8_WEIGHTS=scales is not None, E4M3_BYTES=w.dtype == torch.uint8,
-        SCALE_PER_ELEMENT=scales is not None and scale_block_k % block_k != 0,
-        BLOCK_M=schedule.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SCALE_PER_ELEMENT=scales is not None and not fp8_activations and scale_block_k % block_k != 0,
+        FP8_ACTIVATIONS=fp8_activations, NATIVE_DOT=fp8_activations and a_values.dtype != torch.uint8,
+        ACT_GROUP=ACTIVATION_GROUP,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
 
 
-def swiglu_then_down(a, schedule: BlockSchedule, w13, w2, out, *, gather_a: bool, scatter_out: bool,
-                     a_row_divisor: int = 1, w13_scales: BlockScales | None = None,
-                     w2_scales: BlockScales | None = None) -> None:
-    """Both expert projections over one schedule; the [P, I] activation lives in padded-slot order."""
+def quantized_for(x: torch.Tensor, tiles: Tiles, scheme: Fp8Scheme, *, slots: bool) -> QuantizedActivations:
+    """x's rows quantized per token and 128 columns, only those the GEMM reads: in the masked layout the
+    rows below each count; with `slots` (x in padded-slot order) the slots holding a row; else all."""
+    if isinstance(tiles, MaskedRows):
+        return quantize_activations(x, scheme, tiles.counts, tiles.capacity)
+    return quantize_activations(x, scheme, padded_rows=tiles.padded_rows if slots else None)
+
+
+def swiglu_then_down(a, tiles: Tiles, w13, w2, out, *, gather_a: bool, scatter_out: bool, a_row_divisor: int = 1,
+                     w13_scales: BlockScales | None = None, w2_scales: BlockScales | None = None,
+                     scheme: Fp8Scheme | None = None) -> None:
+    """Both expert projections over one tiling; the [P, I] activation lives in slot order.
+
+    With FP8 weights and a `scheme` whose FP8-activation GEMM fits their block_k, both projections'
+    inputs are quantized first (x, then the SwiGLU activation in a's dtype)."""
     intermediate = w13.shape[1] // 2
-    activation = torch.empty(schedule.padded_rows.shape[0], intermediate, dtype=a.dtype, device=a.device)
-    run_grouped_gemm(a, w13, activation, schedule, swiglu=True, gather_a=gather_a, scatter_out=False,
-                     a_row_divisor=a_row_divisor, scales=w13_scales)
-    run_grouped_gemm(activation, w2, out, schedule, swiglu=False, gather_a=False, scatter_out=scatter_out,
-                     scales=w2_scales)
+    activation = torch.empty(tiles.num_slots, intermediate, dtype=a.dtype, device=a.device)   # [P, I]
+    fits = scheme is not None and w13_scales is not None and w2_scales is not None
+    up_k = scheme.dot_block_k(w13.shape[2], w13_scales.block_k) if fits else None
+    down_k = scheme.dot_block_k(w2.shape[2], w2_scales.block_k) if fits else None
+    up_in = a if up_k is None else quantized_for(a, tiles, scheme, slots=False)
+    run_grouped_gemm(up_in, w13, activation, tiles, swiglu=True, gather_a=gather_a, scatter_out=False,
+                     a_row_divisor=a_row_divisor, scales=w13_scales, dot_block_k=up_k)
+    down_in = activation if down_k is None else quantized_for(activation, tiles, scheme, slots=True)
+    run_grouped_gemm(down_in, w2, out, tiles, swiglu=False, gather_a=False, scatter_out=scatter_out,
+                     scales=w2_scales, dot_block_k=down_k)
 
 
 def sorted_experts(x_sorted, counts, w13, w2, *, w13_scales: BlockScales | None = None,
-                   w2_scales: BlockScales | None = None) -> torch.Tensor:
+                   w2_scales: BlockScales | None = None, scheme: Fp8Scheme | None = None) -> torch.Tensor:
     """The contiguous layout's expert MLP once validated: [N, H] rows grouped by expert -> [N, H]."""
     num_rows = x_sorted.shape[0]
     out = torch.empty(num_rows, w2.shape[1], dtype=x_sorted.dtype, device=x_sorted.device)  # [N, H]
     row_start = torch.cumsum(counts, dim=0) - counts                       # [E]
     schedule = schedule_from_counts(counts, row_start, num_rows, pick_block_m(num_rows, w13.shape[0]))
     swiglu_then_down(x_sorted, schedule, w13, w2, out, gather_a=True, scatter_out=True,
-                     w13_scales=w13_scales, w2_scales=w2_scales)
+                     w13_scales=w13_scales, w2_scales=w2_scales, scheme=scheme)
     return out
 
 
 def masked_experts(x, counts, w13, w2, *, w13_scales: BlockScales | None = None,
-                   w2_scales: BlockScales | None = None) -> torch.Tensor:
-    """The masked layout's expert MLP once validated: [E, M, H] -> [E, M, H], rows past counts[e] zero."""
+                   w2_scales: BlockScales | None = None, scheme: Fp8Scheme | None = None) -> torch.Tensor:
+    """The masked layout's expert MLP once validated: [E, M, H] -> [E, M, H]; rows past counts[e] are
+    undefined (masked_layout.py: never written, never read)."""
     num_experts, capacity, hidden = x.shape
-    out = torch.zeros(num_experts * capacity, w2.shape[1], dtype=x.dtype, device=x.device)  # [E*M, H]
-    row_start = torch.arange(num_experts, device=x.device) * capacity
-    schedule = schedule_from_counts(counts, row_start, num_experts * capacity,
-                                    pick_block_m(int(capacity), 1))
-    swiglu_then_down(x.reshape(num_experts * capacity, hidden), schedule, w13, w2, out,
-                     gather_a=True, scatter_out=True, w13_scales=w13_scales, w2_scales=w2_scales)
+    out = torch.empty(num_experts * capacity, w2.shape[1], dtype=x.dtype, device=x.device)  # [E*M, H]
+    tiles = MaskedRows(counts, capacity, pick_block_m(capacity, 1))
+    swiglu_then_down(x.reshape(num_experts * capacity, hidden), tiles, w13, w2, out, gather_a=True,
+                     scatter_out=True, w13_scales=w13_scales, w2_scales=w2_scales, scheme=scheme)
     return out.view(num_experts, capacity, w2.shape[1])
 
 
@@ -190,6 +289,7 @@ def expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, 
 
 
 def masked_expert_mlp(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """[E, M, H] -> [E, M, H], rows past counts[e] undefined; no host read (masked_layout.py)."""
     check_expert_weights(x.shape[-1], w13, w2)
-    check_masked_counts(x, counts, w13.shape[0])
+    check_masked_layout(x, counts, w13.shape[0])
     return masked_experts(x, counts, w13, w2)

@@ -12,14 +12,21 @@ Weights the checkpoint does not store in FP8 (a bf16/fp32 checkpoint) are quanti
 scale per row and block_k columns: the same layout, so the same kernels.
 
 `Fp8InMemory` is one `WeightQuantization` (quantization/weight_quantization.py), int8 the other.
+
+Checked once, at load: every weight this format hands out (`quantize`, `read`, `read_slice`) is
+validated (float8_e4m3fn values [..., N, K], float32 scales [..., N, ceil(K / block_k)]), and a layer keeps it
+in parameters whose shapes and dtypes its constructor fixed from this format. So `linear` calls the
+kernel family's FP8 linear without its per-call checks of the weight (`prechecked_fp8_linear`); the
+kernels' public entry points keep checking for every other caller.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
 
 import torch
 
+import kernels.fp8_block_weights as torch_fp8
 from kernels import KernelSet
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows, TensorSource
@@ -44,6 +51,10 @@ class Fp8InMemory:
     kernels: KernelSet    # fp8_linear, fp8_expert_mlp, fp8_masked_expert_mlp
     name: ClassVar[str] = "fp8"
     values_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
+    linear_kernel: Callable = field(init=False, repr=False, compare=False)   # the family's, without per-call checks
+
+    def __post_init__(self):
+        object.__setattr__(self, "linear_kernel", prechecked_fp8_linear(self.kernels))
 
     @classmethod
     def for_checkpoint(cls, checkpoint_format: Fp8BlockFormat | None, kernels: KernelSet) -> "Fp8InMemory":
@@ -60,22 +71,37 @@ class Fp8InMemory:
         """Whether input columns [start, stop) of a `total`-column weight cut along block boundaries."""
         return start % self.block_k == 0 and (stop % self.block_k == 0 or stop == total)
 
+    def checked(self, rows: Fp8Rows, name: str) -> Fp8Rows:
+        """A weight's fixed properties, checked here once so that no forward checks them again."""
+        torch_fp8.check_fp8_weight(rows.values, rows.scales, self.block_k, name)
+        return rows
+
     def quantize(self, weight: torch.Tensor) -> Fp8Rows:
-        return quantize_rows(weight, self.block_k)
+        return self.checked(quantize_rows(weight, self.block_k), "weight")
 
     def read(self, reader: TensorSource, name: str) -> Fp8Rows:
-        return reader.read_fp8_rows(name, self.block_k)
+        return self.checked(reader.read_fp8_rows(name, self.block_k), name)
 
     def read_slice(self, reader: TensorSource, name: str, dim: int, start: int, stop: int) -> Fp8Rows:
         whole = reader.read_fp8_rows(name, self.block_k)   # scales cover blocks, not rows: read it all, then cut
-        return whole.rows(start, stop) if dim == 0 else whole.columns(start, stop, self.block_k)
+        cut = whole.rows(start, stop) if dim == 0 else whole.columns(start, stop, self.block_k)
+        return self.checked(cut, name)
 
     def linear(self, x, values, scales, bias=None):
-        return self.kernels.fp8_linear(x, values, scales, self.block_k, bias)
+        """A layer's forward: values / scales are its parameters, loaded through this format (checked)."""
+        return self.linear_kernel(x, values, scales, self.block_k, bias)
 
     def expert_mlp(self, masked, x, counts, w13, w13_scale, w2, w2_scale):
         kernel = self.kernels.fp8_masked_expert_mlp if masked else self.kernels.fp8_expert_mlp
         return kernel(x, counts, w13, w13_scale, w2, w2_scale, self.block_k)
+
+
+def prechecked_fp8_linear(kernels: KernelSet) -> Callable:
+    """The family's FP8 linear minus its checks of the weight: the torch family's `fp8_linear_prechecked`,
+    the Triton family's `Fp8Kernels.linear_prechecked`; any other family (the reference) as it is."""
+    if kernels.fp8_linear is torch_fp8.fp8_linear:
+        return torch_fp8.fp8_linear_prechecked
+    return getattr(getattr(kernels.fp8_linear, "__self__", None), "linear_prechecked", kernels.fp8_linear)
 
 
 def expand_block_scales(scale_inv: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
