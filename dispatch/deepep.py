@@ -45,6 +45,7 @@ import torch
 
 from dispatch.base import LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchOutput, Dispatcher
 from dispatch.deepep_buffer import SharedDeepEPBuffer
+from dispatch.deepep_ops import LowLatencyCalls, low_latency_combine, low_latency_dispatch
 from dispatch.deepep_preconditions import MODE_LOW_LATENCY, MODE_NORMAL, deepep_refusal
 from dispatch.fp8_activations import GROUP_SIZE, Fp8Activations, dequantize, quantize_token_groups
 from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
@@ -84,9 +85,8 @@ class _NormalHandle:
 
 @dataclasses.dataclass
 class _LowLatencyHandle:
-    deepep_handle: object
     topk_idx: torch.Tensor      # [T, K] int64
-    topk_weights: torch.Tensor  # [T, K] float32
+    topk_weights: torch.Tensor  # [T, K] float32 (DeepEP's own handle waits in the dispatcher's LowLatencyCalls)
 
 
 class DeepEPDispatcher(Dispatcher):
@@ -114,9 +114,14 @@ class DeepEPDispatcher(Dispatcher):
         self.fp8_activations = fp8_activations
         self.shared = buffer
         self.buffer = buffer.buffer
+        self.low_latency = None if mode == MODE_NORMAL else LowLatencyCalls(
+            self._low_latency_dispatch_call, self._low_latency_combine_call,
+            (slots.slots_per_rank, max_tokens_per_rank * slots.num_ranks, hidden_size), hidden_size)
 
     def begin_step(self) -> None:
         self.shared.enter(self.mode)
+        if self.low_latency is not None:
+            self.low_latency.clear()
 
     def layout(self) -> str:
         return LAYOUT_CONTIGUOUS if self.mode == MODE_NORMAL else LAYOUT_MASKED
@@ -138,7 +143,8 @@ class DeepEPDispatcher(Dispatcher):
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
         check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size,
                               check_values=self.mode == MODE_NORMAL)   # low latency: no host read
-        self.shared.enter(self.mode)   # no traffic counted (`last_stats` None): counting would read the device
+        if not torch.compiler.is_compiling():   # a captured step: its dispatcher entered the mode in begin_step
+            self.shared.enter(self.mode)        # no traffic counted (`last_stats` None): that would read the device
         weights = weights.to(torch.float32)
         if self.mode == MODE_NORMAL:
             return self._dispatch_normal(x, slot_ids, weights)
@@ -149,9 +155,7 @@ class DeepEPDispatcher(Dispatcher):
             partial = reduce_grouped(expert_out, handle.grouping, handle.dtype)   # [Rn, H]
             combined_x, _, _ = self.buffer.combine(partial, handle.deepep_handle)
             return combined_x
-        combined_x, _, _ = self.buffer.low_latency_combine(
-            expert_out, handle.topk_idx, handle.topk_weights, handle.deepep_handle)
-        return combined_x
+        return low_latency_combine(expert_out, handle.topk_idx, handle.topk_weights, self.low_latency.id)
 
     def _dispatch_normal(self, x, slot_ids, weights) -> DispatchOutput:
         num_slots = self.slots.num_slots
@@ -179,11 +183,20 @@ class DeepEPDispatcher(Dispatcher):
         if x.shape[0] > self._max_tokens:
             raise ValueError(f"dispatch: x has {x.shape[0]} tokens, more than this low-latency "
                              f"dispatcher's max_tokens_per_rank={self._max_tokens}")
+        recv_x, recv_count = low_latency_dispatch(x, slot_ids, self.low_latency.id)   # [E_local, M, H], [E_local]
+        return DispatchOutput(recv_x=recv_x, tokens_per_local_expert=recv_count,
+                              handle=_LowLatencyHandle(slot_ids, weights))
+
+    def _low_latency_dispatch_call(self, x, slot_ids):
+        """DeepEP's call inside the dispatch operator (dispatch/deepep_ops.py)."""
         recv, recv_count, deepep_handle, _, _ = self.buffer.low_latency_dispatch(
             x, slot_ids, self._max_tokens, self.slots.num_slots, use_fp8=self.fp8_activations)
         # FP8: (values [E_local, M, H], scales [E_local, M, H // 128]); rows past recv_count are
         # garbage either way, and dequantizing them is harmless.
         recv_x = dequantize(Fp8Activations(*recv), x.dtype) if self.fp8_activations else recv
-        return DispatchOutput(recv_x=recv_x,                         # [E_local, M, H]
-                              tokens_per_local_expert=recv_count.to(torch.int64),
-                              handle=_LowLatencyHandle(deepep_handle, slot_ids, weights))
+        return recv_x, recv_count, deepep_handle
+
+    def _low_latency_combine_call(self, expert_out, topk_idx, topk_weights, deepep_handle):
+        """DeepEP's call inside the combine operator."""
+        combined_x, _, _ = self.buffer.low_latency_combine(expert_out, topk_idx, topk_weights, deepep_handle)
+        return combined_x

@@ -22,10 +22,15 @@ from attention_dp.lockstep import LockstepLoop
 from deepep_emulation import DeepEPRuleBroken, EmulatedDeepEPBuffer
 from dispatch import DispatchConfig, make_dispatcher
 from dispatch.factory import BackendChoice, choose_backend, make_phase_dispatchers
+from kernels import TopK, get_kernels
 from load_balancer import SlotGeometry
+from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
+from moe_runtime.config.parallel_context import ParallelContext
 from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.execution.host_reads import HostReadCounter, opaque_device_kernel
 from moe_runtime.front.llm import LLM
+from moe_runtime.moe.executor import MoEExecutor
+from moe_runtime.moe.expert_weights import ExpertWeights
 from moe_runtime.sampling.params import SamplingParams
 from multirank import ranks  # noqa: F401  (pytest fixture)
 
@@ -266,3 +271,64 @@ def test_decode_steps_through_deepep_low_latency_read_nothing_from_the_device(de
     other_busy, other_idle, _ = _generate(deepseek_2048, "all_to_all")
     assert (busy[0], one_idle) == (other_busy[0], other_idle)
     assert [len(tokens) for tokens in busy] == [5, 5, 5]
+
+
+def _moe_layer_compiled_whole() -> dict:
+    """One MoE layer's executor run (router ids -> replicas -> DeepEP low-latency dispatch -> masked experts ->
+    combine) under torch.compile(fullgraph=True): any graph break fails the compile."""
+    rank = dist.get_rank()
+    num_experts, intermediate = 4, 8
+    parallel = ParallelContext(world_size=2, rank=rank, ep_size=2, ep_rank=rank)
+    executor = MoEExecutor(get_kernels("cpu", "torch"), parallel, backend="deepep", num_redundant_experts=0,
+                           hidden_size=DEEPEP_HIDDEN, dtype=torch.bfloat16, record_load=True, decode_max_tokens=4,
+                           deepep_module="deepep_emulation")
+    experts = ExpertWeights(executor.local_expert_ids(num_experts), DEEPEP_HIDDEN, intermediate, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(experts.w13.shape, generator=gen) * 0.02)
+        experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.3)
+    executor.register_layer(experts, num_experts)
+    executor.finish_registration()
+    x = torch.randn(3 + rank, DEEPEP_HIDDEN, generator=gen).to(torch.bfloat16)
+    topk = TopK(torch.rand(3 + rank, 2, generator=gen), torch.tensor([[0, 3], [1, 2], [2, 0], [3, 1]][:3 + rank]))
+    executor.begin_step("decode")
+    eager = executor.run(0, x, topk)
+    torch._dynamo.reset()
+    compiled = torch.compile(executor.run, fullgraph=True, backend="aot_eager")
+    executor.begin_step("decode")
+    captured = compiled(0, x, topk)
+    recorded = executor.recorder._expert_step[0].tolist()
+    return {"layout": executor._by_phase["decode"].dispatcher.layout(), "recorded": recorded,
+            "error": float((captured.float() - eager.float()).abs().max()), "scale": float(eager.float().abs().max())}
+
+
+def test_one_moe_layer_with_the_low_latency_dispatcher_compiles_whole(ranks):
+    for result in ranks(2).run(_moe_layer_compiled_whole):
+        assert result["layout"] == "masked", result
+        assert result["error"] <= 1e-2 * max(result["scale"], 1.0), result
+        assert sum(result["recorded"]) > 0, result          # the expert load is recorded in a captured step too
+
+
+# ------------------------------------------------------------------ the EP decode step captured whole
+def test_the_ep_decode_step_is_captured_whole_and_gives_the_eager_tokens(deepseek_2048):
+    """LLM(ep=2, dp_attn=2) with --enable-torch-compile: every rank's decode step is one graph with DeepEP's
+    low-latency dispatch and combine inside (aot_eager here: the trace is the capture's; CUDA replays it)."""
+    tokens, captured = {}, {}
+    for compiled in (False, True):
+        with LLM(str(deepseek_2048), device="cpu", dtype="bfloat16", ep=2, dp_attn=2, a2a_backend="deepep",
+                 deepep_module="deepep_emulation", max_num_seqs=8, enable_torch_compile=compiled,
+                 torch_compile_backend="aot_eager") as llm:
+            params = SamplingParams(max_tokens=5, temperature=0)
+            tokens[compiled] = [out.token_ids for out in llm.generate(PROMPTS, params)]
+            tokens[compiled] += [out.token_ids for out in llm.generate(PROMPTS[:1], params)]   # one worker idle
+            captured[compiled] = [worker.captured_decode_steps for worker in llm.engine.stats().workers]
+    assert tokens[True] == tokens[False]
+    assert captured[False] == [0, 0] and min(captured[True]) >= 4, captured   # every rank's decode steps
+
+
+def test_a_captured_ep_step_needs_deepeps_low_latency_kernels():
+    with pytest.raises(EngineConfigError, match="--a2a-backend deepep --dp-attn 2"):
+        EngineConfig(model="unused", ep=2, dp_attn=2, enable_torch_compile=True).validate_options()
+    with pytest.raises(EngineConfigError, match="--dp-attn 4"):
+        EngineConfig(model="unused", ep=4, dp_attn=2, a2a_backend="deepep", enable_torch_compile=True).validate_options()
+    EngineConfig(model="unused", ep=2, dp_attn=2, a2a_backend="deepep", enable_torch_compile=True).validate_options()

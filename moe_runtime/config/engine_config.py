@@ -142,10 +142,17 @@ class EngineConfig:
                                     "would have to pair up; use one of them")
 
     def validate_torch_compile(self) -> None:
-        """A captured decode step is one rank's whole forward with nothing exchanged and unquantized weights."""
+        """A captured decode step is one rank's whole forward with unquantized weights; the one exchange it may
+        hold is DeepEP's low-latency dispatch and combine (fixed shapes, traced as operators), on ranks that are
+        each their own DP attention worker."""
         if self.torch_compile_max_bs < 1:
             raise EngineConfigError(f"--torch-compile-max-bs {self.torch_compile_max_bs}: must be >= 1")
-        spread = {"--ep": self.ep, "--tp": self.tp, "--pp": self.pp, "--cp": self.cp}
+        if self.ep > 1 and (self.a2a_backend != "deepep" or self.dp_attn != self.ep):
+            raise EngineConfigError(f"--enable-torch-compile with --ep {self.ep}: the captured decode step exchanges "
+                                    "tokens through DeepEP's low-latency kernels only, on ranks that are each a DP "
+                                    "attention worker: add --a2a-backend deepep --dp-attn "
+                                    f"{self.ep} (or run without --enable-torch-compile)")
+        spread = {"--tp": self.tp, "--pp": self.pp, "--cp": self.cp}
         blocking = [f"{flag} {value}" for flag, value in spread.items() if value > 1]
         if blocking:
             raise EngineConfigError(f"--enable-torch-compile with {', '.join(blocking)}: the captured decode step is "

@@ -433,6 +433,7 @@ class EngineCore:
             compute_seconds=self._compute_seconds if self.parallel.pp_size > 1 else self._step_seconds,
             prefix_cache_queries=self.block_manager.counters.queries,
             prefix_cache_hits=self.block_manager.counters.hits,
+            captured_decode_steps=self.runner.capture.stats.captured_steps if self.runner.capture else 0,
             **DecodeHostReads.stats(self.decode_host_reads),
         )
 

@@ -24,6 +24,7 @@ class WorkerStats:
     prefix_cache_hits: int = 0      # ... of which found cached (not computed again)
     # With EngineConfig.debug_host_reads: decode steps counted, the host reads in them (forward + sampling, the
     # step's one result copy excluded), and those reads by "operation at file:line"
+    captured_decode_steps: int = 0  # decode steps run as the compiled graph (--enable-torch-compile)
     decode_steps_counted: int = 0
     decode_host_reads: int = 0
     decode_host_read_sites: dict[str, int] = field(default_factory=dict)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dispatch.backends import PHASE_DECODE
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.sampling.prompt_logprobs import prompt_logprobs_due
@@ -135,6 +136,8 @@ class DecodeCapture:
         """Whether this step is a pure decode step the capture runs: every sequence computes and samples one
         token (no prompt scored), within the largest bucket and, with sliding-window attention, the window."""
         if self.stats.disabled_reason is not None or not 0 < len(seqs) <= self.settings.max_batch:
+            return False
+        if self.model.executor.phase != PHASE_DECODE:   # several ranks agreed on prefill: not the low-latency kernels
             return False
         for seq in seqs:
             if seq.num_scheduled_tokens != 1 or not seq.samples_this_step or prompt_logprobs_due(seq):

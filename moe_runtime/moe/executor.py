@@ -192,12 +192,19 @@ class MoEExecutor:
         return run_to_end(self.stages(moe_layer, x, topk))
 
     def _captured_run(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> torch.Tensor:  # [T, H] -> [T, H]
-        """The layer inside a captured decode step (moe_runtime/execution/decode_capture.py), which the engine config admits
-        only on one rank with weights in the compute dtype (`EngineConfig.validate_torch_compile`): every expert
-        local, nothing to dispatch or record, no data-dependent grouping."""
+        """The layer inside a captured decode step (moe_runtime/execution/decode_capture.py): no staged generator, no
+        wall-clock timing, no data-dependent grouping. One rank: every expert local, per-(token, expert) GEMVs.
+        Several: the phase's dispatcher, which a capture needs to be DeepEP's low-latency one (fixed shapes, counts
+        on the device, its calls traced as operators: dispatch/deepep_ops.py), then the masked expert kernel."""
         experts = self._experts[moe_layer]
         slots = choose_replicas(topk.ids, self._tables[moe_layer])                 # [T, K]
-        return pair_expert_mlp(x, slots, topk.weights, experts.w13, experts.w2)    # [T, H]
+        if self.parallel.ep_size == 1:
+            return pair_expert_mlp(x, slots, topk.weights, experts.w13, experts.w2)    # [T, H]
+        if self.recorder is not None:
+            self.recorder.record(moe_layer, topk.ids, slots)
+        moe = self._by_phase[self.phase]
+        out = moe.dispatcher.dispatch(x, slots, topk.weights)
+        return moe.dispatcher.combine(moe.kernel(out.recv_x, out.tokens_per_local_expert, experts), out.handle)
 
     def stages(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> Staged[torch.Tensor]:  # [T, H] -> [T, H]
         """`run` as a staged computation: it yields while this layer's dispatch and combine are in flight."""
