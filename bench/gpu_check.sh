@@ -6,6 +6,8 @@
 #   environment      10 s       60 s    versions, the GPU, the packages the parts import
 #   kernels          80 s      150 s    every Triton kernel vs its torch twin at DeepSeek-V3 shapes, bf16
 #                                       (hidden 7168, 256 experts top-8, moe_intermediate 2048, MLA 576/512)
+#   attention        60 s      150 s    varlen paged prefill + split-context decode (Triton, FlashInfer where it
+#                                       imports) vs the torch twins at DeepSeek-V3 MLA / Llama GQA shapes, timed
 #   parity          100 s      170 s    LLM(device="cuda") vs transformers, all 10 tiny architectures:
 #                                       fp32 tokens exact, bf16 close; ep=2 when 2 GPUs are visible
 #   serve            40 s      100 s    moe-serve --device cuda on the demo model answers a completion
@@ -14,6 +16,9 @@
 #                                       fp8, batch 1 and 16)
 #   captured         90 s      180 s    --enable-torch-compile on CUDA: decode replayed as CUDA graphs gives the
 #                                       eager tokens (qwen3_moe, deepseek_v3), no graph skipped; ms/token vs eager
+#   captured_ep      90 s      180 s    ep=2, --a2a-backend deepep: zero host reads in decode steps; the EP step
+#                                       captured whole (DeepEP low latency inside) gives eager's tokens; skipped
+#                                       (with the reason) without 2 GPUs and deep_ep
 #   kernel_cases     60 s      120 s    tests/triton_kernel_cases.py compiled (edge cases, bf16 + fp32)
 #   total           ~8.5 min (estimates: no GPU has run it yet). The run stops starting parts at 540 s
 #                   (--total-timeout; less what the wheels took) and this script kills it at

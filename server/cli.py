@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert-parallel dispatch sends activations as FP8 e4m3 with one float32 scale per 128 "
                         "hidden columns (about half of bf16's bytes; DeepEP's FP8 dispatch); combine stays in "
                         "--dtype. Meant for GPUs, where dispatch is bandwidth-bound; needs --ep > 1")
+    g.add_argument("--deepep-module", default=e.deepep_module,
+                   help="the Python module whose Buffer is DeepEP's (deep_ep, or a drop-in fork with its API)")
+    g.add_argument("--debug-host-reads", action=argparse.BooleanOptionalAction, default=e.debug_host_reads,
+                   help="count each decode step's host reads (device values read on the host: each stalls a GPU "
+                        "and breaks graph capture) per DP worker, by file and line; slows every step")
     g.add_argument("--enable-two-batch-overlap", action=argparse.BooleanOptionalAction,
                    default=e.enable_two_batch_overlap,
                    help="two-batch overlap: split each step's batch by requests into two micro-batches whose MoE "

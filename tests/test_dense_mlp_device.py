@@ -1,5 +1,7 @@
-"""A dense MLP runs as one expert: the expert count it hands the kernel lives on the input's device
-(a Triton kernel on CUDA cannot read a CPU tensor). The meta device stands in for CUDA here."""
+"""A dense MLP is one expert. In the compute dtype it runs as two matmuls on the input's device and hands no
+kernel an expert count (whose size the grouped kernel would read off the device); kept quantized it runs
+through its format's expert kernel, with the count on the input's device (a Triton kernel on CUDA cannot
+read a CPU tensor). The meta device stands in for CUDA here."""
 import torch
 
 from moe_runtime.moe.dense_mlp import DenseMLP
@@ -20,11 +22,30 @@ class RecordingKernels:
         return self.expert_mlp(x, counts, w13, w2)
 
 
-def test_dense_mlp_builds_its_expert_count_on_the_input_device():
+class RecordingQuantization:
+    """A kept-quantized format's expert kernel, recording where its inputs live."""
+
+    def __init__(self):
+        self.devices: list[tuple[torch.device, torch.device]] = []
+
+    def expert_mlp(self, masked, x, counts, w13, w13_scale, w2, w2_scale):  # x [T, H], counts [E]
+        self.devices.append((x.device, counts.device))
+        return torch.empty_like(x)
+
+
+def test_a_dense_mlp_in_the_compute_dtype_runs_two_matmuls_on_the_input_device():
     kernels = RecordingKernels()
     mlp = DenseMLP(hidden_size=8, intermediate_size=16, kernels=kernels, device="meta")
+    out = mlp(torch.empty(3, 8, device="meta"))  # [T, H]
+    assert out.shape == (3, 8) and out.device == torch.device("meta")
+    assert kernels.devices == []                  # no expert kernel, no count to read
+
+
+def test_a_kept_quantized_dense_mlp_builds_its_expert_count_on_the_input_device():
+    mlp = DenseMLP(hidden_size=8, intermediate_size=16, kernels=RecordingKernels(), device="meta")
+    mlp.quant = RecordingQuantization()
     mlp(torch.empty(3, 8, device="meta"))  # [T, H]
-    assert kernels.devices == [(torch.device("meta"), torch.device("meta"))]
+    assert mlp.quant.devices == [(torch.device("meta"), torch.device("meta"))]
 
 
 def test_a_dense_mlp_is_expert_weights_with_one_local_expert():

@@ -5,12 +5,15 @@ how to run it on a lent GPU. Parts (supervisor.PARTS has their budgets):
 
   environment   versions, the device, the packages the parts need
   kernels       every Triton kernel vs its torch twin at DeepSeek-V3 shapes, bf16 (routing also fp32)
+  attention     varlen paged prefill and split-context decode (Triton; FlashInfer where it imports) vs torch
   parity        LLM(device="cuda") greedy tokens vs transformers, every tiny architecture: fp32 exact,
                 bf16 close; ep=2 when two GPUs are visible
   serve         moe-serve --device cuda on the demo model answers a completion
   moe_layer     bench/bench_moe_layer.py on the GPU vs transformers' MoE block
   offline       offline generation vs transformers generate on the GPU
   captured      --enable-torch-compile: decode replayed as CUDA graphs gives the eager tokens
+  captured_ep   ep=2 with DeepEP low latency: no host read in a decode step; the captured EP step gives the
+                eager tokens (needs 2 GPUs and deep_ep; the dry run uses the tests' DeepEP emulation)
   kernel_cases  tests/triton_kernel_cases.py compiled on the GPU (edge cases, bf16 + fp32)
 
 Each part runs in its own process under a hard timeout; a check that fails, raises, or crashes its

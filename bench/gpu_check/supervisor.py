@@ -105,6 +105,10 @@ PARTS: tuple[PartSpec, ...] = (
              "--enable-torch-compile: decode replayed as CUDA graphs gives the eager tokens (bucket 4, a pad row), "
              "no graph skipped; ms per token captured vs eager",
              gpu_budget_s=90, gpu_timeout_s=180, dry_budget_s=40, dry_timeout_s=120),
+    PartSpec("captured_ep", "bench.gpu_check.captured_ep:CapturedEpPart",
+             "ep=2 decode captured whole with DeepEP low latency inside: no host read in eager decode steps, "
+             "captured tokens equal eager (one worker idle too), ms per token (needs 2 GPUs and deep_ep)",
+             gpu_budget_s=90, gpu_timeout_s=180, dry_budget_s=90, dry_timeout_s=180),
     # Last: the four checks the GPU run exists for come first; this one takes what time is left.
     PartSpec("kernel_cases", "bench.gpu_check.programs:KernelCasesPart",
              "tests/triton_kernel_cases.py compiled, bf16 + fp32 (empty batches, masked slots, partial tiles)",

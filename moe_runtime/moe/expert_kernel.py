@@ -30,7 +30,8 @@ class ExpertKernel(Protocol):
 @dataclass(frozen=True)
 class LayoutExpertKernel:
     """One layout's pair of kernels: contiguous, recv_x [N, H] grouped by local expert -> [N, H]; masked,
-    recv_x [E_local, M, H] -> [E_local, M, H] with rows past each expert's count zero."""
+    recv_x [E_local, M, H] -> [E_local, M, H] with rows past each expert's count undefined (zero
+    in the torch twin, unwritten by the Triton kernel): the combine reads only rows below the counts."""
 
     layout: str
     mlp: Callable      # KernelSet.expert_mlp / masked_expert_mlp(recv_x, counts [E], w13, w2)
