@@ -59,6 +59,17 @@ _DEEPSEEK_V2 = dict(  # shared by the V2 and V2-Lite tiny models, which differ o
     first_k_dense_replace=1,
 )
 
+_V3_ROUTING = dict(  # DeepSeek-V3's router and MoE layout, which GLM-4.5 shares
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+)
+
 
 @dataclass(frozen=True)
 class TinyArch:
@@ -162,16 +173,40 @@ TINY_ARCHS: dict[str, TinyArch] = {
                 q_lora_rank=64,
                 intermediate_size=256,
                 moe_intermediate_size=64,
-                n_routed_experts=16,
-                num_experts_per_tok=4,
-                n_shared_experts=1,
-                n_group=4,
-                topk_group=2,
-                routed_scaling_factor=2.5,
-                norm_topk_prob=True,
-                first_k_dense_replace=1,
+                **_V3_ROUTING,
             ),
             "MLA, sigmoid grouped top-4 of 16 (4 groups, 2 kept) with nonzero correction bias, scaling 2.5",
+        ),
+        TinyArch(
+            "glm4_moe",
+            "Glm4MoeConfig",
+            dict(
+                **_GQA,
+                num_hidden_layers=3,
+                intermediate_size=256,
+                moe_intermediate_size=64,
+                **_V3_ROUTING,
+                use_qk_norm=True,
+                attention_bias=True,
+                rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5),
+            ),
+            "GLM-4.5: GQA 8/4 with q/k/v bias, per-head q/k norm, rotary on half of each head; DeepSeek-V3 routing "
+            "(sigmoid, 4 groups, 2 kept, correction bias, scaling 2.5), shared expert, layer 0 dense; "
+            "config says num_nextn_predict_layers=1",
+        ),
+        TinyArch(
+            "minimax_m2",
+            "MiniMaxM2Config",
+            dict(
+                **_GQA,
+                head_dim=32,
+                rotary_dim=16,
+                intermediate_size=64,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+            ),
+            "MiniMax-M2: GQA 8/4, head_dim 32 with rotary on 16, q/k RMSNorm over the whole projection; sigmoid "
+            "top-2 of 8 with correction bias (on the block), renormalised; w1/w3/w2 experts in block_sparse_moe",
         ),
     )
 }

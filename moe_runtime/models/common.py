@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from moe_runtime.layers.attention import Attention, AttentionShape
+from moe_runtime.layers.partial_rotary import PartialRotaryEmbedding
 from moe_runtime.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from moe_runtime.models.decoder import BuildContext
 
@@ -29,8 +30,15 @@ def rotary_for(cfg, rotary_dim: int, device: torch.device, interleaved: bool = F
     return RotaryEmbedding(inv_freq.to(device), scaling, interleaved)
 
 
+def partial_rotary_for(cfg, rotary_dim: int, device: torch.device) -> PartialRotaryEmbedding:
+    """Neox rotary over the first `rotary_dim` channels of each head (GLM-4.5, MiniMax-M2)."""
+    inv_freq, scaling = rope_inverse_frequencies(cfg, rotary_dim)
+    return PartialRotaryEmbedding(inv_freq.to(device), scaling, interleaved=False)
+
+
 def gqa_attention(cfg, layer_index: int, ctx: BuildContext, *, qkv_bias: bool = False, o_bias: bool = False,
-                  qk_norm: str | None = None) -> Attention:
+                  qk_norm: str | None = None, rotary_dim: int | None = None) -> Attention:
+    """GQA attention of layer `layer_index`; `rotary_dim` below the head size rotates only those channels."""
     head_dim = head_dim_of(cfg)
     shape = AttentionShape(
         hidden_size=cfg.hidden_size,
@@ -45,5 +53,7 @@ def gqa_attention(cfg, layer_index: int, ctx: BuildContext, *, qkv_bias: bool = 
         sliding_window=sliding_window_of(cfg, layer_index),
     )
     p = ctx.parallel
-    return Attention(shape, rotary_for(cfg, head_dim, ctx.device), ctx.kernels, ctx.dtype, ctx.device,
+    partial = rotary_dim is not None and rotary_dim < head_dim
+    rotary = partial_rotary_for(cfg, rotary_dim, ctx.device) if partial else rotary_for(cfg, head_dim, ctx.device)
+    return Attention(shape, rotary, ctx.kernels, ctx.dtype, ctx.device,
                      p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group, quant=ctx.quant)

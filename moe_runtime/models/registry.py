@@ -6,7 +6,7 @@ from moe_runtime.models.decoder import BuildContext, CausalLM
 
 
 def _builders():
-    from moe_runtime.models import deepseek, llama, mixtral, qwen_moe
+    from moe_runtime.models import deepseek, glm4_moe, llama, minimax_m2, mixtral, qwen_moe
 
     return {
         "LlamaForCausalLM": llama.build_llama,
@@ -18,6 +18,8 @@ def _builders():
         "OlmoeForCausalLM": qwen_moe.build_olmoe,
         "DeepseekV2ForCausalLM": deepseek.build_deepseek_v2,
         "DeepseekV3ForCausalLM": deepseek.build_deepseek_v3,
+        "Glm4MoeForCausalLM": glm4_moe.build_glm4_moe,
+        "MiniMaxM2ForCausalLM": minimax_m2.build_minimax_m2,
     }
 
 
