@@ -13,18 +13,24 @@ import json
 from pathlib import Path
 from types import MappingProxyType
 
-from server.tool_calls import deepseek_v3, hermes, mistral
+from server.tool_calls import deepseek_v3, glm45, hermes, minimax_m2, mistral
 from server.tool_calls.deepseek_v3 import DeepSeekV3Parser
+from server.tool_calls.glm45 import Glm45Parser
 from server.tool_calls.hermes import HermesParser
+from server.tool_calls.minimax_m2 import MiniMaxM2Parser
 from server.tool_calls.mistral import MistralParser
 from server.tool_calls.parser import ToolCallParser
 
-PARSERS = MappingProxyType({"hermes": HermesParser(), "deepseek_v3": DeepSeekV3Parser(), "mistral": MistralParser()})
-TEMPLATE_MARKERS = ((hermes.OPEN, "hermes"), (deepseek_v3.CALLS_BEGIN, "deepseek_v3"), (mistral.MARKER, "mistral"))
+PARSERS = MappingProxyType({"hermes": HermesParser(), "deepseek_v3": DeepSeekV3Parser(), "mistral": MistralParser(),
+                            "glm45": Glm45Parser(), "minimax_m2": MiniMaxM2Parser()})
+# GLM-4.5 templates write `<tool_call>` too: their `<arg_key>` is looked for before Hermes' marker
+TEMPLATE_MARKERS = ((glm45.KEY_OPEN, "glm45"), (minimax_m2.SECTION_OPEN, "minimax_m2"), (hermes.OPEN, "hermes"),
+                    (deepseek_v3.CALLS_BEGIN, "deepseek_v3"), (mistral.MARKER, "mistral"))
 MODEL_TYPE_PARSERS = MappingProxyType({
     "qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
     "deepseek_v3": "deepseek_v3",
     "mistral": "mistral", "mixtral": "mistral",
+    "glm4_moe": "glm45", "minimax_m2": "minimax_m2",
 })
 
 
