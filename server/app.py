@@ -42,6 +42,8 @@ from server.stream_usage import stream_usage
 from server.tenant_salt import TenantSalts
 from server.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                  detokenize, tokenize)
+from server.harmony_output import HarmonyFormat
+from server.reasoning.selection import choose_reasoning
 from server.tool_calls.selection import choose_parser
 
 logger = logging.getLogger(__name__)
@@ -65,16 +67,20 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     tool_call_parser: str | None = None,
     model_type: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """`tool_call_parser` names the parser of tool calls (`server.tool_calls.selection.PARSERS`); None chooses
-    one from the chat template, then `model_type` (config.json's). `api_key`: one key, or one per tenant (each
+    one from the chat template, then `model_type` (config.json's). `reasoning_parser` names the reasoning
+    split (`server.reasoning.selection`; a gpt-oss `model_type` gets harmony in any case). `api_key`: one key, or one per tenant (each
     tenant's requests then share prefix-cache blocks only among themselves: `server.tenant_salt`)."""
     app = FastAPI(title="moe-runtime", version=moe_runtime.__version__)
     app.state.async_engine = async_engine
     app.state.metrics = metrics = ServerMetrics()
     parser = choose_parser(tool_call_parser, getattr(async_engine.tokenizer, "chat_template", None), model_type)
+    reasoning = choose_reasoning(reasoning_parser, model_type)
+    harmony = HarmonyFormat(async_engine.tokenizer) if reasoning.harmony else None
     model = ModelInfo(served_model_name, async_engine.max_model_len, async_engine.tokenizer, parser,
-                      structured_output=async_engine.structured_output_validator)
+                      structured_output=async_engine.structured_output_validator, harmony=harmony)
     namer = TokenNamer(async_engine.tokenizer)
     salts = TenantSalts.for_keys(ApiKeys.of(api_key))
     install_error_handlers(app)
@@ -132,7 +138,8 @@ def build_app(
         chat = await asyncio.to_thread(chat_choices, body, model)   # renders and tokenizes: off the event loop
         generation = Generation(async_engine, f"chatcmpl-{uuid.uuid4().hex}", chat.choices, metrics)
         formatter = ChatFormatter(generation, served_model_name, namer, body.logprobs, usage.final,
-                                  continuous_usage=usage.continuous, tool_calls=chat.tool_calls)
+                                  continuous_usage=usage.continuous, tool_calls=chat.tool_calls,
+                                  reasoning=reasoning.parser, harmony=harmony)
         return await respond(generation, formatter, body.stream, request)
 
     async def respond(generation: Generation, formatter, stream: bool, request: Request) -> Response:

@@ -27,6 +27,7 @@ from moe_runtime.errors import MoERuntimeError
 from server.flag_help import DefaultsHelpFormatter
 from server.flag_types import AppendToTuple, non_negative_int, parse_size, positive_int, tcp_port
 from server.server_config import DEMO_SERVED_NAME, ServerConfig
+from server.reasoning.names import REASONING_PARSER_NAMES
 from server.tool_calls.names import TOOL_CALL_PARSER_NAMES
 
 UNRESOLVED_MODEL = ""   # EngineConfig.model until `--model` (or the demo) is resolved, at launch
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=s.tool_call_parser, choices=sorted(TOOL_CALL_PARSER_NAMES),
                    help="how the model writes tool calls (read for tool_choice auto); default: recognised from "
                         "the chat template, else the model type")
+    g.add_argument("--reasoning-parser", default=s.reasoning_parser, choices=sorted(REASONING_PARSER_NAMES),
+                   help="split the model's thinking into chat answers' reasoning_content (and reasoning); "
+                        "default: none, except gpt-oss, which always answers in harmony channels")
 
     g = p.add_argument_group("scheduling and memory")
     g.add_argument("--max-num-seqs", type=positive_int, default=e.max_num_seqs,

@@ -170,6 +170,8 @@ class ChatMessage(RequestModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict] | None = None
+    reasoning_content: str | None = None      # an assistant turn's reasoning, as this server returned it
+    reasoning: str | None = None              # ... under vLLM's newer name
 
     def text(self) -> str:
         if self.content is None:
@@ -216,6 +218,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | NamedToolChoice | None = None    # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None             # vLLM's: extra variables for the chat template
+    reasoning_effort: str | None = None                  # gpt-oss (harmony): low, medium, high
     echo: bool = False                                   # vLLM's extension: not implemented (a 400)
     prompt_logprobs: int | None = None                   # vLLM's extension: /v1/completions only (a 400 here)
 
@@ -311,7 +315,21 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class AssistantMessage(BaseModel):
+class OmitsNoReasoning(BaseModel):
+    """Serialized without the reasoning fields when there is no reasoning, so a server without a reasoning
+    parser answers exactly as before. The reasoning goes out under both names: `reasoning_content`
+    (DeepSeek's, SGLang's and most clients') and `reasoning` (vLLM's since late 2025)."""
+
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_reasoning(self, serialize):
+        return {key: value for key, value in serialize(self).items()
+                if value is not None or key not in ("reasoning_content", "reasoning")}
+
+
+class AssistantMessage(OmitsNoReasoning):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -356,7 +374,7 @@ class DeltaToolCall(OmitsUnset):
     function: DeltaFunctionCall | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(OmitsNoReasoning):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None

@@ -21,6 +21,7 @@ from moe_runtime.sampling.structured_output.spec import FIELD, StructuredOutputS
 from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
 from server.errors import APIError, bad_request
 from server.generation import ChoiceSpec
+from server.harmony_output import HarmonyFormat
 from server.kv_transfer_request import with_kv_transfer
 from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, digit_keys
 from server.request_work import (chat_logprob_views, check_choices, check_logprobs, check_prompt_tokens,
@@ -45,6 +46,7 @@ class ModelInfo:
     unknown_fields: UnknownFieldWarnings = field(default_factory=UnknownFieldWarnings, compare=False)
     # parses each structured-output spec once per server (in the conversion threads, off the event loop)
     structured_output: StructuredOutputValidator = field(default_factory=StructuredOutputValidator, compare=False)
+    harmony: HarmonyFormat | None = None   # chat in harmony (gpt-oss) instead of the chat template
 
 
 def check_model(requested: str | None, model: ModelInfo) -> None:
@@ -85,24 +87,30 @@ def completion_prompts(request: CompletionRequest, model: ModelInfo) -> list[lis
 
 def chat_prompt(request: ChatCompletionRequest, model: ModelInfo, tools: list[dict] | None = None) -> list[int]:
     """The conversation rendered with the tokenizer's chat template, ending in the assistant header."""
-    return render_chat(request.messages, model, tools)
+    return render_chat(request.messages, model, tools, request=request)
 
 
 def render_chat(messages: list[ChatMessage], model: ModelInfo, tools: list[dict] | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, request: ChatCompletionRequest | None = None) -> list[int]:
     """Token ids of `messages` through the chat template, with `tools` (OpenAI tool definitions) shown to it.
 
     A template that does not read tools gets them, and the conversation's tool-call turns, written into
     the messages in the Hermes format (`server.tool_calls.fallback_rendering`); without tools, replayed
-    tool calls go to the template as they are."""
+    tool calls go to the template as they are. A harmony model (gpt-oss) is rendered in harmony instead
+    (`server.harmony_render`); a request's `chat_template_kwargs` reach the template as variables."""
     tokenizer = model.tokenizer
+    if model.harmony is not None and tokenizer is not None:
+        text = model.harmony.render(messages, tools, request, add_generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: use /v1/completions", "messages", "no_chat_template")
     rendered = [template_message(m) for m in messages]
     if tools and not template_supports_tools(tokenizer.chat_template):
         rendered, tools = messages_with_tools_in_text(rendered, tools), None
-    options = {"tools": tools} if tools else {}
+    options = template_variables(request, tokenizer.chat_template)
+    if tools:
+        options["tools"] = tools
     if continue_final_message:
         options["continue_final_message"] = True
     try:
@@ -111,6 +119,20 @@ def render_chat(messages: list[ChatMessage], model: ModelInfo, tools: list[dict]
     except Exception as exc:  # noqa: BLE001 - the template's own error names what it rejects
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+TEMPLATE_ARGUMENTS = frozenset({"tools", "add_generation_prompt", "continue_final_message", "tokenize", "conversation",
+                                "chat_template", "documents", "return_dict", "return_tensors", "tokenizer_kwargs"})
+
+
+def template_variables(request: ChatCompletionRequest | None, chat_template: object) -> dict:
+    """A request's `chat_template_kwargs` (e.g. Qwen3's `enable_thinking`) that the template reads (vLLM passes
+    only those too: a variable another model's template would read must not break this one), less the names
+    `apply_chat_template` itself takes: the request's tools go through `tool_choice`'s plan, never around it."""
+    given = (request.chat_template_kwargs or {}) if request is not None else {}
+    template = chat_template if isinstance(chat_template, str) else ""
+    return {key: value for key, value in given.items()
+            if isinstance(key, str) and key not in TEMPLATE_ARGUMENTS and key in template}
 
 
 def template_message(message: ChatMessage) -> dict:
@@ -281,6 +303,10 @@ def chat_choices(request: ChatCompletionRequest, model: ModelInfo) -> ChatConver
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     structure = requested_structure(request, model.structured_output)
     specs = choice_specs(request, [prompt], max_tokens, logprobs, structured_output=structure)
+    if model.harmony is not None:   # the answer ends at <|return|> or <|call|>
+        stops = model.harmony.stop_token_ids()
+        specs = [dataclasses.replace(spec, params=dataclasses.replace(
+            spec.params, stop_token_ids=list(dict.fromkeys(spec.params.stop_token_ids + stops)))) for spec in specs]
     if tool_use.forced_schema is not None:
         if structure is not None:  # guided_json, structured_outputs, ...: one schema per answer
             raise bad_request(f"tool_choice={request.tool_choice!r} forces the answer into tool calls, which cannot "

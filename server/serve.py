@@ -71,6 +71,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
                             extra_routers=[dashboard_router(api_key)],
                             max_request_bytes=server_config.max_request_bytes,
                             tool_call_parser=server_config.tool_call_parser,
+                            reasoning_parser=server_config.reasoning_parser,
                             model_type=checkpoint_model_type(launch.model_path)))
         if server.should_exit:
             return

@@ -35,6 +35,7 @@ class ServerConfig:
     shutdown_timeout_s: int = 20          # SIGTERM: seconds the running requests may take to finish (0: none)
     log_level: str = "info"
     tool_call_parser: str | None = None   # None: from the chat template, then the model type
+    reasoning_parser: str | None = None   # None: no reasoning split (gpt-oss: harmony in any case)
     pd: str | None = None                 # "P:D": start P prefill and D decode instances and a router (a P/D set)
     pd_prefill_args: str = ""             # ... extra flags of the prefill instances (e.g. "--ep 2 --dp-attn 1")
     pd_decode_args: str = ""              # ... and of the decode instances

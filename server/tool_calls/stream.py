@@ -27,14 +27,17 @@ NO_ARGUMENTS = "{}"   # what a complete call that wrote no arguments is given
 
 @dataclass
 class StreamPiece:
-    """What one update adds: content text and tool-call deltas."""
+    """What one update adds: content text and tool-call deltas (and reasoning, where a reasoning parser or
+    harmony split it off: `server.chat_reading`)."""
 
     content: str = ""
     tool_calls: list[DeltaToolCall] = field(default_factory=list)
+    reasoning: str = ""
 
     def extend(self, other: "StreamPiece") -> None:
         self.content += other.content
         self.tool_calls += other.tool_calls
+        self.reasoning += other.reasoning
 
 
 @dataclass
