@@ -53,7 +53,7 @@ def seq(tokens: list[int], request_id: str = "r", **params) -> Sequence:
 def assert_no_block_held(manager: BlockManager) -> None:
     """Every block is free or idle-cached, none referenced: nothing leaked."""
     assert manager.num_free_blocks == manager.num_blocks
-    assert all(count == 0 for count in manager._refs)
+    assert all(count == 0 for count in manager.pool._refs)
 
 
 # ---- bookkeeping -----------------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def test_admission_reuses_the_longest_cached_prefix_but_computes_the_last_token(
     longer = seq(list(range(10)) + [99, 98, 97], "longer")   # shares two blocks, then differs
     assert manager.admit(longer)
     assert longer.num_cached_tokens == 8
-    assert manager._refs[first.block_table[0]] == 3
+    assert manager.pool._refs[first.block_table[0]] == 3
     assert manager.counters.queries == 12 + 12 + 13 and manager.counters.hits == 8 + 8
     for s in (first, again, longer):
         manager.free(s)
@@ -117,7 +117,7 @@ def test_a_shared_block_is_not_evictable_while_referenced():
     manager.cache_full_blocks(a, 8)
     b = seq(list(range(4)) + [70, 71, 72, 73, 74], "b")   # reuses a's first block, needs two more: one free left
     assert not manager.admit(b), "only one block is free: b must wait"
-    assert b.block_table == [] and manager._refs[a.block_table[0]] == 1, "a refused admission changes nothing"
+    assert b.block_table == [] and manager.pool._refs[a.block_table[0]] == 1, "a refused admission changes nothing"
     manager.free(a)
     assert manager.admit(b) and b.num_cached_tokens == 4
     manager.free(b)

@@ -5,34 +5,41 @@ references those blocks instead of computing them again, and a block whose last 
 away stays cached (idle) until a new block is needed and no plain free one is left. Idle blocks
 count as free: `num_free_blocks` is what a request can get now. A request's `cache_salt` roots its hash
 chain (`chain_root`): it shares blocks only with requests of the same salt.
+
+A model with windowed layers beside full ones (moe_runtime/engine/kv_groups.py) has one more group per
+window: `seq.block_table` is the full group's, `seq.window_tables[i]` windowed group i + 1's
+(moe_runtime/engine/window_blocks.py), prepared for each scheduled step (`schedule_tokens`). A cached
+prefix is reused only as far as every windowed group still holds the window its first new query reads.
 """
 from __future__ import annotations
 
-from collections import deque
-
-from moe_runtime.engine.prefix_cache import PrefixCache, PrefixCacheCounters, PrefixCacheEvents
+from moe_runtime.engine.block_pool import BlockPool
+from moe_runtime.engine.prefix_cache import PrefixCacheCounters, PrefixCacheEvents
 from moe_runtime.engine.prefix_hash import chain_root, extend_block_hashes
 from moe_runtime.engine.sequence import Sequence
+from moe_runtime.engine.window_blocks import WindowBlocks
+from moe_runtime.layers.attention_span import AttentionSpan
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        if num_blocks < 1:
-            raise ValueError(f"KV cache has {num_blocks} blocks; raise kv_cache_memory")
+    """`windows`: (span, pool blocks) of each windowed group, in group order (none: one group)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 windows: tuple[tuple[AttentionSpan, int], ...] = ()):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))     # blocks holding nothing anyone may reuse
-        self._refs = [0] * num_blocks                          # requests whose block table holds the block
-        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.prefix_cache = self.pool.prefix_cache
+        self.windows = [WindowBlocks(span, blocks, block_size, enable_prefix_caching) for span, blocks in windows]
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks a request can get now: plain free ones and idle cached ones (evicted when taken)."""
-        return len(self._free) + (self.prefix_cache.num_idle if self.prefix_cache else 0)
+        return self.pool.num_free_blocks
 
     @property
     def counters(self) -> PrefixCacheCounters:
-        return self.prefix_cache.counters if self.prefix_cache else PrefixCacheCounters()
+        return self.pool.counters
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -41,11 +48,16 @@ class BlockManager:
         return self.blocks_needed(seq.num_tokens) - len(seq.block_table) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
-        """Give `seq` fresh blocks for all its tokens (no cache lookup)."""
+        """Give `seq` fresh blocks for all its tokens (no cache lookup; its windowed groups those its uncomputed
+        tokens read and write)."""
         needed = self.blocks_needed(seq.num_tokens) - len(seq.block_table)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"request {seq.request_id}: needs {needed} KV blocks, {self.num_free_blocks} free")
-        seq.block_table.extend(self._take_block() for _ in range(needed))
+        seq.block_table.extend(self.pool.take() for _ in range(needed))
+        if len(seq.window_tables) != len(self.windows):
+            seq.window_tables = [[] for _ in self.windows]
+        for window, table in zip(self.windows, seq.window_tables):
+            window.prepare(table, seq.num_cached_tokens, seq.num_tokens)
 
     def admit(self, seq: Sequence, read_cache: bool = True) -> bool:
         """Give a waiting `seq` blocks for all its tokens, reusing its longest cached prefix when `read_cache`
@@ -54,14 +66,17 @@ class BlockManager:
         if seq.block_table:
             raise RuntimeError(f"request {seq.request_id} is admitted while holding KV blocks")
         reuse = read_cache and self.prefix_cache is not None
-        hits = self._cached_prefix(seq) if reuse else []
+        hits, window_tables = self._cached_prefix(seq) if reuse else ([], [[] for _ in self.windows])
         needed = self.blocks_needed(seq.num_tokens) - len(hits)
-        idle_hits = sum(1 for block in hits if self.prefix_cache.is_idle(block))
+        idle_hits = sum(1 for block in hits if self.pool.is_idle(block))
         if needed > self.num_free_blocks - idle_hits:
             return False
         for block in hits:
-            self._reference(block)
-        seq.block_table = hits + [self._take_block() for _ in range(needed)]
+            self.pool.reference(block)
+        for window, table in zip(self.windows, window_tables):
+            window.adopt(table)
+        seq.block_table = hits + [self.pool.take() for _ in range(needed)]
+        seq.window_tables = window_tables
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
         if reuse:
@@ -69,14 +84,21 @@ class BlockManager:
             self.prefix_cache.counters.hits += seq.num_cached_tokens
         return True
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks of `seq`'s longest cached prefix, leaving at least its last token to compute (its logits)."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[list[int]]]:
+        """Blocks of `seq`'s longest cached prefix, leaving at least its last token to compute (its logits), and
+        each windowed group's table of the window after it: the longest prefix whose windows are all cached."""
         usable = (seq.num_tokens - 1) // self.block_size
+        no_windows = [[] for _ in self.windows]
         if usable == 0:
-            return []
+            return [], no_windows
         hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, usable,
                                      root=chain_root(seq.params.cache_salt))
-        return self.prefix_cache.lookup(hashes[:usable])
+        hits = self.pool.lookup(hashes[:usable])
+        for length in range(len(hits), 0, -1):
+            tables = [window.cached_window(hashes, length) for window in self.windows]
+            if all(table is not None for table in tables):
+                return hits[:length], tables
+        return [], no_windows
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for one more token (a decode step)?"""
@@ -84,7 +106,18 @@ class BlockManager:
 
     def append_slot(self, seq: Sequence) -> None:
         if self.blocks_needed(seq.num_tokens) > len(seq.block_table):
-            seq.block_table.append(self._take_block())
+            seq.block_table.append(self.pool.take())
+
+    def schedule_tokens(self, seq: Sequence, num_tokens: int) -> None:
+        """`seq` computes its next `num_tokens` in the step being scheduled: its windowed groups hold the blocks
+        the step reads and writes (releasing those behind the window), and the full blocks it completes are
+        registered for reuse."""
+        first = seq.num_cached_tokens
+        if len(seq.window_tables) != len(self.windows):
+            seq.window_tables = [[] for _ in self.windows]
+        for window, table in zip(self.windows, seq.window_tables):
+            window.prepare(table, first, first + num_tokens)
+        self.cache_full_blocks(seq, first + num_tokens)
 
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Register `seq`'s full blocks among its first `num_computed_tokens` (computed, or computed by the
@@ -97,41 +130,33 @@ class BlockManager:
         hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, full,
                                      root=chain_root(seq.params.cache_salt))
         for index in range(seq.num_registered_blocks, full):
-            self.prefix_cache.store(seq.block_table[index], hashes[index])
+            self.pool.store(seq.block_table[index], hashes[index])
+        for window, table in zip(self.windows, seq.window_tables):
+            window.register(table, hashes, seq.num_registered_blocks, min(full, len(table)))
         seq.num_registered_blocks = full
+
+    def window_blocks_held(self, seq: Sequence) -> list[int]:
+        """Blocks `seq` holds in each windowed group."""
+        return [WindowBlocks.held(table) for table in seq.window_tables]
 
     def free(self, seq: Sequence) -> None:
         # the tail first: idle blocks are evicted least recently parked first, so a prefix outlives its tails
         for block in reversed(seq.block_table):
-            self._release(block)
+            self.pool.release(block)
+        for window, table in zip(self.windows, seq.window_tables):
+            window.release(table)
         seq.block_table = []
+        seq.window_tables = []
         seq.num_cached_tokens = 0
         seq.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (idle ones become free; those in use stay with their requests,
-        unshared). Returns the number of idle blocks freed."""
-        if self.prefix_cache is None:
-            return 0
-        released = self.prefix_cache.reset()
-        self._free.extend(released)
-        return len(released)
+        unshared). Returns the number of the full group's idle blocks freed."""
+        for window in self.windows:
+            window.pool.reset_prefix_cache()
+        return self.pool.reset_prefix_cache()
 
     def take_cache_events(self) -> PrefixCacheEvents | None:
         """What the prefix cache stored, evicted or cleared since the last call (None: prefix caching off)."""
-        return self.prefix_cache.take_events() if self.prefix_cache else None
-
-    def _take_block(self) -> int:
-        block = self._free.popleft() if self._free else self.prefix_cache.evict_lru()
-        self._refs[block] = 1
-        return block
-
-    def _reference(self, block: int) -> None:
-        if self._refs[block] == 0:
-            self.prefix_cache.claim(block)
-        self._refs[block] += 1
-
-    def _release(self, block: int) -> None:
-        self._refs[block] -= 1
-        if self._refs[block] == 0 and not (self.prefix_cache is not None and self.prefix_cache.park(block)):
-            self._free.append(block)
+        return self.pool.take_events()

@@ -18,6 +18,7 @@ from kernels import get_kernels
 from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
 from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.engine.kv_groups import KVCacheLayout
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.execution.decode_capture import CaptureSettings
 from moe_runtime.execution.host_reads import DecodeHostReads
@@ -36,6 +37,7 @@ from moe_runtime.disaggregation.kv_transfer.transport import open_sink
 from moe_runtime.config.model_config import architecture_of, load_hf_config
 from moe_runtime.execution.model_runner import ModelRunner, kv_blocks_for_budget
 from moe_runtime.models.decoder import BuildContext
+from moe_runtime.models.attention_spans import attention_spans
 from moe_runtime.models.registry import build_model
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.engine.outputs import TokenDelta, error_message
@@ -121,16 +123,19 @@ class EngineCore:
         self.eos_ids = eos_token_ids(self.checkpoint_dir, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
-        num_blocks = kv_blocks_for_budget(self.model, config.kv_cache_memory, config.block_size, self.dtype)
+        kv_layout = KVCacheLayout.plan(attention_spans(self.hf_config), config)   # windowed groups beside full
+        num_blocks = kv_blocks_for_budget(self.model, config.kv_cache_memory, config.block_size, self.dtype, kv_layout)
         if self.parallel.world_size > 1:  # every rank schedules alike: pipeline stages hold different layers
             num_blocks = agree_on_minimum(num_blocks, self.parallel.world_control_group)
         if num_blocks < 1:
             raise InvalidRequestError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of {config.block_size} tokens"
             )
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          kv_layout.windows)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device,
-                                  capture=self._capture_settings(config, self.device, self.max_model_len))
+                                  capture=self._capture_settings(config, self.device, self.max_model_len),
+                                  kv_layout=kv_layout)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill), self.block_manager

@@ -42,7 +42,10 @@ class PrefixCacheCounters:
 
 
 class PrefixCache:
-    def __init__(self) -> None:
+    """`record_events=False`: keep no change log (a windowed group's cache, which no router is told about)."""
+
+    def __init__(self, record_events: bool = True) -> None:
+        self.record_events = record_events
         self._block_of: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()   # cached blocks nobody uses, least recently used first
@@ -82,7 +85,8 @@ class PrefixCache:
             return False
         self._block_of[block_hash] = block
         self._hash_of[block] = block_hash
-        self._changes[block_hash] = True
+        if self.record_events:
+            self._changes[block_hash] = True
         return True
 
     def park(self, block: int) -> bool:
@@ -100,7 +104,8 @@ class PrefixCache:
         block, _ = self._idle.popitem(last=False)
         block_hash = self._hash_of.pop(block)
         del self._block_of[block_hash]
-        self._changes[block_hash] = False
+        if self.record_events:
+            self._changes[block_hash] = False
         return block
 
     def reset(self) -> list[int]:

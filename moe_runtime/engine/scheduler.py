@@ -103,10 +103,10 @@ class Scheduler:
         return self._schedule_prefill() or self._schedule_decode()
 
     def _schedule_tokens(self, seq: Sequence, num_tokens: int) -> int:
-        """`seq` computes `num_tokens` this step; its blocks they fill are cached now, so that a request
-        scheduled after it in this step can reuse them."""
+        """`seq` computes `num_tokens` this step; its windowed groups hold what the step reads, and the blocks
+        they fill are cached now, so that a request scheduled after it in this step can reuse them."""
         seq.num_scheduled_tokens = num_tokens
-        self.block_manager.cache_full_blocks(seq, seq.num_cached_tokens + num_tokens)
+        self.block_manager.schedule_tokens(seq, num_tokens)
         return num_tokens
 
     # ---- chunked prefill: decodes, prefills in progress, new requests, under one token budget -----------

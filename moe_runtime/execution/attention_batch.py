@@ -48,12 +48,23 @@ class AttentionBatch:
     # A captured decode step (moe_runtime/execution/decode_capture.py): every row is one sequence's single new token, the
     # tensors are padded to a bucket, and the Python lists are left empty (a capture must not depend on them).
     static_decode: bool = False
+    # A model with windowed KV groups (moe_runtime/engine/kv_groups.py): group g's own slots and block tables, for
+    # g = 1, 2, ... (this batch is group 0's); a layer picks its group's with `for_group`.
+    group_views: list["AttentionBatch"] | None = None
     _splits: dict = field(default_factory=dict, repr=False)   # sliding window -> SingleQuerySplit (per step)
     _prefills: dict = field(default_factory=dict, repr=False)  # seqs -> (rows, PagedPrefillBatch) (per step)
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def for_group(self, group: int) -> "AttentionBatch":
+        """The metadata a layer of KV cache group `group` reads and writes through (0: this batch)."""
+        if group == 0:
+            return self
+        if self.group_views is None:
+            raise RuntimeError(f"a layer of KV cache group {group} in a batch built with no windowed groups")
+        return self.group_views[group - 1]
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@ from moe_runtime.sampling.logprobs import PromptLogprobs
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.execution.decode_capture import CaptureSettings, DecodeCapture
 from moe_runtime.execution.step_inputs import StepInputs
+from moe_runtime.engine.kv_groups import KVCacheLayout
 from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.sampling.prompt_logprobs import chunk_tokens_for, join_prompt_logprobs, prompt_logprobs_due, score_prompt
 from moe_runtime.engine.sequence import Sequence
@@ -18,23 +19,46 @@ from moe_runtime.engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
-def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:
-    per_token = sum(spec.bytes_per_token(dtype) for spec in model.kv_cache_specs())
-    return max(budget_bytes // (per_token * block_size), 0)
+def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch.dtype,
+                         kv_layout: KVCacheLayout | None = None) -> int:
+    """Blocks of the full KV group that fit in `budget_bytes` once the windowed groups' fixed pools (each with
+    its scratch block) are paid for. A pipeline stage without full layers fits as many as the budget's bytes:
+    the other stages decide."""
+    kv_layout = kv_layout or KVCacheLayout.single()
+    full_per_token = window_bytes = 0
+    for spec in model.kv_cache_specs():
+        group = kv_layout.groups.group_of_span(spec.span)
+        if group == 0:
+            full_per_token += spec.bytes_per_token(dtype)
+        else:
+            window_bytes += spec.bytes_per_token(dtype) * block_size * (kv_layout.window_blocks[group - 1] + 1)
+    left = budget_bytes - window_bytes
+    if full_per_token == 0:
+        return max(left // block_size, 0)
+    return max(left // (full_per_token * block_size), 0)
 
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 capture: CaptureSettings | None = None):
+                 capture: CaptureSettings | None = None, kv_layout: KVCacheLayout | None = None):
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        kv_layout = kv_layout or KVCacheLayout.single()
+        self.groups = kv_layout.groups
+        self.window_blocks = kv_layout.window_blocks   # each windowed group's pool; its scratch block is the next one
         # A captured decode step pads its batch; the pad rows write to one scratch block past the managed ones.
         allocated = num_blocks + (1 if capture is not None else 0)
-        self.caches = [
-            LayerKVCache.allocate(spec, allocated, block_size, dtype, device) for spec in model.kv_cache_specs()
-        ]
+        self.caches = []
+        for spec in model.kv_cache_specs():
+            group = self.groups.group_of_span(spec.span)
+            blocks = allocated if group == 0 else self.window_blocks[group - 1] + 1
+            self.caches.append(LayerKVCache.allocate(spec, blocks, block_size, dtype, device, group))
+        if capture is not None and self.groups.hybrid:
+            logger.warning("decode capture off, decode steps run eagerly: the model keeps windowed KV cache groups, "
+                           "whose per-group block tables a captured step does not take yet")
+            capture = None
         self.capture = None if capture is None else DecodeCapture(model, self.caches, block_size, num_blocks,
                                                                    device, capture)
         self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)
@@ -81,6 +105,8 @@ class ModelRunner:
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             block_size=bs,
         )
+        if self.groups.hybrid:
+            batch.group_views = [self._window_view(batch, seqs, group) for group in range(1, len(self.groups.groups))]
         last = torch.tensor([stop - 1 for stop, seq in zip(query_start[1:], seqs) if seq.samples_this_step],
                             dtype=torch.long, device=dev)
         return StepInputs(
@@ -88,6 +114,21 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=dev),
             batch, last,
         )
+
+    def _window_view(self, batch: AttentionBatch, seqs: list[Sequence], group: int) -> AttentionBatch:
+        """Windowed group `group`'s slots and block tables for this step (its released blocks read as the group's
+        scratch block, which every query's window masks)."""
+        bs, scratch = self.block_size, self.window_blocks[group - 1]
+        tables = [[block if block >= 0 else scratch for block in seq.window_tables[group - 1]] for seq in seqs]
+        slots = [tables[i][p // bs] * bs + p % bs for i, seq in enumerate(seqs)
+                 for p in range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens)]
+        width = max((len(table) for table in tables), default=1) or 1
+        padded = torch.full((len(seqs), width), scratch, dtype=torch.int32, device="cpu")   # host staging
+        for i, table in enumerate(tables):
+            padded[i, :len(table)] = torch.tensor(table, dtype=torch.int32, device="cpu")
+        return AttentionBatch(batch.query_lens, batch.context_lens, batch.query_start,
+                              torch.tensor(slots, dtype=torch.long, device=self.device), padded.to(self.device),
+                              batch.context_lens_tensor, bs)
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence]) -> torch.Tensor:

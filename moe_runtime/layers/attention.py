@@ -15,6 +15,7 @@ from torch import nn
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_backend import attention_kernels_for
 from moe_runtime.layers.attention_ops import paged_varlen_attention, split_attention, varlen_causal_attention
+from moe_runtime.layers.attention_span import SLIDING, AttentionSpan
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import RMSNorm
@@ -121,11 +122,13 @@ class Attention(nn.Module):
         self._attention = attention_kernels_for(kernels, torch.device(device if device is not None else "cpu"))
 
     def kv_cache_spec(self) -> KVCacheSpec:
+        window = self.shape.sliding_window
         return KVCacheSpec(self.heads.num_kv_heads, self.shape.head_dim, self.shape.head_dim, self.heads.kv_start,
-                           self.shape.num_kv_heads)
+                           self.shape.num_kv_heads, AttentionSpan(SLIDING, window) if window else AttentionSpan())
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache):
         s, h = self.shape, self.heads
+        batch = batch.for_group(cache.group)   # a windowed layer's own block tables and slots
         num_tokens = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, hq*D], [T, hkv*D], [T, hkv*D]
         if s.qk_norm == "full":

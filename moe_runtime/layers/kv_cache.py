@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_runtime.layers.attention_span import AttentionSpan
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -21,6 +23,7 @@ class KVCacheSpec:
     value_dim: int | None
     head_start: int = 0
     total_kv_heads: int | None = None   # None: num_kv_heads (not split)
+    span: AttentionSpan = AttentionSpan()   # which earlier tokens its queries read: picks its KV cache group
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         per_head = self.key_dim + (self.value_dim or 0)
@@ -47,14 +50,16 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
 class LayerKVCache:
     keys: torch.Tensor                 # [num_blocks, block_size, kv_heads, key_dim]
     values: torch.Tensor | None        # [num_blocks, block_size, kv_heads, value_dim]
+    group: int = 0                     # its KV cache group: whose block tables and slots index it
 
     @classmethod
-    def allocate(cls, spec: KVCacheSpec, num_blocks: int, block_size: int, dtype, device) -> "LayerKVCache":
+    def allocate(cls, spec: KVCacheSpec, num_blocks: int, block_size: int, dtype, device,
+                 group: int = 0) -> "LayerKVCache":
         keys = zeroed((num_blocks, block_size, spec.num_kv_heads, spec.key_dim), dtype, device)
         values = None
         if spec.value_dim is not None:
             values = zeroed((num_blocks, block_size, spec.num_kv_heads, spec.value_dim), dtype, device)
-        return cls(keys, values)
+        return cls(keys, values, group)
 
     def write(self, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> None:
         """Store new tokens' keys [T, kv_heads, key_dim] (and values) at their flat slots [T]."""

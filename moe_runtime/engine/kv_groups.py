@@ -1,0 +1,114 @@
+"""KV cache groups: layers that keep every token's K/V, and layers that need only a window of them.
+
+A model declares each attention layer's span (`AttentionSpan`): full (every earlier token), a sliding window
+of W tokens (Mistral, Qwen2's upper layers, gpt-oss's alternate layers) or a chunk of C tokens (Llama 4's
+local layers). Layers of one span form a group; the full group (group 0) keeps the paged cache as before:
+its block table drives admission, preemption and prefix caching. Each windowed group keeps a block table of
+its own over a pool of its own, in which only the blocks a step can still read are held: blocks that fell
+out of every future query's reach go back to the pool, so a sequence holds at most ceil(W / block_size) + 1
+of them whatever its length (vLLM's hybrid KV cache manager keeps the same bound). Positions whose blocks
+are gone point at the pool's scratch block: no query reads them (its mask forbids), and every read stays
+inside the cache.
+
+A windowed pool needs no admission control: it is sized for the worst step, every running sequence holding
+its window plus the step's new tokens (`window_pool_blocks`), so a windowed block is always there when a
+scheduled step asks for it, and the full group alone decides what fits.
+
+Prefix caching: a windowed group registers its full blocks under the same prefix hashes as the full group,
+and a block leaving the window stays cached (idle, evictable) rather than free. A cached prefix is reused as
+far as every windowed group still holds the window its first new query reads (vLLM's rule too): recomputing
+only that window would not do, since a windowed layer's K/V at a position depends, through the layers below
+it, on tokens far behind its own window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
+from moe_runtime.layers.attention_span import AttentionSpan
+
+@dataclass(frozen=True)
+class KVGroup:
+    span: AttentionSpan
+    layers: tuple[int, ...]         # model layer indices
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """The model's groups: group 0 holds the full layers (or every layer when none is windowed, or when no
+    layer is full: a model without full layers keeps today's one table, its windows applied by the masks)."""
+
+    groups: tuple[KVGroup, ...]
+
+    @classmethod
+    def of_layers(cls, spans: list[AttentionSpan]) -> "KVGroups":
+        full = tuple(i for i, span in enumerate(spans) if not span.windowed)
+        if not full or len(full) == len(spans):
+            return cls((KVGroup(AttentionSpan(), tuple(range(len(spans)))),))
+        windows: dict[AttentionSpan, list[int]] = {}
+        for i, span in enumerate(spans):
+            if span.windowed:
+                windows.setdefault(span, []).append(i)
+        return cls((KVGroup(AttentionSpan(), full), *(KVGroup(s, tuple(ls)) for s, ls in windows.items())))
+
+    @classmethod
+    def single(cls) -> "KVGroups":
+        """One group for every layer (what a model without windowed layers beside full ones has)."""
+        return cls((KVGroup(AttentionSpan(), ()),))
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    @property
+    def windowed(self) -> tuple[KVGroup, ...]:
+        return self.groups[1:]
+
+    def group_of_span(self, span: AttentionSpan) -> int:
+        """The group a layer of `span` caches in (group 0 unless a windowed group has that span)."""
+        for index, group in enumerate(self.groups):
+            if index and group.span == span:
+                return index
+        return 0
+
+
+def window_pool_blocks(span: AttentionSpan, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Blocks a windowed group's pool needs so that no step ever waits for one: every running sequence holds
+    the blocks its next query reads (at most ceil(size / block_size) + 1), and a step adds its new tokens'
+    (at most ceil(n / block_size) + 1 for n tokens of one sequence, n summing to the step's token budget)."""
+    per_sequence = -(-span.max_span() // block_size) + 2
+    return max_num_seqs * per_sequence + -(-max_num_batched_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The model's KV cache groups and each windowed group's pool size (`window_blocks[i]` for group i + 1)."""
+
+    groups: KVGroups
+    window_blocks: tuple[int, ...] = ()
+
+    @classmethod
+    def single(cls) -> "KVCacheLayout":
+        return cls(KVGroups.single())
+
+    @classmethod
+    def plan(cls, spans: list[AttentionSpan], config: EngineConfig) -> "KVCacheLayout":
+        """The layout of a model whose layers have `spans`, under `config` (which is refused, naming the flag,
+        where windowed groups are not supported yet)."""
+        groups = KVGroups.of_layers(spans)
+        if not groups.hybrid:
+            return cls(groups)
+        kinds = ", ".join(sorted({f"{g.span.kind} {g.span.size}" for g in groups.windowed}))
+        for flag, value, active in (("--disaggregation-mode", config.disaggregation_mode,
+                                     config.disaggregation_mode != "none"), ("--cp", config.cp, config.cp > 1)):
+            if active:
+                raise EngineConfigError(f"{flag} {value}: this model keeps windowed KV cache groups ({kinds}) beside "
+                                        "its full layers, which a KV transfer and context parallelism do not move yet")
+        pools = tuple(window_pool_blocks(g.span, config.block_size, config.max_num_seqs,
+                                         config.max_num_batched_tokens) for g in groups.windowed)
+        return cls(groups, pools)
+
+    @property
+    def windows(self) -> tuple[tuple[AttentionSpan, int], ...]:
+        """(span, pool blocks) of each windowed group, in group order (what the block manager keeps)."""
+        return tuple((g.span, blocks) for g, blocks in zip(self.groups.windowed, self.window_blocks))
