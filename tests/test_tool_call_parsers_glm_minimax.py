@@ -8,7 +8,8 @@ import pytest
 from server.tool_calls.glm45 import Glm45Parser, glm_value
 from server.tool_calls.minimax_m2 import MiniMaxM2Parser, minimax_value
 from server.tool_calls.names import TOOL_CALL_PARSER_NAMES
-from server.tool_calls.plan import MAX_CALLS
+from server.protocol import ChatCompletionRequest
+from server.tool_calls.plan import MAX_CALLS, plan_tool_use
 from server.tool_calls.selection import PARSERS, choose_parser
 from server.tool_calls.stream import ToolCallStream, read_message
 from test_tool_call_parsers import stream_in_pieces
@@ -172,3 +173,14 @@ def test_parser_choice_flag_then_template_then_model_type():
     assert choose_parser(None, "{% if tools %}<minimax:tool_call>{% endif %}", None) == MiniMaxM2Parser()
     assert choose_parser(None, "{% if tools %}{{ tools | tojson }}{% endif %}", "glm4_moe") == Glm45Parser()
     assert choose_parser(None, "{% if tools %}{{ tools | tojson }}{% endif %}", "minimax_m2") == MiniMaxM2Parser()
+
+
+def test_a_request_s_tools_type_the_values_its_calls_carry():
+    """plan_tool_use binds a schema-typed parser to the request's tools: GLM's " 7" for a string parameter stays a
+    string, as the schema says, where an unbound parser would read the number 7."""
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                    "tools": TOOLS})
+    reader = plan_tool_use(request, Glm45Parser()).reader
+    text = "<tool_call>get_weather\n<arg_key>code</arg_key>\n<arg_value> 7</arg_value>\n</tool_call>"
+    [call] = reader.read(text).tool_calls
+    assert json.loads(call.function.arguments) == {"code": " 7"}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 import uuid
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from server.tool_calls.json_scan import NotJson, skip_whitespace
 from moe_runtime.front.output_processor import held_back_suffix
@@ -62,6 +62,16 @@ class ToolCallParser(Protocol):
 
     def new_call_id(self) -> str:
         """A fresh id for a call this parser found (some chat templates require a format of their own)."""
+        ...
+
+
+@runtime_checkable
+class SchemaTypedParser(Protocol):
+    """A parser whose format writes argument values as text (GLM-4.5, MiniMax-M2): it types them by the
+    request's tool schemas, as vLLM's parsers for these formats do."""
+
+    def for_tools(self, tools: list[dict]) -> ToolCallParser:
+        """This parser typing values by `tools` (the request's, as OpenAI's `tools` entries)."""
         ...
 
 

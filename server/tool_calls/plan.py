@@ -18,7 +18,7 @@ from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 from server.tool_calls.forced import ForcedCallsParser
 from server.tool_calls.forced_schema import calls_schema
-from server.tool_calls.parser import ToolCallParser, openai_call_id
+from server.tool_calls.parser import SchemaTypedParser, ToolCallParser, openai_call_id
 from server.tool_calls.stream import ReadMessage, ToolCallStream, read_message
 
 MAX_CALLS = 16   # calls read from one choice; 1 with parallel_tool_calls=false
@@ -64,6 +64,8 @@ def plan_tool_use(request: ChatCompletionRequest, parser: ToolCallParser | None)
             raise bad_request("tool_choice 'auto' needs a tool-call parser, and none fits this model: start moe-serve "
                               "with --tool-call-parser, or ask for tool_choice 'required' or a named function",
                               "tool_choice", "no_tool_call_parser")
+        if isinstance(parser, SchemaTypedParser):
+            parser = parser.for_tools(template_tools)
         return ToolUse(template_tools, None, ToolCallReader(parser, max_calls))
     if request.response_format is not None and request.response_format.type != "text":
         raise bad_request(f"tool_choice={shown(choice)} forces the answer into tool calls, which cannot be combined "
