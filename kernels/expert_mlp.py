@@ -1,4 +1,9 @@
-"""Expert SwiGLU MLPs on the expert-grouped layouts (fast torch path: matmuls for busy experts only)."""
+"""Expert SwiGLU MLPs on the expert-grouped layouts (fast torch path: matmuls for busy experts only).
+
+Optional expert biases (b13 [E, 2I] after the first projection, b2 [E, H] after the second: gpt-oss)
+and the gated activation (`ExpertActivation`: silu, or gpt-oss's clamped SwiGLU) are the experts'
+own properties, passed by keyword; the defaults are the plain bias-free SiLU MLP.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .expert_activation import ExpertActivation, add_bias_
 from .skinny_matmul import SKINNY_ROWS_MAX, batched_linear_rows, linear_rows
 
 # Padding every expert to the busiest one's row count and running two batched matmuls reads every
@@ -31,6 +37,15 @@ class ExpertSegment:
     expert: int
     start: int
     end: int
+
+
+def check_expert_biases(w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
+                        b2: torch.Tensor | None) -> None:
+    """Validate the optional biases b13 [E, 2I] / b2 [E, H] against w13 [E, 2I, H] / w2 [E, H, I]."""
+    if b13 is not None and tuple(b13.shape) != tuple(w13.shape[:2]):
+        raise ValueError(f"b13 must be [E, 2I]={tuple(w13.shape[:2])}, got shape {tuple(b13.shape)}")
+    if b2 is not None and tuple(b2.shape) != tuple(w2.shape[:2]):
+        raise ValueError(f"b2 must be [E, H]={tuple(w2.shape[:2])}, got shape {tuple(b2.shape)}")
 
 
 def check_sorted_counts(x_sorted: torch.Tensor, counts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -81,23 +96,34 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[..., :intermediate]).mul_(gate_up[..., intermediate:])
 
 
-def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """w2 @ (silu(gate) * up) of one expert for rows x [n, H]; w13 [2I, H], w2 [H, I] -> [n, H]."""
-    return linear_rows(silu_and_mul(linear_rows(x, w13)), w2)
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
+           b2: torch.Tensor | None = None, activation: ExpertActivation = ExpertActivation()) -> torch.Tensor:
+    """w2 @ act(w13 @ x + b13) + b2 of one expert for rows x [n, H]; w13 [2I, H], w2 [H, I], b13 [2I],
+    b2 [H] -> [n, H]."""
+    activated = activation.on_gate_up(add_bias_(linear_rows(x, w13), b13))   # [n, I]
+    return add_bias_(linear_rows(activated, w2), b2)
 
 
-def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor) -> None:
-    """out[n, H] = w2 @ (silu(gate) * up) for one expert; w13 [2I, H], w2 [H, I]."""
-    out.copy_(swiglu(x, w13, w2))
+def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  activation: ExpertActivation = ExpertActivation()) -> None:
+    """out[n, H] = one expert's MLP (`swiglu`) on x [n, H]."""
+    out.copy_(swiglu(x, w13, w2, b13, b2, activation))
 
 
-def swiglu_padded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def swiglu_padded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None, activation: ExpertActivation = ExpertActivation()) -> torch.Tensor:
     """All experts at once on the masked layout: x [E, M, H] -> [E, M, H].
 
     Rows past an expert's count are computed too; callers drop them.
     """
-    activated = silu_and_mul(batched_linear_rows(x, w13))                  # [E, M, I]
-    return batched_linear_rows(activated, w2)                              # [E, M, H]
+    gate_up = batched_linear_rows(x, w13)                                  # [E, M, 2I]
+    if b13 is not None:
+        gate_up.add_(b13.to(gate_up.dtype).unsqueeze(1))
+    down = batched_linear_rows(activation.on_gate_up(gate_up), w2)         # [E, M, H]
+    if b2 is not None:
+        down.add_(b2.to(down.dtype).unsqueeze(1))
+    return down
 
 
 def padded_layout_wins(counts: torch.Tensor, max_count: int) -> bool:
@@ -113,15 +139,23 @@ def expert_mlp(
     counts: torch.Tensor,     # [E] int64
     w13: torch.Tensor,        # [E, 2I, H]
     w2: torch.Tensor,         # [E, H, I]
+    *,
+    b13: torch.Tensor | None = None,   # [E, 2I]
+    b2: torch.Tensor | None = None,    # [E, H]
+    activation: ExpertActivation = ExpertActivation(),
 ) -> torch.Tensor:            # [N, H], unweighted
     check_expert_weights(x_sorted.shape[-1], w13, w2)
+    check_expert_biases(w13, w2, b13, b2)
     ends = check_sorted_counts(x_sorted, counts, w13.shape[0])             # [E]
     max_count = int(counts.max()) if counts.numel() else 0
     if padded_layout_wins(counts, max_count):
-        return segments_through_padded(x_sorted, counts, ends, max_count, lambda padded: swiglu_padded(padded, w13, w2))
+        return segments_through_padded(x_sorted, counts, ends, max_count,
+                                       lambda padded: swiglu_padded(padded, w13, w2, b13, b2, activation))
     out = torch.empty(x_sorted.shape[0], w2.shape[1], dtype=x_sorted.dtype, device=x_sorted.device)  # [N, H]
     for seg in busy_segments(counts, ends):
-        swiglu_expert(x_sorted[seg.start:seg.end], w13[seg.expert], w2[seg.expert], out[seg.start:seg.end])
+        e = seg.expert
+        swiglu_expert(x_sorted[seg.start:seg.end], w13[e], w2[e], out[seg.start:seg.end],
+                      None if b13 is None else b13[e], None if b2 is None else b2[e], activation)
     return out
 
 
@@ -153,12 +187,17 @@ def masked_expert_mlp(
     counts: torch.Tensor,     # [E] int64
     w13: torch.Tensor,        # [E, 2I, H]
     w2: torch.Tensor,         # [E, H, I]
+    *,
+    b13: torch.Tensor | None = None,   # [E, 2I]
+    b2: torch.Tensor | None = None,    # [E, H]
+    activation: ExpertActivation = ExpertActivation(),
 ) -> torch.Tensor:            # [E, M, H], rows past counts[e] are zero
     """The masked layout at its fixed capacity, as DeepEP's low-latency API is meant to be used: every expert
     computes all M rows (two batched matmuls) and the rows past its count are zeroed on the device. Nothing
     is read back: no segment sizes, no busiest count. It is the decode path of a low-latency dispatcher, whose
     M (max_tokens_per_rank x ranks) is small; the rows past a count may hold NaN, which `where` drops."""
     check_expert_weights(x.shape[-1], w13, w2)
+    check_expert_biases(w13, w2, b13, b2)
     check_masked_layout(x, counts, w13.shape[0])
     valid = torch.arange(x.shape[1], device=x.device) < counts.unsqueeze(1)           # [E, M]
-    return torch.where(valid.unsqueeze(-1), swiglu_padded(x, w13, w2), 0.0)           # [E, M, H]
+    return torch.where(valid.unsqueeze(-1), swiglu_padded(x, w13, w2, b13, b2, activation), 0.0)  # [E, M, H]

@@ -21,6 +21,7 @@ def torch_kernels() -> KernelSet:
     from .fp8_block_weights import fp8_expert_mlp, fp8_linear, fp8_masked_expert_mlp
     from .fused_moe import fused_moe
     from .int8_weights import int8_expert_mlp, int8_linear, int8_masked_expert_mlp
+    from .mxfp4_weights import mxfp4_expert_mlp, mxfp4_linear, mxfp4_masked_expert_mlp
     from .paged_attention import paged_decode_attention
     from .permute import permute_by_expert
     from .rms_norm import fused_add_rms_norm, rms_norm
@@ -30,7 +31,8 @@ def torch_kernels() -> KernelSet:
     return KernelSet("torch", select_experts, permute_by_expert, expert_mlp, masked_expert_mlp,
                      unpermute_reduce, fused_moe, rms_norm, fused_add_rms_norm, paged_decode_attention,
                      fp8_linear, fp8_expert_mlp, fp8_masked_expert_mlp,
-                     int8_linear, int8_expert_mlp, int8_masked_expert_mlp)
+                     int8_linear, int8_expert_mlp, int8_masked_expert_mlp,
+                     mxfp4_linear, mxfp4_expert_mlp, mxfp4_masked_expert_mlp)
 
 
 def reference_kernels() -> KernelSet:
@@ -41,7 +43,8 @@ def reference_kernels() -> KernelSet:
                      reference.masked_expert_mlp, reference.unpermute_reduce, reference.fused_moe,
                      reference.rms_norm, reference.fused_add_rms_norm, reference.paged_decode_attention,
                      reference.fp8_linear, reference.fp8_expert_mlp, reference.fp8_masked_expert_mlp,
-                     reference.int8_linear, reference.int8_expert_mlp, reference.int8_masked_expert_mlp)
+                     reference.int8_linear, reference.int8_expert_mlp, reference.int8_masked_expert_mlp,
+                     reference.mxfp4_linear, reference.mxfp4_expert_mlp, reference.mxfp4_masked_expert_mlp)
 
 
 def triton_kernels() -> KernelSet:

@@ -10,8 +10,8 @@ class KernelSet:
     name: str
     select_experts: Callable
     permute_by_expert: Callable
-    expert_mlp: Callable
-    masked_expert_mlp: Callable
+    expert_mlp: Callable           # (x_sorted [N, H], counts [E], w13, w2, *, b13=None, b2=None, activation) -> [N, H]
+    masked_expert_mlp: Callable    # (x [E, M, H], counts [E], w13, w2, *, b13=None, b2=None, activation) -> [E, M, H]
     unpermute_reduce: Callable
     fused_moe: Callable
     rms_norm: Callable
@@ -26,3 +26,8 @@ class KernelSet:
     int8_linear: Callable             # (x [T, K], weight [N, K], scale [N], bias=None) -> [T, N]
     int8_expert_mlp: Callable         # (x_sorted [N, H], counts [E], w13, w13_scale, w2, w2_scale) -> [N, H]
     int8_masked_expert_mlp: Callable  # (x [E, M, H], counts [E], w13, w13_scale, w2, w2_scale) -> [E, M, H]
+    # MXFP4 (kernels/mxfp4_weights.py): values uint8 [..., N, ceil(K/32)*16] (two e2m1 codes a byte) with e8m0
+    # scales uint8 [..., N, ceil(K/32)]. The expert kernels take b13 / b2 / activation by keyword, as expert_mlp does.
+    mxfp4_linear: Callable             # (x [T, K], values [N, Kp], scales [N, G], bias=None) -> [T, N]
+    mxfp4_expert_mlp: Callable         # (x_sorted [N, H], counts [E], w13, w13_scale, w2, w2_scale, *, ...) -> [N, H]
+    mxfp4_masked_expert_mlp: Callable  # (x [E, M, H], counts [E], w13, w13_scale, w2, w2_scale, *, ...) -> [E, M, H]

@@ -4,6 +4,11 @@ One function covers Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE (softmax, optional r
 DeepSeek-V2 (softmax, greedy or group-limited greedy by group max) and DeepSeek-V3 (sigmoid,
 correction bias for the choice only, groups scored by their top-2 sum). The semantics reproduce
 the transformers 5.24 router modules, which the tests hold this against.
+
+gpt-oss (GptOssTopKRouter) takes the top-k of the LOGITS and a softmax over those k alone. Softmax is
+monotonic, so the top-k logits are the top-k probabilities, and softmax over the chosen logits is
+exp(l_i) / sum_chosen exp(l_j) = p_i / sum_chosen p_j: `scoring="softmax", renormalize=True`, the same
+kind as Mixtral's (its router's bias is the Router's, moe/router.py).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import torch
 
 from .. import int8_weights   # no Triton int8 kernel yet: the torch family's (see kernels/int8_weights.py)
 from ..kernel_set_type import KernelSet
-from . import align, fused_moe, grouped_gemm, paged_attention, rms_norm, routing, unpermute
+from . import align, fused_moe, grouped_gemm, mxfp4_weights, paged_attention, rms_norm, routing, unpermute
 from .fp8_block_weights import Fp8Kernels
 from .fp8_scheme import Fp8Scheme, device_fp8_scheme
 from .interpreter import running_in_interpreter
@@ -37,4 +37,7 @@ def triton_kernel_set(fp8_scheme: Fp8Scheme | None = None) -> KernelSet:
         int8_linear=int8_weights.int8_linear,
         int8_expert_mlp=int8_weights.int8_expert_mlp,
         int8_masked_expert_mlp=int8_weights.int8_masked_expert_mlp,
+        mxfp4_linear=mxfp4_weights.mxfp4_linear,
+        mxfp4_expert_mlp=mxfp4_weights.mxfp4_expert_mlp,
+        mxfp4_masked_expert_mlp=mxfp4_weights.mxfp4_masked_expert_mlp,
     )

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 DISAGGREGATION_MODES = ("none", "prefill", "decode")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
-QUANTIZATIONS = (None, "fp8", "int8")    # --quantization choices (None = weights in the compute dtype)
+QUANTIZATIONS = (None, "fp8", "int8", "mxfp4")    # --quantization choices (None = weights in the compute dtype)
 
 
 @dataclass

@@ -5,8 +5,9 @@ grouped by local expert ([N, H] with `tokens_per_local_expert` rows each), or ma
 ([E_local, M, H], the first `tokens_per_local_expert[e]` rows of expert e valid). An expert kernel
 takes one layout and returns UNWEIGHTED outputs in the same layout; the dispatcher's combine
 applies the routing weights. The kernel family (torch, Triton, reference) is the `KernelSet`'s;
-experts kept quantized (`ExpertWeights.quant`, FP8 or int8) run through that format's twin of the same
-kernel, from the engine's kernel family (the one the format was built with).
+experts kept quantized (`ExpertWeights.quant`, FP8, int8 or MXFP4) run through that format's twin of the
+same kernel, from the engine's kernel family (the one the format was built with). The experts' biases and
+activation (`ExpertWeights.epilogue()`, gpt-oss) travel as keyword arguments, and only when there are any.
 """
 from __future__ import annotations
 
@@ -38,10 +39,11 @@ class LayoutExpertKernel:
 
     def __call__(self, recv_x: torch.Tensor, tokens_per_local_expert: torch.Tensor,
                  experts: ExpertWeights) -> torch.Tensor:
-        if experts.quant is not None:   # the format's twin: fp8_(masked_)expert_mlp or int8_(masked_)expert_mlp
+        epilogue = experts.epilogue()
+        if experts.quant is not None:   # the format's twin: fp8_, int8_ or mxfp4_(masked_)expert_mlp
             return experts.quant.expert_mlp(self.layout == LAYOUT_MASKED, recv_x, tokens_per_local_expert,
-                                            experts.w13, experts.w13_scale, experts.w2, experts.w2_scale)
-        return self.mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w2)
+                                            experts.w13, experts.w13_scale, experts.w2, experts.w2_scale, **epilogue)
+        return self.mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w2, **epilogue)
 
 
 def expert_kernel_for(layout: str, kernels: KernelSet) -> ExpertKernel:

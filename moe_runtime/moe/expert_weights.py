@@ -4,11 +4,17 @@ Row i of both tensors is this rank's local slot i; `expert_ids[i]` is the logica
 (the placement in force says the same). The stack is also the layer's `ExpertStore`: live
 rebalancing reads, stages and commits slots through it and never touches the parameters itself.
 
-With `quant` (`--quantization fp8 | int8`, a `WeightQuantization`) w13 and w2 are kept in the
-format's values dtype with float32 scales: FP8's row-expanded block scales (`w13_scale`
-[E_local, 2I, ceil(H/bk)], `w2_scale` [E_local, H, ceil(I/bk)]) or int8's one scale per row
-([E_local, 2I], [E_local, H]). A slot's weights then travel as their bytes, scales included, so
-migration and replication move them unchanged.
+With `quant` (`--quantization fp8 | int8 | mxfp4`, a `WeightQuantization`) w13 and w2 are kept in
+the format's values dtype and shape with the format's scales: FP8's row-expanded block scales
+(`w13_scale` [E_local, 2I, ceil(H/bk)], `w2_scale` [E_local, H, ceil(I/bk)]), int8's one scale per
+row ([E_local, 2I], [E_local, H]), or MXFP4's packed codes (w13 [E_local, 2I, ceil(H/32)*16]) with
+e8m0 exponents ([E_local, 2I, ceil(H/32)], uint8). A slot's weights then travel as their bytes,
+scales included, so migration and replication move them unchanged, whatever the format.
+
+gpt-oss's experts add a bias after each projection (`bias=True`: b13 [E_local, 2I] in w13's row
+order, b2 [E_local, H], in the compute dtype, part of the slot's bytes) and their own activation
+(`activation`, kernels/expert_activation.py); their checkpoint stacks are transposed and interleave
+gate and up columns (`GPT_OSS_NAMING`, read by moe/gpt_oss_expert_stacks.py, MXFP4 or not).
 """
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.expert_activation import ExpertActivation
+from moe_runtime.moe.gpt_oss_expert_stacks import load_gpt_oss_expert
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows, WeightQuantization
 from moe_runtime.weights.loading import copy_checked
@@ -29,9 +37,11 @@ class ExpertNaming:
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
+    gpt_oss_stacks: bool = False   # gpt-oss: `gate_up_proj` [E, H, 2I] (gate/up interleaved), `down_proj` [E, I, H]
 
 
 MIXTRAL_NAMING = ExpertNaming(gate="w1", up="w3", down="w2")
+GPT_OSS_NAMING = ExpertNaming(gpt_oss_stacks=True)
 
 
 @dataclass(frozen=True)
@@ -46,27 +56,46 @@ class StagedSlot:
 class ExpertWeights(nn.Module):
     def __init__(self, expert_ids: list[int], hidden_size: int, intermediate_size: int,
                  naming: ExpertNaming = ExpertNaming(), dtype=torch.float32, device=None,
-                 quant: WeightQuantization | None = None):
+                 quant: WeightQuantization | None = None, *, bias: bool = False,
+                 activation: ExpertActivation = ExpertActivation()):
         super().__init__()
         self.expert_ids = list(expert_ids)  # logical expert held by each local slot
         self.naming = naming
+        self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.quant = quant
+        self.activation = activation
+        if quant is not None and not quant.expert_epilogue and (bias or not activation.is_silu):
+            raise ValueError(f"--quantization {quant.name} keeps experts whose kernels are bias-free SiLU; these "
+                             f"experts have {'biases and ' if bias else ''}activation {activation.kind!r}")
         num_local = len(self.expert_ids)
-        weight_dtype = quant.values_dtype if quant else dtype
 
-        def param(*shape: int, param_dtype=weight_dtype) -> nn.Parameter:
+        def param(*shape: int, param_dtype=dtype) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=param_dtype, device=device), requires_grad=False)
 
-        self.w13 = param(num_local, 2 * intermediate_size, hidden_size)    # [E_local, 2I, H]
-        self.w2 = param(num_local, hidden_size, intermediate_size)         # [E_local, H, I]
+        def weight(rows: int, columns: int) -> nn.Parameter:
+            if quant is None:
+                return param(num_local, rows, columns)
+            return param(num_local, *quant.values_shape(rows, columns), param_dtype=quant.values_dtype)
+
+        self.w13 = weight(2 * intermediate_size, hidden_size)              # [E_local, 2I, H]
+        self.w2 = weight(hidden_size, intermediate_size)                   # [E_local, H, I]
         self.w13_scale = self.w2_scale = None
         if quant is not None:   # fp8: [E, 2I, ceil(H/bk)], [E, H, ceil(I/bk)]; int8: [E, 2I], [E, H] (E = E_local)
             self.w13_scale = param(num_local, *quant.scale_shape(2 * intermediate_size, hidden_size),
-                                   param_dtype=torch.float32)
+                                   param_dtype=quant.scales_dtype)
             self.w2_scale = param(num_local, *quant.scale_shape(hidden_size, intermediate_size),
-                                  param_dtype=torch.float32)
+                                  param_dtype=quant.scales_dtype)
+        self.b13 = param(num_local, 2 * intermediate_size) if bias else None    # [E_local, 2I]
+        self.b2 = param(num_local, hidden_size) if bias else None                # [E_local, H]
         self._staged: list[StagedSlot] = []
+
+    def epilogue(self) -> dict:
+        """The expert kernels' keyword arguments for these experts' biases and activation ({} for the plain
+        bias-free SiLU MLP, so any expert kernel runs it)."""
+        if self.b13 is None and self.activation.is_silu:
+            return {}
+        return {"b13": self.b13, "b2": self.b2, "activation": self.activation}
 
     @property
     def num_local_experts(self) -> int:
@@ -74,7 +103,7 @@ class ExpertWeights(nn.Module):
 
     def slot_tensors(self) -> list[torch.Tensor]:
         """Every tensor with one row per local slot: the weights, and their scales when kept quantized."""
-        return [t for t in (self.w13, self.w13_scale, self.w2, self.w2_scale) if t is not None]
+        return [t for t in (self.w13, self.w13_scale, self.w2, self.w2_scale, self.b13, self.b2) if t is not None]
 
     def resident_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.slot_tensors())
@@ -83,6 +112,13 @@ class ExpertWeights(nn.Module):
         """Per-expert tensors (`<prefix><e>.gate_proj.weight`, the HF layout) or fused 3D ones."""
         fused_gate_up = f"{prefix}gate_up_proj"
         inter = self.intermediate_size
+        scales = {"w13_scale", "w2_scale"} if self.quant else set()
+        if self.naming.gpt_oss_stacks:
+            for local, expert in enumerate(self.expert_ids):
+                load_gpt_oss_expert(self, reader, prefix, local, expert)
+            return {"w13", "w2"} | scales | ({"b13", "b2"} if self.b13 is not None else set())
+        if self.b13 is not None:
+            raise ValueError("expert biases are read from gpt-oss's stacks only (ExpertNaming.gpt_oss_stacks)")
         for local, expert in enumerate(self.expert_ids):
             if reader.has(fused_gate_up):
                 gate_up = reader.read_rows(fused_gate_up, expert, expert + 1)[0]
@@ -96,10 +132,16 @@ class ExpertWeights(nn.Module):
                 self._fill(local, rows, self._read(reader, full), full, reader)
             full = f"{base}{self.naming.down}.weight"
             self._fill(local, None, self._read(reader, full), full, reader)
-        return {"w13", "w2"} | ({"w13_scale", "w2_scale"} if self.quant else set())
+        return {"w13", "w2"} | scales
 
     def _read(self, reader: CheckpointReader, full: str) -> torch.Tensor | QuantizedRows:
         return self.quant.read(reader, full) if self.quant else reader.read(full)
+
+    def fill(self, local: int, w13_rows: slice | None, tensor: torch.Tensor | QuantizedRows, name: str,
+             reader: CheckpointReader) -> None:
+        """Copy one expert's w13 rows (or, None, its whole w2) read in the compute dtype or already in this
+        stack's format (`QuantizedRows`) into slot `local` (moe/gpt_oss_expert_stacks.py's entry point)."""
+        self._fill(local, w13_rows, tensor, name, reader)
 
     def _fill(self, local: int, w13_rows: slice | None, tensor: torch.Tensor | QuantizedRows, name: str,
               reader: CheckpointReader) -> None:

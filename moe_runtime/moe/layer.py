@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kernels import KernelSet, RoutingConfig, TopK
+from kernels.expert_activation import ExpertActivation
 from moe_runtime.layers.linear import Linear
 from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
@@ -29,6 +30,10 @@ class MoEShape:
     shared_expert_gate: bool = False       # Qwen2-MoE: sigmoid(Linear(H, 1)) scales the shared expert
     shared_name: str = "shared_experts"    # checkpoint module name of the shared expert
     correction_bias: bool = False          # DeepSeek-V3 gate.e_score_correction_bias
+    router_bias: bool = False              # gpt-oss router.bias
+    expert_bias: bool = False              # gpt-oss gate_up_proj_bias / down_proj_bias
+    activation: ExpertActivation = ExpertActivation()   # gpt-oss: ExpertActivation.gpt_oss(limit=swiglu_limit)
+    router_name: str = "gate"              # checkpoint module name of the router (gpt-oss: "router")
 
 
 class SparseMoE(nn.Module):
@@ -37,9 +42,12 @@ class SparseMoE(nn.Module):
                  quant: WeightQuantization | None = None):
         super().__init__()
         self.routing = routing
-        self.gate = Router(shape.hidden_size, shape.num_experts, shape.correction_bias, dtype, device)
+        self.router_name = shape.router_name
+        self.add_module(shape.router_name, Router(shape.hidden_size, shape.num_experts, shape.correction_bias, dtype,
+                                                  device, bias=shape.router_bias))
         self.experts = ExpertWeights(executor.local_expert_ids(shape.num_experts), shape.hidden_size,
-                                     shape.moe_intermediate_size, naming, dtype, device, quant)
+                                     shape.moe_intermediate_size, naming, dtype, device, quant,
+                                     bias=shape.expert_bias, activation=shape.activation)
         self.moe_layer = executor.register_layer(self.experts, shape.num_experts)
         self.shared_name = None
         if shape.shared_intermediate_size:
@@ -61,8 +69,9 @@ class SparseMoE(nn.Module):
         return self._add_shared(x, out)
 
     def _route(self, x: torch.Tensor) -> TopK:   # [T, H] -> top-k [T, K]
-        logits = self.gate(x)                                                       # [T, E]
-        return self._kernels.select_experts(logits, self.routing, self.gate.e_score_correction_bias)
+        router = getattr(self, self.router_name)
+        logits = router(x)                                                          # [T, E]
+        return self._kernels.select_experts(logits, self.routing, router.e_score_correction_bias)
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:   # routed out [T, H] -> [T, H]
         if self.shared_name is not None:

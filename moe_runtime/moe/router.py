@@ -1,4 +1,8 @@
-"""The MoE router: one linear layer from hidden states to a logit per logical expert."""
+"""The MoE router: one linear layer from hidden states to a logit per logical expert.
+
+gpt-oss's router has a bias (`router.bias` [E], `bias=True`); its choice (top-k of the logits, softmax
+over the chosen k) is `RoutingConfig(top_k, scoring="softmax", renormalize=True)` (kernels/routing.py).
+"""
 from __future__ import annotations
 
 import torch
@@ -12,9 +16,12 @@ from moe_runtime.weights.loading import copy_checked
 class Router(nn.Module):
     """Router logits in fp32 (as transformers computes them for every MoE architecture here)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool, dtype, device=None):
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool, dtype, device=None,
+                 bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(num_experts, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device), requires_grad=False)
             if correction_bias else None
@@ -23,6 +30,9 @@ class Router(nn.Module):
     def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
         copy_checked(self.weight, reader.read(f"{prefix}weight"), f"{prefix}weight", reader.directory)
         loaded = {"weight"}
+        if self.bias is not None:
+            copy_checked(self.bias, reader.read(f"{prefix}bias"), f"{prefix}bias", reader.directory)
+            loaded.add("bias")
         if self.e_score_correction_bias is not None:
             name = f"{prefix}e_score_correction_bias"
             copy_checked(self.e_score_correction_bias, reader.read(name), name, reader.directory)
@@ -30,4 +40,4 @@ class Router(nn.Module):
         return loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] fp32
-        return linear_rows(x.float(), self.weight.float())
+        return linear_rows(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())

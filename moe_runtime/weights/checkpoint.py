@@ -5,6 +5,9 @@ The reader records every tensor it hands out (`consumed`), so the loader can tel
 rank used (a layer the model does not know, a format it does not read) from one it did.
 FP8 block-quantized weights come out dequantized to float32 with their `weight_scale_inv` (`read`),
 or as FP8 values with row-expanded scales for `--quantization fp8` (`read_fp8_rows`).
+MXFP4 expert stacks (gpt-oss: `<name>_blocks` / `<name>_scales`, quantization/mxfp4_format.py) are read
+under their logical name `<name>`, dequantized exactly to transformers' parameter layout, or as their
+stored bytes (`read_mxfp4_rows`) for `--quantization mxfp4`.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from safetensors import safe_open
 from moe_runtime.errors import CheckpointError
 from moe_runtime.weights.quantization.fp8_block import SCALE_SUFFIX, Fp8BlockFormat
 from moe_runtime.weights.quantization.fp8_in_memory import Fp8Rows, expand_block_scales, quantize_rows
+from moe_runtime.weights.quantization.mxfp4_format import BLOCKS_SUFFIX, SCALES_SUFFIX, PackedMxfp4
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +75,36 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.tensor_to_file
 
+    def is_mxfp4(self, name: str) -> bool:
+        """Whether `name` is stored as an MXFP4 pair `<name>_blocks` / `<name>_scales` (and not as itself)."""
+        return (name not in self.tensor_to_file and name + BLOCKS_SUFFIX in self.tensor_to_file
+                and name + SCALES_SUFFIX in self.tensor_to_file)
+
+    def read_mxfp4_rows(self, name: str, start: int | None = None, stop: int | None = None) -> PackedMxfp4:
+        """Rows [start, stop) of dim 0 (experts) of an MXFP4 tensor, as stored: values [n, N, G*16], scales
+        [n, N, G] (the whole tensor without start / stop)."""
+        parts = []
+        for suffix in (BLOCKS_SUFFIX, SCALES_SUFFIX):
+            full = name + suffix
+            view = self._handle(full).get_slice(full)
+            tensor = view[:] if start is None else view[start:stop]
+            self._count(full, tensor)
+            parts.append(tensor)
+        return PackedMxfp4.from_stored(parts[0], parts[1], name)
+
     def names(self) -> list[str]:
         return list(self.tensor_to_file)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if self.is_mxfp4(name):   # the dequantized parameter layout [..., K, N]
+            *lead, rows, groups, _ = self._handle(name + BLOCKS_SUFFIX).get_slice(name + BLOCKS_SUFFIX).get_shape()
+            return (*lead, groups * 32, rows)
         handle = self._handle(name)
         return tuple(handle.get_slice(name).get_shape())
 
     def read(self, name: str) -> torch.Tensor:
+        if self.is_mxfp4(name):
+            return self.read_mxfp4_rows(name).dequantized()
         handle = self._handle(name)
         tensor = handle.get_tensor(name)
         self._count(name, tensor)
@@ -92,6 +118,10 @@ class CheckpointReader:
 
     def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """[start, stop) along `dim` (0 or 1) of a tensor, reading only that part (tensor-parallel shards)."""
+        if self.is_mxfp4(name):   # experts along dim 0: only theirs are read
+            if dim == 0:
+                return self.read_mxfp4_rows(name, start, stop).dequantized()
+            return self.read(name)[:, start:stop]
         if self.is_fp8(name):  # scales cover blocks, not rows: dequantize the whole tensor, then cut
             whole = self.read(name)
             return whole[start:stop] if dim == 0 else whole[:, start:stop]

@@ -4,8 +4,11 @@ A quantized linear weight `W` [N, K] is stored as `weight` (float8_e4m3fn, [N, K
 `weight_scale_inv` (float32, [ceil(N / bn), ceil(K / bk)]): every bn x bk tile of W is its FP8
 values times that tile's scale (edge tiles are partial). The config says so with
 `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [bn, bk],
-activation_scheme: dynamic}`. Any other quantization_config changes what the stored numbers mean
-in a way this runtime does not implement, so it is refused by name instead of loaded wrong.
+activation_scheme: dynamic}`. MXFP4 checkpoints (`quant_method: mxfp4`, gpt-oss) are no FP8 format:
+their `*_blocks` / `*_scales` tensors say what they are by name and the reader dequantizes them
+(mxfp4_format.py), so for them this returns None. Any other quantization_config changes what the
+stored numbers mean in a way this runtime does not implement, so it is refused by name instead of
+loaded wrong.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_runtime.errors import CheckpointError
+from moe_runtime.weights.quantization.mxfp4_format import QUANT_METHOD as MXFP4_METHOD
 
 SCALE_SUFFIX = "_scale_inv"        # `x.weight` is scaled by `x.weight_scale_inv`
 FP8_MAX = 448.0                    # the largest finite float8_e4m3fn
@@ -33,9 +37,12 @@ class Fp8BlockFormat:
         if not isinstance(quant, dict):
             quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
         method = quant.get("quant_method")
+        if method == MXFP4_METHOD:
+            return None
         if method != "fp8":
             raise CheckpointError(f"{where}: quantization_config.quant_method={method!r} is not supported (only "
-                                  f"'fp8' block-quantized checkpoints load; dequantize the checkpoint first)")
+                                  f"'fp8' block-quantized and 'mxfp4' checkpoints load; dequantize the checkpoint "
+                                  f"first)")
         if quant.get("fmt", "e4m3") != "e4m3":
             raise CheckpointError(f"{where}: quantization_config.fmt={quant.get('fmt')!r} is not supported (only e4m3)")
         if quant.get("activation_scheme", "dynamic") != "dynamic":

@@ -51,6 +51,12 @@ class Fp8InMemory:
     kernels: KernelSet    # fp8_linear, fp8_expert_mlp, fp8_masked_expert_mlp
     name: ClassVar[str] = "fp8"
     values_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
+    scales_dtype: ClassVar[torch.dtype] = torch.float32
+    experts_only: ClassVar[bool] = False
+    expert_epilogue: ClassVar[bool] = False     # its expert kernels are bias-free SiLU
+
+    def values_shape(self, rows: int, columns: int) -> tuple[int, ...]:
+        return (rows, columns)
     linear_kernel: Callable = field(init=False, repr=False, compare=False)   # the family's, without per-call checks
 
     def __post_init__(self):

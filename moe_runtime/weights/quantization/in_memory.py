@@ -5,16 +5,20 @@ from kernels import KernelSet
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.fp8_in_memory import Fp8InMemory
 from moe_runtime.weights.quantization.int8_in_memory import Int8InMemory
+from moe_runtime.weights.quantization.mxfp4_in_memory import Mxfp4InMemory
 from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
 
 
 def weights_in_memory(quantization: str | None, checkpoint_fp8: Fp8BlockFormat | None,
                       kernels: KernelSet) -> WeightQuantization | None:
-    """`checkpoint_fp8`: the checkpoint's own FP8 block format (fp8 keeps its blocks; int8 reads them dequantized)."""
+    """`checkpoint_fp8`: the checkpoint's own FP8 block format (fp8 keeps its blocks; int8 reads them dequantized).
+    mxfp4 keeps an MXFP4 checkpoint's expert bytes as stored and quantizes any other checkpoint's experts."""
     if quantization is None:
         return None
     if quantization == "fp8":
         return Fp8InMemory.for_checkpoint(checkpoint_fp8, kernels)
     if quantization == "int8":
         return Int8InMemory(kernels)
+    if quantization == "mxfp4":
+        return Mxfp4InMemory(kernels)
     raise ValueError(f"no in-memory weight format for quantization {quantization!r}")

@@ -40,6 +40,12 @@ class Int8InMemory:
     kernels: KernelSet
     name: ClassVar[str] = "int8"
     values_dtype: ClassVar[torch.dtype] = torch.int8
+    scales_dtype: ClassVar[torch.dtype] = torch.float32
+    experts_only: ClassVar[bool] = False
+    expert_epilogue: ClassVar[bool] = False     # its expert kernels are bias-free SiLU
+
+    def values_shape(self, rows: int, columns: int) -> tuple[int, ...]:
+        return (rows, columns)
 
     def scale_shape(self, rows: int, columns: int) -> tuple[int, ...]:
         return (rows,)

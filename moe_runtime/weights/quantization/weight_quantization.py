@@ -8,6 +8,8 @@ satisfy the Protocol:
   scales [N, ceil(K / block_k)]; an FP8 checkpoint's blocks kept as stored.
 - `Int8InMemory` (quantization/int8_in_memory.py): int8 values [N, K], one scale per row [N],
   quantized at load from whatever the checkpoint holds.
+- `Mxfp4InMemory` (quantization/mxfp4_in_memory.py): packed e2m1 values uint8 [N, ceil(K/32)*16] with
+  e8m0 scales uint8 [N, ceil(K/32)]; experts only (`experts_only`), as gpt-oss's checkpoints store them.
 
 Every weight is then a pair (`QuantizedRows`): values and float32 scales whose leading dims are the
 weight's rows, so a row cut (`rows`) and an expert slot's bytes (`ExpertWeights.read_slot`) are the
@@ -23,8 +25,8 @@ import torch
 
 @dataclass(frozen=True)
 class QuantizedRows:
-    values: torch.Tensor   # [N, K] in the format's values_dtype
-    scales: torch.Tensor   # [N, ...] float32: the format's scales of each row
+    values: torch.Tensor   # [N, K] in the format's values_dtype (MXFP4: [N, packed K])
+    scales: torch.Tensor   # [N, ...] in the format's scales_dtype: the format's scales of each row
 
     def rows(self, start: int, stop: int) -> "QuantizedRows":
         return replace(self, values=self.values[start:stop], scales=self.scales[start:stop])
@@ -51,6 +53,13 @@ class WeightQuantization(Protocol):
 
     name: str                    # the --quantization value
     values_dtype: torch.dtype    # dtype of the stored values
+    scales_dtype: torch.dtype    # dtype of the stored scales (float32; MXFP4's e8m0 exponents: uint8)
+    experts_only: bool           # True: only expert stacks take this format (`linear_quantization`)
+    expert_epilogue: bool        # whether its expert kernels take expert biases and a non-SiLU activation
+
+    def values_shape(self, rows: int, columns: int) -> tuple[int, ...]:
+        """Shape of the stored values of a [rows, columns] weight ([rows, columns] but for packed formats)."""
+        ...
 
     def scale_shape(self, rows: int, columns: int) -> tuple[int, ...]:
         """Shape of the float32 scales of a [rows, columns] weight."""
@@ -79,7 +88,14 @@ class WeightQuantization(Protocol):
         ...
 
     def expert_mlp(self, masked: bool, x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
-                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor) -> torch.Tensor:
+                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, **epilogue) -> torch.Tensor:
         """The kernel family's expert MLP for these weights: contiguous ([N, H] grouped by expert) or masked
-        ([E, M, H]) layout, unweighted outputs in the same layout."""
+        ([E, M, H]) layout, unweighted outputs in the same layout. `epilogue` (b13, b2, activation) only where
+        `expert_epilogue`."""
         ...
+
+
+def linear_quantization(quant: WeightQuantization | None) -> WeightQuantization | None:
+    """The format a model's non-expert layers (attention projections, dense MLPs, shared experts) take:
+    `quant` itself, or None (the compute dtype) for a format that keeps experts only (MXFP4)."""
+    return None if quant is None or quant.experts_only else quant
