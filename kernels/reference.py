@@ -9,19 +9,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .expert_activation import ExpertActivation
 from .expert_mlp import check_expert_weights
 from .fp8_block_weights import check_fp8_weight
 from .int8_weights import check_int8_weight
+from .mxfp4_weights import E8M0_BIAS, MXFP4_BLOCK, check_mxfp4_weight, e2m1_table
 from .permute import PermutePlan, offsets_from_counts
 from .rms_norm import NormOutput
 
 
-def all_experts_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """[T, H] -> [E, T, H]: every expert applied to every row, in fp32."""
+def all_experts_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13=None, b2=None,
+                    activation: ExpertActivation = ExpertActivation()) -> torch.Tensor:
+    """[T, H] -> [E, T, H]: every expert applied to every row, in fp32 (biases b13 [E, 2I], b2 [E, H])."""
     intermediate = check_expert_weights(x.shape[-1], w13, w2)
     gate_up = torch.einsum("th,eih->eti", x.float(), w13.float())              # [E, T, 2I]
-    activated = F.silu(gate_up[..., :intermediate]) * gate_up[..., intermediate:]  # [E, T, I]
-    return torch.einsum("eti,ehi->eth", activated, w2.float())                # [E, T, H]
+    if b13 is not None:
+        gate_up = gate_up + b13.float()[:, None, :]
+    activated = activation.apply(gate_up[..., :intermediate], gate_up[..., intermediate:])  # [E, T, I]
+    out = torch.einsum("eti,ehi->eth", activated, w2.float())                 # [E, T, H]
+    return out if b2 is None else out + b2.float()[:, None, :]
 
 
 def permute_by_expert(topk_ids: torch.Tensor, num_experts: int) -> PermutePlan:
@@ -36,17 +42,19 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int) -> PermutePlan:
     return PermutePlan(flat_index // top_k, flat_index, counts, offsets_from_counts(counts))
 
 
-def expert_mlp(x_sorted, counts, w13, w2) -> torch.Tensor:
+def expert_mlp(x_sorted, counts, w13, w2, *, b13=None, b2=None,
+               activation: ExpertActivation = ExpertActivation()) -> torch.Tensor:
     expert_of_row = torch.repeat_interleave(torch.arange(w13.shape[0], device=counts.device), counts)  # [N]
-    every = all_experts_mlp(x_sorted, w13, w2)                                # [E, N, H]
+    every = all_experts_mlp(x_sorted, w13, w2, b13, b2, activation)          # [E, N, H]
     rows = torch.arange(x_sorted.shape[0], device=x_sorted.device)
     return every[expert_of_row, rows].to(x_sorted.dtype)
 
 
-def masked_expert_mlp(x, counts, w13, w2) -> torch.Tensor:
+def masked_expert_mlp(x, counts, w13, w2, *, b13=None, b2=None,
+                      activation: ExpertActivation = ExpertActivation()) -> torch.Tensor:
     out = torch.zeros(*x.shape[:2], w2.shape[1], dtype=x.dtype, device=x.device)  # [E, M, H]
     for expert in range(x.shape[0]):
-        every = all_experts_mlp(x[expert], w13, w2)                           # [E, M, H]
+        every = all_experts_mlp(x[expert], w13, w2, b13, b2, activation)     # [E, M, H]
         count = int(counts[expert])
         out[expert, :count] = every[expert, :count].to(x.dtype)
     return out
@@ -89,6 +97,32 @@ def int8_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale) -> torch.Ten
 
 def int8_masked_expert_mlp(x, counts, w13, w13_scale, w2, w2_scale) -> torch.Tensor:
     return masked_expert_mlp(x, counts, dequantize_int8(w13, w13_scale), dequantize_int8(w2, w2_scale))
+
+
+def dequantize_mxfp4(values, scales, columns: int) -> torch.Tensor:
+    """The plain formula in fp32: each code's e2m1 value (table lookup) times 2^(its block's scale - 127)."""
+    check_mxfp4_weight(values, scales, columns)
+    table = e2m1_table(values.device)
+    codes = torch.stack([values & 0x0F, values >> 4], dim=-1).flatten(-2).long()      # [..., N, G*32]
+    exponents = scales.float().sub(E8M0_BIAS).repeat_interleave(MXFP4_BLOCK, -1)     # [..., N, G*32]
+    return (table[codes] * torch.pow(2.0, exponents))[..., :columns]
+
+
+def mxfp4_linear(x, values, scales, bias=None) -> torch.Tensor:
+    out = F.linear(x.float(), dequantize_mxfp4(values, scales, x.shape[-1]), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def mxfp4_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale, **epilogue) -> torch.Tensor:
+    hidden, intermediate = x_sorted.shape[-1], w13.shape[1] // 2
+    return expert_mlp(x_sorted, counts, dequantize_mxfp4(w13, w13_scale, hidden),
+                      dequantize_mxfp4(w2, w2_scale, intermediate), **epilogue)
+
+
+def mxfp4_masked_expert_mlp(x, counts, w13, w13_scale, w2, w2_scale, **epilogue) -> torch.Tensor:
+    hidden, intermediate = x.shape[-1], w13.shape[1] // 2
+    return masked_expert_mlp(x, counts, dequantize_mxfp4(w13, w13_scale, hidden),
+                             dequantize_mxfp4(w2, w2_scale, intermediate), **epilogue)
 
 
 def unpermute_reduce(out_sorted, plan: PermutePlan, weights, num_tokens: int) -> torch.Tensor:
