@@ -16,6 +16,11 @@ pages, sequence by sequence) and last_page_len [B] (tokens in each sequence's la
 reused by every layer with that shape (same block-table tensors: checked by identity). FlashInfer's plan
 reads the page table on the host, so this backend serves eager steps only: under torch.compile (a
 captured decode) the seam takes the Triton kernel.
+
+Spans and sinks: a sliding window runs as the prefill plan's `window_left` (W - 1: keys i - W + 1 .. i).
+Chunked spans, attention sinks (the general wrappers take none: only FlashInfer's TRT-LLM-generated kernels
+do, on some GPUs) and decode rows with a first key of their own (`key_starts`) are not taken: `supports`
+says no and the seam runs the Triton kernels.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from .key_span import KeySpan, is_windowed
 from .paged_prefill_attention import PagedPrefillBatch
 
 WORKSPACE_BYTES = 128 * 1024 * 1024     # FlashInfer's recommended float workspace (split-k partials)
@@ -114,8 +120,12 @@ class FlashInferAttention:
     _workspace: torch.Tensor | None = None
     _planned: dict = field(default_factory=dict)   # plan key -> _Planned
 
-    def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """On CUDA, eager (FlashInfer plans on the host: not inside a captured step), shapes it is built for."""
+    def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: KeySpan | None = None,
+                 sinks: torch.Tensor | None = None) -> bool:
+        """On CUDA, eager (FlashInfer plans on the host: not inside a captured step), shapes it is built for,
+        full attention or a sliding window (not on MLA), no sinks."""
+        if sinks is not None or (is_windowed(span) and (span.code != 1 or is_mla_cache(k_cache, v_cache))):
+            return False
         return q.device.type == "cuda" and not torch.compiler.is_compiling() and shapes_supported(q, k_cache, v_cache)
 
     def _wrapper(self, key: tuple, build: Callable[[torch.Tensor], Any], inputs: tuple,
@@ -130,7 +140,10 @@ class FlashInferAttention:
             planned.inputs = inputs
         return planned.wrapper
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float, key_starts=None,
+               sinks=None) -> torch.Tensor:
+        if key_starts is not None or sinks is not None:
+            raise ValueError("FlashInfer's decode is not given rows' first keys or sinks here: use the Triton kernel")
         page_size = k_cache.shape[1]
         if is_mla_cache(k_cache, v_cache):
             qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
@@ -148,8 +161,11 @@ class FlashInferAttention:
                                 (block_tables, context_lens), plan)
         return wrapper.run(q, (k_cache, v_cache))
 
-    def prefill(self, q, k_cache, v_cache, batch: PagedPrefillBatch, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+    def prefill(self, q, k_cache, v_cache, batch: PagedPrefillBatch, scale: float, span: KeySpan | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None or (is_windowed(span) and span.code != 1):
+            raise ValueError("FlashInfer's prefill wrapper takes neither sinks nor chunked spans here")
+        sliding_window = span.size if is_windowed(span) else None
         page_size = k_cache.shape[1]
         if is_mla_cache(k_cache, v_cache):
             if sliding_window is not None:

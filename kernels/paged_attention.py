@@ -1,10 +1,18 @@
-"""Single-token (decode) attention over a paged KV cache, vectorized torch version."""
+"""Single-token (decode) attention over a paged KV cache, vectorized torch version.
+
+Two options the late-2026 models need (the Triton kernel takes the same): `key_starts` [B], each row's first
+key position (a sliding window's or a chunk's, computed by the caller: `AttentionBatch` on the host, or a
+captured step on the device), and `sinks` [Hq], gpt-oss's per-head logits that join every row's softmax
+denominator with no value. Keys before a row's start may lie in freed blocks of a windowed KV cache group
+(the scratch block, holding anything): their scores are masked and their values zeroed, so a NaN there
+cannot reach the output through a zero probability.
+"""
 from __future__ import annotations
 
 import torch
 
 
-def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
+def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, key_starts=None, sinks=None) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
@@ -21,6 +29,10 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
             f"block_tables must be [B={q.shape[0]}, max_blocks] and context_lens [B], got "
             f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}"
         )
+    if key_starts is not None and key_starts.shape != (q.shape[0],):
+        raise ValueError(f"key_starts must be [B={q.shape[0]}], got {tuple(key_starts.shape)}")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [Hq={q.shape[1]}], got {tuple(sinks.shape)}")
 
 
 def _head_major_fp32(blocks: torch.Tensor) -> torch.Tensor:
@@ -37,8 +49,10 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
+    key_starts: torch.Tensor | None = None,   # [B] int32: each row's first key position (None: 0)
+    sinks: torch.Tensor | None = None,        # [Hq] fp32 sink logits (None: no sinks)
 ) -> torch.Tensor:               # [B, Hq, Dv]
-    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, key_starts, sinks)
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads, v_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -66,8 +80,17 @@ def paged_decode_attention(
     scores = scores.view(num_kv_heads, batch, group, length)
     positions = torch.arange(length, device=q.device)
     invalid = positions[None, :] >= context_lens.long()[:, None]                    # [B, L]
+    if key_starts is not None:
+        invalid |= positions[None, :] < key_starts.long()[:, None]
+        # zero in place (MLA's values are a view of the keys, whose scores were computed and are masked below)
+        values.view(num_kv_heads, batch, length, v_dim).masked_fill_(invalid[None, :, :, None], 0.0)
     scores.masked_fill_(invalid[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)                          # empty contexts -> 0
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)                      # empty contexts -> 0
+    else:   # softmax over [scores, sink], sink column dropped: exp(score - logaddexp(lse, sink))
+        sink = sinks.float().view(num_kv_heads, 1, group, 1)
+        total = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)   # [Hkv, B, G, 1]
+        probs = torch.exp(scores - total)                                           # masked -> 0
     out = torch.bmm(probs.view(num_kv_heads * batch, group, length), values)        # [Hkv*B, G, Dv]
     out = out.view(num_kv_heads, batch, group, v_dim).transpose(0, 1)               # [B, Hkv, G, Dv]
     return out.reshape(batch, num_q_heads, v_dim).to(q.dtype)

@@ -7,15 +7,18 @@ Triton kernel (`triton_impl/paged_prefill_attention.py`) share: sequence b owns 
 the cache blocks of block_tables[b]. The torch function here is the Triton kernel's twin and oracle-side
 reference: one exact softmax per sequence (`prefix_causal_attention`: the CPU flash kernel, prefix and
 chunk merged by their log-sum-exp), a Python loop, which is what one varlen launch replaces on a GPU.
+
+A layer's span (`KeySpan`: sliding window, chunk) and attention sinks apply as in `span_causal_attention`:
+each sequence's context is gathered only from the first key its first new query reads, so freed blocks of a
+windowed KV cache group (the scratch block) are never read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-
-from .prefix_causal_attention import prefix_causal_attention
+from .key_span import KeySpan, is_windowed
+from .prefix_causal_attention import span_causal_attention
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,16 @@ def check_prefill_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError(f"cache block size {k_cache.shape[1]} != batch block size {batch.block_size}")
 
 
-def sequence_context(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                     length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's first `length` cached keys [L, Hkv, D] and values [L, Hkv, Dv], gathered contiguously."""
+def sequence_context(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int,
+                     start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached keys [L - start, Hkv, D] and values at positions [start, length), gathered
+    contiguously (the blocks before `start`'s are not read)."""
     block_size = k_cache.shape[1]
-    blocks = table[: (length + block_size - 1) // block_size].long()
-    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:length]
-    values = v_cache.index_select(0, blocks).flatten(0, 1)[:length]
+    first = start // block_size
+    blocks = table[first : (length + block_size - 1) // block_size].long()
+    skip = start - first * block_size
+    keys = k_cache.index_select(0, blocks).flatten(0, 1)[skip : length - first * block_size]
+    values = v_cache.index_select(0, blocks).flatten(0, 1)[skip : length - first * block_size]
     return keys, values
 
 
@@ -87,7 +93,8 @@ def paged_prefill_attention(
     v_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, Dv] (MLA: a prefix view of k_cache)
     batch: PagedPrefillBatch,
     scale: float,
-    sliding_window: int | None = None,
+    span: KeySpan | None = None,     # None: full attention
+    sinks: torch.Tensor | None = None,   # [Hq] fp32: gpt-oss's per-head sink logits
 ) -> torch.Tensor:               # [T, Hq, Dv]
     check_prefill_inputs(q, k_cache, v_cache, batch)
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3])
@@ -95,18 +102,13 @@ def paged_prefill_attention(
     for seq, (length, context) in enumerate(zip(batch.query_lens, batch.context_lens_host)):
         if length == 0:
             continue
-        keys, values = sequence_context(k_cache, v_cache, batch.block_tables[seq], context)
+        # the first key this sequence's first new query reads: what comes before is never gathered
+        first = span.first_needed(context - length) if is_windowed(span) else 0
+        keys, values = sequence_context(k_cache, v_cache, batch.block_tables[seq], context, first)
         q_seq = q[start : start + length].transpose(0, 1)[None]          # [1, Hq, n, D]
-        k_seq = keys.transpose(0, 1)[None].to(q.dtype)                   # [1, Hkv, S, D]
-        v_seq = values.transpose(0, 1)[None].to(q.dtype)                 # [1, Hkv, S, Dv]
-        if sliding_window is None:
-            seq_out = prefix_causal_attention(q_seq, k_seq, v_seq, scale)
-        else:
-            query_pos = torch.arange(context - length, context, device=q.device)[:, None]   # [n, 1]
-            key_pos = torch.arange(context, device=q.device)[None, :]                       # [1, S]
-            allowed = (key_pos <= query_pos) & (key_pos > query_pos - sliding_window)
-            seq_out = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=allowed, scale=scale,
-                                                     enable_gqa=q_seq.shape[1] != k_seq.shape[1])
+        k_seq = keys.transpose(0, 1)[None].to(q.dtype)                   # [1, Hkv, S', D]
+        v_seq = values.transpose(0, 1)[None].to(q.dtype)                 # [1, Hkv, S', Dv]
+        seq_out = span_causal_attention(q_seq, k_seq, v_seq, scale, span, sinks, first)
         out[start : start + length] = seq_out[0].transpose(0, 1)
         start += length
     return out

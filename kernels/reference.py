@@ -155,20 +155,27 @@ def fused_add_rms_norm(x, residual, weight, eps: float) -> NormOutput:
     return NormOutput(out=rms_norm(summed, weight, eps), residual=summed)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, key_starts=None,
+                           sinks=None) -> torch.Tensor:
+    """Row b reads keys [key_starts[b], context_lens[b]); `sinks` [Hq] joins each head's softmax as one more
+    logit with no value (transformers' gpt-oss: concatenated to the scores, its column dropped)."""
     batch, num_q_heads, _ = q.shape
     block_size, num_kv_heads, v_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     out = torch.zeros(batch, num_q_heads, v_dim, dtype=torch.float32, device=q.device)
     for b in range(batch):
         length = int(context_lens[b])
-        if length == 0:
+        first = 0 if key_starts is None else min(int(key_starts[b]), length)
+        if length == first:
             continue
-        positions = torch.arange(length, device=q.device)
+        positions = torch.arange(first, length, device=q.device)
         blocks = block_tables[b].long()[positions // block_size]
         keys = k_cache[blocks, positions % block_size].float()               # [L, Hkv, D]
         values = v_cache[blocks, positions % block_size].float()             # [L, Hkv, Dv]
         for head in range(num_q_heads):
             kv_head = head // (num_q_heads // num_kv_heads)
             scores = keys[:, kv_head] @ q[b, head].float() * scale           # [L]
-            out[b, head] = torch.softmax(scores, dim=0) @ values[:, kv_head]
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[head].float().view(1)])
+            probs = torch.softmax(scores, dim=0)[:length - first]
+            out[b, head] = probs @ values[:, kv_head]
     return out.to(q.dtype)

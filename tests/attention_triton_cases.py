@@ -15,6 +15,7 @@ from kernels.paged_prefill_attention import paged_prefill_attention as torch_pre
 from mixed_attention_cases import SCALE, mixed_attention_case
 from moe_runtime.layers.attention_backend import attention_kernels_for
 from moe_runtime.layers.attention_ops import paged_varlen_attention, split_attention
+from moe_runtime.layers.attention_span import AttentionSpan
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -96,14 +97,15 @@ def test_varlen_prefill_matches_twin_and_float64(case):
     q = torch.randn(sum(query_lens), spec["q_heads"], spec["head_dim"], generator=generator)
     scale = spec["head_dim"] ** -0.5
     reference = float64_reference(q, k_cache, v_cache, tables, query_lens, context_lens, scale, window).float()
+    span = AttentionSpan.coerce(window)     # the kernels take the layer's span
     twin = torch_prefill(q, k_cache, v_cache, PagedPrefillBatch.build(query_lens, context_lens, tables,
-                                                                      spec["block_size"]), scale, window)
+                                                                      spec["block_size"]), scale, span)
     torch.testing.assert_close(twin, reference, rtol=1e-5, atol=1e-5)
     for dtype in DTYPES:
         q_d, k_d = q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype)
         v_d = k_d[..., : spec["v_dim"]] if spec.get("shared_kv") else v_cache.to(DEVICE, dtype)
         batch = PagedPrefillBatch.build(query_lens, context_lens, tables.to(DEVICE), spec["block_size"])
-        got = triton_prefill.paged_prefill_attention(q_d, k_d, v_d, batch, scale, window)
+        got = triton_prefill.paged_prefill_attention(q_d, k_d, v_d, batch, scale, span)
         assert got.shape == reference.shape and got.dtype == dtype
         torch.testing.assert_close(got.float().cpu(), reference, **tolerance(dtype))
 
@@ -171,8 +173,9 @@ def test_mixed_batch_through_the_triton_seam(window):
     assert attention.prefill is not None
     batch, q = case.batch, case.q
 
-    def single(rows, tables, lens):
-        return attention.decode(q if rows is None else q[rows], case.k_cache, case.v_cache, tables, lens, SCALE)
+    def single(rows, tables, lens, key_starts=None):   # windowed rows: from their first key
+        return attention.decode(q if rows is None else q[rows], case.k_cache, case.v_cache, tables, lens, SCALE,
+                                key_starts=key_starts)
 
     def varlen(seqs):
         return paged_varlen_attention(q, batch, attention.prefill, case.k_cache, case.v_cache, SCALE, window, seqs)

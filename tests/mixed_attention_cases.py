@@ -87,8 +87,9 @@ def attend(kernels, case: MixedAttentionCase) -> torch.Tensor:   # [T, Hq, Dv]
         slots = batch.context_slots(seq)
         return k_cache.reshape(-1, kv_heads, dim)[slots], v_cache.reshape(-1, kv_heads, v_dim)[slots]
 
-    def single(rows, tables, lens):
-        return kernels.paged_decode_attention(q if rows is None else q[rows], k_cache, v_cache, tables, lens, SCALE)
+    def single(rows, tables, lens, key_starts=None):   # windowed rows: from their first key
+        return kernels.paged_decode_attention(q if rows is None else q[rows], k_cache, v_cache, tables, lens, SCALE,
+                                              key_starts=key_starts)
 
     return split_attention(batch, case.window, single,
                            lambda seqs: varlen_causal_attention(q, batch, fetch, SCALE, case.window, seqs))

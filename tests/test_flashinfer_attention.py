@@ -170,8 +170,8 @@ def test_shapes_flashinfer_is_built_for_and_cpu_never():
 def test_the_seam_takes_triton_where_flashinfer_does_not_apply_and_torch_on_cpu():
     calls = []
     first = FlashInferFirst(FlashInferAttention(FakeWrappers(), torch.device("cpu")),
-                            lambda *args: calls.append("triton decode") or "decoded",
-                            lambda *args: calls.append("triton prefill") or "prefilled")
+                            lambda *args, **kwargs: calls.append("triton decode") or "decoded",
+                            lambda *args, **kwargs: calls.append("triton prefill") or "prefilled")
     k_cache, _, tables = paged([5], 2, 128, 4)
     assert first.decode(torch.zeros(1, 4, 128), k_cache, k_cache, tables, torch.tensor([5]), 1.0) == "decoded"
     batch = PagedPrefillBatch.build([2], [5], tables, 4)

@@ -14,6 +14,12 @@ to fill the device twice (`DecodeSplitPolicy`), never more splits than BLOCK_N-k
 holds. GQA query heads sharing a KV head run in one program (each K/V tile read once for all); MLA
 caches (values a prefix view of the keys) work through strides; head dims are tiled as in
 `head_dim_split.py` (576 = 512 + 64). Not yet run compiled on a GPU: only in the Triton interpreter.
+
+Windows and chunks: `key_starts` [B] gives each row's first key (the caller computes it: no host read here),
+and the splits cover [key_start, length) only; keys before it are never loaded (a windowed KV cache group's
+freed blocks point at a scratch block holding anything). Sinks (gpt-oss): split 0 starts its online softmax
+with the head's sink logit as a key of value zero (running max = sink, running sum = 1), so the merge of the
+splits by their log-sum-exps puts it in every row's denominator exactly once.
 """
 from __future__ import annotations
 
@@ -31,13 +37,15 @@ from .interpreter import running_in_interpreter
 
 @triton.jit
 def paged_decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale, num_splits,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, starts_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale,
+    num_splits,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_tb, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     D_MAIN: tl.constexpr, D_MAIN_PAD: tl.constexpr, D_TAIL: tl.constexpr, D_TAIL_PAD: tl.constexpr,
     V_DIM: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_DOT: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = (tl.program_id(1) // HEAD_BLOCKS).to(tl.int64)
@@ -46,8 +54,11 @@ def paged_decode_split_kernel(
     head_ok = in_group < GROUP
     heads = kv_head * GROUP + in_group                                     # [H] query heads
     length = tl.load(lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    begin = split * chunk
+    first = 0
+    if HAS_STARTS:
+        first = tl.minimum(tl.maximum(tl.load(starts_ptr + seq), 0), length)
+    chunk = tl.cdiv(tl.cdiv(length - first, num_splits), BLOCK_N) * BLOCK_N
+    begin = first + split * chunk
     end = tl.minimum(begin + chunk, length)
     q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
     main = tl.arange(0, D_MAIN_PAD)
@@ -60,6 +71,10 @@ def paged_decode_split_kernel(
     keys_idx = tl.arange(0, BLOCK_N)
     running_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_SINKS:   # split 0 holds the sink: a key of logit sink[head] and value zero
+        sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
+        running_max = tl.where(split == 0, sink, running_max)
+        running_sum = tl.where(split == 0, 1.0, running_sum)
     acc = tl.zeros([BLOCK_H, DV_PAD], dtype=tl.float32)
     for block_start in range(begin, end, BLOCK_N):
         key_pos = block_start + keys_idx                                   # [N]
@@ -82,8 +97,9 @@ def paged_decode_split_kernel(
                 scores += tl.sum(q_tail[:, None, :].to(tl.float32) * k_tail[None, :, :].to(tl.float32), axis=2)
         scores = tl.where(key_ok[None, :], scores * scale, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])                          # [H, N]
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)       # nothing seen yet: no NaN from -inf - -inf
+        correction = tl.exp(running_max - safe_max)
+        probs = tl.exp(scores - safe_max[:, None])                         # [H, N]
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
         v_rows = v_ptr + page * stride_vb + slot * stride_vs + kv_head * stride_vh
         v = tl.load(v_rows[:, None] + v_dims[None, :], mask=key_ok[:, None] & (v_dims[None, :] < V_DIM),
@@ -175,9 +191,11 @@ def decode_tiles(group: int, padded_dim: int, v_dim: int) -> tuple[int, int]:
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+                           key_starts: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                            num_splits: int | None = None) -> torch.Tensor:   # [B, Hq, Dv]
-    """`num_splits`: None = `split_policy`'s choice; tests force a count."""
-    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    """`key_starts` [B] int32: each row's first key (None: 0); `sinks` [Hq] fp32 (None: none); `num_splits`:
+    None = `split_policy`'s choice; tests force a count."""
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, key_starts, sinks)
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads, v_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     out = torch.empty(batch, num_q_heads, v_dim, dtype=q.dtype, device=q.device)
@@ -204,7 +222,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     use_dot = block_h >= 16
     paged_decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, float(scale), num_splits,
+        q, k_cache, v_cache, block_tables, context_lens, context_lens if key_starts is None else key_starts,
+        out if sinks is None else sinks.float().contiguous(), out, part_out, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
@@ -213,6 +232,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         D_MAIN=split.main, D_MAIN_PAD=split.main_padded, D_TAIL=split.tail, D_TAIL_PAD=split.tail_padded,
         V_DIM=v_dim, DV_PAD=dv_pad, BLOCK_H=block_h, BLOCK_N=block_n, USE_DOT=use_dot, DIRECT=direct,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if dv_pad >= 512 else 4,
+        HAS_STARTS=key_starts is not None, HAS_SINKS=sinks is not None,
     )
     if not direct:
         merge_splits_kernel[(batch, num_q_heads)](

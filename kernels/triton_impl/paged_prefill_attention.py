@@ -11,6 +11,11 @@ Head dims that are not a power of two are split in two tiles (DeepSeek's absorbe
 + 64 rope; 192 = 128 + 64), so no tile is padded to the next power of two. MLA runs here in its absorbed
 form (MQA over the latent cache, values a prefix view of the keys), as FlashInfer's MLA kernel does.
 
+Spans (`SPAN`: 0 full, 1 sliding window, 2 chunk of `span_size`): row i reads keys [first(i), i], first(i) =
+max(i - W + 1, 0) or i // C * C; a tile starts at its first row's first key, and keys before it are never
+loaded (they may lie in a windowed KV cache group's freed blocks, the scratch block). Sinks (gpt-oss): each
+row's online softmax starts with its head's sink logit as a key of value zero (running max = sink, sum = 1).
+
 The torch twin is `kernels.paged_prefill_attention.paged_prefill_attention`. Not yet run compiled on a GPU
 (only in the interpreter): the tile sizes in `prefill_tiles` are first guesses for sm90.
 """
@@ -22,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..key_span import KeySpan, span_constants
 from ..paged_prefill_attention import PagedPrefillBatch, check_prefill_inputs
 from .head_dim_split import HeadDimSplit, head_dim_split
 from .interpreter import running_in_interpreter
@@ -29,13 +35,13 @@ from .interpreter import running_in_interpreter
 
 @triton.jit
 def paged_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, cu_q_ptr, lens_ptr, out_ptr, scale, window,
+    q_ptr, k_ptr, v_ptr, tables_ptr, cu_q_ptr, lens_ptr, sinks_ptr, out_ptr, scale, span_size,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     D_MAIN: tl.constexpr, D_MAIN_PAD: tl.constexpr, D_TAIL: tl.constexpr, D_TAIL_PAD: tl.constexpr, V_DIM: tl.constexpr,
     DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    SPAN: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -63,14 +69,23 @@ def paged_prefill_kernel(
         keys_idx = tl.arange(0, BLOCK_N)
         running_max = tl.full([BLOCK_M * BLOCK_H], float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros([BLOCK_M * BLOCK_H], dtype=tl.float32)
+        if HAS_SINKS:   # the sink: a key of logit sinks[head] and value zero, in every row's softmax
+            running_max = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            running_sum = tl.full([BLOCK_M * BLOCK_H], 1.0, dtype=tl.float32)
         acc = tl.zeros([BLOCK_M * BLOCK_H, DV_PAD], dtype=tl.float32)
         kv_end = first_pos + tl.minimum((tile + 1) * BLOCK_M, q_len)      # one past the tile's last query
-        kv_begin = 0
-        if HAS_WINDOW:
-            kv_begin = tl.maximum(first_pos + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
-        for block_start in range(kv_begin, kv_end, BLOCK_N):
+        tile_pos = first_pos + tile * BLOCK_M                              # the tile's first query position
+        row_first = tl.zeros([BLOCK_M * BLOCK_H], dtype=tl.int32)          # [R] each row's first key
+        tile_first = 0                                                     # the tile's first row's (the least)
+        if SPAN == 1:
+            row_first = tl.maximum(query_pos - span_size + 1, 0)
+            tile_first = tl.maximum(tile_pos - span_size + 1, 0)
+        if SPAN == 2:
+            row_first = query_pos // span_size * span_size
+            tile_first = tile_pos // span_size * span_size
+        for block_start in range(tile_first // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
             key_pos = block_start + keys_idx                               # [N]
-            key_ok = key_pos < kv_end
+            key_ok = (key_pos < kv_end) & (key_pos >= tile_first)          # never load a key no row reads
             page = tl.load(tables_ptr + seq * stride_tb + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
             slot = (key_pos % BLOCK_SIZE).to(tl.int64)
             k_rows = k_ptr + page * stride_kb + slot * stride_ks + kv_head * stride_kh                    # [N]
@@ -82,8 +97,8 @@ def paged_prefill_kernel(
                                  mask=key_ok[None, :] & (tail[:, None] < D_TAIL), other=0.0)             # [Dt, N]
                 scores += tl.dot(q_tail, k_tail, input_precision=PRECISION)
             allowed = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
-            if HAS_WINDOW:
-                allowed = allowed & (key_pos[None, :] > query_pos[:, None] - window)
+            if SPAN != 0:
+                allowed = allowed & (key_pos[None, :] >= row_first[:, None])
             scores = tl.where(allowed, scores * scale, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)   # a row with nothing visible yet
@@ -126,8 +141,11 @@ def prefill_tiles(group: int, split: HeadDimSplit, v_dim: int, max_query_len: in
 
 
 def paged_prefill_attention(q, k_cache, v_cache, batch: PagedPrefillBatch, scale: float,
-                            sliding_window: int | None = None) -> torch.Tensor:   # [T, Hq, Dv]
+                            span: KeySpan | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, Hq, Dv]. `span`: None = full attention; `sinks` [Hq] fp32 logits or None."""
     check_prefill_inputs(q, k_cache, v_cache, batch)
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [Hq={q.shape[1]}], got {tuple(sinks.shape)}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_cache.shape[2], v_cache.shape[3]
     out = torch.empty(num_tokens, num_q_heads, v_dim, dtype=q.dtype, device=q.device)
@@ -143,17 +161,18 @@ def paged_prefill_attention(q, k_cache, v_cache, batch: PagedPrefillBatch, scale
     split = head_dim_split(head_dim)
     tiles = prefill_tiles(group, split, v_dim, batch.max_query_len)
     head_blocks = triton.cdiv(group, tiles.block_h)
+    span_code, span_size = span_constants(span)
     grid = (batch.num_seqs, triton.cdiv(batch.max_query_len, tiles.block_m), num_kv_heads * head_blocks)
     paged_prefill_kernel[grid](
-        q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens, out, float(scale),
-        int(sliding_window or 0),
+        q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
+        out if sinks is None else sinks.float().contiguous(), out, float(scale), span_size,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), batch.block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_SIZE=k_cache.shape[1],
         D_MAIN=split.main, D_MAIN_PAD=split.main_padded, D_TAIL=split.tail, D_TAIL_PAD=split.tail_padded, V_DIM=v_dim,
         DV_PAD=max(16, triton.next_power_of_2(v_dim)), BLOCK_M=tiles.block_m, BLOCK_H=tiles.block_h,
-        BLOCK_N=tiles.block_n, HAS_WINDOW=sliding_window is not None,
+        BLOCK_N=tiles.block_n, SPAN=span_code, HAS_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tiles.num_warps,
     )
     return out

@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from kernels.paged_prefill_attention import PagedPrefillBatch
+from moe_runtime.layers.attention_span import AttentionSpan
 
 
 class KVWriter(Protocol):
@@ -18,7 +19,11 @@ class KVWriter(Protocol):
 @dataclass(frozen=True)
 class SingleQuerySplit:
     """A batch split for attention: sequences with one new token (decodes, one-token chunks) attend through
-    the paged decode kernel together; the others (prefills, chunks) through the varlen path."""
+    the paged decode kernel together; the others (prefills, chunks) through the varlen path.
+
+    Under a windowed span (sliding, chunked) each one-token row reads from its own first key: its block table
+    is shifted to start at that key's block (the kernel then reads no block before it, a windowed KV cache
+    group's freed ones included) and `key_starts` / `context_lens` count from there."""
 
     single: list[int]               # batch indices of the one-token sequences
     multi: list[int]                # batch indices of the others
@@ -26,6 +31,7 @@ class SingleQuerySplit:
     multi_rows: torch.Tensor        # [M] int64: token rows of the others, sequence by sequence
     block_tables: torch.Tensor      # [S, max_blocks] int32 of the one-token sequences
     context_lens: torch.Tensor      # [S] int32 of the one-token sequences
+    key_starts: torch.Tensor | None = None   # [S] int32: each row's first key (windowed spans only)
 
 
 @dataclass
@@ -51,7 +57,7 @@ class AttentionBatch:
     # A model with windowed KV groups (moe_runtime/engine/kv_groups.py): group g's own slots and block tables, for
     # g = 1, 2, ... (this batch is group 0's); a layer picks its group's with `for_group`.
     group_views: list["AttentionBatch"] | None = None
-    _splits: dict = field(default_factory=dict, repr=False)   # sliding window -> SingleQuerySplit (per step)
+    _splits: dict = field(default_factory=dict, repr=False)   # AttentionSpan -> SingleQuerySplit (per step)
     _prefills: dict = field(default_factory=dict, repr=False)  # seqs -> (rows, PagedPrefillBatch) (per step)
 
     @property
@@ -70,12 +76,13 @@ class AttentionBatch:
     def num_tokens(self) -> int:
         return self.query_start[-1] if self.query_start else 0
 
-    def split_single_queries(self, sliding_window: int | None = None) -> SingleQuerySplit:
-        """Which sequences the paged decode kernel can serve: one new token, and (with a sliding window) a
-        context within the window. Built once per step and window, shared by every layer."""
-        if sliding_window not in self._splits:
-            single = [b for b in range(self.num_seqs) if self.query_lens[b] == 1
-                      and (sliding_window is None or self.context_lens[b] <= sliding_window)]
+    def split_single_queries(self, span: AttentionSpan | int | None = None) -> SingleQuerySplit:
+        """Which sequences the paged decode kernel serves: every one with one new token; under a windowed
+        `span` (an int: a sliding window) each from its own first key. Built once per step and span, shared by
+        every layer of that span."""
+        span = AttentionSpan.coerce(span)
+        if span not in self._splits:
+            single = [b for b in range(self.num_seqs) if self.query_lens[b] == 1]
             chosen = set(single)
             multi = [b for b in range(self.num_seqs) if b not in chosen]
             device = self.slot_mapping.device
@@ -83,12 +90,40 @@ class AttentionBatch:
             rows = [row for b in multi for row in range(self.query_start[b], self.query_start[b + 1])]
             multi_rows = torch.tensor(rows, dtype=torch.long, device=device)
             index = torch.tensor(single, dtype=torch.long, device=device)
-            # the decode kernel attends to its table's whole width: cut to what these contexts need (known here)
-            width = max(-(-max((self.context_lens[b] for b in single), default=1) // self.block_size), 1)
-            self._splits[sliding_window] = SingleQuerySplit(
-                single, multi, single_rows, multi_rows, self.block_tables.index_select(0, index)[:, :width],
-                self.context_lens_tensor.index_select(0, index))
-        return self._splits[sliding_window]
+            tables = self.block_tables.index_select(0, index)
+            if span.windowed:
+                self._splits[span] = self._windowed_split(span, single, multi, single_rows, multi_rows, tables)
+            else:
+                # the decode kernel attends to its table's whole width: cut to what these contexts need (known here)
+                width = max(-(-max((self.context_lens[b] for b in single), default=1) // self.block_size), 1)
+                self._splits[span] = SingleQuerySplit(single, multi, single_rows, multi_rows, tables[:, :width],
+                                                      self.context_lens_tensor.index_select(0, index))
+        return self._splits[span]
+
+    def _windowed_split(self, span: AttentionSpan, single: list[int], multi: list[int], single_rows: torch.Tensor,
+                        multi_rows: torch.Tensor, tables: torch.Tensor) -> SingleQuerySplit:
+        """The one-token rows' tables shifted to their first key's block, as wide as the widest window needs:
+        the decode kernel then reads each row's window and never what lies before (a long context's early
+        blocks, or a windowed group's freed ones)."""
+        bs = self.block_size
+        starts = [span.first_needed(self.context_lens[b] - 1) for b in single]
+        first_blocks = [start // bs for start in starts]
+        ends = [-(-self.context_lens[b] // bs) for b in single]
+        width = max(max((end - first for end, first in zip(ends, first_blocks)), default=1), 1)
+        columns = [[min(first + j, max(end - 1, 0)) for j in range(width)] for first, end in zip(first_blocks, ends)]
+        device = self.slot_mapping.device
+        shifted = tables.gather(1, torch.tensor(columns, dtype=torch.long, device=device).view(len(single), width))
+        lens = [self.context_lens[b] - first * bs for b, first in zip(single, first_blocks)]
+        key_starts = [start - first * bs for start, first in zip(starts, first_blocks)]
+        return SingleQuerySplit(single, multi, single_rows, multi_rows, shifted,
+                                torch.tensor(lens, dtype=torch.int32, device=device),
+                                torch.tensor(key_starts, dtype=torch.int32, device=device))
+
+    def decode_key_starts(self, span: AttentionSpan) -> torch.Tensor:
+        """[B] int32 first key of every row of a captured decode step (`static_decode`: each row one new token,
+        the Python lists empty), computed on the device from the context lengths: no host read in the graph.
+        Pad rows (context 0) get 0."""
+        return span.first_needed_tensor(self.context_lens_tensor.long() - 1).to(torch.int32)
 
     def prefill_batch(self, seqs: list[int] | None = None) -> tuple[torch.Tensor | None, PagedPrefillBatch]:
         """The varlen prefill kernel's input for sequences `seqs` (default all): their token rows ([M] int64,

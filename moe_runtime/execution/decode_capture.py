@@ -11,8 +11,10 @@ grouped kernels whose sizes depend on the routing. The capture removes both (SGL
   dimension (marked so, at least 2 columns so 1 is never specialized): one graph per batch bucket.
 - **No data-dependent sizes inside.** Attention sees `AttentionBatch.static_decode` and goes straight
   to the paged decode kernel, which attends to the table's full width instead of reading the longest
-  context off the device; the MoE executor computes routed experts as per-(token, expert) GEMVs
-  (kernels/pair_experts.py), which inductor fuses into loops streaming each chosen expert's weights.
+  context off the device (a sliding or chunked layer's rows start at their first key, computed in the
+  graph from the context lengths: `AttentionBatch.decode_key_starts`); the MoE executor computes routed
+  experts as per-(token, expert) GEMVs (kernels/pair_experts.py), which inductor fuses into loops
+  streaming each chosen expert's weights.
 - **Whole step, no graph breaks** (`fullgraph=True`): the layers' plain `forward` (not the staged
   generators of two-batch overlap) from embedding to logits.
 
@@ -120,7 +122,6 @@ class DecodeCapture:
         self.scratch_slot = scratch_block * block_size   # where pad rows write their K/V
         self.settings = settings
         self.buckets = settings.buckets()
-        self.sliding_window = model.min_sliding_window()
         self.stats = CaptureStats()
         if settings.backend == "inductor" and device.type == "cpu":
             self._disable(cpu_compiler_missing())
@@ -134,15 +135,14 @@ class DecodeCapture:
 
     def covers(self, seqs: list[Sequence]) -> bool:
         """Whether this step is a pure decode step the capture runs: every sequence computes and samples one
-        token (no prompt scored), within the largest bucket and, with sliding-window attention, the window."""
+        token (no prompt scored), within the largest bucket (windowed layers need no limit: their rows' first
+        keys are computed inside the graph)."""
         if self.stats.disabled_reason is not None or not 0 < len(seqs) <= self.settings.max_batch:
             return False
         if self.model.executor.phase != PHASE_DECODE:   # several ranks agreed on prefill: not the low-latency kernels
             return False
         for seq in seqs:
             if seq.num_scheduled_tokens != 1 or not seq.samples_this_step or prompt_logprobs_due(seq):
-                return False
-            if self.sliding_window is not None and seq.num_cached_tokens + 1 > self.sliding_window:
                 return False
             if self.settings.table_width is not None and seq.num_cached_tokens + 1 > self.settings.table_width * \
                     self.block_size:

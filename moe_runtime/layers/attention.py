@@ -3,6 +3,11 @@
 With attention tensor parallelism (a DP attention worker spanning several ranks) each rank holds
 a slice of the heads: q/k/v are column parallel, o_proj row parallel with one all-reduce. When
 there are fewer KV heads than ranks, KV heads are replicated (rank r uses head r // (tp / Hkv)).
+
+Attention variants a model declares in its `AttentionShape`: `span` (full, `AttentionSpan(SLIDING, W)`,
+`AttentionSpan(CHUNKED, C)`; `sliding_window=W` is the same as the sliding span) and `sinks` (gpt-oss: one
+learned logit per query head in every row's softmax denominator, the checkpoint's `self_attn.sinks`, this
+rank's heads under attention TP).
 """
 from __future__ import annotations
 
@@ -34,7 +39,19 @@ class AttentionShape:
     qk_norm: str | None = None        # None | "per_head" (Qwen3) | "full" (OLMoE: over the whole projection)
     norm_eps: float = 1e-6
     clip_qkv: float | None = None
-    sliding_window: int | None = None
+    sliding_window: int | None = None   # the same as span=AttentionSpan(SLIDING, W): either may be given
+    span: AttentionSpan | None = None   # which keys a query reads (None: from sliding_window, else full)
+    sinks: bool = False                 # a learned sink logit per query head (gpt-oss)
+
+    def __post_init__(self):
+        """Make `span` and `sliding_window` say the same thing, whichever was given."""
+        window_span = AttentionSpan(SLIDING, self.sliding_window) if self.sliding_window else AttentionSpan()
+        if self.span is None:
+            object.__setattr__(self, "span", window_span)
+        elif self.sliding_window and self.span != window_span:
+            raise ValueError(f"sliding_window={self.sliding_window} contradicts span {self.span}")
+        elif self.span.kind == SLIDING:
+            object.__setattr__(self, "sliding_window", self.span.size)
 
 
 @dataclass(frozen=True)
@@ -119,12 +136,25 @@ class Attention(nn.Module):
                                                 (h.kv_start + h.num_kv_heads) * d, s.norm_eps, tp_group, dtype, device)
         self.rotary = rotary
         self.scale = d ** -0.5
+        # [local Hq] fp32: the kernels add it to the scaled scores' softmax in fp32
+        self.sinks = nn.Parameter(torch.zeros(h.num_heads, dtype=torch.float32, device=device),
+                                  requires_grad=False) if s.sinks else None
         self._attention = attention_kernels_for(kernels, torch.device(device if device is not None else "cpu"))
 
+    def load_weights(self, reader, prefix: str) -> set[str]:
+        """This rank's slice of the sinks (the projections load themselves)."""
+        if self.sinks is None:
+            return set()
+        from moe_runtime.weights.loading import copy_checked
+
+        h = self.heads
+        copy_checked(self.sinks, reader.read(f"{prefix}sinks")[h.q_start : h.q_start + h.num_heads], f"{prefix}sinks",
+                     reader.directory)
+        return {"sinks"}
+
     def kv_cache_spec(self) -> KVCacheSpec:
-        window = self.shape.sliding_window
         return KVCacheSpec(self.heads.num_kv_heads, self.shape.head_dim, self.shape.head_dim, self.heads.kv_start,
-                           self.shape.num_kv_heads, AttentionSpan(SLIDING, window) if window else AttentionSpan())
+                           self.shape.num_kv_heads, self.shape.span)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache):
         s, h = self.shape, self.heads
@@ -145,18 +175,20 @@ class Attention(nn.Module):
         if num_tokens == 0:
             out = q.new_zeros(0, h.num_heads, s.head_dim)
         else:
-            def single(rows, block_tables, context_lens):   # one new token per sequence: the paged kernel
-                return self._attention.decode(
-                    q if rows is None else q[rows], cache.keys, cache.values, block_tables, context_lens, self.scale)
+            span, sinks = s.span, self.sinks
+
+            def single(rows, block_tables, context_lens, key_starts=None):   # one new token per sequence: paged
+                return self._attention.decode(q if rows is None else q[rows], cache.keys, cache.values, block_tables,
+                                              context_lens, self.scale, key_starts=key_starts, sinks=sinks)
 
             def varlen(seqs):                                # prefills and chunks, with their cached context
                 if self._attention.prefill is not None:      # one varlen launch over the paged cache (GPU)
                     return paged_varlen_attention(q, batch, self._attention.prefill, cache.keys, cache.values,
-                                                  self.scale, s.sliding_window, seqs)
+                                                  self.scale, span, seqs, sinks=sinks)
                 return varlen_causal_attention(q, batch, lambda seq: cache.gather(batch.context_slots(seq)),
-                                               self.scale, s.sliding_window, seqs)
+                                               self.scale, span, seqs, sinks)
 
-            out = split_attention(batch, s.sliding_window, single, varlen)   # [T, hq, D]
+            out = split_attention(batch, span, single, varlen)   # [T, hq, D]
         out = self.o_proj(out.reshape(num_tokens, h.num_heads * s.head_dim))
         if h.tp_size > 1:
             out = self.o_proj.reduce(out, self.tp_group)

@@ -9,6 +9,10 @@ prefill (all of a step's chunks in one launch), chosen once per kernel family an
 - **torch** (CPU, and the fallback): the family's paged decode kernel and `prefill=None`, which sends
   prefills through the per-sequence path in attention_ops.py (the CPU flash kernel, a loop per sequence).
 
+Every family takes the same attention variants: decode rows' first keys (`key_starts`, a sliding window's or
+a chunk's), a varlen span (full, sliding, chunked) and per-head sinks (gpt-oss). FlashInfer takes sliding
+prefills only; anything else it does not support goes to Triton.
+
 `MOE_ATTENTION_BACKEND` (flashinfer / triton / torch) overrides "auto" for comparisons on a GPU.
 """
 from __future__ import annotations
@@ -28,9 +32,10 @@ logger = logging.getLogger(__name__)
 BACKEND_ENV = "MOE_ATTENTION_BACKEND"
 BACKENDS = ("flashinfer", "triton", "torch")
 
-# (q [S, Hq, D], k_cache, v_cache, block_tables [S, W], context_lens [S], scale) -> [S, Hq, Dv]
+# (q [S, Hq, D], k_cache, v_cache, block_tables [S, W], context_lens [S], scale, key_starts=[S] | None,
+#  sinks=[Hq] | None) -> [S, Hq, Dv]
 DecodeAttention = Callable[..., torch.Tensor]
-# (q [T, Hq, D], k_cache, v_cache, PagedPrefillBatch, scale, sliding_window) -> [T, Hq, Dv]
+# (q [T, Hq, D], k_cache, v_cache, PagedPrefillBatch, scale, span=KeySpan | None, sinks=[Hq] | None) -> [T, Hq, Dv]
 PrefillAttention = Callable[..., torch.Tensor]
 
 
@@ -49,16 +54,16 @@ class FlashInferFirst:
     triton_decode: DecodeAttention
     triton_prefill: PrefillAttention
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
-        if self.flashinfer.supports(q, k_cache, v_cache):
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, key_starts=None, sinks=None):
+        if key_starts is None and self.flashinfer.supports(q, k_cache, v_cache, sinks=sinks):
             return self.flashinfer.decode(q, k_cache, v_cache, block_tables, context_lens, scale)
-        return self.triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return self.triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale, key_starts=key_starts,
+                                  sinks=sinks)
 
-    def prefill(self, q, k_cache, v_cache, batch, scale, sliding_window=None):
-        mla_window = sliding_window is not None and k_cache.shape[2] == 1 and v_cache.data_ptr() == k_cache.data_ptr()
-        if self.flashinfer.supports(q, k_cache, v_cache) and not mla_window:
-            return self.flashinfer.prefill(q, k_cache, v_cache, batch, scale, sliding_window)
-        return self.triton_prefill(q, k_cache, v_cache, batch, scale, sliding_window)
+    def prefill(self, q, k_cache, v_cache, batch, scale, span=None, sinks=None):
+        if self.flashinfer.supports(q, k_cache, v_cache, span, sinks):
+            return self.flashinfer.prefill(q, k_cache, v_cache, batch, scale, span)
+        return self.triton_prefill(q, k_cache, v_cache, batch, scale, span, sinks)
 
 
 def triton_prefill_kernel() -> PrefillAttention:
