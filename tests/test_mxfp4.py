@@ -17,6 +17,7 @@ from kernels import get_kernels
 from kernels.expert_activation import ExpertActivation
 from kernels.mxfp4_weights import dequantize_mxfp4, quantize_mxfp4
 from moe_runtime.config.engine_config import QUANTIZATIONS
+from moe_runtime.front.llm import LLM
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.expert_weights import GPT_OSS_NAMING, ExpertWeights
 from moe_runtime.weights.checkpoint import CheckpointReader
@@ -24,6 +25,7 @@ from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.in_memory import weights_in_memory
 from moe_runtime.weights.quantization.mxfp4_format import declares_mxfp4
 from moe_runtime.weights.quantization.mxfp4_in_memory import Mxfp4InMemory
+from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.weights.quantization.weight_quantization import linear_quantization
 
 E, H, I, LAYERS = 4, 64, 32, 2
@@ -165,3 +167,18 @@ def test_mxfp4_linear_equals_the_dequantized_weight():
     x = activations(3, 80)
     want = torch.nn.functional.linear(x, dequantize_mxfp4(values, scales, 80), bias)
     torch.testing.assert_close(Mxfp4InMemory(TORCH).linear(x, values, scales, bias), want, rtol=1e-5, atol=1e-5)
+
+
+def test_under_mxfp4_only_the_routed_experts_are_kept_in_mxfp4(tiny_checkpoint_factory):
+    """MXFP4 is an experts-only format: attention projections, dense MLPs and shared experts of any model stay in
+    the compute dtype (as gpt-oss publishes them), the routed experts are kept packed."""
+    path = tiny_checkpoint_factory("deepseek_v3")         # dense first layer, shared and routed experts
+    with LLM(str(path), device="cpu", dtype="float32", quantization="mxfp4") as llm:
+        model = llm.engine.core.model
+        layers = model.model.layers
+        assert all(getattr(module, "quant", None) is None for layer in layers
+                   for module in layer.self_attn.modules() if module is not layer.self_attn)
+        assert layers[0].mlp.quant is None                                     # the dense first layer
+        assert layers[1].mlp.shared_experts.quant is None
+        assert layers[1].mlp.experts.quant is not None and layers[1].mlp.experts.w13.dtype == torch.uint8
+        assert len(llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0))[0].token_ids) == 3

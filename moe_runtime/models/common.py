@@ -56,4 +56,4 @@ def gqa_attention(cfg, layer_index: int, ctx: BuildContext, *, qkv_bias: bool = 
     partial = rotary_dim is not None and rotary_dim < head_dim
     rotary = partial_rotary_for(cfg, rotary_dim, ctx.device) if partial else rotary_for(cfg, head_dim, ctx.device)
     return Attention(shape, rotary, ctx.kernels, ctx.dtype, ctx.device,
-                     p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group, quant=ctx.quant)
+                     p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group, quant=ctx.linear_quant)

@@ -31,7 +31,7 @@ from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.stages import Staged, call_staged, interleave
 from moe_runtime.config.parallel_context import ParallelContext
-from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
+from moe_runtime.weights.quantization.weight_quantization import WeightQuantization, linear_quantization
 
 
 @dataclass
@@ -55,10 +55,16 @@ class BuildContext:
         p = self.parallel
         return dict(tp_size=p.attn_tp_size, tp_rank=p.attn_tp_rank, tp_group=p.attn_tp_group) if p.dense_tp else {}
 
+    @property
+    def linear_quant(self) -> WeightQuantization | None:
+        """The format of the layers that are not routed experts (attention, dense MLPs): the kept format, or the
+        compute dtype under a format that keeps only experts (MXFP4)."""
+        return linear_quantization(self.quant)
+
     def dense_mlp(self, hidden_size: int, intermediate_size: int) -> DenseMLP:
         """A dense layer's MLP (split under dense tensor parallelism, quantized when weights are kept quantized)."""
-        return DenseMLP(hidden_size, intermediate_size, self.kernels, self.dtype, self.device, quant=self.quant,
-                        **self.dense_tp())
+        return DenseMLP(hidden_size, intermediate_size, self.kernels, self.dtype, self.device,
+                        quant=self.linear_quant, **self.dense_tp())
 
 
 class MissingLayer(nn.Module):

@@ -43,7 +43,7 @@ def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: b
     def make_layer(i: int) -> DecoderLayer:
         attention = MultiHeadLatentAttention(
             shape, rotary_for(cfg, cfg.qk_rope_head_dim, ctx.device, interleaved_rope), scale, ctx.kernels, ctx.dtype, ctx.device,
-            ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group, quant=ctx.quant,
+            ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group, quant=ctx.linear_quant,
         )
         if i >= (cfg.first_k_dense_replace or 0):
             mlp = SparseMoE(moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device,

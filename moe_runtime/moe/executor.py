@@ -199,7 +199,7 @@ class MoEExecutor:
         experts = self._experts[moe_layer]
         slots = choose_replicas(topk.ids, self._tables[moe_layer])                 # [T, K]
         if self.parallel.ep_size == 1:
-            return pair_expert_mlp(x, slots, topk.weights, experts.w13, experts.w2)    # [T, H]
+            return pair_expert_mlp(x, slots, topk.weights, experts.w13, experts.w2, **experts.epilogue())  # [T, H]
         if self.recorder is not None:
             self.recorder.record(moe_layer, topk.ids, slots)
         moe = self._by_phase[self.phase]

@@ -18,7 +18,7 @@ from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertNaming, ExpertWeights
 from moe_runtime.moe.router import Router
 from moe_runtime.moe.stages import Staged
-from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
+from moe_runtime.weights.quantization.weight_quantization import WeightQuantization, linear_quantization
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class SparseMoE(nn.Module):
         if shape.shared_intermediate_size:
             self.shared_name = shape.shared_name
             self.add_module(shape.shared_name, DenseMLP(shape.hidden_size, shape.shared_intermediate_size, kernels,
-                                                        dtype, device, quant=quant))
+                                                        dtype, device, quant=linear_quantization(quant)))
         self.shared_expert_gate = Linear(shape.hidden_size, 1, False, dtype, device) if shape.shared_expert_gate else None
         self._executor = executor
         self._kernels = kernels
