@@ -1,5 +1,6 @@
 """GLM-4.5 (`Glm4MoeForCausalLM`) and MiniMax-M2 (`MiniMaxM2ForCausalLM`) give transformers' greedy tokens and
-prompt logprobs on one rank, with EP + DP attention, with attention TP, and with chunked prefill + prefix caching.
+prompt logprobs on one rank, with EP + DP attention, with attention TP, with two pipeline stages, and with chunked
+prefill + prefix caching.
 
 The GLM checkpoint carries a multi-token-prediction layer's tensors after its last decoder layer (as the published
 ones do, `num_nextn_predict_layers=1`): the loader must skip them, not refuse the checkpoint. Every prompt is longer
@@ -35,6 +36,7 @@ LAYOUTS = {   # name -> LLM options
     "chunked_prefix": dict(max_num_batched_tokens=16, enable_chunked_prefill=True, enable_prefix_caching=True),
     "ep2_dp2": dict(ep=2, dp_attn=2),
     "ep2_attention_tp2": dict(ep=2, dp_attn=1),   # one DP worker over two ranks: the heads split in two
+    "pp2": dict(pp=2),                            # two stages: GLM's dense first layer and MoE on the first
 }
 
 
@@ -127,6 +129,14 @@ def test_attention_tensor_parallel_matches(arch, engines, expected, oracles):
     prompt = PROMPTS[0]
     assert_prompt_logprobs_match(outputs[0].prompt_logprobs, expected_logprobs(oracles(arch), prompt), prompt,
                                  NUM_TOP)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pipeline_parallel_stages_match(arch, engines, expected):
+    """Layers split over two stages (GLM's MTP tensors skipped on both: neither stage owns them)."""
+    llm = engines(arch, "pp2")
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
