@@ -29,6 +29,7 @@ from kernels import KernelSet, RoutingConfig
 from kernels.routing import group_mask
 from moe_runtime.weights.quantization.fp8_in_memory import ONLINE_BLOCK_K, quantize_rows
 from moe_runtime.weights.quantization.int8_in_memory import quantize_int8_rows
+from kernels.mxfp4_weights import quantize_mxfp4
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows
 
 
@@ -61,6 +62,9 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
     "int8_expert_mlp": GEMM,      # int8 weights: both sides convert the same bytes and apply the same row scales
     "int8_masked_expert_mlp": GEMM,
     "int8_linear": GEMM,
+    "mxfp4_expert_mlp": GEMM,     # MXFP4 weights: both sides decode the same nibbles with the same e8m0 scales
+    "mxfp4_masked_expert_mlp": GEMM,
+    "mxfp4_linear": GEMM,
     "unpermute_reduce": {"float32": Tolerance(1e-5, 1e-5), "float16": Tolerance(2e-3, 2e-3),
                          "bfloat16": Tolerance(1e-2, 1e-2)},   # one rounding of the fp32 sum
     "rms_norm": {"float32": Tolerance(1e-5, 1e-5), "float16": Tolerance(4e-3, 4e-3),
@@ -243,7 +247,7 @@ class QuantizedFormat:
     extra arguments its kernels take. Its kernels are the KernelSet fields `{name}_linear`,
     `{name}_expert_mlp` and `{name}_masked_expert_mlp`."""
 
-    name: str                                          # "fp8" | "int8"
+    name: str                                          # "fp8" | "int8" | "mxfp4"
     quantize: Callable[[torch.Tensor], QuantizedRows]  # one expert's [N, K] -> values and scales
     kernel_args: tuple = ()                            # after the weights: FP8's block_k
     details: tuple = ()                                # (key, value) pairs the expert / linear reports add
@@ -256,6 +260,7 @@ class QuantizedFormat:
 FP8 = QuantizedFormat("fp8", lambda weight: quantize_rows(weight, ONLINE_BLOCK_K), (ONLINE_BLOCK_K,),
                       (("block_k", ONLINE_BLOCK_K),))   # row-expanded 128-column scales
 INT8 = QuantizedFormat("int8", quantize_int8_rows)     # one fp32 scale per row
+MXFP4 = QuantizedFormat("mxfp4", lambda weight: QuantizedRows(*quantize_mxfp4(weight)))   # e2m1, e8m0 per 32
 
 
 @dataclass

@@ -34,7 +34,7 @@ from kernels.triton_impl.fp8_scheme import Fp8Scheme
 from kernels.triton_impl.kernel_set import triton_kernel_set
 from triton_kernel_cases import moe_inputs          # the edge-case suite's input generator
 
-from .kernel_shapes import (FP8, INT8, ROUTING_TIE_MARGIN, TOLERANCES, AttentionShape, ExpertWeights, KernelShapes,
+from .kernel_shapes import (FP8, INT8, MXFP4, ROUTING_TIE_MARGIN, TOLERANCES, AttentionShape, ExpertWeights, KernelShapes,
                             NormShape, QuantizedExpertWeights, QuantizedFormat, RoutingCase, best_ms, compare,
                             distinct_logits, routing_margins, shapes_for)
 from .report import Outcome, RunMode, judged
@@ -86,8 +86,9 @@ class KernelsPart:
             checks[f"expert_mlp/dense_one_expert/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._dense(t, d)
             checks[f"unpermute_reduce/{e.name}/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._unpermute(t, d)
             checks[f"masked_expert_mlp/{s.masked.name}/{dtype}"] = lambda d=dtype: self._masked(d)
-            # int8: the Triton family runs the torch kernels (no Triton int8 kernel yet); FP8: both schemes
-            for fmt, scheme in ((FP8, ""), (FP8, "/fp8_tiles"), (INT8, "")):
+            # int8: the Triton family runs the torch kernels (no Triton int8 kernel yet); FP8: both schemes;
+            # MXFP4: Triton decodes the fp4 tile in registers
+            for fmt, scheme in ((FP8, ""), (FP8, "/fp8_tiles"), (INT8, ""), (MXFP4, "")):
                 checks[f"{fmt.name}_expert_mlp/{e.name}/T{tokens}/{dtype}{scheme}"] = (
                     lambda f=fmt, t=tokens, d=dtype, c=scheme: self._quantized_expert_mlp(f, t, d, c))
                 checks[f"{fmt.name}_masked_expert_mlp/{s.masked.name}/{dtype}{scheme}"] = (
@@ -376,7 +377,7 @@ class KernelsPart:
         triton = fmt.kernel(self.fp8_schemes[scheme], "masked_expert_mlp")
         twin = fmt.kernel(self.twin, "masked_expert_mlp")
         # int8 has no Triton kernel: the Triton family's is the torch one, whose host reads are not watched here
-        got, problems = self._watched(lambda: triton(x, counts, *args), x.numel()) if fmt is FP8 else (
+        got, problems = self._watched(lambda: triton(x, counts, *args), x.numel()) if fmt is not INT8 else (
             triton(x, counts, *args), [])
         want, details = self._quantized_reference(fmt, scheme, fp8_reference.fp8_activation_masked_expert_mlp, twin,
                                                   x, counts, *args)
