@@ -208,6 +208,26 @@ TINY_ARCHS: dict[str, TinyArch] = {
             "MiniMax-M2: GQA 8/4, head_dim 32 with rotary on 16, q/k RMSNorm over the whole projection; sigmoid "
             "top-2 of 8 with correction bias (on the block), renormalised; w1/w3/w2 experts in block_sparse_moe",
         ),
+        TinyArch(
+            "gpt_oss",
+            "GptOssConfig",
+            dict(
+                **_GQA,
+                num_hidden_layers=4,
+                head_dim=32,
+                intermediate_size=64,   # a multiple of 32: MXFP4 blocks
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                sliding_window=10,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                swiglu_limit=1.5,       # not the default 7.0: it binds on about a fifth of these activations
+                rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                     truncate=False, original_max_position_embeddings=128),
+            ),
+            "gpt-oss: GQA 8/4, head_dim 32, q/k/v/o bias, attention sinks, sliding window 10 / full alternating, "
+            "YaRN (factor 4, untruncated); router with bias, softmax over top-2 of 8, clamped SwiGLU (limit 1.5) "
+            "with expert biases",
+        ),
     )
 }
 

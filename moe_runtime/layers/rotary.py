@@ -25,9 +25,16 @@ def rope_inverse_frequencies(hf_config, rotary_dim: int) -> tuple[torch.Tensor, 
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim))
         return inv_freq, 1.0
+    # transformers' own function, so YaRN's frequencies and attention factor (explicit `attention_factor`, else from
+    # `factor` and `mscale` / `mscale_all_dim`) and its `truncate` flag (gpt-oss: false) are exactly transformers'.
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    if inv_freq.numel() != rotary_dim // 2:   # it sizes them from head_dim * partial_rotary_factor, not rotary_dim
+        raise UnsupportedArchitectureError(
+            f"rope_type={rope_type!r} gives {inv_freq.numel()} frequencies from the config's head_dim and "
+            f"partial_rotary_factor, but the model rotates {rotary_dim} channels ({rotary_dim // 2} frequencies)"
+        )
     return inv_freq.float(), float(scaling)
 
 
