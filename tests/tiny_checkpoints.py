@@ -228,6 +228,31 @@ TINY_ARCHS: dict[str, TinyArch] = {
             "YaRN (factor 4, untruncated); router with bias, softmax over top-2 of 8, clamped SwiGLU (limit 1.5) "
             "with expert biases",
         ),
+        TinyArch(
+            "llama4",
+            "Llama4TextConfig",
+            dict(
+                **_GQA,
+                num_hidden_layers=4,
+                head_dim=16,
+                intermediate_size=64,            # experts and the shared expert
+                intermediate_size_mlp=128,       # the dense layers
+                num_local_experts=8,
+                num_experts_per_tok=1,
+                interleave_moe_layer_step=2,     # layers 1 and 3 MoE, 0 and 2 dense
+                no_rope_layers=[1, 1, 1, 0],     # layer 3 NoPE (full attention), the others rotary and chunked
+                attention_chunk_size=8,
+                use_qk_norm=True,
+                attn_temperature_tuning=True,
+                floor_scale=4,                   # the NoPE queries' temperature steps up every 4 positions
+                attn_scale=0.5,
+                rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_max_position_embeddings=64),
+            ),
+            "Llama 4 text: GQA 8/4, chunked local attention (8) with interleaved llama3 rotary and weightless q/k "
+            "norm on layers 0-2, layer 3 NoPE over the whole context with temperature tuning (floor 4); sigmoid "
+            "top-1 of 8 scaling the expert's input, shared expert, MoE on layers 1 and 3, dense MLP (128) on 0 and 2",
+        ),
     )
 }
 

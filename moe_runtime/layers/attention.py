@@ -7,7 +7,10 @@ there are fewer KV heads than ranks, KV heads are replicated (rank r uses head r
 Attention variants a model declares in its `AttentionShape`: `span` (full, `AttentionSpan(SLIDING, W)`,
 `AttentionSpan(CHUNKED, C)`; `sliding_window=W` is the same as the sliding span) and `sinks` (gpt-oss: one
 learned logit per query head in every row's softmax denominator, the checkpoint's `self_attn.sinks`, this
-rank's heads under attention TP).
+rank's heads under attention TP). Llama 4 adds three: layers without rotary (NoPE: `rotary=None`), a
+weightless per-head q/k norm taken after the rotary (`qk_norm="l2"`), and queries scaled by a function of
+their position (`query_temperature`, moe_runtime/layers/query_temperature.py); all three are per head and
+per row, so they need nothing under attention TP.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from moe_runtime.layers.attention_ops import paged_varlen_attention, split_atten
 from moe_runtime.layers.attention_span import SLIDING, AttentionSpan
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear, LinearShard
-from moe_runtime.layers.norm import RMSNorm
+from moe_runtime.layers.norm import RMSNorm, weightless_rms_norm
+from moe_runtime.layers.query_temperature import QueryTemperature
 from moe_runtime.layers.rotary import RotaryEmbedding
 from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
 
@@ -37,11 +41,13 @@ class AttentionShape:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str | None = None        # None | "per_head" (Qwen3) | "full" (OLMoE: over the whole projection)
+    #                                   | "l2" (Llama 4: per head, no weight, after the rotary)
     norm_eps: float = 1e-6
     clip_qkv: float | None = None
     sliding_window: int | None = None   # the same as span=AttentionSpan(SLIDING, W): either may be given
     span: AttentionSpan | None = None   # which keys a query reads (None: from sliding_window, else full)
     sinks: bool = False                 # a learned sink logit per query head (gpt-oss)
+    query_temperature: QueryTemperature | None = None   # queries scaled by their position (Llama 4's NoPE layers)
 
     def __post_init__(self):
         """Make `span` and `sliding_window` say the same thing, whichever was given."""
@@ -106,7 +112,7 @@ class TensorParallelRMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: AttentionShape, rotary: RotaryEmbedding, kernels, dtype, device=None,
+    def __init__(self, shape: AttentionShape, rotary: RotaryEmbedding | None, kernels, dtype, device=None,
                  tp_size: int = 1, tp_rank: int = 0, tp_group=None, quant: WeightQuantization | None = None):
         super().__init__()
         s = shape
@@ -134,7 +140,7 @@ class Attention(nn.Module):
                                                 s.norm_eps, tp_group, dtype, device)
             self.k_norm = TensorParallelRMSNorm(s.num_kv_heads * d, h.kv_start * d,
                                                 (h.kv_start + h.num_kv_heads) * d, s.norm_eps, tp_group, dtype, device)
-        self.rotary = rotary
+        self.rotary = rotary   # None: no position embedding (Llama 4's NoPE layers)
         self.scale = d ** -0.5
         # [local Hq] fp32: the kernels add it to the scaled scores' softmax in fp32
         self.sinks = nn.Parameter(torch.zeros(h.num_heads, dtype=torch.float32, device=device),
@@ -170,7 +176,12 @@ class Attention(nn.Module):
         v = v.view(num_tokens, h.num_kv_heads, s.head_dim)
         if s.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        if s.qk_norm == "l2":
+            q, k = weightless_rms_norm(q, s.norm_eps), weightless_rms_norm(k, s.norm_eps)
+        if s.query_temperature is not None:
+            q = s.query_temperature.apply(positions, q)
         batch.write_kv(cache, k, v)
         if num_tokens == 0:
             out = q.new_zeros(0, h.num_heads, s.head_dim)

@@ -14,3 +14,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernels.rms_norm(x, self.weight, self.eps)
+
+
+def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:  # [..., D] -> [..., D]
+    """x / rms(x) over the last dim in fp32, no weight: Llama 4's q/k "L2 norm" (transformers' Llama4TextL2Norm is
+    this mean-of-squares form, not a unit-length L2 normalization)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -7,6 +7,7 @@ from moe_runtime.models.decoder import BuildContext, CausalLM
 
 def _builders():
     from moe_runtime.models import deepseek, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, qwen_moe
+    from moe_runtime.models import llama4
 
     return {
         "LlamaForCausalLM": llama.build_llama,
@@ -20,6 +21,7 @@ def _builders():
         "DeepseekV3ForCausalLM": deepseek.build_deepseek_v3,
         "Glm4MoeForCausalLM": glm4_moe.build_glm4_moe,
         "MiniMaxM2ForCausalLM": minimax_m2.build_minimax_m2,
+        "Llama4ForCausalLM": llama4.build_llama4,
         "GptOssForCausalLM": gpt_oss.build_gpt_oss,
     }
 

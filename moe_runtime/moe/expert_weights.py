@@ -15,6 +15,8 @@ gpt-oss's experts add a bias after each projection (`bias=True`: b13 [E_local, 2
 order, b2 [E_local, H], in the compute dtype, part of the slot's bytes) and their own activation
 (`activation`, kernels/expert_activation.py); their checkpoint stacks are transposed and interleave
 gate and up columns (`GPT_OSS_NAMING`, read by moe/gpt_oss_expert_stacks.py, MXFP4 or not).
+Llama 4's stacks are transposed the same way but not interleaved (`LLAMA4_NAMING`: the first I columns of
+`gate_up_proj` are the gate's, as transformers' Llama4TextExperts chunks them).
 """
 from __future__ import annotations
 
@@ -38,10 +40,12 @@ class ExpertNaming:
     up: str = "up_proj"
     down: str = "down_proj"
     gpt_oss_stacks: bool = False   # gpt-oss: `gate_up_proj` [E, H, 2I] (gate/up interleaved), `down_proj` [E, I, H]
+    transposed_stacks: bool = False   # Llama 4: `gate_up_proj` [E, H, 2I] (gate, then up), `down_proj` [E, I, H]
 
 
 MIXTRAL_NAMING = ExpertNaming(gate="w1", up="w3", down="w2")
 GPT_OSS_NAMING = ExpertNaming(gpt_oss_stacks=True)
+LLAMA4_NAMING = ExpertNaming(transposed_stacks=True)
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,8 @@ class ExpertWeights(nn.Module):
             if reader.has(fused_gate_up):
                 gate_up = reader.read_rows(fused_gate_up, expert, expert + 1)[0]
                 down = reader.read_rows(f"{prefix}down_proj", expert, expert + 1)[0]
+                if self.naming.transposed_stacks:   # stored input-major (x @ w): [H, 2I], [I, H]
+                    gate_up, down = gate_up.transpose(0, 1).contiguous(), down.transpose(0, 1).contiguous()
                 self._fill(local, slice(None), gate_up, fused_gate_up, reader)
                 self._fill(local, None, down, f"{prefix}down_proj", reader)
                 continue
