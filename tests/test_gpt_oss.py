@@ -17,6 +17,8 @@ import torch
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
+from lazy_engines import lazy_engines
+from window_watch import window_blocks_held
 from engine_helpers import greedy
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from tiny_checkpoints import TINY_ARCHS, HFOracle, write_mxfp4_checkpoint
@@ -62,15 +64,8 @@ def mxfp4_checkpoints(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(checkpoint):
     """layout -> its `LLM`, built on first use and shut down after the module."""
-    built: dict[str, LLM] = {}
-
-    def get(layout: str) -> LLM:
-        if layout not in built:
-            built[layout] = LLM(str(checkpoint), device="cpu", dtype="float32", block_size=BLOCK, **LAYOUTS[layout])
-        return built[layout]
-    yield get
-    for llm in built.values():
-        llm.shutdown()
+    with lazy_engines(checkpoint, LAYOUTS, device="cpu", dtype="float32", block_size=BLOCK) as get:
+        yield get
 
 
 @pytest.fixture(scope="module")
@@ -133,19 +128,8 @@ def test_one_rank_tokens_and_prompt_logprobs_equal_transformers(engines, expecte
 def test_a_long_generation_holds_at_most_its_window_in_the_sliding_group(engines, greedy_oracle):
     """Decoding far past the window: transformers' tokens, and the sliding group holds ceil(W / block) + 1
     blocks of the sequence at every step."""
-    core = engines("one_rank").engine.core
-    held: list[int] = []
-    original = core.block_manager.schedule_tokens
-
-    def watching(seq, num_tokens):
-        original(seq, num_tokens)
-        held.append(max(core.block_manager.window_blocks_held(seq)))
-
-    core.block_manager.schedule_tokens = watching
-    try:
+    with window_blocks_held(engines("one_rank").engine.core) as held:
         [out] = engines("one_rank").generate([PROMPTS[0]], greedy(LONG_TOKENS))
-    finally:
-        core.block_manager.schedule_tokens = original
     assert out.token_ids == greedy_oracle(ARCH, [PROMPTS[0]], LONG_TOKENS)[0]
     decode_steps = held[-(LONG_TOKENS - 1):]
     assert len(held) >= LONG_TOKENS and max(decode_steps) <= HELD_BOUND, decode_steps

@@ -18,6 +18,7 @@ from moe_runtime.front.llm import LLM
 from moe_runtime.layers.attention_span import CHUNKED, SLIDING, AttentionSpan
 from moe_runtime.sampling.params import SamplingParams
 from tiny_checkpoints import HFOracle
+from window_watch import window_blocks_held
 
 WINDOW, BLOCK = 8, 4
 HELD_BOUND = -(-WINDOW // BLOCK) + 1          # ceil(W / block_size) + 1
@@ -145,16 +146,8 @@ def test_a_repeated_prompt_reuses_its_cached_prefix_and_window(hybrid):
 
 def test_a_sequence_holds_at_most_its_window_over_a_long_generation(hybrid):
     path, _, _ = hybrid
-    with LLM(str(path), device="cpu", dtype="float32", block_size=BLOCK) as llm:
-        core = llm.engine.core
-        held = []
-        original = core.block_manager.schedule_tokens
-
-        def watching(seq, num_tokens):
-            original(seq, num_tokens)
-            held.append(max(core.block_manager.window_blocks_held(seq)))
-
-        core.block_manager.schedule_tokens = watching
+    with LLM(str(path), device="cpu", dtype="float32", block_size=BLOCK) as llm, \
+            window_blocks_held(llm.engine.core) as held:
         out = llm.generate([PROMPTS[0]], greedy(60))[0]
         assert len(out.token_ids) == 60
         decode_steps = held[-59:]
