@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         from server.pd_router.cli import main as router_main
 
         return router_main(argv[1:])
+    if argv[:1] == ["plan"]:     # `moe-serve plan ...`: layouts and GPU counts for a model and a load (its own flags)
+        from server.plan_cli import main as plan_main
+
+        return plan_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     print("moe-serve: starting (loading torch and the engine)\n", end="", flush=True)

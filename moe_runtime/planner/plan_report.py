@@ -1,0 +1,80 @@
+"""A plan as people read it: the ranked table, and a few sentences on why the winner wins."""
+from __future__ import annotations
+
+import math
+
+from moe_runtime.planner.plan import GB, Plan, PlanRow
+
+COLUMNS = ("#", "layout", "GPUs", "W GB/rank", "KV tok/inst", "KV req", "TTFT ms", "ITL ms", "tok/s/GPU", "bound",
+           "note")
+
+
+def table(plan: Plan, top: int) -> str:
+    r = plan.request
+    w = r.workload
+    load = f"{w.qps:g} req/s" if w.qps is not None else f"{w.concurrency} concurrent"
+    slo = "".join([f", TTFT <= {w.ttft_ms:g} ms" if w.ttft_ms else "", f", ITL <= {w.itl_ms:g} ms" if w.itl_ms else ""])
+    head = (f"{r.shape.architecture}: {r.shape.total_params / 1e9:.1f}B params ({r.shape.active_params / 1e9:.1f}B "
+            f"active), {r.precision.dtype}{' + ' + r.precision.quantization if r.precision.quantization else ''}; "
+            f"{r.nodes} x {r.gpus_per_node} {r.hardware.name}; {w.prompt_len} + {w.output_len} tokens, {load}{slo}")
+    running = [row for row in plan.rows if row.runs][:top]
+    refused = [row for row in plan.rows if not row.runs]
+    lines = [head, ""]
+    cells = [COLUMNS] + [_cells(i + 1, row) for i, row in enumerate(running)]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS) - 1)]
+    for c in cells:
+        lines.append("  ".join(v.ljust(widths[i]) for i, v in enumerate(c[:-1])) + "  " + c[-1])
+    lines.append("")
+    for i, row in enumerate(running[:3]):
+        lines.append(f"#{i + 1} {row.name}: {row.command}")
+    if refused:
+        lines.append("")
+        lines.append(f"cannot run ({len(refused)}), e.g.:")
+        seen = set()
+        for row in refused:
+            key = row.reason.split(":")[0][:40]
+            if key not in seen and len(seen) < 6:
+                seen.add(key)
+                lines.append(f"  {row.name}: {row.reason}")
+    return "\n".join(lines)
+
+
+def _cells(rank: int, row: PlanRow) -> tuple[str, ...]:
+    ms = lambda v: "-" if math.isinf(v) else f"{v:.0f}" if v >= 100 else f"{v:.1f}"  # noqa: E731
+    flag = "" if row.meets_slo else "x "
+    return (f"{rank}", row.name, str(row.gpus), f"{row.weights_gb_per_rank:.1f}", f"{row.kv_tokens:,}",
+            str(row.kv_requests), ms(row.ttft_ms), ms(row.itl_ms), f"{row.tok_s_per_gpu:.0f}", row.decode_bound,
+            flag + row.reason)
+
+
+def explain(plan: Plan) -> str:
+    """The winner in the planner's terms: memory, KV, what bounds decode, and why not the runner-up or fewer GPUs."""
+    win = plan.winner
+    if win is None:
+        reasons = "; ".join(sorted({row.reason for row in plan.rows})[:3])
+        return f"No layout runs this model on these GPUs: {reasons}"
+    r, w = plan.request, plan.request.workload
+    parts = win.decode_parts_ms
+    lines = [
+        f"Winner: {win.name} on {win.gpus} GPUs ({win.instances} x {win.world} ranks)"
+        + ("" if win.meets_slo else ", though it misses the asked load or SLOs") + ".",
+        f"Weights are {win.weights_gb_per_rank:.1f} GB per rank, leaving {win.kv_cache_memory / GB:.1f} GB of KV "
+        f"cache per rank: {win.kv_tokens:,} tokens per instance at {win.kv_bytes_per_token / 1024:.1f} KiB per token "
+        f"per rank, {win.kv_requests} requests of {w.prompt_len}+{w.output_len} tokens at once.",
+        f"Decode at {win.batch_per_worker:.0f} running requests per DP worker is {win.decode_bound}-bound "
+        f"(per step: compute {parts['compute']:.2f} ms, memory {parts['memory']:.2f} ms, communication "
+        f"{parts['communication']:.2f} ms{f', bubble {win.bubble:.0%}' if win.bubble else ''}): ITL "
+        f"{win.itl_ms:.1f} ms, TTFT {win.ttft_ms:.0f} ms, {win.tok_s_per_gpu:.0f} output tok/s per GPU.",
+    ]
+    runner = next((row for row in plan.rows[1:] if row.runs), None)
+    if runner is not None:
+        lines.append(f"Runner-up {runner.name}: {runner.gpus} GPUs, ITL {runner.itl_ms:.1f} ms, "
+                     f"{runner.tok_s_per_gpu:.0f} tok/s per GPU, {runner.decode_bound}-bound"
+                     + (f" ({runner.reason})" if runner.reason else "") + ".")
+    smaller = [row for row in plan.rows if row.world < win.world and "P/D" not in row.name]
+    if smaller:
+        best = smaller[0]
+        lines.append(f"Fewer ranks per instance, e.g. {best.name}: "
+                     + (best.reason if best.reason else f"ITL {best.itl_ms:.1f} ms, "
+                        f"{best.tok_s_per_gpu:.0f} tok/s per GPU") + ".")
+    return "\n".join(lines)

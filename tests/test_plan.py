@@ -1,0 +1,119 @@
+"""`moe-serve plan`: every supported architecture answers quickly, the 70B example's figures, and the KV
+capacity it predicts equals the engine's own block count (timings are the calibration bench's to check)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from tiny_checkpoints import TINY_ARCHS, tiny_config, tiny_tokenizer
+
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.config.parallel_layout import ParallelLayout
+from moe_runtime.planner.hardware import known_gpus
+from moe_runtime.planner.memory import kv_capacity, rank_memory, resolve_precision, window_pool_blocks
+from moe_runtime.planner.model_shape import PLANNED_ARCHITECTURES, load_model_shape
+from server.cli import main as cli_main
+
+CONFIGS = Path(__file__).parent / "plan_configs"
+LLAMA_70B = CONFIGS / "llama-3.1-70b.json"
+DEEPSEEK_V3 = CONFIGS / "deepseek-v3.json"
+
+
+@pytest.fixture(scope="module")
+def tiny_configs(tmp_path_factory):
+    """config.json of every tiny architecture (no weights: the planner reads only the config)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    root = tmp_path_factory.mktemp("plan_tiny")
+    tokenizer = tiny_tokenizer()
+    paths = {}
+    for arch in TINY_ARCHS:
+        path = root / arch
+        config = tiny_config(arch, tokenizer)
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]   # what save_pretrained writes
+        path.mkdir()
+        config.to_json_file(str(path / "config.json"))
+        paths[arch] = path
+    return paths
+
+
+def _plan_json(capsys, *args) -> dict:
+    assert cli_main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_planner_reads_every_architecture_the_runtime_serves():
+    from moe_runtime.models.registry import supported_architectures
+
+    assert set(supported_architectures()) <= set(PLANNED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("gpu", sorted(known_gpus()))
+def test_every_tiny_architecture_answers_in_under_a_second(tiny_configs, capsys, gpu):
+    for arch, path in tiny_configs.items():
+        started = time.perf_counter()
+        plan = _plan_json(capsys, "--model", str(path), "--gpu", gpu, "--gpus-per-node", "8", "--prompt-len", "256",
+                          "--output-len", "64", "--qps", "2")
+        assert time.perf_counter() - started < 1.0, arch
+        winner = plan["rows"][0]
+        assert winner["runs"] and winner["command"].startswith(("moe-serve ", "1 x", "2 x")), (arch, winner)
+        assert "--model" in winner["command"] and plan["explanation"].startswith("Winner"), arch
+
+
+@pytest.mark.parametrize("config, gpu, nodes", [(LLAMA_70B, "h100", 1), (DEEPSEEK_V3, "h200", 4)])
+def test_large_configs_answer_in_under_a_second(capsys, config, gpu, nodes):
+    started = time.perf_counter()
+    plan = _plan_json(capsys, "--model", str(config), "--gpu", gpu, "--nodes", str(nodes), "--prompt-len", "2048",
+                      "--output-len", "512", "--qps", "2", "--ttft-ms", "2000", "--itl-ms", "50")
+    assert time.perf_counter() - started < 1.0
+    assert plan["rows"][0]["meets_slo"]
+    refused = [row for row in plan["rows"] if not row["runs"]]
+    assert refused and all(row["reason"] for row in refused)
+
+
+def test_llama_70b_figures():
+    shape = load_model_shape(LLAMA_70B)
+    bf16 = resolve_precision(shape, "auto", None)
+    one = rank_memory(shape, ParallelLayout(), bf16)
+    assert round(one.weight_bytes / 1e9) == 141                   # 141 GB of bf16 weights
+    assert one.kv_bytes_per_token == 320 * 1024                   # 80 layers x 8 KV heads x 128 x (K+V) x 2 bytes
+    usable = known_gpus()["h100"].memory_bytes * 0.9
+    tp2, tp4 = (rank_memory(shape, ParallelLayout(tp=tp), bf16) for tp in (2, 4))
+    left2, left4 = usable - tp2.weight_bytes, usable - tp4.weight_bytes
+    assert left2 < 2e9 < 30e9 < left4                             # tp2 leaves KV for a few requests, tp4 for hundreds
+    fp8 = rank_memory(shape, ParallelLayout(tp=2), resolve_precision(shape, "auto", "fp8"))
+    assert usable - fp8.weight_bytes > 30e9                       # FP8 halves the weights: tp2 then has room
+
+
+def test_window_pool_rule_is_the_runtimes():
+    from moe_runtime.engine.kv_groups import window_pool_blocks as runtime_rule
+    from moe_runtime.layers.attention_span import SLIDING, AttentionSpan
+
+    for window, block, seqs, budget in ((10, 16, 64, 4096), (4096, 16, 3, 100), (128, 32, 7, 8192)):
+        assert window_pool_blocks(window, block, seqs, budget) == runtime_rule(AttentionSpan(SLIDING, window), block,
+                                                                               seqs, budget)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"])
+def test_kv_capacity_is_the_engines_block_count(tiny_checkpoint_factory, arch):
+    """Full, MLA, sliding-window and chunked layers: the predicted blocks are exactly those the engine makes."""
+    from moe_runtime.engine.core import EngineCore
+
+    path = tiny_checkpoint_factory(arch)
+    shape = load_model_shape(path)
+    for budget, seqs in ((3 * 2**20, 8), (1_234_567, 5)):
+        config = EngineConfig(model=str(path), device="cpu", dtype="float32", kv_cache_memory=budget,
+                              max_num_seqs=seqs, max_num_batched_tokens=256)
+        core = EngineCore(config)
+        try:
+            engine_blocks = core.block_manager.num_blocks
+        finally:
+            shutdown = getattr(core, "shutdown", None)
+            if shutdown:
+                shutdown()
+        memory = rank_memory(shape, ParallelLayout(), resolve_precision(shape, "float32", None), config.block_size,
+                             seqs, 256)
+        predicted = kv_capacity(memory, ParallelLayout(), budget, config.block_size, 64)
+        assert predicted.blocks_per_worker == engine_blocks, (arch, budget)
