@@ -117,3 +117,19 @@ def test_kv_capacity_is_the_engines_block_count(tiny_checkpoint_factory, arch):
                              seqs, 256)
         predicted = kv_capacity(memory, ParallelLayout(), budget, config.block_size, 64)
         assert predicted.blocks_per_worker == engine_blocks, (arch, budget)
+
+
+def test_calibration_bench_machinery_quick():
+    """The calibration bench's predict/measure on one layout (timings are printed by the bench, not asserted here;
+    its KV capacity must be exact)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.bench_offline import build_checkpoint
+    from bench.bench_plan_calibration import measure, predict
+
+    path = build_checkpoint("float32")
+    predicted = predict(path, {}, 2, 8, 2)
+    measured = measure(path, {}, 2, 8, 2)
+    assert predicted["kv_tokens_per_worker"] == measured["kv_tokens_per_worker"]
+    assert predicted["decode_tok_s"] > 0 and measured["decode_tok_s"] > 0
