@@ -59,6 +59,22 @@ _DEEPSEEK_V2 = dict(  # shared by the V2 and V2-Lite tiny models, which differ o
     first_k_dense_replace=1,
 )
 
+_QWEN3_NEXT = dict(  # Qwen3-Next / Qwen3.5-MoE: three Gated DeltaNet layers, then one gated full attention
+    **_GQA,
+    num_hidden_layers=4,
+    head_dim=32,
+    linear_num_key_heads=4,       # every parallel layout of the registry splits whole key heads
+    linear_num_value_heads=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25),
+)
+
 _V3_ROUTING = dict(  # DeepSeek-V3's router and MoE layout, which GLM-4.5 shares
     n_routed_experts=16,
     num_experts_per_tok=4,
@@ -252,6 +268,26 @@ TINY_ARCHS: dict[str, TinyArch] = {
             "Llama 4 text: GQA 8/4, chunked local attention (8) with interleaved llama3 rotary and weightless q/k "
             "norm on layers 0-2, layer 3 NoPE over the whole context with temperature tuning (floor 4); sigmoid "
             "top-1 of 8 scaling the expert's input, shared expert, MoE on layers 1 and 3, dense MLP (128) on 0 and 2",
+        ),
+        TinyArch(
+            "qwen3_next",
+            "Qwen3NextConfig",
+            dict(
+                **_QWEN3_NEXT,
+                norm_topk_prob=True,
+                mlp_only_layers=[1],          # one dense layer (a linear one), as the config allows
+                intermediate_size=96,
+            ),
+            "Qwen3-Next: layers 0-2 Gated DeltaNet (4 key / 8 value heads of 16, conv 4, projections fused per key "
+            "head), layer 3 gated full attention (GQA 8/4, head_dim 32, rotary on 8, (1 + w) q/k norm); softmax "
+            "top-2 of 8 renormalised, sigmoid-gated shared expert; layer 1 dense",
+        ),
+        TinyArch(
+            "qwen3_5_moe",
+            "Qwen3_5MoeTextConfig",
+            dict(**_QWEN3_NEXT),
+            "Qwen3.5-MoE text: Qwen3-Next's hybrid layout with the linear layers' q/k/v, z, b, a projections apart; "
+            "every layer MoE (top-2 of 8, always renormalised) with a gated shared expert",
         ),
     )
 }

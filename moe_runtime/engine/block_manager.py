@@ -10,22 +10,37 @@ A model with windowed layers beside full ones (moe_runtime/engine/kv_groups.py) 
 window: `seq.block_table` is the full group's, `seq.window_tables[i]` windowed group i + 1's
 (moe_runtime/engine/window_blocks.py), prepared for each scheduled step (`schedule_tokens`). A cached
 prefix is reused only as far as every windowed group still holds the window its first new query reads.
+
+A model with linear-attention layers (`state_slots`) gives each admitted sequence a recurrent-state slot
+(moe_runtime/engine/state_slots.py), freed with its blocks; its prefix cache stays off (the states at a cached
+prefix's end are not kept), which the engine logs at start.
 """
 from __future__ import annotations
+
+import logging
 
 from moe_runtime.engine.block_pool import BlockPool
 from moe_runtime.engine.prefix_cache import PrefixCacheCounters, PrefixCacheEvents
 from moe_runtime.engine.prefix_hash import chain_root, extend_block_hashes
 from moe_runtime.engine.sequence import Sequence
+from moe_runtime.engine.state_slots import StateSlots
 from moe_runtime.engine.window_blocks import WindowBlocks
 from moe_runtime.layers.attention_span import AttentionSpan
 
+logger = logging.getLogger(__name__)
+
 
 class BlockManager:
-    """`windows`: (span, pool blocks) of each windowed group, in group order (none: one group)."""
+    """`windows`: (span, pool blocks) of each windowed group, in group order (none: one group); `state_slots`:
+    recurrent-state slots of a model with linear-attention layers (0: none)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 windows: tuple[tuple[AttentionSpan, int], ...] = ()):
+                 windows: tuple[tuple[AttentionSpan, int], ...] = (), state_slots: int = 0):
+        self.states = StateSlots(state_slots) if state_slots else None
+        if self.states is not None and enable_prefix_caching:
+            logger.warning("prefix caching is off for this model: its linear-attention layers would need their "
+                           "recurrent states at a cached prefix's end, which are not kept")
+            enable_prefix_caching = False
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
@@ -54,6 +69,8 @@ class BlockManager:
         if needed > self.num_free_blocks:
             raise RuntimeError(f"request {seq.request_id}: needs {needed} KV blocks, {self.num_free_blocks} free")
         seq.block_table.extend(self.pool.take() for _ in range(needed))
+        if self.states is not None and seq.state_slot < 0:
+            seq.state_slot = self.states.take()
         if len(seq.window_tables) != len(self.windows):
             seq.window_tables = [[] for _ in self.windows]
         for window, table in zip(self.windows, seq.window_tables):
@@ -69,8 +86,10 @@ class BlockManager:
         hits, window_tables = self._cached_prefix(seq) if reuse else ([], [[] for _ in self.windows])
         needed = self.blocks_needed(seq.num_tokens) - len(hits)
         idle_hits = sum(1 for block in hits if self.pool.is_idle(block))
-        if needed > self.num_free_blocks - idle_hits:
+        if needed > self.num_free_blocks - idle_hits or (self.states is not None and self.states.num_free == 0):
             return False
+        if self.states is not None:
+            seq.state_slot = self.states.take()
         for block in hits:
             self.pool.reference(block)
         for window, table in zip(self.windows, window_tables):
@@ -145,6 +164,9 @@ class BlockManager:
             self.pool.release(block)
         for window, table in zip(self.windows, seq.window_tables):
             window.release(table)
+        if self.states is not None and seq.state_slot >= 0:
+            self.states.release(seq.state_slot)
+        seq.state_slot = -1
         seq.block_table = []
         seq.window_tables = []
         seq.num_cached_tokens = 0

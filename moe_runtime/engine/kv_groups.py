@@ -82,19 +82,24 @@ def window_pool_blocks(span: AttentionSpan, block_size: int, max_num_seqs: int, 
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """The model's KV cache groups and each windowed group's pool size (`window_blocks[i]` for group i + 1)."""
+    """The model's KV cache groups, each windowed group's pool size (`window_blocks[i]` for group i + 1), and the
+    recurrent-state slots of its linear-attention layers (0: none; moe_runtime/engine/state_slots.py)."""
 
     groups: KVGroups
     window_blocks: tuple[int, ...] = ()
+    state_slots: int = 0
 
     @classmethod
     def single(cls) -> "KVCacheLayout":
         return cls(KVGroups.single())
 
     @classmethod
-    def plan(cls, spans: list[AttentionSpan], config: EngineConfig) -> "KVCacheLayout":
-        """The layout of a model whose layers have `spans`, under `config` (which is refused, naming the flag,
-        where windowed groups are not supported yet)."""
+    def plan(cls, spans: list[AttentionSpan], config: EngineConfig,
+             state_layers: tuple[int, ...] = ()) -> "KVCacheLayout":
+        """The layout of a model whose layers have `spans` (and `state_layers` keeping recurrent states), under
+        `config` (which is refused, naming the flag, where windowed groups or state slots are not supported yet)."""
+        if state_layers:
+            return cls(KVGroups.single(), state_slots=_state_slots(config, state_layers))
         groups = KVGroups.of_layers(spans)
         if not groups.hybrid:
             return cls(groups)
@@ -112,3 +117,13 @@ class KVCacheLayout:
     def windows(self) -> tuple[tuple[AttentionSpan, int], ...]:
         """(span, pool blocks) of each windowed group, in group order (what the block manager keeps)."""
         return tuple((g.span, blocks) for g, blocks in zip(self.groups.windowed, self.window_blocks))
+
+
+def _state_slots(config: EngineConfig, state_layers: tuple[int, ...]) -> int:
+    """One slot per sequence that may run (`max_num_seqs`); refuses, naming the flag, what does not move states."""
+    for flag, value, active in (("--disaggregation-mode", config.disaggregation_mode,
+                                 config.disaggregation_mode != "none"), ("--cp", config.cp, config.cp > 1)):
+        if active:
+            raise EngineConfigError(f"{flag} {value}: this model's linear-attention layers ({len(state_layers)}) keep "
+                                    "recurrent states, which a KV transfer and context parallelism do not move yet")
+    return config.max_num_seqs

@@ -13,6 +13,7 @@ from moe_runtime.execution.decode_capture import CaptureSettings, DecodeCapture
 from moe_runtime.execution.step_inputs import StepInputs
 from moe_runtime.engine.kv_groups import KVCacheLayout
 from moe_runtime.layers.kv_cache import LayerKVCache
+from moe_runtime.layers.state_cache import LayerStateCache, StateSpec
 from moe_runtime.sampling.prompt_logprobs import chunk_tokens_for, join_prompt_logprobs, prompt_logprobs_due, score_prompt
 from moe_runtime.engine.sequence import Sequence
 
@@ -22,11 +23,14 @@ logger = logging.getLogger(__name__)
 def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch.dtype,
                          kv_layout: KVCacheLayout | None = None) -> int:
     """Blocks of the full KV group that fit in `budget_bytes` once the windowed groups' fixed pools (each with
-    its scratch block) are paid for. A pipeline stage without full layers fits as many as the budget's bytes:
-    the other stages decide."""
+    its scratch block) and the linear-attention layers' state slots (with theirs) are paid for. A pipeline stage
+    without full layers fits as many as the budget's bytes: the other stages decide."""
     kv_layout = kv_layout or KVCacheLayout.single()
     full_per_token = window_bytes = 0
     for spec in model.kv_cache_specs():
+        if isinstance(spec, StateSpec):
+            window_bytes += spec.bytes_per_slot(dtype) * (kv_layout.state_slots + 1)
+            continue
         group = kv_layout.groups.group_of_span(spec.span)
         if group == 0:
             full_per_token += spec.bytes_per_token(dtype)
@@ -48,13 +52,21 @@ class ModelRunner:
         kv_layout = kv_layout or KVCacheLayout.single()
         self.groups = kv_layout.groups
         self.window_blocks = kv_layout.window_blocks   # each windowed group's pool; its scratch block is the next one
+        self.state_slots = kv_layout.state_slots       # recurrent-state slots (linear-attention layers), + 1 scratch
         # A captured decode step pads its batch; the pad rows write to one scratch block past the managed ones.
         allocated = num_blocks + (1 if capture is not None else 0)
         self.caches = []
         for spec in model.kv_cache_specs():
+            if isinstance(spec, StateSpec):
+                self.caches.append(LayerStateCache.allocate(spec, self.state_slots + 1, dtype, device))
+                continue
             group = self.groups.group_of_span(spec.span)
             blocks = allocated if group == 0 else self.window_blocks[group - 1] + 1
             self.caches.append(LayerKVCache.allocate(spec, blocks, block_size, dtype, device, group))
+        if capture is not None and self.state_slots:
+            logger.warning("decode capture off, decode steps run eagerly: the model's linear-attention layers keep "
+                           "recurrent states, which a captured step does not take yet")
+            capture = None
         if capture is not None and self.groups.hybrid:
             logger.warning("decode capture off, decode steps run eagerly: the model keeps windowed KV cache groups, "
                            "whose per-group block tables a captured step does not take yet")
@@ -68,6 +80,9 @@ class ModelRunner:
     def cache_bytes(self) -> int:
         total = 0
         for cache in self.caches:
+            if isinstance(cache, LayerStateCache):
+                total += cache.nbytes()
+                continue
             total += cache.keys.numel() * cache.keys.element_size()
             if cache.values is not None:
                 total += cache.values.numel() * cache.values.element_size()
@@ -105,6 +120,8 @@ class ModelRunner:
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             block_size=bs,
         )
+        if self.state_slots:
+            self._start_states(seqs, batch)
         if self.groups.hybrid:
             batch.group_views = [self._window_view(batch, seqs, group) for group in range(1, len(self.groups.groups))]
         last = torch.tensor([stop - 1 for stop, seq in zip(query_start[1:], seqs) if seq.samples_this_step],
@@ -114,6 +131,17 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=dev),
             batch, last,
         )
+
+    def _start_states(self, seqs: list[Sequence], batch: AttentionBatch) -> None:
+        """Each sequence's state slot for the linear layers; those computing their first token start from zero
+        states (a new request, or a preempted one recomputed)."""
+        batch.state_slots = [seq.state_slot for seq in seqs]
+        fresh = [seq.state_slot for seq in seqs if seq.num_cached_tokens == 0]
+        if fresh:
+            index = torch.tensor(fresh, dtype=torch.long, device=self.device)
+            for cache in self.caches:
+                if isinstance(cache, LayerStateCache):
+                    cache.clear(index)
 
     def _window_view(self, batch: AttentionBatch, seqs: list[Sequence], group: int) -> AttentionBatch:
         """Windowed group `group`'s slots and block tables for this step (its released blocks read as the group's

@@ -8,6 +8,7 @@ from moe_runtime.models.decoder import BuildContext, CausalLM
 def _builders():
     from moe_runtime.models import deepseek, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, qwen_moe
     from moe_runtime.models import llama4
+    from moe_runtime.models import qwen3_next
 
     return {
         "LlamaForCausalLM": llama.build_llama,
@@ -23,6 +24,8 @@ def _builders():
         "MiniMaxM2ForCausalLM": minimax_m2.build_minimax_m2,
         "Llama4ForCausalLM": llama4.build_llama4,
         "GptOssForCausalLM": gpt_oss.build_gpt_oss,
+        "Qwen3NextForCausalLM": qwen3_next.build_qwen3_next,
+        "Qwen3_5MoeForCausalLM": qwen3_next.build_qwen3_5_moe,
     }
 
 

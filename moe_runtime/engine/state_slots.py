@@ -1,0 +1,44 @@
+"""The state cache group: one fixed-size recurrent-state slot per running sequence, for models whose linear-attention
+layers (Qwen3-Next's and Qwen3.5-MoE's Gated DeltaNet) keep a state instead of per-token K/V.
+
+A sequence takes a slot when admitted and gives it back when it finishes or is preempted; its slot index is the
+same in every linear layer (each layer's `LayerStateCache`, moe_runtime/layers/state_cache.py, is a preallocated
+[slots + 1, ...] tensor, so addresses never move). A sequence whose first token is scheduled starts from zero
+states (the runner clears its slot), so a preempted request's recompute rebuilds them from its tokens, and a
+prefill cut into chunks continues from the state its previous chunk left.
+
+There are `max_num_seqs` slots: the scheduler never runs more sequences than that, so the full group's blocks
+alone decide admission. Prefix caching is off for these models (`BlockManager`): a cached prefix would need the
+linear layers' states at its end too, which are not kept (snapshots at block boundaries are not built yet).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+LINEAR_ATTENTION = "linear_attention"   # transformers' layer_types entry of a Gated DeltaNet layer
+
+
+def linear_attention_layers(hf_config) -> tuple[int, ...]:
+    """The model's layers that keep a recurrent state (none for a model without layer_types)."""
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    return tuple(i for i, kind in enumerate(layer_types) if kind == LINEAR_ATTENTION)
+
+
+class StateSlots:
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"a state cache group needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} recurrent-state slots are held")
+        return self._free.popleft()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)

@@ -1,0 +1,48 @@
+"""One linear-attention layer's recurrent state cache: fixed-size slots, one per running sequence.
+
+A Gated DeltaNet layer keeps no K/V per token but, per sequence, the last K-1 inputs of its short
+convolution (`conv` [slots, channels, K-1], the compute dtype) and its delta-rule state (`ssm` [slots, heads,
+Dk, Dv], float32: the recurrence is rounding-sensitive over long contexts). Slots are handed out by the state
+cache group (moe_runtime/engine/state_slots.py); the tensors are allocated once, so every slot keeps a fixed
+address (what a captured step needs). The last slot is scratch, never handed out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What one linear layer keeps per sequence on this rank (its heads under attention TP)."""
+
+    conv_channels: int
+    conv_width: int       # the convolution's kernel size - 1: inputs kept from earlier tokens
+    num_heads: int        # value heads
+    key_dim: int
+    value_dim: int
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        conv = self.conv_channels * self.conv_width * torch.tensor([], dtype=dtype).element_size()
+        return conv + self.num_heads * self.key_dim * self.value_dim * 4
+
+
+@dataclass
+class LayerStateCache:
+    conv: torch.Tensor      # [slots, channels, K-1]
+    ssm: torch.Tensor       # [slots, heads, Dk, Dv] float32
+
+    @classmethod
+    def allocate(cls, spec: StateSpec, num_slots: int, dtype, device) -> "LayerStateCache":
+        return cls(torch.zeros(num_slots, spec.conv_channels, spec.conv_width, dtype=dtype, device=device),
+                   torch.zeros(num_slots, spec.num_heads, spec.key_dim, spec.value_dim, dtype=torch.float32,
+                               device=device))
+
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
+
+    def clear(self, slots: torch.Tensor) -> None:
+        """Sequences starting from their first token begin from zero states."""
+        self.conv.index_fill_(0, slots, 0)
+        self.ssm.index_fill_(0, slots, 0)
