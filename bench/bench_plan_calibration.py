@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_runtime.config.parallel_layout import ParallelLayout   # noqa: E402
-from moe_runtime.planner.cpu_calibration import cached_rates, cpu_hardware   # noqa: E402
+from moe_runtime.planner.cpu_calibration import cached_calibration, cpu_hardware   # noqa: E402
 from moe_runtime.planner.memory import kv_capacity, rank_memory, resolve_precision   # noqa: E402
 from moe_runtime.planner.model_shape import load_model_shape   # noqa: E402
 from moe_runtime.planner.roofline import StepModel, Topology   # noqa: E402
@@ -34,13 +35,14 @@ MOE_LAYOUTS = {"ep1": {}, "ep2 attn_tp2": dict(ep=2, dp_attn=1), "ep2 dp_attn2":
 DENSE_LAYOUTS = {"dense 1 rank": {}, "dense tp2": dict(tp=2)}
 
 
-def predict(path: Path, layout: dict, prompts: int, prompt_len: int, new: int, block_size: int = 16) -> dict:
+def predict(path: Path, layout: dict, prompts: int, prompt_len: int, new: int, block_size: int = 16,
+            hardware=None) -> dict:
     shape = load_model_shape(path)
     lo = ParallelLayout(**layout)
     precision = resolve_precision(shape, "float32", None)
     memory = rank_memory(shape, lo, precision, block_size)
     capacity = kv_capacity(memory, lo, KV_MEMORY, block_size, prompt_len + new)
-    step = StepModel(shape, lo, precision, cpu_hardware(), Topology(gpus_per_node=2))
+    step = StepModel(shape, lo, precision, hardware or cpu_hardware(), Topology(gpus_per_node=2))
     batch = max(prompts // lo.dp_size, 1)
     seconds = step.step_seconds(batch, prompt_len + new / 2, decode=True)
     return dict(decode_tok_s=prompts / seconds, kv_tokens_per_worker=capacity.tokens_per_worker)
@@ -69,7 +71,12 @@ def measure(path: Path, layout: dict, prompts: int, prompt_len: int, new: int) -
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="ep 1 and pp 2 only, 4 prompts x 4 new tokens")
+    parser.add_argument("--cached", action="store_true",
+                        help="use the cached calibration (default: measure it again first, under today's load)")
     args = parser.parse_args()
+    rates, overheads = cached_calibration(refresh=not args.cached)
+    hardware = cpu_hardware(rates, overheads)
+    print(f"calibration: {json.dumps(overheads.as_json() if overheads else None)}", flush=True)
     from bench.bench_offline import build_checkpoint
     from bench.bench_tp_pp import build_checkpoint as build_dense
 
@@ -81,19 +88,22 @@ def main() -> int:
         runs += [(build_dense(), name, layout) for name, layout in DENSE_LAYOUTS.items()]
     rows, failed = [], False
     for path, name, layout in runs:
-        predicted = predict(path, layout, prompts, prompt_len, new)
+        predicted = predict(path, layout, prompts, prompt_len, new, hardware=hardware)
+        load_before = os.getloadavg()[0]
         measured = measure(path, layout, prompts, prompt_len, new)
+        load = (load_before + os.getloadavg()[0]) / 2
         error = predicted["decode_tok_s"] / measured["decode_tok_s"] - 1
         kv_exact = predicted["kv_tokens_per_worker"] == measured["kv_tokens_per_worker"]
         failed |= abs(error) > DECODE_ERROR_LIMIT or not kv_exact
         rows.append(dict(layout=name, **{f"predicted_{k}": v for k, v in predicted.items()},
-                         **{f"measured_{k}": v for k, v in measured.items()}, decode_error=error, kv_exact=kv_exact))
+                         **{f"measured_{k}": v for k, v in measured.items()}, decode_error=error, kv_exact=kv_exact,
+                         load_average=load))
         print(f"{name:14s} decode tok/s predicted {predicted['decode_tok_s']:8.1f} measured "
               f"{measured['decode_tok_s']:8.1f} error {error:+.0%}   KV tokens/worker predicted "
               f"{predicted['kv_tokens_per_worker']} measured {measured['kv_tokens_per_worker']}"
-              f" {'exact' if kv_exact else 'DIFFERS'}", flush=True)
-    result = dict(rates=vars(cached_rates()), prompts=prompts, prompt_len=prompt_len, new_tokens=new,
-                  kv_cache_memory=KV_MEMORY, rows=rows, passed=not failed)
+              f" {'exact' if kv_exact else 'DIFFERS'}   load {load:.1f}", flush=True)
+    result = dict(rates=vars(rates), overheads=overheads.as_json() if overheads else None, prompts=prompts,
+                  prompt_len=prompt_len, new_tokens=new, kv_cache_memory=KV_MEMORY, rows=rows, passed=not failed)
     if not args.quick:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "plan_calibration.json").write_text(json.dumps(result, indent=1))

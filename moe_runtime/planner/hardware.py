@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from moe_runtime.errors import InvalidRequestError
 
@@ -45,6 +46,7 @@ class Hardware:
     step_overhead_s: float = 1e-3         # a step's host work: scheduling, sampling, detokenizing
     memory_reserve: float = 0.1           # share of memory kept for activations, graphs, communication buffers
     device: str = "cuda"                  # the --device of the commands
+    cpu: Any = None                       # --gpu cpu: the measured CpuOverheads the roofline adds (cpu_overheads.py)
 
     def flops(self, dtype_bytes: float, fp8_weights: bool) -> float:
         """Sustained FLOP/s of a matmul in this dtype (FP8 weights multiply at the FP8 rate where there is one)."""

@@ -17,7 +17,7 @@ take back in proportion (one redundant slot per rank: even). That factor is an a
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moe_runtime.config.parallel_layout import ParallelLayout
 from moe_runtime.planner.hardware import Hardware
@@ -70,7 +70,17 @@ class StepModel:
             hop = (per_micro * self.shape.hidden_size * self.precision.compute_bytes
                    / self.hardware.link_bytes_s(crosses) + self.hardware.latency_s(crosses))
         slots = m + pp - 1
-        return slots * (max(stage_times) + hop) + self.hardware.step_overhead_s
+        return slots * (max(stage_times) + hop) + self._step_overhead(tokens)
+
+    def _step_overhead(self, tokens: int) -> float:
+        """A step's host work: a GPU's flat figure; on a CPU the measured rest of a step (sampling, scheduling,
+        embedding) and, with several ranks, the lock-step control traffic, slowed as the ranks share cores."""
+        cpu = self.hardware.cpu
+        if cpu is None:
+            return self.hardware.step_overhead_s
+        world = self.layout.world_size
+        control = cpu.control_s + cpu.front_round_trip_s if world > 1 else 0.0
+        return (cpu.rest.at(tokens) + control) * cpu.slowdown(world)
 
     def bubble(self, tokens: int) -> float:
         m = self.micro_batches or self.layout.pp
@@ -85,7 +95,31 @@ class StepModel:
 
     def _layer_seconds(self, layer: LayerShape, full: bool, tokens: float, context: float, decode: bool) -> float:
         compute, memory, comm = self.layer_parts(layer, full, tokens, context, decode)
-        return max(compute, memory, self.hardware.layer_overhead_s) + comm
+        cpu = self.hardware.cpu
+        if cpu is None:
+            return max(compute, memory, self.hardware.layer_overhead_s) + comm
+        # CPU: each part's roofline plus its measured framework cost, all slowed alike when ranks share cores
+        attention, mlp = self.part_rooflines(layer, full, tokens, context, decode)
+        rank_tokens = tokens / self.layout.cp
+        fixed = cpu.attention.at(rank_tokens) + (cpu.moe.at(self.touched_experts(tokens)) if layer.moe
+                                                 else cpu.dense.at(rank_tokens) if layer.dense_params else 0.0)
+        return (attention + mlp + fixed + comm) * cpu.slowdown(self.layout.world_size)
+
+    def part_rooflines(self, layer: LayerShape, full: bool, tokens: float, context: float,
+                       decode: bool) -> tuple[float, float]:
+        """max(compute, memory) seconds of the layer's attention and of its MLP (MoE or dense), apart."""
+        attention = replace(layer, dense_params=0, shared_params=0, expert_params=0, router_params=0)
+        mlp = replace(layer, attention_params=0, span=LINEAR, window=None, state_fp32=0, state_conv=0)
+        a = self.layer_parts(attention, full, tokens, context, decode)
+        b = self.layer_parts(mlp, full, tokens, context, decode)
+        return max(a[0], a[1]), max(b[0], b[1])
+
+    def touched_experts(self, tokens: float) -> float:
+        """Expert slots the busiest EP rank runs in a step: each slot is touched unless no token picks it."""
+        lo, shape = self.layout, self.shape
+        group_tokens = tokens * lo.dp_size
+        slots = (shape.num_experts + lo.num_redundant_experts) / max(lo.ep, 1)
+        return slots * (1 - (1 - shape.top_k / shape.num_experts) ** max(group_tokens, 0))
 
     def breakdown(self, tokens: int, context: float) -> dict[str, float]:
         """A decode step's seconds by what bounds them, summed over the layers of every stage (no bubble)."""
@@ -139,9 +173,7 @@ class StepModel:
         ep = max(lo.ep, 1)
         group_tokens = tokens * lo.dp_size
         pairs = group_tokens * shape.top_k / ep * skew(lo)
-        slots = (shape.num_experts + lo.num_redundant_experts) / ep
-        touched = slots * (1 - (1 - shape.top_k / shape.num_experts) ** max(group_tokens, 0))
-        return 2 * pairs * layer.expert_params, touched * layer.expert_params * self.precision.expert_bytes
+        return 2 * pairs * layer.expert_params, self.touched_experts(tokens) * layer.expert_params * self.precision.expert_bytes
 
     def _all_to_alls(self, tokens: float) -> float:
         lo = self.layout
@@ -150,11 +182,17 @@ class StepModel:
         crosses = self.topology.crosses(lo.ep)
         sent = tokens / lo.worker_size * self.shape.top_k * self.shape.hidden_size * self.precision.compute_bytes
         sent *= (lo.ep - 1) / lo.ep
+        cpu = self.hardware.cpu
+        if cpu is not None:   # measured between two rank processes of this machine
+            return 2 * (sent / cpu.all_to_all_bytes_s + cpu.all_to_all_latency_s)
         one = sent / self.hardware.link_bytes_s(crosses) + self.hardware.latency_s(crosses)
         return 2 * one
 
     def _all_reduce(self, nbytes: float, ranks: int) -> float:
         crosses = self.topology.crosses(ranks)
+        cpu = self.hardware.cpu
+        if cpu is not None:   # measured: gloo's all-reduce of that payload between rank processes
+            return (ranks - 1) * (nbytes / cpu.all_reduce_bytes_s + cpu.all_reduce_latency_s)
         return (2 * (ranks - 1) / ranks * nbytes / self.hardware.link_bytes_s(crosses)
                 + self.hardware.latency_s(crosses))
 
