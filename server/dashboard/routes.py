@@ -4,6 +4,8 @@
     GET  /dashboard/static/<asset>   its script, style and plotly.min.js, all served locally
     GET  /dashboard/state            everything the page shows, as JSON
     GET  /dashboard/trace            the recorded expert-load trace (load_balancer.trace JSON), as a download
+    GET  /dashboard/plan             `moe-serve plan` for the served model on this server's hardware (plan_view.py;
+                                     ?gpu=h100&gpus_per_node=8&nodes=1&prompt_len=&output_len=&concurrency=|qps=)
     POST /dashboard/rebalance        rebalance the expert placement now (needs the API key when one is set)
 
 With `--api-key`, every route here takes the key like /v1 (the app's `ApiKeyGate`): the expert load is
@@ -17,11 +19,15 @@ import time
 from importlib import resources
 from pathlib import Path
 
+import asyncio
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
 from server.auth import api_key_dependency
+from moe_runtime.errors import MoERuntimeError
 from server.dashboard.monitor import DashboardConfig, DashboardMonitor
+from server.dashboard.plan_view import PlanQuery, served_plan
 from server.errors import APIError
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -39,9 +45,11 @@ def plotly_js_path() -> Path:
     return path
 
 
-def dashboard_router(api_key: str | None = None, config: DashboardConfig = DashboardConfig()) -> APIRouter:
+def dashboard_router(api_key: str | None = None, config: DashboardConfig = DashboardConfig(),
+                     plan_cpu_loader=None) -> APIRouter:
+    """`plan_cpu_loader`: the plan view's `--gpu cpu` hardware (default: measured on this machine, cached)."""
     assets = {"dashboard.js": STATIC_DIR / "dashboard.js", "dashboard.css": STATIC_DIR / "dashboard.css",
-              "plotly.min.js": plotly_js_path()}
+              "plan.js": STATIC_DIR / "plan.js", "plotly.min.js": plotly_js_path()}
     for name, path in assets.items():
         if not path.is_file():
             raise RuntimeError(f"dashboard asset {name} is missing: {path}")
@@ -76,6 +84,20 @@ def dashboard_router(api_key: str | None = None, config: DashboardConfig = Dashb
         return JSONResponse(monitor(request).trace_json(), headers={
             "Content-Disposition": f'attachment; filename="expert-load-trace-{stamp}.json"',
             "Cache-Control": "no-store"})
+
+    @router.get("/plan")
+    async def dashboard_plan(request: Request, gpu: str | None = None, gpus_per_node: int | None = None,
+                             nodes: int = 1, prompt_len: int | None = None, output_len: int | None = None,
+                             qps: float | None = None, concurrency: int | None = None,
+                             ttft_ms: float | None = None, itl_ms: float | None = None) -> JSONResponse:
+        engine = request.app.state.async_engine
+        query = PlanQuery(gpu, gpus_per_node, nodes, prompt_len, output_len, qps, concurrency, ttft_ms, itl_ms)
+        try:   # a thread: the first `--gpu cpu` plan measures this machine (seconds), and the loop must not stall
+            answer = await asyncio.to_thread(served_plan, engine.engine.config, query, engine.max_model_len,
+                                             plan_cpu_loader)
+        except (MoERuntimeError, OSError, KeyError, ValueError) as exc:
+            raise APIError(400, f"plan: {exc}", "invalid_request_error", None, "invalid_plan_query") from exc
+        return JSONResponse(answer, headers={"Cache-Control": "no-store"})
 
     @router.post("/rebalance", dependencies=[Depends(api_key_dependency(api_key))])
     async def dashboard_rebalance(request: Request) -> JSONResponse:
