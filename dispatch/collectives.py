@@ -49,9 +49,16 @@ def unpack_rows(packed: torch.Tensor, specs: list[ColumnSpec]) -> list[torch.Ten
 
 
 def as_bytes(rows: torch.Tensor) -> torch.Tensor:
-    """[S, ...] any dtype -> uint8 [S, row bytes] view (explicit width: S may be 0)."""
+    """[S, ...] any dtype -> uint8 [S, row bytes] view (explicit width: S may be 0).
+
+    A tensor with a size-1 last dimension counts as contiguous whatever that dimension's stride, and a
+    `ones_like` of an expanded [T, 1] keeps stride 0 there, which a byte view refuses: such rows are copied
+    with fresh strides."""
     row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-    return rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes)
+    rows = rows.contiguous()
+    if rows.dim() > 1 and rows.stride(-1) != 1:
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    return rows.view(torch.uint8).reshape(rows.shape[0], row_bytes)
 
 
 def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:

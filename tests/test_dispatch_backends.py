@@ -222,3 +222,15 @@ def test_a_missing_deep_ep_is_looked_for_once_per_process(monkeypatch):
         assert calls == ["deep_ep"]
     finally:
         dispatch.deepep.deep_ep_importable.cache_clear()
+
+
+def test_rows_of_any_strides_pack_to_bytes():
+    """A [T, 1] column with stride 0 in its last dimension counts as contiguous (a `ones_like` of an expanded
+    tensor is one: Llama 4's top-1 weights handed to the executor) yet has no byte view of its own."""
+    from dispatch.collectives import ColumnSpec, pack_rows, unpack_rows
+    strided = torch.as_strided(torch.arange(4.0), (4, 1), (1, 0))
+    assert strided.is_contiguous() and strided.stride(-1) == 0
+    ids = torch.arange(8).view(4, 2)
+    packed = pack_rows(strided, ids)
+    back_weights, back_ids = unpack_rows(packed, [ColumnSpec(torch.float32, 1), ColumnSpec(torch.int64, 2)])
+    assert torch.equal(back_weights, strided) and torch.equal(back_ids, ids)

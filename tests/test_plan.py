@@ -128,8 +128,30 @@ def test_calibration_bench_machinery_quick():
     from bench.bench_offline import build_checkpoint
     from bench.bench_plan_calibration import measure, predict
 
+    from moe_runtime.planner.cpu_calibration import cpu_hardware, measure_rates
+
     path = build_checkpoint("float32")
-    predicted = predict(path, {}, 2, 8, 2)
+    # the machine's rates alone (about a second): the full calibration's step measurements belong to the bench
+    predicted = predict(path, {}, 2, 8, 2, hardware=cpu_hardware(measure_rates(), overheads=None))
     measured = measure(path, {}, 2, 8, 2)
     assert predicted["kv_tokens_per_worker"] == measured["kv_tokens_per_worker"]
     assert predicted["decode_tok_s"] > 0 and measured["decode_tok_s"] > 0
+
+
+def test_a_calibration_cache_of_another_version_is_measured_again(tmp_path, monkeypatch):
+    """The cache is only a cache: an entry in another format (or a broken file) means measuring again, not a crash."""
+    import json as json_module
+    import os
+    import platform
+
+    from moe_runtime.planner import cpu_calibration
+    from moe_runtime.planner.cpu_calibration import CpuRates
+
+    fresh = CpuRates("here", 2, 1e10, 2e10, 1e-5)
+    monkeypatch.setattr(cpu_calibration, "measure_rates", lambda: fresh)
+    monkeypatch.setattr(cpu_calibration, "measure_overheads", lambda rates: None)
+    cache = tmp_path / "calibration.json"
+    cache.write_text(json_module.dumps({f"{platform.node()}/{os.cpu_count()}": {"rates": {"rates": 1}}}))
+    assert cpu_calibration.cached_calibration(cache) == (fresh, None)
+    cache.write_text("{not json")
+    assert cpu_calibration.cached_calibration(cache) == (fresh, None)

@@ -85,17 +85,29 @@ def _timed(fn) -> float:
 
 def cached_calibration(path: Path = CACHE, refresh: bool = False) -> tuple[CpuRates, CpuOverheads | None]:
     key = f"{platform.node()}/{os.cpu_count()}"
-    stored = json.loads(path.read_text()) if path.exists() else {}
+    stored = _read_cache(path)
     entry = stored.get(key)
-    if entry is not None and "overheads" in entry and not refresh:
-        overheads = entry["overheads"]
-        return CpuRates(**entry["rates"]), CpuOverheads.from_json(overheads) if overheads else None
+    if entry is not None and not refresh:
+        try:
+            overheads = entry["overheads"]
+            return CpuRates(**entry["rates"]), CpuOverheads.from_json(overheads) if overheads else None
+        except (KeyError, TypeError, ValueError):   # written by another version: measured again below
+            logger.info("cpu calibration: the cached entry of %s is not this version's; measuring again", key)
     rates = measure_rates()
     overheads = measure_overheads(rates)
     stored[key] = {"rates": asdict(rates), "overheads": overheads.as_json() if overheads else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stored, indent=1))
     return rates, overheads
+
+
+def _read_cache(path: Path) -> dict:
+    """The cache file's entries by host ({} when missing or unreadable: it is only a cache)."""
+    try:
+        stored = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
 
 
 def cached_rates(path: Path = CACHE) -> CpuRates:
