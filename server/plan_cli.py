@@ -14,6 +14,7 @@ import sys
 
 from moe_runtime.config.engine_config import DTYPES, QUANTIZATIONS
 from moe_runtime.errors import MoERuntimeError
+from moe_runtime.planner.cpu_calibration import cpu_hardware
 from moe_runtime.planner.hardware import resolve_hardware
 from moe_runtime.planner.memory import resolve_precision
 from moe_runtime.planner.model_shape import load_model_shape
@@ -59,7 +60,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     shape = load_model_shape(args.model)
     workload = Workload(args.prompt_len, args.output_len, args.qps, args.concurrency, args.ttft_ms, args.itl_ms,
                         args.max_num_batched_tokens)
-    return PlanRequest(args.model, shape, resolve_hardware(args.gpu), args.gpus_per_node, args.nodes, workload,
+    return PlanRequest(args.model, shape, resolve_hardware(args.gpu, cpu_hardware), args.gpus_per_node, args.nodes, workload,
                        resolve_precision(shape, args.dtype, args.quantization), kv_cache_memory=args.kv_cache_memory)
 
 

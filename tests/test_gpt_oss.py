@@ -21,7 +21,8 @@ from lazy_engines import lazy_engines
 from window_watch import window_blocks_held
 from engine_helpers import greedy
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
-from tiny_checkpoints import TINY_ARCHS, HFOracle, write_mxfp4_checkpoint
+from mxfp4_checkpoints import write_mxfp4_checkpoint
+from tiny_checkpoints import TINY_ARCHS, HFOracle
 from moe_runtime import LLM
 from moe_runtime.layers.attention_span import SLIDING, AttentionSpan
 from moe_runtime.layers.rotary import RotaryEmbedding, rope_inverse_frequencies

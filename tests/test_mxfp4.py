@@ -8,7 +8,7 @@ import pytest
 import torch
 from expert_epilogue_reference import activations
 from safetensors import safe_open
-from tiny_checkpoints import write_mxfp4_checkpoint
+from mxfp4_checkpoints import write_mxfp4_checkpoint
 from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 

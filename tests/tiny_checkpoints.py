@@ -495,14 +495,3 @@ def _fp32_model_bytes(config) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return sum(t.numel() * 4 for t in model.state_dict().values())
-
-
-def write_mxfp4_checkpoint(source: str | Path, root: str | Path) -> tuple[Path, Path]:
-    """A gpt-oss checkpoint `source` -> (`root`/twin, `root`/mxfp4): its experts rounded to MXFP4 values once,
-    written plain (the twin, which transformers and the runtime load as any checkpoint) and in the published
-    MXFP4 layout (`*_blocks` / `*_scales`, quant_method mxfp4), which dequantizes to the twin exactly."""
-    from moe_runtime.weights.quantization.mxfp4_checkpoint_writer import write_mxfp4_twins
-
-    twin, mxfp4 = Path(root) / "twin", Path(root) / "mxfp4"
-    write_mxfp4_twins(Path(source), twin, mxfp4)
-    return twin, mxfp4

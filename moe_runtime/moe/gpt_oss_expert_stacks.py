@@ -14,7 +14,7 @@ Only this rank's experts are read (dim 0 of every stack).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -22,8 +22,14 @@ from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.loading import copy_checked
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows
 
-if TYPE_CHECKING:
-    from moe_runtime.moe.expert_weights import ExpertWeights
+class ExpertSlots(Protocol):
+    """What this loader writes into: `ExpertWeights` (which calls it; a Protocol keeps the two modules apart)."""
+
+    quant: object
+    b13: torch.Tensor | None
+    b2: torch.Tensor | None
+
+    def fill(self, local: int, rows, values, name: str, reader: CheckpointReader) -> None: ...
 
 
 def gate_then_up(rows: torch.Tensor) -> torch.Tensor:
@@ -31,7 +37,7 @@ def gate_then_up(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows[0::2], rows[1::2]])
 
 
-def load_gpt_oss_expert(experts: "ExpertWeights", reader: CheckpointReader, prefix: str, local: int,
+def load_gpt_oss_expert(experts: ExpertSlots, reader: CheckpointReader, prefix: str, local: int,
                         expert: int) -> None:
     """Fill slot `local` of `experts` with logical expert `expert` of the stacks under `prefix`."""
     gate_up, down = f"{prefix}gate_up_proj", f"{prefix}down_proj"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moe_runtime.errors import InvalidRequestError
 
@@ -91,16 +91,14 @@ def hardware_from_json(path: str | Path) -> Hardware:
                                   "fp8_flops, scale_up_bytes_s, scale_out_bytes_s)") from exc
 
 
-def resolve_hardware(gpu: str, cpu_loader=None) -> Hardware:
-    """`--gpu`: a table name, `cpu` (calibrated on this machine by `cpu_loader`), or a JSON file."""
+def resolve_hardware(gpu: str, cpu_loader: Callable[[], Hardware]) -> Hardware:
+    """`--gpu`: a table name, `cpu` (calibrated on this machine by `cpu_loader`, e.g. cpu_calibration's
+    `cpu_hardware`: given by the caller, since the calibration itself plans with this module's Hardware), or a
+    JSON file."""
     table = known_gpus()
     if gpu.lower() in table:
         return table[gpu.lower()]
     if gpu.lower() == "cpu":
-        if cpu_loader is None:
-            from moe_runtime.planner.cpu_calibration import cpu_hardware
-
-            cpu_loader = cpu_hardware
         return cpu_loader()
     if Path(gpu).is_file():
         return hardware_from_json(gpu)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.planner.cpu_calibration import cpu_hardware
 from moe_runtime.planner.hardware import Hardware, known_gpus, resolve_hardware
 from moe_runtime.planner.memory import resolve_precision
 from moe_runtime.planner.model_shape import load_model_shape
@@ -68,7 +69,7 @@ def served_plan(config, query: PlanQuery, max_model_len: int,
     workload = Workload(prompt_len, output_len, query.qps, concurrency, query.ttft_ms, query.itl_ms,
                         config.max_num_batched_tokens)
     shape = load_model_shape(config.model)
-    request = PlanRequest(config.model, shape, resolve_hardware(gpu, cpu_loader), per_node, query.nodes, workload,
+    request = PlanRequest(config.model, shape, resolve_hardware(gpu, cpu_loader or cpu_hardware), per_node, query.nodes, workload,
                           resolve_precision(shape, config.dtype, config.quantization), config.block_size)
     answer = plan_json(make_plan(request))
     served = asdict(config.layout())
