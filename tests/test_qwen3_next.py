@@ -4,8 +4,8 @@ tokens (the linear layers' states carried across chunks), under preemption (stat
 DP attention, attention TP (heads and states split) and two pipeline stages.
 
 The tiny models have 4 layers (3 linear, 1 full) and prompts up to 40 tokens, several KV blocks; the state crosses
-delta-rule chunk and step boundaries when prefills run in steps of 5 tokens. What is not supported yet is refused by name and tested here: P/D transfer and context
-parallelism; prefix caching is turned off for these models (never read half-right), which the tests check too.
+delta-rule chunk and step boundaries when prefills run in steps of 5 tokens. What is not supported yet is refused by name and tested here: context
+parallelism (P/D moves the states with the KV: tests/test_pd_hybrid.py); prefix caching is turned off for these models (never read half-right), which the tests check too.
 """
 from __future__ import annotations
 
@@ -131,12 +131,18 @@ def test_pipeline_parallel_stages_match(arch, engines, expected):
     assert [o.token_ids for o in engines(arch, "pp2").generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
 
 
-@pytest.mark.parametrize("flag,options", [("--cp", dict(cp=2, ep=2)),
-                                          ("--disaggregation-mode", dict(disaggregation_mode="prefill"))])
-def test_state_transfer_and_context_parallelism_are_refused_by_name(flag, options):
+@pytest.mark.parametrize("flag,options", [("--cp", dict(cp=2, ep=2))])
+def test_context_parallelism_is_refused_by_name(flag, options):
     config = EngineConfig(model="unused", **options)
     with pytest.raises(EngineConfigError, match=flag):
         KVCacheLayout.plan([AttentionSpan()] * 4, config, state_layers=(0, 1, 2))
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_pd_instances_keep_state_slots(mode):
+    """P/D moves the states with the KV (tests/test_pd_hybrid.py): both sides plan their state slots."""
+    config = EngineConfig(model="unused", disaggregation_mode=mode)
+    assert KVCacheLayout.plan([AttentionSpan()] * 4, config, state_layers=(0, 1, 2)).state_slots == config.max_num_seqs
 
 
 def test_state_slots_follow_admission_and_release():

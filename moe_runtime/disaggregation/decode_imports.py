@@ -5,7 +5,8 @@ sampled, its sampler state, and where the prompt's KV blocks are). Each rank of 
 allocates blocks for it through its block manager (first come, first served, as blocks free up),
 plans which prefill rank serves each of its (layer, heads) pieces (`kv_transfer.plan`: the two
 instances may split heads and layers differently) and hands the pull to its `KVSink`, which writes
-the blocks on its own thread. The request joins the running batch only on `activate`, a command
+the blocks on its own thread (a hybrid model's recurrent states too, into the state slot its admission took:
+`kv_transfer.state_plan`). The request joins the running batch only on `activate`, a command
 the front sends once every rank of the worker has its KV; a failure on any rank fails it on all
 (`abort`). Every change to the block manager happens at a lock-step boundary or a step, in the same
 order on every rank of the worker, so their block managers never diverge (a pull that failed on one
@@ -28,6 +29,7 @@ from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.disaggregation.kv_transfer.plan import plan_pulls
 from moe_runtime.disaggregation.kv_transfer.puller import PullJob, PullResult
 from moe_runtime.disaggregation.kv_transfer.shard import KVLayoutError, KVShard
+from moe_runtime.disaggregation.kv_transfer.state_plan import plan_state_pulls
 from moe_runtime.disaggregation.kv_transfer.transport import KVSink
 from moe_runtime.engine.sequence import Sequence
 
@@ -78,13 +80,15 @@ class DecodeImports:
             if entry.error is None:
                 try:
                     sources = plan_pulls(self.local, entry.spec.shards, self.spread)
+                    state_sources = plan_state_pulls(self.local, entry.spec.shards, self.spread)
                 except KVLayoutError as exc:
                     entry.error = str(exc)
             if entry.error is not None:
                 entry.result = PullResult(entry.seq.request_id, entry.error, 0, 0.0)
                 continue
             self.sink.submit(PullJob(entry.seq.request_id, entry.spec.source_request_id, list(entry.seq.block_table),
-                                     len(entry.seq.prompt_token_ids), sources, self.timeout_s))
+                                     len(entry.seq.prompt_token_ids), sources, self.timeout_s,
+                                     state_sources=state_sources, state_slot=entry.seq.state_slot))
 
     def take_landed(self) -> list[PullResult]:
         """Outcomes of imports that ended since the last call, each once. Nothing is freed here: a failed

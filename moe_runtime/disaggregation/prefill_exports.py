@@ -37,10 +37,12 @@ class PrefillExports:
         return self.source.shard
 
     def park(self, seq: Sequence) -> KVExportInfo:
-        """Keep `seq`'s prompt blocks for a decode instance (the scheduler has finished it, keeping its blocks)."""
+        """Keep `seq`'s prompt blocks for a decode instance (the scheduler has finished it, keeping its blocks),
+        and its recurrent-state slot if the model has linear layers: it holds their states after the prompt's last
+        token, which the first decode step continues from."""
         num_tokens = len(seq.prompt_token_ids)
         needed = self.block_manager.blocks_needed(num_tokens)
-        self.registry.park(seq.request_id, seq.block_table[:needed], num_tokens)
+        self.registry.park(seq.request_id, seq.block_table[:needed], num_tokens, seq.state_slot)
         self._parked[seq.request_id] = seq
         return KVExportInfo(num_tokens)
 

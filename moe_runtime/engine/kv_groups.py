@@ -120,10 +120,9 @@ class KVCacheLayout:
 
 
 def _state_slots(config: EngineConfig, state_layers: tuple[int, ...]) -> int:
-    """One slot per sequence that may run (`max_num_seqs`); refuses, naming the flag, what does not move states."""
-    for flag, value, active in (("--disaggregation-mode", config.disaggregation_mode,
-                                 config.disaggregation_mode != "none"), ("--cp", config.cp, config.cp > 1)):
-        if active:
-            raise EngineConfigError(f"{flag} {value}: this model's linear-attention layers ({len(state_layers)}) keep "
-                                    "recurrent states, which a KV transfer and context parallelism do not move yet")
+    """One slot per sequence that may run (`max_num_seqs`); refuses, naming the flag, what does not move states
+    (a P/D transfer moves them beside the KV blocks: moe_runtime/disaggregation/kv_transfer/state_plan.py)."""
+    if config.cp > 1:
+        raise EngineConfigError(f"--cp {config.cp}: this model's linear-attention layers ({len(state_layers)}) keep "
+                                "recurrent states, which context parallelism does not split yet")
     return config.max_num_seqs

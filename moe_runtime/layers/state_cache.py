@@ -46,3 +46,17 @@ class LayerStateCache:
         """Sequences starting from their first token begin from zero states."""
         self.conv.index_fill_(0, slots, 0)
         self.ssm.index_fill_(0, slots, 0)
+
+    def read_slot(self, slot: int) -> list[torch.Tensor]:
+        """One sequence's states, conv [channels, K-1] and ssm [heads, Dk, Dv], copied to the CPU (a P/D transfer
+        sends them as they are stored; moe_runtime/disaggregation/kv_transfer)."""
+        return [self.conv[slot].contiguous().cpu(), self.ssm[slot].contiguous().cpu()]
+
+    def write_slot(self, slot: int, parts: list[torch.Tensor]) -> None:
+        """Store one sequence's states (`read_slot`'s pair, of this cache's shapes) into `slot`."""
+        conv, ssm = parts
+        if conv.shape != self.conv.shape[1:] or ssm.shape != self.ssm.shape[1:]:
+            raise ValueError(f"states of shapes {tuple(conv.shape)}, {tuple(ssm.shape)} for a cache of "
+                             f"{tuple(self.conv.shape[1:])}, {tuple(self.ssm.shape[1:])}")
+        self.conv[slot].copy_(conv.to(device=self.conv.device, dtype=self.conv.dtype))
+        self.ssm[slot].copy_(ssm.to(device=self.ssm.device, dtype=self.ssm.dtype))

@@ -3,8 +3,11 @@
 A decode rank asks a prefill rank's block server for one piece (`PullBlocks`: a request's blocks
 [first_block, +num_blocks) of layers [first_layer, +num_layers), KV heads [head_start, +num_heads));
 the answer is a `BlocksReply` header followed by one frame per layer for its keys (and one for its
-values), each `[num_blocks, block_size, num_heads, dim]` in the stored cache dtype, C order. A
-decode front tells a prefill front it may free a request's blocks with `ReleaseKV`. Each side
+values), each `[num_blocks, block_size, num_heads, dim]` in the stored cache dtype, C order. A hybrid
+model's recurrent states come apart (`PullStates`: a request's states of some linear-attention layers): the
+answer is a `BlocksReply` header and, per layer, its convolution state `[channels, width]` (cache dtype) and
+its delta-rule state `[heads, Dk, Dv]` (float32) of the request's slot. A decode front tells a prefill
+front it may free a request's blocks with `ReleaseKV`. Each side
 decodes only its own direction's types, every field bounded: no pickle, nothing of the sender's
 choosing is built.
 """
@@ -16,6 +19,7 @@ import msgspec
 
 RequestId = Annotated[str, msgspec.Meta(max_length=256)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+MAX_STATE_LAYERS = 4096        # linear-attention layers asked for in one pull
 
 
 class KVMessage(msgspec.Struct, tag=True, kw_only=True):
@@ -31,6 +35,12 @@ class PullBlocks(KVMessage):
     num_heads: Count
     first_block: Count         # index into the request's block table
     num_blocks: Count
+
+
+class PullStates(KVMessage):
+    request_id: RequestId
+    pull_id: Count
+    layers: Annotated[tuple[Count, ...], msgspec.Meta(min_length=1, max_length=MAX_STATE_LAYERS)]
 
 
 class BlocksReply(KVMessage):
@@ -49,13 +59,13 @@ class KVCodec:
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._to_server = msgspec.msgpack.Decoder(Union[PullBlocks, ReleaseKV])
+        self._to_server = msgspec.msgpack.Decoder(Union[PullBlocks, PullStates, ReleaseKV])
         self._to_client = msgspec.msgpack.Decoder(BlocksReply)
 
     def encode(self, message: KVMessage) -> bytes:
         return self._encoder.encode(message)
 
-    def decode_to_server(self, payload: bytes) -> PullBlocks | ReleaseKV:
+    def decode_to_server(self, payload: bytes) -> PullBlocks | PullStates | ReleaseKV:
         """Raises msgspec.DecodeError / ValidationError on anything else."""
         return self._to_server.decode(payload)
 

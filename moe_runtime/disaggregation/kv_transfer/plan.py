@@ -6,6 +6,7 @@ prefill rank of the worker that prefilled the request holds some (layer, heads) 
 covers the decode rank's rectangle with pieces of the prefill ranks', merged where the same source
 serves consecutive layers with the same heads. Where several prefill ranks hold the same piece
 (KV heads replicated over TP ranks, MLA's latent on every rank), decode ranks spread over them.
+A hybrid model's linear-attention layers keep no blocks: they are planned apart (`state_plan`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class PullSource:
 
 
 def check_compatible(local: KVShard, remote: KVShard) -> None:
+    if not (local.kv_layers and remote.kv_layers):
+        return   # a pipeline stage of only linear-attention layers: no blocks to exchange with it
     for field in ("total_heads", "key_dim", "value_dim", "block_size"):
         if getattr(local, field) != getattr(remote, field):
             raise KVLayoutError(f"the prefill instance's KV cache has {field}={getattr(remote, field)}, this "
@@ -41,7 +44,7 @@ def plan_pulls(local: KVShard, remote: list[KVShard], spread: int = 0) -> list[P
     for shard in remote:
         check_compatible(local, shard)
     pieces: list[PullSource] = []
-    for layer in local.layers:
+    for layer in local.kv_layers:
         head, end = local.head_start, local.head_start + local.num_heads
         while head < end:
             holders = [shard for shard in remote if shard.holds(layer, head)]

@@ -13,6 +13,9 @@ Failing fast: a prefill rank whose connection closes under a pull, or that canno
 A rank that does not hold the request (yet) is asked again for `NOT_PARKED_GRACE_S`: the prefill
 front hands out the handle when the worker's reporting rank has parked the blocks, and its other
 ranks park them in the same step, but may be a moment behind.
+
+A hybrid model's import also pulls the request's recurrent states (`PullJob.state_sources`, cut into
+`state_pieces.StatePiece`s) into its state slot, on the same connections, checked and written the same way.
 """
 from __future__ import annotations
 
@@ -32,10 +35,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 from moe_runtime.disaggregation.kv_transfer.cache_io import from_frame, write_blocks
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
-from moe_runtime.disaggregation.kv_transfer.messages import KVCodec, PullBlocks
+from moe_runtime.disaggregation.kv_transfer.messages import KVCodec, PullBlocks, PullStates
 from moe_runtime.disaggregation.kv_transfer.plan import PullSource
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.disaggregation.kv_transfer.sockets import curve_client
+from moe_runtime.disaggregation.kv_transfer.state_pieces import StatePiece, parse_states, state_pieces_of
+from moe_runtime.disaggregation.kv_transfer.state_plan import StatePullSource
 from moe_runtime.layers.kv_cache import LayerKVCache
 
 logger = logging.getLogger(__name__)
@@ -65,6 +70,8 @@ class PullJob:
     sources: list[PullSource]
     timeout_s: float
     cancelled: bool = False
+    state_sources: list[StatePullSource] = field(default_factory=list)   # hybrid models' linear layers
+    state_slot: int = -1            # this rank's recurrent-state slot for the request (with state_sources)
 
 
 @dataclass(frozen=True)
@@ -182,8 +189,10 @@ class KVPuller:
         deadline = started + job.timeout_s
         if len(job.block_ids) < math.ceil(job.num_tokens / self.local.block_size):
             raise PullFailed(f"{len(job.block_ids)} blocks allocated for {job.num_tokens} tokens")
+        if job.state_sources and job.state_slot < 0:
+            raise PullFailed("the request has no recurrent-state slot to pull its states into")
         connections: dict[str, Connection] = {}
-        for piece in pieces_of(job, self.local.block_size):
+        for piece in [*pieces_of(job, self.local.block_size), *state_pieces_of(job.state_sources, MAX_PIECE_BYTES)]:
             endpoint = piece.source.shard.endpoint
             if endpoint not in connections:
                 connections[endpoint] = self._connection(endpoint)
@@ -224,9 +233,13 @@ class KVPuller:
                 connection.pending.clear()
                 connection.in_flight = 0
 
-    def _send(self, connection: Connection, piece: Piece, job: PullJob) -> int:
+    def _send(self, connection: Connection, piece: Piece | StatePiece, job: PullJob) -> int:
         self._pull_ids += 1
         source = piece.source
+        if isinstance(piece, StatePiece):
+            connection.socket.send(self.codec.encode(PullStates(request_id=job.source_request_id,
+                                                                pull_id=self._pull_ids, layers=piece.layers)))
+            return self._pull_ids
         connection.socket.send(self.codec.encode(PullBlocks(
             request_id=job.source_request_id, pull_id=self._pull_ids, first_layer=piece.layer, num_layers=1,
             head_start=source.head_start, num_heads=source.num_heads, first_block=piece.first_block,
@@ -252,6 +265,8 @@ class KVPuller:
             return 0
         if reply.error:
             raise PullFailed(f"the prefill rank at {endpoint} refused: {reply.error}")
+        if isinstance(piece, StatePiece):
+            return self._write_states(piece, frames[1:], endpoint, job)
         shard = piece.source.shard
         dims = [shard.key_dim] + ([shard.value_dim] if shard.value_dim else [])
         if len(frames) != 1 + len(dims):
@@ -272,6 +287,19 @@ class KVPuller:
                 raise PullFailed("cancelled")
             write_blocks(self.caches[piece.layer - self.local.first_layer], ids,
                          slice(head, head + piece.source.num_heads), parts)
+        return num_bytes
+
+    def _write_states(self, piece: StatePiece, frames: list, endpoint: str, job: PullJob) -> int:
+        """Check one reply of recurrent states and write them into the request's slot; the bytes it carried."""
+        try:
+            states, num_bytes = parse_states(self.local, piece, frames)
+        except ValueError as exc:
+            raise PullFailed(f"the prefill rank at {endpoint} sent states of another shape: {exc}") from exc
+        with self._lock:
+            if job.cancelled:
+                raise PullFailed("cancelled")
+            for layer, parts in zip(piece.layers, states):
+                self.caches[layer - self.local.first_layer].write_slot(job.state_slot, parts)
         return num_bytes
 
     def _watch(self, connection: Connection, endpoint: str, waiting: bool) -> None:

@@ -18,6 +18,7 @@ T = TypeVar("T")
 class ParkedKV:
     block_ids: tuple[int, ...]    # the request's block table (its prompt's blocks)
     num_tokens: int
+    state_slot: int = -1          # its recurrent-state slot (hybrid models' linear layers; -1: none)
 
 
 class UnknownExport(LookupError):
@@ -29,9 +30,9 @@ class ExportRegistry:
         self._lock = threading.Lock()
         self._parked: dict[str, ParkedKV] = {}
 
-    def park(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
+    def park(self, request_id: str, block_ids: list[int], num_tokens: int, state_slot: int = -1) -> None:
         with self._lock:
-            self._parked[request_id] = ParkedKV(tuple(block_ids), num_tokens)
+            self._parked[request_id] = ParkedKV(tuple(block_ids), num_tokens, state_slot)
 
     def release(self, request_id: str) -> bool:
         """Forget the request; no read of its blocks runs after this returns."""

@@ -5,6 +5,12 @@ layers [first_layer, first_layer + num_layers) (its pipeline stage) and KV heads
 head_start + num_heads) of `total_heads` (its attention-TP share; MLA's latent is one head that
 every rank holds whole). A decode rank describes its own slice the same way and plans its pulls
 from the prefill ranks' shards (`plan.plan_pulls`).
+
+A hybrid model (Qwen3-Next, Qwen3.5-MoE) also keeps, in its linear-attention layers (`state_layers`, global
+indices; its KV layers are the others of the range), a fixed-size recurrent state per sequence: a short
+convolution's last inputs (`conv_channels` x `conv_width`, in the cache dtype) and a delta-rule state
+(`state_heads` x `state_key_dim` x `state_value_dim`, float32), this rank's heads of them under attention TP.
+A decode rank pulls those of the request's slot beside its blocks (`state_plan.plan_state_pulls`).
 """
 from __future__ import annotations
 
@@ -14,12 +20,14 @@ import msgspec
 import torch
 
 from moe_runtime.layers.kv_cache import KVCacheSpec
+from moe_runtime.layers.state_cache import StateSpec
 
 # the cache dtypes a shard may name (a handle is untrusted input: no other name reaches torch)
 CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**20)]
 Endpoint = Annotated[str, msgspec.Meta(max_length=256)]
+MAX_STATE_LAYERS = 4096
 
 
 class KVLayoutError(ValueError):
@@ -37,22 +45,42 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
     value_dim: Count          # 0: keys only (MLA's latent)
     block_size: Count
     dtype: Annotated[str, msgspec.Meta(max_length=16)]
+    # linear-attention layers (hybrid models; none elsewhere) and the per-sequence state each keeps on this rank
+    state_layers: Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_STATE_LAYERS)] = ()
+    conv_channels: Count = 0
+    conv_width: Count = 0
+    state_heads: Count = 0
+    state_key_dim: Count = 0
+    state_value_dim: Count = 0
 
     @classmethod
-    def of(cls, specs: list[KVCacheSpec], first_layer: int, block_size: int, dtype: torch.dtype,
+    def of(cls, specs: list, first_layer: int, block_size: int, dtype: torch.dtype,
            endpoint: str = "") -> "KVShard":
-        """The shard of a rank whose owned layers have `specs` (every layer alike, as in every model here)."""
-        if not specs:
+        """The shard of a rank whose owned layers have `specs` (`KVCacheSpec`s, every one alike as in every model
+        here, and a hybrid model's `StateSpec`s, likewise alike)."""
+        kv = [spec for spec in specs if isinstance(spec, KVCacheSpec)]
+        states = [(first_layer + i, spec) for i, spec in enumerate(specs) if isinstance(spec, StateSpec)]
+        if not kv and not states:
             raise KVLayoutError("this rank holds no attention layer")
-        first = specs[0]
-        if any(spec != first for spec in specs):
+        if any(spec != kv[0] for spec in kv) or any(spec != states[0][1] for _, spec in states):
             raise KVLayoutError("KV transfer needs every layer's cache alike (heads, dims); this model's differ")
         names = {value: name for name, value in CACHE_DTYPES.items()}
         if dtype not in names:
             raise KVLayoutError(f"KV transfer supports caches in {sorted(CACHE_DTYPES)}, not {dtype}")
-        return cls(endpoint=endpoint, first_layer=first_layer, num_layers=len(specs), head_start=first.head_start,
-                   num_heads=first.num_kv_heads, total_heads=first.total_kv_heads or first.num_kv_heads,
-                   key_dim=first.key_dim, value_dim=first.value_dim or 0, block_size=block_size, dtype=names[dtype])
+        heads = dict(head_start=0, num_heads=0, total_heads=0, key_dim=0, value_dim=0)   # no KV layer here
+        if kv:
+            first = kv[0]
+            heads = dict(head_start=first.head_start, num_heads=first.num_kv_heads,
+                         total_heads=first.total_kv_heads or first.num_kv_heads, key_dim=first.key_dim,
+                         value_dim=first.value_dim or 0)
+        state = {}
+        if states:
+            spec = states[0][1]
+            state = dict(state_layers=tuple(layer for layer, _ in states), conv_channels=spec.conv_channels,
+                         conv_width=spec.conv_width, state_heads=spec.num_heads, state_key_dim=spec.key_dim,
+                         state_value_dim=spec.value_dim)
+        return cls(endpoint=endpoint, first_layer=first_layer, num_layers=len(specs), block_size=block_size,
+                   dtype=names[dtype], **heads, **state)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -62,10 +90,27 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
     def layers(self) -> range:
         return range(self.first_layer, self.first_layer + self.num_layers)
 
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Its layers with a paged KV cache (all but the linear-attention ones)."""
+        return tuple(layer for layer in self.layers if layer not in self.state_layers)
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        """What one sequence's state of one layer is on this rank: equal on two ranks iff they can exchange it."""
+        return (self.conv_channels, self.conv_width, self.state_heads, self.state_key_dim, self.state_value_dim)
+
     def holds(self, layer: int, head: int) -> bool:
-        return layer in self.layers and self.head_start <= head < self.head_start + self.num_heads
+        return (layer in self.layers and layer not in self.state_layers
+                and self.head_start <= head < self.head_start + self.num_heads)
 
     def bytes_per_block(self, num_heads: int) -> int:
         """Bytes of one block of one layer for `num_heads` of its heads (keys and values)."""
         element = torch.tensor([], dtype=self.torch_dtype).element_size()
         return self.block_size * num_heads * (self.key_dim + self.value_dim) * element
+
+    def bytes_per_state(self) -> int:
+        """Bytes of one sequence's state of one linear layer (convolution inputs and delta-rule state)."""
+        element = torch.tensor([], dtype=self.torch_dtype).element_size()
+        return (self.conv_channels * self.conv_width * element
+                + self.state_heads * self.state_key_dim * self.state_value_dim * 4)
