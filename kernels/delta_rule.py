@@ -23,15 +23,33 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        state: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's L new tokens: q, k [L, H, Dk], v [L, H, Dv], g, beta [L, H], state [H, Dk, Dv] (the state
     before the first token) -> (outputs [L, H, Dv] float32, the state after the last token [H, Dk, Dv] float32)."""
+    out, s, _ = chunked_delta_rule_states(q, k, v, g, beta, state, (), chunk)
+    return out, s
+
+
+def chunked_delta_rule_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                              beta: torch.Tensor, state: torch.Tensor, offsets: tuple[int, ...] | list[int],
+                              chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """`chunked_delta_rule`, plus the state after each of the first `offsets` tokens (0 < offset <= L), for
+    prefix-caching snapshots. The outputs and final state are the plain run's, bit for bit: a state inside a
+    chunk is the final state of that chunk's leading part from the chunk's start state (one extra partial
+    chunk per offset, never more than `chunk` tokens), the same math as a run stopping there."""
     q, k, v, g, beta = (t.float().transpose(0, 1) for t in (q, k, v, g, beta))   # head first: [H, L, ...]
     s = state.float()
     length = q.shape[1]
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)              # [H, L, Dv]
+    states: dict[int, torch.Tensor] = {}
     for start in range(0, length, chunk):
         stop = min(start + chunk, length)
+        for offset in offsets:
+            if start < offset < stop:
+                states[offset] = _one_chunk(q[:, start:offset], k[:, start:offset], v[:, start:offset],
+                                            g[:, start:offset], beta[:, start:offset], s)[1]
         out[:, start:stop], s = _one_chunk(q[:, start:stop], k[:, start:stop], v[:, start:stop],
                                            g[:, start:stop], beta[:, start:stop], s)
-    return out.transpose(0, 1), s
+        if stop in offsets:
+            states[stop] = s
+    return out.transpose(0, 1), s, [states[offset] for offset in offsets]
 
 
 def _one_chunk(q, k, v, g, beta, s):  # [H, C, Dk], [H, C, Dk], [H, C, Dv], [H, C], [H, C], [H, Dk, Dv]

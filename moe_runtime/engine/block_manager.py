@@ -12,35 +12,33 @@ window: `seq.block_table` is the full group's, `seq.window_tables[i]` windowed g
 prefix is reused only as far as every windowed group still holds the window its first new query reads.
 
 A model with linear-attention layers (`state_slots`) gives each admitted sequence a recurrent-state slot
-(moe_runtime/engine/state_slots.py), freed with its blocks; its prefix cache stays off (the states at a cached
-prefix's end are not kept), which the engine logs at start.
+(moe_runtime/engine/state_slots.py), freed with its blocks. With prefix caching it also keeps state snapshots at
+full-block boundaries (moe_runtime/engine/state_snapshots.py) under the full blocks' hashes: a cached prefix is
+reused only as far as a snapshot of its end is kept, and each scheduled step asks for snapshots of the block
+boundaries it computes (`seq.state_captures`).
 """
 from __future__ import annotations
-
-import logging
 
 from moe_runtime.engine.block_pool import BlockPool
 from moe_runtime.engine.prefix_cache import PrefixCacheCounters, PrefixCacheEvents
 from moe_runtime.engine.prefix_hash import chain_root, extend_block_hashes
 from moe_runtime.engine.sequence import Sequence
 from moe_runtime.engine.state_slots import StateSlots
+from moe_runtime.engine.state_snapshots import SnapshotPoolSize, StateSnapshots
 from moe_runtime.engine.window_blocks import WindowBlocks
 from moe_runtime.layers.attention_span import AttentionSpan
-
-logger = logging.getLogger(__name__)
 
 
 class BlockManager:
     """`windows`: (span, pool blocks) of each windowed group, in group order (none: one group); `state_slots`:
-    recurrent-state slots of a model with linear-attention layers (0: none)."""
+    recurrent-state slots of a model with linear-attention layers (0: none), whose snapshots
+    (`SnapshotPoolSize`) are kept when prefix caching is on."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  windows: tuple[tuple[AttentionSpan, int], ...] = (), state_slots: int = 0):
         self.states = StateSlots(state_slots) if state_slots else None
-        if self.states is not None and enable_prefix_caching:
-            logger.warning("prefix caching is off for this model: its linear-attention layers would need their "
-                           "recurrent states at a cached prefix's end, which are not kept")
-            enable_prefix_caching = False
+        self.snapshots = (StateSnapshots(SnapshotPoolSize().of(state_slots))
+                          if state_slots and enable_prefix_caching else None)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
@@ -83,13 +81,16 @@ class BlockManager:
         if seq.block_table:
             raise RuntimeError(f"request {seq.request_id} is admitted while holding KV blocks")
         reuse = read_cache and self.prefix_cache is not None
-        hits, window_tables = self._cached_prefix(seq) if reuse else ([], [[] for _ in self.windows])
+        hits, window_tables, restore = self._cached_prefix(seq) if reuse else ([], [[] for _ in self.windows], -1)
         needed = self.blocks_needed(seq.num_tokens) - len(hits)
         idle_hits = sum(1 for block in hits if self.pool.is_idle(block))
         if needed > self.num_free_blocks - idle_hits or (self.states is not None and self.states.num_free == 0):
             return False
         if self.states is not None:
             seq.state_slot = self.states.take()
+        if restore >= 0:
+            self.snapshots.use(restore)
+        seq.state_restore = restore
         for block in hits:
             self.pool.reference(block)
         for window, table in zip(self.windows, window_tables):
@@ -103,21 +104,25 @@ class BlockManager:
             self.prefix_cache.counters.hits += seq.num_cached_tokens
         return True
 
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[list[int]]]:
-        """Blocks of `seq`'s longest cached prefix, leaving at least its last token to compute (its logits), and
-        each windowed group's table of the window after it: the longest prefix whose windows are all cached."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[list[int]], int]:
+        """Blocks of `seq`'s longest cached prefix, leaving at least its last token to compute (its logits), each
+        windowed group's table of the window after it, and the state snapshot row of its end (-1: no state
+        layers): the longest prefix whose windows are all cached and whose linear layers' states are kept."""
         usable = (seq.num_tokens - 1) // self.block_size
         no_windows = [[] for _ in self.windows]
         if usable == 0:
-            return [], no_windows
+            return [], no_windows, -1
         hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, usable,
                                      root=chain_root(seq.params.cache_salt))
         hits = self.pool.lookup(hashes[:usable])
         for length in range(len(hits), 0, -1):
+            restore = -1 if self.snapshots is None else self.snapshots.lookup(hashes[length - 1])
+            if restore is None:
+                continue
             tables = [window.cached_window(hashes, length) for window in self.windows]
             if all(table is not None for table in tables):
-                return hits[:length], tables
-        return [], no_windows
+                return hits[:length], tables, restore
+        return [], no_windows, -1
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for one more token (a decode step)?"""
@@ -137,6 +142,23 @@ class BlockManager:
         for window, table in zip(self.windows, seq.window_tables):
             window.prepare(table, first, first + num_tokens)
         self.cache_full_blocks(seq, first + num_tokens)
+        if self.snapshots is not None:
+            self._capture_states(seq, first, first + num_tokens)
+
+    def _capture_states(self, seq: Sequence, first: int, stop: int) -> None:
+        """Snapshot rows for the full-block boundaries in (first, stop] that the step computes (in order, while
+        rows are free or idle): the layers write each there during the step (`seq.state_captures`)."""
+        bs = self.block_size
+        boundaries = range((first // bs + 1) * bs, stop + 1, bs)
+        seq.state_captures = []
+        if not boundaries:
+            return
+        hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, bs, stop // bs,
+                                     root=chain_root(seq.params.cache_salt))
+        for position in boundaries:
+            row = self.snapshots.capture(seq, position, hashes[position // bs - 1])
+            if row is not None:
+                seq.state_captures.append((position, row))
 
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Register `seq`'s full blocks among its first `num_computed_tokens` (computed, or computed by the
@@ -166,7 +188,11 @@ class BlockManager:
             window.release(table)
         if self.states is not None and seq.state_slot >= 0:
             self.states.release(seq.state_slot)
+        if self.snapshots is not None:
+            self.snapshots.forget_pending(seq)
         seq.state_slot = -1
+        seq.state_restore = -1
+        seq.state_captures = []
         seq.block_table = []
         seq.window_tables = []
         seq.num_cached_tokens = 0
@@ -177,6 +203,8 @@ class BlockManager:
         unshared). Returns the number of the full group's idle blocks freed."""
         for window in self.windows:
             window.pool.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.reset()
         return self.pool.reset_prefix_cache()
 
     def take_cache_events(self) -> PrefixCacheEvents | None:

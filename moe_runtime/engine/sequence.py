@@ -37,6 +37,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)          # the full KV group's blocks
     window_tables: list[list[int]] = field(default_factory=list)  # each windowed group's (-1: out of its window)
     state_slot: int = -1                           # its recurrent-state slot (linear-attention models; -1: none)
+    state_restore: int = -1                        # snapshot row its slot starts from (a cached prefix; -1: none)
+    state_captures: list[tuple[int, int]] = field(default_factory=list)  # this step's (boundary position, snapshot row)
     num_cached_tokens: int = 0                     # tokens whose K/V are in the cache
     num_scheduled_tokens: int = 0                  # tokens the current step computes (a prefill chunk, or 1)
     block_hashes: list[int] = field(default_factory=list)  # prefix hashes of its full blocks (prefix caching)

@@ -8,8 +8,8 @@ states (the runner clears its slot), so a preempted request's recompute rebuilds
 prefill cut into chunks continues from the state its previous chunk left.
 
 There are `max_num_seqs` slots: the scheduler never runs more sequences than that, so the full group's blocks
-alone decide admission. Prefix caching is off for these models (`BlockManager`): a cached prefix would need the
-linear layers' states at its end too, which are not kept (snapshots at block boundaries are not built yet).
+alone decide admission. With prefix caching a cached prefix resumes from a state snapshot at its last block
+boundary (moe_runtime/engine/state_snapshots.py), copied into the slot instead of the zeros.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.execution.decode_capture import CaptureSettings, DecodeCapture
 from moe_runtime.execution.step_inputs import StepInputs
 from moe_runtime.engine.kv_groups import KVCacheLayout
+from moe_runtime.engine.state_snapshots import SnapshotPoolSize
 from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.layers.state_cache import LayerStateCache, StateSpec
 from moe_runtime.sampling.prompt_logprobs import chunk_tokens_for, join_prompt_logprobs, prompt_logprobs_due, score_prompt
@@ -23,13 +24,14 @@ logger = logging.getLogger(__name__)
 def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch.dtype,
                          kv_layout: KVCacheLayout | None = None) -> int:
     """Blocks of the full KV group that fit in `budget_bytes` once the windowed groups' fixed pools (each with
-    its scratch block) and the linear-attention layers' state slots (with theirs) are paid for. A pipeline stage
-    without full layers fits as many as the budget's bytes: the other stages decide."""
+    its scratch block) and the linear-attention layers' state slots (with theirs, and the prefix cache's state
+    snapshots: `SnapshotPoolSize`) are paid for. A pipeline stage without full layers fits as many as the budget's
+    bytes: the other stages decide."""
     kv_layout = kv_layout or KVCacheLayout.single()
     full_per_token = window_bytes = 0
     for spec in model.kv_cache_specs():
         if isinstance(spec, StateSpec):
-            window_bytes += spec.bytes_per_slot(dtype) * (kv_layout.state_slots + 1)
+            window_bytes += spec.bytes_per_slot(dtype) * state_rows(kv_layout.state_slots)
             continue
         group = kv_layout.groups.group_of_span(spec.span)
         if group == 0:
@@ -40,6 +42,11 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
     if full_per_token == 0:
         return max(left // block_size, 0)
     return max(left // (full_per_token * block_size), 0)
+
+
+def state_rows(state_slots: int) -> int:
+    """Rows of each linear layer's state tensors: the slots, a scratch one, then the snapshot pool's."""
+    return state_slots + 1 + SnapshotPoolSize().of(state_slots)
 
 
 class ModelRunner:
@@ -58,7 +65,7 @@ class ModelRunner:
         self.caches = []
         for spec in model.kv_cache_specs():
             if isinstance(spec, StateSpec):
-                self.caches.append(LayerStateCache.allocate(spec, self.state_slots + 1, dtype, device))
+                self.caches.append(LayerStateCache.allocate(spec, state_rows(self.state_slots), dtype, device))
                 continue
             group = self.groups.group_of_span(spec.span)
             blocks = allocated if group == 0 else self.window_blocks[group - 1] + 1
@@ -134,14 +141,30 @@ class ModelRunner:
 
     def _start_states(self, seqs: list[Sequence], batch: AttentionBatch) -> None:
         """Each sequence's state slot for the linear layers; those computing their first token start from zero
-        states (a new request, or a preempted one recomputed)."""
+        states (a new request, or a preempted one recomputed), those resuming a cached prefix from its snapshot
+        (copied before the forward, so before any snapshot this step writes). The layers write this step's
+        snapshots (`seq.state_captures`) after the tokens that reach each boundary."""
         batch.state_slots = [seq.state_slot for seq in seqs]
         fresh = [seq.state_slot for seq in seqs if seq.num_cached_tokens == 0]
+        resumed = [seq for seq in seqs if seq.state_restore >= 0]
+        base = self.state_slots + 1                                    # snapshot row r is state row base + r
+        captures = {seq.state_slot: [(position - seq.num_cached_tokens, base + row)
+                                     for position, row in seq.state_captures]
+                    for seq in seqs if seq.state_captures}
+        states = [cache for cache in self.caches if isinstance(cache, LayerStateCache)]
         if fresh:
             index = torch.tensor(fresh, dtype=torch.long, device=self.device)
-            for cache in self.caches:
-                if isinstance(cache, LayerStateCache):
-                    cache.clear(index)
+            for cache in states:
+                cache.clear(index)
+        if resumed:
+            slots = torch.tensor([seq.state_slot for seq in resumed], dtype=torch.long, device=self.device)
+            rows = torch.tensor([base + seq.state_restore for seq in resumed], dtype=torch.long, device=self.device)
+            for cache in states:
+                cache.restore(slots, rows)
+            for seq in resumed:
+                seq.state_restore = -1
+        for cache in states:
+            cache.captures = captures
 
     def _window_view(self, batch: AttentionBatch, seqs: list[Sequence], group: int) -> AttentionBatch:
         """Windowed group `group`'s slots and block tables for this step (its released blocks read as the group's

@@ -17,6 +17,13 @@ the projections are column parallel (`RowRangesLinear` reads its heads' rows of 
 parallel with one all-reduce, as in the full attention layers. The layer keeps its per-sequence states in the
 step's state slots (`AttentionBatch.state_slots`, moe_runtime/layers/state_cache.py): decodes advance theirs
 together in one step, prefills and chunks each continue from theirs and leave it at their last token.
+
+Prefix caching snapshots (`LayerStateCache.captures`): the states after a block boundary's token, written during
+the step that computes it. The convolution's is the K-1 inputs before the boundary (read off the step's inputs);
+the delta rule's is computed beside the step's own (`chunked_delta_rule_states`: the boundary's chunk run up to
+it from that chunk's start state, the math of a run ending there), leaving the step's outputs and final state bit
+for bit what they are without snapshots. With fla on CUDA, whose kernel keeps its chunk states inside, the
+snapshots come from a second run of the step's tokens up to the last boundary, from the same start state.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.delta_rule import chunked_delta_rule, delta_rule_step
+from kernels.delta_rule import chunked_delta_rule, chunked_delta_rule_states, delta_rule_step
 from kernels.delta_rule_fla import fla_available, fla_chunked_delta_rule, fla_delta_rule_step
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.layers.hybrid_norms import GatedRMSNorm
@@ -125,6 +132,8 @@ class GatedDeltaNet(nn.Module):
         dk, dv = s.head_k_dim, s.head_v_dim
         slots = batch.state_slots or []
         mixed, z, b, a = self._project(x)
+        if cache.captures:
+            _snapshot_conv(mixed, batch.query_start, slots, cache)
         mixed = self.conv1d(mixed, batch.query_start, slots, cache.conv)
         q, k, v = mixed.split([self.nk * dk, self.nk * dk, self.nv * dv], dim=-1)
         q = _l2(q.view(t, self.nk, dk))
@@ -134,13 +143,15 @@ class GatedDeltaNet(nn.Module):
         v = v.view(t, self.nv, dv)
         beta = b.float().sigmoid()                                             # [T, nv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        core = self._delta_rule(q, k, v, g, beta, batch.query_start, slots, cache.ssm).to(x.dtype)  # [T, nv, dv]
+        core = self._delta_rule(q, k, v, g, beta, batch.query_start, slots, cache.ssm,
+                                cache.captures).to(x.dtype)  # [T, nv, dv]
         out = self.out_proj(self.norm(core, z).reshape(t, self.nv * dv))
         return self.out_proj.reduce(out, self.tp_group) if self.tp_size > 1 else out
 
-    def _delta_rule(self, q, k, v, g, beta, query_start: list[int], slots: list[int],
-                    ssm: torch.Tensor) -> torch.Tensor:  # -> [T, nv, dv] float32
-        """Decodes advance their states together; each prefill or chunk runs chunked from its own state."""
+    def _delta_rule(self, q, k, v, g, beta, query_start: list[int], slots: list[int], ssm: torch.Tensor,
+                    captures: dict[int, list[tuple[int, int]]]) -> torch.Tensor:  # -> [T, nv, dv] float32
+        """Decodes advance their states together; each prefill or chunk runs chunked from its own state, and its
+        snapshot rows get the states after their boundaries' tokens."""
         chunked, step = ((fla_chunked_delta_rule, fla_delta_rule_step) if self._use_fla
                          else (chunked_delta_rule, delta_rule_step))
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -149,12 +160,54 @@ class GatedDeltaNet(nn.Module):
             rows = torch.tensor([query_start[i] for i in single], device=v.device)
             index = torch.tensor([slots[i] for i in single], device=v.device)
             out[rows], ssm[index] = step(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm[index])
+            for i in single:
+                for _, row in captures.get(slots[i], ()):
+                    ssm[row] = ssm[slots[i]]
         for i, slot in enumerate(slots):
             start, stop = query_start[i], query_start[i + 1]
-            if stop - start > 1:
+            if stop - start <= 1:
+                continue
+            cuts = captures.get(slot, [])
+            if not cuts:
                 out[start:stop], ssm[slot] = chunked(q[start:stop], k[start:stop], v[start:stop], g[start:stop],
                                                      beta[start:stop], ssm[slot])
+                continue
+            offsets = [offset for offset, _ in cuts]
+            if self._use_fla:
+                states = _fla_states_at(q[start:stop], k[start:stop], v[start:stop], g[start:stop],
+                                        beta[start:stop], ssm[slot], offsets)
+                out[start:stop], ssm[slot] = chunked(q[start:stop], k[start:stop], v[start:stop], g[start:stop],
+                                                     beta[start:stop], ssm[slot])
+            else:
+                out[start:stop], ssm[slot], states = chunked_delta_rule_states(
+                    q[start:stop], k[start:stop], v[start:stop], g[start:stop], beta[start:stop], ssm[slot], offsets)
+            for (_, row), state in zip(cuts, states):
+                ssm[row] = state
         return out
+
+
+def _fla_states_at(q, k, v, g, beta, state, offsets: list[int]) -> list[torch.Tensor]:
+    """The states after each of the first `offsets` tokens, by fla runs from one boundary to the next."""
+    states, previous = [], 0
+    for offset in sorted(offsets):
+        _, state = fla_chunked_delta_rule(q[previous:offset], k[previous:offset], v[previous:offset],
+                                          g[previous:offset], beta[previous:offset], state)
+        states.append(state)
+        previous = offset
+    by_offset = dict(zip(sorted(offsets), states))
+    return [by_offset[offset] for offset in offsets]
+
+
+def _snapshot_conv(mixed: torch.Tensor, query_start: list[int], slots: list[int],
+                   cache: LayerStateCache) -> None:  # mixed [T, C], before the convolution updates the slots
+    """The convolution's state at each snapshot boundary: the K-1 inputs before it (the slot's kept ones, then
+    this step's)."""
+    width = cache.conv.shape[-1]
+    for b, slot in enumerate(slots):
+        for offset, row in cache.captures.get(slot, ()):
+            start = query_start[b]
+            inputs = torch.cat([cache.conv[slot], mixed[start:start + offset].T.to(cache.conv.dtype)], dim=-1)
+            cache.conv[row] = inputs[:, inputs.shape[1] - width:]
 
 
 def _l2(x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D] fp32

@@ -5,10 +5,14 @@ convolution (`conv` [slots, channels, K-1], the compute dtype) and its delta-rul
 Dk, Dv], float32: the recurrence is rounding-sensitive over long contexts). Slots are handed out by the state
 cache group (moe_runtime/engine/state_slots.py); the tensors are allocated once, so every slot keeps a fixed
 address (what a captured step needs). The last slot is scratch, never handed out.
+
+With prefix caching, rows after the scratch slot hold state snapshots at block boundaries of computed prefixes
+(moe_runtime/engine/state_snapshots.py): a request resuming a cached prefix starts from a device copy of one
+(`restore`), and a step writes those its scheduled tokens cross (`captures`, set by the runner each step).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +36,8 @@ class StateSpec:
 class LayerStateCache:
     conv: torch.Tensor      # [slots, channels, K-1]
     ssm: torch.Tensor       # [slots, heads, Dk, Dv] float32
+    # this step's snapshots: slot -> [(tokens into the slot's sequence's step, snapshot row written after them)]
+    captures: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, spec: StateSpec, num_slots: int, dtype, device) -> "LayerStateCache":
@@ -46,6 +52,11 @@ class LayerStateCache:
         """Sequences starting from their first token begin from zero states."""
         self.conv.index_fill_(0, slots, 0)
         self.ssm.index_fill_(0, slots, 0)
+
+    def restore(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Sequences resuming a cached prefix start from its snapshot rows (a copy on the device)."""
+        self.conv.index_copy_(0, slots, self.conv.index_select(0, rows))
+        self.ssm.index_copy_(0, slots, self.ssm.index_select(0, rows))
 
     def read_slot(self, slot: int) -> list[torch.Tensor]:
         """One sequence's states, conv [channels, K-1] and ssm [heads, Dk, Dv], copied to the CPU (a P/D transfer
