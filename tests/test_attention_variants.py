@@ -4,13 +4,11 @@ engine's batch split, eager and as a captured step computes it), against a float
 (attention_variant_oracle.py). Every case's block tables point freed early entries at a NaN-filled scratch
 block, as a windowed KV cache group's do: no result may depend on it. The Triton kernels run the same cases
 in the interpreter, in a child process (attention_variant_triton_cases.py)."""
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter_child import assert_cases_pass_in_interpreter
 
 from attention_variant_oracle import CHUNK, DECODE_CASES, FULL, PREFILL_CASES, WINDOW, variant_case
 from kernels import get_kernels
@@ -163,12 +161,4 @@ TRITON_CASES = Path(__file__).with_name("attention_variant_triton_cases.py")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the Triton cases run compiled (collect them directly)")
 def test_triton_kernels_in_interpreter_child():
     pytest.importorskip("triton")
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), str(repo / "tests"), os.environ.get("PYTHONPATH")]))}
-    env.pop("MOE_ATTENTION_BACKEND", None)
-    result = subprocess.run([sys.executable, "-m", "pytest", str(TRITON_CASES), "-q", "-p", "no:cacheprovider",
-                             "--timeout", "300"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0 and " passed" in summary and "skipped" not in summary, \
-        result.stdout[-8000:] + result.stderr[-2000:]
+    assert_cases_pass_in_interpreter([TRITON_CASES])

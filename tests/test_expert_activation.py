@@ -1,13 +1,11 @@
 """Experts with biases and gpt-oss's clamped SwiGLU through every torch-side expert path, against a
 float64 oracle with the clamps active (expert_epilogue_reference.py), and against transformers'
 GptOssExperts / GptOssTopKRouter; the Triton cases run in an interpreter child (CPU) or here (CUDA)."""
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter_child import assert_cases_pass_in_interpreter
 from expert_epilogue_reference import activations, biased_experts, contiguous_f64, expert_f64
 from safetensors.torch import save_file
 from transformers import GptOssConfig
@@ -186,13 +184,4 @@ else:
     @pytest.mark.slow
     def test_expert_epilogue_and_mxfp4_triton_cases_in_interpreter_child():
         pytest.importorskip("triton")
-        repo = Path(__file__).resolve().parents[1]
-        env = {**os.environ, "TRITON_INTERPRET": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), str(repo / "tests"), os.environ.get("PYTHONPATH")]))}
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", *map(str, TRITON_CASES), "-q", "-p", "no:cacheprovider", "--timeout", "300"],
-            cwd=repo, env=env, capture_output=True, text=True, timeout=600,
-        )
-        summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-        assert result.returncode == 0 and " passed" in summary and "skipped" not in summary, \
-            result.stdout[-8000:] + result.stderr[-2000:]
+        assert_cases_pass_in_interpreter(TRITON_CASES)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter_child import assert_cases_pass_in_interpreter
 
 pytest.importorskip("triton")
 
@@ -25,16 +26,7 @@ if torch.cuda.is_available():
 else:
     @pytest.mark.slow
     def test_triton_kernels_in_interpreter_child():
-        repo = Path(__file__).resolve().parents[1]
-        env = {**os.environ, "TRITON_INTERPRET": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), str(repo / "tests"), os.environ.get("PYTHONPATH")]))}
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", *map(str, CASES), "-q", "-p", "no:cacheprovider", "--timeout", "300"],
-            cwd=repo, env=env, capture_output=True, text=True, timeout=600,
-        )
-        summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-        assert result.returncode == 0 and " passed" in summary and "skipped" not in summary, \
-            result.stdout[-8000:] + result.stderr[-2000:]
+        assert_cases_pass_in_interpreter(CASES)
 
     def test_triton_without_cuda_or_interpreter_is_a_clear_error():
         code = ("import kernels\n"
