@@ -32,7 +32,7 @@ class EngineLaunch:
             model = self.server.resolve_model()
             self.served_name, self.model_path = model.served_name, model.path
             logger.info("loading %s from %s", model.served_name, model.path)
-            engine_config = dataclasses.replace(self.engine, model=model.path)
+            engine_config = self.engine = dataclasses.replace(self.engine, model=model.path)
             if engine_config.world_size > 1 or engine_config.ranks_start_elsewhere:
                 logger.info("starting %d worker ranks (ep %d, dp-attn %d, tp %d, pp %d, cp %d)",
                             engine_config.world_size, engine_config.ep, engine_config.dp_attn, engine_config.tp,

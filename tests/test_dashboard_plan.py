@@ -25,10 +25,10 @@ def fixed_cpu():
 def serve_tiny(path, api_key=None):
     def runner(fn):
         async def main():
-            engine = make_engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
-                                              kv_cache_memory=4 * 2**20, max_num_seqs=8))
-            async_engine = AsyncEngine(engine, AsyncEngineConfig()).start()
-            router = dashboard_router(api_key=api_key, plan_cpu_loader=fixed_cpu)
+            engine_config = EngineConfig(model=str(path), device="cpu", dtype="float32",
+                                         kv_cache_memory=4 * 2**20, max_num_seqs=8)
+            async_engine = AsyncEngine(make_engine(engine_config), AsyncEngineConfig()).start()
+            router = dashboard_router(api_key=api_key, plan_cpu_loader=fixed_cpu, served_engine_config=engine_config)
             app = build_app(async_engine, "tiny", api_key=api_key, extra_routers=[router])
             try:
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
 from server.auth import api_key_dependency
+from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.errors import MoERuntimeError
 from server.dashboard.monitor import DashboardConfig, DashboardMonitor
 from server.dashboard.plan_view import PlanQuery, served_plan
@@ -46,8 +47,10 @@ def plotly_js_path() -> Path:
 
 
 def dashboard_router(api_key: str | None = None, config: DashboardConfig = DashboardConfig(),
-                     plan_cpu_loader=None) -> APIRouter:
-    """`plan_cpu_loader`: the plan view's `--gpu cpu` hardware (default: measured on this machine, cached)."""
+                     plan_cpu_loader=None, served_engine_config: EngineConfig | None = None) -> APIRouter:
+    """`plan_cpu_loader`: the plan view's `--gpu cpu` hardware (default: measured on this machine, cached);
+    `served_engine_config`: the served engine's settings, which the plan view plans for (None: no plan view,
+    its route answers 404)."""
     assets = {"dashboard.js": STATIC_DIR / "dashboard.js", "dashboard.css": STATIC_DIR / "dashboard.css",
               "plan.js": STATIC_DIR / "plan.js", "plotly.min.js": plotly_js_path()}
     for name, path in assets.items():
@@ -91,9 +94,12 @@ def dashboard_router(api_key: str | None = None, config: DashboardConfig = Dashb
                              qps: float | None = None, concurrency: int | None = None,
                              ttft_ms: float | None = None, itl_ms: float | None = None) -> JSONResponse:
         engine = request.app.state.async_engine
+        if served_engine_config is None:
+            raise APIError(404, "plan: this server was not given its engine's settings to plan for",
+                           "not_found_error", None, "no_plan")
         query = PlanQuery(gpu, gpus_per_node, nodes, prompt_len, output_len, qps, concurrency, ttft_ms, itl_ms)
         try:   # a thread: the first `--gpu cpu` plan measures this machine (seconds), and the loop must not stall
-            answer = await asyncio.to_thread(served_plan, engine.engine.config, query, engine.max_model_len,
+            answer = await asyncio.to_thread(served_plan, served_engine_config, query, engine.max_model_len,
                                              plan_cpu_loader)
         except (MoERuntimeError, OSError, KeyError, ValueError) as exc:
             raise APIError(400, f"plan: {exc}", "invalid_request_error", None, "invalid_plan_query") from exc
