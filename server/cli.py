@@ -25,7 +25,7 @@ from moe_runtime.config.engine_config import DISAGGREGATION_MODES, DTYPES, QUANT
 from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
 from moe_runtime.errors import MoERuntimeError
 from server.flag_help import DefaultsHelpFormatter
-from server.flag_types import AppendToTuple, non_negative_int, parse_size, positive_int, tcp_port
+from server.flag_types import AppendToTuple, json_object, non_negative_int, parse_size, positive_int, tcp_port
 from server.server_config import DEMO_SERVED_NAME, ServerConfig
 from server.reasoning.names import REASONING_PARSER_NAMES
 from server.tool_calls.names import TOOL_CALL_PARSER_NAMES
@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "between elements (at most 16 characters in a row); by default it is compact, as with "
                         "vLLM's disable-any-whitespace. A request decides for itself with "
                         "structured_outputs.disable_any_whitespace")
+    g.add_argument("--speculative-config", type=json_object, default=e.speculative_config,
+                   help='speculative decoding, as JSON with vLLM\'s names: {"method": "ngram", '
+                        '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4} drafts by '
+                        'prompt lookup and verifies the drafts in one forward (greedy requests; exact)')
     g.add_argument("--max-queue", type=positive_int, default=s.max_queue,
                    help="requests that may wait for their first token; more get HTTP 429 with Retry-After")
 

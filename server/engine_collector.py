@@ -59,6 +59,10 @@ WORKER_FIGURES = (
                  lambda w: w.num_preemptions, is_counter=True),
     WorkerFigure("prefix_cache_queries", "Tokens looked up in a DP worker's prefix cache at admission.",
                  lambda w: w.prefix_cache_queries, is_counter=True),
+    WorkerFigure("spec_decode_num_draft_tokens", "Draft tokens a DP worker verified (speculative decoding).",
+                 lambda w: w.spec_draft_tokens, is_counter=True),
+    WorkerFigure("spec_decode_num_accepted_tokens", "Draft tokens a DP worker accepted (speculative decoding).",
+                 lambda w: w.spec_accepted_tokens, is_counter=True),
     WorkerFigure("prefix_cache_hits", "Tokens found in a DP worker's prefix cache at admission (not recomputed).",
                  lambda w: w.prefix_cache_hits, is_counter=True),
 )

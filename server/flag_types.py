@@ -40,6 +40,19 @@ def tcp_port(text: str) -> int:
     return value
 
 
+def json_object(text: str) -> dict:
+    """A JSON object ('{"method": "ngram", ...}'), as vLLM's --speculative-config takes it."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
+
+
 def _integer(text: str) -> int:
     try:
         return int(text)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from attention_dp.control_key import ControlKey
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.speculative.config import SpeculativeConfig
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 
 
@@ -80,6 +81,9 @@ class EngineConfig:
     kv_transfer_host: str = "127.0.0.1"  # address this instance's KV sockets bind, and other instances reach
     kv_transfer_key_file: str | None = None  # the deployment's shared KV secret (default: $MOE_RUNTIME_KV_KEY)
     kv_transfer_timeout_s: float = 30.0  # parked KV not pulled, or a pull not done, by then is freed
+    # Speculative decoding (vLLM's speculative_config): {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b}; None: off (moe_runtime/speculative/config.py)
+    speculative_config: dict | None = None
     # Structured output: a grammar compiles off the stepping loop; one still compiling after this fails its request.
     grammar_compile_timeout_s: float = 10.0
     structured_output_any_whitespace: bool = False   # JSON output may hold whitespace between elements (else
@@ -132,6 +136,7 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise EngineConfigError(f"--quantization {self.quantization} is not supported; choose one of "
                                     f"{[q for q in QUANTIZATIONS if q]} (or leave it unset to run in --dtype)")
+        SpeculativeConfig.parse(self.speculative_config)   # refuses unknown keys and methods not built, by name
         if self.ep == 1 and self.dispatch_fp8:
             raise EngineConfigError("--dispatch-fp8 needs --ep > 1 (one rank dispatches nothing over a wire)")
         if self.enable_torch_compile:

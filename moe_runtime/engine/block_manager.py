@@ -124,13 +124,23 @@ class BlockManager:
                 return hits[:length], tables, restore
         return [], no_windows, -1
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Room for one more token (a decode step)?"""
-        return self.blocks_needed(seq.num_tokens) <= len(seq.block_table) or self.num_free_blocks > 0
+    def can_append(self, seq: Sequence, drafts: int = 0) -> bool:
+        """Room for its next token (a decode step), and `drafts` more after it (speculation)?"""
+        return self.blocks_needed(seq.num_tokens + drafts) - len(seq.block_table) <= self.num_free_blocks
 
-    def append_slot(self, seq: Sequence) -> None:
-        if self.blocks_needed(seq.num_tokens) > len(seq.block_table):
+    def append_slot(self, seq: Sequence, drafts: int = 0) -> None:
+        while self.blocks_needed(seq.num_tokens + drafts) > len(seq.block_table):
             seq.block_table.append(self.pool.take())
+
+    def roll_back(self, seq: Sequence) -> None:
+        """Forget the K/V of its rejected drafts: the cache holds every token but its last (the one it sampled
+        last), and the blocks past those are freed. Their K/V content is simply overwritten later; none of them
+        was offered to the prefix cache (`schedule_tokens` registers tokens, never drafts)."""
+        seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
+        keep = self.blocks_needed(seq.num_tokens)
+        for block in reversed(seq.block_table[keep:]):
+            self.pool.release(block)
+        del seq.block_table[keep:]
 
     def schedule_tokens(self, seq: Sequence, num_tokens: int) -> None:
         """`seq` computes its next `num_tokens` in the step being scheduled: its windowed groups hold the blocks
@@ -141,7 +151,7 @@ class BlockManager:
             seq.window_tables = [[] for _ in self.windows]
         for window, table in zip(self.windows, seq.window_tables):
             window.prepare(table, first, first + num_tokens)
-        self.cache_full_blocks(seq, first + num_tokens)
+        self.cache_full_blocks(seq, min(first + num_tokens, seq.num_tokens))   # drafts are not cached
         if self.snapshots is not None:
             self._capture_states(seq, first, first + num_tokens)
 
@@ -194,6 +204,7 @@ class BlockManager:
         seq.state_restore = -1
         seq.state_captures = []
         seq.block_table = []
+        seq.draft_token_ids = []
         seq.window_tables = []
         seq.num_cached_tokens = 0
         seq.num_registered_blocks = 0

@@ -52,6 +52,7 @@ from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moe_runtime.engine.sequence import FinishReason, Sequence
 from moe_runtime.sampling.structured_output.compiler import build_grammar_compiler
+from moe_runtime.speculative.verification import VerifyingSampler, emit_tokens
 from moe_runtime.sampling.structured_output.grammar_waits import GrammarWaits, Readiness
 from moe_runtime.weights.loading import SkippedTensors, load_model_weights
 
@@ -138,11 +139,12 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device,
                                   capture=self._capture_settings(config, self.device, self.max_model_len),
                                   kv_layout=kv_layout)
+        self.sampler = VerifyingSampler.for_engine(Sampler(self.eos_ids, grammar_threads=torch.get_num_threads()),
+                                                   config, kv_layout, self.max_model_len)   # speculation
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.enable_chunked_prefill), self.block_manager
+                            config.enable_chunked_prefill), self.block_manager, self.sampler.speculation
         )
-        self.sampler = Sampler(self.eos_ids, grammar_threads=torch.get_num_threads())
         self.decode_host_reads = DecodeHostReads() if config.debug_host_reads else None
         # structured output: the tokenizer's xgrammar view is built once here; grammars once per spec
         self.grammars = build_grammar_compiler(self.tokenizer, self.vocab_size, self.eos_ids,
@@ -370,7 +372,8 @@ class EngineCore:
         if not seqs:
             return []
         deltas = []
-        for seq, token, logprob, error in zip(sampling, sampled.token_ids, sampled.logprobs, sampled.errors):
+        for seq, token, logprob, error, accepted in zip(sampling, sampled.token_ids, sampled.logprobs,
+                                                        sampled.errors, sampled.accepted_rows()):
             if seq.params.max_tokens == 0:
                 deltas.append(self._finish_prompt_only(seq, scored_prompts.get(seq.request_id)))
                 continue
@@ -379,14 +382,14 @@ class EngineCore:
             if error is not None:
                 deltas.append(self._fail(seq, error))
                 continue
-            reason = self._advance(seq, token, logprob)
+            tokens, logprobs, reason = emit_tokens(seq, [*accepted, (token, logprob)], self._advance, self.block_manager)
             export = None
             if reason is not None:
                 park = reason == FinishReason.LENGTH and seq.export_kv
                 self.scheduler.finish(seq, reason, keep_blocks=park)
                 self._sequences.pop(seq.request_id, None)
                 export = self.exports.park(seq) if park else None
-            deltas.append(TokenDelta(seq.request_id, [token], [logprob] if seq.params.logprobs is not None else None,
+            deltas.append(TokenDelta(seq.request_id, tokens, logprobs if seq.params.logprobs is not None else None,
                                      reason.value if reason else None, None, seq.num_preemptions,
                                      prompt_logprobs=scored_prompts.get(seq.request_id), kv_export=export,
                                      queue_seconds=self._queue_seconds_once(seq)))
@@ -441,7 +444,7 @@ class EngineCore:
             prefix_cache_queries=self.block_manager.counters.queries,
             prefix_cache_hits=self.block_manager.counters.hits,
             captured_decode_steps=self.runner.capture.stats.captured_steps if self.runner.capture else 0,
-            **DecodeHostReads.stats(self.decode_host_reads),
+            **DecodeHostReads.stats(self.decode_host_reads), **self.sampler.speculation_stats(),
         )
 
     def reset_prefix_cache(self) -> int:

@@ -17,6 +17,11 @@ scheduled full block is registered in the prefix cache as it is scheduled: the s
 K/V for all its tokens before any attention read in that layer, so a request admitted later in the
 same step can already reuse it.
 
+With speculative decoding (`drafter`), a decoding sequence may compute its last token and the drafts proposed
+after it in one step (1 + d tokens; blocks for all of them), when blocks and the step's token budget allow
+(else it decodes one token). Such a step is a "prefill"-phase step: the expert dispatch then takes any number
+of tokens per rank, so the decode-phase bound (`max_num_seqs` tokens per rank, DeepEP low-latency) holds as it is.
+
 When a decode finds no free block, the most recently admitted request is preempted: its blocks are
 freed (cached ones stay cached) and it goes back to the front of the queue, to be recomputed from
 its prompt plus the tokens it already produced.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -34,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 PHASE_PREFILL = "prefill"   # some sequence computes prompt tokens or more than one token (dispatch: any size)
 PHASE_DECODE = "decode"     # every sequence computes one token past its prompt (<= max_num_seqs tokens)
+
+
+class Drafter(Protocol):
+    def drafts_for(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens to verify after `seq`'s last token this step (at most `budget`)."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +77,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, drafter: Drafter | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.drafter = drafter                     # speculative decoding (None: off)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -113,7 +125,7 @@ class Scheduler:
     def _schedule_mixed(self) -> ScheduledBatch | None:
         self.running.sort(key=lambda s: s.arrival)
         scheduled = self._schedule_decodes([seq for seq in self.running if seq.is_decoding])
-        budget = self.config.max_num_batched_tokens - len(scheduled)
+        budget = self.config.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in scheduled)
         for seq in self.running:
             if budget <= 0:
                 break
@@ -151,9 +163,15 @@ class Scheduler:
         """One token for each of `seqs` (oldest first), preempting the newest running request while a
         decode finds no free block."""
         scheduled: list[Sequence] = []
+        budget = self.config.max_num_batched_tokens - len(seqs)   # what drafts may take (one token each decode)
         for seq in seqs:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
+            drafts = self._schedule_with_drafts(seq, budget) if self.drafter is not None else 0
+            if drafts:
+                budget -= drafts
+                scheduled.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -164,6 +182,18 @@ class Scheduler:
                 self._schedule_tokens(seq, 1)
                 scheduled.append(seq)
         return scheduled
+
+    def _schedule_with_drafts(self, seq: Sequence, budget: int) -> int:
+        """Schedule `seq`'s last token and its drafts when their blocks are free without preempting anyone
+        (nothing scheduled otherwise: it then decodes as usual); the drafts it took."""
+        drafts = self.drafter.drafts_for(seq, max(budget, 0))
+        seq.draft_token_ids = []
+        if not drafts or not self.block_manager.can_append(seq, len(drafts)):
+            return 0
+        self.block_manager.append_slot(seq, len(drafts))
+        seq.draft_token_ids = drafts
+        self._schedule_tokens(seq, 1 + len(drafts))
+        return len(drafts)
 
     # ---- admission, preemption, the end ---------------------------------------------------------------
     def _admit(self, seq: Sequence) -> bool:

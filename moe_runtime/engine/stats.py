@@ -24,6 +24,9 @@ class WorkerStats:
     prefix_cache_hits: int = 0      # ... of which found cached (not computed again)
     # With EngineConfig.debug_host_reads: decode steps counted, the host reads in them (forward + sampling, the
     # step's one result copy excluded), and those reads by "operation at file:line"
+    spec_draft_tokens: int = 0      # speculative decoding: draft tokens verified, cumulative
+    spec_accepted_tokens: int = 0   # ... of which accepted (each a token emitted without a forward of its own)
+    spec_verify_steps: int = 0      # sequence-steps that verified drafts (acceptance length: 1 + accepted / these)
     captured_decode_steps: int = 0  # decode steps run as the compiled graph (--enable-torch-compile)
     decode_steps_counted: int = 0
     decode_host_reads: int = 0

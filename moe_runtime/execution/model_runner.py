@@ -106,8 +106,7 @@ class ModelRunner:
         for seq in seqs:
             start = seq.num_cached_tokens
             end = start + seq.num_scheduled_tokens       # a prefill chunk, the whole rest, or the one decode token
-            tokens = seq.all_token_ids[start:end]
-            input_ids.extend(tokens)
+            input_ids.extend(seq.scheduled_token_ids())
             positions.extend(range(start, end))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(end - start)
@@ -131,8 +130,8 @@ class ModelRunner:
             self._start_states(seqs, batch)
         if self.groups.hybrid:
             batch.group_views = [self._window_view(batch, seqs, group) for group in range(1, len(self.groups.groups))]
-        last = torch.tensor([stop - 1 for stop, seq in zip(query_start[1:], seqs) if seq.samples_this_step],
-                            dtype=torch.long, device=dev)
+        last = torch.tensor([row for stop, seq in zip(query_start[1:], seqs) if seq.samples_this_step
+                             for row in range(stop - seq.logit_rows, stop)], dtype=torch.long, device=dev)
         return StepInputs(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -183,8 +182,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Next-token logits [S, V] (fp32) of the sequences that sample this step (`samples_this_step`), in
-        order; marks every sequence's scheduled tokens as cached."""
+        """Next-token logits [R, V] (fp32) of the sequences that sample this step (`samples_this_step`), in
+        order, `seq.logit_rows` rows each (one; 1 + drafts when it verifies drafts); marks every sequence's
+        scheduled tokens as cached."""
         inputs = self.prepare(seqs)
         logits = None if self.capture is None else self.capture.run(seqs, inputs)   # [S, V], None: not captured
         if logits is not None:

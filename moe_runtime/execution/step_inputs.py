@@ -14,4 +14,5 @@ class StepInputs:
     input_ids: torch.Tensor        # [T] int64
     positions: torch.Tensor        # [T] int64
     batch: AttentionBatch
-    last_token_index: torch.Tensor  # [S] int64: row of the last new token of each sequence that samples this step
+    last_token_index: torch.Tensor  # [R] int64: rows whose logits are wanted: the last new token of each sequence
+                                   # that samples this step (and, before it, its drafts' positions: `logit_rows`)

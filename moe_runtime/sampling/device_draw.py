@@ -43,8 +43,14 @@ class SampleResult:
     token_ids: list[int]                       # [B], NO_TOKEN where the row failed
     logprobs: list[TokenLogprob | None]        # [B], None where the request did not ask (or failed)
     errors: list[str | None]                   # [B], why the row could not be sampled; None = sampled
+    # [B] speculative decoding: the drafts accepted before each row's token, with their logprobs (None: none)
+    accepted: list[list[tuple[int, TokenLogprob | None]]] | None = None
 
     NO_TOKEN: ClassVar[int] = -1
+
+    def accepted_rows(self) -> list[list[tuple[int, TokenLogprob | None]]]:
+        """Each row's accepted drafts ([] for all when none were verified)."""
+        return self.accepted if self.accepted is not None else [[] for _ in self.token_ids]
 
     @classmethod
     def empty(cls) -> "SampleResult":
@@ -58,7 +64,7 @@ class SampleResult:
     @classmethod
     def concat(cls, parts: list["SampleResult"]) -> "SampleResult":
         return cls([t for p in parts for t in p.token_ids], [lp for p in parts for lp in p.logprobs],
-                   [e for p in parts for e in p.errors])
+                   [e for p in parts for e in p.errors], [a for p in parts for a in p.accepted_rows()])
 
 
 @dataclass

@@ -1,0 +1,50 @@
+"""`speculative_config` (vLLM's names), parsed and checked once: what the engine drafts with and how far."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_runtime.errors import InvalidRequestError
+
+BUILT_METHODS = ("ngram",)
+PLANNED_METHODS = ("mtp", "eagle3")      # issue 35: named, refused until built
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3      # k: drafts proposed per sequence and step
+    prompt_lookup_min: int = 1           # shortest suffix n-gram that may match (n-gram lookup)
+    prompt_lookup_max: int = 4           # longest one tried
+
+    @classmethod
+    def parse(cls, raw: dict | None) -> "SpeculativeConfig | None":
+        """`raw` as `LLM(speculative_config=...)` or `moe-serve --speculative-config JSON` gives it (None: off).
+        vLLM's rule for the lookup bounds: one given stands for both."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise InvalidRequestError(f"speculative_config must be a dict, got {type(raw).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise InvalidRequestError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
+        method = raw.get("method", "ngram")
+        if method in PLANNED_METHODS:
+            raise InvalidRequestError(f"speculative_config method {method!r} is not built yet (issue 35); "
+                                      f"use one of {list(BUILT_METHODS)}")
+        if method not in BUILT_METHODS:
+            raise InvalidRequestError(f"speculative_config method {method!r}: choose one of {list(BUILT_METHODS)}")
+        low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        low, high = (low if low is not None else (high if high is not None else cls.prompt_lookup_min),
+                     high if high is not None else (low if low is not None else cls.prompt_lookup_max))
+        config = cls(method, int(raw.get("num_speculative_tokens", cls.num_speculative_tokens)), int(low), int(high))
+        config.check()
+        return config
+
+    def check(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise InvalidRequestError(f"speculative_config num_speculative_tokens {self.num_speculative_tokens}: "
+                                      "must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidRequestError(f"speculative_config prompt_lookup_min {self.prompt_lookup_min} / "
+                                      f"prompt_lookup_max {self.prompt_lookup_max}: need 1 <= min <= max")

@@ -1,0 +1,80 @@
+"""One DP worker's speculative decoding: which sequences draft, how many drafts, and what was accepted.
+
+A sequence drafts only when its next tokens are the target's greedy choices (temperature 0, no grammar): the
+verifier accepts a draft exactly when it equals the target's argmax at its position, which keeps greedy
+output token for token what it is without speculation. Sampled requests (temperature > 0) decode one token
+per step: rejection sampling, which would keep their distribution, is not built (issue 35). Models whose
+state cannot be rolled back past rejected drafts (windowed KV groups, recurrent-state layers) and pipeline
+parallelism (the last stage broadcasts one token per sequence) are refused at start-up, by name.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from moe_runtime.engine.sequence import Sequence
+from moe_runtime.errors import InvalidRequestError
+from moe_runtime.speculative.config import SpeculativeConfig
+from moe_runtime.speculative.ngram import NgramDrafter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpeculationCounters:
+    drafted: int = 0        # draft tokens verified by a target forward, cumulative
+    accepted: int = 0       # ... of which equalled the target's own choice (emitted without a forward of their own)
+    steps: int = 0          # sequence-steps that verified at least one draft
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.counters = SpeculationCounters()
+        self._told_sampled = False
+
+    @classmethod
+    def for_engine(cls, raw: dict | None, kv_layout, pp_size: int, max_model_len: int) -> "Speculation | None":
+        """The engine's speculation (None: off); refuses what cannot roll back rejected drafts."""
+        config = SpeculativeConfig.parse(raw)
+        if config is None:
+            return None
+        if kv_layout.windows:
+            raise InvalidRequestError("speculative decoding with windowed KV cache groups (sliding-window layers) "
+                                      "is not built: their blocks cannot be rolled back past rejected drafts yet")
+        if kv_layout.state_slots:
+            raise InvalidRequestError("speculative decoding with recurrent-state (linear-attention) layers is not "
+                                      "built: their states would need a checkpoint per drafted position")
+        if pp_size > 1:
+            raise InvalidRequestError("speculative decoding with --pp > 1 is not built: the last stage sends one "
+                                      "token per sequence")
+        return cls(config, max_model_len)
+
+    def drafts_for(self, seq: Sequence, budget: int) -> list[int]:
+        """Drafts for decoding `seq` this step: at most k, at most `budget` (tokens left in the step), none past
+        its max_tokens (the verified step emits one more than it accepts) or the context length."""
+        if not seq.params.greedy or seq.grammar is not None:
+            if not seq.params.greedy and not self._told_sampled:
+                self._told_sampled = True
+                logger.info("speculative decoding: requests with temperature > 0 decode without drafts "
+                            "(rejection sampling is not built)")
+            return []
+        room = min(self.config.num_speculative_tokens, budget,
+                   seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens)
+        if room <= 0:
+            return []
+        return self.drafter.propose(seq.all_token_ids, room)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.counters.drafted += drafted
+        self.counters.accepted += accepted
+        self.counters.steps += 1
+
+    @staticmethod
+    def stats(speculation: "Speculation | None") -> dict[str, int]:
+        """WorkerStats' speculation fields (zeros when off)."""
+        counters = speculation.counters if speculation is not None else SpeculationCounters()
+        return {"spec_draft_tokens": counters.drafted, "spec_accepted_tokens": counters.accepted,
+                "spec_verify_steps": counters.steps}
