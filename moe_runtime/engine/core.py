@@ -52,7 +52,7 @@ from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moe_runtime.engine.sequence import FinishReason, Sequence
 from moe_runtime.sampling.structured_output.compiler import build_grammar_compiler
-from moe_runtime.speculative.verification import VerifyingSampler, emit_tokens
+from moe_runtime.speculative.verification import Speculation, VerifyingSampler, emit_tokens
 from moe_runtime.sampling.structured_output.grammar_waits import GrammarWaits, Readiness
 from moe_runtime.weights.loading import SkippedTensors, load_model_weights
 
@@ -139,12 +139,12 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device,
                                   capture=self._capture_settings(config, self.device, self.max_model_len),
                                   kv_layout=kv_layout)
-        self.sampler = VerifyingSampler.for_engine(Sampler(self.eos_ids, grammar_threads=torch.get_num_threads()),
-                                                   config, kv_layout, self.max_model_len)   # speculation
+        self.speculation = Speculation.for_engine(config.speculative_config, kv_layout, config.pp, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.enable_chunked_prefill), self.block_manager, self.sampler.speculation
+                            config.enable_chunked_prefill), self.block_manager, self.speculation
         )
+        self.sampler = VerifyingSampler(Sampler(self.eos_ids, grammar_threads=torch.get_num_threads()), self.speculation)
         self.decode_host_reads = DecodeHostReads() if config.debug_host_reads else None
         # structured output: the tokenizer's xgrammar view is built once here; grammars once per spec
         self.grammars = build_grammar_compiler(self.tokenizer, self.vocab_size, self.eos_ids,
@@ -444,7 +444,7 @@ class EngineCore:
             prefix_cache_queries=self.block_manager.counters.queries,
             prefix_cache_hits=self.block_manager.counters.hits,
             captured_decode_steps=self.runner.capture.stats.captured_steps if self.runner.capture else 0,
-            **DecodeHostReads.stats(self.decode_host_reads), **self.sampler.speculation_stats(),
+            **DecodeHostReads.stats(self.decode_host_reads), **Speculation.stats(self.speculation),
         )
 
     def reset_prefix_cache(self) -> int:

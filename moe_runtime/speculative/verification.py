@@ -20,7 +20,7 @@ from moe_runtime.engine.outputs import error_message
 from moe_runtime.engine.sequence import FinishReason, Sequence
 from moe_runtime.sampling.device_draw import SampleResult
 from moe_runtime.sampling.logprobs import TokenLogprob
-from moe_runtime.speculative.speculation import Speculation
+from moe_runtime.speculative.speculation import Speculation   # also the engine core's import of it
 
 
 def row_views(seq: Sequence) -> list[Sequence]:
@@ -37,14 +37,6 @@ class VerifyingSampler:
     def __init__(self, sampler, speculation: Speculation | None):
         self.sampler = sampler
         self.speculation = speculation
-
-    @classmethod
-    def for_engine(cls, sampler, config, kv_layout, max_model_len: int) -> "VerifyingSampler":
-        """`sampler` with the speculation `config` (an EngineConfig) asks for (none: a pass-through)."""
-        return cls(sampler, Speculation.for_engine(config.speculative_config, kv_layout, config.pp, max_model_len))
-
-    def speculation_stats(self) -> dict[str, int]:
-        return Speculation.stats(self.speculation)
 
     def __getattr__(self, name: str):
         return getattr(self.sampler, name)
