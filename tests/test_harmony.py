@@ -184,24 +184,3 @@ def test_a_gpt_oss_tool_call_after_its_reasoning_is_an_openai_tool_call(tiny_tok
 def test_an_unknown_reasoning_effort_is_refused_by_name(tiny_tokenizer_dir):
     whole, _, _, _ = serve(tiny_tokenizer_dir, REASONED, {"reasoning_effort": "extreme"})
     assert whole["error"]["param"] == "reasoning_effort"
-
-
-def test_the_rendering_matches_openai_harmony_where_its_vocabulary_loads():
-    """openai-harmony (optional extra `harmony`) downloads the o200k vocabulary on first use: offline this skips."""
-    harmony = pytest.importorskip("openai_harmony")
-    try:
-        encoding = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
-    except Exception as exc:  # noqa: BLE001 - no vocabulary here (no network)
-        pytest.skip(f"openai-harmony cannot load its vocabulary: {exc}")
-    system = (harmony.SystemContent.new().with_reasoning_effort(harmony.ReasoningEffort.HIGH)
-              .with_conversation_start_date("2025-06-28"))
-    tools = [harmony.ToolDescription.new(t["function"]["name"], t["function"]["description"],
-                                         parameters=t["function"].get("parameters"))
-             for t in (LOCATION, WEATHER)]
-    developer = harmony.DeveloperContent.new().with_instructions("Use a friendly tone.").with_function_tools(tools)
-    conversation = harmony.Conversation.from_messages([
-        harmony.Message.from_role_and_content(harmony.Role.SYSTEM, system),
-        harmony.Message.from_role_and_content(harmony.Role.DEVELOPER, developer),
-        harmony.Message.from_role_and_content(harmony.Role.USER, "What is the weather like in SF?")])
-    tokens = encoding.render_conversation_for_completion(conversation, harmony.Role.ASSISTANT)
-    assert encoding.decode_utf8(tokens) == GUIDE_PROMPT
