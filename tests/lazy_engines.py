@@ -1,25 +1,34 @@
-"""Engines a test module shares: one `LLM` per named layout, built on first use (a test run that skips a layout
-never pays its start-up) and shut down when the module is done."""
+"""Engines a test module shares: one engine per key, built on first use (a test run that skips a layout never
+pays its start-up) and shut down when the module is done."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Hashable, Iterator, TypeVar
 
 from moe_runtime import LLM
+
+E = TypeVar("E")
+
+
+@contextmanager
+def engine_pool(build: Callable[..., E]) -> Iterator[Callable[..., E]]:
+    """Yields get(*key) -> build(*key), built once per key; every engine built is shut down on exit."""
+    built: dict[Hashable, E] = {}
+
+    def get(*key):
+        if key not in built:
+            built[key] = build(*key)
+        return built[key]
+    try:
+        yield get
+    finally:
+        for engine in built.values():
+            engine.shutdown()
 
 
 @contextmanager
 def lazy_engines(checkpoint: str | Path, layouts: dict[str, dict], **common) -> Iterator[Callable[[str], LLM]]:
     """Yields get(layout) -> the `LLM` of `checkpoint` with `common` and `layouts[layout]` options."""
-    built: dict[str, LLM] = {}
-
-    def get(layout: str) -> LLM:
-        if layout not in built:
-            built[layout] = LLM(str(checkpoint), **common, **layouts[layout])
-        return built[layout]
-    try:
+    with engine_pool(lambda layout: LLM(str(checkpoint), **common, **layouts[layout])) as get:
         yield get
-    finally:
-        for llm in built.values():
-            llm.shutdown()

@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from lazy_engines import engine_pool
 from engine_helpers import greedy
 from fp8_checkpoints import _mtp_layer
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
@@ -57,15 +58,9 @@ def checkpoints(tiny_checkpoint_factory, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(checkpoints):
     """(arch, layout) -> its `LLM`, built on first use and shut down after the module."""
-    built: dict[tuple[str, str], LLM] = {}
-
-    def get(arch: str, layout: str) -> LLM:
-        if (arch, layout) not in built:
-            built[arch, layout] = LLM(str(checkpoints[arch]), device="cpu", dtype="float32", **LAYOUTS[layout])
-        return built[arch, layout]
-    yield get
-    for llm in built.values():
-        llm.shutdown()
+    with engine_pool(lambda arch, layout: LLM(str(checkpoints[arch]), device="cpu", dtype="float32",
+                                              **LAYOUTS[layout])) as get:
+        yield get
 
 
 @pytest.fixture(scope="module")

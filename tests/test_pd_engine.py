@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from lazy_engines import engine_pool
 from pd_helpers import decode, free_blocks, greedy, kv_key_in_env, prefill, run_until, settle, wait_for_free
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.handle import HandleError
@@ -57,19 +58,13 @@ def kv_key():
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint_factory, kv_key):
     """`engines(arch, mode, **layout)`: one engine per (arch, mode, layout) for the module."""
-    built = {}
+    def build(arch: str, mode: str, layout: tuple):
+        return make_engine(EngineConfig(
+            model=str(tiny_checkpoint_factory(arch)), device="cpu", kv_cache_memory=2 * 2**20,
+            max_num_batched_tokens=16, disaggregation_mode=mode, kv_transfer_timeout_s=TIMEOUT_S, **dict(layout)))
 
-    def get(arch: str, mode: str, **layout):
-        key = (arch, mode, tuple(sorted(layout.items())))
-        if key not in built:
-            built[key] = make_engine(EngineConfig(
-                model=str(tiny_checkpoint_factory(arch)), device="cpu", kv_cache_memory=2 * 2**20,
-                max_num_batched_tokens=16, disaggregation_mode=mode, kv_transfer_timeout_s=TIMEOUT_S, **layout))
-        return built[key]
-
-    yield get
-    for engine in built.values():
-        engine.shutdown()
+    with engine_pool(build) as pooled:
+        yield lambda arch, mode, **layout: pooled(arch, mode, tuple(sorted(layout.items())))
 
 
 @pytest.fixture(scope="module")

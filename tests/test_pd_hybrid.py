@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import torch
 
+from lazy_engines import engine_pool
 from pd_helpers import decode, free_blocks, greedy, kv_key_in_env, prefill, run_until, wait_for_free
 from kernels.delta_rule import DEFAULT_CHUNK
 from moe_runtime.config.engine_config import EngineConfig
@@ -50,19 +51,13 @@ def kv_key():
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint_factory, kv_key):
     """`engines(arch, mode, layout)`: one engine per (arch, mode, layout) for the module."""
-    built = {}
+    def build(arch: str, mode: str, layout: str, parallel: tuple):
+        return make_engine(EngineConfig(
+            model=str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", kv_cache_memory=4 * 2**20,
+            max_num_seqs=4, disaggregation_mode=mode, kv_transfer_timeout_s=10.0, **LAYOUTS[layout], **dict(parallel)))
 
-    def get(arch: str, mode: str, layout: str = "whole", **parallel):
-        key = (arch, mode, layout, tuple(sorted(parallel.items())))
-        if key not in built:
-            built[key] = make_engine(EngineConfig(
-                model=str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", kv_cache_memory=4 * 2**20,
-                max_num_seqs=4, disaggregation_mode=mode, kv_transfer_timeout_s=10.0, **LAYOUTS[layout], **parallel))
-        return built[key]
-
-    yield get
-    for engine in built.values():
-        engine.shutdown()
+    with engine_pool(build) as pooled:
+        yield lambda arch, mode, layout="whole", **parallel: pooled(arch, mode, layout, tuple(sorted(parallel.items())))
 
 
 def test_the_long_prompt_spans_several_delta_rule_chunks():

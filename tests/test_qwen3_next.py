@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from lazy_engines import engine_pool
 from engine_helpers import greedy
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from tiny_checkpoints import HFOracle
@@ -44,16 +45,9 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint_factory):
-    built: dict[tuple[str, str], LLM] = {}
-
-    def get(arch: str, layout: str) -> LLM:
-        if (arch, layout) not in built:
-            built[arch, layout] = LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32",
-                                      **LAYOUTS[layout])
-        return built[arch, layout]
-    yield get
-    for llm in built.values():
-        llm.shutdown()
+    with engine_pool(lambda arch, layout: LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32",
+                                              **LAYOUTS[layout])) as get:
+        yield get
 
 
 @pytest.fixture(scope="module")

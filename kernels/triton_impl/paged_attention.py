@@ -33,6 +33,7 @@ import triton.language as tl
 from ..paged_attention import check_paged_inputs
 from .head_dim_split import head_dim_split
 from .interpreter import running_in_interpreter
+from .online_softmax import online_softmax_step
 
 
 @triton.jit
@@ -96,11 +97,7 @@ def paged_decode_split_kernel(
             else:
                 scores += tl.sum(q_tail[:, None, :].to(tl.float32) * k_tail[None, :, :].to(tl.float32), axis=2)
         scores = tl.where(key_ok[None, :], scores * scale, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)       # nothing seen yet: no NaN from -inf - -inf
-        correction = tl.exp(running_max - safe_max)
-        probs = tl.exp(scores - safe_max[:, None])                         # [H, N]
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        probs, correction, new_max, running_sum = online_softmax_step(scores, running_max, running_sum)  # [H, N]
         v_rows = v_ptr + page * stride_vb + slot * stride_vs + kv_head * stride_vh
         v = tl.load(v_rows[:, None] + v_dims[None, :], mask=key_ok[:, None] & (v_dims[None, :] < V_DIM),
                     other=0.0)                                                                          # [N, Dv]

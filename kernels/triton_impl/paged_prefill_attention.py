@@ -31,6 +31,7 @@ from ..key_span import KeySpan, span_constants
 from ..paged_prefill_attention import PagedPrefillBatch, check_prefill_inputs
 from .head_dim_split import HeadDimSplit, head_dim_split
 from .interpreter import running_in_interpreter
+from .online_softmax import online_softmax_step
 
 
 @triton.jit
@@ -100,11 +101,7 @@ def paged_prefill_kernel(
             if SPAN != 0:
                 allowed = allowed & (key_pos[None, :] >= row_first[:, None])
             scores = tl.where(allowed, scores * scale, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)   # a row with nothing visible yet
-            correction = tl.exp(running_max - safe_max)
-            probs = tl.exp(scores - safe_max[:, None])                                                    # [R, N]
-            running_sum = running_sum * correction + tl.sum(probs, axis=1)
+            probs, correction, new_max, running_sum = online_softmax_step(scores, running_max, running_sum)  # [R, N]
             v_rows = v_ptr + page * stride_vb + slot * stride_vs + kv_head * stride_vh
             v = tl.load(v_rows[:, None] + v_dims[None, :], mask=key_ok[:, None] & (v_dims[None, :] < V_DIM),
                         other=0.0)                                                                       # [N, Dv]
