@@ -143,8 +143,8 @@ class DeepEPDispatcher(Dispatcher):
     def dispatch(self, x, slot_ids, weights) -> DispatchOutput:
         check_dispatch_inputs(x, slot_ids, weights, self.slots.num_slots, self.hidden_size,
                               check_values=self.mode == MODE_NORMAL)   # low latency: no host read
-        if not torch.compiler.is_compiling():   # a captured step: its dispatcher entered the mode in begin_step
-            self.shared.enter(self.mode)        # no traffic counted (`last_stats` None): that would read the device
+        # the shared buffer entered this mode in begin_step; no traffic is counted (`last_stats` None): that would
+        # read the device
         weights = weights.to(torch.float32)
         if self.mode == MODE_NORMAL:
             return self._dispatch_normal(x, slot_ids, weights)

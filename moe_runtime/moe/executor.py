@@ -75,6 +75,7 @@ class MoEExecutor:
         self._by_phase: dict[str, ModularMoE] = {}
         self._share = TokenShare(parallel.attn_tp_size, parallel.attn_tp_rank, parallel.attn_tp_group)
         self._registration_open = True
+        self._phase_agreement: bool | None = None   # needs_phase_agreement's answer, once asked
 
     @classmethod
     def for_engine(cls, config: EngineConfig, parallel: ParallelContext, kernels: KernelSet, hidden_size: int,
@@ -176,10 +177,13 @@ class MoEExecutor:
             self.recorder.end_step()
 
     def needs_phase_agreement(self) -> bool:
-        """True when prefill and decode steps use different backends (DeepEP normal vs low-latency)."""
-        # asked of every rank alike (a pipeline stage without MoE layers too: the vote is one collective)
-        config = self._dispatch_config(SlotGeometry(self.parallel.ep_size, self.parallel.ep_size))
-        return len({backend_for(config, phase).backend for phase in PHASES}) > 1
+        """True when prefill and decode steps use different backends (DeepEP normal vs low-latency). Asked every
+        step, answered once: the backends follow from settings that do not change."""
+        if self._phase_agreement is None:
+            # the same on every rank (a pipeline stage without MoE layers too: the vote is one collective)
+            config = self._dispatch_config(SlotGeometry(self.parallel.ep_size, self.parallel.ep_size))
+            self._phase_agreement = len({backend_for(config, phase).backend for phase in PHASES}) > 1
+        return self._phase_agreement
 
     def overlaps_micro_batches(self) -> bool:
         """Whether the model should split this step into two overlapped micro-batches: two-batch overlap is on
