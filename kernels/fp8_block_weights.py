@@ -86,6 +86,14 @@ def bit_decode_applies(weight: torch.Tensor, scale: torch.Tensor) -> bool:
     return bool((scale.abs() < FAST_SCALE_LIMIT).all()) and denormals_survive(weight.device)
 
 
+def bit_decode_suits(weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether the CPU bit decode suits this weight whatever the thread: a CPU weight, its scales small enough,
+    no NaN code anywhere. Fixed properties of the weight, asked once at load (`Fp8InMemory.plan`), so that a
+    layer's forward reads neither its scales nor its bytes to decide (`fp8_linear_prechecked`)."""
+    return (weight.device.type == "cpu" and weight.numel() > 0 and bool((scale.abs() < FAST_SCALE_LIMIT).all())
+            and not holds_nan_codes(weight))
+
+
 def holds_nan_codes(weight: torch.Tensor) -> bool:
     """Whether a non-empty FP8 tensor holds a NaN code (0x7F or 0xFF): two max reductions over its bytes.
 
@@ -105,9 +113,10 @@ def apply_block_scales_(values: torch.Tensor, scale: torch.Tensor, block_k: int)
 
 
 def decode_rows_into(out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
-                     bit_decode: bool) -> None:
-    """out [R, K] fp32 (contiguous) = weight [R, K] fp8 dequantized with scale [R, Kb]."""
-    if bit_decode and not holds_nan_codes(weight):
+                     bit_decode: bool, nan_free: bool = False) -> None:
+    """out [R, K] fp32 (contiguous) = weight [R, K] fp8 dequantized with scale [R, Kb] (`nan_free`: the whole
+    weight is known to hold no NaN code, so the rows are not searched for one)."""
+    if bit_decode and (nan_free or not holds_nan_codes(weight)):
         bits = out.view(torch.int32)
         bits.copy_(weight.view(torch.int8))                                # sign-extends the byte
         bits.mul_(1 << E4M3_PAYLOAD_SHIFT).bitwise_and_(E4M3_SIGN_AND_PAYLOAD)  # value * 2^-120
@@ -138,12 +147,17 @@ def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor, block_k: int,
     return out.view(weight.shape)
 
 
-def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:
-    """x [T, K] @ dequantized(weight [N, K]).T -> [T, N] in compute_dtype(x), CHUNK_BYTES of weight at a time."""
-    bit_decode = bit_decode_applies(weight, scale)
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+               suits: bool | None = None) -> torch.Tensor:
+    """x [T, K] @ dequantized(weight [N, K]).T -> [T, N] in compute_dtype(x), CHUNK_BYTES of weight at a time.
+    `suits`: `bit_decode_suits(weight, scale)` when known (from load); None: asked here, NaN codes per chunk."""
+    if suits is None:
+        bit_decode, nan_free = bit_decode_applies(weight, scale), False
+    else:
+        bit_decode, nan_free = suits and denormals_survive(weight.device), True
 
     def decode(rows: torch.Tensor, start: int, stop: int) -> None:
-        decode_rows_into(rows, weight[start:stop], scale[start:stop], block_k, bit_decode)
+        decode_rows_into(rows, weight[start:stop], scale[start:stop], block_k, bit_decode, nan_free)
 
     return chunked_matmul(x, weight.shape[0], decode, scratch_dtype=torch.float32)
 
@@ -163,11 +177,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 
 def fp8_linear_prechecked(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_linear` for a weight whose fixed properties (dtype, shapes, block size, scale layout) were
-    checked once, at load (`Fp8InMemory` does, and its layers' parameters cannot change shape): a
-    layer's forward pays none of those checks. x's last dim still has to be K (torch's matmul says so)."""
-    out = fp8_matmul(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), weight, scale, block_k)  # [T, N]
+                          bias: torch.Tensor | None = None, bit_decode_suits: bool | None = None) -> torch.Tensor:
+    """`fp8_linear` for a weight whose fixed properties (dtype, shapes, block size, scale layout, and with
+    `bit_decode_suits` whether the CPU bit decode suits it) were checked once, at load (`Fp8InMemory` does, and
+    its layers' parameters do not change after it): a layer's forward pays none of those checks. x's last dim
+    still has to be K (torch's matmul says so)."""
+    out = fp8_matmul(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), weight, scale, block_k,
+                     bit_decode_suits)                                                                # [T, N]
     if bias is not None:
         out.add_(bias)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])

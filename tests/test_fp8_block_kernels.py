@@ -221,6 +221,32 @@ def test_fp8_in_memory_checks_a_weight_once_at_load_not_per_forward(monkeypatch)
         quant.checked(Fp8Rows(rows.values, rows.scales[:, :1]), "w")
 
 
+def test_a_layer_decides_the_cpu_bit_decode_at_load_not_per_forward(monkeypatch):
+    """Whether the bit decode suits a weight (its scales' range, NaN codes in its bytes) is asked once, when a
+    Linear has loaded it; its forwards read neither the scales nor the bytes again, and give the same values."""
+    from moe_runtime.layers.linear import Linear
+    from moe_runtime.weights.quantization.fp8_in_memory import Fp8InMemory
+
+    quant = Fp8InMemory(16, FAST)
+    rows = quant.quantize(torch.randn(24, 40, generator=torch.Generator().manual_seed(9)))
+    layer = Linear(40, 24, quant=quant)
+    with torch.no_grad():
+        layer.weight.copy_(rows.values)
+        layer.weight_scale.copy_(rows.scales)
+    layer.quant_plan = quant.plan(layer.weight, layer.weight_scale)            # what _load_quantized does
+    assert layer.quant_plan is True
+    x = torch.randn(3, 40)
+    want = quant.linear(x, rows.values, rows.scales)                          # deciding per call, as before
+    asked = []
+    for name in ("holds_nan_codes", "bit_decode_applies"):
+        monkeypatch.setattr(fp8_module, name, lambda *args, name=name: asked.append(name))
+    assert torch.equal(layer(x), want) and asked == []
+    nan_weight = rows.values.clone()
+    nan_weight.view(torch.uint8)[0, 0] = 0x7F                                # a NaN code: the exact path, decided at load
+    monkeypatch.undo()
+    assert quant.plan(nan_weight, rows.scales) is False
+
+
 def test_families_without_a_prechecked_linear_keep_their_own():
     from moe_runtime.weights.quantization.fp8_in_memory import Fp8InMemory
 

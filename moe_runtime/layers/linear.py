@@ -44,6 +44,7 @@ class Linear(nn.Module):
                 shard.start, shard.stop, full_in):
             quant = None   # the shard cuts a scale block: this layer keeps the compute dtype
         self.quant = quant
+        self.quant_plan = None   # what the format decided of the loaded weight (`WeightQuantization.plan`)
         weight_dtype = quant.values_dtype if quant else dtype
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype, device=device),
                                    requires_grad=False)
@@ -76,11 +77,12 @@ class Linear(nn.Module):
                 self.quant.read_slice(reader, full, self.shard.dim, self.shard.start, self.shard.stop))
         copy_checked(self.weight, rows.values, full, reader.directory)
         copy_checked(self.weight_scale, rows.scales, full + "_scale_inv", reader.directory)
+        self.quant_plan = self.quant.plan(self.weight, self.weight_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         bias = None if self.shard is not None and self.shard.dim == 1 else self.bias  # row parallel: see `reduce`
         if self.quant is not None:
-            return self.quant.linear(x, self.weight, self.weight_scale, bias)
+            return self.quant.linear(x, self.weight, self.weight_scale, bias, self.quant_plan)
         return linear_rows(x, self.weight, bias)
 
     def reduce(self, partial: torch.Tensor, group) -> torch.Tensor:

@@ -93,9 +93,19 @@ class Fp8InMemory:
         cut = whole.rows(start, stop) if dim == 0 else whole.columns(start, stop, self.block_k)
         return self.checked(cut, name)
 
-    def linear(self, x, values, scales, bias=None):
-        """A layer's forward: values / scales are its parameters, loaded through this format (checked)."""
-        return self.linear_kernel(x, values, scales, self.block_k, bias)
+    def plan(self, values: torch.Tensor, scales: torch.Tensor) -> bool | None:
+        """What a layer's forward needs to know of its loaded weight, asked once after loading: with the torch
+        family, whether the CPU bit decode suits it (None for the other families, which decide nothing per weight)."""
+        if self.linear_kernel is not torch_fp8.fp8_linear_prechecked:
+            return None
+        return torch_fp8.bit_decode_suits(values, scales)
+
+    def linear(self, x, values, scales, bias=None, plan=None):
+        """A layer's forward: values / scales are its parameters, loaded through this format (checked), `plan`
+        what `plan` said of them."""
+        if plan is None:
+            return self.linear_kernel(x, values, scales, self.block_k, bias)
+        return self.linear_kernel(x, values, scales, self.block_k, bias, bit_decode_suits=plan)
 
     def expert_mlp(self, masked, x, counts, w13, w13_scale, w2, w2_scale):
         kernel = self.kernels.fp8_masked_expert_mlp if masked else self.kernels.fp8_expert_mlp

@@ -65,7 +65,11 @@ class Int8InMemory:
         whole = self.read(reader, name)                 # the whole rows' scales, then the columns
         return QuantizedRows(whole.values[:, start:stop], whole.scales)
 
-    def linear(self, x, values, scales, bias=None):
+    def plan(self, values, scales) -> None:
+        """Nothing to decide per weight."""
+        return None
+
+    def linear(self, x, values, scales, bias=None, plan=None):
         return self.kernels.int8_linear(x, values, scales, bias)
 
     def expert_mlp(self, masked, x, counts, w13, w13_scale, w2, w2_scale):

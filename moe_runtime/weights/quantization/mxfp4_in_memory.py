@@ -64,7 +64,11 @@ class Mxfp4InMemory:
         return QuantizedRows(whole.values[:, start // 2: packed_columns(stop)],
                              whole.scales[:, start // MXFP4_BLOCK: block_count(stop)])
 
-    def linear(self, x, values, scales, bias=None):
+    def plan(self, values, scales) -> None:
+        """Nothing to decide per weight."""
+        return None
+
+    def linear(self, x, values, scales, bias=None, plan=None):
         return self.kernels.mxfp4_linear(x, values, scales, bias)
 
     def expert_mlp(self, masked, x, counts, w13, w13_scale, w2, w2_scale, **epilogue):

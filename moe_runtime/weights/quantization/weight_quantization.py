@@ -82,9 +82,13 @@ class WeightQuantization(Protocol):
         """Rows (dim 0) or input columns (dim 1, `fits_columns`) [start, stop) of a checkpoint weight."""
         ...
 
+    def plan(self, values: torch.Tensor, scales: torch.Tensor) -> object | None:
+        """What the format decides once per loaded weight (fixed properties of its values), for `linear`."""
+        ...
+
     def linear(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear(x [..., K], the dequantized weight, bias) -> [..., N] in x.dtype."""
+               bias: torch.Tensor | None = None, plan: object | None = None) -> torch.Tensor:
+        """F.linear(x [..., K], the dequantized weight, bias) -> [..., N] in x.dtype; `plan`: `plan`'s answer."""
         ...
 
     def expert_mlp(self, masked: bool, x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
