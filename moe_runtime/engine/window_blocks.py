@@ -39,10 +39,15 @@ class WindowBlocks:
         """Before a step computes positions [first, stop): hold the blocks its queries read and write, release
         the ones before the first key any of them (or a later query) reads."""
         keep_from = self.first_block_read(first)
-        for index in range(min(keep_from, len(table))):
-            if table[index] != FREED:
-                self.pool.release(table[index])
-                table[index] = FREED
+        # held entries are one run [lo, len): find lo walking back from keep_from to the freed prefix, then release
+        # oldest first (a step's cost follows the window, not the sequence's length)
+        released_stop = min(keep_from, len(table))
+        lo = released_stop
+        while lo > 0 and table[lo - 1] != FREED:
+            lo -= 1
+        for index in range(lo, released_stop):
+            self.pool.release(table[index])
+            table[index] = FREED
         needed = -(-stop // self.block_size)
         while len(table) < needed:
             table.append(FREED)
