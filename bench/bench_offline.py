@@ -60,15 +60,14 @@ from bench.llama_cpp import LlamaCppRates, LlamaCppTools
 from bench.offline_tables import (print_compiled_rows, print_fp8_rows, print_int8_rows,
                                   print_llama_cpp_reference_rows, print_rows)
 from bench.step_breakdown import run_step_breakdown
+from moe_runtime.planner.calibration_models import QWEN3_MOE_SHAPE
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"
 RESULTS = HERE / "results"
 PROMPT_LEN = 64
 NEW_TOKENS = 64
-SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
-             intermediate_size=1024, vocab_size=8192, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-             max_position_embeddings=1024, norm_topk_prob=True, tie_word_embeddings=False)
+SHAPE = QWEN3_MOE_SHAPE   # the planner's CPU calibration times this shape too
 
 GGUF_FILE_TYPE = {"float32": "F32", "bfloat16": "BF16"}   # the GGUF a dtype row's checkpoint is converted to
 LLAMA_CPP_ONLY_DTYPE = "q8_0"    # --dtypes q8_0: llama.cpp-only reference rows

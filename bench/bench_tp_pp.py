@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 
+from moe_runtime.planner.calibration_models import LLAMA_DENSE_SHAPE
+
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"
 RESULTS = HERE / "results"
-SHAPE = dict(hidden_size=768, num_hidden_layers=12, intermediate_size=2048, num_attention_heads=12,
-             num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024, tie_word_embeddings=False)
+SHAPE = LLAMA_DENSE_SHAPE   # the planner's CPU calibration times this shape too
 LAYOUTS = {"one": {}, "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2pp2": dict(tp=2, pp=2)}
 logger = logging.getLogger("bench_tp_pp")
 

@@ -133,7 +133,7 @@ def test_calibration_bench_machinery_quick():
     path = build_checkpoint("float32")
     # the machine's rates alone (about a second): the full calibration's step measurements belong to the bench
     predicted = predict(path, {}, 2, 8, 2, hardware=cpu_hardware(measure_rates(), overheads=None))
-    measured = measure(path, {}, 2, 8, 2)
+    measured = measure(path, {}, 2, 8, 2, repeats=1)
     assert predicted["kv_tokens_per_worker"] == measured["kv_tokens_per_worker"]
     assert predicted["decode_tok_s"] > 0 and measured["decode_tok_s"] > 0
 

@@ -3,12 +3,12 @@
 A spec sheet says nothing of a shared development box, so the copy bandwidth (a 256 MiB tensor copy, best
 of 5) and the fp32 matmul rate (1024 x 1024, best of 5) are measured, with one thread per rank (each rank
 of a job on this machine gets cores / ranks threads). A small model's decode on a CPU is bound by the
-framework, not by those rates, so the runtime's own decode steps are timed too, by part, on the bench
-checkpoints (bench/bench_offline.py's Qwen3-MoE, bench/bench_tp_pp.py's Llama) at batch 1 and 8, and the
-collectives between two rank processes (`cpu_collectives.py`): the fixed costs the roofline adds
-(`cpu_overhead_fit.py`). The cache (~/.cache/moe-runtime/cpu_calibration.json) is keyed by host and core
-count; delete it (or `refresh=True`) to measure again. Without the bench modules (an installed package)
-only the rates are measured and the roofline has no CPU overheads: its step times are then optimistic.
+framework, not by those rates, so the runtime's own decode steps are timed too on two small checkpoints
+(`calibration_models.py`): one rank by part at batch 1 and 8 (`cpu_step_costs.py`), two-rank expert- and
+tensor-parallel jobs at the same batches (`cpu_engine_collectives.py`) and gloo's pipeline hop
+(`cpu_pipeline_hops.py`): the costs the roofline adds (`cpu_overhead_fit.py`). About a minute on two cores.
+The cache (~/.cache/moe-runtime/cpu_calibration.json, the checkpoints beside it) is keyed by host and core
+count; delete it (or `refresh=True`) to measure again.
 """
 from __future__ import annotations
 
@@ -20,12 +20,20 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from moe_runtime.planner.calibration_models import dense_calibration_model, moe_calibration_model
+from moe_runtime.planner.cpu_engine_collectives import measure_engine_decode
+from moe_runtime.planner.cpu_overhead_fit import fit_overheads
 from moe_runtime.planner.cpu_overheads import CpuOverheads
+from moe_runtime.planner.cpu_pipeline_hops import measure_pipeline_hop
+from moe_runtime.planner.cpu_step_costs import measure_step_parts
 from moe_runtime.planner.hardware import Hardware
+from moe_runtime.planner.model_shape import load_model_shape
 
 logger = logging.getLogger(__name__)
 
 CACHE = Path.home() / ".cache" / "moe-runtime" / "cpu_calibration.json"
+CHECKPOINTS = Path.home() / ".cache" / "moe-runtime" / "calibration"
+CALIBRATION_BATCHES = (1, 8)    # decoding requests per DP worker of each timed job
 STEP_OVERHEAD_S = 2e-3        # without measured overheads: a step's host work
 
 
@@ -57,24 +65,17 @@ def measure_rates() -> CpuRates:
     return CpuRates(platform.node(), os.cpu_count() or 1, 2 * src.numel() * 4 / copy, 2 * 1024**3 / matmul, op)
 
 
-def measure_overheads(rates: CpuRates) -> CpuOverheads | None:
-    """Decode steps of the bench checkpoints by part and two ranks' collectives, fitted (None: no bench here)."""
-    try:
-        from bench.bench_offline import build_checkpoint
-        from bench.bench_tp_pp import build_checkpoint as build_dense
-    except ImportError:
-        logger.warning("cpu calibration: bench/ is not importable; no measured step overheads")
-        return None
-    from moe_runtime.planner.cpu_collectives import measure_collectives
-    from moe_runtime.planner.cpu_overhead_fit import fit_overheads
-    from moe_runtime.planner.cpu_step_costs import measure_step_parts
-    from moe_runtime.planner.model_shape import load_model_shape
-
-    moe_path, dense_path = build_checkpoint("float32"), build_dense()
-    moe_parts = tuple(measure_step_parts(moe_path, b) for b in (1, 8))
-    dense_parts = tuple(measure_step_parts(dense_path, b) for b in (1, 8))
+def measure_overheads(rates: CpuRates, checkpoints: Path = CHECKPOINTS) -> CpuOverheads:
+    """Decode steps of the calibration checkpoints: one rank by part, then two-rank EP and TP jobs, fitted."""
+    moe_path = moe_calibration_model().build(checkpoints)
+    dense_path = dense_calibration_model().build(checkpoints)
+    moe_parts = tuple(measure_step_parts(moe_path, b) for b in CALIBRATION_BATCHES)
+    dense_parts = tuple(measure_step_parts(dense_path, b) for b in CALIBRATION_BATCHES)
+    expert_parallel = tuple(measure_engine_decode(moe_path, dict(ep=2, dp_attn=2), b) for b in CALIBRATION_BATCHES)
+    tensor_parallel = tuple(measure_engine_decode(dense_path, dict(tp=2), b) for b in CALIBRATION_BATCHES)
     return fit_overheads(cpu_hardware(rates, overheads=None), load_model_shape(moe_path), moe_parts,
-                         load_model_shape(dense_path), dense_parts, measure_collectives(), rates.cores)
+                         load_model_shape(dense_path), dense_parts, expert_parallel, tensor_parallel,
+                         measure_pipeline_hop(), rates.cores)
 
 
 def _timed(fn) -> float:
@@ -122,8 +123,9 @@ def cpu_hardware(rates: CpuRates | None = None, overheads: CpuOverheads | None |
         rates = rates or cached_rates_
         overheads = cached_overheads if overheads == "cached" else overheads
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / rates.cores
-    link = overheads.all_to_all_bytes_s if overheads else 1.5e9
-    latency = overheads.all_to_all_latency_s if overheads else 150e-6
+    hop = overheads.pipeline_hop if overheads else None
+    link = 1 / hop.per_unit if hop and hop.per_unit > 0 else 1.5e9
+    latency = hop.fixed if hop else 150e-6
     return Hardware("cpu", memory, rates.copy_bytes_s, rates.matmul_flops, 0.0, link, link,
                     fp32_flops=rates.matmul_flops, mem_efficiency=1.0, compute_efficiency=1.0, link_efficiency=1.0,
                     collective_latency_s=latency, layer_overhead_s=0.0 if overheads else 40 * rates.op_seconds,

@@ -74,13 +74,11 @@ class StepModel:
 
     def _step_overhead(self, tokens: int) -> float:
         """A step's host work: a GPU's flat figure; on a CPU the measured rest of a step (sampling, scheduling,
-        embedding) and, with several ranks, the lock-step control traffic, slowed as the ranks share cores."""
+        embedding) and, with several ranks, what the front and the lock-step loop add to the workers' forward."""
         cpu = self.hardware.cpu
         if cpu is None:
             return self.hardware.step_overhead_s
-        world = self.layout.world_size
-        control = cpu.control_s + cpu.front_round_trip_s if world > 1 else 0.0
-        return (cpu.rest.at(tokens) + control) * cpu.slowdown(world)
+        return cpu.rest.at(tokens) + (cpu.control_s if self.layout.world_size > 1 else 0.0)
 
     def bubble(self, tokens: int) -> float:
         m = self.micro_batches or self.layout.pp
@@ -98,12 +96,12 @@ class StepModel:
         cpu = self.hardware.cpu
         if cpu is None:
             return max(compute, memory, self.hardware.layer_overhead_s) + comm
-        # CPU: each part's roofline plus its measured framework cost, all slowed alike when ranks share cores
+        # CPU: each part's roofline plus its measured framework cost, and what the job's other ranks add (comm)
         attention, mlp = self.part_rooflines(layer, full, tokens, context, decode)
         rank_tokens = tokens / self.layout.cp
         fixed = cpu.attention.at(rank_tokens) + (cpu.moe.at(self.touched_experts(tokens)) if layer.moe
                                                  else cpu.dense.at(rank_tokens) if layer.dense_params else 0.0)
-        return (attention + mlp + fixed + comm) * cpu.slowdown(self.layout.world_size)
+        return attention + mlp + fixed + comm
 
     def part_rooflines(self, layer: LayerShape, full: bool, tokens: float, context: float,
                        decode: bool) -> tuple[float, float]:
@@ -180,19 +178,24 @@ class StepModel:
         if lo.ep <= 1:
             return 0.0
         crosses = self.topology.crosses(lo.ep)
-        sent = tokens / lo.worker_size * self.shape.top_k * self.shape.hidden_size * self.precision.compute_bytes
-        sent *= (lo.ep - 1) / lo.ep
+        sent = self.all_to_all_bytes(tokens)
         cpu = self.hardware.cpu
-        if cpu is not None:   # measured between two rank processes of this machine
-            return 2 * (sent / cpu.all_to_all_bytes_s + cpu.all_to_all_latency_s)
+        if cpu is not None:   # measured per MoE layer in a running expert-parallel job of this machine
+            return cpu.expert_parallel.at(sent)
         one = sent / self.hardware.link_bytes_s(crosses) + self.hardware.latency_s(crosses)
         return 2 * one
+
+    def all_to_all_bytes(self, tokens: float) -> float:
+        """Bytes a rank sends off-rank per all-to-all: its tokens' top_k copies of the hidden state, (ep - 1) / ep."""
+        lo = self.layout
+        sent = tokens / lo.worker_size * self.shape.top_k * self.shape.hidden_size * self.precision.compute_bytes
+        return sent * (lo.ep - 1) / lo.ep
 
     def _all_reduce(self, nbytes: float, ranks: int) -> float:
         crosses = self.topology.crosses(ranks)
         cpu = self.hardware.cpu
-        if cpu is not None:   # measured: gloo's all-reduce of that payload between rank processes
-            return (ranks - 1) * (nbytes / cpu.all_reduce_bytes_s + cpu.all_reduce_latency_s)
+        if cpu is not None:   # measured per all-reduce in a running tensor-parallel job of this machine
+            return (ranks - 1) * cpu.all_reduce.at(nbytes)
         return (2 * (ranks - 1) / ranks * nbytes / self.hardware.link_bytes_s(crosses)
                 + self.hardware.latency_s(crosses))
 
