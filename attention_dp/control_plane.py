@@ -21,6 +21,7 @@ watches its connection the same way and exits when the front is gone.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -192,7 +193,17 @@ class FrontControl:
         self._async_monitor = zmq.asyncio.Socket.from_socket(self._monitor)
 
     def detach_from_loop(self) -> None:
-        """Back to blocking use (the loop is done with the socket, or gone): e.g. to send Shutdown."""
+        """Back to blocking use (the loop is done with the socket, or gone): e.g. to send Shutdown.
+
+        On the loop, the sockets' notification descriptors leave its selector now: closed later, their numbers
+        can come back for a new job's sockets, which the selector would then take for the stale ones."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:   # not on a loop (it is gone, or this is another thread): nothing to take back
+            loop = None
+        for shadow in (self._async_socket, self._async_monitor):
+            if shadow is not None and loop is not None and not shadow.closed:
+                loop.remove_reader(shadow.FD)
         self._async_socket = None
         self._async_monitor = None
 

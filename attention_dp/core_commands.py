@@ -62,7 +62,7 @@ class CoreCommands:
         if isinstance(command, AddRequest):
             if command.dp_rank == role.dp_rank:
                 core.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                 export_kv=command.export_kv)
+                                 export_kv=command.export_kv, resumed_token_ids=command.resumed_token_ids)
         elif isinstance(command, ImportRequest):
             if command.dp_rank == role.dp_rank:
                 core.add_import(command.spec)

@@ -59,6 +59,7 @@ class AddRequest(Message):
     params: SamplingParams
     dp_rank: int
     export_kv: bool = False        # prefill instance: park its KV blocks after its first token
+    resumed_token_ids: list[int] = []   # tokens it generated on ranks since lost: recomputed, then continued
 
 
 class ImportRequest(Message):

@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="two-batch overlap: split each step's batch by requests into two micro-batches whose MoE "
                         "dispatch/combine is in flight while the other computes attention or experts (backends "
                         "that cannot overlap run the same schedule synchronously); useful with --ep > 1")
+    g.add_argument("--max-rank-restarts", type=non_negative_int, default=e.max_rank_restarts,
+                   help="when a worker rank dies (one node, ranks this server started, no P/D role): restart the "
+                        "ranks and resume every request from its tokens so far, streams open, at most this often "
+                        "in 10 minutes; 0: a lost rank ends the server (exit 1) for a supervisor to restart")
     g.add_argument("--num-redundant-experts", type=non_negative_int, default=e.num_redundant_experts,
                    help="extra expert slots per MoE layer for replicas of hot experts")
     g.add_argument("--cache-aware-routing", action=argparse.BooleanOptionalAction, default=e.cache_aware_routing,

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from load_balancer import ExpertLoadSnapshot, RebalanceEvent
-from moe_runtime.engine.stats import EngineStats, WorkerStats
+from moe_runtime.engine.stats import EngineStats, RecoveryStats, WorkerStats
 from moe_runtime.disaggregation.kv_transfer.stats import LatencyHistogram, TransferStats
 
 
@@ -84,6 +84,22 @@ class EngineCollector:
             yield from self._rebalance_families(self.reading.rebalance_events)
         if self.reading.stats.transfer is not None:
             yield from self._transfer_families(self.reading.stats.transfer)
+        if self.reading.stats.recovery is not None:
+            yield from self._recovery_families(self.reading.stats.recovery)
+
+    def _recovery_families(self, stats: RecoveryStats) -> Iterator[Metric]:
+        """Lost worker ranks and the restarts that resumed their requests (`--max-rank-restarts`)."""
+        p = self.prefix
+        yield CounterMetricFamily(p + "lost_ranks", "Worker ranks lost (process exit, closed connection, failure).",
+                                  value=stats.lost_ranks)
+        yield CounterMetricFamily(p + "rank_recoveries", "Restarts of the job's ranks that resumed its requests.",
+                                  value=stats.recoveries)
+        yield CounterMetricFamily(p + "rank_recovery_seconds", "Time from a lost rank to every request resumed.",
+                                  value=stats.recovery_seconds)
+        yield CounterMetricFamily(p + "resumed_requests", "Requests resumed from their tokens so far (recomputed) "
+                                  "after a lost rank.", value=stats.resumed_requests)
+        yield GaugeMetricFamily(p + "rank_recovering", "1 while the job's ranks restart after a lost rank.",
+                                value=1 if stats.recovering is not None else 0)
 
     def _transfer_families(self, stats: TransferStats) -> Iterator[Metric]:
         """Queue times by the instance's role ("none": colocated); on a P/D instance, the KV it moved and how

@@ -46,7 +46,10 @@ def checkpoint(tiny_checkpoint_factory):
 
 @pytest.fixture(scope="module")
 def setup(checkpoint):
-    engine = make_engine(EngineConfig(model=str(checkpoint), device="cpu", dtype="float32", ep=2, dp_attn=2))
+    # max_rank_restarts=0: the module's last test holds the end of an engine that does not restart its ranks
+    # (tests/test_rank_recovery.py and tests/test_server_rank_death.py hold the restart)
+    engine = make_engine(EngineConfig(model=str(checkpoint), device="cpu", dtype="float32", ep=2, dp_attn=2,
+                                      max_rank_restarts=0))
     async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=64)).start()
     loop = LoopThread()
     yield async_engine, loop

@@ -1,8 +1,10 @@
-"""A worker rank of `moe-serve --ep 2` dies: /health turns 503, the in-flight stream ends with a 5xx
-error (never a hang), the launcher exits with code 1 and leaves no process behind."""
+"""A worker rank of `moe-serve` dies. By default the ranks restart and every stream goes on to the end it would
+have had, /health back to 200; with `--max-rank-restarts 0` /health turns 503, the in-flight stream ends with a
+5xx error (never a hang), the launcher exits with code 1 and leaves no process behind."""
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_killed_rank_fails_requests_and_the_launcher_exits_nonzero(tiny_checkpoint_factory):
     checkpoint = tiny_checkpoint_factory("mixtral")
     server = ServerProcess(["--model", str(checkpoint), "--device", "cpu", "--ep", "2", "--dp-attn", "2",
-                            "--served-model-name", "tiny", "--log-level", "warning"]).start()
+                            "--served-model-name", "tiny", "--log-level", "warning", "--max-rank-restarts", "0"]).start()
     try:
         pid = server.process.pid
         left_behind = descendants(pid)  # the fork server and the ranks
@@ -48,5 +50,66 @@ def test_killed_rank_fails_requests_and_the_launcher_exits_nonzero(tiny_checkpoi
         while any(alive(p) for p in left_behind) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in left_behind if alive(p)], "worker processes outlived the launcher"
+    finally:
+        server.stop()
+
+
+def _stream(http, body: dict, events: list, first_tokens: threading.Event | None = None) -> None:
+    """One streaming completion; its events in `events` (the thread's result)."""
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+                if first_tokens is not None and len(events) >= 4:
+                    first_tokens.set()
+            elif line == "data: [DONE]":
+                events.append("[DONE]")
+
+
+def test_a_killed_rank_restarts_and_every_stream_ends_as_it_would_have(tiny_checkpoint_factory):
+    """moe-serve --ep 4 --dp-attn 4 --num-redundant-experts 4, 8 greedy streams in flight, one rank SIGKILLed:
+    the server stays up, all 8 streams end normally with the text they had before the kill, /health is 200
+    again within 60 s, and the job runs on new ranks."""
+    checkpoint = tiny_checkpoint_factory("mixtral")
+    server = ServerProcess(["--model", str(checkpoint), "--device", "cpu", "--ep", "4", "--dp-attn", "4",
+                            "--num-redundant-experts", "4", "--served-model-name", "tiny",
+                            "--log-level", "warning"]).start()
+    try:
+        workers = rank_pids(server.process.pid)
+        assert len(workers) == 4, workers
+        bodies = [{"model": "tiny", "prompt": [5 + i, 6, 7, 8 + i], "max_tokens": 48, "temperature": 0,
+                   "stream": True, "ignore_eos": True} for i in range(8)]
+        with httpx.Client(base_url=server.base_url, timeout=30) as http:
+            before = [http.post("/v1/completions", json={**b, "stream": False}).json()["choices"][0]["text"]
+                      for b in bodies]
+            results = [[] for _ in bodies]
+            started = threading.Event()
+            threads = [threading.Thread(target=_stream, args=(http, b, r, started if i == 0 else None))
+                       for i, (b, r) in enumerate(zip(bodies, results))]
+            for thread in threads:
+                thread.start()
+            assert started.wait(60), "the streams did not start"
+            os.kill(workers[2], signal.SIGKILL)
+            killed_at = time.monotonic()
+            for thread in threads:
+                thread.join(max(120 - (time.monotonic() - killed_at), 0.1))
+            assert not any(thread.is_alive() for thread in threads), f"streams still open:\n{server.tail()}"
+            for events, text in zip(results, before):
+                assert events and events[-1] == "[DONE]", f"{events[-2:]}\n{server.tail(150)}"
+                chunks = [e for e in events[:-1]]
+                assert not any("error" in e for e in chunks), [e for e in chunks if "error" in e]
+                assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+                assert "".join(e["choices"][0]["text"] for e in chunks) == text
+            while http.get("/health").status_code != 200:
+                assert time.monotonic() - killed_at < 60, "/health not 200 within 60 s of the kill"
+                time.sleep(0.2)
+            after = http.post("/v1/completions", json={**bodies[0], "stream": False}).json()
+            assert after["choices"][0]["text"] == before[0]
+            metrics = http.get("/metrics").text
+        assert "moe_lost_ranks_total 1.0" in metrics and "moe_resumed_requests_total" in metrics, metrics[-2000:]
+        new_workers = rank_pids(server.process.pid)
+        assert len(new_workers) == 4 and workers[2] not in new_workers
+        assert server.process.poll() is None, server.tail()
     finally:
         server.stop()

@@ -76,6 +76,8 @@ class EngineConfig:
     control_key_file: str | None = None  # shared control secret of multi-node / external-worker jobs
                                          # (default: $MOE_RUNTIME_CONTROL_KEY); one node: a fresh one per launch
     worker_timeout_s: float = 600.0      # a collective stuck this long is a dead job
+    max_rank_restarts: int = 3           # a lost rank: restart the job's ranks and resume its requests, at most this
+                                         # often in 10 minutes (0: a lost rank ends the engine, for a supervisor)
     # Prefill/decode disaggregation (docs/design.md): this instance's role, and how KV blocks move between instances.
     disaggregation_mode: str = "none"    # "none" | "prefill" (parks KV for decode instances) | "decode" (pulls it)
     kv_transfer_host: str = "127.0.0.1"  # address this instance's KV sockets bind, and other instances reach

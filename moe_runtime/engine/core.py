@@ -214,15 +214,16 @@ class EngineCore:
                              self.tokenizer is not None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    export_kv: bool = False) -> None:
-        """Queue an admitted request (checked against `limits()` by the front). With `export_kv` (a prefill
-        instance) its blocks are parked after its first token for a decode instance to pull."""
+                    export_kv: bool = False, resumed_token_ids: list[int] = ()) -> None:
+        """Queue an admitted request (checked by the front). `export_kv` (prefill instance): its blocks are parked
+        after its first token. `resumed_token_ids`: its output on lost ranks, continued as after a preemption."""
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if export_kv and self.exports is None:
             raise InvalidRequestError("export_kv: this engine is not a prefill instance (--disaggregation-mode prefill)")
-        seq = Sequence(request_id, list(prompt_token_ids), params, arrival=self._arrivals,
-                       export_kv=export_kv, queued_at=time.perf_counter())
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival=self._arrivals, export_kv=export_kv,
+                       queued_at=time.perf_counter(), output_token_ids=list(resumed_token_ids),
+                       prompt_logprobs_done=bool(resumed_token_ids))
         self._arrivals += 1
         self._sequences[request_id] = seq
         if params.structured_output is None:

@@ -38,11 +38,23 @@ class WorkerStats:
 
 
 @dataclass
+class RecoveryStats:
+    """Lost worker ranks and the restarts that resumed their requests (the front's `RankRecovery`)."""
+
+    lost_ranks: int = 0            # rank losses seen (each restarts the job once, while restarts are left)
+    recoveries: int = 0            # restarts that brought the job back
+    recovery_seconds: float = 0.0  # loss to every request sent again, cumulative
+    resumed_requests: int = 0      # requests sent again with their tokens so far (recomputed), cumulative
+    recovering: str | None = None  # the loss being recovered from, while the job restarts
+
+
+@dataclass
 class EngineStats:
     workers: list[WorkerStats] = field(default_factory=list)
     prompt_tokens: int = 0          # prompt tokens of admitted requests, since start
     generation_tokens: int = 0      # tokens generated, since start
     transfer: TransferStats | None = None   # KV transfers and queue times (the front's; None from a bare core)
+    recovery: RecoveryStats | None = None   # lost ranks and restarts (None: this engine does not restart ranks)
 
     @property
     def running(self) -> int:

@@ -11,6 +11,7 @@ from moe_runtime.engine.core import EngineCore, load_tokenizer
 from moe_runtime.front.front import Front
 from moe_runtime.front.inprocess_client import InProcessClient
 from moe_runtime.front.rank_client import RankClient
+from moe_runtime.front.rank_recovery import RankRecovery
 
 
 def make_engine(config: EngineConfig, startup_timeout_s: float = 600.0) -> Front:
@@ -23,12 +24,18 @@ def make_engine(config: EngineConfig, startup_timeout_s: float = 600.0) -> Front
         layout.validate(hf_config)
         transfer_key = (TransferKey.shared(config.kv_transfer_key_file)
                         if config.disaggregation_mode != "none" else None)
-        client = RankClient(config, layout.world_size, load_tokenizer(Path(config.model)), hf_config.vocab_size,
-                            transfer_key, startup_timeout_s)
+        tokenizer = load_tokenizer(Path(config.model))
+
+        def launch() -> RankClient:
+            return RankClient(config, layout.world_size, tokenizer, hf_config.vocab_size, transfer_key,
+                              startup_timeout_s)
+
+        client = launch()
+        relaunch = launch if RankRecovery.can_restart(config) else None
     else:
-        client = InProcessClient(EngineCore(config))
+        client, relaunch = InProcessClient(EngineCore(config)), None
     try:
-        return Front(config, client)
+        return Front(config, client, relaunch)
     except BaseException:
         client.shutdown()
         raise

@@ -3,9 +3,9 @@
 It owns what happens around the core: admission (the one `RequestLimits` check), DP routing (the
 least-loaded or cache-aware `DPRouter`), output processing (`OutputProcessor`: detokenization, stop
 strings), the front halves of P/D transfers (`PrefillFront`: handles and releases; `DecodeFront`:
-imports until every rank of the worker has its KV) and the engine's stats. It talks to the core through
-one `EngineCoreClient`: in process for one rank, over ZeroMQ for ranks elsewhere. Both deliver the
-ranks' messages, which `_take` turns into outputs.
+imports until every rank of the worker has its KV), the engine's stats and, when a rank is lost, the restart
+that resumes every request (`RankRecovery`). It talks to the core through one `EngineCoreClient`: in process
+for one rank, over ZeroMQ for ranks elsewhere; both deliver the ranks' messages, which `_take` turns into outputs.
 
 Two drivers, one at a time: a blocking caller calls `step()` (and `wait` for an expert-load snapshot or
 a rebalance), or an asyncio loop `attach`es and gets outputs as messages arrive; then nothing polls:
@@ -22,14 +22,10 @@ import random
 import time
 from typing import Callable
 
-import msgspec
-
-from attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, ExpertLoadReport, ImportRequest,
-                                   KVImported, RebalanceNow, RebalanceReport, ReleaseExport, ResetPrefixCache,
-                                   SnapshotExpertLoad, StepOutputs)
+from attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, ImportRequest, KVImported,
+                                   ReleaseExport, ResetPrefixCache, StepOutputs)
 from attention_dp.router import DPRouter
 from load_balancer.rebalance_event import RebalanceEvent
-from load_balancer.recorder import ExpertLoadSnapshot
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.decode_front import DecodeFront, ImportOutcome
 from moe_runtime.disaggregation.import_spec import ImportSpec
@@ -43,9 +39,10 @@ from moe_runtime.engine.prefix_hash import block_hashes
 from moe_runtime.engine.request_limits import RequestLimits
 from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
+from moe_runtime.front.balancing_requests import BalancingRequests
 from moe_runtime.front.core_client import EngineCoreClient
 from moe_runtime.front.output_processor import OutputProcessor, ProcessedStep
-from moe_runtime.front.stage_snapshots import merge_stage_snapshots
+from moe_runtime.front.rank_recovery import RankRecovery, resume_commands
 from moe_runtime.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -67,7 +64,9 @@ class Admission:
 
 
 class Front:
-    def __init__(self, config: EngineConfig, client: EngineCoreClient):
+    def __init__(self, config: EngineConfig, client: EngineCoreClient,
+                 relaunch: Callable[[], EngineCoreClient] | None = None):
+        """`relaunch`: starts the same job again (a lost rank then restarts the ranks: `RankRecovery`)."""
         self.config = config
         self.client = client
         shape = client.shape
@@ -85,12 +84,10 @@ class Front:
         self.prefill: PrefillFront | None = None   # --disaggregation-mode prefill: handles, releases of parked KV
         self.decode: DecodeFront | None = None     # --disaggregation-mode decode: imports in flight
         self._dead: str | None = None
+        self.recovery = RankRecovery(config.max_rank_restarts, relaunch) if relaunch else None
         self._undelivered: list[RequestOutput] = []     # outputs for the next step() (blocking driver)
         self._worker_stats: dict[int, WorkerStats] = {}
-        self._load_reports: dict[int, ExpertLoadSnapshot | None] = {}   # pipeline stage -> its snapshot
-        self._load_future: concurrent.futures.Future | None = None
-        self._rebalance_future: concurrent.futures.Future | None = None
-        self._rebalance_events: list[RebalanceEvent] = []
+        self.balancing = BalancingRequests(shape.pp_size)
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._seeds = random.Random()
@@ -163,6 +160,10 @@ class Front:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.seed is None and self.shape.world_size > 1:  # the ranks of a DP worker must draw the same samples
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+        if self._recovering():   # sent with the resumed requests once the ranks are back
+            self.outputs.add(request_id, prompt, params)
+            self._prompt_tokens += len(prompt)
+            return
         decision = self.router.choose(request_id, len(prompt), admission.block_hashes)
         if admission.import_kv is None:
             self.client.send(AddRequest(request_id=request_id, prompt_token_ids=prompt, params=params,
@@ -199,7 +200,8 @@ class Front:
     def abort(self, request_id: str) -> bool:
         if request_id not in self.outputs or self._dead is not None:
             return False
-        self.client.send(AbortRequest(request_id=request_id))
+        if not self._recovering():   # else not sent again when the ranks are back
+            self.client.send(AbortRequest(request_id=request_id))
         self.outputs.abort(request_id)
         self.router.release(request_id)
         if self.decode is not None:
@@ -214,7 +216,8 @@ class Front:
         requests); each reports it, and the cache-aware router forgets them in order."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        self.client.send(ResetPrefixCache())
+        if not self._recovering():   # a restarted job's caches are empty
+            self.client.send(ResetPrefixCache())
 
     # ---- messages from the core ---------------------------------------------------------------------
     def _take(self, message) -> list[RequestOutput]:
@@ -227,16 +230,7 @@ class Front:
                 outcome = self.decode.landed(message.rank, message.request_id, message.error, message.num_bytes,
                                              message.seconds)
             return self._settle(outcome) if outcome is not None else []
-        if isinstance(message, RebalanceReport):
-            self._rebalance_events.append(message.event)
-            if self._rebalance_future is not None and not self._rebalance_future.done():
-                self._rebalance_future.set_result(message.event)
-        elif isinstance(message, ExpertLoadReport):
-            self._load_reports[message.stage] = (None if message.tables is None else
-                                                 ExpertLoadSnapshot.from_dict(msgspec.structs.asdict(message.tables)))
-            future = self._load_future
-            if len(self._load_reports) == self.shape.pp_size and future is not None and not future.done():
-                future.set_result(merge_stage_snapshots([self._load_reports[s] for s in range(self.shape.pp_size)]))
+        self.balancing.take(message)
         return []
 
     def _apply_step(self, batch: StepOutputs) -> list[RequestOutput]:
@@ -321,8 +315,8 @@ class Front:
         try:
             messages = self.client.receive(timeout)
         except EngineDeadError as exc:
-            self._dead = str(exc)
-            self._fail_futures()
+            if self._restarted_after(str(exc)):
+                return []
             raise
         outputs = []
         for message in messages:
@@ -337,10 +331,22 @@ class Front:
         try:
             messages = self.client.pending()
         except EngineDeadError as exc:
-            self._dead = str(exc)
+            self._restarted_after(str(exc))
             return
         for message in messages:
             self._undelivered.extend(self._take(message))
+
+    def _restarted_after(self, reason: str) -> bool:
+        """Blocking driver, a rank lost: restart the job here and resume its requests (True), or end the engine."""
+        self._fail_futures(reason)
+        if self.recovery is not None and self.recovery.begin(reason):
+            try:
+                self._resume(self.recovery.restart(self.client))
+                return True
+            except EngineDeadError as exc:   # the new job failed too: again while restarts are left
+                return self._restarted_after(str(exc))
+        self._dead = reason
+        return False
 
     def wait(self, future: concurrent.futures.Future, timeout_s: float | None = None):
         """Blocking driver: take messages in until `future` (from `expert_load` or `rebalance_now`) is done; the
@@ -380,11 +386,37 @@ class Front:
         self._arm_transfer_timer()
 
     def _on_lost(self, reason: str) -> None:
-        if self._dead is None:
-            self._dead = reason
-        self._fail_futures()
+        self._fail_futures(reason)
+        if self._dead is None and self.recovery is not None and self.recovery.begin(reason):
+            self.client.detach()
+            self._loop.create_task(self._restart())
+            return
+        self._dead = self._dead or reason
         if self._on_death is not None:
             self._on_death(self._dead)
+
+    async def _restart(self) -> None:
+        """Loop driver: the job starts again off the loop; then its requests resume (`rank_recovery.py`)."""
+        try:
+            self._resume(await asyncio.to_thread(self.recovery.restart, self.client))
+        except EngineDeadError as exc:   # the new job failed too: again while restarts are left, else the end
+            self._on_lost(str(exc))
+            return
+        self.client.attach(self._on_messages, self._on_lost)
+
+    def _resume(self, client: EngineCoreClient) -> None:
+        """The new job is ready: route every request afresh and send it with its tokens so far."""
+        self.client = client
+        self.router = DPRouter.for_workers(self.shape.dp_size, self.num_kv_blocks, self.router.prefix_index is not None,
+                                           self.block_size)
+        self._worker_stats = {}
+        commands = resume_commands(list(self.outputs.requests.values()), self.router)
+        for command in commands:
+            self.client.send(command, only_worker=command.dp_rank)
+        self.recovery.finish(len(commands))
+
+    def _recovering(self) -> bool:
+        return self.recovery is not None and self.recovery.recovering
 
     def _transfers_due(self) -> None:
         """A release arrived or a transfer deadline passed: apply it now (on the loop)."""
@@ -426,11 +458,7 @@ class Front:
         (`ExpertLoadSnapshot`, or None for a dense model). One snapshot in flight serves every caller."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        if self._load_future is None or self._load_future.done():
-            self._load_reports = {}
-            self._load_future = concurrent.futures.Future()
-            self.client.send(SnapshotExpertLoad())
-        return self._load_future
+        return self.balancing.expert_load(self.client.send)
 
     def rebalance_now(self, fail_on_rank: int | None = None) -> concurrent.futures.Future:
         """Plan from the recorded window and migrate now (all ranks, at one step boundary): a future of the
@@ -438,18 +466,13 @@ class Front:
         event then reports ok=False and the previous placement stays in force."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        if self._rebalance_future is None or self._rebalance_future.done():
-            self._rebalance_future = concurrent.futures.Future()
-            self.client.send(RebalanceNow(fail_on_rank=fail_on_rank))
-        return self._rebalance_future
+        return self.balancing.rebalance_now(self.client.send, fail_on_rank)
 
     def rebalance_events(self) -> list[RebalanceEvent]:
-        return list(self._rebalance_events)
+        return list(self.balancing.events)
 
-    def _fail_futures(self) -> None:
-        for future in (self._load_future, self._rebalance_future):
-            if future is not None and not future.done():
-                future.set_exception(EngineDeadError(self._dead or "the engine stopped"))
+    def _fail_futures(self, reason: str | None = None) -> None:
+        self.balancing.fail(reason or self._dead or "the engine stopped")
 
     # ---- state and tear-down ------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -457,11 +480,14 @@ class Front:
         self._absorb_pending()
         workers = [self._worker_stats.get(dp) or WorkerStats(dp, 0, 0, self.num_kv_blocks, self.num_kv_blocks, 0)
                    for dp in range(self.shape.dp_size)]
-        return EngineStats(workers, self._prompt_tokens, self._generation_tokens, self.transfer_stats.snapshot())
+        return EngineStats(workers, self._prompt_tokens, self._generation_tokens, self.transfer_stats.snapshot(),
+                           dataclasses.replace(self.recovery.stats) if self.recovery is not None else None)
 
     def health(self) -> EngineHealth:
         if self._dead is not None:
             return EngineHealth(False, self._dead)
+        if self._recovering():
+            return EngineHealth(False, f"restarting the ranks after: {self.recovery.stats.recovering}")
         return self.client.health()
 
     def shutdown(self) -> None:

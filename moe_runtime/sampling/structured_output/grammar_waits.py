@@ -57,6 +57,7 @@ class WaitsForGrammar(Protocol):
 
     request_id: str
     grammar: GrammarState | None
+    output_token_ids: list[int]    # tokens it has already (a resumed request): its grammar starts past them
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ class GrammarWaits:
         decided = []
         for waiting, verdict in zip(list(self._waiting.values()), agreed):
             if verdict.settled:
-                waiting.request.grammar = waiting.compiled.result().new_state()
+                waiting.request.grammar = _past(waiting.compiled.result().new_state(),
+                                                waiting.request.output_token_ids)
             elif verdict.expired:
                 self._cancel_unshared(waiting)
                 waiting.request.grammar = GrammarState.failed(self.timeout_error())
@@ -211,3 +213,12 @@ class GrammarWaits:
         self._waiting.clear()
         self._held.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _past(state: GrammarState, tokens: list[int]) -> GrammarState:
+    """`state` advanced past the tokens a resumed request already has (failed if one does not continue it)."""
+    for token in tokens:
+        error = state.accept(token)
+        if error is not None:
+            return GrammarState.failed(error)
+    return state

@@ -1,0 +1,99 @@
+"""A lost worker rank without a lost request: the job's ranks start again and every request resumes from its tokens.
+
+The front holds what a request is: its prompt, its sampling parameters (with the seed the front gave it, so the
+ranks of a worker draw alike) and every token the ranks sent for it. When a rank dies (its process exits, its
+connection closes, or a rank's collective fails because a peer died), the ranks that are left are stopped (a
+torch.distributed group cannot lose a member), a new job with the same layout starts, and each request still
+running is sent again with its tokens so far (`AddRequest.resumed_token_ids`): its worker recomputes them as it
+would after a preemption and goes on. Seeded draws depend on (seed, position) only, so a sampled request goes on
+with the tokens it would have had; greedy ones are unchanged. Streams stay open: the front never ended them.
+
+Requests that arrive meanwhile wait in the front and start with the others; an abort meanwhile just forgets the
+request. An expert-load snapshot or a rebalance in flight fails (the new job starts from the checkpoint's
+placement). Restarts are bounded (`max_restarts` in `WINDOW_S`): a crash that comes back at once ends the engine
+with the reason, as one without recovery does. Only jobs whose ranks this front started on one node, outside P/D
+roles, restart; the others end as before (`can_restart`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from attention_dp.messages import AddRequest
+from attention_dp.router import DPRouter
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.engine.stats import RecoveryStats
+from moe_runtime.errors import EngineDeadError
+from moe_runtime.front.core_client import EngineCoreClient
+from moe_runtime.front.output_processor import RequestState
+
+logger = logging.getLogger(__name__)
+
+WINDOW_S = 600.0   # restarts counted over this long
+
+
+@dataclass
+class RankRecovery:
+    max_restarts: int
+    relaunch: Callable[[], EngineCoreClient]   # a new job with the same layout (blocks until its ranks are ready)
+    stats: RecoveryStats = field(default_factory=RecoveryStats)
+    _restarts: list[float] = field(default_factory=list)
+    _began: float = 0.0
+
+    @staticmethod
+    def can_restart(config: EngineConfig) -> bool:
+        """Whether this front can start the job again by itself: every rank its own child on this node."""
+        return (config.max_rank_restarts > 0 and config.nnodes == 1 and config.launch_workers
+                and config.disaggregation_mode == "none")
+
+    @property
+    def recovering(self) -> bool:
+        return self.stats.recovering is not None
+
+    def begin(self, reason: str) -> bool:
+        """A rank was lost: whether to restart (False: restarts used up, the engine ends)."""
+        now = time.monotonic()
+        self.stats.lost_ranks += 1
+        self._restarts = [t for t in self._restarts if now - t < WINDOW_S]
+        if len(self._restarts) >= self.max_restarts:
+            logger.error("%s; %d restarts in the last %.0f s already: not restarting again", reason,
+                         len(self._restarts), WINDOW_S)
+            return False
+        self._restarts.append(now)
+        self._began = now
+        self.stats.recovering = reason
+        logger.warning("%s; restarting the job's ranks and resuming its requests", reason)
+        return True
+
+    def restart(self, old: EngineCoreClient) -> EngineCoreClient:
+        """Stop what is left of the old job, start a new one (blocking: run it off the event loop)."""
+        old.shutdown()
+        try:
+            return self.relaunch()
+        except Exception as exc:   # noqa: BLE001 - whatever stopped the start, the engine reports it as a loss
+            reason = f"{self.stats.recovering}; restarting the ranks failed: {exc}"
+            self.stats.recovering = None
+            raise EngineDeadError(reason) from exc
+
+    def finish(self, resumed: int) -> None:
+        seconds = time.monotonic() - self._began
+        self.stats.recoveries += 1
+        self.stats.recovery_seconds += seconds
+        self.stats.resumed_requests += resumed
+        logger.warning("recovered from %s in %.1f s; %d requests resumed", self.stats.recovering, seconds, resumed)
+        self.stats.recovering = None
+
+
+def resume_commands(requests: Iterable[RequestState], router: DPRouter) -> list[AddRequest]:
+    """Every request still running, routed afresh (the new job's workers are empty), with its tokens so far."""
+    commands = []
+    for state in requests:
+        tokens = list(state.token_ids)
+        decision = router.choose(state.request_id, len(state.prompt_token_ids) + len(tokens), None)
+        if tokens:
+            router.first_output(state.request_id)
+        commands.append(AddRequest(request_id=state.request_id, prompt_token_ids=list(state.prompt_token_ids),
+                                   params=state.params, dp_rank=decision.dp_rank, resumed_token_ids=tokens))
+    return commands

@@ -1,0 +1,120 @@
+"""A worker rank dies mid-generation: the job's ranks restart and every request resumes from its tokens, with the
+tokens it would have had (greedy and seeded sampling alike); restarts are bounded; `max_rank_restarts=0` keeps
+the old end (tests/test_worker_failure.py)."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from engine_helpers import PROMPTS, greedy
+from moe_runtime import LLM, SamplingParams
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.engine.core import EngineCore
+from moe_runtime.errors import EngineDeadError
+
+NEW_TOKENS = 24
+
+
+def sampled(n: int, seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
+
+
+def _run(core: EngineCore, request_id: str, prompt, params, resumed=()) -> list[int]:
+    core.add_request(request_id, prompt, params, resumed_token_ids=list(resumed))
+    tokens = list(resumed)
+    while core.has_unfinished():
+        for delta in core.step():
+            tokens.extend(delta.new_token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("params", [greedy(NEW_TOKENS), sampled(NEW_TOKENS, seed=11)], ids=["greedy", "seeded"])
+def test_a_resumed_request_continues_with_the_tokens_it_would_have_had(tiny_checkpoint_factory, params):
+    """The core side: a request sent again with the first 9 of its tokens gives the same remaining ones."""
+    core = EngineCore(EngineConfig(model=str(tiny_checkpoint_factory("mixtral")), device="cpu", dtype="float32"))
+    try:
+        whole = _run(core, "whole", PROMPTS[0], params)
+        resumed = _run(core, "resumed", PROMPTS[0], params, resumed=whole[:9])
+    finally:
+        core.shutdown()
+    assert len(whole) == NEW_TOKENS
+    assert resumed == whole
+
+
+def _kill_when_decoding(llm, rank: int, min_tokens: int) -> threading.Thread:
+    """SIGKILL `rank` once some request has `min_tokens` tokens (read from the front's request states)."""
+    pid = llm.engine.client.processes[rank].pid
+
+    def watch():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            states = list(llm.engine.outputs.requests.values())
+            if any(len(state.token_ids) >= min_tokens for state in states):
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def ep_llm(tiny_checkpoint_factory):
+    llm = LLM(str(tiny_checkpoint_factory("mixtral")), device="cpu", dtype="float32", ep=2, dp_attn=2,
+              num_redundant_experts=2)
+    yield llm
+    llm.shutdown()
+
+
+def test_a_killed_rank_restarts_the_job_and_every_request_ends_as_it_would_have(ep_llm):
+    params = [greedy(NEW_TOKENS), sampled(NEW_TOKENS, seed=5), greedy(NEW_TOKENS), sampled(NEW_TOKENS, seed=6)]
+    prompts = PROMPTS[:4]
+    before = [out.token_ids for out in ep_llm.generate(prompts, params)]
+    old_pids = {rank: p.pid for rank, p in ep_llm.engine.client.processes.items()}
+    killer = _kill_when_decoding(ep_llm, rank=1, min_tokens=4)
+    after = ep_llm.generate(prompts, params)
+    killer.join(5)
+    assert [out.token_ids for out in after] == before
+    assert all(out.finish_reason == "length" for out in after)
+    stats = ep_llm.engine.stats().recovery
+    assert stats.lost_ranks == 1 and stats.recoveries == 1 and stats.resumed_requests >= 1, stats
+    assert stats.recovering is None and ep_llm.engine.health().healthy
+    new_pids = {rank: p.pid for rank, p in ep_llm.engine.client.processes.items()}
+    assert set(new_pids) == set(old_pids) and not set(new_pids.values()) & set(old_pids.values())
+    assert [out.token_ids for out in ep_llm.generate(prompts, params)] == before   # the new job serves on
+
+
+def test_a_rank_killed_mid_rebalance_fails_the_rebalance_alone(ep_llm):
+    """The rebalance in flight fails with the loss (the new job starts from the checkpoint's placement); the
+    requests resume and end as they would have."""
+    prompts, params = PROMPTS[:2], greedy(NEW_TOKENS)
+    before = [out.token_ids for out in ep_llm.generate(prompts, params)]
+    losses = ep_llm.engine.stats().recovery.lost_ranks
+    rebalance = ep_llm.engine.rebalance_now()
+    os.kill(ep_llm.engine.client.processes[0].pid, signal.SIGKILL)
+    assert [out.token_ids for out in ep_llm.generate(prompts, params)] == before
+    assert ep_llm.engine.stats().recovery.lost_ranks == losses + 1
+    assert rebalance.done()
+    if rebalance.exception() is not None:   # else it ended before the kill was seen
+        assert isinstance(rebalance.exception(), EngineDeadError) and "rank 0" in str(rebalance.exception())
+
+
+def test_restarts_are_bounded(tiny_checkpoint_factory):
+    """A rank that dies every time ends the engine after `max_rank_restarts` restarts, naming the loss."""
+    llm = LLM(str(tiny_checkpoint_factory("mixtral")), device="cpu", dtype="float32", ep=2, dp_attn=2,
+              max_rank_restarts=1)
+    try:
+        for expected_losses in (1, 2):
+            os.kill(llm.engine.client.processes[1].pid, signal.SIGKILL)
+            if expected_losses == 1:
+                assert llm.generate(PROMPTS[:2], greedy(4))   # restarted once, served
+            else:
+                with pytest.raises(EngineDeadError, match="worker rank 1"):
+                    llm.generate(PROMPTS[:2], greedy(4))
+            assert llm.engine.stats().recovery.lost_ranks == expected_losses
+        assert not llm.engine.health().healthy
+    finally:
+        llm.shutdown()
