@@ -12,7 +12,7 @@ from .kernel_set_type import KernelSet
 
 logger = logging.getLogger(__name__)
 
-KERNEL_FAMILIES = ("triton", "torch", "reference")
+KERNEL_FAMILIES = ("triton", "torch", "cpu", "reference")
 ENV_OVERRIDE = "MOE_KERNELS"
 
 
@@ -33,6 +33,15 @@ def torch_kernels() -> KernelSet:
                      fp8_linear, fp8_expert_mlp, fp8_masked_expert_mlp,
                      int8_linear, int8_expert_mlp, int8_masked_expert_mlp,
                      mxfp4_linear, mxfp4_expert_mlp, mxfp4_masked_expert_mlp)
+
+
+def cpu_kernels() -> KernelSet:
+    """The torch family with the compiled CPU expert kernel (kernels/cpu_native/) for the routed experts."""
+    from dataclasses import replace
+
+    from .cpu_native.expert_kernel import cpu_expert_mlp
+
+    return replace(torch_kernels(), name="cpu", expert_mlp=cpu_expert_mlp)
 
 
 def reference_kernels() -> KernelSet:
@@ -65,7 +74,7 @@ def log_choice_once(name: str, device: str, reason: str) -> None:
 def get_kernels(device: torch.device | str, prefer: str = "auto") -> KernelSet:
     """Pick the kernel family: "auto" = triton on CUDA when triton imports, else torch.
 
-    The environment variable MOE_KERNELS (triton / torch / reference) overrides "auto" only.
+    The environment variable MOE_KERNELS (triton / torch / cpu / reference) overrides "auto" only.
     """
     device = torch.device(device)
     reason = "requested"
@@ -76,7 +85,7 @@ def get_kernels(device: torch.device | str, prefer: str = "auto") -> KernelSet:
     if prefer == "auto":
         use_triton = device.type == "cuda" and triton_importable()
         prefer, reason = ("triton", "CUDA device with triton") if use_triton else ("torch", f"{device.type} device")
-    builders = {"triton": triton_kernels, "torch": torch_kernels, "reference": reference_kernels}
+    builders = {"triton": triton_kernels, "torch": torch_kernels, "cpu": cpu_kernels, "reference": reference_kernels}
     if prefer not in builders:
         raise ValueError(f"get_kernels(prefer={prefer!r}): expected 'auto' or one of {KERNEL_FAMILIES}")
     kernels = builders[prefer]()

@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stored, any other quantized at load), dequantized per matmul tile; int8: keep them int8 "
                         "with one scale per output row, quantized at load (weight-only: activations stay in "
                         "--dtype); unset: weights in --dtype (FP8 checkpoints are dequantized at load)")
-    g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "reference"],
-                   help="MoE/attention kernel implementation")
+    g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "cpu", "reference"],
+                   help="MoE/attention kernel implementation (cpu: the torch family with the routed experts in a "
+                        "C++ kernel compiled on first use for this CPU)")
     g.add_argument("--enable-torch-compile", action=argparse.BooleanOptionalAction, default=e.enable_torch_compile,
                    help="capture decode steps: each batch size bucket (1, 2, 4, ... --torch-compile-max-bs) compiles "
                         "once with torch.compile (the first step of a bucket waits for it, tens of seconds on CPU); "

@@ -37,7 +37,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True    # full KV blocks are reused by requests sharing a prefix
     cache_aware_routing: bool = True      # with prefix caching and dp_attn > 1: route to where a prefix is cached
     max_model_len: int | None = None     # default: the model's max_position_embeddings
-    kernels: str = "auto"                # "auto" | "torch" | "triton" | "reference"
+    kernels: str = "auto"                # "auto" | "torch" | "triton" | "cpu" (compiled CPU experts) | "reference"
     quantization: str | None = None      # "fp8": projections and experts stay FP8 in memory (an FP8 checkpoint's
                                          # blocks as stored; others quantized at load); "int8": int8 with one
                                          # scale per output row, quantized at load; None: dequantize to dtype

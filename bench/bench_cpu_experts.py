@@ -1,0 +1,108 @@
+"""The compiled CPU expert kernel (`--kernels cpu`) against the torch one, side by side in one run.
+
+Two measurements on the MoE bench checkpoint's shape (bench_offline.py: 32 experts top-4, hidden 512,
+expert intermediate 256), float32 and bfloat16, decode batches 1 and 16, one thread:
+  - the routed experts of one MoE layer alone (uniform top-4 routing): microseconds per call for the torch
+    kernel and the compiled one, and the weight bytes each streams per call over this machine's measured copy
+    bandwidth (the bound: a decode step's experts are read once);
+  - decode tok/s of the whole engine on the bench checkpoint (float32) with each family
+    (`planner.cpu_engine_collectives.measure_engine_decode`: the median of 3 decode spans).
+Writes bench/results/cpu_experts.json.
+
+    python bench/bench_cpu_experts.py
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_offline import SHAPE, build_checkpoint, copy_bandwidth_gbs   # noqa: E402
+from kernels.cpu_native.build import native_experts   # noqa: E402
+from kernels.expert_mlp import expert_mlp   # noqa: E402
+from moe_runtime.planner.cpu_engine_collectives import measure_engine_decode   # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCHES = (1, 16)
+
+
+def routed_rows(batch: int, num_experts: int, top_k: int, hidden: int, dtype: torch.dtype, seed: int):
+    """A decode batch's rows grouped by expert under uniform top-k routing: (x_sorted, counts)."""
+    generator = torch.Generator().manual_seed(seed)
+    choices = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(batch)])
+    flat = choices.flatten()
+    x = torch.randn(batch, hidden, generator=generator).to(dtype)
+    return x[flat.argsort(stable=True) // top_k].contiguous(), torch.bincount(flat, minlength=num_experts)
+
+
+def time_call(fn, repeats: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        samples.append((time.perf_counter() - started) / repeats)
+    return statistics.median(samples)
+
+
+def layer_rows(native, bandwidth_gbs: float) -> list[dict]:
+    e, h, i, k = SHAPE["num_experts"], SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts_per_tok"]
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        w13 = (torch.randn(e, 2 * i, h) * 0.05).to(dtype)
+        w2 = (torch.randn(e, h, i) * 0.05).to(dtype)
+        for batch in BATCHES:
+            x, counts = routed_rows(batch, e, k, h, dtype, seed=batch)
+            streamed = int((counts > 0).sum()) * 3 * i * h * w13.element_size()
+            torch_s = time_call(lambda: expert_mlp(x, counts, w13, w2))
+            native_s = time_call(lambda: native.silu_expert_mlp(x, counts, w13, w2))
+            rows.append(dict(dtype=str(dtype).removeprefix("torch."), batch=batch, weight_bytes=streamed,
+                             torch_us=torch_s * 1e6, native_us=native_s * 1e6, native_over_torch=torch_s / native_s,
+                             torch_gbs=streamed / torch_s / 1e9, native_gbs=streamed / native_s / 1e9,
+                             native_share_of_copy_bandwidth=streamed / native_s / 1e9 / bandwidth_gbs))
+            print(f"experts {rows[-1]['dtype']:8s} batch {batch:2d}: torch {torch_s * 1e6:8.0f} us "
+                  f"({rows[-1]['torch_gbs']:5.1f} GB/s)  native {native_s * 1e6:8.0f} us ({rows[-1]['native_gbs']:5.1f}"
+                  f" GB/s, {rows[-1]['native_share_of_copy_bandwidth']:.0%} of copy)  {rows[-1]['native_over_torch']:.2f}x",
+                  flush=True)
+    return rows
+
+
+def engine_rows() -> list[dict]:
+    path = build_checkpoint("float32")
+    rows = []
+    for batch in BATCHES:
+        tok_s = {}
+        for family in ("torch", "cpu"):
+            decode = measure_engine_decode(path, {"kernels": family}, batch, prompt_len=32, decode_tokens=16)
+            tok_s[family] = batch / decode.wall_s
+        rows.append(dict(batch=batch, torch_tok_s=tok_s["torch"], cpu_tok_s=tok_s["cpu"],
+                         cpu_over_torch=tok_s["cpu"] / tok_s["torch"]))
+        print(f"engine decode batch {batch:2d}: torch {tok_s['torch']:7.1f} tok/s  cpu {tok_s['cpu']:7.1f} tok/s  "
+              f"{rows[-1]['cpu_over_torch']:.2f}x", flush=True)
+    return rows
+
+
+def main() -> int:
+    native = native_experts()
+    if native is None:
+        print("the CPU expert kernel could not be built here (no C++ compiler?)")
+        return 1
+    torch.set_num_threads(1)
+    bandwidth = copy_bandwidth_gbs()
+    print(f"copy bandwidth (one thread): {bandwidth:.1f} GB/s", flush=True)
+    result = dict(copy_bandwidth_gbs=bandwidth, shape=SHAPE, layer=layer_rows(native, bandwidth), engine=engine_rows())
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "cpu_experts.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

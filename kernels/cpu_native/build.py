@@ -1,0 +1,47 @@
+"""The CPU expert kernel (expert_mlp.cpp), compiled on first use for this machine and cached; None without a compiler.
+
+`torch.utils.cpp_extension.load` builds it with -O3 -march=native (the vector units of the CPU it runs on: AVX2
+and FMA here, AVX-512 where present) into ~/.cache/moe-runtime/cpu_native/<CPU flags digest>, once; later
+processes (every rank) load the cached library, and concurrent builds wait on torch's lock in that directory.
+A machine without a C++ compiler, or a build that fails, gets None and one log line: the torch kernels serve.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("expert_mlp.cpp")
+CACHE = Path.home() / ".cache" / "moe-runtime" / "cpu_native"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
+
+
+def _cpu_digest() -> str:
+    """What the build is specific to: the CPU's feature flags, the source, the compiler flags."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = platform.processor()
+    digest = hashlib.sha256((flags + SOURCE.read_text() + " ".join(FLAGS)).encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def native_experts() -> ModuleType | None:
+    """The compiled module (`silu_expert_mlp`), or None where it cannot be built."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        directory = CACHE / _cpu_digest()
+        directory.mkdir(parents=True, exist_ok=True)
+        return load(name="moe_cpu_experts", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                    build_directory=str(directory), verbose=False)
+    except Exception as exc:   # noqa: BLE001 - no compiler, no headers, a failed build: the torch path serves
+        logger.warning("CPU expert kernel not built (%s: %s); the torch expert kernel serves", type(exc).__name__,
+                       str(exc).splitlines()[0] if str(exc) else "")
+        return None

@@ -1,0 +1,84 @@
+"""The compiled CPU expert kernel (kernels/cpu_native/) against float64 and its torch twin, and in an engine.
+
+Segments of 1 to 20 rows cover both of its paths (rows dotted alone, rows packed eight to a vector); float32
+and bfloat16 weights and activations; what it does not take (biases, gpt-oss's activation) goes to the torch
+kernel unchanged. The build needs a C++ compiler: without one `native_experts()` is None and the family serves
+the torch kernel, which the last test checks instead.
+"""
+import pytest
+import torch
+
+from engine_helpers import PROMPTS, greedy
+from kernels.cpu_native.build import native_experts
+from kernels.cpu_native.expert_kernel import cpu_expert_mlp
+from kernels.expert_activation import ExpertActivation
+from kernels.expert_mlp import expert_mlp
+from kernels.kernel_set import get_kernels
+from moe_runtime import LLM
+
+E, H, I = 8, 64, 48
+
+
+def _case(counts: list[int], dtype: torch.dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=generator) * 0.1).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=generator) * 0.1).to(dtype)
+    x = torch.randn(sum(counts), H, generator=generator).to(dtype)
+    return x, torch.tensor(counts, dtype=torch.int64), w13, w2
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = native_experts()
+    if module is None:
+        pytest.skip("no C++ compiler here: the cpu family serves the torch kernel (test_engine_... checks it)")
+    return module
+
+
+@pytest.mark.parametrize("counts", [[1, 0, 0, 1, 0, 0, 0, 1], [0, 2, 3, 0, 1, 0, 0, 0], [9, 0, 4, 0, 20, 1, 0, 8],
+                                    [0] * E], ids=["decode-rows", "few-rows", "packed-blocks", "empty"])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_native_experts_match_float64(native, counts, dtype, tolerance):
+    x, counts_t, w13, w2 = _case(counts, dtype)
+    want = expert_mlp(x.double(), counts_t, w13.double(), w2.double())            # [N, H]
+    got = cpu_expert_mlp(x, counts_t, w13, w2)
+    assert got.dtype == dtype and got.shape == want.shape
+    if not want.numel():   # no busy expert: nothing computed, nothing read
+        return
+    scale = max(want.abs().max().item(), 1e-6)
+    assert (got.double() - want).abs().max().item() <= tolerance * scale
+    twin = expert_mlp(x, counts_t, w13, w2)                                       # the torch kernel, same dtype
+    assert (got.double() - want).abs().max() <= (twin.double() - want).abs().max() * 4 + 1e-7 * scale
+
+
+def test_float32_activations_with_bfloat16_weights_widen_once(native):
+    x, counts, w13, w2 = _case([3, 0, 1, 0, 0, 9, 0, 0], torch.bfloat16, seed=1)
+    x = x.float()
+    want = expert_mlp(x.double(), counts, w13.double(), w2.double())
+    got = native.silu_expert_mlp(x, counts, w13, w2)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_what_the_native_kernel_does_not_take_goes_to_the_torch_kernel():
+    x, counts, w13, w2 = _case([2, 0, 1, 0, 0, 0, 5, 0], torch.float32, seed=2)
+    b13, b2 = torch.randn(E, 2 * I), torch.randn(E, H)
+    clamped = ExpertActivation.gpt_oss()
+    assert torch.equal(cpu_expert_mlp(x, counts, w13, w2, b13=b13, b2=b2),
+                       expert_mlp(x, counts, w13, w2, b13=b13, b2=b2))
+    assert torch.equal(cpu_expert_mlp(x, counts, w13, w2, activation=clamped),
+                       expert_mlp(x, counts, w13, w2, activation=clamped))
+
+
+def test_counts_that_do_not_cover_the_rows_are_refused():
+    x, counts, w13, w2 = _case([2, 0, 1, 0, 0, 0, 5, 0], torch.float32)
+    with pytest.raises(Exception, match="counts|rows"):
+        cpu_expert_mlp(x[:-1], counts, w13, w2)
+
+
+def test_engine_with_the_cpu_family_gives_transformers_greedy_tokens(tiny_checkpoint_factory, greedy_oracle):
+    assert get_kernels("cpu", prefer="cpu").expert_mlp is cpu_expert_mlp
+    path = tiny_checkpoint_factory("qwen3_moe")
+    with LLM(str(path), device="cpu", dtype="float32", kernels="cpu") as llm:
+        outputs = llm.generate(PROMPTS[:3], greedy(12))
+    assert [out.token_ids for out in outputs] == greedy_oracle("qwen3_moe", PROMPTS[:3], 12)
