@@ -20,9 +20,6 @@
 
 namespace {
 
-constexpr int64_t kRowBlock = 8;   // rows of one expert dotted with a weight row per pass (one 8-wide vector)
-constexpr int64_t kBlockFrom = 4;  // fewer rows: each dotted alone along the weight row (still read once from
-                                   // memory: it stays in L1 for the few rows)
 
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) {
@@ -67,60 +64,52 @@ inline float dot_one(const W* __restrict w_row, const float* __restrict x, int64
   return acc;
 }
 
-// A block of kRowBlock rows packed k-major (packed[k * kRowBlock + r]): out[r] = dot(w_row, row r), one vector
-// across the rows, so each weight element is loaded once for all of them.
+// Four rows (contiguous, `n` apart): out[r] = dot(w_row, row r), along n; each 8 weights are loaded once for the
+// four rows, whose four accumulators keep the FMAs pipelined.
 template <typename W>
-inline void dot_block(const W* __restrict w_row, const float* __restrict packed, int64_t n, float* __restrict out) {
-#ifdef __AVX2__
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();   // even and odd k: two chains
+inline void dot_four(const W* __restrict w_row, const float* __restrict x, int64_t n, float* __restrict out) {
   int64_t k = 0;
-  for (; k + 2 <= n; k += 2) {
-    a0 = _mm256_fmadd_ps(_mm256_set1_ps(widen(w_row[k])), _mm256_loadu_ps(packed + k * kRowBlock), a0);
-    a1 = _mm256_fmadd_ps(_mm256_set1_ps(widen(w_row[k + 1])), _mm256_loadu_ps(packed + (k + 1) * kRowBlock), a1);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#ifdef __AVX2__
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  for (; k + 8 <= n; k += 8) {
+    const __m256 w = load8(w_row + k);
+    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + k), a0);
+    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + n + k), a1);
+    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 2 * n + k), a2);
+    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 3 * n + k), a3);
   }
-  for (; k < n; ++k) a0 = _mm256_fmadd_ps(_mm256_set1_ps(widen(w_row[k])), _mm256_loadu_ps(packed + k * kRowBlock), a0);
-  _mm256_storeu_ps(out, _mm256_add_ps(a0, a1));
-#else
-  float acc[kRowBlock] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int64_t k = 0; k < n; ++k) {
-    const float w = widen(w_row[k]);
-    for (int64_t r = 0; r < kRowBlock; ++r) acc[r] += w * packed[k * kRowBlock + r];
-  }
-  for (int64_t r = 0; r < kRowBlock; ++r) out[r] = acc[r];
+  acc[0] = sum8(a0), acc[1] = sum8(a1), acc[2] = sum8(a2), acc[3] = sum8(a3);
 #endif
+  for (; k < n; ++k) {
+    const float w = widen(w_row[k]);
+    for (int64_t r = 0; r < 4; ++r) acc[r] += w * x[r * n + k];
+  }
+  for (int64_t r = 0; r < 4; ++r) out[r] = acc[r];
 }
 
-// The rows of every busy expert as float32: a few rows as they are, larger segments packed in blocks of
-// kRowBlock rows (zero rows past the segment's end); `at[b]`: where busy expert b's start.
+// The rows of every busy expert as float32, row-major; `at[b]`: where busy expert b's rows start.
 struct Activations {
   std::vector<float> data;
-  std::vector<int64_t> at;   // per busy expert: offset of its row (one row) or of its first block
+  std::vector<int64_t> at;
   int64_t width;             // floats per row
 
   template <typename X>
   static Activations pack(const X* x, const int64_t* row_start, const int64_t* counts, const int64_t* busy,
                           int64_t num_busy, int64_t width) {   // row_start[b]: busy expert b's first row in x
     Activations a{{}, std::vector<int64_t>(num_busy), width};
-    int64_t size = 0;
+    int64_t rows = 0;
     for (int64_t b = 0; b < num_busy; ++b) {
-      const int64_t c = counts[busy[b]];
-      a.at[b] = size;
-      size += c < kBlockFrom ? c * width : (c + kRowBlock - 1) / kRowBlock * kRowBlock * width;
+      a.at[b] = rows * width;
+      rows += counts[busy[b]];
     }
-    a.data.assign(size, 0.f);
+    a.data.resize(rows * width);
     for (int64_t b = 0; b < num_busy; ++b) {
-      const int64_t e = busy[b], c = counts[e];
-      for (int64_t r = 0; r < c; ++r) {
-        const X* src = x + (row_start[b] + r) * width;
-        for (int64_t k = 0; k < width; ++k) a.data[a.index(b, c, r, k)] = widen(src[k]);
-      }
+      const X* src = x + row_start[b] * width;
+      float* dst = a.data.data() + a.at[b];
+      for (int64_t k = 0; k < counts[busy[b]] * width; ++k) dst[k] = widen(src[k]);
     }
     return a;
-  }
-
-  int64_t index(int64_t b, int64_t count, int64_t r, int64_t k) const {
-    if (count < kBlockFrom) return at[b] + r * width + k;
-    return at[b] + (r / kRowBlock) * kRowBlock * width + k * kRowBlock + r % kRowBlock;
   }
 };
 
@@ -131,18 +120,17 @@ void project(const Activations& a, const int64_t* counts, const int64_t* busy, i
              int64_t outputs, Store store) {
   const int64_t n = a.width;
   at::parallel_for(0, num_busy * outputs, 16, [&](int64_t begin, int64_t end) {
-    float block[kRowBlock];
+    float block[4];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / outputs, j = task % outputs, e = busy[b], c = counts[e];
       const W* w_row = weights + (e * outputs + j) * n;
-      if (c < kBlockFrom) {
-        for (int64_t r = 0; r < c; ++r) store(b, r, j, dot_one(w_row, a.data.data() + a.at[b] + r * n, n));
-        continue;
+      const float* rows = a.data.data() + a.at[b];
+      int64_t r = 0;
+      for (; r + 4 <= c; r += 4) {
+        dot_four(w_row, rows + r * n, n, block);
+        for (int64_t q = 0; q < 4; ++q) store(b, r + q, j, block[q]);
       }
-      for (int64_t r0 = 0; r0 < c; r0 += kRowBlock) {
-        dot_block(w_row, a.data.data() + a.at[b] + r0 * n, n, block);
-        for (int64_t r = 0; r < std::min(kRowBlock, c - r0); ++r) store(b, r0 + r, j, block[r]);
-      }
+      for (; r < c; ++r) store(b, r, j, dot_one(w_row, rows + r * n, n));
     }
   });
 }
