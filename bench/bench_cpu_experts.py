@@ -2,9 +2,10 @@
 
 Two measurements on the MoE bench checkpoint's shape (bench_offline.py: 32 experts top-4, hidden 512,
 expert intermediate 256), float32 and bfloat16, decode batches 1 and 16, one thread:
-  - the routed experts of one MoE layer alone (uniform top-4 routing): microseconds per call for the torch
-    kernel and the compiled one, and the weight bytes each streams per call over this machine's measured copy
-    bandwidth (the bound: a decode step's experts are read once);
+  - the routed experts of one MoE layer (uniform top-4 routing), cycling through the model's 8 layers' weights
+    as a step does (one layer's alone would stay in the caches): microseconds per layer for the torch kernel
+    and the compiled one, and the weight bytes each streams over this machine's measured copy bandwidth (the
+    bound: a decode step's experts are read once);
   - decode tok/s of the whole engine on the bench checkpoint (float32) with each family
     (`planner.cpu_engine_collectives.measure_engine_decode`: the median of 3 decode spans).
 Writes bench/results/cpu_experts.json.
@@ -41,7 +42,7 @@ def routed_rows(batch: int, num_experts: int, top_k: int, hidden: int, dtype: to
     return x[flat.argsort(stable=True) // top_k].contiguous(), torch.bincount(flat, minlength=num_experts)
 
 
-def time_call(fn, repeats: int = 30) -> float:
+def time_call(fn, repeats: int = 5) -> float:
     for _ in range(3):
         fn()
     samples = []
@@ -57,13 +58,14 @@ def layer_rows(native, bandwidth_gbs: float) -> list[dict]:
     e, h, i, k = SHAPE["num_experts"], SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts_per_tok"]
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        w13 = (torch.randn(e, 2 * i, h) * 0.05).to(dtype)
-        w2 = (torch.randn(e, h, i) * 0.05).to(dtype)
+        # every layer's weights, as a decode step reads them: one layer's alone would stay in the caches
+        layers = [((torch.randn(e, 2 * i, h) * 0.05).to(dtype), (torch.randn(e, h, i) * 0.05).to(dtype))
+                  for _ in range(SHAPE["num_hidden_layers"])]
         for batch in BATCHES:
             x, counts = routed_rows(batch, e, k, h, dtype, seed=batch)
-            streamed = int((counts > 0).sum()) * 3 * i * h * w13.element_size()
-            torch_s = time_call(lambda: expert_mlp(x, counts, w13, w2))
-            native_s = time_call(lambda: native.silu_expert_mlp(x, counts, w13, w2))
+            streamed = int((counts > 0).sum()) * 3 * i * h * layers[0][0].element_size()
+            torch_s = time_call(lambda: [expert_mlp(x, counts, w13, w2) for w13, w2 in layers]) / len(layers)
+            native_s = time_call(lambda: [native.silu_expert_mlp(x, counts, w13, w2) for w13, w2 in layers]) / len(layers)
             rows.append(dict(dtype=str(dtype).removeprefix("torch."), batch=batch, weight_bytes=streamed,
                              torch_us=torch_s * 1e6, native_us=native_s * 1e6, native_over_torch=torch_s / native_s,
                              torch_gbs=streamed / torch_s / 1e9, native_gbs=streamed / native_s / 1e9,
