@@ -172,11 +172,13 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         """200 {"status": "ok"} or 503 {"status": "unhealthy"} (why is in the server log: this route is open);
+        200 {"status": "degraded"} while the ranks restart after a lost one (requests are taken and wait);
         503 {"status": "draining"} once SIGTERM came, so load balancers send the requests elsewhere."""
         if async_engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        healthy = async_engine.health().healthy
-        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+        health = async_engine.health()
+        status = "unhealthy" if not health.healthy else "degraded" if health.degraded else "ok"
+        return JSONResponse({"status": status}, status_code=200 if health.healthy else 503)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

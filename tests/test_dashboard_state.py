@@ -87,7 +87,7 @@ def test_state_shows_what_v1_expert_load_reports():
     per_rank = slot_load.view(3, 2, 5).sum(-1)
     assert torch.allclose(per_rank, torch.tensor(load["rank_load"], dtype=torch.float64))
     assert load["slot_rank"] == [0] * 5 + [1] * 5
-    assert state["health"] == {"healthy": True, "detail": "ok"}
+    assert state["health"] == {"healthy": True, "detail": "ok", "degraded": False}
 
 
 def test_timeline_records_token_rates_and_requests_while_traffic_flows():

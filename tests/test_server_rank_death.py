@@ -69,8 +69,8 @@ def _stream(http, body: dict, events: list, first_tokens: threading.Event | None
 
 def test_a_killed_rank_restarts_and_every_stream_ends_as_it_would_have(tiny_checkpoint_factory):
     """moe-serve --ep 4 --dp-attn 4 --num-redundant-experts 4, 8 greedy streams in flight, one rank SIGKILLed:
-    the server stays up, all 8 streams end normally with the text they had before the kill, /health is 200
-    again within 60 s, and the job runs on new ranks."""
+    the server stays up, all 8 streams end normally with the text they had before the kill, /health answers
+    200 throughout ("degraded" while the ranks restart, "ok" again within 60 s), and the job runs on new ranks."""
     checkpoint = tiny_checkpoint_factory("mixtral")
     server = ServerProcess(["--model", str(checkpoint), "--device", "cpu", "--ep", "4", "--dp-attn", "4",
                             "--num-redundant-experts", "4", "--served-model-name", "tiny",
@@ -92,6 +92,11 @@ def test_a_killed_rank_restarts_and_every_stream_ends_as_it_would_have(tiny_chec
             assert started.wait(60), "the streams did not start"
             os.kill(workers[2], signal.SIGKILL)
             killed_at = time.monotonic()
+            statuses = set()
+            while any(thread.is_alive() for thread in threads) and time.monotonic() - killed_at < 120:
+                health = http.get("/health")   # 200 throughout: "degraded" while the ranks restart
+                statuses.add((health.status_code, health.json()["status"]))
+                time.sleep(0.05)
             for thread in threads:
                 thread.join(max(120 - (time.monotonic() - killed_at), 0.1))
             assert not any(thread.is_alive() for thread in threads), f"streams still open:\n{server.tail()}"
@@ -101,8 +106,10 @@ def test_a_killed_rank_restarts_and_every_stream_ends_as_it_would_have(tiny_chec
                 assert not any("error" in e for e in chunks), [e for e in chunks if "error" in e]
                 assert chunks[-1]["choices"][0]["finish_reason"] == "length"
                 assert "".join(e["choices"][0]["text"] for e in chunks) == text
-            while http.get("/health").status_code != 200:
-                assert time.monotonic() - killed_at < 60, "/health not 200 within 60 s of the kill"
+            assert statuses <= {(200, "ok"), (200, "degraded")}, statuses
+            assert (200, "degraded") in statuses, statuses
+            while http.get("/health").json()["status"] != "ok":
+                assert time.monotonic() - killed_at < 60, "/health not ok within 60 s of the kill"
                 time.sleep(0.2)
             after = http.post("/v1/completions", json={**bodies[0], "stream": False}).json()
             assert after["choices"][0]["text"] == before[0]

@@ -77,3 +77,4 @@ class EngineStats:
 class EngineHealth:
     healthy: bool
     detail: str = "ok"
+    degraded: bool = False   # serving, but not all of itself (its ranks restart): requests are taken and wait

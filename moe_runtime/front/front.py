@@ -487,7 +487,7 @@ class Front:
         if self._dead is not None:
             return EngineHealth(False, self._dead)
         if self._recovering():
-            return EngineHealth(False, f"restarting the ranks after: {self.recovery.stats.recovering}")
+            return EngineHealth(True, f"restarting the ranks after: {self.recovery.stats.recovering}", degraded=True)
         return self.client.health()
 
     def shutdown(self) -> None:

@@ -69,7 +69,7 @@ class DashboardMonitor:
             "instance": self.instance,
             "now": now,
             "poll_interval_ms": self.config.poll_interval_ms,
-            "health": {"healthy": health.healthy, "detail": health.detail},
+            "health": {"healthy": health.healthy, "detail": health.detail, "degraded": health.degraded},
             "expert_load": load_view(snapshot) if snapshot is not None else None,
             "workers": [dict(dp_rank=w.dp_rank, running=w.running, waiting=w.waiting, kv_usage=w.kv_usage,
                              kv_blocks_total=w.kv_blocks_total, kv_blocks_free=w.kv_blocks_free,

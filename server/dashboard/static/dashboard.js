@@ -77,7 +77,9 @@
   function render(state) {
     dashboard.state = state;
     const time = new Date(state.now * 1000).toLocaleTimeString();
-    if (state.health.healthy) {
+    if (state.health.healthy && state.health.degraded) {
+      setStatus("pending", `degraded: ${state.health.detail}`);
+    } else if (state.health.healthy) {
       const restarted = dashboard.restarts ? ` · reconnected after a server restart` : "";
       setStatus("ok", `live · ${time}${restarted}`);
     } else {
