@@ -1,7 +1,7 @@
 """The compiled CPU expert kernel (`--kernels cpu`) against the torch one, side by side in one run.
 
 Two measurements on the MoE bench checkpoint's shape (bench_offline.py: 32 experts top-4, hidden 512,
-expert intermediate 256), float32 and bfloat16, decode batches 1 and 16, one thread:
+expert intermediate 256), float32, bfloat16 and int8 weights (per-row scales), decode batches 1 and 16, one thread:
   - the routed experts of one MoE layer (uniform top-4 routing), cycling through the model's 8 layers' weights
     as a step does (one layer's alone would stay in the caches): microseconds per layer for the torch kernel
     and the compiled one, and the weight bytes each streams over this machine's measured copy bandwidth (the
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_offline import SHAPE, build_checkpoint, copy_bandwidth_gbs   # noqa: E402
 from kernels.cpu_native.build import native_experts   # noqa: E402
 from kernels.expert_mlp import expert_mlp   # noqa: E402
+from kernels.int8_weights import int8_expert_mlp   # noqa: E402
 from moe_runtime.planner.cpu_engine_collectives import measure_engine_decode   # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -54,23 +55,44 @@ def time_call(fn, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
+def int8_rows_of(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 codes and float32 scales (the layout of --quantization int8)."""
+    scale = w.abs().amax(dim=-1).clamp(min=1e-8) / 127
+    return torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8), scale.float()
+
+
+def layer_kernels(native, weights: str, x: torch.Tensor, counts: torch.Tensor, layer):
+    """(torch call, compiled call) of one layer's experts in the `weights` format."""
+    if weights == "int8":
+        (q13, s13), (q2, s2) = layer
+        return (lambda: int8_expert_mlp(x, counts, q13, s13, q2, s2),
+                lambda: native.silu_expert_mlp(x, counts, q13, q2, s13, s2))
+    w13, w2 = layer
+    return lambda: expert_mlp(x, counts, w13, w2), lambda: native.silu_expert_mlp(x, counts, w13, w2)
+
+
 def layer_rows(native, bandwidth_gbs: float) -> list[dict]:
     e, h, i, k = SHAPE["num_experts"], SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts_per_tok"]
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for weights in ("float32", "bfloat16", "int8"):
         # every layer's weights, as a decode step reads them: one layer's alone would stay in the caches
+        dtype = torch.bfloat16 if weights == "bfloat16" else torch.float32
         layers = [((torch.randn(e, 2 * i, h) * 0.05).to(dtype), (torch.randn(e, h, i) * 0.05).to(dtype))
                   for _ in range(SHAPE["num_hidden_layers"])]
+        if weights == "int8":
+            layers = [(int8_rows_of(w13), int8_rows_of(w2)) for w13, w2 in layers]
+        element = {"float32": 4, "bfloat16": 2, "int8": 1}[weights]
         for batch in BATCHES:
             x, counts = routed_rows(batch, e, k, h, dtype, seed=batch)
-            streamed = int((counts > 0).sum()) * 3 * i * h * layers[0][0].element_size()
-            torch_s = time_call(lambda: [expert_mlp(x, counts, w13, w2) for w13, w2 in layers]) / len(layers)
-            native_s = time_call(lambda: [native.silu_expert_mlp(x, counts, w13, w2) for w13, w2 in layers]) / len(layers)
-            rows.append(dict(dtype=str(dtype).removeprefix("torch."), batch=batch, weight_bytes=streamed,
+            streamed = int((counts > 0).sum()) * 3 * i * h * element
+            calls = [layer_kernels(native, weights, x, counts, layer) for layer in layers]
+            torch_s = time_call(lambda: [torch_call() for torch_call, _ in calls]) / len(layers)
+            native_s = time_call(lambda: [native_call() for _, native_call in calls]) / len(layers)
+            rows.append(dict(dtype=weights, batch=batch, weight_bytes=streamed,
                              torch_us=torch_s * 1e6, native_us=native_s * 1e6, native_over_torch=torch_s / native_s,
                              torch_gbs=streamed / torch_s / 1e9, native_gbs=streamed / native_s / 1e9,
                              native_share_of_copy_bandwidth=streamed / native_s / 1e9 / bandwidth_gbs))
-            print(f"experts {rows[-1]['dtype']:8s} batch {batch:2d}: torch {torch_s * 1e6:8.0f} us "
+            print(f"experts {weights:8s} batch {batch:2d}: torch {torch_s * 1e6:8.0f} us "
                   f"({rows[-1]['torch_gbs']:5.1f} GB/s)  native {native_s * 1e6:8.0f} us ({rows[-1]['native_gbs']:5.1f}"
                   f" GB/s, {rows[-1]['native_share_of_copy_bandwidth']:.0%} of copy)  {rows[-1]['native_over_torch']:.2f}x",
                   flush=True)

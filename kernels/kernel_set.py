@@ -36,12 +36,14 @@ def torch_kernels() -> KernelSet:
 
 
 def cpu_kernels() -> KernelSet:
-    """The torch family with the compiled CPU expert kernel (kernels/cpu_native/) for the routed experts."""
+    """The torch family with the compiled CPU kernels (kernels/cpu_native/): routed experts (float32, bfloat16,
+    int8 weights) and int8 projections at decode row counts."""
     from dataclasses import replace
 
-    from .cpu_native.expert_kernel import cpu_expert_mlp
+    from .cpu_native.expert_kernel import cpu_expert_mlp, cpu_int8_expert_mlp, cpu_int8_linear
 
-    return replace(torch_kernels(), name="cpu", expert_mlp=cpu_expert_mlp)
+    return replace(torch_kernels(), name="cpu", expert_mlp=cpu_expert_mlp, int8_expert_mlp=cpu_int8_expert_mlp,
+                   int8_linear=cpu_int8_linear)
 
 
 def reference_kernels() -> KernelSet:

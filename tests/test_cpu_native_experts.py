@@ -10,9 +10,10 @@ import torch
 
 from engine_helpers import PROMPTS, greedy
 from kernels.cpu_native.build import native_experts
-from kernels.cpu_native.expert_kernel import cpu_expert_mlp
+from kernels.cpu_native.expert_kernel import cpu_expert_mlp, cpu_int8_expert_mlp, cpu_int8_linear
 from kernels.expert_activation import ExpertActivation
 from kernels.expert_mlp import expert_mlp
+from kernels.int8_weights import int8_expert_mlp, int8_linear
 from kernels.kernel_set import get_kernels
 from moe_runtime import LLM
 
@@ -60,6 +61,35 @@ def test_float32_activations_with_bfloat16_weights_widen_once(native):
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def _int8_rows(w: torch.Tensor):
+    """Per-row symmetric int8 codes and float32 scales of `w` [..., N, K]."""
+    scale = w.abs().amax(dim=-1).clamp(min=1e-8) / 127
+    return torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8), scale.float()
+
+
+@pytest.mark.parametrize("counts", [[1, 0, 0, 1, 0, 0, 0, 1], [9, 0, 4, 0, 20, 1, 0, 8]], ids=["decode", "prefill"])
+def test_int8_experts_match_float64_of_their_dequantized_weights(native, counts):
+    x, counts_t, w13, w2 = _case(counts, torch.float32, seed=3)
+    (q13, s13), (q2, s2) = _int8_rows(w13), _int8_rows(w2)
+    want = expert_mlp(x.double(), counts_t, (q13.double() * s13.double()[..., None]),
+                      (q2.double() * s2.double()[..., None]))
+    got = cpu_int8_expert_mlp(x, counts_t, q13, s13, q2, s2)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got, int8_expert_mlp(x, counts_t, q13, s13, q2, s2), rtol=1e-4, atol=1e-5)   # the twin
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17], ids=["1-row", "5-rows", "16-rows", "17-rows-torch"])
+def test_int8_linear_at_decode_rows_matches_float64(native, rows):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 40, generator=generator)                       # [..., K]
+    q, scale = _int8_rows(torch.randn(24, 40, generator=generator))          # [N, K]
+    bias = torch.randn(24, generator=generator)
+    want = x.double() @ (q.double() * scale.double()[:, None]).T + bias.double()
+    got = cpu_int8_linear(x, q, scale, bias)
+    assert got.shape == (1, rows, 24) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got, int8_linear(x, q, scale, bias), rtol=1e-4, atol=1e-5)
+
+
 def test_what_the_native_kernel_does_not_take_goes_to_the_torch_kernel():
     x, counts, w13, w2 = _case([2, 0, 1, 0, 0, 0, 5, 0], torch.float32, seed=2)
     b13, b2 = torch.randn(E, 2 * I), torch.randn(E, H)
@@ -82,3 +112,13 @@ def test_engine_with_the_cpu_family_gives_transformers_greedy_tokens(tiny_checkp
     with LLM(str(path), device="cpu", dtype="float32", kernels="cpu") as llm:
         outputs = llm.generate(PROMPTS[:3], greedy(12))
     assert [out.token_ids for out in outputs] == greedy_oracle("qwen3_moe", PROMPTS[:3], 12)
+
+
+def test_int8_engine_with_the_cpu_family_gives_the_torch_familys_tokens(tiny_checkpoint_factory):
+    """--quantization int8: the compiled kernels (experts and decode projections) against the torch ones."""
+    path = tiny_checkpoint_factory("qwen3_moe")
+    tokens = {}
+    for family in ("torch", "cpu"):
+        with LLM(str(path), device="cpu", dtype="float32", quantization="int8", kernels=family) as llm:
+            tokens[family] = [out.token_ids for out in llm.generate(PROMPTS[:3], greedy(12))]
+    assert tokens["cpu"] == tokens["torch"]

@@ -1,18 +1,25 @@
-"""The CPU kernel family's expert MLP: the compiled kernel (expert_mlp.cpp) where it applies, the torch one elsewhere.
+"""The CPU kernel family's expert MLPs and int8 linear: the compiled kernels (expert_mlp.cpp) where they apply,
+the torch ones elsewhere.
 
-It applies to SwiGLU experts without biases, float32 or bfloat16 weights and activations, on the CPU, when the
-kernel could be built (`build.native_experts`); gpt-oss's clamped activation, expert biases, other dtypes and
-devices take the torch kernel (`kernels/expert_mlp.py`), which stays the twin these are tested against.
+They apply on the CPU when the kernel could be built (`build.native_experts`), outside a captured step (no graph
+break): SwiGLU experts without biases, float32 / bfloat16 / int8 (per-row scales) weights, float32 or bfloat16
+activations; an int8 projection at up to `LINEAR_MAX_ROWS` rows (decode). gpt-oss's clamped activation, expert
+biases, other dtypes and devices, and larger row counts take the torch kernels (`kernels/expert_mlp.py`,
+`kernels/int8_weights.py`), which stay the twins these are tested against.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from kernels.cpu_native.build import native_experts
 from kernels.expert_activation import ExpertActivation
 from kernels.expert_mlp import check_expert_biases, check_expert_weights, check_sorted_counts, expert_mlp
+from kernels.int8_weights import check_int8_expert_weights, check_int8_weight, int8_expert_mlp, int8_linear
 
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+LINEAR_MAX_ROWS = 16   # more rows: the torch GEMM's blocking wins over one pass per weight row
 
 
 def cpu_expert_mlp(
@@ -25,18 +32,47 @@ def cpu_expert_mlp(
     b2: torch.Tensor | None = None,    # [E, H]
     activation: ExpertActivation = ExpertActivation(),
 ) -> torch.Tensor:            # [N, H], unweighted
-    native = native_experts() if _native_applies(x_sorted, w13, w2, b13, b2, activation) else None
+    applies = activation.is_silu and b13 is None and b2 is None and w13.dtype in ACTIVATION_DTYPES
+    native = native_experts() if applies and _on_cpu(x_sorted) and w13.dtype == w2.dtype else None
     if native is None:
         return expert_mlp(x_sorted, counts, w13, w2, b13=b13, b2=b2, activation=activation)
     check_expert_weights(x_sorted.shape[-1], w13, w2)
     check_expert_biases(w13, w2, b13, b2)
     check_sorted_counts(x_sorted, counts, w13.shape[0])
-    return native.silu_expert_mlp(x_sorted.contiguous(), counts.to(torch.int64).contiguous(), w13.contiguous(),
-                                  w2.contiguous())
+    return native.silu_expert_mlp(x_sorted.contiguous(), _host_counts(counts), w13.contiguous(), w2.contiguous())
 
 
-def _native_applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13, b2,
-                    activation: ExpertActivation) -> bool:
-    return (x.device.type == "cpu" and activation.is_silu and b13 is None and b2 is None
-            and x.dtype in NATIVE_DTYPES and w13.dtype in NATIVE_DTYPES and w13.dtype == w2.dtype
-            and not torch.compiler.is_compiling())   # a captured step keeps the torch kernel: no graph break
+def cpu_int8_expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                        w2: torch.Tensor, w2_scale: torch.Tensor) -> torch.Tensor:   # see int8_expert_mlp
+    native = native_experts() if _on_cpu(x_sorted) else None
+    if native is None:
+        return int8_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale)
+    check_int8_expert_weights(x_sorted.shape[-1], w13, w13_scale, w2, w2_scale)
+    check_sorted_counts(x_sorted, counts, w13.shape[0])
+    return native.silu_expert_mlp(x_sorted.contiguous(), _host_counts(counts), w13.contiguous(), w2.contiguous(),
+                                  w13_scale.float().contiguous(), w2_scale.float().contiguous())
+
+
+def cpu_int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:   # see int8_linear
+    rows = math.prod(x.shape[:-1])
+    native = native_experts() if _on_cpu(x) and rows <= LINEAR_MAX_ROWS else None
+    if native is None:
+        return int8_linear(x, weight, scale, bias)
+    check_int8_weight(weight, scale)
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"int8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [..., K] and "
+                         f"[N, K]")
+    out = native.rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous(),
+                             scale.float().reshape(-1).contiguous())   # [T, N]
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _on_cpu(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in ACTIVATION_DTYPES and not torch.compiler.is_compiling()
+
+
+def _host_counts(counts: torch.Tensor) -> torch.Tensor:
+    return counts.to(torch.int64).contiguous()

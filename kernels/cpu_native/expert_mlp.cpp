@@ -1,7 +1,8 @@
 // Routed experts of a decode step on the CPU, as llama.cpp's mul_mat_id runs them: each busy expert's weights
 // are streamed once for all the rows that chose it (gate/up rows dotted with every row of its segment while they
-// are in cache, then the down rows), SwiGLU fused between the two, float32 accumulation. Weights are float32 or
-// bfloat16 (widened in registers); activations float32 or bfloat16 (widened once per segment). Threads split
+// are in cache, then the down rows), SwiGLU fused between the two, float32 accumulation. Weights are float32,
+// bfloat16 (widened in registers) or int8 with a float32 scale per row (converted in registers, the scale on the
+// dot product); activations float32 or bfloat16 (widened once per segment). Threads split
 // the experts' output rows (at::parallel_for), so one busy expert still uses every core.
 //
 // The dot products are AVX2 + FMA intrinsics where the CPU has them (built with -march=native for the machine it
@@ -22,6 +23,7 @@ namespace {
 
 
 inline float widen(float v) { return v; }
+inline float widen(int8_t v) { return static_cast<float>(v); }
 inline float widen(c10::BFloat16 v) {
   uint32_t bits = static_cast<uint32_t>(v.x) << 16;
   float out;
@@ -32,6 +34,9 @@ inline float widen(c10::BFloat16 v) {
 #ifdef __AVX2__
 // 8 weights as float32: loaded, or bfloat16 widened (its 16 bits become a float32's high half)
 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const int8_t* w) {   // int8 codes as float32 (the row's scale multiplies the dot product)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
 inline __m256 load8(const c10::BFloat16* w) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
@@ -117,34 +122,36 @@ struct Activations {
 // tasks are (expert, output) pairs split over the threads.
 template <typename W, typename Store>
 void project(const Activations& a, const int64_t* counts, const int64_t* busy, int64_t num_busy, const W* weights,
-             int64_t outputs, Store store) {
+             const float* scales, int64_t outputs, Store store) {   // scales [E, outputs] (int8 rows) or null
   const int64_t n = a.width;
   at::parallel_for(0, num_busy * outputs, 16, [&](int64_t begin, int64_t end) {
     float block[4];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / outputs, j = task % outputs, e = busy[b], c = counts[e];
       const W* w_row = weights + (e * outputs + j) * n;
+      const float scale = scales != nullptr ? scales[e * outputs + j] : 1.f;
       const float* rows = a.data.data() + a.at[b];
       int64_t r = 0;
       for (; r + 4 <= c; r += 4) {
         dot_four(w_row, rows + r * n, n, block);
-        for (int64_t q = 0; q < 4; ++q) store(b, r + q, j, block[q]);
+        for (int64_t q = 0; q < 4; ++q) store(b, r + q, j, block[q] * scale);
       }
-      for (; r < c; ++r) store(b, r, j, dot_one(w_row, rows + r * n, n));
+      for (; r < c; ++r) store(b, r, j, dot_one(w_row, rows + r * n, n) * scale);
     }
   });
 }
 
 template <typename W, typename X>
 void run_experts(const X* x, const int64_t* starts, const int64_t* counts, const int64_t* busy, int64_t num_busy,
-                 const W* w13, const W* w2, X* out, int64_t hidden, int64_t inter) {
+                 const W* w13, const float* w13_scale, const W* w2, const float* w2_scale, X* out, int64_t hidden,
+                 int64_t inter) {
   std::vector<int64_t> first(num_busy + 1, 0);   // each busy expert's first row among all busy rows
   for (int64_t b = 0; b < num_busy; ++b) first[b + 1] = first[b] + counts[busy[b]];
   std::vector<int64_t> x_start(num_busy);
   for (int64_t b = 0; b < num_busy; ++b) x_start[b] = starts[busy[b]];
   const Activations xs = Activations::pack(x, x_start.data(), counts, busy, num_busy, hidden);
   std::vector<float> gate_up(first[num_busy] * 2 * inter);
-  project(xs, counts, busy, num_busy, w13, 2 * inter,
+  project(xs, counts, busy, num_busy, w13, w13_scale, 2 * inter,
           [&](int64_t b, int64_t r, int64_t j, float v) { gate_up[(first[b] + r) * 2 * inter + j] = v; });
   std::vector<float> act(first[num_busy] * inter);
   for (int64_t row = 0; row < first[num_busy]; ++row) {
@@ -153,40 +160,108 @@ void run_experts(const X* x, const int64_t* starts, const int64_t* counts, const
   }
   // the activations packed as the gate/up inputs were (float32 already)
   const Activations acts = Activations::pack(act.data(), first.data(), counts, busy, num_busy, inter);
-  project(acts, counts, busy, num_busy, w2, hidden, [&](int64_t b, int64_t r, int64_t h, float v) {
+  project(acts, counts, busy, num_busy, w2, w2_scale, hidden, [&](int64_t b, int64_t r, int64_t h, float v) {
     out[(starts[busy[b]] + r) * hidden + h] = static_cast<X>(v);
   });
 }
 
-// x_sorted [N, H] grouped by expert, counts [E] int64 (on the host), w13 [E, 2I, H], w2 [E, H, I] -> [N, H]
-torch::Tensor silu_expert_mlp(torch::Tensor x_sorted, torch::Tensor counts, torch::Tensor w13, torch::Tensor w2) {
+struct Segments {
+  std::vector<int64_t> starts, busy;
+};
+
+Segments segments_of(const torch::Tensor& counts, int64_t rows) {
+  TORCH_CHECK(counts.scalar_type() == torch::kInt64 && counts.is_contiguous(), "expert_mlp: counts int64");
+  const int64_t* count = counts.data_ptr<int64_t>();
+  Segments s{std::vector<int64_t>(counts.numel()), {}};
+  int64_t start = 0;
+  for (int64_t e = 0; e < counts.numel(); ++e) {
+    s.starts[e] = start;
+    start += count[e];
+    if (count[e] > 0) s.busy.push_back(e);
+  }
+  TORCH_CHECK(start == rows, "expert_mlp: counts sum to ", start, ", x has ", rows, " rows");
+  return s;
+}
+
+// x_sorted [N, H] grouped by expert, counts [E] int64 (on the host), w13 [E, 2I, H], w2 [E, H, I] -> [N, H];
+// int8 weights come with their rows' float32 scales (w13_scale [E, 2I], w2_scale [E, H]).
+torch::Tensor silu_expert_mlp(torch::Tensor x_sorted, torch::Tensor counts, torch::Tensor w13, torch::Tensor w2,
+                              c10::optional<torch::Tensor> w13_scale, c10::optional<torch::Tensor> w2_scale) {
   TORCH_CHECK(x_sorted.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, "expert_mlp: x [N, H], w13 [E, 2I, H], w2 [E, H, I]");
   TORCH_CHECK(x_sorted.is_contiguous() && w13.is_contiguous() && w2.is_contiguous(), "expert_mlp: contiguous tensors");
-  TORCH_CHECK(counts.scalar_type() == torch::kInt64 && counts.is_contiguous(), "expert_mlp: counts int64");
   TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "expert_mlp: w13 and w2 of one dtype");
   const int64_t num_experts = w13.size(0), hidden = x_sorted.size(1), inter = w2.size(2);
-  TORCH_CHECK(w13.size(1) == 2 * inter && w13.size(2) == hidden && w2.size(1) == hidden, "expert_mlp: shapes");
-  auto out = torch::empty_like(x_sorted);
-  const int64_t* count = counts.data_ptr<int64_t>();
-  std::vector<int64_t> starts(num_experts), busy;
-  int64_t start = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    starts[e] = start;
-    start += count[e];
-    if (count[e] > 0) busy.push_back(e);
-  }
-  TORCH_CHECK(start == x_sorted.size(0), "expert_mlp: counts sum to ", start, ", x has ", x_sorted.size(0), " rows");
+  TORCH_CHECK(w13.size(1) == 2 * inter && w13.size(2) == hidden && w2.size(1) == hidden && w2.size(0) == num_experts,
+              "expert_mlp: shapes");
+  TORCH_CHECK(counts.numel() == num_experts, "expert_mlp: one count per expert");
   const auto wt = w13.scalar_type(), xt = x_sorted.scalar_type();
-  TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16, "expert_mlp: float32 or bfloat16 weights");
+  const bool int8 = wt == torch::kInt8;
+  TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16 || int8, "expert_mlp: float32, bfloat16 or int8 weights");
   TORCH_CHECK(xt == torch::kFloat32 || xt == torch::kBFloat16, "expert_mlp: float32 or bfloat16 activations");
-  const int64_t nb = static_cast<int64_t>(busy.size());
-#define RUN(W, X)                                                                                      \
-  run_experts<W, X>(x_sorted.data_ptr<X>(), starts.data(), count, busy.data(), nb, w13.data_ptr<W>(), \
-                    w2.data_ptr<W>(), out.data_ptr<X>(), hidden, inter)
-  if (wt == torch::kFloat32 && xt == torch::kFloat32) RUN(float, float);
-  else if (wt == torch::kBFloat16 && xt == torch::kBFloat16) RUN(c10::BFloat16, c10::BFloat16);
-  else if (wt == torch::kBFloat16 && xt == torch::kFloat32) RUN(c10::BFloat16, float);
-  else RUN(float, c10::BFloat16);
+  TORCH_CHECK(int8 == (w13_scale.has_value() && w2_scale.has_value()), "expert_mlp: scales exactly with int8 weights");
+  const float* s13 = nullptr;
+  const float* s2 = nullptr;
+  if (int8) {
+    TORCH_CHECK(w13_scale->scalar_type() == torch::kFloat32 && w13_scale->is_contiguous() &&
+                w13_scale->numel() == num_experts * 2 * inter && w2_scale->scalar_type() == torch::kFloat32 &&
+                w2_scale->is_contiguous() && w2_scale->numel() == num_experts * hidden,
+                "expert_mlp: float32 row scales [E, 2I] and [E, H]");
+    s13 = w13_scale->data_ptr<float>();
+    s2 = w2_scale->data_ptr<float>();
+  }
+  const Segments seg = segments_of(counts, x_sorted.size(0));
+  auto out = torch::empty_like(x_sorted);
+  const int64_t nb = static_cast<int64_t>(seg.busy.size());
+  const int64_t* count = counts.data_ptr<int64_t>();
+#define RUN(W, X)                                                                                             \
+  run_experts<W, X>(x_sorted.data_ptr<X>(), seg.starts.data(), count, seg.busy.data(), nb, w13.data_ptr<W>(), \
+                    s13, w2.data_ptr<W>(), s2, out.data_ptr<X>(), hidden, inter)
+  const bool x32 = xt == torch::kFloat32;
+  if (int8) {
+    if (x32) RUN(int8_t, float); else RUN(int8_t, c10::BFloat16);
+  } else if (wt == torch::kFloat32) {
+    if (x32) RUN(float, float); else RUN(float, c10::BFloat16);
+  } else {
+    if (x32) RUN(c10::BFloat16, float); else RUN(c10::BFloat16, c10::BFloat16);
+  }
+#undef RUN
+  return out;
+}
+
+// x [M, K] @ w[N, K].T (* scale[N] for int8 rows) -> [M, N] in x's dtype: a projection at few rows, each weight
+// row read once for all of them (the dense layers' and the LM head's decode GEMV).
+torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rows_linear: contiguous tensors");
+  const auto wt = w.scalar_type(), xt = x.scalar_type();
+  const bool int8 = wt == torch::kInt8;
+  TORCH_CHECK(int8 == scale.has_value(), "rows_linear: a scale exactly with int8 weights");
+  TORCH_CHECK(xt == torch::kFloat32 || xt == torch::kBFloat16, "rows_linear: float32 or bfloat16 activations");
+  TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16 || int8, "rows_linear: float32, bfloat16 or int8 weights");
+  const float* scales = nullptr;
+  if (int8) {
+    TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() && scale->numel() == w.size(0),
+                "rows_linear: float32 scale [N]");
+    scales = scale->data_ptr<float>();
+  }
+  const int64_t m = x.size(0), n_out = w.size(0);
+  auto out = torch::empty({m, n_out}, x.options());
+  const int64_t counts[1] = {m}, busy[1] = {0}, start[1] = {0};
+#define RUN(W, X)                                                                                           \
+  {                                                                                                         \
+    const Activations a = Activations::pack(x.data_ptr<X>(), start, counts, busy, 1, x.size(1));           \
+    X* o = out.data_ptr<X>();                                                                               \
+    project(a, counts, busy, 1, w.data_ptr<W>(), scales, n_out,                                             \
+            [&](int64_t, int64_t r, int64_t j, float v) { o[r * n_out + j] = static_cast<X>(v); });         \
+  }
+  const bool x32 = xt == torch::kFloat32;
+  if (int8) {
+    if (x32) RUN(int8_t, float) else RUN(int8_t, c10::BFloat16)
+  } else if (wt == torch::kFloat32) {
+    if (x32) RUN(float, float) else RUN(float, c10::BFloat16)
+  } else {
+    if (x32) RUN(c10::BFloat16, float) else RUN(c10::BFloat16, c10::BFloat16)
+  }
 #undef RUN
   return out;
 }
@@ -194,5 +269,9 @@ torch::Tensor silu_expert_mlp(torch::Tensor x_sorted, torch::Tensor counts, torc
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("silu_expert_mlp", &silu_expert_mlp, "routed SwiGLU experts over rows grouped by expert (see the file's top)");
+  m.def("silu_expert_mlp", &silu_expert_mlp, "routed SwiGLU experts over rows grouped by expert (see the file's top)",
+        py::arg("x_sorted"), py::arg("counts"), py::arg("w13"), py::arg("w2"), py::arg("w13_scale") = py::none(),
+        py::arg("w2_scale") = py::none());
+  m.def("rows_linear", &rows_linear, "x [M, K] @ w[N, K].T at few rows (int8 weights with a scale per row)",
+        py::arg("x"), py::arg("w"), py::arg("scale") = py::none());
 }
