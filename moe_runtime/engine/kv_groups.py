@@ -94,10 +94,14 @@ class KVCacheLayout:
         return cls(KVGroups.single())
 
     @classmethod
-    def plan(cls, spans: list[AttentionSpan], config: EngineConfig,
-             state_layers: tuple[int, ...] = ()) -> "KVCacheLayout":
-        """The layout of a model whose layers have `spans` (and `state_layers` keeping recurrent states), under
-        `config` (which is refused, naming the flag, where windowed groups or state slots are not supported yet)."""
+    def plan(cls, spans: list[AttentionSpan], config: EngineConfig, state_layers: tuple[int, ...] = (),
+             sparse_layers: tuple[int, ...] = ()) -> "KVCacheLayout":
+        """The layout of a model whose layers have `spans` (and `state_layers` keeping recurrent states,
+        `sparse_layers` attending through a lightning indexer), under `config` (which is refused, naming the flag,
+        where windowed groups, state slots or sparse attention are not supported yet). A sparse layer's index keys
+        need no group of their own: one per token, in the full group's blocks (moe_runtime/layers/sparse_mla.py)."""
+        if sparse_layers:
+            _refuse_sparse_attention_layouts(config, sparse_layers)
         if state_layers:
             return cls(KVGroups.single(), state_slots=_state_slots(config, state_layers))
         groups = KVGroups.of_layers(spans)
@@ -126,3 +130,14 @@ def _state_slots(config: EngineConfig, state_layers: tuple[int, ...]) -> int:
         raise EngineConfigError(f"--cp {config.cp}: this model's linear-attention layers ({len(state_layers)}) keep "
                                 "recurrent states, which context parallelism does not split yet")
     return config.max_num_seqs
+
+
+def _refuse_sparse_attention_layouts(config: EngineConfig, sparse_layers: tuple[int, ...]) -> None:
+    """What DeepSeek Sparse Attention's torch path does not run yet, refused by flag: context parallelism (its
+    ranks would choose tokens from pieces of a sequence), a captured decode step (the selection loops over the
+    step's sequences on the host) and P/D disaggregation (untested with the index keys in the blocks)."""
+    for flag, active in ((f"--cp {config.cp}", config.cp > 1), ("--enable-torch-compile", config.enable_torch_compile),
+                         (f"--disaggregation-mode {config.disaggregation_mode}", config.disaggregation_mode != "none")):
+        if active:
+            raise EngineConfigError(f"{flag}: this model's {len(sparse_layers)} DeepSeek Sparse Attention layers "
+                                    "(lightning indexer, top-k tokens per query) do not support it yet")

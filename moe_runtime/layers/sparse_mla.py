@@ -1,0 +1,114 @@
+"""Multi-head latent attention over the tokens a lightning indexer chose (DeepSeek Sparse Attention: DeepSeek-V3.2,
+GLM-5).
+
+Each query attends to at most `index_topk` tokens of its sequence, those its layer's indexer scored best among
+the tokens at or before it (moe_runtime/layers/lightning_indexer.py), in prefill, chunked prefill and decode
+alike. Attention is MLA's absorbed form: the latents of the chosen tokens are gathered from the paged cache and
+the queries, W_UK folded in, attend to them in the latent space. A GLM-5 "shared" layer has no indexer of its
+own: it reuses the tokens the last indexer layer below it chose in the same step (kept on the step's
+`AttentionBatch`, so two micro-batches in flight keep theirs apart), and caches no index keys.
+
+The index keys live in the layer's cache beside the latents, one per token, in the same blocks and slots
+(`KVCacheSpec.value_dim`): the full group's block table allocates them, the prefix cache keeps them with the
+latents, the cache budget counts their bytes, and a P/D transfer moves them with the blocks.
+
+This is the torch path: per sequence, in bounded slabs of query rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
+from moe_runtime.layers.lightning_indexer import IndexQueries, LightningIndexer, TokenSelection
+from moe_runtime.layers.mla import MultiHeadLatentAttention
+
+SLAB_ELEMENTS = 1 << 24   # the most fp32 scores or gathered latents one slab of query rows materialises
+
+
+class SparseLatentAttention(MultiHeadLatentAttention):
+    def __init__(self, *args, indexer: LightningIndexer | None, selecting_layer: int, **kwargs):
+        """MLA's arguments, and `indexer` (None: reuse the tokens layer `selecting_layer`, an indexer layer
+        below, chose this step; with an indexer, `selecting_layer` is this layer's own index)."""
+        super().__init__(*args, **kwargs)
+        if self.shape.q_lora_rank is None:
+            raise ValueError("sparse MLA projects its index queries from the query latent: it needs q_lora_rank")
+        self.indexer = indexer
+        self.selecting_layer = selecting_layer
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Per token the latent and rotated key (keys), and the index key (the second tensor) where this layer
+        has an indexer."""
+        s = self.shape
+        index_dim = None if self.indexer is None else self.indexer.shape.head_dim
+        return KVCacheSpec(1, s.kv_lora_rank + s.qk_rope_head_dim, index_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch, cache: LayerKVCache):
+        s = self.shape
+        num_tokens = x.shape[0]
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))                                 # [T, q_lora]
+        q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, s.qk_head_dim)
+        q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)      # [T, h, nope], [T, h, rope]
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)                                            # [T, L]
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None, :])                     # [T, h, rope], [T, 1, rope]
+        index_queries = index_keys = None
+        if self.indexer is not None:
+            index_queries, index_keys = self.indexer.project(positions, x, q_latent)    # [T, heads, D], [T, D]
+            index_keys = index_keys[:, None, :]                                         # [T, 1, D]
+        batch.write_kv(cache, torch.cat([latent[:, None, :], k_pe], dim=-1), index_keys)
+        out_latent = self._attend_chosen(self._absorbed_queries(q_nope, q_pe), index_queries, batch, cache)
+        out = self._values_of_latent(out_latent)                                        # [T, h, v]
+        out = self.o_proj(out.reshape(num_tokens, self.num_heads * s.v_head_dim))
+        if self.tp_size > 1:
+            out = self.o_proj.reduce(out, self.tp_group)
+        return out
+
+    def _attend_chosen(self, q_full: torch.Tensor, index_queries: IndexQueries | None, batch: AttentionBatch,
+                       cache: LayerKVCache) -> torch.Tensor:   # q_full [T, h, L + rope] -> [T, h, L]
+        """Each sequence's queries, slab by slab, over the tokens chosen for them (chosen here, or by the
+        selecting layer earlier in this step)."""
+        s = self.shape
+        latent_dim = s.kv_lora_rank
+        out = q_full.new_empty(q_full.shape[0], self.num_heads, latent_dim)
+        entries = cache.keys.view(-1, latent_dim + s.qk_rope_head_dim)                  # [slots, L + rope]
+        chosen_by_seq = batch.token_selections.setdefault(self.selecting_layer, {})
+        for seq in range(batch.num_seqs):
+            start, count, context = batch.query_start[seq], batch.query_lens[seq], batch.context_lens[seq]
+            if count == 0:
+                continue
+            slots = batch.context_slots(seq)                                            # [S]
+            if self.indexer is not None:
+                chosen_by_seq[seq] = self._choose(index_queries.rows(start, start + count), cache, slots, context)
+            chosen: TokenSelection = chosen_by_seq[seq]
+            width = chosen.positions.shape[1]
+            step = slab_rows(width * (entries.shape[-1] + self.num_heads))             # latents and logits
+            for first in range(0, count, step):
+                last = min(first + step, count)
+                rows = slice(start + first, start + last)
+                picked = entries.index_select(0, slots[chosen.positions[first:last].reshape(-1)])
+                picked = picked.view(last - first, -1, entries.shape[-1]).float()     # [n, k, L + rope]
+                logits = torch.einsum("nhd,nkd->nhk", q_full[rows].float(), picked) * self.scale
+                logits = logits.masked_fill(~chosen.valid[first:last, None, :], float("-inf"))
+                probs = torch.softmax(logits, dim=-1)                                   # [n, h, k]
+                out[rows] = torch.einsum("nhk,nkl->nhl", probs, picked[..., :latent_dim]).to(out.dtype)
+        return out
+
+    def _choose(self, queries: IndexQueries, cache: LayerKVCache, slots: torch.Tensor,
+                context: int) -> TokenSelection:
+        """The indexer's choice for one sequence's new queries (the last `n` positions of its context), slab by
+        slab of query rows."""
+        index_keys = cache.values.view(-1, cache.values.shape[-1]).index_select(0, slots)   # [S, D]
+        count = queries.queries.shape[0]
+        positions = torch.arange(context - count, context, device=slots.device)           # [n]
+        step = slab_rows(self.indexer.shape.num_heads * context)                      # index scores
+        parts = [self.indexer.select(queries.rows(first, first + step), index_keys, positions[first:first + step])
+                 for first in range(0, count, step)]
+        if len(parts) == 1:
+            return parts[0]
+        return TokenSelection(torch.cat([p.positions for p in parts]), torch.cat([p.valid for p in parts]))
+
+
+def slab_rows(elements_per_row: int) -> int:
+    """Query rows per slab when each row materialises `elements_per_row` values: within SLAB_ELEMENTS."""
+    return max(SLAB_ELEMENTS // max(elements_per_row, 1), 1)

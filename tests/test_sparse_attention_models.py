@@ -1,0 +1,145 @@
+"""DeepSeek-V3.2 (`DeepseekV32ForCausalLM`) and GLM-5 (`GlmMoeDsaForCausalLM`), DeepSeek Sparse Attention: each
+query attends only to the tokens its layer's lightning indexer scored best. They give transformers' greedy tokens
+and prompt logprobs on one rank, with prefills cut into steps of a few tokens, with a cached prefix reused, with EP
++ DP attention, with attention TP and with two pipeline stages.
+
+The tiny models keep 8 tokens per query (`index_topk`) and the prompts are 17 to 40 tokens long, several KV blocks:
+most queries see more tokens than they may attend to, so a wrong choice changes the tokens (the oracle's own tokens
+with every token attended differ: `test_the_indexer_really_limits_attention`). GLM-5's third layer reuses its
+second layer's choice (a shared indexer layer). What is not supported yet is refused by name and tested here.
+"""
+from __future__ import annotations
+
+import pytest
+
+from lazy_engines import tiny_engine_pool
+from engine_helpers import greedy
+from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
+from tiny_checkpoints import HFOracle
+from moe_runtime import LLM
+from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
+from moe_runtime.config.model_config import load_hf_config
+from moe_runtime.engine.core import EngineCore
+from moe_runtime.engine.kv_groups import KVCacheLayout
+from moe_runtime.engine.sparse_layers import sparse_attention_layers
+from moe_runtime.errors import EngineDeadError
+from moe_runtime.layers.attention_span import AttentionSpan
+
+ARCHS = ["deepseek_v32", "glm_moe_dsa"]
+INDEX_TOPK = 8
+NEW_TOKENS = 6
+NUM_TOP = 3
+PROMPTS = [  # several KV blocks of 16, all longer than INDEX_TOPK
+    [(7 * i + 3) % 500 + 5 for i in range(40)],
+    [(11 * i + 1) % 480 + 9 for i in range(23)],
+    [(5 * i + 2) % 490 + 7 for i in range(37)],
+    [(13 * i + 4) % 470 + 6 for i in range(17)],
+]
+SHARED_PREFIX = PROMPTS[0][:32] + [(3 * i + 11) % 450 + 8 for i in range(6)]   # two cached blocks, its own tail
+LAYOUTS = {
+    "one_rank": {},
+    "chunked_prefix": dict(max_num_batched_tokens=5, enable_chunked_prefill=True, enable_prefix_caching=True),
+    "ep2_dp2": dict(ep=2, dp_attn=2),
+    "ep2_attention_tp2": dict(ep=2, dp_attn=1),   # 8 MLA heads split in two; each rank runs the whole indexer
+    "pp2": dict(pp=2, pp_layers=(1, 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint_factory):
+    with tiny_engine_pool(tiny_checkpoint_factory, LAYOUTS) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def expected(greedy_oracle):
+    """arch (, prompts) -> transformers' tokens, which must vary (the same one or two tokens would test little)."""
+    def get(arch: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+        tokens = greedy_oracle(arch, prompts, NEW_TOKENS)
+        assert max(len(set(continuation)) for continuation in tokens) > 2, f"{arch}: degenerate oracle tokens"
+        return tokens
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_indexer_really_limits_attention(arch, tiny_checkpoint_factory, expected):
+    """The same weights attending to every token continue differently: the top-k choice is what is tested."""
+    assert min(map(len, PROMPTS)) > 2 * INDEX_TOPK
+    dense = HFOracle(tiny_checkpoint_factory(arch, index_topk=4096)).greedy(PROMPTS, NEW_TOKENS)
+    assert dense != expected(arch)
+
+
+def assert_tokens_and_prompt_logprobs_match(llm: LLM, arch: str, expected, hf_oracles) -> None:
+    outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS, prompt_logprobs=NUM_TOP))
+    assert [o.token_ids for o in outputs] == expected(arch)
+    for prompt, output in zip(PROMPTS, outputs):
+        want = expected_logprobs(hf_oracles(arch), prompt)
+        assert_prompt_logprobs_match(output.prompt_logprobs, want, prompt, NUM_TOP)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_rank_tokens_and_prompt_logprobs_equal_transformers(arch, engines, expected, hf_oracles):
+    assert_tokens_and_prompt_logprobs_match(engines(arch, "one_rank"), arch, expected, hf_oracles)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_and_a_cached_prefix_keep_the_tokens(arch, engines, expected):
+    """Prefills in steps of 5 tokens (each chunk's queries choose among the earlier chunks' cached index keys);
+    then a prompt sharing the first two blocks of one already served reads their latents and index keys from
+    the prefix cache."""
+    llm = engines(arch, "chunked_prefix")
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
+    hits = llm.engine.stats().prefix_cache_hits
+    [shared] = llm.generate([SHARED_PREFIX], greedy(NEW_TOKENS))
+    assert llm.engine.stats().prefix_cache_hits > hits, "the shared prefix did not reuse its cached blocks"
+    assert shared.token_ids == expected(arch, [SHARED_PREFIX])[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_expert_parallel_with_dp_attention_matches(arch, engines, expected):
+    llm = engines(arch, "ep2_dp2")
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
+    [single] = llm.generate([PROMPTS[1]], greedy(NEW_TOKENS))   # the other DP worker runs empty batches
+    assert single.token_ids == expected(arch)[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_tensor_parallel_matches(arch, engines, expected, hf_oracles):
+    assert_tokens_and_prompt_logprobs_match(engines(arch, "ep2_attention_tp2"), arch, expected, hf_oracles)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pipeline_parallel_stages_match(arch, engines, expected):
+    """Layer 0 on the first stage, 1 and 2 on the second (GLM-5's shared layer 2 beside the layer choosing for it)."""
+    assert [o.token_ids for o in engines(arch, "pp2").generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
+
+
+@pytest.mark.slow
+def test_a_stage_starting_at_a_shared_indexer_layer_is_refused(tiny_checkpoint_factory):
+    """Split evenly, GLM-5's second stage would start at layer 2, whose tokens layer 1 on the first stage chooses."""
+    with pytest.raises(EngineDeadError, match=r"InvalidRequestError: pp=2: .* shared indexer layer that reuses "
+                                              r"layer 1's tokens.* pp_layers"):
+        LLM(str(tiny_checkpoint_factory("glm_moe_dsa")), device="cpu", dtype="float32", pp=2)
+
+
+@pytest.mark.parametrize("flag,options", [("--cp 2", dict(cp=2, ep=2)),
+                                          ("--enable-torch-compile", dict(enable_torch_compile=True)),
+                                          ("--disaggregation-mode prefill", dict(disaggregation_mode="prefill")),
+                                          ("--disaggregation-mode decode", dict(disaggregation_mode="decode"))])
+def test_layouts_not_supported_yet_are_refused_by_name(flag, options):
+    config = EngineConfig(model="unused", **options)
+    with pytest.raises(EngineConfigError, match=rf"{flag}: .*DeepSeek Sparse Attention"):
+        KVCacheLayout.plan([AttentionSpan()] * 3, config, sparse_layers=(0, 1, 2))
+
+
+def test_the_engine_plans_the_sparse_layers_of_a_checkpoint(tiny_checkpoint_factory):
+    """What the engine asks of a checkpoint before planning: every layer of both models attends sparsely."""
+    for arch in ARCHS:
+        config = load_hf_config(tiny_checkpoint_factory(arch))
+        assert sparse_attention_layers(config) == (0, 1, 2)
+    with pytest.raises(EngineConfigError, match="--enable-torch-compile: .*DeepSeek Sparse Attention"):
+        EngineCore(EngineConfig(model=str(tiny_checkpoint_factory("deepseek_v32")), device="cpu", dtype="float32",
+                                enable_torch_compile=True, torch_compile_backend="eager"))
