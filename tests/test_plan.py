@@ -96,9 +96,11 @@ def test_window_pool_rule_is_the_runtimes():
                                                                                seqs, budget)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "deepseek_v32",
+                                  "glm_moe_dsa"])
 def test_kv_capacity_is_the_engines_block_count(tiny_checkpoint_factory, arch):
-    """Full, MLA, sliding-window and chunked layers: the predicted blocks are exactly those the engine makes."""
+    """Full, MLA, sliding-window and chunked layers, and sparse MLA layers with their index keys (GLM-5's shared
+    layer without): the predicted blocks are exactly those the engine makes."""
     from moe_runtime.engine.core import EngineCore
 
     path = tiny_checkpoint_factory(arch)
