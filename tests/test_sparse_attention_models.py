@@ -126,9 +126,7 @@ def test_a_stage_starting_at_a_shared_indexer_layer_is_refused(tiny_checkpoint_f
 
 
 @pytest.mark.parametrize("flag,options", [("--cp 2", dict(cp=2, ep=2)),
-                                          ("--enable-torch-compile", dict(enable_torch_compile=True)),
-                                          ("--disaggregation-mode prefill", dict(disaggregation_mode="prefill")),
-                                          ("--disaggregation-mode decode", dict(disaggregation_mode="decode"))])
+                                          ("--enable-torch-compile", dict(enable_torch_compile=True))])
 def test_layouts_not_supported_yet_are_refused_by_name(flag, options):
     config = EngineConfig(model="unused", **options)
     with pytest.raises(EngineConfigError, match=rf"{flag}: .*DeepSeek Sparse Attention"):
