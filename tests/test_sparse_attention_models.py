@@ -1,7 +1,8 @@
 """DeepSeek-V3.2 (`DeepseekV32ForCausalLM`) and GLM-5 (`GlmMoeDsaForCausalLM`), DeepSeek Sparse Attention: each
 query attends only to the tokens its layer's lightning indexer scored best. They give transformers' greedy tokens
 and prompt logprobs on one rank, with prefills cut into steps of a few tokens, with a cached prefix reused, with EP
-+ DP attention, with attention TP and with two pipeline stages.
++ DP attention, with attention TP, with two pipeline stages and with n-gram speculative decoding (a verify step's
+queries each choose their own tokens). P/D: tests/test_pd_sparse_attention.py.
 
 The tiny models keep 8 tokens per query (`index_topk`) and the prompts are 17 to 40 tokens long, several KV blocks:
 most queries see more tokens than they may attend to, so a wrong choice changes the tokens (the oracle's own tokens
@@ -42,7 +43,11 @@ LAYOUTS = {
     "ep2_dp2": dict(ep=2, dp_attn=2),
     "ep2_attention_tp2": dict(ep=2, dp_attn=1),   # 8 MLA heads split in two; each rank runs the whole indexer
     "pp2": dict(pp=2, pp_layers=(1, 2)),
+    "ngram_speculation": dict(speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                                      prompt_lookup_max=3)),
 }
+SPECULATED_TOKENS = 24   # long enough for a tiny model's continuation to repeat itself (drafts found)
+REPEATING = [[7, 8, 9] * 6 + [1, 2], [11, 23] * 12]   # the tiny models' continuations repeat: some drafts hold
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +59,8 @@ def engines(tiny_checkpoint_factory):
 @pytest.fixture(scope="module")
 def expected(greedy_oracle):
     """arch (, prompts) -> transformers' tokens, which must vary (the same one or two tokens would test little)."""
-    def get(arch: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-        tokens = greedy_oracle(arch, prompts, NEW_TOKENS)
+    def get(arch: str, prompts: list[list[int]] = PROMPTS, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+        tokens = greedy_oracle(arch, prompts, new_tokens)
         assert max(len(set(continuation)) for continuation in tokens) > 2, f"{arch}: degenerate oracle tokens"
         return tokens
     return get
@@ -93,6 +98,17 @@ def test_chunked_prefill_and_a_cached_prefix_keep_the_tokens(arch, engines, expe
     [shared] = llm.generate([SHARED_PREFIX], greedy(NEW_TOKENS))
     assert llm.engine.stats().prefix_cache_hits > hits, "the shared prefix did not reuse its cached blocks"
     assert shared.token_ids == expected(arch, [SHARED_PREFIX])[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_decoding_verifies_drafts_with_each_draft_choosing_its_own_tokens(arch, engines, expected):
+    """A verify step runs 1 + d queries of a sequence at once, each choosing its top-k tokens causally."""
+    llm = engines(arch, "ngram_speculation")
+    outputs = llm.generate(REPEATING, greedy(SPECULATED_TOKENS))
+    assert [o.token_ids for o in outputs] == expected(arch, REPEATING, SPECULATED_TOKENS)
+    workers = llm.engine.stats().workers
+    accepted, drafted = sum(w.spec_accepted_tokens for w in workers), sum(w.spec_draft_tokens for w in workers)
+    assert 0 < accepted < drafted, (accepted, drafted)   # drafts kept and drafts rolled back
 
 
 @pytest.mark.slow
