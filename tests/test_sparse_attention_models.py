@@ -1,7 +1,7 @@
 """DeepSeek-V3.2 (`DeepseekV32ForCausalLM`) and GLM-5 (`GlmMoeDsaForCausalLM`), DeepSeek Sparse Attention: each
 query attends only to the tokens its layer's lightning indexer scored best. They give transformers' greedy tokens
 and prompt logprobs on one rank, with prefills cut into steps of a few tokens, with a cached prefix reused, with EP
-+ DP attention, with attention TP, with two pipeline stages and with n-gram speculative decoding (a verify step's
++ DP attention, with attention TP, with two pipeline stages, with two-batch overlap and with n-gram speculative decoding (a verify step's
 queries each choose their own tokens). P/D: tests/test_pd_sparse_attention.py.
 
 The tiny models keep 8 tokens per query (`index_topk`) and the prompts are 17 to 40 tokens long, several KV blocks:
@@ -43,6 +43,7 @@ LAYOUTS = {
     "ep2_dp2": dict(ep=2, dp_attn=2),
     "ep2_attention_tp2": dict(ep=2, dp_attn=1),   # 8 MLA heads split in two; each rank runs the whole indexer
     "pp2": dict(pp=2, pp_layers=(1, 2)),
+    "two_batch_overlap": dict(ep=2, dp_attn=1, enable_two_batch_overlap=True),   # a step as two micro-batches
     "ngram_speculation": dict(speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                                                       prompt_lookup_max=3)),
 }
@@ -124,6 +125,14 @@ def test_expert_parallel_with_dp_attention_matches(arch, engines, expected):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_attention_tensor_parallel_matches(arch, engines, expected, hf_oracles):
     assert_tokens_and_prompt_logprobs_match(engines(arch, "ep2_attention_tp2"), arch, expected, hf_oracles)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_batch_overlap_keeps_each_micro_batch_its_own_choice(arch, engines, expected):
+    """Two micro-batches interleave layer by layer: GLM-5's shared layer must read its own micro-batch's choice."""
+    llm = engines(arch, "two_batch_overlap")
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
 
 
 @pytest.mark.slow
