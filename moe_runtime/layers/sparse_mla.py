@@ -12,18 +12,20 @@ The index keys live in the layer's cache beside the latents, one per token, in t
 (`KVCacheSpec.value_dim`): the full group's block table allocates them, the prefix cache keeps them with the
 latents, the cache budget counts their bytes, and a P/D transfer moves them with the blocks.
 
-This is the torch path: per sequence, in bounded slabs of query rows.
+The choice runs per sequence in torch (in bounded slabs of query rows); the attention over the chosen tokens is one
+call of the attention backend's sparse kernel for the whole step (kernels/sparse_latent_attention.py, or its Triton
+twin).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from kernels.sparse_latent_attention import slab_rows
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.lightning_indexer import IndexQueries, LightningIndexer, TokenSelection
 from moe_runtime.layers.mla import MultiHeadLatentAttention
-
-SLAB_ELEMENTS = 1 << 24   # the most fp32 scores or gathered latents one slab of query rows materialises
 
 
 class SparseLatentAttention(MultiHeadLatentAttention):
@@ -66,13 +68,12 @@ class SparseLatentAttention(MultiHeadLatentAttention):
 
     def _attend_chosen(self, q_full: torch.Tensor, index_queries: IndexQueries | None, batch: AttentionBatch,
                        cache: LayerKVCache) -> torch.Tensor:   # q_full [T, h, L + rope] -> [T, h, L]
-        """Each sequence's queries, slab by slab, over the tokens chosen for them (chosen here, or by the
-        selecting layer earlier in this step)."""
+        """Every row over the cache slots of the tokens chosen for it (chosen here, or by the selecting layer
+        earlier in this step), in one call of the attention backend's sparse kernel."""
         s = self.shape
-        latent_dim = s.kv_lora_rank
-        out = q_full.new_empty(q_full.shape[0], self.num_heads, latent_dim)
-        entries = cache.keys.view(-1, latent_dim + s.qk_rope_head_dim)                  # [slots, L + rope]
+        entries = cache.keys.view(-1, s.kv_lora_rank + s.qk_rope_head_dim)             # [slots, L + rope]
         chosen_by_seq = batch.token_selections.setdefault(self.selecting_layer, {})
+        chosen_slots = []
         for seq in range(batch.num_seqs):
             start, count, context = batch.query_start[seq], batch.query_lens[seq], batch.context_lens[seq]
             if count == 0:
@@ -81,18 +82,11 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             if self.indexer is not None:
                 chosen_by_seq[seq] = self._choose(index_queries.rows(start, start + count), cache, slots, context)
             chosen: TokenSelection = chosen_by_seq[seq]
-            width = chosen.positions.shape[1]
-            step = slab_rows(width * (entries.shape[-1] + self.num_heads))             # latents and logits
-            for first in range(0, count, step):
-                last = min(first + step, count)
-                rows = slice(start + first, start + last)
-                picked = entries.index_select(0, slots[chosen.positions[first:last].reshape(-1)])
-                picked = picked.view(last - first, -1, entries.shape[-1]).float()     # [n, k, L + rope]
-                logits = torch.einsum("nhd,nkd->nhk", q_full[rows].float(), picked) * self.scale
-                logits = logits.masked_fill(~chosen.valid[first:last, None, :], float("-inf"))
-                probs = torch.softmax(logits, dim=-1)                                   # [n, h, k]
-                out[rows] = torch.einsum("nhk,nkl->nhl", probs, picked[..., :latent_dim]).to(out.dtype)
-        return out
+            chosen_slots.append(torch.where(chosen.valid, slots[chosen.positions], -1))   # [n, k]
+        width = max((c.shape[1] for c in chosen_slots), default=1)
+        step_slots = torch.cat([F.pad(c, (0, width - c.shape[1]), value=-1) for c in chosen_slots]) \
+            if chosen_slots else q_full.new_zeros(0, width, dtype=torch.long)          # [T, K]
+        return self._attention.sparse_latent(q_full, entries, step_slots, self.scale, s.kv_lora_rank)
 
     def _choose(self, queries: IndexQueries, cache: LayerKVCache, slots: torch.Tensor,
                 context: int) -> TokenSelection:
@@ -108,7 +102,3 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             return parts[0]
         return TokenSelection(torch.cat([p.positions for p in parts]), torch.cat([p.valid for p in parts]))
 
-
-def slab_rows(elements_per_row: int) -> int:
-    """Query rows per slab when each row materialises `elements_per_row` values: within SLAB_ELEMENTS."""
-    return max(SLAB_ELEMENTS // max(elements_per_row, 1), 1)
