@@ -1,8 +1,9 @@
 """DeepSeek-V3.2 (`DeepseekV32ForCausalLM`) and GLM-5 (`GlmMoeDsaForCausalLM`), DeepSeek Sparse Attention: each
 query attends only to the tokens its layer's lightning indexer scored best. They give transformers' greedy tokens
-and prompt logprobs on one rank, with prefills cut into steps of a few tokens, with a cached prefix reused, with EP
-+ DP attention, with attention TP, with two pipeline stages, with two-batch overlap and with n-gram speculative decoding (a verify step's
-queries each choose their own tokens). P/D: tests/test_pd_sparse_attention.py.
+and prompt logprobs on one rank, with prefills cut into steps of a few tokens, with a cached prefix reused, with
+captured decode steps, with EP + DP attention, with attention TP, with two pipeline stages, with two-batch overlap
+and with n-gram speculative decoding (a verify step's queries each choose their own tokens). P/D:
+tests/test_pd_sparse_attention.py; the Triton kernel: tests/test_sparse_attention_triton.py.
 
 The tiny models keep 8 tokens per query (`index_topk`) and the prompts are 17 to 40 tokens long, several KV blocks:
 most queries see more tokens than they may attend to, so a wrong choice changes the tokens (the oracle's own tokens
@@ -43,6 +44,7 @@ LAYOUTS = {
     "ep2_dp2": dict(ep=2, dp_attn=2),
     "ep2_attention_tp2": dict(ep=2, dp_attn=1),   # 8 MLA heads split in two; each rank runs the whole indexer
     "pp2": dict(pp=2, pp_layers=(1, 2)),
+    "captured_decode": dict(enable_torch_compile=True, torch_compile_backend="eager"),   # dynamo, fullgraph
     "two_batch_overlap": dict(ep=2, dp_attn=1, enable_two_batch_overlap=True),   # a step as two micro-batches
     "ngram_speculation": dict(speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                                                       prompt_lookup_max=3)),
@@ -102,6 +104,16 @@ def test_chunked_prefill_and_a_cached_prefix_keep_the_tokens(arch, engines, expe
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_captured_decode_steps_choose_on_the_device(arch, engines, expected):
+    """Decode steps traced whole (no graph break): each row scores the keys its block table covers, masked past
+    its context, with no host list to loop over."""
+    llm = engines(arch, "captured_decode")
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
+    stats = llm.engine.core.runner.capture.stats
+    assert stats.disabled_reason is None and stats.captured_steps == NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_speculative_decoding_verifies_drafts_with_each_draft_choosing_its_own_tokens(arch, engines, expected):
     """A verify step runs 1 + d queries of a sequence at once, each choosing its top-k tokens causally."""
     llm = engines(arch, "ngram_speculation")
@@ -150,11 +162,9 @@ def test_a_stage_starting_at_a_shared_indexer_layer_is_refused(tiny_checkpoint_f
         LLM(str(tiny_checkpoint_factory("glm_moe_dsa")), device="cpu", dtype="float32", pp=2)
 
 
-@pytest.mark.parametrize("flag,options", [("--cp 2", dict(cp=2, ep=2)),
-                                          ("--enable-torch-compile", dict(enable_torch_compile=True))])
-def test_layouts_not_supported_yet_are_refused_by_name(flag, options):
-    config = EngineConfig(model="unused", **options)
-    with pytest.raises(EngineConfigError, match=rf"{flag}: .*DeepSeek Sparse Attention"):
+def test_context_parallelism_is_refused_by_name():
+    config = EngineConfig(model="unused", cp=2, ep=2)
+    with pytest.raises(EngineConfigError, match=r"--cp 2: .*DeepSeek Sparse Attention"):
         KVCacheLayout.plan([AttentionSpan()] * 3, config, sparse_layers=(0, 1, 2))
 
 
@@ -163,6 +173,6 @@ def test_the_engine_plans_the_sparse_layers_of_a_checkpoint(tiny_checkpoint_fact
     for arch in ARCHS:
         config = load_hf_config(tiny_checkpoint_factory(arch))
         assert sparse_attention_layers(config) == (0, 1, 2)
-    with pytest.raises(EngineConfigError, match="--enable-torch-compile: .*DeepSeek Sparse Attention"):
+    with pytest.raises(EngineConfigError, match="--cp 2: .*DeepSeek Sparse Attention"):
         EngineCore(EngineConfig(model=str(tiny_checkpoint_factory("deepseek_v32")), device="cpu", dtype="float32",
-                                enable_torch_compile=True, torch_compile_backend="eager"))
+                                cp=2))

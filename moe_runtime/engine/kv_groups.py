@@ -133,10 +133,9 @@ def _state_slots(config: EngineConfig, state_layers: tuple[int, ...]) -> int:
 
 
 def _refuse_sparse_attention_layouts(config: EngineConfig, sparse_layers: tuple[int, ...]) -> None:
-    """What DeepSeek Sparse Attention's torch path does not run yet, refused by flag: context parallelism (its
-    ranks would choose tokens from pieces of a sequence) and a captured decode step (the selection loops over the
-    step's sequences on the host). P/D moves the index keys with the blocks (each layer's second tensor)."""
-    for flag, active in ((f"--cp {config.cp}", config.cp > 1), ("--enable-torch-compile", config.enable_torch_compile)):
-        if active:
-            raise EngineConfigError(f"{flag}: this model's {len(sparse_layers)} DeepSeek Sparse Attention layers "
-                                    "(lightning indexer, top-k tokens per query) do not support it yet")
+    """What DeepSeek Sparse Attention does not run yet, refused by flag: context parallelism (its ranks would
+    choose tokens from pieces of a sequence). P/D moves the index keys with the blocks (each layer's second
+    tensor); a captured decode step chooses on the device."""
+    if config.cp > 1:
+        raise EngineConfigError(f"--cp {config.cp}: this model's {len(sparse_layers)} DeepSeek Sparse Attention layers "
+                                "(lightning indexer, top-k tokens per query) do not support it yet")

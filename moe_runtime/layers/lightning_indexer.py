@@ -88,12 +88,14 @@ class LightningIndexer(nn.Module):
         return IndexQueries(queries, weights), keys[:, 0]
 
     def select(self, queries: IndexQueries, keys: torch.Tensor, query_positions: torch.Tensor) -> TokenSelection:
-        """The top-k tokens of one sequence's context for each of its queries: queries of n rows, keys [S, D]
-        (its whole context, position order), query_positions [n] (each query's own position, causal bound)."""
-        scores = torch.einsum("nhd,sd->nhs", queries.queries.float(), keys.float()) * self.softmax_scale
+        """The top-k tokens of a context for each query: queries of n rows; keys [S, D], one sequence's context in
+        position order shared by its queries, or [n, S, D], each row's own; query_positions [n] (each query's own
+        position: keys after it are not chosen)."""
+        pattern = "nhd,sd->nhs" if keys.dim() == 2 else "nhd,nsd->nhs"
+        scores = torch.einsum(pattern, queries.queries.float(), keys.float()) * self.softmax_scale
         index_scores = torch.einsum("nh,nhs->ns", queries.weights, scores.relu())      # [n, S]
-        key_positions = torch.arange(keys.shape[0], device=keys.device)
+        key_positions = torch.arange(keys.shape[-2], device=keys.device)
         later = key_positions[None, :] > query_positions[:, None]                      # [n, S]
         index_scores = index_scores.masked_fill(later, float("-inf"))
-        chosen = index_scores.topk(min(self.shape.topk, keys.shape[0]), dim=-1).indices  # [n, k]
+        chosen = index_scores.topk(min(self.shape.topk, keys.shape[-2]), dim=-1).indices  # [n, k]
         return TokenSelection(chosen, chosen <= query_positions[:, None])

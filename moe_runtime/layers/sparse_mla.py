@@ -12,7 +12,8 @@ The index keys live in the layer's cache beside the latents, one per token, in t
 (`KVCacheSpec.value_dim`): the full group's block table allocates them, the prefix cache keeps them with the
 latents, the cache budget counts their bytes, and a P/D transfer moves them with the blocks.
 
-The choice runs per sequence in torch (in bounded slabs of query rows); the attention over the chosen tokens is one
+The choice runs per sequence in torch (in bounded slabs of query rows), or, in a captured decode step (no host
+lists), for every row at once over the span its block table covers; the attention over the chosen tokens is one
 call of the attention backend's sparse kernel for the whole step (kernels/sparse_latent_attention.py, or its Triton
 twin).
 """
@@ -71,30 +72,37 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         """Every row over the cache slots of the tokens chosen for it (chosen here, or by the selecting layer
         earlier in this step), in one call of the attention backend's sparse kernel."""
         s = self.shape
+        if self.indexer is None:
+            step_slots = batch.token_selections[self.selecting_layer]                   # [T, K]
+        elif batch.static_decode:
+            step_slots = self._choose_for_decode_rows(index_queries, batch, cache)
+        else:
+            step_slots = self._choose_per_sequence(index_queries, batch, cache)
+        batch.token_selections[self.selecting_layer] = step_slots
         entries = cache.keys.view(-1, s.kv_lora_rank + s.qk_rope_head_dim)             # [slots, L + rope]
-        chosen_by_seq = batch.token_selections.setdefault(self.selecting_layer, {})
+        return self._attention.sparse_latent(q_full, entries, step_slots, self.scale, s.kv_lora_rank)
+
+    def _choose_per_sequence(self, queries: IndexQueries, batch: AttentionBatch, cache: LayerKVCache) -> torch.Tensor:
+        """[T, K] cache slots of each row's chosen tokens (-1: none; K the widest choice), sequence by sequence."""
+        index_keys = cache.values.view(-1, cache.values.shape[-1])                      # [slots, D]
         chosen_slots = []
         for seq in range(batch.num_seqs):
             start, count, context = batch.query_start[seq], batch.query_lens[seq], batch.context_lens[seq]
             if count == 0:
                 continue
             slots = batch.context_slots(seq)                                            # [S]
-            if self.indexer is not None:
-                chosen_by_seq[seq] = self._choose(index_queries.rows(start, start + count), cache, slots, context)
-            chosen: TokenSelection = chosen_by_seq[seq]
+            chosen = self._choose(queries.rows(start, start + count), index_keys.index_select(0, slots), context)
             chosen_slots.append(torch.where(chosen.valid, slots[chosen.positions], -1))   # [n, k]
         width = max((c.shape[1] for c in chosen_slots), default=1)
-        step_slots = torch.cat([F.pad(c, (0, width - c.shape[1]), value=-1) for c in chosen_slots]) \
-            if chosen_slots else q_full.new_zeros(0, width, dtype=torch.long)          # [T, K]
-        return self._attention.sparse_latent(q_full, entries, step_slots, self.scale, s.kv_lora_rank)
+        if not chosen_slots:
+            return queries.queries.new_zeros(0, width, dtype=torch.long)
+        return torch.cat([F.pad(c, (0, width - c.shape[1]), value=-1) for c in chosen_slots])
 
-    def _choose(self, queries: IndexQueries, cache: LayerKVCache, slots: torch.Tensor,
-                context: int) -> TokenSelection:
-        """The indexer's choice for one sequence's new queries (the last `n` positions of its context), slab by
-        slab of query rows."""
-        index_keys = cache.values.view(-1, cache.values.shape[-1]).index_select(0, slots)   # [S, D]
+    def _choose(self, queries: IndexQueries, index_keys: torch.Tensor, context: int) -> TokenSelection:
+        """The indexer's choice for one sequence's new queries (the last `n` positions of its context, whose
+        index keys [S, D] are given), slab by slab of query rows."""
         count = queries.queries.shape[0]
-        positions = torch.arange(context - count, context, device=slots.device)           # [n]
+        positions = torch.arange(context - count, context, device=index_keys.device)    # [n]
         step = slab_rows(self.indexer.shape.num_heads * context)                      # index scores
         parts = [self.indexer.select(queries.rows(first, first + step), index_keys, positions[first:first + step])
                  for first in range(0, count, step)]
@@ -102,3 +110,15 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             return parts[0]
         return TokenSelection(torch.cat([p.positions for p in parts]), torch.cat([p.valid for p in parts]))
 
+    def _choose_for_decode_rows(self, queries: IndexQueries, batch: AttentionBatch,
+                                cache: LayerKVCache) -> torch.Tensor:   # -> [B, K] slots
+        """A captured decode step's choice (each row one sequence's new token, the host lists empty): every row
+        scores the keys its block table covers, those past its context masked, all on the device. A pad row
+        (context 0) chooses nothing."""
+        bs = batch.block_size
+        tables = batch.block_tables.long()                                              # [B, W]
+        positions = torch.arange(tables.shape[1] * bs, device=tables.device)           # [P]
+        slots = tables.clamp(min=0)[:, positions // bs] * bs + positions % bs           # [B, P]
+        index_keys = cache.values.view(-1, cache.values.shape[-1])[slots]               # [B, P, D]
+        chosen = self.indexer.select(queries, index_keys, batch.context_lens_tensor.long() - 1)
+        return torch.where(chosen.valid, slots.gather(1, chosen.positions), -1)
