@@ -180,12 +180,19 @@ def _attention(c, hidden: int, heads: int, head_dim: int) -> tuple[int, int, int
 
 
 def _has_indexer(c, i: int) -> bool:
-    """Whether layer i runs a lightning indexer (DeepSeek-V3.2: every layer; GLM-5: its `indexer_types` "full" ones,
-    every layer where the config.json lists none)."""
+    """Whether layer i runs a lightning indexer (DeepSeek-V3.2: every layer; GLM-5: its "full" ones, as
+    `indexer_types` lists them or, in a config.json without the list, as transformers derives them: an "F"/"S"
+    `index_topk_pattern`, else every `index_topk_freq`-th layer from `index_skip_topk_offset` - 1 on)."""
     if not getattr(c, "index_topk", None):
         return False
     kinds = getattr(c, "indexer_types", None)
-    return kinds is None or kinds[i] != "shared"
+    if kinds is not None:
+        return kinds[i] != "shared"
+    pattern = getattr(c, "index_topk_pattern", None)
+    if pattern is not None:
+        return pattern[i] in ("F", "full")
+    freq, offset = max(getattr(c, "index_topk_freq", 1) or 1, 1), getattr(c, "index_skip_topk_offset", 2)
+    return max(i - offset + 1, 0) % freq == 0
 
 
 def _indexer_params(c, hidden: int) -> int:
