@@ -1,14 +1,14 @@
 """DeepSeek-V3.2 (`DeepseekV32ForCausalLM`) and GLM-5 (`GlmMoeDsaForCausalLM`), DeepSeek Sparse Attention: each
 query attends only to the tokens its layer's lightning indexer scored best. They give transformers' greedy tokens
 and prompt logprobs on one rank, with prefills cut into steps of a few tokens, with a cached prefix reused, with
-captured decode steps, with EP + DP attention, with attention TP, with two pipeline stages, with two-batch overlap
-and with n-gram speculative decoding (a verify step's queries each choose their own tokens). P/D:
+captured decode steps, with EP + DP attention, with attention TP, with context parallelism, with two pipeline
+stages, with two-batch overlap and with n-gram speculative decoding (a verify step's queries each choose their own tokens). P/D:
 tests/test_pd_sparse_attention.py; the Triton kernel: tests/test_sparse_attention_triton.py.
 
 The tiny models keep 8 tokens per query (`index_topk`) and the prompts are 17 to 40 tokens long, several KV blocks:
 most queries see more tokens than they may attend to, so a wrong choice changes the tokens (the oracle's own tokens
 with every token attended differ: `test_the_indexer_really_limits_attention`). GLM-5's third layer reuses its
-second layer's choice (a shared indexer layer). What is not supported yet is refused by name and tested here.
+second layer's choice (a shared indexer layer); a pipeline split that would part them is refused by name.
 """
 from __future__ import annotations
 
@@ -19,13 +19,7 @@ from engine_helpers import greedy
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from tiny_checkpoints import HFOracle
 from moe_runtime import LLM
-from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
-from moe_runtime.config.model_config import load_hf_config
-from moe_runtime.engine.core import EngineCore
-from moe_runtime.engine.kv_groups import KVCacheLayout
-from moe_runtime.engine.sparse_layers import sparse_attention_layers
 from moe_runtime.errors import EngineDeadError
-from moe_runtime.layers.attention_span import AttentionSpan
 
 ARCHS = ["deepseek_v32", "glm_moe_dsa"]
 INDEX_TOPK = 8
@@ -44,6 +38,7 @@ LAYOUTS = {
     "ep2_dp2": dict(ep=2, dp_attn=2),
     "ep2_attention_tp2": dict(ep=2, dp_attn=1),   # 8 MLA heads split in two; each rank runs the whole indexer
     "pp2": dict(pp=2, pp_layers=(1, 2)),
+    "cp2": dict(ep=2, cp=2, max_num_batched_tokens=16),   # each prompt in zigzag pieces on two ranks, chunked
     "captured_decode": dict(enable_torch_compile=True, torch_compile_backend="eager"),   # dynamo, fullgraph
     "two_batch_overlap": dict(ep=2, dp_attn=1, enable_two_batch_overlap=True),   # a step as two micro-batches
     "ngram_speculation": dict(speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
@@ -149,6 +144,14 @@ def test_two_batch_overlap_keeps_each_micro_batch_its_own_choice(arch, engines, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
+def test_context_parallelism_matches(arch, engines, expected):
+    """Each rank runs zigzag pieces of every prompt: each piece's queries choose among the whole context, whose
+    index keys the ranks exchange with the latents (the cache's second tensor)."""
+    assert [o.token_ids for o in engines(arch, "cp2").generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
 def test_pipeline_parallel_stages_match(arch, engines, expected):
     """Layer 0 on the first stage, 1 and 2 on the second (GLM-5's shared layer 2 beside the layer choosing for it)."""
     assert [o.token_ids for o in engines(arch, "pp2").generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
@@ -160,19 +163,3 @@ def test_a_stage_starting_at_a_shared_indexer_layer_is_refused(tiny_checkpoint_f
     with pytest.raises(EngineDeadError, match=r"InvalidRequestError: pp=2: .* shared indexer layer that reuses "
                                               r"layer 1's tokens.* pp_layers"):
         LLM(str(tiny_checkpoint_factory("glm_moe_dsa")), device="cpu", dtype="float32", pp=2)
-
-
-def test_context_parallelism_is_refused_by_name():
-    config = EngineConfig(model="unused", cp=2, ep=2)
-    with pytest.raises(EngineConfigError, match=r"--cp 2: .*DeepSeek Sparse Attention"):
-        KVCacheLayout.plan([AttentionSpan()] * 3, config, sparse_layers=(0, 1, 2))
-
-
-def test_the_engine_plans_the_sparse_layers_of_a_checkpoint(tiny_checkpoint_factory):
-    """What the engine asks of a checkpoint before planning: every layer of both models attends sparsely."""
-    for arch in ARCHS:
-        config = load_hf_config(tiny_checkpoint_factory(arch))
-        assert sparse_attention_layers(config) == (0, 1, 2)
-    with pytest.raises(EngineConfigError, match="--cp 2: .*DeepSeek Sparse Attention"):
-        EngineCore(EngineConfig(model=str(tiny_checkpoint_factory("deepseek_v32")), device="cpu", dtype="float32",
-                                cp=2))

@@ -10,6 +10,9 @@ of them whatever its length (vLLM's hybrid KV cache manager keeps the same bound
 are gone point at the pool's scratch block: no query reads them (its mask forbids), and every read stays
 inside the cache.
 
+DeepSeek Sparse Attention's index keys (one per token, every token) need no group of their own: they are a sparse
+layer's second cache tensor, in the full group's blocks (moe_runtime/layers/sparse_mla.py).
+
 A windowed pool needs no admission control: it is sized for the worst step, every running sequence holding
 its window plus the step's new tokens (`window_pool_blocks`), so a windowed block is always there when a
 scheduled step asks for it, and the full group alone decides what fits.
@@ -94,14 +97,10 @@ class KVCacheLayout:
         return cls(KVGroups.single())
 
     @classmethod
-    def plan(cls, spans: list[AttentionSpan], config: EngineConfig, state_layers: tuple[int, ...] = (),
-             sparse_layers: tuple[int, ...] = ()) -> "KVCacheLayout":
-        """The layout of a model whose layers have `spans` (and `state_layers` keeping recurrent states,
-        `sparse_layers` attending through a lightning indexer), under `config` (which is refused, naming the flag,
-        where windowed groups, state slots or sparse attention are not supported yet). A sparse layer's index keys
-        need no group of their own: one per token, in the full group's blocks (moe_runtime/layers/sparse_mla.py)."""
-        if sparse_layers:
-            _refuse_sparse_attention_layouts(config, sparse_layers)
+    def plan(cls, spans: list[AttentionSpan], config: EngineConfig,
+             state_layers: tuple[int, ...] = ()) -> "KVCacheLayout":
+        """The layout of a model whose layers have `spans` (and `state_layers` keeping recurrent states), under
+        `config` (which is refused, naming the flag, where windowed groups or state slots are not supported yet)."""
         if state_layers:
             return cls(KVGroups.single(), state_slots=_state_slots(config, state_layers))
         groups = KVGroups.of_layers(spans)
@@ -130,12 +129,3 @@ def _state_slots(config: EngineConfig, state_layers: tuple[int, ...]) -> int:
         raise EngineConfigError(f"--cp {config.cp}: this model's linear-attention layers ({len(state_layers)}) keep "
                                 "recurrent states, which context parallelism does not split yet")
     return config.max_num_seqs
-
-
-def _refuse_sparse_attention_layouts(config: EngineConfig, sparse_layers: tuple[int, ...]) -> None:
-    """What DeepSeek Sparse Attention does not run yet, refused by flag: context parallelism (its ranks would
-    choose tokens from pieces of a sequence). P/D moves the index keys with the blocks (each layer's second
-    tensor); a captured decode step chooses on the device."""
-    if config.cp > 1:
-        raise EngineConfigError(f"--cp {config.cp}: this model's {len(sparse_layers)} DeepSeek Sparse Attention layers "
-                                "(lightning indexer, top-k tokens per query) do not support it yet")
