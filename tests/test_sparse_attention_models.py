@@ -13,9 +13,11 @@ second layer's choice (a shared indexer layer); a pipeline split that would part
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lazy_engines import tiny_engine_pool
 from engine_helpers import greedy
+from fp8_checkpoints import write_fp8_checkpoint
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from tiny_checkpoints import HFOracle
 from moe_runtime import LLM
@@ -96,6 +98,21 @@ def test_chunked_prefill_and_a_cached_prefix_keep_the_tokens(arch, engines, expe
     [shared] = llm.generate([SHARED_PREFIX], greedy(NEW_TOKENS))
     assert llm.engine.stats().prefix_cache_hits > hits, "the shared prefix did not reuse its cached blocks"
     assert shared.token_ids == expected(arch, [SHARED_PREFIX])[0]
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_an_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(quantization, tiny_checkpoint_factory,
+                                                                          tmp_path_factory):
+    """DeepSeek-V3.2's published layout: every decoder linear in FP8 blocks, the indexer's projections too;
+    dequantized at load, or kept in FP8 (the indexer's wq_b and wk then run the FP8 linear)."""
+    root = tmp_path_factory.mktemp(f"fp8-{quantization}")
+    fp8, oracle = write_fp8_checkpoint(tiny_checkpoint_factory("deepseek_v32"), root / "fp8", root / "oracle",
+                                       (32, 48), with_mtp=True)
+    with LLM(str(fp8), device="cpu", dtype="float32", quantization=quantization) as llm:
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
+        indexer = llm.engine.core.model.model.layers[1].self_attn.indexer
+        assert (indexer.wq_b.weight.dtype == torch.float8_e4m3fn) == (quantization == "fp8")
+    assert tokens == HFOracle(oracle).greedy(PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
