@@ -152,26 +152,13 @@ def test_attention_tensor_parallel_matches(arch, engines, expected, hf_oracles):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["cp2", "pp2", "two_batch_overlap"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_two_batch_overlap_keeps_each_micro_batch_its_own_choice(arch, engines, expected):
-    """Two micro-batches interleave layer by layer: GLM-5's shared layer must read its own micro-batch's choice."""
-    llm = engines(arch, "two_batch_overlap")
-    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
-def test_context_parallelism_matches(arch, engines, expected):
-    """Each rank runs zigzag pieces of every prompt: each piece's queries choose among the whole context, whose
-    index keys the ranks exchange with the latents (the cache's second tensor)."""
-    assert [o.token_ids for o in engines(arch, "cp2").generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
-def test_pipeline_parallel_stages_match(arch, engines, expected):
-    """Layer 0 on the first stage, 1 and 2 on the second (GLM-5's shared layer 2 beside the layer choosing for it)."""
-    assert [o.token_ids for o in engines(arch, "pp2").generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
+def test_parallel_layouts_keep_the_tokens(arch, layout, engines, expected):
+    """cp2: each rank runs zigzag pieces of every prompt, whose queries choose among the whole context (the ranks
+    exchange the index keys with the latents); pp2: GLM-5's shared layer 2 on the stage of layer 1, which chooses
+    for it; two_batch_overlap: two micro-batches interleave layer by layer, each keeping its own choice."""
+    assert [o.token_ids for o in engines(arch, layout).generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
 
 
 @pytest.mark.slow
