@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from kernels import get_kernels
+from kernels.index_scores import index_scores as torch_index_scores
 from kernels.sparse_latent_attention import sparse_latent_attention as torch_sparse
 from paged_steps import paged_step
+from moe_runtime.layers.attention_backend import attention_kernels_for
 from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.layers.lightning_indexer import IndexerShape, LightningIndexer
 from moe_runtime.layers.mla import MLAShape
@@ -24,6 +26,7 @@ if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("sparse_attention_triton_cases.py runs on CUDA or with TRITON_INTERPRET=1 set before triton "
                        "is imported")
 
+from kernels.triton_impl.index_scores import index_scores as triton_index_scores  # noqa: E402
 from kernels.triton_impl.sparse_latent_attention import sparse_latent_attention as triton_sparse  # noqa: E402
 
 CASES = [  # rows, heads, entry dim, value dim, chosen per row
@@ -77,19 +80,45 @@ def test_sparse_latent_kernel_matches_twin_and_float64(case, dtype):
     assert bool((got[-1] == 0).all()), "a row that chose nothing gets zeros"
 
 
+INDEX_CASES = [  # rows, heads, dim, keys, keys per row (else shared)
+    (3, 4, 32, 37, False),     # heads and keys padded to the tiles
+    (2, 20, 24, 50, True),     # a captured decode step's rows, each over its own keys
+    (5, 16, 128, 16, False),   # DeepSeek-V3.2's index head dim
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", INDEX_CASES)
+def test_index_scores_kernel_matches_twin_and_float64(case, dtype):
+    rows, heads, dim, num_keys, per_row = case
+    generator = torch.Generator().manual_seed(1)
+    queries = torch.randn(rows, heads, dim, generator=generator).to(DEVICE, dtype)
+    weights = torch.randn(rows, heads, generator=generator).to(DEVICE)
+    keys = torch.randn(*((rows,) if per_row else ()), num_keys, dim, generator=generator).to(DEVICE, dtype)
+    scale = dim ** -0.5
+    got = triton_index_scores(queries, weights, keys, scale)
+    torch.testing.assert_close(got, torch_index_scores(queries, weights, keys, scale), **tolerance(dtype))
+    pattern = "nhd,nsd->nhs" if per_row else "nhd,sd->nhs"
+    dot = torch.einsum(pattern, queries.double().cpu(), keys.double().cpu()) * scale
+    want = torch.einsum("nh,nhs->ns", weights.double().cpu(), dot.relu())
+    torch.testing.assert_close(got.double().cpu(), want, **tolerance(dtype))
+
+
 def test_sparse_layer_through_the_triton_family_matches_torch():
-    """SparseLatentAttention with the Triton family attends through the kernel, the torch family through its twin:
-    the same step (a chunk after cached context, a fresh prompt, a decode, all longer than the top-k) gives the
-    same outputs."""
+    """SparseLatentAttention with the Triton family scores and attends through the kernels, the torch family
+    through their twins: the same step (a chunk after cached context, a fresh prompt, a decode, all longer than
+    the top-k) gives the same outputs."""
     torch.manual_seed(0)
+    cpu = torch.device("cpu")
     shape = MLAShape(hidden_size=32, num_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
                      qk_rope_head_dim=8, v_head_dim=8)
     rotary = RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), 1.0, False)
     index_shape = IndexerShape(hidden_size=32, q_lora_rank=16, num_heads=4, head_dim=16, rope_dim=8, topk=4)
-    layers = {name: SparseLatentAttention(shape, rotary, 0.3, get_kernels("cpu", name), torch.float32,
-                                          indexer=LightningIndexer(index_shape, rotary, torch.float32),
-                                          selecting_layer=0)
-              for name in ("torch", "triton")}
+    families = {name: get_kernels("cpu", name) for name in ("torch", "triton")}
+    layers = {name: SparseLatentAttention(shape, rotary, 0.3, kernels, torch.float32, selecting_layer=0,
+                                          indexer=LightningIndexer(index_shape, rotary, torch.float32, scores=
+                                                                   attention_kernels_for(kernels, cpu).index_scores))
+              for name, kernels in families.items()}
     for name, param in layers["torch"].named_parameters():
         param.data.normal_(0, 0.3)
         dict(layers["triton"].named_parameters())[name].data.copy_(param.data)
@@ -106,4 +135,5 @@ def test_sparse_layer_through_the_triton_family_matches_torch():
         batch, positions = paged_step(tables, block_size, [5, 7, 1], [11, 7, 10])
         outputs[name] = layer(positions, x, batch, LayerKVCache(cache.keys.clone(), cache.values.clone()))
     assert layers["triton"]._attention.name == "triton" and layers["torch"]._attention.name == "torch"
+    assert layers["triton"].indexer._scores is triton_index_scores
     torch.testing.assert_close(outputs["triton"], outputs["torch"], rtol=1e-4, atol=1e-4)

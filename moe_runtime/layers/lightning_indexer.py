@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.index_scores import index_scores
+from moe_runtime.layers.attention_backend import IndexScores
 from moe_runtime.layers.linear import Linear
 from moe_runtime.layers.norm import LayerNorm
 from moe_runtime.layers.rotary import RotaryEmbedding
@@ -62,10 +64,12 @@ class TokenSelection:
 
 class LightningIndexer(nn.Module):
     def __init__(self, shape: IndexerShape, rotary: RotaryEmbedding, dtype, device=None,
-                 quant: WeightQuantization | None = None):
+                 quant: WeightQuantization | None = None, scores: IndexScores = index_scores):
+        """`scores`: the attention backend's `index_scores` (its Triton kernel, or the torch twin)."""
         super().__init__()
         s = shape
         self.shape = s
+        self._scores = scores
         self.wq_b = Linear(s.q_lora_rank, s.num_heads * s.head_dim, False, dtype, device, quant=quant)
         self.wk = Linear(s.hidden_size, s.head_dim, False, dtype, device, quant=quant)
         self.k_norm = LayerNorm(s.head_dim, INDEX_KEY_NORM_EPS, dtype, device)
@@ -91,9 +95,7 @@ class LightningIndexer(nn.Module):
         """The top-k tokens of a context for each query: queries of n rows; keys [S, D], one sequence's context in
         position order shared by its queries, or [n, S, D], each row's own; query_positions [n] (each query's own
         position: keys after it are not chosen)."""
-        pattern = "nhd,sd->nhs" if keys.dim() == 2 else "nhd,nsd->nhs"
-        scores = torch.einsum(pattern, queries.queries.float(), keys.float()) * self.softmax_scale
-        index_scores = torch.einsum("nh,nhs->ns", queries.weights, scores.relu())      # [n, S]
+        index_scores = self._scores(queries.queries, queries.weights, keys, self.softmax_scale)   # [n, S]
         key_positions = torch.arange(keys.shape[-2], device=keys.device)
         later = key_positions[None, :] > query_positions[:, None]                      # [n, S]
         index_scores = index_scores.masked_fill(later, float("-inf"))

@@ -12,8 +12,9 @@ The index keys live in the layer's cache beside the latents, one per token, in t
 (`KVCacheSpec.value_dim`): the full group's block table allocates them, the prefix cache keeps them with the
 latents, the cache budget counts their bytes, and a P/D transfer moves them with the blocks.
 
-The choice runs per sequence in torch (in bounded slabs of query rows), or, in a captured decode step (no host
-lists), for every row at once over the span its block table covers; the attention over the chosen tokens is one
+The choice runs per sequence (in bounded slabs of query rows; the scores through the backend's `index_scores`,
+the top-k in torch), or, in a captured decode step (no host lists), for every row at once over the span its block
+table covers; the attention over the chosen tokens is one
 call of the attention backend's sparse kernel for the whole step (kernels/sparse_latent_attention.py, or its Triton
 twin).
 """

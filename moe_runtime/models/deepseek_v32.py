@@ -8,7 +8,10 @@ indexer's channels in interleaved pairs (DeepSeek-V3.2 in halves), and runs an i
 """
 from __future__ import annotations
 
+import torch
+
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.layers.attention_backend import attention_kernels_for
 from moe_runtime.layers.lightning_indexer import IndexerShape, LightningIndexer
 from moe_runtime.layers.sparse_mla import SparseLatentAttention
 from moe_runtime.models.common import rotary_for
@@ -47,13 +50,14 @@ def _build(cfg, ctx: BuildContext, *, interleaved_indexer_rope: bool) -> CausalL
             f"indexer layer that reuses layer {choosers[stage[0]]}'s tokens, which another stage chooses; "
             "choose pp_layers so that every stage starts at a layer with an indexer of its own")
     index_shape = IndexerShape.from_config(cfg)
+    kernels = attention_kernels_for(ctx.kernels, torch.device(ctx.device))
 
     def make_attention(i: int) -> SparseLatentAttention:
         indexer = None
         if choosers[i] == i:
             indexer = LightningIndexer(index_shape, rotary_for(cfg, cfg.qk_rope_head_dim, ctx.device,
                                                                interleaved_indexer_rope),
-                                       ctx.dtype, ctx.device, ctx.linear_quant)
+                                       ctx.dtype, ctx.device, ctx.linear_quant, scores=kernels.index_scores)
         return SparseLatentAttention(**mla_arguments(cfg, ctx, interleaved_rope=True), indexer=indexer,
                                      selecting_layer=choosers[i])
 
