@@ -13,6 +13,7 @@ from kernels import get_kernels
 from kernels.paged_prefill_attention import PagedPrefillBatch
 from kernels.paged_prefill_attention import paged_prefill_attention as torch_prefill
 from mixed_attention_cases import SCALE, mixed_attention_case
+from paged_steps import paged_step
 from moe_runtime.layers.attention_backend import attention_kernels_for
 from moe_runtime.layers.attention_ops import paged_varlen_attention, split_attention
 from moe_runtime.layers.attention_span import AttentionSpan
@@ -188,7 +189,6 @@ def test_mla_layer_absorbed_prefill_matches_expanded():
     """MultiHeadLatentAttention with the Triton family prefills absorbed (one varlen launch over the latent cache)
     and decodes through the split kernel; the torch family expands the latents per sequence. Same weights, same
     step (a chunk over cached context, a fresh prompt, a decode): the same outputs."""
-    from moe_runtime.execution.attention_batch import AttentionBatch
     from moe_runtime.layers.kv_cache import LayerKVCache
     from moe_runtime.layers.mla import MLAShape, MultiHeadLatentAttention
     from moe_runtime.layers.rotary import RotaryEmbedding
@@ -207,15 +207,8 @@ def test_mla_layer_absorbed_prefill_matches_expanded():
     tables = torch.tensor([[3, 7, 1, 12], [5, 0, -1, -1], [9, 2, 14, -1]], dtype=torch.int32)
 
     def step(query_lens, context_lens):
-        starts, slots, positions = [0], [], []
-        for seq, (n, context) in enumerate(zip(query_lens, context_lens)):
-            starts.append(starts[-1] + n)
-            for pos in range(context - n, context):
-                slots.append(int(tables[seq, pos // block_size]) * block_size + pos % block_size)
-                positions.append(pos)
-        batch = AttentionBatch(list(query_lens), list(context_lens), starts, torch.tensor(slots), tables,
-                               torch.tensor(context_lens, dtype=torch.int32), block_size)
-        return batch, torch.tensor(positions), torch.randn(starts[-1], 32)
+        batch, positions = paged_step(tables, block_size, query_lens, context_lens)
+        return batch, positions, torch.randn(batch.num_tokens, 32)
 
     batch, positions, x = step([6, 0, 9], [6, 0, 9])          # earlier step: the cached context
     layers["torch"](positions, x, batch, cache)

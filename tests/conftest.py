@@ -1,7 +1,7 @@
 """Session fixtures shared by the test suite: the tiny tokenizer, tiny checkpoints, the demo model."""
 
 import pytest
-from tiny_checkpoints import GreedyOracle, TinyCheckpointFactory, tiny_tokenizer
+from tiny_checkpoints import GreedyOracle, HFOracle, TinyCheckpointFactory, tiny_tokenizer
 
 from moe_runtime.demo.demo_model import ensure_demo_model
 from moe_runtime.demo.tokenizer_training import save_tokenizer
@@ -23,6 +23,18 @@ def tiny_checkpoint_factory(tmp_path_factory, tiny_tokenizer_dir):
 def greedy_oracle(tiny_checkpoint_factory):
     """`oracle(arch, prompts, max_new_tokens)`: transformers' greedy tokens, each prompt computed once per session."""
     return GreedyOracle(tiny_checkpoint_factory)
+
+
+@pytest.fixture(scope="session")
+def hf_oracles(tiny_checkpoint_factory):
+    """`get(arch) -> HFOracle` of the arch's default tiny checkpoint, loaded once per session."""
+    loaded: dict[str, HFOracle] = {}
+
+    def get(arch: str) -> HFOracle:
+        if arch not in loaded:
+            loaded[arch] = HFOracle(tiny_checkpoint_factory(arch))
+        return loaded[arch]
+    return get
 
 
 @pytest.fixture(scope="session")

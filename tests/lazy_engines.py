@@ -32,3 +32,12 @@ def lazy_engines(checkpoint: str | Path, layouts: dict[str, dict], **common) -> 
     """Yields get(layout) -> the `LLM` of `checkpoint` with `common` and `layouts[layout]` options."""
     with engine_pool(lambda layout: LLM(str(checkpoint), **common, **layouts[layout])) as get:
         yield get
+
+
+@contextmanager
+def tiny_engine_pool(factory: Callable[[str], Path], layouts: dict[str, dict]) -> Iterator[Callable[[str, str], LLM]]:
+    """Yields get(arch, layout) -> the fp32 CPU `LLM` of `factory(arch)` (a tiny checkpoint) with `layouts[layout]`."""
+    with engine_pool(lambda arch, layout: LLM(str(factory(arch)), device="cpu", dtype="float32",
+                                              **layouts[layout])) as get:
+        yield get
+

@@ -12,6 +12,8 @@ import secrets
 import time
 from contextlib import contextmanager
 
+import pytest
+
 from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.sampling.params import SamplingParams
 
@@ -30,6 +32,13 @@ def kv_key_in_env():
             os.environ.pop("MOE_RUNTIME_KV_KEY", None)
         else:
             os.environ["MOE_RUNTIME_KV_KEY"] = saved
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kv_key():
+    """The KV secret of a test module's P/D engines (autouse where a module imports it)."""
+    with kv_key_in_env() as secret:
+        yield secret
 
 
 def greedy(max_tokens: int) -> SamplingParams:

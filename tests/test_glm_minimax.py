@@ -5,7 +5,8 @@ prefill + prefix caching.
 The GLM checkpoint carries a multi-token-prediction layer's tensors after its last decoder layer (as the published
 ones do, `num_nextn_predict_layers=1`): the loader must skip them, not refuse the checkpoint. Every prompt is longer
 than a KV block (16 tokens), so decode reads paged blocks and a repeated prompt hits the prefix cache.
-Engines are built once per module, on first use, and shared by the tests.
+Engines are built once per module, on first use, and shared by the tests; transformers runs on the checkpoints as
+saved (the MTP tensors change nothing transformers computes).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from lazy_engines import engine_pool
 from engine_helpers import greedy
 from fp8_checkpoints import _mtp_layer
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
-from tiny_checkpoints import HFOracle
 from moe_runtime import LLM
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, read_all_tensors, write_two_shards
@@ -64,18 +64,6 @@ def engines(checkpoints):
 
 
 @pytest.fixture(scope="module")
-def oracles(tiny_checkpoint_factory):
-    """arch -> transformers on the checkpoint as saved (the MTP tensors change nothing transformers computes)."""
-    cache: dict[str, HFOracle] = {}
-
-    def get(arch: str) -> HFOracle:
-        if arch not in cache:
-            cache[arch] = HFOracle(tiny_checkpoint_factory(arch))
-        return cache[arch]
-    return get
-
-
-@pytest.fixture(scope="module")
 def expected(greedy_oracle):
     def get(arch: str) -> list[list[int]]:
         tokens = greedy_oracle(arch, PROMPTS, NEW_TOKENS)
@@ -85,11 +73,12 @@ def expected(greedy_oracle):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_one_rank_tokens_and_prompt_logprobs_equal_transformers(arch, engines, expected, oracles):
+def test_one_rank_tokens_and_prompt_logprobs_equal_transformers(arch, engines, expected, hf_oracles):
     outputs = engines(arch, "one_rank").generate(PROMPTS, greedy(NEW_TOKENS, prompt_logprobs=NUM_TOP))
     assert [o.token_ids for o in outputs] == expected(arch)
     for prompt, output in zip(PROMPTS, outputs):
-        assert_prompt_logprobs_match(output.prompt_logprobs, expected_logprobs(oracles(arch), prompt), prompt, NUM_TOP)
+        want = expected_logprobs(hf_oracles(arch), prompt)
+        assert_prompt_logprobs_match(output.prompt_logprobs, want, prompt, NUM_TOP)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -115,14 +104,14 @@ def test_expert_parallel_with_dp_attention_matches(arch, engines, expected):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_attention_tensor_parallel_matches(arch, engines, expected, oracles):
+def test_attention_tensor_parallel_matches(arch, engines, expected, hf_oracles):
     """Heads split over two ranks: GLM's per-head q/k norm stays local, MiniMax-M2's norm over the whole
     projection all-reduces its sum of squares; both keep transformers' tokens and prompt logprobs."""
     llm = engines(arch, "ep2_attention_tp2")
     outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS, prompt_logprobs=NUM_TOP))
     assert [o.token_ids for o in outputs] == expected(arch)
     prompt = PROMPTS[0]
-    assert_prompt_logprobs_match(outputs[0].prompt_logprobs, expected_logprobs(oracles(arch), prompt), prompt,
+    assert_prompt_logprobs_match(outputs[0].prompt_logprobs, expected_logprobs(hf_oracles(arch), prompt), prompt,
                                  NUM_TOP)
 
 

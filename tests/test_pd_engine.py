@@ -24,7 +24,8 @@ import time
 import pytest
 
 from lazy_engines import engine_pool
-from pd_helpers import decode, free_blocks, greedy, kv_key_in_env, prefill, run_until, settle, wait_for_free
+from pd_helpers import decode, free_blocks, greedy, prefill, run_until, settle, wait_for_free
+from pd_helpers import kv_key  # noqa: F401  the module's KV secret (an autouse fixture)
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.handle import HandleError
 from moe_runtime.front.engine_factory import make_engine
@@ -47,12 +48,6 @@ CASES = [  # arch, prefill layout, decode layout
     ("llama", {"pp": 2}, {}),                       # two pipeline stages -> one: layers re-sharded
 ]
 ids = itertools.count()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kv_key():
-    with kv_key_in_env() as secret:
-        yield secret
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from lazy_engines import engine_pool
-from pd_helpers import decode, free_blocks, greedy, kv_key_in_env, prefill, run_until, wait_for_free
+from pd_helpers import decode, free_blocks, greedy, prefill, run_until, wait_for_free
+from pd_helpers import kv_key  # noqa: F401  the module's KV secret (an autouse fixture)
 from kernels.delta_rule import DEFAULT_CHUNK
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.block_server import KVBlockServer
@@ -40,12 +41,6 @@ PROMPTS = [[5, 17, 42, 99, 3], [(7 * i + 3) % 500 + 5 for i in range(40)], LONG]
 NEW_TOKENS = 6
 LAYOUTS = {"whole": {"max_num_batched_tokens": 512}, "steps_of_16": {"max_num_batched_tokens": 16}}
 ids = itertools.count()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kv_key():
-    with kv_key_in_env() as secret:
-        yield secret
 
 
 @pytest.fixture(scope="module")

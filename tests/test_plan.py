@@ -96,9 +96,11 @@ def test_window_pool_rule_is_the_runtimes():
                                                                                seqs, budget)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "deepseek_v32",
+                                  "glm_moe_dsa"])
 def test_kv_capacity_is_the_engines_block_count(tiny_checkpoint_factory, arch):
-    """Full, MLA, sliding-window and chunked layers: the predicted blocks are exactly those the engine makes."""
+    """Full, MLA, sliding-window and chunked layers, and sparse MLA layers with their index keys (GLM-5's shared
+    layer without): the predicted blocks are exactly those the engine makes."""
     from moe_runtime.engine.core import EngineCore
 
     path = tiny_checkpoint_factory(arch)
@@ -117,6 +119,25 @@ def test_kv_capacity_is_the_engines_block_count(tiny_checkpoint_factory, arch):
                              seqs, 256)
         predicted = kv_capacity(memory, ParallelLayout(), budget, config.block_size, 64)
         assert predicted.blocks_per_worker == engine_blocks, (arch, budget)
+
+
+@pytest.mark.parametrize("schedule", [dict(index_topk_freq=3, index_skip_topk_offset=2), dict(index_topk_pattern="FFSFS"),
+                                      dict(index_topk_freq=2, index_skip_topk_offset=1)])
+def test_glm5_indexer_layers_without_their_list_are_transformers(schedule, tmp_path):
+    """A GLM-5 config.json may give its indexer schedule instead of `indexer_types`: the planner reads the same
+    layers as indexer layers (their index keys counted) as transformers derives."""
+    import transformers
+
+    want = transformers.GlmMoeDsaConfig(num_hidden_layers=5, **schedule).indexer_types
+    config = {"architectures": ["GlmMoeDsaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 5,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128, "intermediate_size": 96,
+              "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+              "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+              "qk_rope_head_dim": 8, "v_head_dim": 8, "index_topk": 8, "index_head_dim": 16, "index_n_heads": 4,
+              **schedule}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    kv_dims = [layer.kv_dim for layer in load_model_shape(tmp_path).layers]
+    assert kv_dims == [24 + 16 if kind == "full" else 24 for kind in want]
 
 
 def test_calibration_bench_machinery_quick():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from lazy_engines import engine_pool
+from lazy_engines import tiny_engine_pool
 from engine_helpers import greedy
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from tiny_checkpoints import HFOracle
@@ -45,8 +45,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint_factory):
-    with engine_pool(lambda arch, layout: LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32",
-                                              **LAYOUTS[layout])) as get:
+    with tiny_engine_pool(tiny_checkpoint_factory, LAYOUTS) as get:
         yield get
 
 

@@ -33,6 +33,7 @@ import triton.language as tl
 from ..paged_attention import check_paged_inputs
 from .head_dim_split import head_dim_split
 from .interpreter import running_in_interpreter
+from .key_tile import channel_scores, fold_values
 from .online_softmax import online_softmax_step
 
 
@@ -83,28 +84,13 @@ def paged_decode_split_kernel(
         page = tl.load(tables_ptr + seq * stride_tb + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = (key_pos % BLOCK_SIZE).to(tl.int64)
         k_rows = k_ptr + page * stride_kb + slot * stride_ks + kv_head * stride_kh                     # [N]
-        k_main = tl.load(k_rows[:, None] + main[None, :], mask=key_ok[:, None] & (main[None, :] < D_MAIN),
-                         other=0.0)                                                                     # [N, Dm]
-        if USE_DOT:
-            scores = tl.dot(q_main.to(k_main.dtype), tl.trans(k_main), input_precision=PRECISION)                       # [H, N]
-        else:
-            scores = tl.sum(q_main[:, None, :].to(tl.float32) * k_main[None, :, :].to(tl.float32), axis=2)
+        scores = channel_scores(q_main, k_rows, key_ok, main, 0, D_MAIN, USE_DOT, PRECISION)             # [H, N]
         if D_TAIL_PAD > 0:
-            k_tail = tl.load(k_rows[:, None] + D_MAIN + tail[None, :],
-                             mask=key_ok[:, None] & (tail[None, :] < D_TAIL), other=0.0)               # [N, Dt]
-            if USE_DOT:
-                scores += tl.dot(q_tail.to(k_tail.dtype), tl.trans(k_tail), input_precision=PRECISION)
-            else:
-                scores += tl.sum(q_tail[:, None, :].to(tl.float32) * k_tail[None, :, :].to(tl.float32), axis=2)
+            scores += channel_scores(q_tail, k_rows, key_ok, tail, D_MAIN, D_TAIL, USE_DOT, PRECISION)
         scores = tl.where(key_ok[None, :], scores * scale, float("-inf"))
         probs, correction, new_max, running_sum = online_softmax_step(scores, running_max, running_sum)  # [H, N]
         v_rows = v_ptr + page * stride_vb + slot * stride_vs + kv_head * stride_vh
-        v = tl.load(v_rows[:, None] + v_dims[None, :], mask=key_ok[:, None] & (v_dims[None, :] < V_DIM),
-                    other=0.0)                                                                          # [N, Dv]
-        if USE_DOT:
-            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-        else:
-            acc = acc * correction[:, None] + tl.sum(probs[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+        acc = fold_values(acc, probs, correction, v_rows, key_ok, v_dims, V_DIM, USE_DOT, PRECISION)
         running_max = new_max
     live = running_sum > 0                                                 # an empty split (or context) has none
     out = acc / tl.where(live, running_sum, 1.0)[:, None]                  # [H, Dv]

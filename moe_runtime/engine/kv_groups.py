@@ -10,6 +10,9 @@ of them whatever its length (vLLM's hybrid KV cache manager keeps the same bound
 are gone point at the pool's scratch block: no query reads them (its mask forbids), and every read stays
 inside the cache.
 
+DeepSeek Sparse Attention's index keys (one per token, every token) need no group of their own: they are a sparse
+layer's second cache tensor, in the full group's blocks (moe_runtime/layers/sparse_mla.py).
+
 A windowed pool needs no admission control: it is sized for the worst step, every running sequence holding
 its window plus the step's new tokens (`window_pool_blocks`), so a windowed block is always there when a
 scheduled step asks for it, and the full group alone decides what fits.

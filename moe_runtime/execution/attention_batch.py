@@ -60,6 +60,9 @@ class AttentionBatch:
     # A model with linear-attention layers (moe_runtime/engine/state_slots.py): each sequence's recurrent-state slot,
     # [B], the index its layers' state caches are read and written at.
     state_slots: list[int] | None = None
+    # DeepSeek Sparse Attention (moe_runtime/layers/sparse_mla.py): the cache slots of the tokens an indexer layer
+    # chose for each row this step, selecting layer -> [T, K] (-1: none), for the layers above that reuse them
+    token_selections: dict = field(default_factory=dict, repr=False)
     _splits: dict = field(default_factory=dict, repr=False)   # AttentionSpan -> SingleQuerySplit (per step)
     _prefills: dict = field(default_factory=dict, repr=False)  # seqs -> (rows, PagedPrefillBatch) (per step)
 

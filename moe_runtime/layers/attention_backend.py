@@ -9,6 +9,9 @@ prefill (all of a step's chunks in one launch), chosen once per kernel family an
 - **torch** (CPU, and the fallback): the family's paged decode kernel and `prefill=None`, which sends
   prefills through the per-sequence path in attention_ops.py (the CPU flash kernel, a loop per sequence).
 
+DeepSeek Sparse Attention's indexer scores (`index_scores`) and its rows over their chosen tokens
+(`sparse_latent`) run Triton kernels on the Triton and FlashInfer paths, their torch twins on the torch path.
+
 Every family takes the same attention variants: decode rows' first keys (`key_starts`, a sliding window's or
 a chunk's), a varlen span (full, sliding, chunked) and per-head sinks (gpt-oss). FlashInfer takes sliding
 prefills only; anything else it does not support goes to Triton.
@@ -26,7 +29,9 @@ from typing import Callable
 import torch
 
 from kernels.flashinfer_attention import FlashInferAttention, import_flashinfer
+from kernels.index_scores import index_scores as torch_index_scores
 from kernels.kernel_set_type import KernelSet
+from kernels.sparse_latent_attention import sparse_latent_attention as torch_sparse_latent_attention
 
 logger = logging.getLogger(__name__)
 BACKEND_ENV = "MOE_ATTENTION_BACKEND"
@@ -37,6 +42,10 @@ BACKENDS = ("flashinfer", "triton", "torch")
 DecodeAttention = Callable[..., torch.Tensor]
 # (q [T, Hq, D], k_cache, v_cache, PagedPrefillBatch, scale, span=KeySpan | None, sinks=[Hq] | None) -> [T, Hq, Dv]
 PrefillAttention = Callable[..., torch.Tensor]
+# (q [T, H, D], entries [N, D], slots [T, K] (-1: none), scale, value_dim) -> [T, H, value_dim]
+SparseLatentAttention = Callable[..., torch.Tensor]
+# (queries [n, H, D], weights [n, H], keys [S, D] | [n, S, D], scale) -> [n, S] fp32
+IndexScores = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,8 @@ class AttentionKernels:
     name: str
     decode: DecodeAttention
     prefill: PrefillAttention | None      # None: the torch per-sequence path (attention_ops.varlen_causal_attention)
+    sparse_latent: SparseLatentAttention = torch_sparse_latent_attention   # each row over its chosen entries (DSA)
+    index_scores: IndexScores = torch_index_scores                          # the DSA indexer's scores
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,13 @@ def triton_prefill_kernel() -> PrefillAttention:
     return paged_prefill_attention
 
 
+def triton_sparse_kernels() -> tuple[SparseLatentAttention, IndexScores]:
+    from kernels.triton_impl.index_scores import index_scores                           # imports triton: only here
+    from kernels.triton_impl.sparse_latent_attention import sparse_latent_attention
+
+    return sparse_latent_attention, index_scores
+
+
 def _requested() -> str:
     choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
     if choice not in BACKENDS + ("auto",):
@@ -87,7 +105,8 @@ def attention_kernels(kernels: KernelSet, device_type: str, device_index: int | 
     torch_path = AttentionKernels("torch", kernels.paged_decode_attention, None)
     if choice == "torch" or kernels.name != "triton":
         return torch_path
-    triton_path = AttentionKernels("triton", kernels.paged_decode_attention, triton_prefill_kernel())
+    triton_path = AttentionKernels("triton", kernels.paged_decode_attention, triton_prefill_kernel(),
+                                   *triton_sparse_kernels())
     if choice == "triton" or device_type != "cuda":
         return triton_path
     module = import_flashinfer()
@@ -98,7 +117,8 @@ def attention_kernels(kernels: KernelSet, device_type: str, device_index: int | 
     device = torch.device(device_type, device_index)
     first = FlashInferFirst(FlashInferAttention(module, device), triton_path.decode, triton_path.prefill)
     logger.info("attention: FlashInfer on %s where it supports the shapes, Triton otherwise", device)
-    return AttentionKernels("flashinfer", first.decode, first.prefill)
+    return AttentionKernels("flashinfer", first.decode, first.prefill, triton_path.sparse_latent,
+                            triton_path.index_scores)
 
 
 def attention_kernels_for(kernels: KernelSet, device: torch.device) -> AttentionKernels:

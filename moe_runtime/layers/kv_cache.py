@@ -12,7 +12,9 @@ from moe_runtime.layers.attention_span import AttentionSpan
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """What one attention layer stores per token. `value_dim=None`: keys only (MLA latent).
+    """What one attention layer stores per token. `value_dim=None`: keys only (MLA latent). A DeepSeek Sparse
+    Attention layer keeps its indexer's keys as the second tensor (`value_dim` = index_head_dim), beside its latent
+    in the same blocks and slots (moe_runtime/layers/sparse_mla.py).
 
     `num_kv_heads` are this rank's, the model's heads [head_start, head_start + num_kv_heads) of
     `total_kv_heads` (attention TP splits them; MLA's one latent "head" is whole on every rank):
@@ -49,7 +51,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
 @dataclass
 class LayerKVCache:
     keys: torch.Tensor                 # [num_blocks, block_size, kv_heads, key_dim]
-    values: torch.Tensor | None        # [num_blocks, block_size, kv_heads, value_dim]
+    values: torch.Tensor | None        # [num_blocks, block_size, kv_heads, value_dim] (sparse MLA: index keys)
     group: int = 0                     # its KV cache group: whose block tables and slots index it
 
     @classmethod

@@ -168,11 +168,18 @@ class MultiHeadLatentAttention(nn.Module):
     def _absorbed(self, q_nope, q_pe, attend) -> torch.Tensor:   # q_nope [T, h, nope], q_pe [T, h, rope]
         """Attention in the latent space: W_UK folded into the queries, W_UV applied to the latent output.
         `attend(q_full [T, h, L + rope], latent_values [NB, BS, 1, L] view) -> [T, h, L]`."""
-        w_uk, w_uv = self._kv_b_split()
+        return self._values_of_latent(attend(self._absorbed_queries(q_nope, q_pe)))
+
+    def _absorbed_queries(self, q_nope, q_pe) -> torch.Tensor:   # [T, h, nope], [T, h, rope] -> [T, h, L + rope]
+        """The queries in the latent space: W_UK folded into their no-rope part."""
+        w_uk, _ = self._kv_b_split()
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)                     # [T, h, L]
-        q_full = torch.cat([q_latent, q_pe], dim=-1)                              # [T, h, L + rope]
-        out_latent = attend(q_full)                                               # [T, h, L]
-        return torch.einsum("thl,hvl->thv", out_latent, w_uv)                     # [T, h, v]
+        return torch.cat([q_latent, q_pe], dim=-1)
+
+    def _values_of_latent(self, out_latent: torch.Tensor) -> torch.Tensor:   # [T, h, L] -> [T, h, v]
+        """Attention's output in the latent space mapped to the heads' values by W_UV."""
+        _, w_uv = self._kv_b_split()
+        return torch.einsum("thl,hvl->thv", out_latent, w_uv)
 
     def _decode_absorbed(self, q_nope, q_pe, block_tables: torch.Tensor, context_lens: torch.Tensor,
                          cache: LayerKVCache) -> torch.Tensor:   # q_nope [S, h, nope], q_pe [S, h, rope]

@@ -26,14 +26,36 @@ def deepseek_v3_routing(cfg) -> RoutingConfig:
     )
 
 
-def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: bool, interleaved_rope: bool) -> CausalLM:
-    shape = MLAShape(
+def mla_shape(cfg) -> MLAShape:
+    return MLAShape(
         hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
         kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
         qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
         attention_bias=bool(getattr(cfg, "attention_bias", False)),
     )
-    scale = mla_softmax_scale(cfg, shape.qk_head_dim)
+
+
+def mla_arguments(cfg, ctx: BuildContext, interleaved_rope: bool) -> dict:
+    """What every MLA layer of the model is built with (`MultiHeadLatentAttention`'s arguments)."""
+    shape = mla_shape(cfg)
+    p = ctx.parallel
+    return dict(shape=shape, rotary=rotary_for(cfg, cfg.qk_rope_head_dim, ctx.device, interleaved_rope),
+                scale=mla_softmax_scale(cfg, shape.qk_head_dim), kernels=ctx.kernels, dtype=ctx.dtype,
+                device=ctx.device, tp_size=p.attn_tp_size, tp_rank=p.attn_tp_rank, tp_group=p.attn_tp_group,
+                quant=ctx.linear_quant)
+
+
+def is_dense_layer(cfg, i: int) -> bool:
+    """The first `first_k_dense_replace` layers, or those `mlp_layer_types` calls dense where the config has it."""
+    kinds = getattr(cfg, "mlp_layer_types", None)
+    if kinds is not None:
+        return kinds[i] == "dense"
+    return i < (cfg.first_k_dense_replace or 0)
+
+
+def build_mla_model(cfg, ctx: BuildContext, routing: RoutingConfig, make_attention, *,
+                    correction_bias: bool) -> CausalLM:
+    """A DeepSeek-style stack: `make_attention(i)` for layer i's attention, shared experts, dense first layers."""
     moe_shape = MoEShape(
         cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size,
         shared_intermediate_size=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0),
@@ -41,18 +63,21 @@ def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: b
     )
 
     def make_layer(i: int) -> DecoderLayer:
-        attention = MultiHeadLatentAttention(
-            shape, rotary_for(cfg, cfg.qk_rope_head_dim, ctx.device, interleaved_rope), scale, ctx.kernels, ctx.dtype, ctx.device,
-            ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group, quant=ctx.linear_quant,
-        )
-        if i >= (cfg.first_k_dense_replace or 0):
+        if is_dense_layer(cfg, i):
+            mlp = ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size)
+        else:
             mlp = SparseMoE(moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device,
                             quant=ctx.quant)
-        else:
-            mlp = ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size)
-        return DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
+        return DecoderLayer(make_attention(i), mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
 
     return CausalLM(cfg, build_stack(cfg, ctx, make_layer), cfg.tie_word_embeddings, ctx)
+
+
+def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: bool, interleaved_rope: bool) -> CausalLM:
+    def make_attention(i: int) -> MultiHeadLatentAttention:
+        return MultiHeadLatentAttention(**mla_arguments(cfg, ctx, interleaved_rope))
+
+    return build_mla_model(cfg, ctx, routing, make_attention, correction_bias=correction_bias)
 
 
 def build_deepseek_v2(cfg, ctx: BuildContext) -> CausalLM:

@@ -9,6 +9,7 @@ def _builders():
     from moe_runtime.models import deepseek, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, qwen_moe
     from moe_runtime.models import llama4
     from moe_runtime.models import qwen3_next
+    from moe_runtime.models import deepseek_v32
 
     return {
         "LlamaForCausalLM": llama.build_llama,
@@ -20,7 +21,9 @@ def _builders():
         "OlmoeForCausalLM": qwen_moe.build_olmoe,
         "DeepseekV2ForCausalLM": deepseek.build_deepseek_v2,
         "DeepseekV3ForCausalLM": deepseek.build_deepseek_v3,
+        "DeepseekV32ForCausalLM": deepseek_v32.build_deepseek_v32,
         "Glm4MoeForCausalLM": glm4_moe.build_glm4_moe,
+        "GlmMoeDsaForCausalLM": deepseek_v32.build_glm_moe_dsa,
         "MiniMaxM2ForCausalLM": minimax_m2.build_minimax_m2,
         "Llama4ForCausalLM": llama4.build_llama4,
         "GptOssForCausalLM": gpt_oss.build_gpt_oss,

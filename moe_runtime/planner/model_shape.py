@@ -24,7 +24,8 @@ FULL, SLIDING, CHUNKED, LINEAR = "full", "sliding", "chunked", "linear"
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM",
-                     "Llama4ForCausalLM", "GptOssForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
+                     "Llama4ForCausalLM", "GptOssForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
+                     "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 QWEN_SPARSE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
 PLANNED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ALIASES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}   # the text model of a multimodal checkpoint
@@ -148,6 +149,9 @@ def _layer(c, architecture: str, i: int, hidden: int, heads: int, head_dim: int,
         kv_split = True
     else:
         attention, kv_heads, kv_dim, kv_split = _attention(c, hidden, heads, head_dim)
+        if _has_indexer(c, i):   # DeepSeek Sparse Attention: the indexer's projections, an index key per token
+            attention += _indexer_params(c, hidden)
+            kv_dim += c.index_head_dim
         state_fp32 = state_conv = 0
     dense = shared = expert = router = 0
     if experts > 1 and _is_moe_layer(c, architecture, i):
@@ -173,6 +177,28 @@ def _attention(c, hidden: int, heads: int, head_dim: int) -> tuple[int, int, int
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     params = hidden * head_dim * (2 * heads + 2 * kv_heads)
     return params, kv_heads, 2 * head_dim, True
+
+
+def _has_indexer(c, i: int) -> bool:
+    """Whether layer i runs a lightning indexer (DeepSeek-V3.2: every layer; GLM-5: its "full" ones, as
+    `indexer_types` lists them or, in a config.json without the list, as transformers derives them: an "F"/"S"
+    `index_topk_pattern`, else every `index_topk_freq`-th layer from `index_skip_topk_offset` - 1 on)."""
+    if not getattr(c, "index_topk", None):
+        return False
+    kinds = getattr(c, "indexer_types", None)
+    if kinds is not None:
+        return kinds[i] != "shared"
+    pattern = getattr(c, "index_topk_pattern", None)
+    if pattern is not None:
+        return pattern[i] in ("F", "full")
+    freq, offset = max(getattr(c, "index_topk_freq", 1) or 1, 1), getattr(c, "index_skip_topk_offset", 2)
+    return max(i - offset + 1, 0) % freq == 0
+
+
+def _indexer_params(c, hidden: int) -> int:
+    """wq_b, wk, k_norm (weight and bias) and weights_proj (moe_runtime/layers/lightning_indexer.py)."""
+    heads, dim = c.index_n_heads, c.index_head_dim
+    return c.q_lora_rank * heads * dim + hidden * dim + 2 * dim + hidden * heads
 
 
 def _linear_attention(c, hidden: int) -> tuple[int, int, int]:
@@ -206,7 +232,10 @@ def _span(c, i: int) -> tuple[str, int | None]:
 
 
 def _is_moe_layer(c, architecture: str, i: int) -> bool:
-    if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"):
+    if architecture in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM") and getattr(c, "mlp_layer_types", None):
+        return c.mlp_layer_types[i] == "sparse"
+    if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
+                        "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):
         return i >= (getattr(c, "first_k_dense_replace", 0) or 0)
     if architecture in QWEN_SPARSE:
         step = getattr(c, "decoder_sparse_step", 1) or 1

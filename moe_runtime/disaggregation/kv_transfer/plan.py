@@ -51,6 +51,9 @@ def plan_pulls(local: KVShard, remote: list[KVShard], spread: int = 0) -> list[P
             if not holders:
                 raise KVLayoutError(f"no prefill rank holds layer {layer}, KV head {head}")
             source = holders[spread % len(holders)]
+            if source.dims_of(layer) != local.dims_of(layer):
+                raise KVLayoutError(f"layer {layer} keeps tensors of {source.dims_of(layer)} channels on the prefill "
+                                    f"instance, {local.dims_of(layer)} here: they must serve the same model")
             stop = min(end, source.head_start + source.num_heads)
             pieces.append(PullSource(source, layer, 1, head, stop - head))
             head = stop

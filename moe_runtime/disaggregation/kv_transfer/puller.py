@@ -268,7 +268,7 @@ class KVPuller:
         if isinstance(piece, StatePiece):
             return self._write_states(piece, frames[1:], endpoint, job)
         shard = piece.source.shard
-        dims = [shard.key_dim] + ([shard.value_dim] if shard.value_dim else [])
+        dims = shard.dims_of(piece.layer)
         if len(frames) != 1 + len(dims):
             raise PullFailed(f"the prefill rank at {endpoint} sent {len(frames) - 1} frames, not {len(dims)}")
         element = torch.tensor([], dtype=shard.torch_dtype).element_size()

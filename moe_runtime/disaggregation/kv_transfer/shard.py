@@ -11,9 +11,13 @@ indices; its KV layers are the others of the range), a fixed-size recurrent stat
 convolution's last inputs (`conv_channels` x `conv_width`, in the cache dtype) and a delta-rule state
 (`state_heads` x `state_key_dim` x `state_value_dim`, float32), this rank's heads of them under attention TP.
 A decode rank pulls those of the request's slot beside its blocks (`state_plan.plan_state_pulls`).
+
+GLM-5's shared sparse-attention layers keep keys (latents) only where its other layers keep index keys too
+(`keys_only_layers`): a block of such a layer travels as one tensor.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated
 
 import msgspec
@@ -52,6 +56,9 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
     state_heads: Count = 0
     state_key_dim: Count = 0
     state_value_dim: Count = 0
+    # KV layers whose cache keeps keys only although `value_dim` > 0 (global indices): GLM-5's shared DeepSeek Sparse
+    # Attention layers, which keep no index keys beside their latents
+    keys_only_layers: Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_STATE_LAYERS)] = ()
 
     @classmethod
     def of(cls, specs: list, first_layer: int, block_size: int, dtype: torch.dtype,
@@ -62,8 +69,13 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
         states = [(first_layer + i, spec) for i, spec in enumerate(specs) if isinstance(spec, StateSpec)]
         if not kv and not states:
             raise KVLayoutError("this rank holds no attention layer")
-        if any(spec != kv[0] for spec in kv) or any(spec != states[0][1] for _, spec in states):
-            raise KVLayoutError("KV transfer needs every layer's cache alike (heads, dims); this model's differ")
+        widest = max(kv, key=lambda spec: spec.value_dim or 0) if kv else None   # keys and values, if any has
+        alike = (widest, dataclasses.replace(widest, value_dim=None)) if kv else ()
+        if any(spec not in alike for spec in kv) or any(spec != states[0][1] for _, spec in states):
+            raise KVLayoutError("KV transfer needs every layer's cache alike (heads, dims; some may keep keys only); "
+                                "this model's differ")
+        keys_only = tuple(first_layer + i for i, spec in enumerate(specs)
+                          if isinstance(spec, KVCacheSpec) and spec != widest)
         names = {value: name for name, value in CACHE_DTYPES.items()}
         if dtype not in names:
             raise KVLayoutError(f"KV transfer supports caches in {sorted(CACHE_DTYPES)}, not {dtype}")
@@ -80,7 +92,7 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
                          conv_width=spec.conv_width, state_heads=spec.num_heads, state_key_dim=spec.key_dim,
                          state_value_dim=spec.value_dim)
         return cls(endpoint=endpoint, first_layer=first_layer, num_layers=len(specs), block_size=block_size,
-                   dtype=names[dtype], **heads, **state)
+                   dtype=names[dtype], keys_only_layers=keys_only, **heads, **state)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -104,8 +116,14 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
         return (layer in self.layers and layer not in self.state_layers
                 and self.head_start <= head < self.head_start + self.num_heads)
 
+    def dims_of(self, layer: int) -> list[int]:
+        """The channels per head of each tensor `layer`'s cache keeps: [keys] or [keys, values]."""
+        if self.value_dim and layer not in self.keys_only_layers:
+            return [self.key_dim, self.value_dim]
+        return [self.key_dim]
+
     def bytes_per_block(self, num_heads: int) -> int:
-        """Bytes of one block of one layer for `num_heads` of its heads (keys and values)."""
+        """Bytes of one block of one layer for `num_heads` of its heads (keys and values: the most a layer keeps)."""
         element = torch.tensor([], dtype=self.torch_dtype).element_size()
         return self.block_size * num_heads * (self.key_dim + self.value_dim) * element
 
