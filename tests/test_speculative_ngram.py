@@ -9,7 +9,7 @@
 - the engine: greedy tokens with speculation equal those without it (and transformers') for a dense and an
   MoE model, on prompts that repeat themselves (drafts are accepted: the engine's counters say so), with
   chunked prefill and prefix caching, under preemption, and with ep=2, dp_attn=2 in lock-step (the workers
-  accept different numbers of tokens in the same step); sampled requests decode without drafts.
+  accept different numbers of tokens in the same step). Sampled requests: tests/test_speculative_sampling.py.
 """
 from __future__ import annotations
 
@@ -169,17 +169,6 @@ def test_greedy_tokens_with_speculation_hold_under_preemption(tiny_checkpoint_fa
         assert llm.engine.core.block_manager.num_free_blocks == 12, "blocks leaked"
     assert [o.token_ids for o in outputs] == expected
     assert accepted > 0
-
-
-def test_sampled_requests_decode_without_drafts_and_draw_what_they_would_have(tiny_checkpoint_factory):
-    path = tiny_checkpoint_factory("llama")
-    params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
-    with LLM(str(path), device="cpu", dtype="float32") as llm:
-        plain = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
-    with spec_llm(path) as llm:
-        speculated = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
-        assert accepted_and_drafted(llm) == (0, 0)
-    assert speculated == plain
 
 
 def test_expert_parallel_lock_step_with_speculation_gives_the_same_greedy_tokens(tiny_checkpoint_factory):

@@ -1,11 +1,10 @@
 """One DP worker's speculative decoding: which sequences draft, how many drafts, and what was accepted.
 
-A sequence drafts only when its next tokens are the target's greedy choices (temperature 0, no grammar): the
-verifier accepts a draft exactly when it equals the target's argmax at its position, which keeps greedy
-output token for token what it is without speculation. Sampled requests (temperature > 0) decode one token
-per step: rejection sampling, which would keep their distribution, is not built (issue 35). Models whose
-state cannot be rolled back past rejected drafts (windowed KV groups, recurrent-state layers) and pipeline
-parallelism (the last stage broadcasts one token per sequence) are refused at start-up, by name.
+Greedy and sampled requests draft alike: verification keeps greedy output token for token what it is without
+speculation, and sampled output distributed as it is without it (`rejection_sampling`). Requests with a
+grammar decode one token per step: their matcher would have to walk the drafts before the target scores them.
+Models whose state cannot be rolled back past rejected drafts (windowed KV groups, recurrent-state layers) and
+pipeline parallelism (the last stage broadcasts one token per sequence) are refused at start-up, by name.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ class Speculation:
         self.max_model_len = max_model_len
         self.drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
         self.counters = SpeculationCounters()
-        self._told_sampled = False
+        self._told_grammar = False
 
     @classmethod
     def for_engine(cls, raw: dict | None, kv_layout, pp_size: int, max_model_len: int) -> "Speculation | None":
@@ -55,11 +54,11 @@ class Speculation:
     def drafts_for(self, seq: Sequence, budget: int) -> list[int]:
         """Drafts for decoding `seq` this step: at most k, at most `budget` (tokens left in the step), none past
         its max_tokens (the verified step emits one more than it accepts) or the context length."""
-        if not seq.params.greedy or seq.grammar is not None:
-            if not seq.params.greedy and not self._told_sampled:
-                self._told_sampled = True
-                logger.info("speculative decoding: requests with temperature > 0 decode without drafts "
-                            "(rejection sampling is not built)")
+        if seq.grammar is not None:
+            if not self._told_grammar:
+                self._told_grammar = True
+                logger.info("speculative decoding: requests with structured output (a grammar) decode without "
+                            "drafts")
             return []
         room = min(self.config.num_speculative_tokens, budget,
                    seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens)
