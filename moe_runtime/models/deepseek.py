@@ -1,6 +1,10 @@
 """DeepSeek-V2 / V3: MLA attention, grouped top-k routing, shared experts, first-k dense layers."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from torch import nn
+
 from kernels import RoutingConfig
 from moe_runtime.layers.mla import MLAShape, MultiHeadLatentAttention, mla_softmax_scale
 from moe_runtime.moe.layer import MoEShape, SparseMoE
@@ -26,39 +30,65 @@ def deepseek_v3_routing(cfg) -> RoutingConfig:
     )
 
 
-def _build(cfg, ctx: BuildContext, routing: RoutingConfig, *, correction_bias: bool, interleaved_rope: bool) -> CausalLM:
+@dataclass(frozen=True)
+class DeepseekLayout:
+    """What distinguishes the DeepSeek versions' decoder layers."""
+
+    routing: RoutingConfig
+    correction_bias: bool          # V3: a per-expert bias added to the scores for choosing experts
+    interleaved_rope: bool
+
+    @classmethod
+    def v2(cls, cfg) -> "DeepseekLayout":
+        return cls(deepseek_v2_routing(cfg), correction_bias=False, interleaved_rope=True)
+
+    @classmethod
+    def v3(cls, cfg) -> "DeepseekLayout":
+        return cls(deepseek_v3_routing(cfg), correction_bias=True,
+                   interleaved_rope=bool(getattr(cfg, "rope_interleave", True)))
+
+
+@dataclass
+class LayerParts:
+    attention: MultiHeadLatentAttention
+    mlp: nn.Module                 # SparseMoE from first_k_dense_replace on, a dense MLP before
+
+
+def deepseek_layer_parts(cfg, ctx: BuildContext, layout: DeepseekLayout, index: int) -> LayerParts:
+    """Decoder layer `index`'s attention and MLP (also the multi-token-prediction layers' block, past the last)."""
     shape = MLAShape(
         hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
         kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
         qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
         attention_bias=bool(getattr(cfg, "attention_bias", False)),
     )
-    scale = mla_softmax_scale(cfg, shape.qk_head_dim)
+    attention = MultiHeadLatentAttention(
+        shape, rotary_for(cfg, cfg.qk_rope_head_dim, ctx.device, layout.interleaved_rope),
+        mla_softmax_scale(cfg, shape.qk_head_dim), ctx.kernels, ctx.dtype, ctx.device,
+        ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group, quant=ctx.linear_quant,
+    )
+    if index < (cfg.first_k_dense_replace or 0):
+        return LayerParts(attention, ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size))
     moe_shape = MoEShape(
         cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size,
         shared_intermediate_size=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0),
-        shared_name="shared_experts", correction_bias=correction_bias,
+        shared_name="shared_experts", correction_bias=layout.correction_bias,
     )
+    return LayerParts(attention, SparseMoE(moe_shape, layout.routing, ctx.executor, ctx.kernels, dtype=ctx.dtype,
+                                           device=ctx.device, quant=ctx.quant))
 
+
+def _build(cfg, ctx: BuildContext, layout: DeepseekLayout) -> CausalLM:
     def make_layer(i: int) -> DecoderLayer:
-        attention = MultiHeadLatentAttention(
-            shape, rotary_for(cfg, cfg.qk_rope_head_dim, ctx.device, interleaved_rope), scale, ctx.kernels, ctx.dtype, ctx.device,
-            ctx.parallel.attn_tp_size, ctx.parallel.attn_tp_rank, ctx.parallel.attn_tp_group, quant=ctx.linear_quant,
-        )
-        if i >= (cfg.first_k_dense_replace or 0):
-            mlp = SparseMoE(moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device,
-                            quant=ctx.quant)
-        else:
-            mlp = ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size)
-        return DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
+        parts = deepseek_layer_parts(cfg, ctx, layout, i)
+        return DecoderLayer(parts.attention, parts.mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
 
     return CausalLM(cfg, build_stack(cfg, ctx, make_layer), cfg.tie_word_embeddings, ctx)
 
 
 def build_deepseek_v2(cfg, ctx: BuildContext) -> CausalLM:
-    return _build(cfg, ctx, deepseek_v2_routing(cfg), correction_bias=False, interleaved_rope=True)
+    return _build(cfg, ctx, DeepseekLayout.v2(cfg))
 
 
 def build_deepseek_v3(cfg, ctx: BuildContext) -> CausalLM:
-    return _build(cfg, ctx, deepseek_v3_routing(cfg), correction_bias=True,
-                  interleaved_rope=bool(getattr(cfg, "rope_interleave", True)))
+    return _build(cfg, ctx, DeepseekLayout.v3(cfg))

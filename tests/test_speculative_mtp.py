@@ -1,0 +1,98 @@
+"""MTP speculative decoding: DeepSeek-V3's multi-token-prediction layer drafts, the target verifies.
+
+- the drafts are the MTP layer's: after every step (the prefill, then steps that verified drafts and rolled
+  back the rejected ones, with the prompt prefilled whole or in chunks) the drafter's k drafts equal what
+  transformers' decoder layer and norms compute from the module's definition over the whole sequence, with
+  the checkpoint's own embedding / head copies and without them (the target's then);
+- greedy tokens with `mtp` equal transformers' without speculation, with chunked prefill and prefix caching,
+  and the engine's counters show the drafts were verified; FP8 checkpoints draft through the same loader;
+- `mtp` is refused by name for a model without MTP layers, and for a DeepSeek-V3 checkpoint whose config names
+  one but whose files hold none.
+"""
+from __future__ import annotations
+
+import pytest
+
+from engine_helpers import greedy
+from fp8_checkpoints import write_fp8_checkpoint
+from mtp_checkpoints import MtpReference, write_mtp_checkpoint
+from tiny_checkpoints import hf_greedy
+from moe_runtime import LLM
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.engine.core import EngineCore
+from moe_runtime.errors import InvalidRequestError
+
+pytestmark = pytest.mark.timeout(600)
+
+K = 3
+MTP = {"method": "mtp", "num_speculative_tokens": K}
+PROMPTS = [[5, 17, 42, 99, 3, 8, 61, 200, 31, 7] * 2, [7, 8, 9] * 6 + [1, 2], [400, 12, 250]]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoints(tiny_checkpoint_factory, tmp_path_factory):
+    """own copies (embedding, head) or not -> (DeepSeek-V3 checkpoint with an MTP layer, the same without it)."""
+    base = tiny_checkpoint_factory("deepseek_v3")
+    root = tmp_path_factory.mktemp("mtp")
+    return {own: (write_mtp_checkpoint(base, root / f"own-{own}", own_copies=own), base) for own in (False, True)}
+
+
+@pytest.mark.parametrize("own_copies", [False, True])
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_the_drafts_are_the_mtp_layers_after_every_step(mtp_checkpoints, own_copies, chunk):
+    path, _ = mtp_checkpoints[own_copies]
+    reference = MtpReference(path)
+    options = dict(enable_chunked_prefill=True, max_num_batched_tokens=chunk) if chunk else {}
+    core = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32", speculative_config=MTP,
+                                   block_size=4, **options))
+    core.add_request("r", PROMPTS[0], greedy(12))
+    seq = core._sequences["r"]
+    compared = 0
+    while core.has_unfinished():
+        core.step()
+        if seq.is_finished or seq.proposed_at != seq.num_tokens:
+            continue                                   # a prefill chunk that sampled nothing drafts nothing
+        expected = reference.drafts(seq.all_token_ids, K)
+        assert seq.proposed_drafts == expected[: len(seq.proposed_drafts)], f"after {seq.num_tokens} tokens"
+        assert len(seq.proposed_drafts) >= 1
+        compared += 1
+    assert compared >= 3
+    stats = core.stats().workers[0]
+    assert stats.spec_draft_tokens > 0
+    core.shutdown()
+
+
+def test_greedy_tokens_with_mtp_equal_transformers_with_chunked_prefill_and_prefix_caching(mtp_checkpoints):
+    path, base = mtp_checkpoints[False]
+    expected = hf_greedy(base, PROMPTS, NEW_TOKENS)
+    with LLM(str(path), device="cpu", dtype="float32", speculative_config=MTP, enable_chunked_prefill=True,
+             max_num_batched_tokens=16, enable_prefix_caching=True, block_size=4) as llm:
+        cold = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
+        warm = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
+        stats = llm.engine.stats()
+    assert cold == expected and warm == expected
+    worker = stats.workers[0]
+    assert worker.spec_draft_tokens > 0 and worker.spec_verify_steps > 0
+    assert stats.prefix_cache_hits > 0
+    assert worker.kv_blocks_free == worker.kv_blocks_total, "blocks leaked"
+
+
+def test_an_fp8_checkpoint_drafts_with_its_mtp_layer(tiny_checkpoint_factory, tmp_path):
+    fp8, oracle = write_fp8_checkpoint(tiny_checkpoint_factory("deepseek_v3"), tmp_path / "fp8", tmp_path / "oracle",
+                                       (32, 48), with_mtp=True)
+    expected = hf_greedy(oracle, PROMPTS, NEW_TOKENS)
+    with LLM(str(fp8), device="cpu", dtype="float32", speculative_config=MTP) as llm:
+        outputs = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
+        drafted = llm.engine.stats().workers[0].spec_draft_tokens
+    assert outputs == expected
+    assert drafted > 0
+
+
+def test_mtp_is_refused_by_name_without_mtp_layers(tiny_checkpoint_factory, mtp_checkpoints):
+    with pytest.raises(InvalidRequestError, match="LlamaForCausalLM.*no multi-token-prediction layer"):
+        EngineCore(EngineConfig(model=str(tiny_checkpoint_factory("llama")), device="cpu", dtype="float32",
+                                speculative_config=MTP))
+    _, base = mtp_checkpoints[False]                    # its config says num_nextn_predict_layers=1, no tensors
+    with pytest.raises(InvalidRequestError, match="DeepseekV3ForCausalLM.*model.layers.3"):
+        EngineCore(EngineConfig(model=str(base), device="cpu", dtype="float32", speculative_config=MTP))
