@@ -1,8 +1,5 @@
-"""Tiny DeepSeek-V3 checkpoints with a multi-token-prediction layer, and the MTP drafts transformers' modules give.
-
-`write_mtp_checkpoint` appends layer N = num_hidden_layers in DeepSeek-V3's layout to a tiny fp32 checkpoint
-(a decoder block drawn like the last one, enorm / hnorm / eh_proj / shared_head.norm; with `own_copies`, the
-embedding and LM head copies DeepSeek-V3's files carry too) and sets `num_nextn_predict_layers=1`.
+"""The MTP drafts transformers' modules give, for checkpoints with a multi-token-prediction layer
+(moe_runtime/weights/mtp_checkpoint_writer.py appends one to a tiny DeepSeek-V3 checkpoint).
 
 `MtpReference` computes what the MTP layer drafts with transformers' own decoder layer and norms, from the
 module's definition (vLLM's and SGLang's): x_p = eh_proj(cat(enorm(embed(t[p + 1])), hnorm(h_p))) with the
@@ -11,32 +8,11 @@ next draft chains on y_last and the draft just made.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from fp8_checkpoints import _mtp_layer
-from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, read_all_tensors, write_two_shards
-
-
-def write_mtp_checkpoint(source: Path, target: Path, own_copies: bool, seed: int = 0) -> Path:
-    config = json.loads((source / "config.json").read_text())
-    index, hidden = config["num_hidden_layers"], config["hidden_size"]
-    tensors = read_all_tensors(source)
-    torch.manual_seed(seed)                                           # eh_proj is drawn at random
-    tensors.update(_mtp_layer(tensors, index, hidden))
-    generator = torch.Generator().manual_seed(seed + 1)
-    for norm in ("enorm", "hnorm", "shared_head.norm"):               # not all ones: a swapped norm would show
-        tensors[f"model.layers.{index}.{norm}.weight"] = 1.0 + 0.2 * torch.randn(hidden, generator=generator)
-    if own_copies:
-        tensors[f"model.layers.{index}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-        tensors[f"model.layers.{index}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    copy_side_files(source, target)
-    write_two_shards(tensors, target)
-    config["num_nextn_predict_layers"] = 1
-    (target / "config.json").write_text(json.dumps(config, indent=2))
-    return target
+from moe_runtime.weights.quantization.fp8_checkpoint_writer import read_all_tensors
 
 
 class MtpReference:

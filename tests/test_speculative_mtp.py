@@ -6,6 +6,8 @@
   the checkpoint's own embedding / head copies and without them (the target's then);
 - greedy tokens with `mtp` equal transformers' without speculation, with chunked prefill and prefix caching,
   and the engine's counters show the drafts were verified; FP8 checkpoints draft through the same loader;
+- seeded sampled requests draft and give the same tokens run to run; the MTP layer's KV cache is paid from
+  `kv_cache_memory` (one layer's worth per block beside the target's);
 - `mtp` is refused by name for a model without MTP layers, and for a DeepSeek-V3 checkpoint whose config names
   one but whose files hold none.
 """
@@ -15,12 +17,13 @@ import pytest
 
 from engine_helpers import greedy
 from fp8_checkpoints import write_fp8_checkpoint
-from mtp_checkpoints import MtpReference, write_mtp_checkpoint
+from mtp_checkpoints import MtpReference
 from tiny_checkpoints import hf_greedy
-from moe_runtime import LLM
+from moe_runtime import LLM, SamplingParams
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.core import EngineCore
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.weights.mtp_checkpoint_writer import write_mtp_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -76,6 +79,27 @@ def test_greedy_tokens_with_mtp_equal_transformers_with_chunked_prefill_and_pref
     assert worker.spec_draft_tokens > 0 and worker.spec_verify_steps > 0
     assert stats.prefix_cache_hits > 0
     assert worker.kv_blocks_free == worker.kv_blocks_total, "blocks leaked"
+
+
+def test_seeded_sampling_with_mtp_is_reproducible_and_the_mtp_cache_is_paid_from_the_kv_budget(mtp_checkpoints):
+    path, _ = mtp_checkpoints[False]
+    params = [SamplingParams(max_tokens=16, temperature=0.7, seed=3 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    budget = 1 << 20
+    with LLM(str(path), device="cpu", dtype="float32", speculative_config=MTP, kv_cache_memory=budget) as llm:
+        first = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        second = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        drafted = llm.engine.stats().workers[0].spec_draft_tokens
+        core = llm.engine.core
+        target_bytes, drafter = core.runner.cache_bytes(), core.speculation.model_drafter
+        drafter_bytes = drafter.cache.keys.numel() * drafter.cache.keys.element_size()
+        blocks = core.block_manager.num_blocks
+    assert first == second
+    assert drafted > 0
+    layers = 3                                                   # the target's: the MTP layer is one more
+    assert drafter_bytes * layers == target_bytes
+    assert target_bytes + drafter_bytes <= budget
+    with LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=budget) as plain:
+        assert plain.engine.core.block_manager.num_blocks * layers // (layers + 1) in (blocks, blocks + 1)
 
 
 def test_an_fp8_checkpoint_drafts_with_its_mtp_layer(tiny_checkpoint_factory, tmp_path):

@@ -25,8 +25,8 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
                          kv_layout: KVCacheLayout | None = None) -> int:
     """Blocks of the full KV group that fit in `budget_bytes` once the windowed groups' fixed pools (each with
     its scratch block) and the linear-attention layers' state slots (with theirs, and the prefix cache's state
-    snapshots: `SnapshotPoolSize`) are paid for. A pipeline stage without full layers fits as many as the budget's
-    bytes: the other stages decide."""
+    snapshots: `SnapshotPoolSize`) are paid for, and a drafter's layers (`kv_layout.drafter_layers`) beside the full
+    ones. A pipeline stage without full layers fits as many as the budget's bytes: the other stages decide."""
     kv_layout = kv_layout or KVCacheLayout.single()
     full_per_token = window_bytes = 0
     for spec in model.kv_cache_specs():
@@ -35,6 +35,8 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
             continue
         group = kv_layout.groups.group_of_span(spec.span)
         if group == 0:
+            if full_per_token == 0:   # a drafter's layers (the MTP layer) are shaped like the first full layer
+                full_per_token += kv_layout.drafter_layers * spec.bytes_per_token(dtype)
             full_per_token += spec.bytes_per_token(dtype)
         else:
             window_bytes += spec.bytes_per_token(dtype) * block_size * (kv_layout.window_blocks[group - 1] + 1)

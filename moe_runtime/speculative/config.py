@@ -41,6 +41,12 @@ class SpeculativeConfig:
         config.check()
         return config
 
+    @classmethod
+    def drafter_kv_layers(cls, raw: dict | None) -> int:
+        """Layers of KV cache a drafter keeps beside the target's: 1 for the MTP layer, else 0."""
+        config = cls.parse(raw)
+        return 1 if config is not None and config.method == "mtp" else 0
+
     def check(self) -> None:
         if self.num_speculative_tokens < 1:
             raise InvalidRequestError(f"speculative_config num_speculative_tokens {self.num_speculative_tokens}: "
