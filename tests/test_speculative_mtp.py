@@ -6,6 +6,7 @@
   the checkpoint's own embedding / head copies and without them (the target's then);
 - greedy tokens with `mtp` equal transformers' without speculation, with chunked prefill and prefix caching,
   and the engine's counters show the drafts were verified; FP8 checkpoints draft through the same loader;
+- under ep=2, dp_attn=2 (lock-step, the MTP layer's experts spread over the ranks) greedy tokens are unchanged;
 - seeded sampled requests draft and give the same tokens run to run; the MTP layer's KV cache is paid from
   `kv_cache_memory` (one layer's worth per block beside the target's);
 - `mtp` is refused by name for a model without MTP layers, and for a DeepSeek-V3 checkpoint whose config names
@@ -100,6 +101,21 @@ def test_seeded_sampling_with_mtp_is_reproducible_and_the_mtp_cache_is_paid_from
     assert target_bytes + drafter_bytes <= budget
     with LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=budget) as plain:
         assert plain.engine.core.block_manager.num_blocks * layers // (layers + 1) in (blocks, blocks + 1)
+
+
+def test_expert_parallel_lock_step_with_mtp_gives_the_same_greedy_tokens(mtp_checkpoints):
+    """ep=2, dp_attn=2: each DP worker drafts for its own requests, the MTP layer's experts spread over both ranks
+    (its pass and chain run on both every step, with no rows on a worker that has none)."""
+    path, base = mtp_checkpoints[False]
+    prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6] * 3]
+    expected = hf_greedy(base, prompts, NEW_TOKENS)
+    with LLM(str(path), device="cpu", dtype="float32", speculative_config=MTP, ep=2, dp_attn=2,
+             enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=4) as llm:
+        outputs = [o.token_ids for o in llm.generate(prompts, greedy(NEW_TOKENS))]
+        workers = llm.engine.stats().workers
+    assert outputs == expected
+    assert all(w.spec_draft_tokens > 0 for w in workers), "each DP worker was meant to draft"
+    assert all(w.kv_blocks_free == w.kv_blocks_total for w in workers), "blocks leaked"
 
 
 def test_an_fp8_checkpoint_drafts_with_its_mtp_layer(tiny_checkpoint_factory, tmp_path):

@@ -368,9 +368,7 @@ class EngineCore:
         self._steps += 1
         self._step_seconds += time.perf_counter() - started
         scored_prompts = self.runner.take_prompt_logprobs()
-        if not seqs:
-            return []
-        deltas = []
+        deltas = []   # an empty batch has none; a model drafter still runs (its expert-parallel collectives)
         for seq, token, logprob, error, accepted in zip(sampling, sampled.token_ids, sampled.logprobs,
                                                         sampled.errors, sampled.accepted_rows()):
             if seq.params.max_tokens == 0:

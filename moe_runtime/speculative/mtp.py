@@ -10,7 +10,8 @@ k drafts, as far as the sequence's blocks reach (a chain row writes the layer's 
 true rows overwrite it). Drafts are the layer's argmax: point masses for the verifier.
 
 The drafts come back to the host in one copy per step ([D, k]), where the scheduler reads them next step
-(`Sequence.proposed_drafts`); the MTP layer runs its MoE block through an executor of its own (one rank).
+(`Sequence.proposed_drafts`); the MTP layer runs its MoE block through an executor of its own (its experts
+spread over the expert-parallel ranks like the target's: `lock_step`).
 """
 from __future__ import annotations
 
@@ -61,9 +62,12 @@ class MtpRows:
 
 class MtpDrafter:
     def __init__(self, layer: MtpLayer, executor: MoEExecutor, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, k: int):
+                 dtype: torch.dtype, device: torch.device, k: int, lock_step: bool = False):
+        """`lock_step`: the layer's MoE block exchanges tokens with other ranks (expert parallelism), so every
+        rank runs the pass and all k - 1 chain rows every step, with no rows where it has none."""
         self.layer = layer
         self.executor = executor
+        self.lock_step = lock_step
         self.block_size = block_size
         self.device = device
         self.k = k
@@ -81,7 +85,7 @@ class MtpDrafter:
         if step is None:
             return
         rows = MtpRows.of(step, {seq.request_id for seq in sampled})
-        if not rows.seqs:
+        if not rows.seqs and not self.lock_step:
             return
         dev = self.device
         batch = AttentionBatch.over_ranges([seq.block_table for seq in rows.seqs], rows.starts, rows.stops,
@@ -93,7 +97,7 @@ class MtpDrafter:
         try:
             out = self.layer.predict(positions, torch.tensor(rows.next_tokens, dtype=torch.long, device=dev),
                                      previous, batch, self.cache)                               # [M, H]
-            if rows.drafting:
+            if rows.drafting or self.lock_step:
                 self._chain(rows, out, batch.query_start)
         finally:
             self.executor.end_step()
@@ -113,7 +117,7 @@ class MtpDrafter:
             # row j writes the layer's cache at last position + j: only where the sequence's blocks reach
             kept = [a for a, i in enumerate(alive)
                     if last_positions[i] + j < len(seqs[i].block_table) * self.block_size]
-            if not kept:
+            if not kept and not self.lock_step:
                 break
             if len(kept) < len(alive):
                 keep = torch.tensor(kept, dtype=torch.long, device=dev)

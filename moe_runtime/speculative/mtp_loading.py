@@ -29,9 +29,10 @@ def build_mtp_drafter(source: DraftSource, k: int) -> MtpDrafter:
     if layers > 1:
         raise InvalidRequestError(f"speculative_config method 'mtp' with num_nextn_predict_layers={layers} is not "
                                   "built: each further layer would need the previous one's outputs at every position")
-    if source.ctx.parallel.world_size > 1:
-        raise InvalidRequestError("speculative_config method 'mtp' on more than one rank (ep, dp_attn, attention TP, "
-                                  "cp) is not built yet; use method 'ngram' there")
+    parallel = source.ctx.parallel
+    if parallel.attn_tp_size > 1 or parallel.cp_size > 1:
+        raise InvalidRequestError("speculative_config method 'mtp' with attention tensor parallelism or --cp is not "
+                                  "built yet (expert parallelism with dp_attn = ep is); use method 'ngram' there")
     if source.runner.capture is not None:
         raise InvalidRequestError("speculative_config method 'mtp' with enable_torch_compile is not built: a captured "
                                   "decode step does not keep the hidden states the MTP layer reads")
@@ -41,8 +42,9 @@ def build_mtp_drafter(source: DraftSource, k: int) -> MtpDrafter:
                      source.target)
     executor.finish_registration()
     others = SkippedTensor(rf"^(?!model\.layers\.{index}\.)", "the target model's, not the MTP layer's")
-    load_model_weights(MtpCheckpointView(layer, index), source.reader, SkippedTensors((others,)))
+    load_model_weights(MtpCheckpointView(layer, index), source.reader, SkippedTensors((others,)),
+                       parallel.world_control_group if parallel.world_size > 1 else None)   # experts spread over EP
     layer.eval()
     source.runner.keep_hidden = True
     return MtpDrafter(layer, executor, source.num_blocks, source.runner.block_size, source.ctx.dtype,
-                      source.ctx.device, k)
+                      source.ctx.device, k, lock_step=parallel.ep_size > 1)
