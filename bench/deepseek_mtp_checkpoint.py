@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from bench.random_checkpoint import save_random_checkpoint
+from moe_runtime.weights.mtp_checkpoint_writer import write_mtp_checkpoint
+
 CACHE = Path(__file__).resolve().parent / ".cache"
 SHAPE = dict(
     vocab_size=4096, hidden_size=384, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
@@ -26,9 +29,6 @@ def build_mtp_checkpoint() -> Path:
     if (path / "config.json").exists():
         return path
     from transformers import DeepseekV3Config
-
-    from bench.random_checkpoint import save_random_checkpoint
-    from moe_runtime.weights.mtp_checkpoint_writer import write_mtp_checkpoint
 
     logger.info("building the checkpoint in %s", path)
     base = save_random_checkpoint(DeepseekV3Config(**SHAPE, initializer_range=0.05), "DeepseekV3ForCausalLM",

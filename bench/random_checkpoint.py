@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
+from moe_runtime.demo.tokenizer_training import TokenizerSpec, save_tokenizer, train_tokenizer
+from moe_runtime.weights.random_weights import RandomWeightScales, randomize_weights
+
 
 def save_random_checkpoint(config, architecture: str, path: Path, matrix_std: float = 0.05) -> Path:
     from transformers import AutoModelForCausalLM
-
-    from moe_runtime.demo.tokenizer_training import TokenizerSpec, save_tokenizer, train_tokenizer
-    from moe_runtime.weights.random_weights import RandomWeightScales, randomize_weights
 
     torch.manual_seed(0)
     config.architectures = [architecture]
