@@ -6,6 +6,7 @@
   the checkpoint's own embedding / head copies and without them (the target's then);
 - greedy tokens with `mtp` equal transformers' without speculation, with chunked prefill and prefix caching,
   and the engine's counters show the drafts were verified; FP8 checkpoints draft through the same loader;
+- under preemption (blocks freed and taken by others, positions recomputed) greedy tokens are unchanged;
 - under ep=2, dp_attn=2 (lock-step, the MTP layer's experts spread over the ranks) greedy tokens are unchanged;
 - seeded sampled requests draft and give the same tokens run to run; the MTP layer's KV cache is paid from
   `kv_cache_memory` (one layer's worth per block beside the target's);
@@ -101,6 +102,27 @@ def test_seeded_sampling_with_mtp_is_reproducible_and_the_mtp_cache_is_paid_from
     assert target_bytes + drafter_bytes <= budget
     with LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=budget) as plain:
         assert plain.engine.core.block_manager.num_blocks * layers // (layers + 1) in (blocks, blocks + 1)
+
+
+def test_greedy_tokens_with_mtp_hold_under_preemption(mtp_checkpoints):
+    """Preempted requests free their blocks (the MTP layer's rows in them too) and are recomputed: the MTP pass
+    runs again over the recomputed positions and the outputs stay transformers'."""
+    path, base = mtp_checkpoints[False]
+    prompts = PROMPTS * 2
+    expected = hf_greedy(base, prompts, NEW_TOKENS)
+    probe = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32", speculative_config=MTP))
+    drafter_cache = probe.speculation.model_drafter.cache
+    per_token = ((probe.runner.cache_bytes() + drafter_cache.keys.numel() * drafter_cache.keys.element_size())
+                 // probe.kv_capacity_tokens)
+    probe.shutdown()
+    with LLM(str(path), device="cpu", dtype="float32", speculative_config=MTP, kv_cache_memory=per_token * 96,
+             block_size=8, enable_chunked_prefill=False) as llm:   # 12 blocks of 8: not all 6 requests at once
+        outputs = [o.token_ids for o in llm.generate(prompts, greedy(NEW_TOKENS))]
+        core = llm.engine.core
+        assert core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+        assert core.block_manager.num_blocks == 12 and core.block_manager.num_free_blocks == 12, "blocks leaked"
+        assert core.stats().workers[0].spec_draft_tokens > 0
+    assert outputs == expected
 
 
 def test_expert_parallel_lock_step_with_mtp_gives_the_same_greedy_tokens(mtp_checkpoints):
