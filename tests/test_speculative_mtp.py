@@ -125,13 +125,15 @@ def test_greedy_tokens_with_mtp_hold_under_preemption(mtp_checkpoints):
     assert outputs == expected
 
 
-def test_expert_parallel_lock_step_with_mtp_gives_the_same_greedy_tokens(mtp_checkpoints):
+@pytest.mark.parametrize("dp_attn", [2, 1])
+def test_expert_parallel_lock_step_with_mtp_gives_the_same_greedy_tokens(mtp_checkpoints, dp_attn):
     """ep=2, dp_attn=2: each DP worker drafts for its own requests, the MTP layer's experts spread over both ranks
-    (its pass and chain run on both every step, with no rows on a worker that has none)."""
+    (its pass and chain run on both every step, with no rows on a worker that has none); dp_attn=1: one worker
+    whose two ranks split the attention heads, the MTP layer's too."""
     path, base = mtp_checkpoints[False]
     prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6] * 3]
     expected = hf_greedy(base, prompts, NEW_TOKENS)
-    with LLM(str(path), device="cpu", dtype="float32", speculative_config=MTP, ep=2, dp_attn=2,
+    with LLM(str(path), device="cpu", dtype="float32", speculative_config=MTP, ep=2, dp_attn=dp_attn,
              enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=4) as llm:
         outputs = [o.token_ids for o in llm.generate(prompts, greedy(NEW_TOKENS))]
         workers = llm.engine.stats().workers

@@ -30,9 +30,9 @@ def build_mtp_drafter(source: DraftSource, k: int) -> MtpDrafter:
         raise InvalidRequestError(f"speculative_config method 'mtp' with num_nextn_predict_layers={layers} is not "
                                   "built: each further layer would need the previous one's outputs at every position")
     parallel = source.ctx.parallel
-    if parallel.attn_tp_size > 1 or parallel.cp_size > 1:
-        raise InvalidRequestError("speculative_config method 'mtp' with attention tensor parallelism or --cp is not "
-                                  "built yet (expert parallelism with dp_attn = ep is); use method 'ngram' there")
+    if parallel.cp_size > 1:
+        raise InvalidRequestError("speculative_config method 'mtp' with --cp is not built yet: the MTP pass would "
+                                  "have to split its rows over the context-parallel ranks; use method 'ngram' there")
     if source.runner.capture is not None:
         raise InvalidRequestError("speculative_config method 'mtp' with enable_torch_compile is not built: a captured "
                                   "decode step does not keep the hidden states the MTP layer reads")
