@@ -63,7 +63,7 @@ class MtpRows:
 class MtpDrafter:
     def __init__(self, layer: MtpLayer, executor: MoEExecutor, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, k: int, lock_step: bool = False):
-        """`lock_step`: the layer's MoE block exchanges tokens with other ranks (expert parallelism), so every
+        """`lock_step`: the layer exchanges with other ranks (the MoE block's experts, attention heads), so every
         rank runs the pass and all k - 1 chain rows every step, with no rows where it has none."""
         self.layer = layer
         self.executor = executor
