@@ -5,7 +5,8 @@
   transformers' decoder layer and norms compute from the module's definition over the whole sequence, with
   the checkpoint's own embedding / head copies and without them (the target's then);
 - greedy tokens with `mtp` equal transformers' without speculation, with chunked prefill and prefix caching,
-  and the engine's counters show the drafts were verified; FP8 checkpoints draft through the same loader;
+  and the engine's counters show the drafts were verified; FP8 checkpoints draft through the same loader, dequantized
+  or kept FP8 (`--quantization fp8`: the MTP layer's projections stay FP8);
 - under preemption (blocks freed and taken by others, positions recomputed) greedy tokens are unchanged;
 - under ep=2, dp_attn=2 (lock-step, the MTP layer's experts spread over the ranks) greedy tokens are unchanged;
 - seeded sampled requests draft and give the same tokens run to run; the MTP layer's KV cache is paid from
@@ -143,6 +144,7 @@ def test_expert_parallel_lock_step_with_mtp_gives_the_same_greedy_tokens(mtp_che
 
 
 def test_an_fp8_checkpoint_drafts_with_its_mtp_layer(tiny_checkpoint_factory, tmp_path):
+    """Dequantized at load, and kept FP8 in memory (--quantization fp8: the MTP layer's eh_proj and block too)."""
     fp8, oracle = write_fp8_checkpoint(tiny_checkpoint_factory("deepseek_v3"), tmp_path / "fp8", tmp_path / "oracle",
                                        (32, 48), with_mtp=True)
     expected = hf_greedy(oracle, PROMPTS, NEW_TOKENS)
@@ -150,6 +152,15 @@ def test_an_fp8_checkpoint_drafts_with_its_mtp_layer(tiny_checkpoint_factory, tm
         outputs = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
         drafted = llm.engine.stats().workers[0].spec_draft_tokens
     assert outputs == expected
+    assert drafted > 0
+    with LLM(str(fp8), device="cpu", dtype="float32", quantization="fp8") as kept:
+        plain = [o.token_ids for o in kept.generate(PROMPTS, greedy(NEW_TOKENS))]
+    with LLM(str(fp8), device="cpu", dtype="float32", quantization="fp8", speculative_config=MTP) as kept:
+        speculated = [o.token_ids for o in kept.generate(PROMPTS, greedy(NEW_TOKENS))]
+        layer = kept.engine.core.speculation.model_drafter.layer
+        drafted = kept.engine.stats().workers[0].spec_draft_tokens
+    assert speculated == plain
+    assert layer.eh_proj.quant is not None, "the checkpoint stores eh_proj in FP8: it stays FP8"
     assert drafted > 0
 
 
