@@ -5,10 +5,11 @@
   transformers' decoder layer and norms compute from the module's definition over the whole sequence, with
   the checkpoint's own embedding / head copies and without them (the target's then);
 - greedy tokens with `mtp` equal transformers' without speculation, with chunked prefill and prefix caching,
-  and the engine's counters show the drafts were verified; FP8 checkpoints draft through the same loader, dequantized
-  or kept FP8 (`--quantization fp8`: the MTP layer's projections stay FP8);
+  and the engine's counters show the drafts were verified; FP8 checkpoints draft through the same loader,
+  dequantized or kept FP8 (`--quantization fp8`: the MTP layer's projections stay FP8);
 - under preemption (blocks freed and taken by others, positions recomputed) greedy tokens are unchanged;
-- under ep=2, dp_attn=2 (lock-step, the MTP layer's experts spread over the ranks) greedy tokens are unchanged;
+- under ep=2 with dp_attn=2 or 1 (lock-step, the MTP layer's experts spread over the ranks, its heads split
+  under attention TP) greedy tokens are unchanged;
 - seeded sampled requests draft and give the same tokens run to run; the MTP layer's KV cache is paid from
   `kv_cache_memory` (one layer's worth per block beside the target's);
 - `mtp` is refused by name for a model without MTP layers, and for a DeepSeek-V3 checkpoint whose config names
