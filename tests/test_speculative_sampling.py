@@ -70,7 +70,8 @@ def batch_rows(seeds: torch.Tensor, positions: torch.Tensor):
     return layout, target, draft_ids, row_seeds, row_positions
 
 
-def emitted_tokens(verdicts: RowVerdicts, layout: RowLayout, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def emitted_tokens(verdicts: RowVerdicts, layout: RowLayout,
+                   draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's tokens in emission order [N, 1 + d] (valid up to its emitted row) and its accepted drafts [N]."""
     emission: Emission = emit(verdicts, verdicts.accepted, draft_ids, torch.tensor(layout.row_seq),
                               torch.tensor(layout.seq_starts))
@@ -159,7 +160,7 @@ def test_the_target_is_the_distribution_after_temperature_top_k_and_top_p():
     seqs = [sampled_sequence(i, [3, 5], seed=i, **params) for i in range(12_000)]   # 5 is cut by top-k
     logits = LOGITS.expand(3 * len(seqs), -1).clone()                                     # [R, V] each row alike
     result = sampler(logits, seqs)
-    expected = Sampler.sampling_probs(LOGITS[None], seqs[:1], [0])[0]                     # what plain sampling draws from
+    expected = Sampler.sampling_probs(LOGITS[None], seqs[:1], [0])[0]          # what plain sampling draws from
     assert int((expected > 0).sum()) < 5, "top-p was meant to cut into the top 5"
     first = torch.tensor([accepted[0][0] if accepted else token
                           for token, accepted in zip(result.token_ids, result.accepted_rows())])
