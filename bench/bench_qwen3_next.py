@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: the repo root, for bench.*
 
 from bench.bench_offline import in_subprocess
+from bench.random_checkpoint import save_random_checkpoint
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 RESULTS = Path(__file__).resolve().parent / "results" / "qwen3_next.json"
@@ -53,20 +54,10 @@ def build_checkpoint() -> Path:
     path = CACHE / "qwen3next-bench-float32"
     if (path / "config.json").exists():
         return path
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
-
-    from moe_runtime.demo.tokenizer_training import TokenizerSpec, save_tokenizer, train_tokenizer
-    from moe_runtime.weights.random_weights import RandomWeightScales, randomize_weights
+    from transformers import Qwen3NextConfig
 
     logger.info("building the checkpoint in %s", path)
-    torch.manual_seed(0)
-    config = Qwen3NextConfig(**SHAPE, initializer_range=0.05)
-    config.architectures = ["Qwen3NextForCausalLM"]
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize_weights(model, seed=0, scales=RandomWeightScales(matrix_std=0.05))
-    model.save_pretrained(str(path), safe_serialization=True)
-    save_tokenizer(train_tokenizer(TokenizerSpec(vocab_size=4096)), path)
-    return path
+    return save_random_checkpoint(Qwen3NextConfig(**SHAPE, initializer_range=0.05), "Qwen3NextForCausalLM", path)
 
 
 def make_prompts(batch: int) -> list[list[int]]:

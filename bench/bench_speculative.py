@@ -1,5 +1,10 @@
-"""N-gram (prompt lookup) speculative decoding: acceptance length and decode tok/s, with and without it, side by
-side in one run, on the bench checkpoint (bench/bench_offline.py builds it: Qwen3-MoE-shaped, random weights).
+"""Speculative decoding: acceptance length and decode tok/s, with and without it, side by side in one run.
+
+`--method ngram` (prompt lookup) runs on the bench checkpoint (bench/bench_offline.py builds it: Qwen3-MoE-shaped,
+random weights); `--method mtp` on a DeepSeek-V3-shaped one with an MTP layer (bench/deepseek_mtp_checkpoint.py).
+An MTP layer with random weights almost never predicts the random target: that row measures what the drafter
+costs (its pass over each step's rows, the chain, the wider verify steps), the floor under a trained layer's
+gain (DeepSeek-V3 reports 85-90% acceptance of the first draft).
 
 The prompt is shaped like a code edit: a "file" of 160 tokens, a short instruction, then the file again up to
 the point being edited, so that the context repeats itself (what n-gram lookup feeds on). Greedy, eos ignored;
@@ -9,7 +14,8 @@ length is the tokens a verifying sequence-step emits on average (1 + accepted / 
 repeats itself only where its own greedy output loops, so the acceptance here is a floor of what a trained
 model editing code gets.
 
-    python bench/bench_speculative.py [--batches 1 4] [--new-tokens 128] [--k 3] [--min 1] [--max 3]
+    python bench/bench_speculative.py [--method ngram|mtp] [--batches 1 4] [--new-tokens 128] [--k 3] [--min 1]
+                                      [--max 3]
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: the repo root, for bench.*
 
 from bench.bench_offline import build_checkpoint
+from bench.deepseek_mtp_checkpoint import build_mtp_checkpoint
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -76,6 +83,7 @@ def measure(path: Path, batch: int, new_tokens: int, speculative: dict | None) -
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", choices=["ngram", "mtp"], default="ngram")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
@@ -83,23 +91,26 @@ def main() -> int:
     parser.add_argument("--max", type=int, default=3, help="prompt_lookup_max")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    path = build_checkpoint("float32")
-    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.min,
-             "prompt_lookup_max": args.max}
+    if args.method == "mtp":
+        path, speculative = build_mtp_checkpoint(), {"method": "mtp", "num_speculative_tokens": args.k}
+    else:
+        path, speculative = build_checkpoint("float32"), {"method": "ngram", "num_speculative_tokens": args.k,
+                                                          "prompt_lookup_min": args.min, "prompt_lookup_max": args.max}
     rows = []
-    print(f"{'batch':>5} {'plain tok/s':>12} {'ngram tok/s':>12} {'speedup':>8} {'accept len':>10} {'accept rate':>11}")
+    print(f"{'batch':>5} {'plain tok/s':>12} {args.method + ' tok/s':>12} {'speedup':>8} {'accept len':>10} "
+          f"{'accept rate':>11}")
     for batch in args.batches:
         plain = measure(path, batch, args.new_tokens, None)
-        spec = measure(path, batch, args.new_tokens, ngram)
+        spec = measure(path, batch, args.new_tokens, speculative)
         same = plain.pop("token_ids") == spec.pop("token_ids")
         speedup = spec["decode_tok_s"] / plain["decode_tok_s"]
-        rows.append({"batch": batch, "plain": plain, "ngram": spec, "speedup": round(speedup, 3),
+        rows.append({"batch": batch, "plain": plain, args.method: spec, "speedup": round(speedup, 3),
                      "greedy_tokens_equal": same})
         print(f"{batch:>5} {plain['decode_tok_s']:>12.1f} {spec['decode_tok_s']:>12.1f} {speedup:>7.2f}x "
               f"{spec['acceptance_length'] or 0:>10.2f} {spec['acceptance_rate'] or 0:>11.2f}"
               + ("" if same else "  TOKENS DIFFER"))
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "speculative_ngram.json"
+    out = RESULTS / f"speculative_{args.method}.json"
     out.write_text(json.dumps({"checkpoint": path.name, "machine": platform.processor() or platform.machine(),
                                "threads": torch.get_num_threads(), "prompt": f"{FILE_TOKENS}-token file + "
                                f"{len(INSTRUCTION)}-token instruction + the file's first {2 * FILE_TOKENS // 3}",

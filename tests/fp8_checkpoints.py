@@ -12,23 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
+from moe_runtime.weights.mtp_checkpoint_writer import mtp_layer_tensors
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.fp8_checkpoint_writer import (
     copy_side_files, fp8_config, quantize_tensors, read_all_tensors, write_two_shards,
 )
-
-
-def _mtp_layer(tensors: dict[str, torch.Tensor], num_layers: int, hidden: int) -> dict[str, torch.Tensor]:
-    """Layer `num_layers` as DeepSeek-V3 stores its MTP module: a decoder layer plus enorm/hnorm/eh_proj/head."""
-    last = f"model.layers.{num_layers - 1}."
-    mtp = {f"model.layers.{num_layers}." + n[len(last):]: t.clone() for n, t in tensors.items() if n.startswith(last)}
-    mtp[f"model.layers.{num_layers}.enorm.weight"] = torch.ones(hidden)
-    mtp[f"model.layers.{num_layers}.hnorm.weight"] = torch.ones(hidden)
-    mtp[f"model.layers.{num_layers}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * 0.02
-    mtp[f"model.layers.{num_layers}.shared_head.norm.weight"] = torch.ones(hidden)
-    return mtp
 
 
 def write_fp8_checkpoint(source: Path, fp8_dir: Path, oracle_dir: Path, block: tuple[int, int],
@@ -38,7 +26,7 @@ def write_fp8_checkpoint(source: Path, fp8_dir: Path, oracle_dir: Path, block: t
     config = json.loads((source / "config.json").read_text())
     tensors = read_all_tensors(source)
     if with_mtp:
-        tensors.update(_mtp_layer(tensors, config["num_hidden_layers"], config["hidden_size"]))
+        tensors.update(mtp_layer_tensors(tensors, config["num_hidden_layers"], config["hidden_size"]))
     written = quantize_tensors(tensors, fmt)
     copy_side_files(source, fp8_dir)
     write_two_shards(written.quantized, fp8_dir)

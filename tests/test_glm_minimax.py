@@ -17,11 +17,11 @@ import torch
 
 from lazy_engines import engine_pool
 from engine_helpers import greedy
-from fp8_checkpoints import _mtp_layer
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from moe_runtime import LLM
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, read_all_tensors, write_two_shards
+from moe_runtime.weights.mtp_checkpoint_writer import write_mtp_checkpoint
+from moe_runtime.weights.quantization.fp8_checkpoint_writer import read_all_tensors
 
 ARCHS = ["glm4_moe", "minimax_m2"]
 NEW_TOKENS = 6
@@ -48,10 +48,7 @@ def checkpoints(tiny_checkpoint_factory, tmp_path_factory):
     with_mtp = tmp_path_factory.mktemp("glm4_moe_mtp")
     config = json.loads((glm / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1, "transformers' GLM config names its MTP layers"
-    tensors = read_all_tensors(glm)
-    tensors.update(_mtp_layer(tensors, config["num_hidden_layers"], config["hidden_size"]))
-    copy_side_files(glm, with_mtp)
-    write_two_shards(tensors, with_mtp)
+    write_mtp_checkpoint(glm, with_mtp)
     return {"glm4_moe": with_mtp, "minimax_m2": tiny_checkpoint_factory("minimax_m2")}
 
 

@@ -125,7 +125,7 @@ def test_min_p_keeps_the_tokens_at_or_above_min_p_times_the_top_probability(temp
     torch.manual_seed(2)
     logits = torch.randn(1, VOCAB) * 2
     seq = make_seq(0, [5], [], temperature=temperature, min_p=min_p)
-    probs = Sampler()._probs(logits, [seq], [0])[0]
+    probs = Sampler.sampling_probs(logits, [seq], [0])[0]
     torch.testing.assert_close(probs, min_p_reference(logits[0], temperature, min_p))
 
 

@@ -52,6 +52,7 @@ from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moe_runtime.engine.sequence import FinishReason, Sequence
 from moe_runtime.sampling.structured_output.compiler import build_grammar_compiler
+from moe_runtime.speculative.draft_source import DraftSource
 from moe_runtime.speculative.verification import Speculation, VerifyingSampler, emit_tokens
 from moe_runtime.sampling.structured_output.grammar_waits import GrammarWaits, Readiness
 from moe_runtime.weights.loading import SkippedTensors, load_model_weights
@@ -139,7 +140,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device,
                                   capture=self._capture_settings(config, self.device, self.max_model_len),
                                   kv_layout=kv_layout)
-        self.speculation = Speculation.for_engine(config.speculative_config, kv_layout, config.pp, self.max_model_len)
+        self.speculation = Speculation.for_engine(config.speculative_config, kv_layout, config.pp, self.max_model_len,
+                                                  DraftSource(config, ctx, reader, self.model, self.runner, num_blocks))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill), self.block_manager, self.speculation
@@ -186,12 +188,9 @@ class EngineCore:
         if config.disaggregation_mode == "prefill":
             self.exports = PrefillExports(self.runner.caches, shard, self.block_manager, key, config.kv_transfer_host)
         else:
-            sink = open_sink(self.runner.caches, shard, key, on_landed=self._pull_ended)
+            sink = open_sink(self.runner.caches, shard, key, on_landed=self._wake_loop)
             self.imports = DecodeImports(shard, sink, self.block_manager, self.parallel.worker_rank,
                                          config.kv_transfer_timeout_s, ImportGrammars(self.grammar_waits))
-
-    def _pull_ended(self) -> None:
-        self._wake_loop()
 
     def _wake_loop(self) -> None:
         """From another thread: a KV pull or a grammar compile ended, or a compile's deadline passed."""
@@ -370,9 +369,7 @@ class EngineCore:
         self._steps += 1
         self._step_seconds += time.perf_counter() - started
         scored_prompts = self.runner.take_prompt_logprobs()
-        if not seqs:
-            return []
-        deltas = []
+        deltas = []   # an empty batch has none; a model drafter still runs (its expert-parallel collectives)
         for seq, token, logprob, error, accepted in zip(sampling, sampled.token_ids, sampled.logprobs,
                                                         sampled.errors, sampled.accepted_rows()):
             if seq.params.max_tokens == 0:
@@ -394,6 +391,7 @@ class EngineCore:
                                      reason.value if reason else None, None, seq.num_preemptions,
                                      prompt_logprobs=scored_prompts.get(seq.request_id), kv_export=export,
                                      queue_seconds=self._queue_seconds_once(seq)))
+        Speculation.after_step(self.speculation, self.runner.last_hidden, sampling)   # a model drafter drafts (MTP)
         if self.imports is not None:
             self.imports.allocate()   # finished requests freed blocks an import may be waiting for
         return deltas

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.layers.attention_span import AttentionSpan
+from moe_runtime.speculative.config import SpeculativeConfig
 
 @dataclass(frozen=True)
 class KVGroup:
@@ -91,6 +92,7 @@ class KVCacheLayout:
     groups: KVGroups
     window_blocks: tuple[int, ...] = ()
     state_slots: int = 0
+    drafter_layers: int = 0        # full-group layers a drafter adds (the MTP layer), paid from the same budget
 
     @classmethod
     def single(cls) -> "KVCacheLayout":
@@ -101,11 +103,12 @@ class KVCacheLayout:
              state_layers: tuple[int, ...] = ()) -> "KVCacheLayout":
         """The layout of a model whose layers have `spans` (and `state_layers` keeping recurrent states), under
         `config` (which is refused, naming the flag, where windowed groups or state slots are not supported yet)."""
+        drafter_layers = SpeculativeConfig.drafter_kv_layers(config.speculative_config)
         if state_layers:
-            return cls(KVGroups.single(), state_slots=_state_slots(config, state_layers))
+            return cls(KVGroups.single(), state_slots=_state_slots(config, state_layers), drafter_layers=drafter_layers)
         groups = KVGroups.of_layers(spans)
         if not groups.hybrid:
-            return cls(groups)
+            return cls(groups, drafter_layers=drafter_layers)
         kinds = ", ".join(sorted({f"{g.span.kind} {g.span.size}" for g in groups.windowed}))
         for flag, value, active in (("--disaggregation-mode", config.disaggregation_mode,
                                      config.disaggregation_mode != "none"), ("--cp", config.cp, config.cp > 1)):
@@ -114,7 +117,7 @@ class KVCacheLayout:
                                         "its full layers, which a KV transfer and context parallelism do not move yet")
         pools = tuple(window_pool_blocks(g.span, config.block_size, config.max_num_seqs,
                                          config.max_num_batched_tokens) for g in groups.windowed)
-        return cls(groups, pools)
+        return cls(groups, pools, drafter_layers=drafter_layers)
 
     @property
     def windows(self) -> tuple[tuple[AttentionSpan, int], ...]:

@@ -42,6 +42,8 @@ class Sequence:
     num_cached_tokens: int = 0                     # tokens whose K/V are in the cache
     num_scheduled_tokens: int = 0                  # tokens the current step computes (a prefill chunk, 1, or 1 + drafts)
     draft_token_ids: list[int] = field(default_factory=list)  # this step's drafts after its last token (speculation)
+    proposed_drafts: list[int] = field(default_factory=list)  # a model drafter's drafts (MTP) for its next step ...
+    proposed_at: int = -1                          # ... valid while num_tokens is this
     block_hashes: list[int] = field(default_factory=list)  # prefix hashes of its full blocks (prefix caching)
     num_registered_blocks: int = 0                 # leading blocks of block_table offered to the prefix cache
     partial_prompt_logprobs: PromptLogprobs | None = None  # chunked prefill: the prompt scored so far

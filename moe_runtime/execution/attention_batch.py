@@ -66,6 +66,23 @@ class AttentionBatch:
     _splits: dict = field(default_factory=dict, repr=False)   # AttentionSpan -> SingleQuerySplit (per step)
     _prefills: dict = field(default_factory=dict, repr=False)  # seqs -> (rows, PagedPrefillBatch) (per step)
 
+    @classmethod
+    def over_ranges(cls, block_tables: list[list[int]], starts: list[int], stops: list[int], block_size: int,
+                    device) -> "AttentionBatch":
+        """Sequence b computes positions [starts[b], stops[b]) through its blocks `block_tables[b]`."""
+        query_lens = [stop - start for start, stop in zip(starts, stops)]
+        query_start = [0]
+        for length in query_lens:
+            query_start.append(query_start[-1] + length)
+        slots = [table[p // block_size] * block_size + p % block_size
+                 for table, start, stop in zip(block_tables, starts, stops) for p in range(start, stop)]
+        width = max((len(table) for table in block_tables), default=1) or 1
+        padded = torch.full((len(block_tables), width), -1, dtype=torch.int32, device="cpu")   # host staging
+        for i, table in enumerate(block_tables):
+            padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32, device="cpu")
+        return cls(query_lens, list(stops), query_start, torch.tensor(slots, dtype=torch.long, device=device),
+                   padded.to(device), torch.tensor(stops, dtype=torch.int32, device=device), block_size)
+
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)

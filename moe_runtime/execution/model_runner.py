@@ -10,7 +10,7 @@ import torch
 from moe_runtime.sampling.logprobs import PromptLogprobs
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.execution.decode_capture import CaptureSettings, DecodeCapture
-from moe_runtime.execution.step_inputs import StepInputs
+from moe_runtime.execution.step_inputs import StepInputs, TargetHidden
 from moe_runtime.engine.kv_groups import KVCacheLayout
 from moe_runtime.engine.state_snapshots import SnapshotPoolSize
 from moe_runtime.layers.kv_cache import LayerKVCache
@@ -25,8 +25,8 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
                          kv_layout: KVCacheLayout | None = None) -> int:
     """Blocks of the full KV group that fit in `budget_bytes` once the windowed groups' fixed pools (each with
     its scratch block) and the linear-attention layers' state slots (with theirs, and the prefix cache's state
-    snapshots: `SnapshotPoolSize`) are paid for. A pipeline stage without full layers fits as many as the budget's
-    bytes: the other stages decide."""
+    snapshots: `SnapshotPoolSize`) are paid for, and a drafter's layers (`kv_layout.drafter_layers`) beside the full
+    ones. A pipeline stage without full layers fits as many as the budget's bytes: the other stages decide."""
     kv_layout = kv_layout or KVCacheLayout.single()
     full_per_token = window_bytes = 0
     for spec in model.kv_cache_specs():
@@ -35,6 +35,8 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
             continue
         group = kv_layout.groups.group_of_span(spec.span)
         if group == 0:
+            if full_per_token == 0:   # a drafter's layers (the MTP layer) are shaped like the first full layer
+                full_per_token += kv_layout.drafter_layers * spec.bytes_per_token(dtype)
             full_per_token += spec.bytes_per_token(dtype)
         else:
             window_bytes += spec.bytes_per_token(dtype) * block_size * (kv_layout.window_blocks[group - 1] + 1)
@@ -82,6 +84,8 @@ class ModelRunner:
                                                                    device, capture)
         self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)
         self._scored_prompts: dict[str, PromptLogprobs] = {}   # request id -> prompt logprobs not yet taken
+        self.keep_hidden = False                      # a drafter reads each step's hidden states (MTP)
+        self.last_hidden: TargetHidden | None = None  # ... the last eager step's, when asked
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.cache_bytes() / 2**20)
 
     def cache_bytes(self) -> int:
@@ -98,34 +102,15 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence]) -> StepInputs:
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        query_start = [0]
-        bs = self.block_size
         for seq in seqs:
             start = seq.num_cached_tokens
-            end = start + seq.num_scheduled_tokens       # a prefill chunk, the whole rest, or the one decode token
-            input_ids.extend(seq.scheduled_token_ids())
-            positions.extend(range(start, end))
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(end - start)
-            context_lens.append(end)
-            query_start.append(query_start[-1] + end - start)
-        max_blocks = max((len(seq.block_table) for seq in seqs), default=1) or 1
-        block_tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32, device="cpu")  # host staging
-        for i, seq in enumerate(seqs):
-            block_tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32, device="cpu")
+            input_ids.extend(seq.scheduled_token_ids())   # a prefill chunk, the whole rest, or the one decode token
+            positions.extend(range(start, start + seq.num_scheduled_tokens))
         dev = self.device
-        batch = AttentionBatch(
-            query_lens=query_lens,
-            context_lens=context_lens,
-            query_start=query_start,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=block_tables.to(dev),
-            context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_size=bs,
-        )
+        batch = AttentionBatch.over_ranges([seq.block_table for seq in seqs], [seq.num_cached_tokens for seq in seqs],
+                                           [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs],
+                                           self.block_size, dev)
+        query_start = batch.query_start
         if self.state_slots:
             self._start_states(seqs, batch)
         if self.groups.hybrid:
@@ -188,10 +173,14 @@ class ModelRunner:
         inputs = self.prepare(seqs)
         logits = None if self.capture is None else self.capture.run(seqs, inputs)   # [S, V], None: not captured
         if logits is not None:
+            self.last_hidden = None
             for seq in seqs:
                 seq.commit_scheduled_tokens()
             return logits
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
+        if self.keep_hidden:
+            self.last_hidden = TargetHidden(list(seqs), [seq.num_cached_tokens for seq in seqs],
+                                            inputs.batch.query_start, hidden)
         self.score_prompts(seqs, inputs, hidden)
         for seq in seqs:
             seq.commit_scheduled_tokens()

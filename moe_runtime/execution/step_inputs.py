@@ -16,3 +16,14 @@ class StepInputs:
     batch: AttentionBatch
     last_token_index: torch.Tensor  # [R] int64: rows whose logits are wanted: the last new token of each sequence
                                    # that samples this step (and, before it, its drafts' positions: `logit_rows`)
+
+
+@dataclass
+class TargetHidden:
+    """A step's final hidden states, kept for a drafter that reads them (MTP): row query_start[b] + j is
+    sequence b's position starts[b] + j."""
+
+    seqs: list                     # [B] the step's sequences, in order
+    starts: list[int]              # [B] each one's first position this step
+    query_start: list[int]         # [B + 1]
+    hidden: torch.Tensor           # [T, H] after the final norm

@@ -45,11 +45,23 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return hash32(key ^ hash32((positions + GOLDEN32) & MASK32))
 
 
+def unit_interval(words: torch.Tensor) -> torch.Tensor:
+    """32-bit words (int64 in [0, 2^32)) as float32 numbers in (0, 1) on a 2^-24 grid."""
+    bits = words >> (32 - UNIFORM_BITS)
+    return (bits.to(torch.float32) + 0.5) * (2.0 ** -UNIFORM_BITS)
+
+
 def uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform numbers in (0, 1), float32 [S, V]: one per (row key [S], token id)."""
     token = hash32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64))        # [V]
-    bits = hash32(keys[:, None] ^ token[None, :]) >> (32 - UNIFORM_BITS)                 # [S, V]
-    return (bits.to(torch.float32) + 0.5) * (2.0 ** -UNIFORM_BITS)
+    return unit_interval(hash32(keys[:, None] ^ token[None, :]))                          # [S, V]
+
+
+def stream_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """One uniform number in (0, 1) per row [S], keyed by its seed, position and `stream` (a 32-bit constant
+    naming what the number decides): a draw beside the position's token noise, not one of its words."""
+    keys = hash32(row_keys(seeds, positions) ^ (stream & MASK32))                         # [S]
+    return unit_interval(hash32(keys ^ GOLDEN32))
 
 
 def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,15 @@ class DeviceDraw:
 
     def to_host(self) -> SampleResult:
         token_ids, status = torch.stack([self.token_ids, self.status]).tolist()   # one copy: [2, B]
+        return self._result(token_ids, status)
+
+    def to_host_beside(self, extra: torch.Tensor) -> tuple[SampleResult, list[int]]:
+        """`to_host`, and one more int [B] row of the caller's in the same copy (speculative decoding: which
+        rows a sequence's step ends on)."""
+        token_ids, status, beside = torch.stack([self.token_ids, self.status, extra.to(torch.int64)]).tolist()
+        return self._result(token_ids, status), beside
+
+    def _result(self, token_ids: list[int], status: list[int]) -> SampleResult:
         errors = [known if known is not None else DrawStatus.message(code) for known, code in zip(self.errors, status)]
         logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
         if self.logprobs is not None:

@@ -63,6 +63,35 @@ class DeviceProcessedLogits:
     status: torch.Tensor               # [B] int64 DrawStatus codes, on the logits' device
 
 
+@dataclass
+class SampledRows:
+    """The rows of a batch drawn at random (not greedy, not failed on the host), on the logits' device."""
+
+    index: torch.Tensor              # [S] int64 rows of the batch
+    probs: torch.Tensor              # [S, V] float32 after temperature, min-p, top-k, top-p (non-finite: 0)
+    usable: torch.Tensor             # [S] bool: the probabilities were finite and had mass
+    seeds: torch.Tensor              # [S] int64 what keys each row's draws
+    positions: torch.Tensor          # [S] int64 the position each row samples
+
+    @classmethod
+    def of(cls, processed: DeviceProcessedLogits, seqs: list[Sequence]) -> "SampledRows | None":
+        rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy and processed.errors[i] is None]
+        if not rows:
+            return None
+        probs = Sampler.sampling_probs(processed.logits, seqs, rows)                       # [S, V]
+        device = probs.device
+        usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)               # [S]
+        return cls(torch.tensor(rows, dtype=torch.int64, device=device), probs.nan_to_num(0.0), usable,
+                   torch.tensor([seqs[row].sampling_seed for row in rows], dtype=torch.int64, device=device),
+                   torch.tensor([seqs[row].num_tokens for row in rows], dtype=torch.int64, device=device))
+
+    def flag_unusable(self, status: torch.Tensor) -> torch.Tensor:
+        """The batch's status [B] with these rows' unusable probabilities marked (a failure known before wins)."""
+        before = status[self.index]                                                         # [S]
+        verdict = torch.where((before == DrawStatus.OK) & ~self.usable, DrawStatus.PROBS_NOT_FINITE, before)
+        return status.index_copy(0, self.index, verdict)
+
+
 class Sampler:
     """`eos_token_ids`: the engine's EOS ids, which min_tokens holds back; `grammar_threads`: xgrammar's
     threads for filling the bitmasks of large batches (`GrammarBitmask`)."""
@@ -82,22 +111,18 @@ class Sampler:
         processed = self.process_on_device(raw, seqs)
         token_ids = processed.logits.argmax(dim=-1)                                        # [B] the greedy choice
         status = processed.status                                                          # [B]
-        sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy and processed.errors[i] is None]
-        if sampled_rows:
-            probs = self._probs(processed.logits, seqs, sampled_rows)                      # [S, V]
-            # nothing above draws a random number: from here on, a failure is one row's alone
-            device = probs.device
-            usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)           # [S]
-            seeds = torch.tensor([seqs[row].sampling_seed for row in sampled_rows], dtype=torch.int64, device=device)
-            positions = torch.tensor([seqs[row].num_tokens for row in sampled_rows], dtype=torch.int64, device=device)
-            index = torch.tensor(sampled_rows, dtype=torch.int64, device=device)            # [S]
-            token_ids = token_ids.index_copy(0, index, exponential_race(probs.nan_to_num(0.0), seeds, positions))
-            before = status[index]                                                          # [S]
-            verdict = torch.where((before == DrawStatus.OK) & ~usable, DrawStatus.PROBS_NOT_FINITE, before)
-            status = status.index_copy(0, index, verdict)
+        sampled = SampledRows.of(processed, seqs)
+        if sampled is not None:   # nothing above draws a random number: from here on, a failure is one row's alone
+            token_ids = token_ids.index_copy(0, sampled.index,
+                                             exponential_race(sampled.probs, sampled.seeds, sampled.positions))
+            status = sampled.flag_unusable(status)
+        return DeviceDraw(token_ids, status, processed.errors, self.asked_logprobs(raw, token_ids, seqs))
+
+    @staticmethod
+    def asked_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence]) -> TopLogprobs | None:
+        """The logprobs the rows that asked for them want: raw logits [B, V], the rows' tokens [B]."""
         wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        logprobs = TopLogprobs.of(raw, token_ids, wanted, [seqs[row].params.logprobs for row in wanted])
-        return DeviceDraw(token_ids, status, processed.errors, logprobs)
+        return TopLogprobs.of(raw, token_ids, wanted, [seqs[row].params.logprobs for row in wanted])
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> ProcessedLogits:
         """The batch's logits [B, V] after structured output, min_tokens, logit_bias and the penalties, in
@@ -130,7 +155,7 @@ class Sampler:
         return DeviceProcessedLogits(logits, errors, status)
 
     @staticmethod
-    def _probs(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+    def sampling_probs(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
         """Probabilities [S, V] of the sampled rows after temperature, min-p, top-k and top-p."""
         vocab = logits.shape[-1]
         device = logits.device

@@ -5,13 +5,13 @@ from dataclasses import dataclass
 
 from moe_runtime.errors import InvalidRequestError
 
-BUILT_METHODS = ("ngram",)
-PLANNED_METHODS = ("mtp", "eagle3")      # issue 35: named, refused until built
+BUILT_METHODS = ("ngram", "mtp")
+PLANNED_METHODS = ("eagle3",)            # named, refused until built
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"
+    method: str = "ngram"                # "ngram": prompt lookup; "mtp": the checkpoint's multi-token-prediction layer
     num_speculative_tokens: int = 3      # k: drafts proposed per sequence and step
     prompt_lookup_min: int = 1           # shortest suffix n-gram that may match (n-gram lookup)
     prompt_lookup_max: int = 4           # longest one tried
@@ -30,7 +30,7 @@ class SpeculativeConfig:
             raise InvalidRequestError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
         method = raw.get("method", "ngram")
         if method in PLANNED_METHODS:
-            raise InvalidRequestError(f"speculative_config method {method!r} is not built yet (issue 35); "
+            raise InvalidRequestError(f"speculative_config method {method!r} is not built yet; "
                                       f"use one of {list(BUILT_METHODS)}")
         if method not in BUILT_METHODS:
             raise InvalidRequestError(f"speculative_config method {method!r}: choose one of {list(BUILT_METHODS)}")
@@ -40,6 +40,12 @@ class SpeculativeConfig:
         config = cls(method, int(raw.get("num_speculative_tokens", cls.num_speculative_tokens)), int(low), int(high))
         config.check()
         return config
+
+    @classmethod
+    def drafter_kv_layers(cls, raw: dict | None) -> int:
+        """Layers of KV cache a drafter keeps beside the target's: 1 for the MTP layer, else 0."""
+        config = cls.parse(raw)
+        return 1 if config is not None and config.method == "mtp" else 0
 
     def check(self) -> None:
         if self.num_speculative_tokens < 1:

@@ -1,11 +1,12 @@
 """One DP worker's speculative decoding: which sequences draft, how many drafts, and what was accepted.
 
-A sequence drafts only when its next tokens are the target's greedy choices (temperature 0, no grammar): the
-verifier accepts a draft exactly when it equals the target's argmax at its position, which keeps greedy
-output token for token what it is without speculation. Sampled requests (temperature > 0) decode one token
-per step: rejection sampling, which would keep their distribution, is not built (issue 35). Models whose
-state cannot be rolled back past rejected drafts (windowed KV groups, recurrent-state layers) and pipeline
-parallelism (the last stage broadcasts one token per sequence) are refused at start-up, by name.
+Drafts come from prompt lookup (`ngram`, on the host) or the checkpoint's multi-token-prediction layer (`mtp`,
+run after each step: `after_step`). Greedy and sampled requests draft alike: verification keeps greedy output
+token for token what it is without speculation, and sampled output distributed as it is without it
+(`rejection_sampling`). Requests with a grammar decode one token per step: their matcher would have to walk
+the drafts before the target scores them. Models whose state cannot be rolled back past rejected drafts
+(windowed KV groups, recurrent-state layers) and pipeline parallelism (the last stage broadcasts one token per
+sequence) are refused at start-up, by name.
 """
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from dataclasses import dataclass
 
 from moe_runtime.engine.sequence import Sequence
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.execution.step_inputs import TargetHidden
 from moe_runtime.speculative.config import SpeculativeConfig
+from moe_runtime.speculative.draft_source import DraftSource
+from moe_runtime.speculative.mtp import MtpDrafter
+from moe_runtime.speculative.mtp_loading import build_mtp_drafter
 from moe_runtime.speculative.ngram import NgramDrafter
 
 logger = logging.getLogger(__name__)
@@ -28,16 +33,19 @@ class SpeculationCounters:
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, model_drafter: MtpDrafter | None = None):
         self.config = config
         self.max_model_len = max_model_len
         self.drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.model_drafter = model_drafter     # method "mtp": drafts computed after each step, on the device
         self.counters = SpeculationCounters()
-        self._told_sampled = False
+        self._told_grammar = False
 
     @classmethod
-    def for_engine(cls, raw: dict | None, kv_layout, pp_size: int, max_model_len: int) -> "Speculation | None":
-        """The engine's speculation (None: off); refuses what cannot roll back rejected drafts."""
+    def for_engine(cls, raw: dict | None, kv_layout, pp_size: int, max_model_len: int,
+                   source: DraftSource | None = None) -> "Speculation | None":
+        """The engine's speculation (None: off); refuses what cannot roll back rejected drafts. `source`: what
+        a model drafter is built from (method "mtp")."""
         config = SpeculativeConfig.parse(raw)
         if config is None:
             return None
@@ -50,22 +58,34 @@ class Speculation:
         if pp_size > 1:
             raise InvalidRequestError("speculative decoding with --pp > 1 is not built: the last stage sends one "
                                       "token per sequence")
-        return cls(config, max_model_len)
+        if config.method != "mtp":
+            return cls(config, max_model_len)
+        if source is None:
+            raise InvalidRequestError("speculative_config method 'mtp' needs the engine's model to draft with")
+        return cls(config, max_model_len, build_mtp_drafter(source, config.num_speculative_tokens))
 
     def drafts_for(self, seq: Sequence, budget: int) -> list[int]:
         """Drafts for decoding `seq` this step: at most k, at most `budget` (tokens left in the step), none past
         its max_tokens (the verified step emits one more than it accepts) or the context length."""
-        if not seq.params.greedy or seq.grammar is not None:
-            if not seq.params.greedy and not self._told_sampled:
-                self._told_sampled = True
-                logger.info("speculative decoding: requests with temperature > 0 decode without drafts "
-                            "(rejection sampling is not built)")
+        if seq.grammar is not None:
+            if not self._told_grammar:
+                self._told_grammar = True
+                logger.info("speculative decoding: requests with structured output (a grammar) decode without "
+                            "drafts")
             return []
         room = min(self.config.num_speculative_tokens, budget,
                    seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens)
         if room <= 0:
             return []
+        if self.model_drafter is not None:
+            return self.model_drafter.propose(seq, room)
         return self.drafter.propose(seq.all_token_ids, room)
+
+    @staticmethod
+    def after_step(speculation: "Speculation | None", step: TargetHidden | None, sampled: list[Sequence]) -> None:
+        """A model drafter's turn after each target step (none when off; the n-gram drafter needs none)."""
+        if speculation is not None and speculation.model_drafter is not None:
+            speculation.model_drafter.after_step(step, sampled)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.counters.drafted += drafted

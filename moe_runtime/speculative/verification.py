@@ -1,11 +1,13 @@
 """Verifying drafts: one target forward scores a sequence's last token and its d drafts (1 + d logits rows);
-the target's own choice at each row decides.
+the target's distribution at each row decides (`rejection_sampling`).
 
-Each row is sampled as the sequence would be at that position without speculation: a view of the sequence
+Each row is processed as the sequence would be at that position without speculation: a view of the sequence
 whose output already holds the drafts before the row (penalties, min_tokens and the seeded position see the
-same context). The longest prefix of drafts equal to the target's greedy choices is accepted, and the
-target's token after it is appended too: 1 to d + 1 tokens per step, each the one plain greedy decoding would
-have produced (`Speculation` drafts only for greedy requests). The rejected drafts' K/V is then rolled back
+same context). Greedy rows accept the longest prefix of drafts equal to the target's argmax, then emit the
+argmax after it: exactly the tokens plain greedy decoding produces. Sampled rows accept each draft with the
+target's probability of it and draw the first rejected row's token from the residual (the bonus row's from
+the target): tokens distributed as plain sampling's. Either way 1 to d + 1 tokens per step, decided on the
+device and read back with the step's one result copy. The rejected drafts' K/V is then rolled back
 (`BlockManager.roll_back`).
 """
 from __future__ import annotations
@@ -18,8 +20,11 @@ import torch
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.outputs import error_message
 from moe_runtime.engine.sequence import FinishReason, Sequence
-from moe_runtime.sampling.device_draw import SampleResult
+from moe_runtime.execution.host_reads import step_result_transfer
+from moe_runtime.sampling.device_draw import DeviceDraw, DrawStatus, SampleResult
 from moe_runtime.sampling.logprobs import TokenLogprob
+from moe_runtime.sampling.sampler import SampledRows
+from moe_runtime.speculative.rejection_sampling import (RowLayout, emit, greedy_verdicts, sampled_verdicts)
 from moe_runtime.speculative.speculation import Speculation   # also the engine core's import of it
 
 
@@ -44,41 +49,52 @@ class VerifyingSampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:  # logits [R, V]
         if not any(seq.draft_token_ids for seq in seqs):
             return self.sampler(logits, seqs)                 # R == B; a failure is the caller's to split
-        views = [row_views(seq) for seq in seqs]
         try:
-            drawn = self.sampler(logits, [view for rows in views for view in rows])
-            parts = self._split(drawn, [len(rows) for rows in views])
+            return self._verify(logits, seqs)
         except Exception:  # noqa: BLE001 - one sequence's rows at a time, as EngineCore does for one row each
             parts, first = [], 0
-            for rows in views:
+            for seq in seqs:
                 try:
-                    parts.append(self.sampler(logits[first : first + len(rows)], rows))
+                    parts.append(self._verify(logits[first : first + seq.logit_rows], [seq]))
                 except Exception as exc:  # noqa: BLE001 - fails this request only
-                    parts.append(SampleResult([SampleResult.NO_TOKEN] * len(rows), [None] * len(rows),
-                                              [error_message(exc)] * len(rows)))
-                first += len(rows)
-        return SampleResult.concat([self._accept(seq, part) for seq, part in zip(seqs, parts)])
+                    parts.append(SampleResult.failed(error_message(exc)))
+                first += seq.logit_rows
+            return SampleResult.concat(parts)
 
-    @staticmethod
-    def _split(drawn: SampleResult, sizes: list[int]) -> list[SampleResult]:
-        parts, first = [], 0
-        for size in sizes:
-            stop = first + size
-            parts.append(SampleResult(drawn.token_ids[first:stop], drawn.logprobs[first:stop], drawn.errors[first:stop]))
-            first = stop
-        return parts
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:  # logits [R, V]
+        """One token per sequence after its accepted drafts (`SampleResult.accepted`)."""
+        rows = [view for seq in seqs for view in row_views(seq)]
+        layout = RowLayout.of([seq.draft_token_ids for seq in seqs])
+        device = logits.device
+        raw = logits.float()
+        processed = self.sampler.process_on_device(raw, rows)
+        draft_ids = torch.tensor(layout.draft_ids, dtype=torch.int64, device=device)          # [R]
+        verdicts = greedy_verdicts(processed.logits, draft_ids)
+        status = processed.status                                                             # [R]
+        sampled = SampledRows.of(processed, rows)
+        if sampled is not None:   # nothing above draws a random number: from here on, a failure is one row's alone
+            verdicts = verdicts.overwritten(sampled.index, sampled_verdicts(
+                sampled.probs, draft_ids[sampled.index], sampled.seeds, sampled.positions))
+            status = sampled.flag_unusable(status)
+        emission = emit(verdicts, verdicts.accepted & (status == DrawStatus.OK), draft_ids,
+                        torch.tensor(layout.row_seq, dtype=torch.int64, device=device),
+                        torch.tensor(layout.seq_starts, dtype=torch.int64, device=device))
+        drawn = DeviceDraw(emission.tokens, status, processed.errors,
+                           self.sampler.asked_logprobs(raw, emission.tokens, rows))
+        with step_result_transfer():
+            result, emitted = drawn.to_host_beside(emission.emitted)
+        return SampleResult.concat([self._accept(seq, result, emitted, first)
+                                    for seq, first in zip(seqs, layout.seq_starts)])
 
-    def _accept(self, seq: Sequence, rows: SampleResult) -> SampleResult:
-        """One sequence's row: its accepted drafts, then the target's token at the first mismatch (or after all)."""
+    def _accept(self, seq: Sequence, rows: SampleResult, emitted: list[int], first: int) -> SampleResult:
+        """One sequence's result from its rows (starting at `first`): the accepted drafts, then the emitted token."""
         drafts = seq.draft_token_ids
-        accepted = 0
-        while (accepted < len(drafts) and rows.errors[accepted] is None
-               and rows.token_ids[accepted] == drafts[accepted]):
-            accepted += 1
+        accepted = emitted[first : first + len(drafts) + 1].index(1)
         if drafts and self.speculation is not None:
             self.speculation.record(len(drafts), accepted)
-        kept = [(drafts[j], rows.logprobs[j]) for j in range(accepted)]
-        return SampleResult([rows.token_ids[accepted]], [rows.logprobs[accepted]], [rows.errors[accepted]], [kept])
+        kept = [(drafts[j], rows.logprobs[first + j]) for j in range(accepted)]
+        end = first + accepted
+        return SampleResult([rows.token_ids[end]], [rows.logprobs[end]], [rows.errors[end]], [kept])
 
 
 def emit_tokens(seq: Sequence, tokens: list[tuple[int, TokenLogprob | None]],

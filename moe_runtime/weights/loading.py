@@ -56,7 +56,8 @@ class SkippedTensors:
             indices = "|".join(str(i) for i in range(first, last + 1))
             rules.append(SkippedTensor(rf"^model\.layers\.({indices})\.",
                                        f"multi-token-prediction layer(s) {first}..{last} (num_nextn_predict_layers="
-                                       f"{num_mtp}) are not used for decoding"))
+                                       f"{num_mtp}): read by the MTP drafter when speculative_config's method is \"mtp\", "
+                                       "else not used"))
         return cls(tuple(rules))
 
     def rule_for(self, name: str) -> SkippedTensor | None:

@@ -1,0 +1,135 @@
+"""Drafting with the checkpoint's multi-token-prediction layer (DeepSeek-V3 MTP, `models/deepseek_mtp.py`).
+
+After every target step the MTP layer runs over the positions the step computed whose input tokens turned out
+true (a prefill chunk's, a decode's, a verify step's up to its last accepted draft), each with the target's
+hidden state there and the token after it, now known on the host: this fills the layer's own KV cache (one more
+layer in the sequence's blocks, `LayerKVCache` like the target's) exactly as the model would have it. The
+last such row of a sequence that sampled predicts the token after the one just emitted: draft 1. Draft j + 1
+then comes from the layer run again at the next position on draft j and its own output (the chain), for up to
+k drafts, as far as the sequence's blocks reach (a chain row writes the layer's cache there; the next step's
+true rows overwrite it). Drafts are the layer's argmax: point masses for the verifier.
+
+The drafts come back to the host in one copy per step ([D, k]), where the scheduler reads them next step
+(`Sequence.proposed_drafts`); the MTP layer runs its MoE block through an executor of its own (its experts
+spread over the expert-parallel ranks like the target's: `lock_step`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_runtime.engine.sequence import Sequence
+from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.execution.step_inputs import TargetHidden
+from moe_runtime.layers.kv_cache import LayerKVCache
+from moe_runtime.models.deepseek_mtp import MtpLayer
+from moe_runtime.moe.executor import MoEExecutor
+
+
+@dataclass
+class MtpRows:
+    """The MTP pass's rows for one target step (host lists): sequence b's rows are positions
+    [starts[b], stops[b]) and the target's hidden rows `hidden_rows` for them, in order."""
+
+    seqs: list[Sequence]           # [B] sequences with at least one row
+    starts: list[int]              # [B]
+    stops: list[int]               # [B]
+    hidden_rows: list[int]         # [M]
+    next_tokens: list[int]         # [M] the token after each row's position
+    drafting: list[int]            # indices into seqs of those that sampled this step and go on
+
+    @classmethod
+    def of(cls, step: TargetHidden, sampled: set[str]) -> "MtpRows":
+        rows = cls([], [], [], [], [], [])
+        for seq, start, first_row, end_row in zip(step.seqs, step.starts, step.query_start, step.query_start[1:]):
+            if seq.is_finished:
+                continue
+            # true inputs end before the last known token: that one (the token just emitted) has no hidden state
+            stop = min(start + end_row - first_row, seq.num_tokens - 1)
+            if stop <= start:
+                continue
+            if seq.request_id in sampled:
+                rows.drafting.append(len(rows.seqs))
+            tokens = seq.all_token_ids
+            rows.seqs.append(seq)
+            rows.starts.append(start)
+            rows.stops.append(stop)
+            rows.hidden_rows.extend(range(first_row, first_row + stop - start))
+            rows.next_tokens.extend(tokens[start + 1 : stop + 1])
+        return rows
+
+
+class MtpDrafter:
+    def __init__(self, layer: MtpLayer, executor: MoEExecutor, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, k: int, lock_step: bool = False):
+        """`lock_step`: the layer exchanges with other ranks (the MoE block's experts, attention heads), so every
+        rank runs the pass and all k - 1 chain rows every step, with no rows where it has none."""
+        self.layer = layer
+        self.executor = executor
+        self.lock_step = lock_step
+        self.block_size = block_size
+        self.device = device
+        self.k = k
+        self.cache = LayerKVCache.allocate(layer.self_attn.kv_cache_spec(), num_blocks, block_size, dtype, device, 0)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to `k` drafts to follow `seq` (none: its last step drafted nothing for where it stands now)."""
+        if seq.proposed_at != seq.num_tokens:
+            return []
+        return seq.proposed_drafts[:k]
+
+    @torch.inference_mode()
+    def after_step(self, step: TargetHidden | None, sampled: list[Sequence]) -> None:
+        """Run the MTP layer over `step`'s true rows and draft for the sequences in `sampled` that go on."""
+        if step is None:
+            return
+        rows = MtpRows.of(step, {seq.request_id for seq in sampled})
+        if not rows.seqs and not self.lock_step:
+            return
+        dev = self.device
+        batch = AttentionBatch.over_ranges([seq.block_table for seq in rows.seqs], rows.starts, rows.stops,
+                                           self.block_size, dev)
+        positions = torch.tensor([p for start, stop in zip(rows.starts, rows.stops) for p in range(start, stop)],
+                                 dtype=torch.long, device=dev)                                   # [M]
+        previous = step.hidden.index_select(0, torch.tensor(rows.hidden_rows, dtype=torch.long, device=dev))
+        self.executor.begin_step("prefill")
+        try:
+            out = self.layer.predict(positions, torch.tensor(rows.next_tokens, dtype=torch.long, device=dev),
+                                     previous, batch, self.cache)                               # [M, H]
+            if rows.drafting or self.lock_step:
+                self._chain(rows, out, batch.query_start)
+        finally:
+            self.executor.end_step()
+
+    def _chain(self, rows: MtpRows, out: torch.Tensor, query_start: list[int]) -> None:
+        """Drafts 1..k of the drafting sequences from their last rows' outputs `out` [M, H]."""
+        dev = self.device
+        seqs = [rows.seqs[i] for i in rows.drafting]
+        last_positions = [rows.stops[i] - 1 for i in rows.drafting]                            # [D]
+        last_rows = torch.tensor([query_start[i + 1] - 1 for i in rows.drafting], dtype=torch.long, device=dev)
+        hidden = out.index_select(0, last_rows)                                                 # [D, H]
+        drafts = torch.full((len(seqs), self.k), -1, dtype=torch.long, device=dev)             # [D, k]
+        token = self.layer.logits(hidden).argmax(dim=-1)                                        # [D]
+        drafts[:, 0] = token
+        alive = list(range(len(seqs)))                          # the sequences still chaining; hidden, token: theirs
+        for j in range(1, self.k):
+            # row j writes the layer's cache at last position + j: only where the sequence's blocks reach
+            kept = [a for a, i in enumerate(alive)
+                    if last_positions[i] + j < len(seqs[i].block_table) * self.block_size]
+            if not kept and not self.lock_step:
+                break
+            if len(kept) < len(alive):
+                keep = torch.tensor(kept, dtype=torch.long, device=dev)
+                hidden, token = hidden.index_select(0, keep), token.index_select(0, keep)
+                alive = [alive[a] for a in kept]
+            position = [last_positions[i] + j for i in alive]
+            batch = AttentionBatch.over_ranges([seqs[i].block_table for i in alive], position,
+                                               [p + 1 for p in position], self.block_size, dev)
+            hidden = self.layer.predict(torch.tensor(position, dtype=torch.long, device=dev), token, hidden, batch,
+                                        self.cache)                                             # [A, H]
+            token = self.layer.logits(hidden).argmax(dim=-1)                                    # [A]
+            drafts[torch.tensor(alive, dtype=torch.long, device=dev), j] = token
+        for seq, proposed in zip(seqs, drafts.tolist()):                                       # the one copy
+            seq.proposed_at = seq.num_tokens
+            seq.proposed_drafts = proposed[: proposed.index(-1)] if -1 in proposed else proposed

@@ -1,0 +1,44 @@
+"""Append a multi-token-prediction (MTP) layer in DeepSeek-V3's layout to a checkpoint: what the tests and the
+speculative-decoding bench load when no published checkpoint fits on the machine.
+
+Layer N = num_hidden_layers: a decoder block drawn from the last one's tensors, `enorm` / `hnorm` /
+`shared_head.norm` and `eh_proj` at random; with `own_copies`, the embedding and LM head copies DeepSeek-V3's
+files carry too (`embed_tokens`, `shared_head.head`). The weights are random: drafts from such a layer are
+rarely accepted, which is what a bench of its cost wants and a test of exactness does not mind.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, read_all_tensors, write_two_shards
+
+
+def mtp_layer_tensors(tensors: dict[str, torch.Tensor], num_layers: int, hidden: int,
+                      generator: torch.Generator | None = None, own_copies: bool = False) -> dict[str, torch.Tensor]:
+    """Layer `num_layers`'s tensors, from a checkpoint's `tensors` (the last decoder layer's block copied)."""
+    last, prefix = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    generator = generator or torch.Generator().manual_seed(0)
+    mtp = {prefix + n[len(last):]: t.clone() for n, t in tensors.items() if n.startswith(last)}
+    for norm in ("enorm", "hnorm", "shared_head.norm"):      # not all ones: a swapped norm would show
+        mtp[f"{prefix}{norm}.weight"] = 1.0 + 0.2 * torch.randn(hidden, generator=generator)
+    mtp[f"{prefix}eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.02
+    if own_copies:
+        mtp[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        mtp[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    return mtp
+
+
+def write_mtp_checkpoint(source: Path, target: Path, own_copies: bool = False, seed: int = 0) -> Path:
+    """`source` with an MTP layer appended and `num_nextn_predict_layers=1`, as two shards in `target`."""
+    config = json.loads((source / "config.json").read_text())
+    tensors = read_all_tensors(source)
+    tensors.update(mtp_layer_tensors(tensors, config["num_hidden_layers"], config["hidden_size"],
+                                     torch.Generator().manual_seed(seed), own_copies))
+    copy_side_files(source, target)
+    write_two_shards(tensors, target)
+    config["num_nextn_predict_layers"] = 1
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
