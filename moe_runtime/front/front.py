@@ -486,9 +486,9 @@ class Front:
     def health(self) -> EngineHealth:
         if self._dead is not None:
             return EngineHealth(False, self._dead)
-        if self._recovering():
-            return EngineHealth(True, f"restarting the ranks after: {self.recovery.stats.recovering}", degraded=True)
-        return self.client.health()
+        health = EngineHealth(False, self.recovery.stats.recovering) if self._recovering() else self.client.health()
+        restarting = not health.healthy and self.recovery is not None and self.recovery.restarts_left()
+        return EngineHealth(True, f"restarting the ranks after: {health.detail}", True) if restarting else health
 
     def shutdown(self) -> None:
         for front in (self.prefill, self.decode):

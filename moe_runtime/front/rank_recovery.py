@@ -52,6 +52,11 @@ class RankRecovery:
     def recovering(self) -> bool:
         return self.stats.recovering is not None
 
+    def restarts_left(self) -> bool:
+        """Whether a loss now would restart the job (one being restarted counts as left)."""
+        now = time.monotonic()
+        return self.recovering or sum(now - t < WINDOW_S for t in self._restarts) < self.max_restarts
+
     def begin(self, reason: str) -> bool:
         """A rank was lost: whether to restart (False: restarts used up, the engine ends)."""
         now = time.monotonic()
