@@ -78,11 +78,12 @@ def test_a_killed_rank_restarts_and_every_stream_ends_as_it_would_have(tiny_chec
     try:
         workers = rank_pids(server.process.pid)
         assert len(workers) == 4, workers
-        bodies = [{"model": "tiny", "prompt": [5 + i, 6, 7, 8 + i], "max_tokens": 48, "temperature": 0,
+        bodies = [{"model": "tiny", "prompt": [5 + i, 6, 7, 8 + i], "max_tokens": 32, "temperature": 0,
                    "stream": True, "ignore_eos": True} for i in range(8)]
         with httpx.Client(base_url=server.base_url, timeout=30) as http:
-            before = [http.post("/v1/completions", json={**b, "stream": False}).json()["choices"][0]["text"]
-                      for b in bodies]
+            batched = http.post("/v1/completions", json={**bodies[0], "stream": False,
+                                                         "prompt": [b["prompt"] for b in bodies]}).json()
+            before = [choice["text"] for choice in sorted(batched["choices"], key=lambda c: c["index"])]
             results = [[] for _ in bodies]
             started = threading.Event()
             threads = [threading.Thread(target=_stream, args=(http, b, r, started if i == 0 else None))

@@ -2,7 +2,8 @@
 
 `torch.utils.cpp_extension.load` builds it with -O3 -march=native (the vector units of the CPU it runs on: AVX2
 and FMA here, AVX-512 where present) into ~/.cache/moe-runtime/cpu_native/<CPU flags digest>, once; later
-processes (every rank) load the cached library, and concurrent builds wait on torch's lock in that directory.
+processes (every rank, every checkout of the same source: the source is built from a copy in that directory)
+load the cached library, and concurrent builds wait on torch's lock in that directory.
 A machine without a C++ compiler, or a build that fails, gets None and one log line: the torch kernels serve.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 from pathlib import Path
 from types import ModuleType
@@ -39,7 +41,12 @@ def native_experts() -> ModuleType | None:
 
         directory = CACHE / _cpu_digest()
         directory.mkdir(parents=True, exist_ok=True)
-        return load(name="moe_cpu_experts", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        source = directory / SOURCE.name   # the build names its source's path: one path for every checkout
+        if not source.exists() or source.read_text() != SOURCE.read_text():
+            staged = directory / f".{SOURCE.name}.{os.getpid()}"
+            staged.write_text(SOURCE.read_text())
+            os.replace(staged, source)   # whole or not at all: ranks may start the build at once
+        return load(name="moe_cpu_experts", sources=[str(source)], extra_cflags=FLAGS,
                     build_directory=str(directory), verbose=False)
     except Exception as exc:   # noqa: BLE001 - no compiler, no headers, a failed build: the torch path serves
         logger.warning("CPU expert kernel not built (%s: %s); the torch expert kernel serves", type(exc).__name__,

@@ -8,7 +8,8 @@
 // The dot products are AVX2 + FMA intrinsics where the CPU has them (built with -march=native for the machine it
 // runs on), plain loops the compiler vectorises elsewhere; the kernel is compiled on first use into a cache
 // (kernels/cpu_native/build.py). An AVX-512 / AMX path is not written yet.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
