@@ -67,7 +67,7 @@ def _job(shape, hardware, layout: dict, batch: int) -> EngineDecode:
     """A multi-rank job's decode step as the true costs make it (forward without the control; wall with it)."""
     model = _model(shape, ParallelLayout(**layout), hardware)
     wall = model.step_seconds(batch, CONTEXT, decode=True)
-    return EngineDecode(layout, batch, CONTEXT, wall, wall - TRUE.control_s, 0.0, 0)
+    return EngineDecode(layout, batch, CONTEXT, wall, wall - TRUE.control_s, 0)
 
 
 def test_fit_gives_back_the_costs_that_made_the_steps(shapes):

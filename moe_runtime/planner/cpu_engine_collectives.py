@@ -1,18 +1,14 @@
 """What a multi-rank decode step of this runtime costs on this CPU beyond its ranks' own work, measured in the engine.
 
-Two gloo processes timing bare collectives (`cpu_collectives.py`) see a quiet machine: a collective's latency
-when both ranks sit in it at once. Inside a running job a rank also waits for the other to arrive (the two
-finish their layers at different times), the dispatcher packs and exchanges counts before the payload, the
-front and the lock-step loop run on the same cores, and the ranks' compute contends with all of that. On two
-cores the bare figures under-priced an expert-parallel step by half. So the runtime itself is run here, as a
-user runs it, on the calibration checkpoints:
-  - `ep=2, dp_attn=2` on the MoE model at two batch sizes: the time its workers spend in dispatch + combine
-    (WorkerStats.moe_comm_seconds) per all-to-all, against the bytes each sends; its forward time outside
-    them, against what one rank alone is measured to take for the same work (the shared-core slowdown);
-    and the wall time per step outside the workers' forward (the front and lock-step control);
-  - `tp=2` on the dense model at two batch sizes: the forward time left after its compute (slowed as above)
-    per all-reduce, against the bytes reduced.
-`cpu_overhead_fit.py` turns these points into the roofline's CPU costs.
+Two gloo processes timing bare collectives see a quiet machine: a collective's latency when both ranks sit in it
+at once. Inside a running job a rank also waits for the other to arrive (the two finish their layers at
+different times), the dispatcher packs and exchanges counts before the payload, and the front and the lock-step
+loop run on the same cores. On two cores the bare figures under-priced an expert-parallel step by half. So the
+runtime itself is run here, as a user runs it, on the calibration checkpoints, at two batch sizes each:
+`ep=2, dp_attn=2` on the MoE model and `tp=2` on the dense one. Per decode step: a worker's forward time
+(WorkerStats.step_seconds) and the front's wall time. `cpu_overhead_fit.py` takes from the forward what one rank
+is predicted to spend on the same work (the rest is the EP cost per MoE layer, or the all-reduce cost) and from
+the wall what the forward took (the control per step).
 """
 from __future__ import annotations
 
@@ -35,7 +31,6 @@ class EngineDecode:
     context: float             # mean cached tokens a decode step reads
     wall_s: float              # the front's wall time per step
     forward_s: float           # a worker's forward step (schedule to sample)
-    comm_s: float              # ... of which in MoE dispatch + combine
     kv_capacity_tokens: int    # the engine's KV capacity per DP worker
 
 
@@ -62,13 +57,13 @@ def measure_engine_decode(checkpoint: Path, layout: dict, batch_per_worker: int,
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
-    def run(new: int) -> tuple[float, float, float]:
+    def run(new: int) -> tuple[float, float]:
         before = llm.engine.stats().workers
         started = time.perf_counter()
         llm.generate(prompts(next(fresh)), greedy(new))
         wall = time.perf_counter() - started
         after = llm.engine.stats().workers
-        return wall, _mean_delta(before, after, "step_seconds"), _mean_delta(before, after, "moe_comm_seconds")
+        return wall, _mean_delta(before, after, "step_seconds")
 
     spans = []
     threads = torch.get_num_threads()
@@ -80,9 +75,8 @@ def measure_engine_decode(checkpoint: Path, layout: dict, batch_per_worker: int,
             spans.append([(b - a) / decode_tokens for a, b in zip(short, long)])
         kv_tokens = llm.engine.limits.kv_capacity_tokens
     torch.set_num_threads(threads)
-    wall, forward, comm = (statistics.median(values) for values in zip(*spans))
-    return EngineDecode(dict(layout), batch_per_worker, prompt_len + decode_tokens / 2, wall, forward, comm,
-                        kv_tokens)
+    wall, forward = (statistics.median(values) for values in zip(*spans))
+    return EngineDecode(dict(layout), batch_per_worker, prompt_len + decode_tokens / 2, wall, forward, kv_tokens)
 
 
 def _mean_delta(before, after, name: str) -> float:
