@@ -3,6 +3,8 @@ capacity it predicts equals the engine's own block count (timings are the calibr
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -60,6 +62,20 @@ def test_every_tiny_architecture_answers_in_under_a_second(tiny_configs, capsys,
         winner = plan["rows"][0]
         assert winner["runs"] and winner["command"].startswith(("moe-serve ", "1 x", "2 x")), (arch, winner)
         assert "--model" in winner["command"] and plan["explanation"].startswith("Winner"), arch
+
+
+def test_planning_imports_no_torch():
+    """A fresh `moe-serve plan` on a GPU table reads configs only: importing torch alone takes seconds (the
+    in-process timings above run after other tests imported it)."""
+    script = ("import sys, contextlib, io\nfrom server.cli import main\n"
+              "with contextlib.redirect_stdout(io.StringIO()):\n"
+              f"    main(['plan', '--model', {str(LLAMA_70B)!r}, '--gpu', 'h100', '--prompt-len', '2048', "
+              "'--output-len', '512', '--concurrency', '64'])\n"
+              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
 @pytest.mark.parametrize("config, gpu, nodes", [(LLAMA_70B, "h100", 1), (DEEPSEEK_V3, "h200", 4)])
