@@ -31,12 +31,21 @@ import torch.distributed as dist
 
 from attention_dp.control_plane import Woken
 from attention_dp.core_commands import CoreCommands, RankRole
-from attention_dp.messages import RebalanceReport, Shutdown
+from attention_dp.messages import RebalanceReport, Reform, Shutdown
 from moe_runtime.sampling.structured_output.grammar_waits import AGREEMENT_WINDOW, Readiness
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.005   # an idle world with grammars compiling comes back to the agreement this often
+
+
+class ReformRequested(Exception):
+    """The front's `Reform` arrived: the loop ends where it stands (its job lost a rank; nothing more is agreed
+    over the old groups), and the commands after it stay queued for the re-formed job's loop."""
+
+    def __init__(self, reform: Reform):
+        super().__init__(f"re-form as generation {reform.generation} over ranks {reform.members}")
+        self.reform = reform
 
 
 class LockstepLoop:
@@ -91,6 +100,8 @@ class LockstepLoop:
                 command = self.commands.get(timeout=timeout)
             except queue.Empty:
                 return None
+            if isinstance(command, Reform):
+                raise ReformRequested(command)
             if not isinstance(command, Woken):
                 return command
             self.applier.report_landed_imports()
@@ -103,6 +114,8 @@ class LockstepLoop:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(command, Reform):
+                raise ReformRequested(command)
             if not isinstance(command, Woken):
                 self._received.append(command)
 

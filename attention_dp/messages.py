@@ -112,8 +112,19 @@ class Shutdown(Message):
     pass
 
 
+class Reform(Message):
+    """Ranks were lost: the `members` (ranks, as they said Hello, in their new rank order) leave their process
+    groups, drop their requests (the front resumes them), meet in `rendezvous` as generation `generation`, place
+    the experts no member holds, and answer WorkerReady (moe_runtime/processes/reform.py). Taken at once, outside
+    the lock-step agreement: the job it would agree over has lost a rank."""
+
+    generation: int
+    members: list[int]
+    rendezvous: str
+
+
 Command = Union[AddRequest, AbortRequest, SnapshotExpertLoad, RebalanceNow, ResetPrefixCache, Shutdown,
-                ImportRequest, ActivateImport, ReleaseExport, AdmittedElsewhere]
+                ImportRequest, ActivateImport, ReleaseExport, AdmittedElsewhere, Reform]
 
 
 # ---- worker -> front -----------------------------------------------------------------------------
@@ -128,6 +139,7 @@ class WorkerReady(Message):
     weight_bytes: int = 0      # bytes of all weights resident on this rank
     pp_rank: int = 0
     kv_shard: KVShard | None = None   # P/D instances: its share of the KV cache (and, prefill, its block server)
+    generation: int = 0        # the job's re-formations so far (Reform.generation)
 
 
 class StepOutputs(Message):
@@ -179,6 +191,8 @@ class WorkerFailed(Message):
     rank: int
     error: str
     traceback: str = ""
+    generation: int = 0          # the job's generation it failed in (a failure of an earlier one is stale)
+    awaiting_reform: bool = False   # alive, out of its process groups, waiting for Reform or Shutdown
 
 
 Report = Union[WorkerReady, StepOutputs, ExpertLoadReport, RebalanceReport, WorkerFailed, KVImported]

@@ -300,6 +300,11 @@ class EngineCore:
         self._sequences.pop(request_id, None)
         return seq is not None or parked
 
+    def drop_requests(self) -> None:
+        """Abort every request (a job that lost a rank: the front resumes them; their full blocks stay cached)."""
+        for request_id in list(self._sequences):
+            self.abort(request_id)
+
     def has_unfinished(self) -> bool:
         """Work to step: scheduled requests (a request waiting for its grammar is not, until it may start:
         alone, this core decides that itself; in lock-step, the ranks agree on it)."""

@@ -42,7 +42,8 @@ class RecoveryStats:
     """Lost worker ranks and the restarts that resumed their requests (the front's `RankRecovery`)."""
 
     lost_ranks: int = 0            # rank losses seen (each restarts the job once, while restarts are left)
-    recoveries: int = 0            # restarts that brought the job back
+    recoveries: int = 0            # re-formations and restarts that brought the job back
+    reformations: int = 0          # of which the surviving ranks went on without the lost ones (no restart)
     recovery_seconds: float = 0.0  # loss to every request sent again, cumulative
     resumed_requests: int = 0      # requests sent again with their tokens so far (recomputed), cumulative
     recovering: str | None = None  # the loss being recovered from, while the job restarts

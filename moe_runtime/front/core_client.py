@@ -47,6 +47,7 @@ class CoreShape:
 class EngineCoreClient(Protocol):
     shape: CoreShape
     tokenizer: object
+    reformable: bool     # a lost rank can be absorbed by the others (`reform`) instead of a restart of the job
 
     def send(self, command: Message, only_worker: int | None = None) -> None:
         """`command` to every rank, in order with every other command. With `only_worker`, only that DP
@@ -70,6 +71,11 @@ class EngineCoreClient(Protocol):
 
     def detach(self) -> None:
         """Stop delivering to the loop (before shutting down)."""
+        ...
+
+    def reform(self) -> None:
+        """After `on_lost` or `EngineDeadError`, where `reformable`: the ranks left go on without the lost ones, and
+        `shape` is theirs (blocking). Raises `front.rank_reform.ReformFailed` when they cannot."""
         ...
 
     def health(self) -> EngineHealth: ...

@@ -84,7 +84,7 @@ class Front:
         self.prefill: PrefillFront | None = None   # --disaggregation-mode prefill: handles, releases of parked KV
         self.decode: DecodeFront | None = None     # --disaggregation-mode decode: imports in flight
         self._dead: str | None = None
-        self.recovery = RankRecovery(config.max_rank_restarts, relaunch) if relaunch else None
+        self.recovery = RankRecovery(config.max_rank_restarts, relaunch, shape.world_size) if relaunch else None
         self._undelivered: list[RequestOutput] = []     # outputs for the next step() (blocking driver)
         self._worker_stats: dict[int, WorkerStats] = {}
         self.balancing = BalancingRequests(shape.pp_size)
@@ -405,8 +405,9 @@ class Front:
         self.client.attach(self._on_messages, self._on_lost)
 
     def _resume(self, client: EngineCoreClient) -> None:
-        """The new job is ready: route every request afresh and send it with its tokens so far."""
-        self.client = client
+        """The job is back (re-formed, with fewer DP workers, or restarted): route every request afresh and send it
+        with its tokens so far."""
+        self.client, self.shape = client, client.shape
         self.router = DPRouter.for_workers(self.shape.dp_size, self.num_kv_blocks, self.router.prefix_index is not None,
                                            self.block_size)
         self._worker_stats = {}
@@ -487,8 +488,7 @@ class Front:
         if self._dead is not None:
             return EngineHealth(False, self._dead)
         health = EngineHealth(False, self.recovery.stats.recovering) if self._recovering() else self.client.health()
-        restarting = not health.healthy and self.recovery is not None and self.recovery.restarts_left()
-        return EngineHealth(True, f"restarting the ranks after: {health.detail}", True) if restarting else health
+        return health if self.recovery is None else self.recovery.health(health, self.shape.world_size)
 
     def shutdown(self) -> None:
         for front in (self.prefill, self.decode):

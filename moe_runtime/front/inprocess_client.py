@@ -23,6 +23,7 @@ from moe_runtime.engine.core import EngineCore
 from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import CoreShape
+from moe_runtime.front.rank_reform import ReformFailed
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class CoreWake:
 
 
 class InProcessClient:
+    reformable = False   # one rank: nothing is left to re-form when it is lost
+
     def __init__(self, core: EngineCore):
         self.core = core
         self.tokenizer = core.tokenizer
@@ -135,6 +138,9 @@ class InProcessClient:
             thread.join(timeout=30)
             if thread.is_alive():
                 logger.error("the engine core thread did not stop within 30 s (a step is stuck)")
+
+    def reform(self) -> None:
+        raise ReformFailed("a one-rank engine has no other rank to go on with")
 
     def health(self) -> EngineHealth:
         return EngineHealth(False, self._dead) if self._dead is not None else EngineHealth(True)

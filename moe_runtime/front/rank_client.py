@@ -19,7 +19,9 @@ from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import CoreShape
+from moe_runtime.front.rank_reform import ReformFailed, find_lost, reform_survivors
 from moe_runtime.processes.launcher import LaunchedJob, launch_job
+from moe_runtime.processes.reform import can_reform
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +35,36 @@ class RankClient:
         self.tokenizer = tokenizer
         self.job: LaunchedJob = launch_job(config, world_size, transfer_key, startup_timeout_s)
         self.control = self.job.control
-        ready = self.job.ready
-        first = ready[0]
-        self.shape = CoreShape(block_size=first.block_size,
-                               num_kv_blocks=min(r.num_kv_blocks for r in ready.values()),
-                               max_model_len=first.max_model_len, vocab_size=vocab_size,
-                               pp_size=max(r.pp_rank for r in ready.values()) + 1,
-                               worker_ranks=self.job.worker_ranks,
-                               kv_shards={rank: r.kv_shard for rank, r in ready.items()})
-        self._all_ranks = set(ready)
+        self.vocab_size = vocab_size
+        self.shape = self._shape()
+        self._all_ranks = set(self.job.ready)
         self._dead: str | None = None
         self._loop_tasks: list[asyncio.Task] = []
+        # a lost rank: the others stay up and re-form without it (`reform`), where the layout allows
+        self.reformable = can_reform(config) and config.nnodes == 1 and config.launch_workers
+        self.generation = 0
+        self._failed_rank: int | None = None   # the first rank that reported a failure since the last (re)start
+
+    def _shape(self) -> CoreShape:
+        ready = self.job.ready
+        first = next(iter(ready.values()))
+        return CoreShape(block_size=first.block_size, num_kv_blocks=min(r.num_kv_blocks for r in ready.values()),
+                         max_model_len=first.max_model_len, vocab_size=self.vocab_size,
+                         pp_size=max(r.pp_rank for r in ready.values()) + 1, worker_ranks=self.job.worker_ranks,
+                         kv_shards={rank: r.kv_shard for rank, r in ready.items()})
+
+    def reform(self) -> None:
+        """Absorb the lost ranks: the others re-form without them and this client goes on with them (blocking:
+        run it off the event loop). Raises `ReformFailed` when they cannot (the caller restarts or ends)."""
+        if not self.reformable:
+            raise ReformFailed("this layout cannot absorb a lost rank")
+        lost = find_lost(self.job, self._all_ranks, set(self.control.ranks), self._failed_rank, self._dead or "")
+        self.generation += 1
+        self.job.ready = reform_survivors(self.job, lost, self._all_ranks, self.generation)
+        self._all_ranks = set(self.job.ready)
+        self.shape = self._shape()
+        self._dead = None
+        self._failed_rank = None
 
     @property
     def processes(self):
@@ -86,29 +107,38 @@ class RankClient:
         try:
             received = self.control.receive(timeout)
         except RankDisconnected as lost:
-            self._die_with_last_words(self.job.describe_lost(lost.rank))
+            if lost.rank not in self._all_ranks:   # a rank lost before the last re-formation
+                return None
+            self._die_with_last_words(self.job.describe_lost(lost.rank), lost.rank)
         if received is None:
             for rank, process in self.job.processes.items():
                 if not process.is_alive():
-                    self._die_with_last_words(f"worker rank {rank} died (exit code {process.exitcode})")
+                    self._die_with_last_words(f"worker rank {rank} died (exit code {process.exitcode})", rank)
             return None
         message = received[1]
         if isinstance(message, WorkerFailed):
-            self._die(self.job.root_cause(message), message.traceback)
+            if message.generation < self.generation:
+                return None   # the broken job's last words: the re-formed one goes on
+            self._die(self.job.root_cause(message), message.traceback, message.rank)
         return message
 
-    def _die_with_last_words(self, reason: str):
+    def _die_with_last_words(self, reason: str, rank: int):
         """A rank that raised sends WorkerFailed and then exits: prefer its message to a bare exit code."""
         failed = self.job.last_words(1.0)
         if failed is not None:
-            self._die(self.job.root_cause(failed), failed.traceback)
-        self._die(reason)
+            self._die(self.job.root_cause(failed), failed.traceback, failed.rank)
+        self._die(reason, rank=rank)
 
-    def _die(self, reason: str, detail: str = ""):
+    def _die(self, reason: str, detail: str = "", rank: int | None = None):
+        """The job is broken: stop every rank, or, where the others can absorb the loss, only record it."""
+        if self._failed_rank is None:
+            self._failed_rank = rank
         if self._dead is None:
             self._dead = reason
-            logger.error("%s; stopping the other ranks%s", reason, f"\n{detail}" if detail else "")
-            self.job.kill()
+            logger.error("%s; %s%s", reason, "the other ranks wait to re-form" if self.reformable else
+                         "stopping the other ranks", f"\n{detail}" if detail else "")
+            if not self.reformable:
+                self.job.kill()
         raise EngineDeadError(self._dead)
 
     # ---- the loop driver --------------------------------------------------------------------------
@@ -124,12 +154,18 @@ class RankClient:
         try:
             while self._dead is None:
                 _, message = await self.control.receive_async()
+                if isinstance(message, WorkerFailed) and message.generation < self.generation:
+                    continue   # the broken job's last words: the re-formed one goes on
                 if isinstance(message, WorkerFailed):
                     await asyncio.to_thread(self._stop_after_failure, message)
                     break
                 on_messages([message])
-        except RankDisconnected:
-            return  # _watch_ranks names the rank
+        except RankDisconnected as lost:
+            if lost.rank in self._all_ranks:
+                return  # _watch_ranks names the rank
+            self._loop_tasks.append(asyncio.get_running_loop().create_task(
+                self._take_messages(on_messages, on_lost)))   # a rank lost before the last re-formation
+            return
         except Exception as exc:  # noqa: BLE001 - the front cannot go on without its ranks' messages
             logger.exception("control-plane reader failed")
             self._stop_after(f"the front lost its control plane: {exc}")
@@ -141,26 +177,30 @@ class RankClient:
         exited: asyncio.Future = loop.create_future()
         for rank, process in self.job.processes.items():
             loop.add_reader(process.sentinel, lambda r=rank: exited.done() or exited.set_result(r))
-        disconnected = loop.create_task(self.control.wait_for_disconnect())
         try:
-            await asyncio.wait([exited, disconnected], return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                disconnected = loop.create_task(self.control.wait_for_disconnect())
+                await asyncio.wait([exited, disconnected], return_when=asyncio.FIRST_COMPLETED)
+                rank = exited.result() if exited.done() else disconnected.result()
+                if rank in self._all_ranks:
+                    break
+                # else the connection of a rank lost before the last re-formation closed: watch on
         finally:
             for process in self.job.processes.values():
                 loop.remove_reader(process.sentinel)
             disconnected.cancel()
-        rank = exited.result() if exited.done() else disconnected.result()
         await asyncio.sleep(DEATH_REPORT_GRACE_S)  # a rank that raised sends WorkerFailed just before exiting
         if self._dead is None:
-            await asyncio.to_thread(lambda: self._stop_after(self.job.describe_lost(rank)))
+            await asyncio.to_thread(lambda: self._stop_after(self.job.describe_lost(rank), rank=rank))
             on_lost(self._dead)
 
     def _stop_after_failure(self, failed: WorkerFailed) -> None:
         """A rank's WorkerFailed (naming the dead peer first can take a second: run in a thread)."""
-        self._stop_after(self.job.root_cause(failed), failed.traceback)
+        self._stop_after(self.job.root_cause(failed), failed.traceback, failed.rank)
 
-    def _stop_after(self, reason: str, detail: str = "") -> None:
+    def _stop_after(self, reason: str, detail: str = "", rank: int | None = None) -> None:
         try:
-            self._die(reason, detail)
+            self._die(reason, detail, rank)
         except EngineDeadError:
             pass
 

@@ -24,10 +24,11 @@ from typing import Callable, Iterable
 from attention_dp.messages import AddRequest
 from attention_dp.router import DPRouter
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.engine.stats import RecoveryStats
+from moe_runtime.engine.stats import EngineHealth, RecoveryStats
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import EngineCoreClient
 from moe_runtime.front.output_processor import RequestState
+from moe_runtime.front.rank_reform import ReformFailed
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ WINDOW_S = 600.0   # restarts counted over this long
 class RankRecovery:
     max_restarts: int
     relaunch: Callable[[], EngineCoreClient]   # a new job with the same layout (blocks until its ranks are ready)
+    full_world_size: int = 1                   # the ranks the job started with
     stats: RecoveryStats = field(default_factory=RecoveryStats)
     _restarts: list[float] = field(default_factory=list)
     _began: float = 0.0
@@ -57,6 +59,18 @@ class RankRecovery:
         now = time.monotonic()
         return self.recovering or sum(now - t < WINDOW_S for t in self._restarts) < self.max_restarts
 
+    def health(self, client: EngineHealth, world_size: int) -> EngineHealth:
+        """Degraded (200, serving) while the ranks restart or re-form, and while fewer ranks than the job started
+        with serve; unhealthy only when no restart is left."""
+        if not client.healthy:
+            if self.restarts_left():
+                return EngineHealth(True, f"restarting the ranks after: {client.detail}", True)
+            return client
+        if world_size < self.full_world_size:
+            return EngineHealth(True, f"serving on {world_size} of {self.full_world_size} ranks after losing "
+                                      f"{self.full_world_size - world_size}", True)
+        return client
+
     def begin(self, reason: str) -> bool:
         """A rank was lost: whether to restart (False: restarts used up, the engine ends)."""
         now = time.monotonic()
@@ -73,7 +87,16 @@ class RankRecovery:
         return True
 
     def restart(self, old: EngineCoreClient) -> EngineCoreClient:
-        """Stop what is left of the old job, start a new one (blocking: run it off the event loop)."""
+        """The surviving ranks re-form without the lost ones where the layout allows (`RankClient.reform`: they
+        keep their weights); else, or when that fails, the old job's ranks stop and a new job starts (blocking:
+        run it off the event loop)."""
+        if old.reformable:
+            try:
+                old.reform()
+                self.stats.reformations += 1
+                return old
+            except ReformFailed as exc:
+                logger.warning("the surviving ranks could not re-form (%s); restarting the job", exc)
         old.shutdown()
         try:
             return self.relaunch()

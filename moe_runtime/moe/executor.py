@@ -33,6 +33,7 @@ from load_balancer.placement import Placement, static_placement
 from load_balancer.recorder import ExpertLoadRecorder
 from load_balancer.replica_choice import ReplicaTable, choose_replicas, replica_tables
 from load_balancer.slot_geometry import SlotGeometry
+from load_balancer.survivor_placement import SlotReload, survivor_placement
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.comm_timeline import CommTimeline
@@ -161,6 +162,46 @@ class MoEExecutor:
         self._tables = replica_tables(placement, self.parallel.ep_rank, self.parallel.device)
         if self.recorder is not None:
             self.recorder.set_placement(placement)
+
+    # ---- a lost rank (moe_runtime/processes/reform.py) ---------------------------------------------------------
+    def reform(self, parallel: ParallelContext, backend: str, num_nodes: int = 1) -> list[SlotReload]:
+        """Go on over the surviving ranks' new groups (every survivor calls this at once): the survivors' slots
+        keep their experts, each expert no survivor holds is loaded from the checkpoint into a reclaimed slot
+        (load_balancer/survivor_placement.py), and the dispatchers, replica tables and load recorder are made anew
+        for the smaller job. Raises `ExpertsLost` when the survivors cannot hold every expert. Returns the reloads
+        of every rank (this rank loaded its own)."""
+        self.parallel = parallel
+        self.backend = backend if parallel.ep_size > 1 else BACKEND_LOCAL
+        self.fp8_activations = self.fp8_activations and parallel.ep_size > 1
+        self._share = TokenShare(parallel.attn_tp_size, parallel.attn_tp_rank, parallel.attn_tp_group)
+        self._phase_agreement = None
+        for experts in self._experts:
+            experts.discard()   # a migration the loss interrupted
+        if not self._experts:
+            return []
+        mine = torch.tensor([experts.expert_ids for experts in self._experts], dtype=torch.long)   # [L, S]
+        gathered = [torch.empty_like(mine) for _ in range(parallel.ep_size)]
+        torch.distributed.all_gather(gathered, mine, group=parallel.ep_control_group)
+        # the same load on every survivor (summed over them), so that each plans the same placement
+        load = self.recorder.snapshot(group=parallel.ep_group).counts.float() if self.recorder is not None else None
+        survivors = survivor_placement(torch.cat(gathered, dim=1), self.num_experts, parallel.ep_size, num_nodes,
+                                       load)
+        placement = survivors.placement
+        geometry = placement.geometry
+        for reload in survivors.reloads:
+            if geometry.rank_of_slot(reload.slot) == parallel.ep_rank:
+                self._experts[reload.layer].reload_slot(geometry.local_index(reload.slot), reload.expert)
+        self.num_redundant_experts = placement.num_slots - self.num_experts
+        if self.record_load:
+            self.recorder = ExpertLoadRecorder(placement.num_layers, self.num_experts, placement.num_slots,
+                                               placement.num_ranks, window=self.record_window, device=parallel.device,
+                                               placement=placement)
+        self.set_placement(placement)
+        timeline = next((moe.timeline for moe in self._by_phase.values()), None)
+        for phase, dispatcher in make_phase_dispatchers(self._dispatch_config(geometry)).items():
+            self._by_phase[phase] = ModularMoE(dispatcher, expert_kernel_for(dispatcher.layout(), self.kernels))
+            self._by_phase[phase].timeline = timeline
+        return survivors.reloads
 
     def expert_store(self, moe_layer: int) -> ExpertWeights:
         return self._experts[moe_layer]

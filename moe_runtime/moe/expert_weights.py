@@ -21,6 +21,7 @@ Llama 4's stacks are transposed the same way but not interleaved (`LLAMA4_NAMING
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from torch import nn
 from kernels.expert_activation import ExpertActivation
 from moe_runtime.moe.gpt_oss_expert_stacks import load_gpt_oss_expert
 from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows, WeightQuantization
 from moe_runtime.weights.loading import copy_checked
 
@@ -46,6 +48,15 @@ class ExpertNaming:
 MIXTRAL_NAMING = ExpertNaming(gate="w1", up="w3", down="w2")
 GPT_OSS_NAMING = ExpertNaming(gpt_oss_stacks=True)
 LLAMA4_NAMING = ExpertNaming(transposed_stacks=True)
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    """The checkpoint a layer's experts came from, and their names' prefix in it."""
+
+    directory: Path
+    fp8: Fp8BlockFormat | None
+    prefix: str
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,7 @@ class ExpertWeights(nn.Module):
         self.b13 = param(num_local, 2 * intermediate_size) if bias else None    # [E_local, 2I]
         self.b2 = param(num_local, hidden_size) if bias else None                # [E_local, H]
         self._staged: list[StagedSlot] = []
+        self._source: ExpertSource | None = None   # where load_weights read them: a lost expert reloads from there
 
     def epilogue(self) -> dict:
         """The expert kernels' keyword arguments for these experts' biases and activation ({} for the plain
@@ -114,31 +126,44 @@ class ExpertWeights(nn.Module):
 
     def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
         """Per-expert tensors (`<prefix><e>.gate_proj.weight`, the HF layout) or fused 3D ones."""
+        if self.b13 is not None and not self.naming.gpt_oss_stacks:
+            raise ValueError("expert biases are read from gpt-oss's stacks only (ExpertNaming.gpt_oss_stacks)")
+        self._source = ExpertSource(reader.directory, reader.fp8, prefix)
+        for local, expert in enumerate(self.expert_ids):
+            self._load_slot(reader, prefix, local, expert)
+        scales = {"w13_scale", "w2_scale"} if self.quant else set()
+        return {"w13", "w2"} | scales | ({"b13", "b2"} if self.b13 is not None else set())
+
+    def reload_slot(self, local: int, expert: int) -> None:
+        """Load logical `expert` from the checkpoint these experts were loaded from into slot `local` (a slot
+        reclaimed after a rank was lost: no surviving rank holds the expert to copy it from)."""
+        if self._source is None:
+            raise RuntimeError("these experts were not loaded from a checkpoint: nothing to reload a slot from")
+        reader = CheckpointReader.open(self._source.directory, self._source.fp8)
+        with torch.no_grad():
+            self._load_slot(reader, self._source.prefix, local, expert)
+        self.expert_ids[local] = expert
+
+    def _load_slot(self, reader: CheckpointReader, prefix: str, local: int, expert: int) -> None:
+        if self.naming.gpt_oss_stacks:
+            load_gpt_oss_expert(self, reader, prefix, local, expert)
+            return
         fused_gate_up = f"{prefix}gate_up_proj"
         inter = self.intermediate_size
-        scales = {"w13_scale", "w2_scale"} if self.quant else set()
-        if self.naming.gpt_oss_stacks:
-            for local, expert in enumerate(self.expert_ids):
-                load_gpt_oss_expert(self, reader, prefix, local, expert)
-            return {"w13", "w2"} | scales | ({"b13", "b2"} if self.b13 is not None else set())
-        if self.b13 is not None:
-            raise ValueError("expert biases are read from gpt-oss's stacks only (ExpertNaming.gpt_oss_stacks)")
-        for local, expert in enumerate(self.expert_ids):
-            if reader.has(fused_gate_up):
-                gate_up = reader.read_rows(fused_gate_up, expert, expert + 1)[0]
-                down = reader.read_rows(f"{prefix}down_proj", expert, expert + 1)[0]
-                if self.naming.transposed_stacks:   # stored input-major (x @ w): [H, 2I], [I, H]
-                    gate_up, down = gate_up.transpose(0, 1).contiguous(), down.transpose(0, 1).contiguous()
-                self._fill(local, slice(None), gate_up, fused_gate_up, reader)
-                self._fill(local, None, down, f"{prefix}down_proj", reader)
-                continue
-            base = f"{prefix}{expert}."
-            for rows, name in ((slice(0, inter), self.naming.gate), (slice(inter, 2 * inter), self.naming.up)):
-                full = f"{base}{name}.weight"
-                self._fill(local, rows, self._read(reader, full), full, reader)
-            full = f"{base}{self.naming.down}.weight"
-            self._fill(local, None, self._read(reader, full), full, reader)
-        return {"w13", "w2"} | scales
+        if reader.has(fused_gate_up):
+            gate_up = reader.read_rows(fused_gate_up, expert, expert + 1)[0]
+            down = reader.read_rows(f"{prefix}down_proj", expert, expert + 1)[0]
+            if self.naming.transposed_stacks:   # stored input-major (x @ w): [H, 2I], [I, H]
+                gate_up, down = gate_up.transpose(0, 1).contiguous(), down.transpose(0, 1).contiguous()
+            self._fill(local, slice(None), gate_up, fused_gate_up, reader)
+            self._fill(local, None, down, f"{prefix}down_proj", reader)
+            return
+        base = f"{prefix}{expert}."
+        for rows, name in ((slice(0, inter), self.naming.gate), (slice(inter, 2 * inter), self.naming.up)):
+            full = f"{base}{name}.weight"
+            self._fill(local, rows, self._read(reader, full), full, reader)
+        full = f"{base}{self.naming.down}.weight"
+        self._fill(local, None, self._read(reader, full), full, reader)
 
     def _read(self, reader: CheckpointReader, full: str) -> torch.Tensor | QuantizedRows:
         return self.quant.read(reader, full) if self.quant else reader.read(full)

@@ -15,10 +15,11 @@ import torch
 
 from attention_dp.control_key import ControlKey, ControlKeyError
 from attention_dp.control_plane import ControlAddress, WorkerControl
-from attention_dp.lockstep import LockstepLoop
+from attention_dp.lockstep import LockstepLoop, ReformRequested
 from attention_dp.messages import Hello, WorkerFailed, WorkerReady
 from load_balancer.live_rebalancer import LiveRebalancer, RebalanceGroups, RebalancePolicy
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.processes.reform import ShutdownWhileWaiting, await_reform, can_reform, leave_process_groups, reform_core
 
 logger = logging.getLogger(__name__)
 
@@ -28,33 +29,63 @@ LAST_WORDS_TIMEOUT_S = 5.0   # how long an exiting rank waits for its last messa
 def worker_main(address, rank: int, transfer_key: TransferKey | None = None) -> None:
     """Run rank `rank` until the front says Shutdown (exit 0) or something fails (exit 1).
 
+    In a job that can absorb a lost rank (`can_reform`), a failure (mostly: a collective broken by a peer's
+    death) leaves this rank alive: it says so (`WorkerFailed.awaiting_reform`), leaves its process groups and
+    waits for the front's `Reform` (or Shutdown), then goes on in the smaller job (moe_runtime/processes/reform.py).
+
     `transfer_key`: a P/D instance's KV transfer key, from the front that spawned this rank; ranks started
     elsewhere (None) read it as the front does, from --kv-transfer-key-file's path or $MOE_RUNTIME_KV_KEY."""
 
     control = WorkerControl(address, Hello(rank=rank, pid=os.getpid(), host=socket.gethostname()))
     setup = control.setup
     logging.basicConfig(level=setup.log_level, format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
+    generation = 0
     try:
         torch.set_num_threads(setup.num_threads)
         core = build_worker_engine(setup, rank, transfer_key)
-        local_bytes, total_bytes = core.resident_expert_bytes()
-        weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
-        control.put(WorkerReady(rank=rank, dp_rank=core.parallel.dp_rank, num_kv_blocks=core.block_manager.num_blocks,
-                                block_size=core.block_manager.block_size, max_model_len=core.max_model_len,
-                                expert_bytes=local_bytes, total_expert_bytes=total_bytes, weight_bytes=weight_bytes,
-                                pp_rank=core.parallel.pp_rank, kv_shard=core.kv_shard()))
-        LockstepLoop(core, control, control, core.parallel, build_rebalancer(core, setup.config)).run()
-    except EOFError:  # the front is gone: nobody to report to
-        os._exit(3)
+        reformable = can_reform(setup.config)
+        keep_ports = frozenset([address.port] if address.port else [])   # the front's control connection
+        while True:
+            control.put(ready_message(core, rank, generation))
+            try:
+                LockstepLoop(core, control, control, core.parallel, build_rebalancer(core, core.config)).run()
+                break
+            except ReformRequested as requested:
+                reform = requested.reform
+            except EOFError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a peer's death breaks a collective: the front decides
+                if not reformable:
+                    raise
+                logger.warning("step failed (%s: %s); leaving the process groups, waiting for the front", type(exc).__name__, exc)
+                control.put(WorkerFailed(rank=rank, error=f"{type(exc).__name__}: {exc}",
+                                         traceback=traceback.format_exc(), generation=generation,
+                                         awaiting_reform=True))
+                leave_process_groups(core.device, keep_ports)
+                reform = await_reform(control)
+            generation = reform.generation   # a failure from here on is this generation's
+            reform_core(core, setup, reform, rank, keep_ports)
+    except (EOFError, ShutdownWhileWaiting) as ended:  # the front is gone, or ended the job while this rank waited
+        os._exit(0 if isinstance(ended, ShutdownWhileWaiting) else 3)
     except BaseException as exc:  # report, then die: the front tears the job down
         try:
-            control.put(WorkerFailed(rank=rank, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()))
+            control.put(WorkerFailed(rank=rank, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+                                     generation=generation))
             control.flush(LAST_WORDS_TIMEOUT_S)  # ZeroMQ sends from a background thread: let it, before exiting
         except Exception:  # the front may be gone too
             pass
         os._exit(1)
     control.flush(LAST_WORDS_TIMEOUT_S)
     os._exit(0)
+
+
+def ready_message(core, rank: int, generation: int) -> WorkerReady:
+    local_bytes, total_bytes = core.resident_expert_bytes()
+    weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
+    return WorkerReady(rank=rank, dp_rank=core.parallel.dp_rank, num_kv_blocks=core.block_manager.num_blocks,
+                       block_size=core.block_manager.block_size, max_model_len=core.max_model_len,
+                       expert_bytes=local_bytes, total_expert_bytes=total_bytes, weight_bytes=weight_bytes,
+                       pp_rank=core.parallel.pp_rank, kv_shard=core.kv_shard(), generation=generation)
 
 
 def build_rebalancer(core, config):
