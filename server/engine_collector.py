@@ -92,8 +92,10 @@ class EngineCollector:
         p = self.prefix
         yield CounterMetricFamily(p + "lost_ranks", "Worker ranks lost (process exit, closed connection, failure).",
                                   value=stats.lost_ranks)
-        yield CounterMetricFamily(p + "rank_recoveries", "Restarts of the job's ranks that resumed its requests.",
-                                  value=stats.recoveries)
+        yield CounterMetricFamily(p + "rank_recoveries", "Re-formations and restarts of the job's ranks that resumed "
+                                  "its requests.", value=stats.recoveries)
+        yield CounterMetricFamily(p + "rank_reformations", "Recoveries in which the surviving ranks went on without the "
+                                  "lost ones, keeping their weights (no restart).", value=stats.reformations)
         yield CounterMetricFamily(p + "rank_recovery_seconds", "Time from a lost rank to every request resumed.",
                                   value=stats.recovery_seconds)
         yield CounterMetricFamily(p + "resumed_requests", "Requests resumed from their tokens so far (recomputed) "

@@ -120,35 +120,58 @@ def test_restarts_are_bounded(tiny_checkpoint_factory):
         llm.shutdown()
 
 
-def test_survivors_re_form_without_the_killed_rank_and_keep_their_processes(tiny_checkpoint_factory):
+@pytest.fixture(scope="module")
+def ep4_llm(tiny_checkpoint_factory):
+    """ep=4 with 4 redundant slots (3 per rank for 8 experts); a rebalance migrates one MoE layer per step."""
+    llm = LLM(str(tiny_checkpoint_factory("mixtral")), device="cpu", dtype="float32", ep=4, dp_attn=4,
+              num_redundant_experts=4, eplb_layers_per_step=1)
+    yield llm
+    llm.shutdown()
+
+
+def test_survivors_re_form_without_the_killed_rank_and_keep_their_processes(ep4_llm):
     """ep=4 with 4 redundant slots (3 per rank for 8 experts): a rank killed mid-decode leaves 9 slots, enough for
     every expert, so the three others re-form without it (same processes, weights kept; the experts only the
     lost rank held are loaded into reclaimed redundant slots) and every request ends as it would have. A second
     loss leaves 6 slots for 8 experts: the survivors cannot re-form, and the job restarts at its full size."""
-    llm = LLM(str(tiny_checkpoint_factory("mixtral")), device="cpu", dtype="float32", ep=4, dp_attn=4,
-              num_redundant_experts=4)
-    try:
-        params = [greedy(NEW_TOKENS), sampled(NEW_TOKENS, seed=5)] * 3
-        prompts = (PROMPTS * 2)[:6]
-        before = [out.token_ids for out in llm.generate(prompts, params)]
-        old_pids = {rank: p.pid for rank, p in llm.engine.client.processes.items()}
-        killer = _kill_when_decoding(llm, rank=2, min_tokens=4)
-        after = llm.generate(prompts, params)
-        killer.join(5)
-        assert [out.token_ids for out in after] == before
-        stats = llm.engine.stats().recovery
-        assert (stats.lost_ranks, stats.recoveries, stats.reformations) == (1, 1, 1), stats
-        survivors = {rank: p.pid for rank, p in llm.engine.client.processes.items()}
-        assert survivors == {rank: pid for rank, pid in old_pids.items() if rank != 2}
-        assert llm.engine.shape.dp_size == 3
-        health = llm.engine.health()
-        assert health.healthy and health.degraded and "3 of 4" in health.detail, health
-        assert [out.token_ids for out in llm.generate(prompts, params)] == before   # the smaller job serves on
+    llm = ep4_llm
+    params = [greedy(NEW_TOKENS), sampled(NEW_TOKENS, seed=5)] * 3
+    prompts = (PROMPTS * 2)[:6]
+    before = [out.token_ids for out in llm.generate(prompts, params)]
+    old_pids = {rank: p.pid for rank, p in llm.engine.client.processes.items()}
+    killer = _kill_when_decoding(llm, rank=2, min_tokens=4)
+    after = llm.generate(prompts, params)
+    killer.join(5)
+    assert [out.token_ids for out in after] == before
+    stats = llm.engine.stats().recovery
+    assert (stats.lost_ranks, stats.recoveries, stats.reformations) == (1, 1, 1), stats
+    survivors = {rank: p.pid for rank, p in llm.engine.client.processes.items()}
+    assert survivors == {rank: pid for rank, pid in old_pids.items() if rank != 2}
+    assert llm.engine.shape.dp_size == 3
+    health = llm.engine.health()
+    assert health.healthy and health.degraded and "3 of 4" in health.detail, health
+    assert [out.token_ids for out in llm.generate(prompts, params)] == before   # the smaller job serves on
 
-        os.kill(survivors[0], signal.SIGKILL)
-        assert [out.token_ids for out in llm.generate(prompts, params)] == before
-        stats = llm.engine.stats().recovery
-        assert (stats.lost_ranks, stats.recoveries, stats.reformations) == (2, 2, 1), stats
-        assert llm.engine.shape.dp_size == 4 and not llm.engine.health().degraded
-    finally:
-        llm.shutdown()
+    os.kill(survivors[0], signal.SIGKILL)
+    assert [out.token_ids for out in llm.generate(prompts, params)] == before
+    stats = llm.engine.stats().recovery
+    assert (stats.lost_ranks, stats.recoveries, stats.reformations) == (2, 2, 1), stats
+    assert llm.engine.shape.dp_size == 4 and not llm.engine.health().degraded
+
+
+def test_a_rank_killed_mid_rebalance_leaves_survivors_on_what_their_slots_hold(ep4_llm):
+    """Killed while a rebalance migrates (one layer per step): the rebalance fails or lands, the survivors plan
+    from what their slots really hold (not the placement some of them may not have committed), and the
+    requests end as they would have."""
+    llm = ep4_llm
+    prompts, params = PROMPTS[:4], greedy(NEW_TOKENS)
+    before = [out.token_ids for out in llm.generate(prompts, params)]
+    reformations = llm.engine.stats().recovery.reformations
+    rebalance = llm.engine.rebalance_now()
+    os.kill(llm.engine.client.processes[3].pid, signal.SIGKILL)
+    assert [out.token_ids for out in llm.generate(prompts, params)] == before
+    assert llm.engine.stats().recovery.reformations == reformations + 1
+    assert rebalance.done()
+    load = llm.engine.wait(llm.engine.expert_load())
+    placement = load.placement                                      # [L, 9]: three ranks' slots
+    assert placement.shape[1] == 9 and all(set(row.tolist()) == set(range(8)) for row in placement)
