@@ -121,6 +121,7 @@ class Reform(Message):
     generation: int
     members: list[int]
     rendezvous: str
+    interrupted: bool = False   # the front sent this rank its interrupt signal first (processes/collective_interrupt.py)
 
 
 Command = Union[AddRequest, AbortRequest, SnapshotExpertLoad, RebalanceNow, ResetPrefixCache, Shutdown,

@@ -31,7 +31,7 @@ def make_engine(config: EngineConfig, startup_timeout_s: float = 600.0) -> Front
                               startup_timeout_s)
 
         client = launch()
-        relaunch = launch if RankRecovery.can_restart(config) else None
+        relaunch = launch if RankRecovery.can_restart(config) else None   # ranks it did not start can only re-form
     else:
         client, relaunch = InProcessClient(EngineCore(config)), None
     try:

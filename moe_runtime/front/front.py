@@ -84,7 +84,8 @@ class Front:
         self.prefill: PrefillFront | None = None   # --disaggregation-mode prefill: handles, releases of parked KV
         self.decode: DecodeFront | None = None     # --disaggregation-mode decode: imports in flight
         self._dead: str | None = None
-        self.recovery = RankRecovery(config.max_rank_restarts, relaunch, shape.world_size) if relaunch else None
+        self.recovery = (RankRecovery(config.max_rank_restarts, relaunch, shape.world_size)
+                         if relaunch or client.reformable else None)
         self._undelivered: list[RequestOutput] = []     # outputs for the next step() (blocking driver)
         self._worker_stats: dict[int, WorkerStats] = {}
         self.balancing = BalancingRequests(shape.pp_size)
@@ -317,7 +318,7 @@ class Front:
         except EngineDeadError as exc:
             if self._restarted_after(str(exc)):
                 return []
-            raise
+            raise EngineDeadError(self._dead) from exc   # the whole story: the loss, and why it could not recover
         outputs = []
         for message in messages:
             outputs.extend(self._take(message))

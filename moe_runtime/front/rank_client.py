@@ -8,24 +8,30 @@ first one seen (a rank whose collective broke because a peer died names that pee
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import time
 from typing import Callable
 
-from attention_dp.control_plane import RankDisconnected
+import torch.distributed as dist
+
+from attention_dp.control_plane import HEARTBEAT_INTERVAL_MS, RankDisconnected
 from attention_dp.messages import AdmittedElsewhere, Message, Shutdown, WorkerFailed
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import CoreShape
-from moe_runtime.front.rank_reform import ReformFailed, find_lost, reform_survivors
+from moe_runtime.front.rank_reform import (LostRanks, RanksLostMeanwhile, ReformFailed, find_lost, reform_survivors,
+                                           take_in_disconnects)
+from moe_runtime.processes.distributed import FRONT_STORE
 from moe_runtime.processes.launcher import LaunchedJob, launch_job
 from moe_runtime.processes.reform import can_reform
 
 logger = logging.getLogger(__name__)
 
 DEATH_REPORT_GRACE_S = 0.3  # after a rank exits, time for its last message (WorkerFailed) to be taken in
+NODE_LOSS_GRACE_S = (HEARTBEAT_INTERVAL_MS + 500) / 1000   # across nodes: the other ranks of a lost node
 SHUTDOWN_WAIT_S = 10.0      # how long ranks get to leave after Shutdown before they are terminated
 
 
@@ -36,13 +42,15 @@ class RankClient:
         self.job: LaunchedJob = launch_job(config, world_size, transfer_key, startup_timeout_s)
         self.control = self.job.control
         self.vocab_size = vocab_size
+        self.config = config
         self.shape = self._shape()
         self._all_ranks = set(self.job.ready)
         self._dead: str | None = None
         self._loop_tasks: list[asyncio.Task] = []
         # a lost rank: the others stay up and re-form without it (`reform`), where the layout allows
-        self.reformable = can_reform(config) and config.nnodes == 1 and config.launch_workers
+        self.reformable = can_reform(config)
         self.generation = 0
+        self._store: dist.TCPStore | None = None   # where the ranks of a multi-node job meet when they re-form
         self._failed_rank: int | None = None   # the first rank that reported a failure since the last (re)start
 
     def _shape(self) -> CoreShape:
@@ -58,9 +66,20 @@ class RankClient:
         run it off the event loop). Raises `ReformFailed` when they cannot (the caller restarts or ends)."""
         if not self.reformable:
             raise ReformFailed("this layout cannot absorb a lost rank")
+        # the ranks of a lost node go together: across nodes they are seen by heartbeat, up to an interval apart
+        take_in_disconnects(self.job, DEATH_REPORT_GRACE_S if self.job.rendezvous_dir else NODE_LOSS_GRACE_S)
         lost = find_lost(self.job, self._all_ranks, set(self.control.ranks), self._failed_rank, self._dead or "")
-        self.generation += 1
-        self.job.ready = reform_survivors(self.job, lost, self._all_ranks, self.generation)
+        while True:
+            self.generation += 1
+            try:
+                self.job.ready = reform_survivors(self.job, lost, self._all_ranks, self.generation, self._rendezvous())
+                break
+            except RanksLostMeanwhile as more:
+                if self.job.rendezvous_dir is not None:
+                    raise   # one node: the others may wait in a file store no interrupt reaches; restart instead
+                # across nodes the front's interrupt breaks its own ranks' wait in the TCP store: once more without them
+                logger.warning("%s; re-forming again without them", more)
+                lost = LostRanks(lost.ranks | more.ranks, lost.reason)
         self._all_ranks = set(self.job.ready)
         self.shape = self._shape()
         self._dead = None
@@ -74,6 +93,16 @@ class RankClient:
     def resident_expert_bytes(self) -> dict[int, tuple[int, int]]:
         """Rank -> (bytes of routed-expert weights it holds, bytes of all routed experts), as it reported at start."""
         return {rank: (r.expert_bytes, r.total_expert_bytes) for rank, r in self.job.ready.items()}
+
+    def _rendezvous(self) -> str:
+        """Where the survivors meet: one node, a new store file in the job's private directory; across nodes, a
+        TCP store this front serves on the master address (the first one lived in rank 0, maybe the one lost)."""
+        if self.job.rendezvous_dir is not None:
+            return f"file://{self.job.rendezvous_dir}/store.{self.generation}"
+        if self._store is None:
+            self._store = dist.TCPStore(self.config.master_addr, 0, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=self.config.worker_timeout_s))
+        return f"{FRONT_STORE}{self.config.master_addr}:{self._store.port}/{self.generation}"
 
     # ---- commands ---------------------------------------------------------------------------------
     def send(self, command: Message, only_worker: int | None = None) -> None:

@@ -38,11 +38,13 @@ WINDOW_S = 600.0   # restarts counted over this long
 @dataclass
 class RankRecovery:
     max_restarts: int
-    relaunch: Callable[[], EngineCoreClient]   # a new job with the same layout (blocks until its ranks are ready)
+    relaunch: Callable[[], EngineCoreClient] | None   # a new job with the same layout (blocks until its ranks are
+                                                      # ready); None: ranks this front did not start (re-form only)
     full_world_size: int = 1                   # the ranks the job started with
     stats: RecoveryStats = field(default_factory=RecoveryStats)
     _restarts: list[float] = field(default_factory=list)
     _began: float = 0.0
+    _impossible: bool = False   # the ranks left cannot re-form and none can restart: a retry would fail alike
 
     @staticmethod
     def can_restart(config: EngineConfig) -> bool:
@@ -57,7 +59,8 @@ class RankRecovery:
     def restarts_left(self) -> bool:
         """Whether a loss now would restart the job (one being restarted counts as left)."""
         now = time.monotonic()
-        return self.recovering or sum(now - t < WINDOW_S for t in self._restarts) < self.max_restarts
+        return self.recovering or (not self._impossible
+                                   and sum(now - t < WINDOW_S for t in self._restarts) < self.max_restarts)
 
     def health(self, client: EngineHealth, world_size: int) -> EngineHealth:
         """Degraded (200, serving) while the ranks restart or re-form, and while fewer ranks than the job started
@@ -76,6 +79,8 @@ class RankRecovery:
         now = time.monotonic()
         self.stats.lost_ranks += 1
         self._restarts = [t for t in self._restarts if now - t < WINDOW_S]
+        if self._impossible:
+            return False
         if len(self._restarts) >= self.max_restarts:
             logger.error("%s; %d restarts in the last %.0f s already: not restarting again", reason,
                          len(self._restarts), WINDOW_S)
@@ -96,6 +101,11 @@ class RankRecovery:
                 self.stats.reformations += 1
                 return old
             except ReformFailed as exc:
+                if self.relaunch is None:
+                    reason = f"{self.stats.recovering}; the ranks left could not re-form: {exc}"
+                    self.stats.recovering = None
+                    self._impossible = True
+                    raise EngineDeadError(reason) from exc
                 logger.warning("the surviving ranks could not re-form (%s); restarting the job", exc)
         old.shutdown()
         try:

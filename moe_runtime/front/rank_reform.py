@@ -8,11 +8,13 @@ survivor does not answer) raises `ReformFailed`; the caller then restarts the wh
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 from attention_dp.control_plane import RankDisconnected
 from attention_dp.messages import Reform, WorkerFailed, WorkerReady
+from moe_runtime.processes.collective_interrupt import INTERRUPT_SIGNAL
 from moe_runtime.processes.launcher import LaunchedJob
 
 logger = logging.getLogger(__name__)
@@ -22,6 +24,14 @@ REFORM_TIMEOUT_S = 120.0   # survivors re-form and reload their lost experts wit
 
 class ReformFailed(Exception):
     pass
+
+
+class RanksLostMeanwhile(ReformFailed):
+    """Members were lost while the others re-formed: another generation goes on without them too."""
+
+    def __init__(self, ranks: set[int], reason: str):
+        super().__init__(reason)
+        self.ranks = ranks
 
 
 @dataclass(frozen=True)
@@ -43,8 +53,11 @@ def find_lost(job: LaunchedJob, members: set[int], connected: set[int], failed_r
     return LostRanks(frozenset(lost), reason)
 
 
-def reform_survivors(job: LaunchedJob, lost: LostRanks, members: set[int], generation: int) -> dict[int, WorkerReady]:
-    """Stop what is left of the lost ranks, send `Reform` to the survivors, return their WorkerReady (by rank)."""
+def reform_survivors(job: LaunchedJob, lost: LostRanks, members: set[int], generation: int,
+                     rendezvous: str) -> dict[int, WorkerReady]:
+    """Stop what is left of the lost ranks, interrupt the survivors this front started (a collective they are
+    blocked in may wait on a peer that is gone without closing its connections: processes/collective_interrupt.py),
+    send them all `Reform`, return their WorkerReady (by rank)."""
     survivors = sorted(members - lost.ranks)
     if not survivors:
         raise ReformFailed("no rank is left")
@@ -53,16 +66,29 @@ def reform_survivors(job: LaunchedJob, lost: LostRanks, members: set[int], gener
         if process is not None and process.is_alive():
             process.kill()
             process.join(timeout=5)
-    if job.rendezvous_dir is None:
-        raise ReformFailed("ranks started elsewhere (other nodes, torchrun) re-form only by a restart of the job")
-    rendezvous = f"file://{job.rendezvous_dir}/store.{generation}"
     logger.warning("%s; ranks %s re-form without ranks %s (generation %d)", lost.reason, survivors,
                    sorted(lost.ranks), generation)
     try:
-        job.control.send(Reform(generation=generation, members=survivors, rendezvous=rendezvous), set(survivors))
+        for rank in survivors:
+            interrupted = rank in job.processes
+            if interrupted:
+                os.kill(job.processes[rank].pid, INTERRUPT_SIGNAL)
+            job.control.send(Reform(generation=generation, members=survivors, rendezvous=rendezvous,
+                                    interrupted=interrupted), {rank})
     except RankDisconnected as gone:
-        raise ReformFailed(f"rank {gone.rank} was lost too") from None
+        raise RanksLostMeanwhile({gone.rank}, f"rank {gone.rank} was lost too") from None
     return _await_ready(job, set(survivors), generation)
+
+
+def take_in_disconnects(job: LaunchedJob, wait_s: float) -> None:
+    """Let the control plane see every connection that closed within `wait_s` (the ranks of a lost node go
+    together); what the broken job's ranks sent meanwhile is dropped."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            job.control.receive(min(max(deadline - time.monotonic(), 0), 0.05))
+        except RankDisconnected:
+            pass
 
 
 def _await_ready(job: LaunchedJob, survivors: set[int], generation: int) -> dict[int, WorkerReady]:
@@ -76,11 +102,11 @@ def _await_ready(job: LaunchedJob, survivors: set[int], generation: int) -> dict
         except RankDisconnected as gone:
             if gone.rank not in survivors:
                 continue   # a lost rank's connection closing
-            raise ReformFailed(f"rank {gone.rank} was lost while the others re-formed") from None
+            raise RanksLostMeanwhile({gone.rank}, f"rank {gone.rank} was lost while the others re-formed") from None
         if received is None:
-            dead = [rank for rank in survivors if rank in job.processes and not job.processes[rank].is_alive()]
+            dead = {rank for rank in survivors if rank in job.processes and not job.processes[rank].is_alive()}
             if dead:
-                raise ReformFailed(f"rank {dead[0]} died while the others re-formed")
+                raise RanksLostMeanwhile(dead, f"ranks {sorted(dead)} died while the others re-formed")
             continue
         rank, message = received
         if isinstance(message, WorkerReady) and message.generation == generation:

@@ -34,13 +34,18 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
+FRONT_STORE = "front-store://"   # `front-store://host:port/generation`: a TCPStore the front serves
+
+
 def init_distributed(rank: int, world_size: int, device: torch.device, rendezvous: str, master_addr: str,
                      master_port: int, timeout_s: float, loopback_only: bool = False) -> None:
     """Join the job's process group.
 
     `rendezvous` is a torch.distributed init_method: `file://...` (one node: a store file in the
     front's private directory, so no TCP store listens anywhere) or `env://` (multi-node and
-    torchrun: MASTER_ADDR/PORT, set by torchrun itself or from the front's setup). With
+    torchrun: MASTER_ADDR/PORT, set by torchrun itself or from the front's setup); or, for the ranks of a
+    multi-node job that re-form after a loss, `front-store://host:port/generation` (the first store lived in
+    rank 0's process, which may be the one lost). With
     `loopback_only`, gloo's and NCCL's own connections between ranks bind the loopback interface.
     """
     if rendezvous == "env://":
@@ -55,8 +60,14 @@ def init_distributed(rank: int, world_size: int, device: torch.device, rendezvou
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rendezvous.startswith(FRONT_STORE):   # a re-formed multi-node job meets in a store its front serves
+        address, prefix = rendezvous[len(FRONT_STORE):].split("/", 1)
+        host, port = address.rsplit(":", 1)
+        store = dist.PrefixStore(prefix, dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
     logger.info("rank %d/%d joined (%s)", rank, world_size, backend)
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -23,6 +21,7 @@ import torch.distributed as dist
 from attention_dp.messages import Reform, Shutdown
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.parallel_context import ParallelContext
+from moe_runtime.processes.collective_interrupt import CollectiveInterrupt, shut_tcp_connections
 from moe_runtime.processes.distributed import build_parallel_context, init_distributed
 
 logger = logging.getLogger(__name__)
@@ -56,29 +55,6 @@ def leave_process_groups(device: torch.device, keep_ports: frozenset[int] = froz
     dist.destroy_process_group()
 
 
-def shut_tcp_connections(keep_ports: frozenset[int]) -> int:
-    """Shut down this process's connected TCP sockets but those to `keep_ports`; how many. On a worker rank
-    these are gloo's pairs and its TCP store client (one node: the control plane is an IPC socket)."""
-    shut = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            sock = socket.socket(fileno=os.dup(int(name)))   # family and type read from the descriptor
-        except OSError:
-            continue
-        try:
-            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
-                if sock.getpeername()[1] not in keep_ports:
-                    sock.shutdown(socket.SHUT_RDWR)   # the descriptor gloo holds shares this socket
-                    shut += 1
-        except OSError:   # a listening or unconnected socket
-            pass
-        finally:
-            sock.close()
-    return shut
-
-
 def await_reform(commands) -> Reform:
     """The front's `Reform`; the commands before it were meant for the broken job and are dropped."""
     while True:
@@ -89,9 +65,11 @@ def await_reform(commands) -> Reform:
             raise ShutdownWhileWaiting()
 
 
-def reform_core(core, setup, reform: Reform, rank: int, keep_ports: frozenset[int] = frozenset()) -> None:
+def reform_core(core, setup, reform: Reform, rank: int, interrupt: CollectiveInterrupt) -> None:
     """Re-form `core` (this rank's EngineCore) as member `reform.members.index(rank)` of the smaller job."""
-    leave_process_groups(core.device, keep_ports)
+    if reform.interrupted:
+        interrupt.settle()
+    leave_process_groups(core.device, interrupt.keep_ports)
     core.drop_requests()
     members = len(reform.members)
     # placement and rebalancing plan over one node: a lost node leaves a count of ranks nodes may not divide

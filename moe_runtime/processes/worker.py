@@ -19,6 +19,7 @@ from attention_dp.lockstep import LockstepLoop, ReformRequested
 from attention_dp.messages import Hello, WorkerFailed, WorkerReady
 from load_balancer.live_rebalancer import LiveRebalancer, RebalanceGroups, RebalancePolicy
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.processes.collective_interrupt import CollectiveInterrupt, block_interrupt_signal
 from moe_runtime.processes.reform import ShutdownWhileWaiting, await_reform, can_reform, leave_process_groups, reform_core
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ def worker_main(address, rank: int, transfer_key: TransferKey | None = None) -> 
     `transfer_key`: a P/D instance's KV transfer key, from the front that spawned this rank; ranks started
     elsewhere (None) read it as the front does, from --kv-transfer-key-file's path or $MOE_RUNTIME_KV_KEY."""
 
+    block_interrupt_signal()   # before any thread starts: only the interrupt watcher takes it
     control = WorkerControl(address, Hello(rank=rank, pid=os.getpid(), host=socket.gethostname()))
     setup = control.setup
     logging.basicConfig(level=setup.log_level, format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
@@ -44,7 +46,7 @@ def worker_main(address, rank: int, transfer_key: TransferKey | None = None) -> 
         torch.set_num_threads(setup.num_threads)
         core = build_worker_engine(setup, rank, transfer_key)
         reformable = can_reform(setup.config)
-        keep_ports = frozenset([address.port] if address.port else [])   # the front's control connection
+        interrupt = CollectiveInterrupt(frozenset([address.port] if address.port else []))  # the front: kept
         while True:
             control.put(ready_message(core, rank, generation))
             try:
@@ -54,17 +56,17 @@ def worker_main(address, rank: int, transfer_key: TransferKey | None = None) -> 
                 reform = requested.reform
             except EOFError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a peer's death breaks a collective: the front decides
+            except Exception:  # noqa: BLE001 - a peer's death breaks a collective: the front decides
                 if not reformable:
                     raise
-                logger.warning("step failed (%s: %s); leaving the process groups, waiting for the front", type(exc).__name__, exc)
-                control.put(WorkerFailed(rank=rank, error=f"{type(exc).__name__}: {exc}",
-                                         traceback=traceback.format_exc(), generation=generation,
-                                         awaiting_reform=True))
-                leave_process_groups(core.device, keep_ports)
-                reform = await_reform(control)
-            generation = reform.generation   # a failure from here on is this generation's
-            reform_core(core, setup, reform, rank, keep_ports)
+                reform = report_and_await_reform(control, core, rank, generation, interrupt)
+            while True:   # a re-formation that fails (a member lost meanwhile, the front's interrupt) is retried
+                generation = reform.generation   # a failure from here on is this generation's
+                try:
+                    reform_core(core, setup, reform, rank, interrupt)
+                    break
+                except Exception:  # noqa: BLE001 - the front decides: another generation, or the end
+                    reform = report_and_await_reform(control, core, rank, generation, interrupt)
     except (EOFError, ShutdownWhileWaiting) as ended:  # the front is gone, or ended the job while this rank waited
         os._exit(0 if isinstance(ended, ShutdownWhileWaiting) else 3)
     except BaseException as exc:  # report, then die: the front tears the job down
@@ -77,6 +79,18 @@ def worker_main(address, rank: int, transfer_key: TransferKey | None = None) -> 
         os._exit(1)
     control.flush(LAST_WORDS_TIMEOUT_S)
     os._exit(0)
+
+
+def report_and_await_reform(control, core, rank: int, generation: int, interrupt: CollectiveInterrupt):
+    """This rank stays alive after a failure: it tells the front, leaves its process groups (so peers blocked on
+    it fail at once) and waits for the front's next `Reform` (or Shutdown)."""
+    error = traceback.format_exc()
+    summary = error.strip().splitlines()[-1]
+    logger.warning("generation %d failed here (%s); leaving the process groups, waiting for the front", generation,
+                   summary)
+    control.put(WorkerFailed(rank=rank, error=summary, traceback=error, generation=generation, awaiting_reform=True))
+    leave_process_groups(core.device, interrupt.keep_ports)
+    return await_reform(control)
 
 
 def ready_message(core, rank: int, generation: int) -> WorkerReady:

@@ -1,0 +1,45 @@
+"""Node 0 of a two-node job, run inside its network namespace by tests/test_multi_node_elastic.py: the front and
+ranks 0-1 (`LLM`), greedy tokens before and after the test takes node 1 away, written as JSON files into OUT.
+
+    python tests/multi_node_driver.py CHECKPOINT OUT MASTER_ADDR MASTER_PORT CONTROL_PORT REDUNDANT_EXPERTS
+"""
+import json
+import sys
+import time
+from pathlib import Path
+
+from engine_helpers import PROMPTS, greedy
+from moe_runtime import LLM
+from moe_runtime.errors import EngineDeadError
+
+NEW_TOKENS = 12
+GO_TIMEOUT_S = 300
+
+
+def main(checkpoint: str, out: str, master_addr: str, master_port: str, control_port: str, redundant: str) -> None:
+    out_dir = Path(out)
+    llm = LLM(checkpoint, device="cpu", dtype="float32", ep=4, dp_attn=4, nnodes=2, node_rank=0,
+              master_addr=master_addr, master_port=int(master_port), control_port=int(control_port),
+              num_redundant_experts=int(redundant))
+    try:
+        before = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
+        (out_dir / "before.json").write_text(json.dumps(before))
+        deadline = time.monotonic() + GO_TIMEOUT_S
+        while not (out_dir / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            after = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
+        except EngineDeadError as exc:
+            (out_dir / "dead.json").write_text(json.dumps({"error": str(exc), "healthy": llm.engine.health().healthy}))
+            return
+        stats = llm.engine.stats().recovery
+        health = llm.engine.health()
+        (out_dir / "after.json").write_text(json.dumps({
+            "tokens": after, "reformations": stats.reformations, "lost_ranks": stats.lost_ranks,
+            "dp_size": llm.engine.shape.dp_size, "healthy": health.healthy, "degraded": health.degraded}))
+    finally:
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

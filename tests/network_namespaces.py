@@ -1,0 +1,74 @@
+"""Two "nodes" on one machine: network namespaces joined by a veth pair, each with its own address (root only).
+
+`TwoNodes.create()` makes them and `remove()` takes them away again; `run_in(node, argv)` starts a process inside
+one. `unavailable()` says why a machine cannot (not root, no `ip`, namespaces refused), for the tests to report."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def unavailable() -> str | None:
+    """Why two namespaces cannot be made here (None: they can)."""
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"moe-probe-{os.getpid()}"
+    try:
+        _ip("netns", "add", probe)
+    except subprocess.CalledProcessError as exc:
+        return f"`ip netns add` is refused here: {exc.stderr.strip()}"
+    _ip("netns", "del", probe)
+    return None
+
+
+@dataclass(frozen=True)
+class Node:
+    namespace: str
+    interface: str
+    address: str
+
+
+@dataclass(frozen=True)
+class TwoNodes:
+    first: Node
+    second: Node
+
+    @classmethod
+    def create(cls, tag: int) -> "TwoNodes":
+        """Namespaces moe-a-<tag> / moe-b-<tag>, 10.231.<tag % 250>.1 and .2 on a veth pair, loopback up in each."""
+        subnet = f"10.231.{tag % 250}"
+        first = Node(f"moe-a-{tag}", f"mva{tag % 100000}", f"{subnet}.1")
+        second = Node(f"moe-b-{tag}", f"mvb{tag % 100000}", f"{subnet}.2")
+        nodes = cls(first, second)
+        try:
+            for node in (first, second):
+                _ip("netns", "add", node.namespace)
+            _ip("link", "add", first.interface, "type", "veth", "peer", "name", second.interface)
+            for node in (first, second):
+                _ip("link", "set", node.interface, "netns", node.namespace)
+                _ip("-n", node.namespace, "addr", "add", f"{node.address}/24", "dev", node.interface)
+                _ip("-n", node.namespace, "link", "set", "lo", "up")
+                _ip("-n", node.namespace, "link", "set", node.interface, "up")
+        except BaseException:
+            nodes.remove()
+            raise
+        return nodes
+
+    def run_in(self, node: Node, argv: list[str], env: dict, **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", node.namespace, *argv], env=env, **kwargs)
+
+    def cut_link(self) -> None:
+        """The second node's end of the link goes down: its packets stop, no connection is closed."""
+        _ip("-n", self.second.namespace, "link", "set", self.second.interface, "down")
+
+    def remove(self) -> None:
+        for node in (self.first, self.second):
+            subprocess.run(["ip", "netns", "del", node.namespace], capture_output=True)
