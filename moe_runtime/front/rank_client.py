@@ -189,12 +189,8 @@ class RankClient:
                     await asyncio.to_thread(self._stop_after_failure, message)
                     break
                 on_messages([message])
-        except RankDisconnected as lost:
-            if lost.rank in self._all_ranks:
-                return  # _watch_ranks names the rank
-            self._loop_tasks.append(asyncio.get_running_loop().create_task(
-                self._take_messages(on_messages, on_lost)))   # a rank lost before the last re-formation
-            return
+        except RankDisconnected:
+            return  # _watch_ranks names the rank
         except Exception as exc:  # noqa: BLE001 - the front cannot go on without its ranks' messages
             logger.exception("control-plane reader failed")
             self._stop_after(f"the front lost its control plane: {exc}")
