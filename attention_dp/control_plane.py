@@ -121,6 +121,7 @@ class FrontControl:
         self.setup = setup
         self.codec = MessageCodec()
         self.hellos: dict[int, Hello] = {}
+        self._setups: dict[int, WorkerSetup] = {}   # a replacement rank's own setup, by rank (`readmit`)
         self.traffic = ControlTraffic()
         self._peers: dict[bytes, int] = {}      # routing id -> rank, for ranks that said Hello
         self._rank_by_fd: dict[int, int] = {}   # their connections' file descriptors
@@ -296,7 +297,12 @@ class FrontControl:
         if self.handshakes is not None:
             self.handshakes.ended(fd)
         self.hellos[hello.rank] = hello
-        self._send(routing_id, hello.rank, self.codec.encode(self.setup))
+        self._send(routing_id, hello.rank, self.codec.encode(self._setups.pop(hello.rank, self.setup)))
+
+    def readmit(self, rank: int, setup: WorkerSetup) -> None:
+        """A lost rank's replacement may say Hello as `rank` (once) and is answered with `setup`."""
+        self.hellos.pop(rank, None)
+        self._setups[rank] = setup
 
     def wait_for_ranks_to_leave(self, timeout_s: float) -> None:
         """After a Shutdown: wait until every rank has closed its connection, so that no rank sees the

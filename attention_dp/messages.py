@@ -47,6 +47,7 @@ class WorkerSetup(Message):
     num_threads: int
     log_level: int
     loopback_only: bool      # one node: every socket of the job on 127.0.0.1 (gloo/NCCL pairs too)
+    generation: int = 0      # > 0: this rank replaces a lost one and joins the others' re-formation as this generation
     # No secret travels here: a P/D instance's ranks read the KV transfer key as the front does (its process
     # arguments for the ranks it spawns, the key file or environment variable elsewhere), so whoever holds the
     # control key still holds nothing else.
@@ -122,6 +123,7 @@ class Reform(Message):
     members: list[int]
     rendezvous: str
     interrupted: bool = False   # the front sent this rank its interrupt signal first (processes/collective_interrupt.py)
+    joiners: list[int] = []     # members starting afresh (replacements): the others mirror their start's collectives
 
 
 Command = Union[AddRequest, AbortRequest, SnapshotExpertLoad, RebalanceNow, ResetPrefixCache, Shutdown,

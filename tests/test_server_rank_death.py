@@ -70,8 +70,8 @@ def _stream(http, body: dict, events: list, first_tokens: threading.Event | None
 def test_the_others_re_form_without_a_killed_rank_and_every_stream_ends_as_it_would_have(tiny_checkpoint_factory):
     """moe-serve --ep 4 --dp-attn 4 --num-redundant-experts 4, 8 greedy streams in flight, one rank SIGKILLed:
     the server stays up, all 8 streams end normally with the text they had before the kill, /health answers
-    200 throughout ("degraded": three of four ranks serve), and the three others go on in their processes (they
-    re-formed without the lost rank, keeping their weights)."""
+    200 throughout ("degraded" while they re-form, "ok" again within 60 s), and the three others go on in their
+    processes (keeping their weights) with a fresh process in the lost rank's place."""
     checkpoint = tiny_checkpoint_factory("mixtral")
     server = ServerProcess(["--model", str(checkpoint), "--device", "cpu", "--ep", "4", "--dp-attn", "4",
                             "--num-redundant-experts", "4", "--served-model-name", "tiny",
@@ -110,13 +110,15 @@ def test_the_others_re_form_without_a_killed_rank_and_every_stream_ends_as_it_wo
                 assert "".join(e["choices"][0]["text"] for e in chunks) == text
             assert statuses <= {(200, "ok"), (200, "degraded")}, statuses
             assert (200, "degraded") in statuses, statuses
-            health = http.get("/health")   # the three others serve on: 200, degraded (the detail is the dashboard's)
-            assert (health.status_code, health.json()["status"]) == (200, "degraded"), health.text
+            while http.get("/health").json()["status"] != "ok":   # back at its layout
+                assert time.monotonic() - killed_at < 60, "/health not ok within 60 s of the kill"
+                time.sleep(0.2)
             after = http.post("/v1/completions", json={**bodies[0], "stream": False}).json()
             assert after["choices"][0]["text"] == before[0]
             metrics = http.get("/metrics").text
         assert "moe_lost_ranks_total 1.0" in metrics and "moe_rank_reformations_total 1.0" in metrics, metrics[-2000:]
-        assert sorted(rank_pids(server.process.pid)) == sorted(p for p in workers if p != workers[2])  # kept their weights
+        now = rank_pids(server.process.pid)   # the three others kept their processes (and weights); rank 2 is new
+        assert len(now) == 4 and set(workers) - set(now) == {workers[2]}, (workers, now)
         assert server.process.poll() is None, server.tail()
     finally:
         server.stop()

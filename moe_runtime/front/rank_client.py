@@ -16,7 +16,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from attention_dp.control_plane import HEARTBEAT_INTERVAL_MS, RankDisconnected
-from attention_dp.messages import AdmittedElsewhere, Message, Shutdown, WorkerFailed
+from attention_dp.messages import AdmittedElsewhere, Message, RebalanceNow, Shutdown, WorkerFailed
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.engine.stats import EngineHealth
@@ -72,7 +72,8 @@ class RankClient:
         while True:
             self.generation += 1
             try:
-                self.job.ready = reform_survivors(self.job, lost, self._all_ranks, self.generation, self._rendezvous())
+                self.job.ready = reform_survivors(self.job, lost, self._all_ranks, self.generation, self._rendezvous(),
+                                                  replace=self.job.rendezvous_dir is not None)
                 break
             except RanksLostMeanwhile as more:
                 if self.job.rendezvous_dir is not None:
@@ -80,10 +81,13 @@ class RankClient:
                 # across nodes the front's interrupt breaks its own ranks' wait in the TCP store: once more without them
                 logger.warning("%s; re-forming again without them", more)
                 lost = LostRanks(lost.ranks | more.ranks, lost.reason)
+        replaced = lost.ranks & set(self.job.ready)
         self._all_ranks = set(self.job.ready)
         self.shape = self._shape()
         self._dead = None
         self._failed_rank = None
+        if replaced:   # the job is back to its layout: its placement is planned afresh over every rank
+            self.control.broadcast(RebalanceNow())
 
     @property
     def processes(self):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+
+import msgspec
 from dataclasses import dataclass
 
 from attention_dp.control_plane import RankDisconnected
@@ -19,7 +21,7 @@ from moe_runtime.processes.launcher import LaunchedJob
 
 logger = logging.getLogger(__name__)
 
-REFORM_TIMEOUT_S = 120.0   # survivors re-form and reload their lost experts within this
+REFORM_TIMEOUT_S = 600.0   # survivors re-form (and replacements load their share of the model) within this
 
 
 class ReformFailed(Exception):
@@ -53,11 +55,13 @@ def find_lost(job: LaunchedJob, members: set[int], connected: set[int], failed_r
     return LostRanks(frozenset(lost), reason)
 
 
-def reform_survivors(job: LaunchedJob, lost: LostRanks, members: set[int], generation: int,
-                     rendezvous: str) -> dict[int, WorkerReady]:
-    """Stop what is left of the lost ranks, interrupt the survivors this front started (a collective they are
-    blocked in may wait on a peer that is gone without closing its connections: processes/collective_interrupt.py),
-    send them all `Reform`, return their WorkerReady (by rank)."""
+def reform_survivors(job: LaunchedJob, lost: LostRanks, members: set[int], generation: int, rendezvous: str,
+                     replace: bool = False) -> dict[int, WorkerReady]:
+    """Stop what is left of the lost ranks; with `replace` (ranks this front starts), start a fresh process for
+    each, which joins the others' re-formation at the job's full size, else the others go on without them.
+    Interrupt the survivors this front started (a collective they are blocked in may wait on a peer that is gone
+    without closing its connections: processes/collective_interrupt.py), send them `Reform`, and return the
+    WorkerReady of every member (by rank)."""
     survivors = sorted(members - lost.ranks)
     if not survivors:
         raise ReformFailed("no rank is left")
@@ -66,18 +70,26 @@ def reform_survivors(job: LaunchedJob, lost: LostRanks, members: set[int], gener
         if process is not None and process.is_alive():
             process.kill()
             process.join(timeout=5)
-    logger.warning("%s; ranks %s re-form without ranks %s (generation %d)", lost.reason, survivors,
-                   sorted(lost.ranks), generation)
+    joiners = sorted(lost.ranks) if replace else []
+    new_members = sorted(survivors + joiners)
+    if joiners and new_members != list(range(len(new_members))):   # a replacement takes its lost rank's place
+        raise ReformFailed(f"replacements join a job of ranks 0..n-1 only, not {new_members}")
+    for rank in joiners:   # answered, when it says Hello, with where and as which generation to join
+        job.control.readmit(rank, msgspec.structs.replace(job.control.setup, rendezvous=rendezvous,
+                                                          world_size=len(new_members), generation=generation))
+        job.processes[rank] = job.spawner.spawn(rank)
+    logger.warning("%s; ranks %s re-form %s ranks %s (generation %d)", lost.reason, survivors,
+                   "with fresh processes for" if joiners else "without", sorted(lost.ranks), generation)
     try:
         for rank in survivors:
             interrupted = rank in job.processes
             if interrupted:
                 os.kill(job.processes[rank].pid, INTERRUPT_SIGNAL)
-            job.control.send(Reform(generation=generation, members=survivors, rendezvous=rendezvous,
-                                    interrupted=interrupted), {rank})
+            job.control.send(Reform(generation=generation, members=new_members, rendezvous=rendezvous,
+                                    interrupted=interrupted, joiners=joiners), {rank})
     except RankDisconnected as gone:
         raise RanksLostMeanwhile({gone.rank}, f"rank {gone.rank} was lost too") from None
-    return _await_ready(job, set(survivors), generation)
+    return _await_ready(job, set(new_members), generation)
 
 
 def take_in_disconnects(job: LaunchedJob, wait_s: float) -> None:

@@ -66,6 +66,22 @@ def worker_context():
     return context
 
 
+@dataclass(frozen=True)
+class RankSpawner:
+    """Starts this node's rank processes from the workers' fork server."""
+
+    context: object
+    address: ControlAddress        # the control socket as the ranks on this node reach it
+    transfer_key: TransferKey | None
+
+    def spawn(self, rank: int) -> mp.Process:
+        process = self.context.Process(target=worker_main, args=(self.address, rank, self.transfer_key),
+                                       name=f"moe-worker-{rank}", daemon=True)
+        with main_module_hidden():
+            process.start()
+        return process
+
+
 @dataclass
 class LaunchedJob:
     """A started job: its control socket, the ranks this process spawned, every rank's `WorkerReady`."""
@@ -74,6 +90,7 @@ class LaunchedJob:
     processes: dict[int, mp.Process]
     ready: dict[int, WorkerReady]
     rendezvous_dir: str | None
+    spawner: "RankSpawner | None" = None   # starts a rank on this node (a lost one's replacement)
 
     @property
     def worker_ranks(self) -> dict[int, list[int]]:
@@ -159,19 +176,13 @@ def launch_job(config: EngineConfig, world: int, transfer_key: TransferKey | Non
                         loopback_only=rendezvous_dir is not None)
     control = FrontControl(address, setup)
     local_address = control.address.for_local_ranks()
-    context = worker_context()
-    processes: dict[int, mp.Process] = {}
-    for rank in range(local_ranks):
-        process = context.Process(target=worker_main, args=(local_address, rank, transfer_key),
-                                  name=f"moe-worker-{rank}", daemon=True)
-        with main_module_hidden():
-            process.start()
-        processes[rank] = process
+    spawner = RankSpawner(worker_context(), local_address, transfer_key)
+    processes = {rank: spawner.spawn(rank) for rank in range(local_ranks)}
     layout = config.layout()
     logger.info("started %d of %d worker ranks (ep=%d, dp_attn=%d, tp=%d, pp=%d), rendezvous %s, control %s",
                 local_ranks, world, layout.ep, layout.dp_attn, layout.tp, layout.pp,
                 rendezvous if rendezvous_dir else f"{config.master_addr}:{master_port}", control.address.endpoint)
-    job = LaunchedJob(control, processes, {}, rendezvous_dir)
+    job = LaunchedJob(control, processes, {}, rendezvous_dir, spawner)
     try:
         _await_ready(job, world, timeout_s)
     except BaseException:

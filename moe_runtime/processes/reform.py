@@ -21,6 +21,8 @@ import torch.distributed as dist
 from attention_dp.messages import Reform, Shutdown
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.parallel_context import ParallelContext
+from moe_runtime.engine.core import agree_on_minimum
+from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.processes.collective_interrupt import CollectiveInterrupt, shut_tcp_connections
 from moe_runtime.processes.distributed import build_parallel_context, init_distributed
 
@@ -65,6 +67,19 @@ def await_reform(commands) -> Reform:
             raise ShutdownWhileWaiting()
 
 
+def mirror_engine_start(core, parallel: ParallelContext) -> None:
+    """The collectives a replacement's EngineCore runs while it starts, joined by a rank that has long started, in
+    the same order: the checkpoint's consumed-tensor check (this rank read its share long ago: all ones) and the
+    KV block count's minimum."""
+    names = CheckpointReader.open(core.checkpoint_dir).names()
+    consumed = torch.ones(len(names), dtype=torch.uint8)
+    dist.all_reduce(consumed, op=dist.ReduceOp.MAX, group=parallel.world_control_group)
+    blocks = agree_on_minimum(core.block_manager.num_blocks, parallel.world_control_group)
+    if blocks != core.block_manager.num_blocks:
+        raise RuntimeError(f"a replacement rank holds {blocks} KV blocks, this rank {core.block_manager.num_blocks}: "
+                           "the workers of one job schedule alike")
+
+
 def reform_core(core, setup, reform: Reform, rank: int, interrupt: CollectiveInterrupt) -> None:
     """Re-form `core` (this rank's EngineCore) as member `reform.members.index(rank)` of the smaller job."""
     if reform.interrupted:
@@ -78,6 +93,8 @@ def reform_core(core, setup, reform: Reform, rank: int, interrupt: CollectiveInt
                      setup.master_port, config.worker_timeout_s, loopback_only=setup.loopback_only)
     parallel: ParallelContext = build_parallel_context(config.layout(), reform.members.index(rank), core.device,
                                                        core.hf_config.num_hidden_layers)
+    if reform.joiners:
+        mirror_engine_start(core, parallel)
     core.config = config
     core.parallel = parallel
     core.model.parallel = parallel

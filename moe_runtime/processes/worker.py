@@ -45,6 +45,9 @@ def worker_main(address, rank: int, transfer_key: TransferKey | None = None) -> 
     try:
         torch.set_num_threads(setup.num_threads)
         core = build_worker_engine(setup, rank, transfer_key)
+        if setup.generation:   # a lost rank's replacement: its placement is the others' (they gather theirs)
+            generation = setup.generation
+            core.executor.reform(core.parallel, setup.config.a2a_backend)
         reformable = can_reform(setup.config)
         interrupt = CollectiveInterrupt(frozenset([address.port] if address.port else []))  # the front: kept
         while True:
