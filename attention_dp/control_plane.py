@@ -122,6 +122,7 @@ class FrontControl:
         self.codec = MessageCodec()
         self.hellos: dict[int, Hello] = {}
         self._setups: dict[int, WorkerSetup] = {}   # a replacement rank's own setup, by rank (`readmit`)
+        self._returning: set[int] = set()            # lost ranks whose Hello is awaited (`await_return`)
         self.traffic = ControlTraffic()
         self._peers: dict[bytes, int] = {}      # routing id -> rank, for ranks that said Hello
         self._rank_by_fd: dict[int, int] = {}   # their connections' file descriptors
@@ -275,8 +276,9 @@ class FrontControl:
             logger.warning("control plane: dropped an undecodable message from %r: %s", routing_id, exc)
             return None
         if isinstance(message, Hello):
+            returned = message.rank in self._returning
             self._welcome(routing_id, message, frames[1].get(zmq.SRCFD))
-            return None
+            return (message.rank, message) if returned and message.rank in self.hellos else None
         if rank is None:
             logger.warning("control plane: dropped %s from %r, which has not said Hello", type(message).__name__,
                            routing_id)
@@ -297,12 +299,26 @@ class FrontControl:
         if self.handshakes is not None:
             self.handshakes.ended(fd)
         self.hellos[hello.rank] = hello
+        if hello.rank in self._returning:   # answered once the others are ready to take it back (`answer`)
+            self._returning.discard(hello.rank)
+            return
         self._send(routing_id, hello.rank, self.codec.encode(self._setups.pop(hello.rank, self.setup)))
 
     def readmit(self, rank: int, setup: WorkerSetup) -> None:
         """A lost rank's replacement may say Hello as `rank` (once) and is answered with `setup`."""
         self.hellos.pop(rank, None)
         self._setups[rank] = setup
+
+    def await_return(self, ranks: set[int]) -> None:
+        """Lost ranks that may come back (a node restarted with the job's key): each may say Hello once more,
+        which `receive` hands to the caller as a message, unanswered until `answer`."""
+        for rank in ranks:
+            self.hellos.pop(rank, None)
+        self._returning |= set(ranks)
+
+    def answer(self, rank: int, setup: WorkerSetup) -> None:
+        """The setup of a rank that came back (`await_return`)."""
+        self._send(_routing_id(rank), rank, self.codec.encode(setup))
 
     def wait_for_ranks_to_leave(self, timeout_s: float) -> None:
         """After a Shutdown: wait until every rank has closed its connection, so that no rank sees the

@@ -82,6 +82,8 @@ class LockstepLoop:
             for command in new:
                 if isinstance(command, Shutdown):
                     return
+                if isinstance(command, Reform):   # agreed: every rank leaves at this boundary, no collective in flight
+                    raise ReformRequested(command)
                 self.applier.apply(command)
             if grammars_waiting:
                 self._start_grammars()   # their requests step from the next agreement on (anyone_busy)
@@ -100,7 +102,7 @@ class LockstepLoop:
                 command = self.commands.get(timeout=timeout)
             except queue.Empty:
                 return None
-            if isinstance(command, Reform):
+            if isinstance(command, Reform) and not command.agreed:
                 raise ReformRequested(command)
             if not isinstance(command, Woken):
                 return command
@@ -114,7 +116,7 @@ class LockstepLoop:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, Reform):
+            if isinstance(command, Reform) and not command.agreed:
                 raise ReformRequested(command)
             if not isinstance(command, Woken):
                 self._received.append(command)

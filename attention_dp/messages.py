@@ -117,13 +117,14 @@ class Reform(Message):
     """Ranks were lost: the `members` (ranks, as they said Hello, in their new rank order) leave their process
     groups, drop their requests (the front resumes them), meet in `rendezvous` as generation `generation`, place
     the experts no member holds, and answer WorkerReady (moe_runtime/processes/reform.py). Taken at once, outside
-    the lock-step agreement: the job it would agree over has lost a rank."""
+    the lock-step agreement (the job it would agree over has lost a rank), unless `agreed`."""
 
     generation: int
     members: list[int]
     rendezvous: str
     interrupted: bool = False   # the front sent this rank its interrupt signal first (processes/collective_interrupt.py)
     joiners: list[int] = []     # members starting afresh (replacements): the others mirror their start's collectives
+    agreed: bool = False        # a healthy job (ranks coming back): taken at a lock-step boundary, like a command
 
 
 Command = Union[AddRequest, AbortRequest, SnapshotExpertLoad, RebalanceNow, ResetPrefixCache, Shutdown,

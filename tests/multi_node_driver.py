@@ -1,5 +1,6 @@
 """Node 0 of a two-node job, run inside its network namespace by tests/test_multi_node_elastic.py: the front and
-ranks 0-1 (`LLM`), greedy tokens before and after the test takes node 1 away, written as JSON files into OUT.
+ranks 0-1 (`LLM`), greedy tokens before and after the test takes node 1 away (and, when it brings node 1 back,
+once its ranks are back), written as JSON files into OUT.
 
     python tests/multi_node_driver.py CHECKPOINT OUT MASTER_ADDR MASTER_PORT CONTROL_PORT REDUNDANT_EXPERTS
 """
@@ -32,13 +33,24 @@ def main(checkpoint: str, out: str, master_addr: str, master_port: str, control_
         except EngineDeadError as exc:
             (out_dir / "dead.json").write_text(json.dumps({"error": str(exc), "healthy": llm.engine.health().healthy}))
             return
-        stats = llm.engine.stats().recovery
-        health = llm.engine.health()
-        (out_dir / "after.json").write_text(json.dumps({
-            "tokens": after, "reformations": stats.reformations, "lost_ranks": stats.lost_ranks,
-            "dp_size": llm.engine.shape.dp_size, "healthy": health.healthy, "degraded": health.degraded}))
+        (out_dir / "after.json").write_text(json.dumps({"tokens": after, **_state(llm)}))
+        deadline = time.monotonic() + GO_TIMEOUT_S
+        while not any((out_dir / name).exists() for name in ("back", "done")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if (out_dir / "back").exists():   # node 1 restarted: serve until its ranks have rejoined
+            while llm.engine.shape.dp_size < 4 and time.monotonic() < deadline:
+                llm.generate(PROMPTS[:1], greedy(2))
+            tokens = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
+            (out_dir / "back.json").write_text(json.dumps({"tokens": tokens, **_state(llm)}))
     finally:
         llm.shutdown()
+
+
+def _state(llm) -> dict:
+    stats = llm.engine.stats().recovery
+    health = llm.engine.health()
+    return {"reformations": stats.reformations, "lost_ranks": stats.lost_ranks, "returned": stats.returned_ranks,
+            "dp_size": llm.engine.shape.dp_size, "healthy": health.healthy, "degraded": health.degraded}
 
 
 if __name__ == "__main__":

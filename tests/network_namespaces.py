@@ -69,6 +69,9 @@ class TwoNodes:
         """The second node's end of the link goes down: its packets stop, no connection is closed."""
         _ip("-n", self.second.namespace, "link", "set", self.second.interface, "down")
 
+    def restore_link(self) -> None:
+        _ip("-n", self.second.namespace, "link", "set", self.second.interface, "up")
+
     def remove(self) -> None:
         for node in (self.first, self.second):
             subprocess.run(["ip", "netns", "del", node.namespace], capture_output=True)

@@ -49,56 +49,87 @@ def _await_file(path: Path, *processes: subprocess.Popen) -> dict | list:
     return json.loads(path.read_text())
 
 
-def _run(nodes: TwoNodes, checkpoint: Path, out: Path, redundant: int, take_away) -> dict:
+def _run(nodes: TwoNodes, checkpoint: Path, out: Path, redundant: int, take_away, bring_back=None) -> dict:
     """Node 0 (the front and ranks 0-1) and node 1 (`moe-serve --node-rank 1`: ranks 2-3); after the first
-    answers, `take_away(node1)`; returns what node 0 wrote after that (after.json or dead.json)."""
+    answers, `take_away(node1)`; returns what node 0 wrote after that (after.json or dead.json), and with
+    `bring_back(node1, start_node1)` (which starts node 1 again) what it wrote once node 1's ranks were back (back.json)."""
     master_port, control_port = free_ports(2)
     key = secrets.token_hex(32)
     addr = nodes.first.address
     node0 = nodes.run_in(nodes.first, [sys.executable, str(DRIVER), str(checkpoint), str(out), addr, str(master_port),
                                         str(control_port), str(redundant)],
                          env={**_env(nodes.first.interface), CONTROL_KEY_ENV: key})
-    node1 = nodes.run_in(nodes.second, [sys.executable, "-m", "server.cli", "--model", str(checkpoint), "--device",
-                                        "cpu", "--ep", "4", "--dp-attn", "4", "--nnodes", "2", "--node-rank", "1",
-                                        "--master-addr", addr, "--master-port", str(master_port), "--control-port",
-                                        str(control_port), "--num-redundant-experts", str(redundant),
-                                        "--log-level", "warning"],
-                         env={**_env(nodes.second.interface), CONTROL_KEY_ENV: key}, start_new_session=True)
+
+    def start_node1() -> subprocess.Popen:
+        return nodes.run_in(nodes.second, [sys.executable, "-m", "server.cli", "--model", str(checkpoint), "--device",
+                                           "cpu", "--ep", "4", "--dp-attn", "4", "--nnodes", "2", "--node-rank", "1",
+                                           "--master-addr", addr, "--master-port", str(master_port), "--control-port",
+                                           str(control_port), "--num-redundant-experts", str(redundant),
+                                           "--log-level", "warning"],
+                            env={**_env(nodes.second.interface), CONTROL_KEY_ENV: key}, start_new_session=True)
+
+    node1s = [start_node1()]
     try:
-        before = _await_file(out / "before.json", node0, node1)
-        take_away(node1)
+        before = _await_file(out / "before.json", node0, node1s[0])
+        take_away(node1s[0])
         (out / "go").touch()
-        deadline = time.monotonic() + WAIT_S
-        while not any((out / name).exists() for name in ("after.json", "dead.json")):
-            assert node0.poll() is None, f"node 0 exited {node0.returncode}"
-            assert time.monotonic() < deadline, "node 0 wrote no outcome"
-            time.sleep(0.2)
-        time.sleep(0.1)
-        result = json.loads(next(out / n for n in ("after.json", "dead.json") if (out / n).exists()).read_text())
+        result = _await_outcome(out, ("after.json", "dead.json"), node0)
+        if bring_back is not None and "tokens" in result:
+            node1s.append(bring_back(node1s[0], start_node1))
+            (out / "back").touch()
+            result["back"] = _await_outcome(out, ("back.json",), node0)
+        else:
+            (out / "done").touch()
         assert node0.wait(60) == 0
         return {"before": before, **result}
     finally:
-        for process in (node0, node1):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL) if process is node1 else process.kill()
-                process.wait(10)
+        if node0.poll() is None:
+            node0.kill()
+            node0.wait(10)
+        for node1 in node1s:
+            if node1.poll() is None:
+                os.killpg(node1.pid, signal.SIGKILL)
+                node1.wait(10)
+
+
+def _await_outcome(out: Path, names: tuple[str, ...], node0: subprocess.Popen) -> dict:
+    deadline = time.monotonic() + WAIT_S
+    while not any((out / name).exists() for name in names):
+        assert node0.poll() is None, f"node 0 exited {node0.returncode}"
+        assert time.monotonic() < deadline, f"node 0 wrote none of {names}"
+        time.sleep(0.2)
+    time.sleep(0.1)   # written whole by now
+    return json.loads(next(out / name for name in names if (out / name).exists()).read_text())
 
 
 def _kill_node(node1: subprocess.Popen) -> None:
     os.killpg(node1.pid, signal.SIGKILL)   # the launcher, its fork server and ranks 2-3
 
 
-def test_node0_re_forms_when_node1_is_cut_off(two_nodes, tiny_checkpoint_factory, tmp_path):
+def test_node0_re_forms_when_node1_is_cut_off_and_takes_it_back_when_it_returns(two_nodes, tiny_checkpoint_factory,
+                                                                                 tmp_path):
     """8 redundant slots (4 per rank for 8 experts): node 0's two ranks hold every expert, so they go on alone with
     the tokens they gave before. Node 1's link goes down (no connection closes): the control plane's heartbeat
     finds its ranks gone, and the front's interrupt takes node 0's ranks out of the collective they were blocked
-    in with them. (Killed ranks close their connections: found at once, the same re-formation follows.)"""
+    in with them. (Killed ranks close their connections: found at once, the same re-formation follows.) Then node
+    1 is started again with the job's key: its ranks say Hello, and the job re-forms at its full size with them."""
     checkpoint = tiny_checkpoint_factory("mixtral")
-    result = _run(two_nodes, checkpoint, tmp_path, 8, lambda node1: two_nodes.cut_link())
+
+    def bring_back(cut_off: subprocess.Popen, start_node1) -> subprocess.Popen:
+        _kill_node(cut_off)   # a restarted node: its old processes are gone before the link is back
+        cut_off.wait(10)
+        two_nodes.restore_link()
+        return start_node1()
+
+    result = _run(two_nodes, checkpoint, tmp_path, 8, lambda node1: two_nodes.cut_link(), bring_back)
     assert "tokens" in result, result
     assert result["tokens"] == result["before"]
     assert (result["reformations"], result["lost_ranks"], result["dp_size"]) == (1, 1, 2), result
     assert result["healthy"] and result["degraded"]
+    back = result["back"]
+    assert back["tokens"] == result["before"]
+    assert (back["reformations"], back["lost_ranks"], back["returned"], back["dp_size"]) == (2, 1, 2, 4), back
+    assert back["healthy"] and not back["degraded"]
 
 
 def test_a_killed_node_whose_experts_the_rest_cannot_hold_ends_the_engine_naming_why(two_nodes, tiny_checkpoint_factory,

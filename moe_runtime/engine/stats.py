@@ -43,7 +43,8 @@ class RecoveryStats:
 
     lost_ranks: int = 0            # rank losses seen (each restarts the job once, while restarts are left)
     recoveries: int = 0            # re-formations and restarts that brought the job back
-    reformations: int = 0          # of which the surviving ranks went on without the lost ones (no restart)
+    reformations: int = 0          # of which the ranks left re-formed (with replacements on one node), no restart
+    returned_ranks: int = 0        # ranks lost across nodes that came back (their node restarted) and rejoined
     recovery_seconds: float = 0.0  # loss to every request sent again, cumulative
     resumed_requests: int = 0      # requests sent again with their tokens so far (recomputed), cumulative
     recovering: str | None = None  # the loss being recovered from, while the job restarts

@@ -73,9 +73,10 @@ class EngineCoreClient(Protocol):
         """Stop delivering to the loop (before shutting down)."""
         ...
 
-    def reform(self) -> None:
-        """After `on_lost` or `EngineDeadError`, where `reformable`: the ranks left go on without the lost ones, and
-        `shape` is theirs (blocking). Raises `front.rank_reform.ReformFailed` when they cannot."""
+    def reform(self) -> int:
+        """After `on_lost` or `EngineDeadError`, where `reformable`: the ranks left go on without the lost ones (or
+        take back ranks that returned: how many), and `shape` is theirs (blocking). Raises
+        `front.rank_reform.ReformFailed` when they cannot."""
         ...
 
     def health(self) -> EngineHealth: ...

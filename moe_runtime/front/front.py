@@ -167,10 +167,14 @@ class Front:
             return
         decision = self.router.choose(request_id, len(prompt), admission.block_hashes)
         if admission.import_kv is None:
-            self.client.send(AddRequest(request_id=request_id, prompt_token_ids=prompt, params=params,
-                                        dp_rank=decision.dp_rank, export_kv=admission.export_kv),
-                             only_worker=decision.dp_rank)
-            self.outputs.add(request_id, prompt, params)
+            self.outputs.add(request_id, prompt, params)   # first: a loss its send meets resumes it with the rest
+            try:
+                self.client.send(AddRequest(request_id=request_id, prompt_token_ids=prompt, params=params,
+                                            dp_rank=decision.dp_rank, export_kv=admission.export_kv),
+                                 only_worker=decision.dp_rank)
+            except EngineDeadError as exc:   # attached, the client reports the loss; blocking, recover here
+                if self._on_outputs is None and not self._restarted_after(str(exc)):
+                    raise EngineDeadError(self._dead) from exc
         else:
             self._add_import(request_id, prompt, params, admission.import_kv, decision.dp_rank)
         self._prompt_tokens += len(prompt)

@@ -139,7 +139,7 @@ class InProcessClient:
             if thread.is_alive():
                 logger.error("the engine core thread did not stop within 30 s (a step is stuck)")
 
-    def reform(self) -> None:
+    def reform(self) -> int:
         raise ReformFailed("a one-rank engine has no other rank to go on with")
 
     def health(self) -> EngineHealth:

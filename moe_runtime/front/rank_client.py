@@ -16,14 +16,14 @@ from typing import Callable
 import torch.distributed as dist
 
 from attention_dp.control_plane import HEARTBEAT_INTERVAL_MS, RankDisconnected
-from attention_dp.messages import AdmittedElsewhere, Message, RebalanceNow, Shutdown, WorkerFailed
+from attention_dp.messages import AdmittedElsewhere, Hello, Message, RebalanceNow, Shutdown, WorkerFailed
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import CoreShape
 from moe_runtime.front.rank_reform import (LostRanks, RanksLostMeanwhile, ReformFailed, find_lost, reform_survivors,
-                                           take_in_disconnects)
+                                           take_back, take_in_disconnects)
 from moe_runtime.processes.distributed import FRONT_STORE
 from moe_runtime.processes.launcher import LaunchedJob, launch_job
 from moe_runtime.processes.reform import can_reform
@@ -47,11 +47,16 @@ class RankClient:
         self._all_ranks = set(self.job.ready)
         self._dead: str | None = None
         self._loop_tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None    # attached: the loop, and whom to tell of a loss
+        self._on_lost: Callable[[str], None] | None = None
+        self._lost_reported = False
         # a lost rank: the others stay up and re-form without it (`reform`), where the layout allows
         self.reformable = can_reform(config)
         self.generation = 0
         self._store: dist.TCPStore | None = None   # where the ranks of a multi-node job meet when they re-form
         self._failed_rank: int | None = None   # the first rank that reported a failure since the last (re)start
+        self._away: set[int] = set()           # ranks lost across nodes, which may come back
+        self._back: set[int] = set()           # ... of which these said Hello again
 
     def _shape(self) -> CoreShape:
         ready = self.job.ready
@@ -61,11 +66,15 @@ class RankClient:
                          pp_size=max(r.pp_rank for r in ready.values()) + 1, worker_ranks=self.job.worker_ranks,
                          kv_shards={rank: r.kv_shard for rank, r in ready.items()})
 
-    def reform(self) -> None:
-        """Absorb the lost ranks: the others re-form without them and this client goes on with them (blocking:
-        run it off the event loop). Raises `ReformFailed` when they cannot (the caller restarts or ends)."""
+    def reform(self) -> int:
+        """Absorb the lost ranks: the others re-form without them (or, on one node, with fresh processes in their
+        place) and this client goes on with them; or, when ranks lost across nodes came back, take them back.
+        Blocking: run it off the event loop. Returns how many ranks came back; raises `ReformFailed` when the
+        ranks cannot re-form (the caller restarts or ends)."""
         if not self.reformable:
             raise ReformFailed("this layout cannot absorb a lost rank")
+        if self._away and self._back >= self._away:
+            return self._take_back()
         # the ranks of a lost node go together: across nodes they are seen by heartbeat, up to an interval apart
         take_in_disconnects(self.job, DEATH_REPORT_GRACE_S if self.job.rendezvous_dir else NODE_LOSS_GRACE_S)
         lost = find_lost(self.job, self._all_ranks, set(self.control.ranks), self._failed_rank, self._dead or "")
@@ -81,13 +90,32 @@ class RankClient:
                 # across nodes the front's interrupt breaks its own ranks' wait in the TCP store: once more without them
                 logger.warning("%s; re-forming again without them", more)
                 lost = LostRanks(lost.ranks | more.ranks, lost.reason)
-        replaced = lost.ranks & set(self.job.ready)
+        self._settle(back_at_layout=bool(lost.ranks & set(self.job.ready)))
+        if lost.ranks - set(self.job.ready):   # lost across nodes: they may come back (a node restarted)
+            self._away |= lost.ranks - set(self.job.ready)
+            self.control.await_return(self._away)
+        return 0
+
+    def _take_back(self) -> int:
+        returned, self._away, self._back = set(self._back), set(), set()
+        self.generation += 1
+        self.job.ready = take_back(self.job, self._all_ranks, returned, self.generation, self._rendezvous())
+        self._settle(back_at_layout=True)
+        return len(returned)
+
+    def _settle(self, back_at_layout: bool) -> None:
         self._all_ranks = set(self.job.ready)
         self.shape = self._shape()
         self._dead = None
         self._failed_rank = None
-        if replaced:   # the job is back to its layout: its placement is planned afresh over every rank
+        if back_at_layout:   # the job is back at its layout: its placement is planned afresh over every rank
             self.control.broadcast(RebalanceNow())
+
+    def _came_back(self, rank: int) -> None:
+        """A lost rank said Hello again; once all are back, the job re-forms with them (a recovery, like a loss)."""
+        self._back.add(rank)
+        if self._back >= self._away:
+            self._die(f"ranks {sorted(self._back)} are back")
 
     @property
     def processes(self):
@@ -148,7 +176,10 @@ class RankClient:
                 if not process.is_alive():
                     self._die_with_last_words(f"worker rank {rank} died (exit code {process.exitcode})", rank)
             return None
-        message = received[1]
+        rank, message = received
+        if isinstance(message, Hello):
+            self._came_back(rank)
+            return None
         if isinstance(message, WorkerFailed):
             if message.generation < self.generation:
                 return None   # the broken job's last words: the re-formed one goes on
@@ -172,6 +203,8 @@ class RankClient:
                          "stopping the other ranks", f"\n{detail}" if detail else "")
             if not self.reformable:
                 self.job.kill()
+            if self._loop is not None:   # attached: a loss a send met is reported too (from any thread)
+                self._loop.call_soon_threadsafe(self._report_lost)
         raise EngineDeadError(self._dead)
 
     # ---- the loop driver --------------------------------------------------------------------------
@@ -180,15 +213,26 @@ class RankClient:
         arrives (no thread, no polling); rank processes' exits and closed connections are awaited too."""
         loop = asyncio.get_running_loop()
         self.control.attach_to_loop()
-        self._loop_tasks = [loop.create_task(self._take_messages(on_messages, on_lost)),
-                            loop.create_task(self._watch_ranks(on_lost))]
+        self._loop, self._on_lost, self._lost_reported = loop, on_lost, False
+        self._loop_tasks = [loop.create_task(self._take_messages(on_messages)), loop.create_task(self._watch_ranks())]
 
-    async def _take_messages(self, on_messages, on_lost) -> None:
+    def _report_lost(self) -> None:
+        """`on_lost` once per loss, whichever part of the client saw it first (a send, the reader, the watcher)."""
+        if self._on_lost is not None and not self._lost_reported:
+            self._lost_reported = True
+            self._on_lost(self._dead)
+
+    async def _take_messages(self, on_messages) -> None:
         try:
             while self._dead is None:
-                _, message = await self.control.receive_async()
+                rank, message = await self.control.receive_async()
                 if isinstance(message, WorkerFailed) and message.generation < self.generation:
                     continue   # the broken job's last words: the re-formed one goes on
+                if isinstance(message, Hello):
+                    self._stop_after_return(rank)
+                    if self._dead is not None:
+                        break
+                    continue
                 if isinstance(message, WorkerFailed):
                     await asyncio.to_thread(self._stop_after_failure, message)
                     break
@@ -198,9 +242,9 @@ class RankClient:
         except Exception as exc:  # noqa: BLE001 - the front cannot go on without its ranks' messages
             logger.exception("control-plane reader failed")
             self._stop_after(f"the front lost its control plane: {exc}")
-        on_lost(self._dead)
+        self._report_lost()
 
-    async def _watch_ranks(self, on_lost) -> None:
+    async def _watch_ranks(self) -> None:
         """Wake when a local rank process exits or any rank's connection closes; then stop the job."""
         loop = asyncio.get_running_loop()
         exited: asyncio.Future = loop.create_future()
@@ -221,7 +265,13 @@ class RankClient:
         await asyncio.sleep(DEATH_REPORT_GRACE_S)  # a rank that raised sends WorkerFailed just before exiting
         if self._dead is None:
             await asyncio.to_thread(lambda: self._stop_after(self.job.describe_lost(rank), rank=rank))
-            on_lost(self._dead)
+        self._report_lost()
+
+    def _stop_after_return(self, rank: int) -> None:
+        try:
+            self._came_back(rank)
+        except EngineDeadError:
+            pass
 
     def _stop_after_failure(self, failed: WorkerFailed) -> None:
         """A rank's WorkerFailed (naming the dead peer first can take a second: run in a thread)."""
@@ -237,6 +287,7 @@ class RankClient:
         for task in self._loop_tasks:
             task.cancel()
         self._loop_tasks = []
+        self._loop = self._on_lost = None
         self.control.detach_from_loop()
 
     # ---- state and tear-down ----------------------------------------------------------------------

@@ -97,8 +97,11 @@ class RankRecovery:
         run it off the event loop)."""
         if old.reformable:
             try:
-                old.reform()
+                returned = old.reform()
                 self.stats.reformations += 1
+                if returned:   # not a loss: lost ranks came back
+                    self.stats.lost_ranks -= 1
+                    self.stats.returned_ranks += returned
                 return old
             except ReformFailed as exc:
                 if self.relaunch is None:

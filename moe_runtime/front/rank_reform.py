@@ -80,16 +80,40 @@ def reform_survivors(job: LaunchedJob, lost: LostRanks, members: set[int], gener
         job.processes[rank] = job.spawner.spawn(rank)
     logger.warning("%s; ranks %s re-form %s ranks %s (generation %d)", lost.reason, survivors,
                    "with fresh processes for" if joiners else "without", sorted(lost.ranks), generation)
+    # across nodes a survivor may be blocked on a peer whose link was cut (no connection closes): interrupt it;
+    # on one node the lost processes exited, and their closed connections free every peer
+    return _reform(job, survivors, new_members, joiners, generation, rendezvous, interrupt=job.rendezvous_dir is None)
+
+
+def take_back(job: LaunchedJob, members: set[int], returned: set[int], generation: int,
+              rendezvous: str) -> dict[int, WorkerReady]:
+    """Lost ranks came back (their node restarted with the job's key, each has said Hello and waits): answer them
+    with the generation to join and re-form the job with them; the WorkerReady of every member."""
+    new_members = sorted(members | returned)
+    if new_members != list(range(len(new_members))):
+        raise ReformFailed(f"ranks that come back rejoin a job of ranks 0..n-1 only, not {new_members}")
+    for rank in sorted(returned):
+        job.control.answer(rank, msgspec.structs.replace(job.control.setup, rendezvous=rendezvous,
+                                                         world_size=len(new_members), generation=generation))
+    logger.warning("ranks %s are back: the job re-forms at its full size (generation %d)", sorted(returned), generation)
+    return _reform(job, sorted(members), new_members, sorted(returned), generation, rendezvous, interrupt=False,
+                   agreed=True)
+
+
+def _reform(job: LaunchedJob, survivors: list[int], members: list[int], joiners: list[int], generation: int,
+            rendezvous: str, interrupt: bool, agreed: bool = False) -> dict[int, WorkerReady]:
+    """Send the survivors `Reform` (with `interrupt`, the ones this front started interrupted first), await every
+    member ready. Healthy ranks (taking back returned ones: `agreed`) leave together at a lock-step boundary."""
     try:
         for rank in survivors:
-            interrupted = rank in job.processes
+            interrupted = interrupt and rank in job.processes
             if interrupted:
                 os.kill(job.processes[rank].pid, INTERRUPT_SIGNAL)
-            job.control.send(Reform(generation=generation, members=new_members, rendezvous=rendezvous,
-                                    interrupted=interrupted, joiners=joiners), {rank})
+            job.control.send(Reform(generation=generation, members=members, rendezvous=rendezvous,
+                                    interrupted=interrupted, joiners=joiners, agreed=agreed), {rank})
     except RankDisconnected as gone:
         raise RanksLostMeanwhile({gone.rank}, f"rank {gone.rank} was lost too") from None
-    return _await_ready(job, set(new_members), generation)
+    return _await_ready(job, set(members), generation)
 
 
 def take_in_disconnects(job: LaunchedJob, wait_s: float) -> None:

@@ -182,8 +182,11 @@ class MoEExecutor:
         mine = torch.tensor([experts.expert_ids for experts in self._experts], dtype=torch.long)   # [L, S]
         gathered = [torch.empty_like(mine) for _ in range(parallel.ep_size)]
         torch.distributed.all_gather(gathered, mine, group=parallel.ep_control_group)
-        # the same load on every survivor (summed over them), so that each plans the same placement
-        load = self.recorder.snapshot(group=parallel.ep_group).counts.float() if self.recorder is not None else None
+        # the same load on every member (summed over them: a replacement has none yet, and the members' slot
+        # counts differ in shape), so that each plans the same placement
+        load = (self.recorder.snapshot().counts.float() if self.recorder is not None
+                else torch.zeros(len(self._experts), self.num_experts))                                # [L, E]
+        torch.distributed.all_reduce(load, group=parallel.ep_control_group)
         survivors = survivor_placement(torch.cat(gathered, dim=1), self.num_experts, parallel.ep_size, num_nodes,
                                        load)
         placement = survivors.placement

@@ -41,7 +41,7 @@ def can_reform(config: EngineConfig) -> bool:
             and config.disaggregation_mode == "none" and config.max_rank_restarts > 0)
 
 
-def leave_process_groups(device: torch.device, keep_ports: frozenset[int] = frozenset()) -> None:
+def leave_process_groups(device: torch.device, keep_ports: frozenset[int] = frozenset(), shut: bool = True) -> None:
     """Drop every group of the broken job, so that peers blocked in a collective with this rank fail at once.
 
     NCCL aborts its communicators. Gloo has no abort that reaches the peers (its groups stay referenced, their
@@ -53,7 +53,8 @@ def leave_process_groups(device: torch.device, keep_ports: frozenset[int] = froz
     if device.type == "cuda":
         dist.distributed_c10d._abort_process_group()   # NCCL: a communicator with a dead peer cannot be destroyed
         return
-    shut_tcp_connections(keep_ports)
+    if shut:   # not when every rank leaves at an agreed boundary: none waits on another, and an idle pair's
+        shut_tcp_connections(keep_ports)   # shutdown can take down gloo's own event loop
     dist.destroy_process_group()
 
 
@@ -84,7 +85,7 @@ def reform_core(core, setup, reform: Reform, rank: int, interrupt: CollectiveInt
     """Re-form `core` (this rank's EngineCore) as member `reform.members.index(rank)` of the smaller job."""
     if reform.interrupted:
         interrupt.settle()
-    leave_process_groups(core.device, interrupt.keep_ports)
+    leave_process_groups(core.device, interrupt.keep_ports, shut=not reform.agreed)
     core.drop_requests()
     members = len(reform.members)
     # placement and rebalancing plan over one node: a lost node leaves a count of ranks nodes may not divide
