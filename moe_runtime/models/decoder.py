@@ -30,6 +30,7 @@ from moe_runtime.execution.micro_batches import MicroBatch, split_in_two
 from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.stages import Staged, call_staged, interleave
+from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.parallel_context import ParallelContext
 from moe_runtime.weights.quantization.weight_quantization import WeightQuantization, linear_quantization
 
@@ -44,6 +45,7 @@ class BuildContext:
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     quant: WeightQuantization | None = None   # --quantization fp8 | int8: projections and experts stay quantized
+    engine: EngineConfig | None = None        # the engine's settings, for a model that refuses some by name
 
     def owns_layer(self, index: int) -> bool:
         """Whether this pipeline stage holds decoder layer `index`."""

@@ -1,0 +1,61 @@
+"""What the DeepSeek-V4 implementation does not run yet, refused at start-up by name (never run wrong).
+
+Built: one rank, expert parallelism with DP attention (each worker's attention whole on its rank), two-batch overlap,
+chunked prefill, prefix caching (the per-sequence state snapshotted at block boundaries), the torch, Triton and CPU
+expert kernels. Refused: what splits or moves a V4 layer's attention or its per-sequence state, which no code here
+does yet (attention TP, CP, PP, a P/D KV transfer), what rolls the compressor state back (speculative decoding),
+weights kept quantized, and DeepSeek's FP8 / FP4 checkpoint formats.
+"""
+from __future__ import annotations
+
+import math
+
+from moe_runtime.errors import InvalidRequestError, UnsupportedArchitectureError
+
+SUPPORTED_ATTENTION = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+def refuse_unsupported(cfg, ctx) -> None:
+    """InvalidRequestError naming the first layout or option a DeepSeek-V4 engine cannot run; checkpoint formats and
+    config values it does not implement as UnsupportedArchitectureError."""
+    quantization = getattr(cfg, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise UnsupportedArchitectureError(
+            f"DeepSeek-V4 checkpoint with quantization_config (quant_method={method!r}, DeepSeek's FP8 weights and FP4 "
+            "experts): not implemented; convert the checkpoint to bfloat16 first")
+    unknown = sorted(set(cfg.layer_types) - set(SUPPORTED_ATTENTION))
+    if unknown:
+        raise UnsupportedArchitectureError(f"DeepSeek-V4 layer_types {unknown}: not implemented "
+                                           f"(implemented: {SUPPORTED_ATTENTION})")
+    if cfg.num_key_value_heads != 1:
+        raise UnsupportedArchitectureError(f"DeepSeek-V4 with num_key_value_heads={cfg.num_key_value_heads}: its "
+                                           "attention is shared-KV MQA (one KV head), nothing else is implemented")
+    p = ctx.parallel
+    for name, size, why in (
+        ("attention TP (ep / dp_attn, or tp)", p.attn_tp_size, "splitting the heads and grouped output projection"),
+        ("cp", p.cp_size, "splitting a step's tokens over the compressors' per-sequence state"),
+        ("pp", p.pp_size, "passing the hyper-connection streams between stages"),
+    ):
+        if size > 1:
+            raise InvalidRequestError(f"{name}={size} with DeepSeek-V4: not implemented ({why}); use ep with "
+                                      "dp_attn = ep")
+    if ctx.quant is not None:
+        raise InvalidRequestError(f"--quantization {ctx.quant.name} with DeepSeek-V4: not implemented")
+    engine = ctx.engine
+    if engine is None:
+        return
+    if engine.disaggregation_mode != "none":
+        raise InvalidRequestError(f"--disaggregation-mode {engine.disaggregation_mode} with DeepSeek-V4: not "
+                                  "implemented (a KV transfer does not move its compressed entries and per-sequence "
+                                  "state yet)")
+    if engine.speculative_config:
+        raise InvalidRequestError("speculative decoding with DeepSeek-V4: not implemented (its compressors' state is "
+                                  "not rolled back after rejected drafts)")
+    rates = sorted({cfg.compress_rates[kind] for kind in cfg.layer_types if kind in cfg.compress_rates})
+    uneven = [rate for rate in rates if engine.block_size % rate]
+    if uneven:
+        raise InvalidRequestError(
+            f"--block-size {engine.block_size} with DeepSeek-V4: each block pages the compressed entries of its "
+            f"tokens, so it must be a multiple of every compression rate {rates}; use --block-size "
+            f"{math.lcm(engine.block_size, *rates)}")
