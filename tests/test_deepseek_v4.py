@@ -25,6 +25,7 @@ from lazy_engines import tiny_engine_pool
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from tiny_checkpoints import HFOracle
 from moe_runtime import LLM
+from moe_runtime.config.parallel_layout import ParallelLayout
 from moe_runtime.errors import InvalidRequestError, UnsupportedArchitectureError
 from moe_runtime.layers.compressed_cache import CompressedAttentionSpec, LayerCompressedCache
 from moe_runtime.models.deepseek_v4_support import refuse_unsupported
@@ -174,19 +175,19 @@ def test_deepseek_v4_flash_pages_under_a_tenth_of_deepseek_v3s_cache_per_token()
     assert per_token < mla_per_token / 10, (per_token, mla_per_token)
 
 
-def _context(**parallel) -> SimpleNamespace:
-    sizes = {**dict(attn_tp_size=1, cp_size=1, pp_size=1), **parallel}
-    return SimpleNamespace(parallel=SimpleNamespace(**sizes), quant=None, engine=None)
+def _context() -> SimpleNamespace:
+    return SimpleNamespace(quant=None, engine=None)
 
 
-@pytest.mark.parametrize("parallel, match", [
-    (dict(attn_tp_size=2), r"attention TP .*=2 with DeepSeek-V4: not implemented"),
-    (dict(cp_size=2), r"cp=2 with DeepSeek-V4: not implemented"),
-    (dict(pp_size=2), r"pp=2 with DeepSeek-V4: not implemented"),
+@pytest.mark.parametrize("layout, match", [
+    (dict(ep=2, dp_attn=1), r"attention TP .*=2 with DeepSeek-V4: not implemented"),
+    (dict(ep=2, dp_attn=1, cp=2), r"cp=2 with DeepSeek-V4: not implemented"),
+    (dict(pp=2), r"pp=2 with DeepSeek-V4: not implemented"),
 ])
-def test_layouts_not_built_are_refused_by_name(parallel, match, hf_oracles):
+def test_layouts_not_built_are_refused_by_name(layout, match, hf_oracles):
     with pytest.raises(InvalidRequestError, match=match):
-        refuse_unsupported(hf_oracles(ARCH).model.config, _context(**parallel))
+        ParallelLayout(**layout).validate(hf_oracles(ARCH).model.config)
+    ParallelLayout(ep=2, dp_attn=2).validate(hf_oracles(ARCH).model.config)
 
 
 def test_deepseeks_fp8_checkpoints_are_refused_by_name(hf_oracles):
@@ -201,6 +202,7 @@ def test_deepseeks_fp8_checkpoints_are_refused_by_name(hf_oracles):
     (dict(speculative_config=dict(method="ngram", num_speculative_tokens=2)), r"speculative decoding with DeepSeek-V4"),
     (dict(disaggregation_mode="prefill"), r"--disaggregation-mode prefill with DeepSeek-V4: not implemented"),
     (dict(quantization="int8"), r"--quantization int8 with DeepSeek-V4: not implemented"),
+    (dict(enable_torch_compile=True), r"--enable-torch-compile with DeepSeek-V4: not implemented"),
 ])
 def test_engine_options_not_built_are_refused_at_start_up(options, match, tiny_checkpoint_factory):
     with pytest.raises(InvalidRequestError, match=match):

@@ -4,13 +4,16 @@ Built: one rank, expert parallelism with DP attention (each worker's attention w
 chunked prefill, prefix caching (the per-sequence state snapshotted at block boundaries), the torch, Triton and CPU
 expert kernels. Refused: what splits or moves a V4 layer's attention or its per-sequence state, which no code here
 does yet (attention TP, CP, PP, a P/D KV transfer), what rolls the compressor state back (speculative decoding),
-weights kept quantized, and DeepSeek's FP8 / FP4 checkpoint formats.
+weights kept quantized, captured decode steps, and DeepSeek's FP8 / FP4 checkpoint formats.
 """
 from __future__ import annotations
 
 import math
 
 from moe_runtime.errors import InvalidRequestError, UnsupportedArchitectureError
+
+# The layouts it does not run (attention TP, CP, PP) are refused by ParallelLayout.validate (moe_runtime/config/
+# parallel_layout.py), which the planner asks too.
 
 SUPPORTED_ATTENTION = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -31,15 +34,6 @@ def refuse_unsupported(cfg, ctx) -> None:
     if cfg.num_key_value_heads != 1:
         raise UnsupportedArchitectureError(f"DeepSeek-V4 with num_key_value_heads={cfg.num_key_value_heads}: its "
                                            "attention is shared-KV MQA (one KV head), nothing else is implemented")
-    p = ctx.parallel
-    for name, size, why in (
-        ("attention TP (ep / dp_attn, or tp)", p.attn_tp_size, "splitting the heads and grouped output projection"),
-        ("cp", p.cp_size, "splitting a step's tokens over the compressors' per-sequence state"),
-        ("pp", p.pp_size, "passing the hyper-connection streams between stages"),
-    ):
-        if size > 1:
-            raise InvalidRequestError(f"{name}={size} with DeepSeek-V4: not implemented ({why}); use ep with "
-                                      "dp_attn = ep")
     if ctx.quant is not None:
         raise InvalidRequestError(f"--quantization {ctx.quant.name} with DeepSeek-V4: not implemented")
     engine = ctx.engine
@@ -49,6 +43,9 @@ def refuse_unsupported(cfg, ctx) -> None:
         raise InvalidRequestError(f"--disaggregation-mode {engine.disaggregation_mode} with DeepSeek-V4: not "
                                   "implemented (a KV transfer does not move its compressed entries and per-sequence "
                                   "state yet)")
+    if engine.enable_torch_compile:
+        raise InvalidRequestError("--enable-torch-compile with DeepSeek-V4: not implemented (a captured decode step "
+                                  "does not take its per-sequence compressor state yet)")
     if engine.speculative_config:
         raise InvalidRequestError("speculative decoding with DeepSeek-V4: not implemented (its compressors' state is "
                                   "not rolled back after rejected drafts)")
