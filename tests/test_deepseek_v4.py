@@ -8,7 +8,7 @@ the indexer's choice and the compressed entries change the tokens.
 
 Greedy tokens and prompt logprobs equal transformers' on one rank, with prefills cut into 5-token chunks, with a
 cached prefix resumed from a state snapshot, in DeepSeek's published checkpoint names, and (slow) with EP + DP
-attention and two-batch overlap. The paged cache per token is measured against a full MLA cache's; the layouts and
+attention, two-batch overlap, attention TP and two pipeline stages. The paged cache per token is measured against a full MLA cache's; the layouts and
 options not built are refused by name.
 """
 from __future__ import annotations
@@ -44,6 +44,8 @@ LAYOUTS = {
     "chunked_prefix": dict(max_num_batched_tokens=5, enable_chunked_prefill=True, enable_prefix_caching=True),
     "ep2_dp2": dict(ep=2, dp_attn=2),
     "ep2_dp2_overlap": dict(ep=2, dp_attn=2, enable_two_batch_overlap=True),
+    "ep2_attention_tp2": dict(ep=2, dp_attn=1),   # 4 heads, 2 output groups: a group per rank
+    "pp2": dict(pp=2, pp_layers=(1, 2)),          # the CSA layer, then the HCA and sliding layers
 }
 
 
@@ -137,6 +139,17 @@ def test_expert_parallel_with_dp_attention_matches(layout, engines, expected):
     assert single.token_ids == expected()[1]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2_attention_tp2", "pp2"])
+def test_attention_tp_and_pipeline_stages_match(layout, engines, expected, hf_oracles):
+    """Attention TP: each rank its heads and output groups, the compressors and indexer whole on both; pp2: the
+    hyper-connection streams travel between the stages flattened."""
+    outputs = engines(layout).generate(PROMPTS, greedy(NEW_TOKENS, prompt_logprobs=NUM_TOP))
+    assert [o.token_ids for o in outputs] == expected()
+    assert_prompt_logprobs_match(outputs[0].prompt_logprobs, expected_logprobs(hf_oracles(ARCH), PROMPTS[0]),
+                                 PROMPTS[0], NUM_TOP)
+
+
 def test_the_paged_cache_per_token_is_a_full_mla_caches_over_the_compression_ratios(engines):
     """Measured on the allocated tensors: a compressing layer pages head_dim / rate elements per token (and its
     indexer index_head_dim / rate), where a full MLA-style cache pages a whole latent per token per layer; the
@@ -180,14 +193,14 @@ def _context() -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("layout, match", [
-    (dict(ep=2, dp_attn=1), r"attention TP .*=2 with DeepSeek-V4: not implemented"),
+    (dict(ep=4, dp_attn=1), r"attention TP = 4 with DeepSeek-V4's 2 output groups .* divides 2"),
     (dict(ep=2, dp_attn=1, cp=2), r"cp=2 with DeepSeek-V4: not implemented"),
-    (dict(pp=2), r"pp=2 with DeepSeek-V4: not implemented"),
 ])
 def test_layouts_not_built_are_refused_by_name(layout, match, hf_oracles):
     with pytest.raises(InvalidRequestError, match=match):
         ParallelLayout(**layout).validate(hf_oracles(ARCH).model.config)
-    ParallelLayout(ep=2, dp_attn=2).validate(hf_oracles(ARCH).model.config)
+    for built in (dict(ep=2, dp_attn=2), dict(ep=2, dp_attn=1), dict(pp=2)):
+        ParallelLayout(**built).validate(hf_oracles(ARCH).model.config)
 
 
 def test_deepseeks_fp8_checkpoints_are_refused_by_name(hf_oracles):

@@ -24,10 +24,12 @@ from torch import nn
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.layers.compressed_cache import CompressedAttentionSpec, LayerCompressedCache, read_ring, write_ring
 from moe_runtime.layers.kv_compressor import KVCompressor, WeightedNorm
-from moe_runtime.layers.linear import Linear
+from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.norm import weightless_rms_norm
 from moe_runtime.layers.v4_indexer import IndexQueries, V4Indexer
 from moe_runtime.layers.v4_rotary import V4Rotary
+from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.weights.loading import copy_checked
 
 
 @dataclass(frozen=True)
@@ -57,18 +59,32 @@ class StepProjections:
 
 class CompressedAttention(nn.Module):
     def __init__(self, shape: V4AttentionShape, rotary: V4Rotary, compress_rotary: V4Rotary,
-                 indexer: V4Indexer | None, dtype, device, quant=None):
+                 indexer: V4Indexer | None, dtype, device, quant=None, tp_size: int = 1, tp_rank: int = 0,
+                 tp_group=None):
+        """Under attention TP (`tp_size` ranks) a rank keeps heads [r * h / tp, (r + 1) * h / tp), which are whole
+        output groups (`o_groups % tp_size == 0`: ParallelLayout refuses otherwise): its rows of `wq_b`, `wo_a` and
+        the sinks, its columns of `wo_b` (partial outputs, summed over the group). The key, the compressors and the
+        indexer are computed whole on every rank, so each keeps the same cache."""
         super().__init__()
         s = self.shape = shape
+        self.tp_size, self.tp_group = tp_size, tp_group
+        self.num_heads, self.o_groups = s.num_heads // tp_size, s.o_groups // tp_size   # this rank's
+        first_head, first_group = tp_rank * self.num_heads, tp_rank * self.o_groups
+        self.head_range = (first_head, first_head + self.num_heads)
+        split = tp_size > 1
+        hd, rank = s.head_dim, s.o_lora_rank
         self.wq_a = Linear(s.hidden_size, s.q_lora_rank, False, dtype, device, quant=quant)
         self.q_norm = WeightedNorm(s.q_lora_rank, s.eps, device)
-        self.wq_b = Linear(s.q_lora_rank, s.num_heads * s.head_dim, False, dtype, device, quant=quant)
-        self.wkv = Linear(s.hidden_size, s.head_dim, False, dtype, device, quant=quant)
-        self.norm = WeightedNorm(s.head_dim, s.eps, device)
-        group_width = s.num_heads * s.head_dim // s.o_groups
-        self.wo_a = Linear(group_width, s.o_groups * s.o_lora_rank, False, dtype, device)   # [g * r, in per group]
-        self.wo_b = Linear(s.o_groups * s.o_lora_rank, s.hidden_size, False, dtype, device, quant=quant)
-        self.attn_sink = nn.Parameter(torch.empty(s.num_heads, dtype=torch.float32, device=device),
+        self.wq_b = Linear(s.q_lora_rank, s.num_heads * hd, False, dtype, device, quant=quant,
+                           shard=LinearShard(0, first_head * hd, (first_head + self.num_heads) * hd) if split else None)
+        self.wkv = Linear(s.hidden_size, hd, False, dtype, device, quant=quant)
+        self.norm = WeightedNorm(hd, s.eps, device)
+        group_rows = LinearShard(0, first_group * rank, (first_group + self.o_groups) * rank) if split else None
+        group_cols = LinearShard(1, first_group * rank, (first_group + self.o_groups) * rank) if split else None
+        self.wo_a = Linear(s.num_heads * hd // s.o_groups, s.o_groups * rank, False, dtype, device,
+                           shard=group_rows)                                                # [g * r, in per group]
+        self.wo_b = Linear(s.o_groups * rank, s.hidden_size, False, dtype, device, quant=quant, shard=group_cols)
+        self.attn_sink = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32, device=device),
                                       requires_grad=False)
         self.compressor = None
         if s.compress_rate:
@@ -76,6 +92,12 @@ class CompressedAttention(nn.Module):
                                            compress_rotary, dtype, device, quant)
         self.indexer = indexer
         self.rotary = rotary
+
+    def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
+        """This rank's heads' sinks (the projections load themselves, their shards)."""
+        name = f"{prefix}attn_sink"
+        copy_checked(self.attn_sink, reader.read(name)[self.head_range[0]:self.head_range[1]], name, reader.directory)
+        return {"attn_sink"}
 
     def kv_cache_spec(self) -> CompressedAttentionSpec:
         s = self.shape
@@ -93,15 +115,16 @@ class CompressedAttention(nn.Module):
                 out[start:start + count] = self._sequence(seq, batch, cache, step, positions[start:start + count])
         out = self.rotary.rotate(out, positions, inverse=True)
         group_width = s.num_heads * s.head_dim // s.o_groups
-        groups = out.reshape(x.shape[0], s.o_groups, group_width).transpose(0, 1)          # [g, T, in per group]
-        weight = self.wo_a.weight.view(s.o_groups, s.o_lora_rank, group_width)               # [g, r, in per group]
+        groups = out.reshape(x.shape[0], self.o_groups, group_width).transpose(0, 1)       # [g, T, in per group]
+        weight = self.wo_a.weight.view(self.o_groups, s.o_lora_rank, group_width)            # [g, r, in per group]
         grouped = torch.bmm(groups, weight.transpose(1, 2)).transpose(0, 1)                 # [T, g, r]
-        return self.wo_b(grouped.reshape(x.shape[0], s.o_groups * s.o_lora_rank))
+        out = self.wo_b(grouped.reshape(x.shape[0], self.o_groups * s.o_lora_rank))
+        return self.wo_b.reduce(out, self.tp_group) if self.tp_size > 1 else out
 
     def _project(self, positions: torch.Tensor, x: torch.Tensor) -> StepProjections:
         s = self.shape
         q_latent = self.q_norm(self.wq_a(x))                                                 # [T, q_lora]
-        q = weightless_rms_norm(self.wq_b(q_latent).view(x.shape[0], s.num_heads, s.head_dim), s.eps)
+        q = weightless_rms_norm(self.wq_b(q_latent).view(x.shape[0], self.num_heads, s.head_dim), s.eps)
         keys = self.rotary.rotate(self.norm(self.wkv(x))[:, None, :], positions)[:, 0, :]   # [T, D]
         series = None if self.compressor is None else self.compressor.project(x)
         index_series = index_queries = None

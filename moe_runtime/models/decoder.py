@@ -155,6 +155,10 @@ class CausalLM(nn.Module):
         windows = [getattr(layer.self_attn.shape, "sliding_window", None) for layer in self.model.owned_layers()]
         return min((window for window in windows if window is not None), default=None)
 
+    def stage_activation_width(self) -> int:
+        """Channels per token a pipeline stage hands the next."""
+        return self.hf_config.hidden_size
+
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return [layer.self_attn.kv_cache_spec() for layer in self.model.owned_layers()]
 

@@ -118,21 +118,31 @@ class V4CausalLM(CausalLM):
     def checkpoint_name(stored: str) -> str:
         return checkpoint_name(stored)
 
+    def stage_activation_width(self) -> int:
+        return self.hf_config.hc_mult * self.hf_config.hidden_size   # the streams, flattened
+
     def _streams(self, micro: MicroBatch) -> torch.Tensor:   # -> [t, n, H]
-        x = self.model.embed_tokens(micro.input_ids)
-        return x.unsqueeze(1).expand(-1, self.hf_config.hc_mult, -1).contiguous()
+        n, hidden = self.hf_config.hc_mult, self.hf_config.hidden_size
+        if not self.parallel.is_first_stage:
+            return micro.hidden.view(micro.hidden.shape[0], n, hidden)
+        return self.model.embed_tokens(micro.input_ids).unsqueeze(1).expand(-1, n, -1).contiguous()
+
+    def _output(self, streams: torch.Tensor) -> torch.Tensor:   # [t, n, H] -> [t, H], or [t, n * H] mid-pipeline
+        if self.parallel.is_last_stage:
+            return self.model.norm(self.model.hc_head(streams))
+        return streams.reshape(streams.shape[0], self.stage_activation_width())
 
     def _run(self, micro: MicroBatch, caches: list) -> torch.Tensor:
         streams = self._streams(micro)
         for layer, cache in zip(self.model.owned_layers(), caches):
             streams = layer(micro.positions, streams, micro.batch, cache, micro.input_ids)
-        return self.model.norm(self.model.hc_head(streams))
+        return self._output(streams)
 
     def _stages(self, micro: MicroBatch, caches: list) -> Staged[torch.Tensor]:
         streams = self._streams(micro)
         for layer, cache in zip(self.model.owned_layers(), caches):
             streams = yield from layer.stages(micro.positions, streams, micro.batch, cache, micro.input_ids)
-        return self.model.norm(self.model.hc_head(streams))
+        return self._output(streams)
 
 
 _LEAF_RENAMES = (   # DeepSeek's published names (and transformers' saved ones) -> this module tree's
@@ -167,7 +177,9 @@ def _attention(cfg, i: int, ctx: BuildContext, rotaries: dict[str, V4Rotary]) ->
         indexer = V4Indexer(IndexerShape.from_config(cfg), cfg.rms_norm_eps, rotaries["compress"], ctx.dtype,
                             ctx.device, ctx.linear_quant)
     rotary = rotaries["compress" if rate else "main"]
-    return CompressedAttention(shape, rotary, rotaries["compress"], indexer, ctx.dtype, ctx.device, ctx.linear_quant)
+    p = ctx.parallel
+    return CompressedAttention(shape, rotary, rotaries["compress"], indexer, ctx.dtype, ctx.device, ctx.linear_quant,
+                               p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group)
 
 
 def _moe(cfg, i: int, ctx: BuildContext) -> V4MoE:
@@ -194,6 +206,7 @@ def build_deepseek_v4(cfg, ctx: BuildContext) -> V4CausalLM:
         return V4DecoderLayer(_attention(cfg, i, ctx, rotaries), _moe(cfg, i, ctx), cfg, ctx.device)
 
     stack = build_stack(cfg, ctx, make_layer)
-    stack.norm = WeightedNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.device)
-    stack.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps, ctx.device)
+    if ctx.parallel.is_last_stage:
+        stack.norm = WeightedNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.device)
+        stack.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps, ctx.device)
     return V4CausalLM(cfg, stack, cfg.tie_word_embeddings, ctx)

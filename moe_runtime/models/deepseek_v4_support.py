@@ -1,19 +1,18 @@
 """What the DeepSeek-V4 implementation does not run yet, refused at start-up by name (never run wrong).
 
-Built: one rank, expert parallelism with DP attention (each worker's attention whole on its rank), two-batch overlap,
-chunked prefill, prefix caching (the per-sequence state snapshotted at block boundaries), the torch, Triton and CPU
-expert kernels. Refused: what splits or moves a V4 layer's attention or its per-sequence state, which no code here
-does yet (attention TP, CP, PP, a P/D KV transfer), what rolls the compressor state back (speculative decoding),
-weights kept quantized, captured decode steps, and DeepSeek's FP8 / FP4 checkpoint formats.
+Built: one rank, expert parallelism with DP attention, attention TP (whole output groups per rank), pipeline stages,
+two-batch overlap, chunked prefill, prefix caching (the per-sequence state snapshotted at block boundaries), every
+expert kernel family (its clamped SiLU in each; the attention itself is torch code). Refused here: a P/D KV transfer (it does not move the compressed entries and
+per-sequence state yet), speculative decoding (the compressor state is not rolled back), captured decode steps,
+weights kept quantized, and DeepSeek's FP8 / FP4 checkpoint formats; context parallelism and attention TP that
+would cut an output group are refused by ParallelLayout.validate (moe_runtime/config/parallel_layout.py), which
+the planner asks too.
 """
 from __future__ import annotations
 
 import math
 
 from moe_runtime.errors import InvalidRequestError, UnsupportedArchitectureError
-
-# The layouts it does not run (attention TP, CP, PP) are refused by ParallelLayout.validate (moe_runtime/config/
-# parallel_layout.py), which the planner asks too.
 
 SUPPORTED_ATTENTION = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
