@@ -8,8 +8,8 @@ the indexer's choice and the compressed entries change the tokens.
 
 Greedy tokens and prompt logprobs equal transformers' on one rank, with prefills cut into 5-token chunks, with a
 cached prefix resumed from a state snapshot, in DeepSeek's published checkpoint names, and (slow) with EP + DP
-attention, two-batch overlap, attention TP and two pipeline stages. The paged cache per token is measured against a full MLA cache's; the layouts and
-options not built are refused by name.
+attention, two-batch overlap, attention TP and two pipeline stages. The paged cache per token is measured against
+a full MLA cache's; the layouts and options not built are refused by name.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from moe_runtime.config.parallel_layout import ParallelLayout
 from moe_runtime.errors import InvalidRequestError, UnsupportedArchitectureError
 from moe_runtime.layers.compressed_cache import CompressedAttentionSpec, LayerCompressedCache
 from moe_runtime.models.deepseek_v4_support import refuse_unsupported
+from moe_runtime.planner.model_shape import model_shape_of
 
 ARCH = "deepseek_v4"
 NEW_TOKENS = 8
@@ -186,6 +187,19 @@ def test_deepseek_v4_flash_pages_under_a_tenth_of_deepseek_v3s_cache_per_token()
         per_token += spec.bytes_per_block(128 * 16, torch.bfloat16) / (128 * 16)
     mla_per_token = v3.num_hidden_layers * (v3.kv_lora_rank + v3.qk_rope_head_dim) * 2
     assert per_token < mla_per_token / 10, (per_token, mla_per_token)
+
+
+def test_the_planner_reads_deepseek_v4_flash():
+    """Its published shape: 284B parameters, 13B active; its commands ask for blocks of 128 (the HCA rate), and
+    it plans no P/D split (refused by the engine)."""
+    from transformers import DeepseekV4Config
+
+    config = {**DeepseekV4Config().to_dict(), "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16"}
+    shape = model_shape_of(config)
+    assert round(shape.total_params / 1e9) == 284 and round(shape.active_params / 1e9) == 13
+    assert shape.block_size_for(16) == 128 and not shape.kv_transfer
+    csa = shape.layers[config["layer_types"].index("compressed_sparse_attention")]
+    assert csa.kv_dim == (512 + 128) // 4
 
 
 def _context() -> SimpleNamespace:

@@ -2,11 +2,11 @@
 
 Built: one rank, expert parallelism with DP attention, attention TP (whole output groups per rank), pipeline stages,
 two-batch overlap, chunked prefill, prefix caching (the per-sequence state snapshotted at block boundaries), every
-expert kernel family (its clamped SiLU in each; the attention itself is torch code). Refused here: a P/D KV transfer (it does not move the compressed entries and
-per-sequence state yet), speculative decoding (the compressor state is not rolled back), captured decode steps,
-weights kept quantized, and DeepSeek's FP8 / FP4 checkpoint formats; context parallelism and attention TP that
-would cut an output group are refused by ParallelLayout.validate (moe_runtime/config/parallel_layout.py), which
-the planner asks too.
+expert kernel family (its clamped SiLU in each; the attention itself is torch code). Refused here: a P/D KV
+transfer (it does not move the compressed entries and per-sequence state yet), speculative decoding (the
+compressor state is not rolled back), captured decode steps, weights kept quantized, and DeepSeek's FP8 / FP4
+checkpoint formats; context parallelism and attention TP that would cut an output group are refused by
+ParallelLayout.validate (moe_runtime/config/parallel_layout.py), which the planner asks too.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ moe_runtime/models/; tests/test_plan.py holds the set of architectures read here
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,6 +70,12 @@ class ModelShape:
     checkpoint_dtype: str          # torch_dtype of the checkpoint ("bfloat16", ...)
     checkpoint_quantization: str | None   # quantization_config.quant_method (fp8, mxfp4) or None
     config: dict = field(repr=False, compare=False, default_factory=dict)
+    block_multiple: int = 1        # --block-size must be a multiple of it (DeepSeek-V4: its compression rates)
+    kv_transfer: bool = True       # whether P/D moves its cache (not DeepSeek-V4's yet)
+
+    def block_size_for(self, requested: int) -> int:
+        """The smallest block size the runtime takes for this model, at least `requested`."""
+        return math.lcm(requested, self.block_multiple)
 
     @property
     def num_layers(self) -> int:
@@ -132,7 +139,14 @@ def model_shape_of(config: dict) -> ModelShape:
         embedding_params=c.vocab_size * hidden * (1 if tied else 2),
         max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048) or 2048),
         checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-        checkpoint_quantization=quant, config={**config, "architectures": [architecture]})
+        checkpoint_quantization=quant, config={**config, "architectures": [architecture]},
+        **_deepseek_v4_limits(config) if architecture == "DeepseekV4ForCausalLM" else {})
+
+
+def _deepseek_v4_limits(config: dict) -> dict:
+    """Blocks a multiple of every compression rate; no P/D (moe_runtime/models/deepseek_v4_support.py)."""
+    rates = [rate for kind, rate in (config.get("compress_rates") or {}).items() if kind in config["layer_types"]]
+    return dict(block_multiple=math.lcm(1, *rates), kv_transfer=False)
 
 
 def _num_experts(config: dict) -> int:
