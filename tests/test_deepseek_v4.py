@@ -8,7 +8,7 @@ the indexer's choice and the compressed entries change the tokens.
 
 Greedy tokens and prompt logprobs equal transformers' on one rank, with prefills cut into 5-token chunks, with a
 cached prefix resumed from a state snapshot, in DeepSeek's published checkpoint names, and (slow) with EP + DP
-attention, two-batch overlap, attention TP and two pipeline stages. The paged cache per token is measured against
+attention, two-batch overlap, attention TP and two pipeline stages (P/D: tests/test_pd_deepseek_v4.py). The paged cache per token is measured against
 a full MLA cache's; the layouts and options not built are refused by name.
 """
 from __future__ import annotations
@@ -190,14 +190,13 @@ def test_deepseek_v4_flash_pages_under_a_tenth_of_deepseek_v3s_cache_per_token()
 
 
 def test_the_planner_reads_deepseek_v4_flash():
-    """Its published shape: 284B parameters, 13B active; its commands ask for blocks of 128 (the HCA rate), and
-    it plans no P/D split (refused by the engine)."""
+    """Its published shape: 284B parameters, 13B active; its commands ask for blocks of 128 (the HCA rate)."""
     from transformers import DeepseekV4Config
 
     config = {**DeepseekV4Config().to_dict(), "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16"}
     shape = model_shape_of(config)
     assert round(shape.total_params / 1e9) == 284 and round(shape.active_params / 1e9) == 13
-    assert shape.block_size_for(16) == 128 and not shape.kv_transfer
+    assert shape.block_size_for(16) == 128
     csa = shape.layers[config["layer_types"].index("compressed_sparse_attention")]
     assert csa.kv_dim == (512 + 128) // 4
 
@@ -227,7 +226,6 @@ def test_deepseeks_fp8_checkpoints_are_refused_by_name(hf_oracles):
 @pytest.mark.parametrize("options, match", [
     (dict(block_size=8), r"--block-size 8 with DeepSeek-V4: .* multiple of every compression rate \[4, 16\]"),
     (dict(speculative_config=dict(method="ngram", num_speculative_tokens=2)), r"speculative decoding with DeepSeek-V4"),
-    (dict(disaggregation_mode="prefill"), r"--disaggregation-mode prefill with DeepSeek-V4: not implemented"),
     (dict(quantization="int8"), r"--quantization int8 with DeepSeek-V4: not implemented"),
     (dict(enable_torch_compile=True), r"--enable-torch-compile with DeepSeek-V4: not implemented"),
 ])

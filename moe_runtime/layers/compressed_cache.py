@@ -108,6 +108,29 @@ class LayerCompressedCache:
         for tensor in self.state_tensors():
             tensor.index_copy_(0, slots, tensor.index_select(0, rows))
 
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The paged tensors as a KV transfer reads and writes blocks (moe_runtime/disaggregation/kv_transfer/
+        cache_io.py): the entries, then the index keys."""
+        return self.entries
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.index_keys
+
+    def read_slot(self, slot: int) -> list[torch.Tensor]:
+        """One sequence's state tensors, copied to the CPU (a P/D transfer sends them as stored)."""
+        return [t[slot].contiguous().cpu() for t in self.state_tensors()]
+
+    def write_slot(self, slot: int, parts: list[torch.Tensor]) -> None:
+        """Store one sequence's state tensors (`read_slot`'s, of this cache's shapes) into `slot`."""
+        tensors = self.state_tensors()
+        if [tuple(p.shape) for p in parts] != [tuple(t.shape[1:]) for t in tensors]:
+            raise ValueError(f"states of shapes {[tuple(p.shape) for p in parts]} for a cache of "
+                             f"{[tuple(t.shape[1:]) for t in tensors]}")
+        for tensor, part in zip(tensors, parts):
+            tensor[slot].copy_(part.to(device=tensor.device, dtype=tensor.dtype))
+
     def entry_slots(self, block_table: torch.Tensor, first: int, stop: int) -> torch.Tensor:
         """[stop - first] flat entry indices of entries [first, stop) of a sequence with `block_table` [W] int."""
         rate = self.spec.compress_rate

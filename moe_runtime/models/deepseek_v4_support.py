@@ -1,12 +1,12 @@
 """What the DeepSeek-V4 implementation does not run yet, refused at start-up by name (never run wrong).
 
 Built: one rank, expert parallelism with DP attention, attention TP (whole output groups per rank), pipeline stages,
-two-batch overlap, chunked prefill, prefix caching (the per-sequence state snapshotted at block boundaries), every
-expert kernel family (its clamped SiLU in each; the attention itself is torch code). Refused here: a P/D KV
-transfer (it does not move the compressed entries and per-sequence state yet), speculative decoding (the
-compressor state is not rolled back), captured decode steps, weights kept quantized, and DeepSeek's FP8 / FP4
-checkpoint formats; context parallelism and attention TP that would cut an output group are refused by
-ParallelLayout.validate (moe_runtime/config/parallel_layout.py), which the planner asks too.
+two-batch overlap, chunked prefill, prefix caching (the per-sequence state snapshotted at block boundaries), P/D
+(each layer's entries travel with the blocks, its state with the slot: moe_runtime/disaggregation/kv_transfer/
+shard.py), every expert kernel family (its clamped SiLU in each; the attention itself is torch code). Refused here:
+speculative decoding (the compressor state is not rolled back), captured decode steps, weights kept quantized, and
+DeepSeek's FP8 / FP4 checkpoint formats; context parallelism and attention TP that would cut an output group are
+refused by ParallelLayout.validate (moe_runtime/config/parallel_layout.py), which the planner asks too.
 """
 from __future__ import annotations
 
@@ -38,10 +38,6 @@ def refuse_unsupported(cfg, ctx) -> None:
     engine = ctx.engine
     if engine is None:
         return
-    if engine.disaggregation_mode != "none":
-        raise InvalidRequestError(f"--disaggregation-mode {engine.disaggregation_mode} with DeepSeek-V4: not "
-                                  "implemented (a KV transfer does not move its compressed entries and per-sequence "
-                                  "state yet)")
     if engine.enable_torch_compile:
         raise InvalidRequestError("--enable-torch-compile with DeepSeek-V4: not implemented (a captured decode step "
                                   "does not take its per-sequence compressor state yet)")

@@ -71,7 +71,6 @@ class ModelShape:
     checkpoint_quantization: str | None   # quantization_config.quant_method (fp8, mxfp4) or None
     config: dict = field(repr=False, compare=False, default_factory=dict)
     block_multiple: int = 1        # --block-size must be a multiple of it (DeepSeek-V4: its compression rates)
-    kv_transfer: bool = True       # whether P/D moves its cache (not DeepSeek-V4's yet)
 
     def block_size_for(self, requested: int) -> int:
         """The smallest block size the runtime takes for this model, at least `requested`."""
@@ -140,13 +139,13 @@ def model_shape_of(config: dict) -> ModelShape:
         max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048) or 2048),
         checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         checkpoint_quantization=quant, config={**config, "architectures": [architecture]},
-        **_deepseek_v4_limits(config) if architecture == "DeepseekV4ForCausalLM" else {})
+        block_multiple=_compression_rates_lcm(config) if architecture == "DeepseekV4ForCausalLM" else 1)
 
 
-def _deepseek_v4_limits(config: dict) -> dict:
-    """Blocks a multiple of every compression rate; no P/D (moe_runtime/models/deepseek_v4_support.py)."""
+def _compression_rates_lcm(config: dict) -> int:
+    """DeepSeek-V4 pages a block's compressed entries in it: blocks a multiple of every compression rate."""
     rates = [rate for kind, rate in (config.get("compress_rates") or {}).items() if kind in config["layer_types"]]
-    return dict(block_multiple=math.lcm(1, *rates), kv_transfer=False)
+    return math.lcm(1, *rates)
 
 
 def _num_experts(config: dict) -> int:

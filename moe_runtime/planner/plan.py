@@ -95,7 +95,7 @@ def make_plan(request: PlanRequest) -> Plan:
         if model is not None:
             models[row.name] = (model, candidate)
     rows.sort(key=lambda r: _rank_key(request, r))
-    if not hybrid_kv_groups(request.shape) and request.shape.kv_transfer:
+    if not hybrid_kv_groups(request.shape):
         tried = [r for r in rows if r.runs and r.name in models][:PD_TRIED]
         for row in tried:
             model, candidate = models[row.name]
