@@ -7,9 +7,10 @@ both and a partial one, and outrun the window and the top-k: `test_the_compresse
 the indexer's choice and the compressed entries change the tokens.
 
 Greedy tokens and prompt logprobs equal transformers' on one rank, with prefills cut into 5-token chunks, with a
-cached prefix resumed from a state snapshot, in DeepSeek's published checkpoint names, and (slow) with EP + DP
-attention, two-batch overlap, attention TP and two pipeline stages (P/D: tests/test_pd_deepseek_v4.py). The paged cache per token is measured against
-a full MLA cache's; the layouts and options not built are refused by name.
+cached prefix resumed from a state snapshot, with n-gram speculative decoding, in DeepSeek's published checkpoint
+names, and (slow) with EP + DP attention, two-batch overlap, attention TP and two pipeline stages (P/D:
+tests/test_pd_deepseek_v4.py). The paged cache per token is measured against a full MLA cache's; the layouts and
+options not built are refused by name.
 """
 from __future__ import annotations
 
@@ -47,7 +48,11 @@ LAYOUTS = {
     "ep2_dp2_overlap": dict(ep=2, dp_attn=2, enable_two_batch_overlap=True),
     "ep2_attention_tp2": dict(ep=2, dp_attn=1),   # 4 heads, 2 output groups: a group per rank
     "pp2": dict(pp=2, pp_layers=(1, 2)),          # the CSA layer, then the HCA and sliding layers
+    "ngram_speculation": dict(speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                                      prompt_lookup_max=3)),
 }
+REPEATING = [[7, 8, 9] * 6 + [1, 2], [11, 23] * 12]   # continuations that repeat: some drafts hold, some do not
+SPECULATED_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +111,18 @@ def test_chunked_prefill_and_a_cached_prefix_keep_the_tokens(engines, expected, 
     [shared] = llm.generate([SHARED_PREFIX], greedy(NEW_TOKENS))
     assert llm.engine.stats().prefix_cache_hits > hits, "the shared prefix did not reuse its cached blocks"
     assert shared.token_ids == expected([SHARED_PREFIX])[0]
+
+
+def test_speculative_decoding_rolls_the_state_rings_back(engines, greedy_oracle):
+    """Verify steps of 1 + 3 tokens: a rejected draft's window key and carried projections land on ring slots no later
+    step reads (the rings keep 4 more positions; without them the tokens differ), and an entry a rejected draft
+    completed is computed again when its window really completes."""
+    llm = engines("ngram_speculation")
+    outputs = llm.generate(REPEATING, greedy(SPECULATED_TOKENS))
+    assert [o.token_ids for o in outputs] == greedy_oracle(ARCH, REPEATING, SPECULATED_TOKENS)
+    workers = llm.engine.stats().workers
+    accepted, drafted = sum(w.spec_accepted_tokens for w in workers), sum(w.spec_draft_tokens for w in workers)
+    assert 0 < accepted < drafted, (accepted, drafted)   # drafts kept and drafts rolled back
 
 
 def test_deepseeks_published_tensor_names_load(tiny_checkpoint_factory, tmp_path, expected):
@@ -225,7 +242,7 @@ def test_deepseeks_fp8_checkpoints_are_refused_by_name(hf_oracles):
 
 @pytest.mark.parametrize("options, match", [
     (dict(block_size=8), r"--block-size 8 with DeepSeek-V4: .* multiple of every compression rate \[4, 16\]"),
-    (dict(speculative_config=dict(method="ngram", num_speculative_tokens=2)), r"speculative decoding with DeepSeek-V4"),
+    (dict(speculative_config=dict(method="mtp", num_speculative_tokens=1)), r"method 'mtp' with DeepSeek-V4"),
     (dict(quantization="int8"), r"--quantization int8 with DeepSeek-V4: not implemented"),
     (dict(enable_torch_compile=True), r"--enable-torch-compile with DeepSeek-V4: not implemented"),
 ])

@@ -44,6 +44,7 @@ class V4AttentionShape:
     compress_rate: int      # 0: sliding only
     overlapping: bool       # CSA
     eps: float
+    draft_slack: int = 0    # ring positions beyond what a step reads (speculative decoding's drafts)
 
 
 @dataclass
@@ -102,7 +103,7 @@ class CompressedAttention(nn.Module):
     def kv_cache_spec(self) -> CompressedAttentionSpec:
         s = self.shape
         index_dim = self.indexer.shape.head_dim if self.indexer is not None else 0
-        return CompressedAttentionSpec(s.head_dim, s.window, s.compress_rate, s.overlapping, index_dim)
+        return CompressedAttentionSpec(s.head_dim, s.window, s.compress_rate, s.overlapping, index_dim, s.draft_slack)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch,
                 cache: LayerCompressedCache) -> torch.Tensor:   # [T, H] -> [T, H]
@@ -180,9 +181,9 @@ class CompressedAttention(nn.Module):
                     first: int) -> torch.Tensor:   # -> [entries so far, D]
         """Compress the windows this step completes into `paged`, carry the projections a later step needs, and
         return every entry of the sequence so far."""
-        rate, kept = compressor.rate, carry.shape[1]
+        rate, carried = compressor.rate, (2 if compressor.overlapping else 1) * compressor.rate
         stop = first + series.shape[0]
-        series_start = max(first - kept + 1, 0)
+        series_start = max(first - carried + 1, 0)   # what the windows not yet compressed mix
         full = torch.cat([read_ring(carry, slot, series_start, first), series])             # [stop - start, W]
         done, total = first // rate, stop // rate
         flat = paged.view(-1, paged.shape[-1])

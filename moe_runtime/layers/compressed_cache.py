@@ -12,7 +12,9 @@ tokens; CSA, rate 4, also the window before it) into one key, and is readable on
   `window` tokens' keys (a ring indexed by position % window), and the compressor's per-token projections (kv and
   gate, for the entry and for the indexer) of the last `carried` positions: the tokens of the window not yet
   complete, and for CSA the window before it, whose half of each token the next entry mixes in. Rings indexed by
-  position % size, so a prefill cut into chunks, decode and a resumed prefix read them alike.
+  position % size, so a prefill cut into chunks, decode and a resumed prefix read them alike. With speculative
+  decoding each ring keeps `draft_slack` more positions: a rejected draft's position then lands on a slot no later
+  step reads, and an entry its window completed is computed again once the window really completes.
 
 Rows past the slots hold prefix-cache snapshots (moe_runtime/engine/state_snapshots.py): `captures` names, per slot,
 the rows to write the state into after some of the step's tokens.
@@ -35,6 +37,7 @@ class CompressedAttentionSpec:
     compress_rate: int = 0      # tokens per compressed entry; 0: a sliding-only layer
     overlapping: bool = False   # CSA: each entry also mixes the window before it (carries 2 windows)
     index_dim: int = 0          # CSA: the indexer's key width (0: no indexer)
+    draft_slack: int = 0        # ring positions kept beyond those read: a verify step's tokens (speculative decoding)
 
     @property
     def projection_dim(self) -> int:
@@ -50,7 +53,12 @@ class CompressedAttentionSpec:
         """Positions of compressor projections kept per sequence."""
         if not self.compress_rate:
             return 0
-        return (2 if self.overlapping else 1) * self.compress_rate
+        return (2 if self.overlapping else 1) * self.compress_rate + self.draft_slack
+
+    @property
+    def window_ring(self) -> int:
+        """Positions of window keys kept per sequence."""
+        return self.window + self.draft_slack
 
     def entries_per_block(self, block_size: int) -> int:
         return block_size // self.compress_rate if self.compress_rate else 0
@@ -62,7 +70,7 @@ class CompressedAttentionSpec:
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         """Per-sequence bytes: the window's keys and the carried projections (kv and gate)."""
         carried = self.carried * 2 * (self.projection_dim + self.index_projection_dim)
-        return (self.window * self.head_dim + carried) * dtype.itemsize
+        return (self.window_ring * self.head_dim + carried) * dtype.itemsize
 
 
 @dataclass
@@ -88,7 +96,7 @@ class LayerCompressedCache:
             index_keys = zeroed((num_blocks, per_block, 1, spec.index_dim), dtype, device)
             index_carry = torch.zeros(state_rows, spec.carried, 2 * spec.index_projection_dim, dtype=dtype,
                                       device=device)
-        window = torch.zeros(state_rows, spec.window, spec.head_dim, dtype=dtype, device=device)
+        window = torch.zeros(state_rows, spec.window_ring, spec.head_dim, dtype=dtype, device=device)
         return cls(entries, index_keys, window, carry, index_carry, spec)
 
     def state_tensors(self) -> list[torch.Tensor]:

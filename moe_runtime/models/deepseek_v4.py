@@ -38,6 +38,7 @@ from moe_runtime.moe.expert_weights import MIXTRAL_NAMING
 from moe_runtime.moe.layer import MoEShape, SparseMoE
 from moe_runtime.moe.router import Router
 from moe_runtime.moe.stages import Staged
+from moe_runtime.speculative.config import SpeculativeConfig
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.loading import copy_checked
 
@@ -108,6 +109,8 @@ class V4DecoderLayer(nn.Module):
 class V4CausalLM(CausalLM):
     """Runs the residual as `hc_mult` streams and hands each MoE layer the step's token ids."""
 
+    states_roll_back = True   # position-indexed rings with room for a verify step's drafts (compressed_cache.py)
+
     def kv_cache_specs(self) -> list:
         return [layer.attn.kv_cache_spec() for layer in self.model.owned_layers()]
 
@@ -171,7 +174,8 @@ def _attention(cfg, i: int, ctx: BuildContext, rotaries: dict[str, V4Rotary]) ->
     kind = cfg.layer_types[i]
     rate = cfg.compress_rates[kind] if kind in (CSA, HCA) else 0
     shape = V4AttentionShape(cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups,
-                             cfg.o_lora_rank, cfg.sliding_window, rate, kind == CSA, cfg.rms_norm_eps)
+                             cfg.o_lora_rank, cfg.sliding_window, rate, kind == CSA, cfg.rms_norm_eps,
+                             draft_slack(ctx.engine))
     indexer = None
     if kind == CSA:
         indexer = V4Indexer(IndexerShape.from_config(cfg), cfg.rms_norm_eps, rotaries["compress"], ctx.dtype,
@@ -180,6 +184,13 @@ def _attention(cfg, i: int, ctx: BuildContext, rotaries: dict[str, V4Rotary]) ->
     p = ctx.parallel
     return CompressedAttention(shape, rotary, rotaries["compress"], indexer, ctx.dtype, ctx.device, ctx.linear_quant,
                                p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group)
+
+
+def draft_slack(engine) -> int:
+    """Ring positions kept past the window and the carried windows: a verify step's 1 + k tokens, so that the
+    positions a rejected draft wrote never overwrite one a later step reads."""
+    speculative = SpeculativeConfig.parse(engine.speculative_config) if engine is not None else None
+    return 0 if speculative is None else speculative.num_speculative_tokens + 1
 
 
 def _moe(cfg, i: int, ctx: BuildContext) -> V4MoE:

@@ -3,10 +3,11 @@
 Built: one rank, expert parallelism with DP attention, attention TP (whole output groups per rank), pipeline stages,
 two-batch overlap, chunked prefill, prefix caching (the per-sequence state snapshotted at block boundaries), P/D
 (each layer's entries travel with the blocks, its state with the slot: moe_runtime/disaggregation/kv_transfer/
-shard.py), every expert kernel family (its clamped SiLU in each; the attention itself is torch code). Refused here:
-speculative decoding (the compressor state is not rolled back), captured decode steps, weights kept quantized, and
-DeepSeek's FP8 / FP4 checkpoint formats; context parallelism and attention TP that would cut an output group are
-refused by ParallelLayout.validate (moe_runtime/config/parallel_layout.py), which the planner asks too.
+shard.py), n-gram speculative decoding (the state rings keep room for a verify step's drafts), every expert kernel
+family (its clamped SiLU in each; the attention itself is torch code). Refused here: MTP drafting, captured decode
+steps, weights kept quantized, and DeepSeek's FP8 / FP4 checkpoint formats; context parallelism and attention TP
+that would cut an output group are refused by ParallelLayout.validate (moe_runtime/config/parallel_layout.py),
+which the planner asks too.
 """
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ def refuse_unsupported(cfg, ctx) -> None:
     if engine.enable_torch_compile:
         raise InvalidRequestError("--enable-torch-compile with DeepSeek-V4: not implemented (a captured decode step "
                                   "does not take its per-sequence compressor state yet)")
-    if engine.speculative_config:
-        raise InvalidRequestError("speculative decoding with DeepSeek-V4: not implemented (its compressors' state is "
-                                  "not rolled back after rejected drafts)")
+    speculative = engine.speculative_config or {}
+    if speculative.get("method", "ngram") == "mtp":
+        raise InvalidRequestError("speculative_config method 'mtp' with DeepSeek-V4: not implemented (its "
+                                  "multi-token-prediction layer is not loaded); use method 'ngram'")
     rates = sorted({cfg.compress_rates[kind] for kind in cfg.layer_types if kind in cfg.compress_rates})
     uneven = [rate for rate in rates if engine.block_size % rate]
     if uneven:

@@ -122,7 +122,7 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
         frames = tuple(LayerFrames(
             spec.entries_per_block(block_size),
             tuple(dim for dim in (spec.head_dim if spec.compress_rate else 0, spec.index_dim) if dim),
-            tuple(shape for shape in ((spec.window, spec.head_dim), (spec.carried, 2 * spec.projection_dim),
+            tuple(shape for shape in ((spec.window_ring, spec.head_dim), (spec.carried, 2 * spec.projection_dim),
                                       (spec.carried, 2 * spec.index_projection_dim)) if shape[0] and shape[1]))
             for spec in specs)
         return cls(endpoint=endpoint, first_layer=first_layer, num_layers=len(specs), block_size=block_size,
