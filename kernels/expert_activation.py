@@ -12,6 +12,9 @@ float64-friendly plain ops).
   out = (up + 1) * glu. The clamp keeps the activation bounded for huge pre-activations, which the
   published checkpoints rely on; the +1 on up means an expert whose up half is zero still passes glu.
 
+- "clamped_silu": DeepSeek-V4's (transformers' DeepseekV4Experts._apply_gate, and its shared expert): gate clamped
+  to at most `limit`, up clamped to [-limit, limit], then silu(gate) * up (no alpha, no +1).
+
 w13's rows are gate rows then up rows (`gate_up[..., :I]`, `gate_up[..., I:]`) whatever the
 checkpoint's order: gpt-oss's interleaved columns are separated at load (moe/expert_layout.py).
 """
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ACTIVATION_KINDS = ("silu", "gpt_oss_clamped_swiglu")
+ACTIVATION_KINDS = ("silu", "gpt_oss_clamped_swiglu", "clamped_silu")
 
 
 @dataclass(frozen=True)
@@ -34,13 +37,18 @@ class ExpertActivation:
     def __post_init__(self):
         if self.kind not in ACTIVATION_KINDS:
             raise ValueError(f"ExpertActivation.kind must be one of {ACTIVATION_KINDS}, got {self.kind!r}")
-        if self.kind == "gpt_oss_clamped_swiglu" and not self.limit > 0:
+        if self.kind != "silu" and not self.limit > 0:
             raise ValueError(f"ExpertActivation.limit must be positive, got {self.limit}")
 
     @classmethod
     def gpt_oss(cls, alpha: float = 1.702, limit: float = 7.0) -> "ExpertActivation":
         """gpt-oss's clamped SwiGLU (config `swiglu_limit`; alpha is fixed at 1.702 in transformers)."""
         return cls("gpt_oss_clamped_swiglu", float(alpha), float(limit))
+
+    @classmethod
+    def deepseek_v4(cls, limit: float) -> "ExpertActivation":
+        """DeepSeek-V4's clamped SiLU (config `swiglu_limit`)."""
+        return cls("clamped_silu", limit=float(limit))
 
     @property
     def is_silu(self) -> bool:
@@ -52,6 +60,8 @@ class ExpertActivation:
             return F.silu(gate) * up
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
+        if self.kind == "clamped_silu":
+            return F.silu(gate) * up
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def on_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-_SCORINGS = ("softmax", "sigmoid")
+_SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 _GROUP_SCORES = ("max", "top2_sum")
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
     top_k: int
-    scoring: str = "softmax"          # "softmax" | "sigmoid"
+    scoring: str = "softmax"          # "softmax" | "sigmoid" | "sqrtsoftplus" (DeepSeek-V4: sqrt(softplus(logit)))
     renormalize: bool = False         # divide the top-k weights by their sum (HF norm_topk_prob)
     num_groups: int = 1               # DeepSeek n_group (1 = no grouping)
     topk_groups: int = 1              # DeepSeek topk_group
@@ -79,6 +79,15 @@ def group_mask(scores_for_choice: torch.Tensor, config: RoutingConfig) -> torch.
     return keep.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
 
 
+def expert_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:  # [T, E] fp32 -> [T, E]
+    """Each expert's score from its router logit (what the top-k weights are gathered from)."""
+    if scoring == "softmax":
+        return logits.softmax(dim=-1)
+    if scoring == "sigmoid":
+        return logits.sigmoid()
+    return torch.nn.functional.softplus(logits).sqrt()
+
+
 def select_experts(
     router_logits: torch.Tensor,                  # [T, E]
     config: RoutingConfig,
@@ -91,8 +100,7 @@ def select_experts(
     if correction_bias is not None and correction_bias.shape != (num_experts,):
         raise ValueError(f"correction_bias must be [{num_experts}], got shape {tuple(correction_bias.shape)}")
 
-    logits = router_logits.float()                                       # [T, E]
-    scores = logits.softmax(dim=-1) if config.scoring == "softmax" else logits.sigmoid()
+    scores = expert_scores(router_logits.float(), config.scoring)         # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if config.num_groups > 1:
         choice = choice.masked_fill(~group_mask(choice, config), float("-inf"))
@@ -100,7 +108,7 @@ def select_experts(
     weights = scores.gather(1, ids)                                      # [T, K]
     if config.renormalize:
         denominator = weights.sum(dim=-1, keepdim=True)
-        if config.scoring == "sigmoid":
+        if config.scoring != "softmax":
             denominator = denominator + 1e-20
         weights = weights / denominator
     if config.routed_scaling_factor != 1.0:

@@ -23,6 +23,24 @@ def clamped_swiglu_f64(gate_up: torch.Tensor, alpha: float = ALPHA, limit: float
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def clamped_silu_f64(gate_up: torch.Tensor, limit: float = LIMIT) -> torch.Tensor:
+    """DeepSeek-V4's (transformers' DeepseekV4Experts._apply_gate): silu(min(gate, limit)) * clamp(up, +-limit)."""
+    intermediate = gate_up.shape[-1] // 2
+    gate = gate_up[..., :intermediate].clamp(max=limit)
+    return gate * torch.sigmoid(gate) * gate_up[..., intermediate:].clamp(min=-limit, max=limit)
+
+
+def clamped_silu_experts_f64(x_sorted, counts, w13, w2, limit: float = LIMIT) -> torch.Tensor:
+    """DeepSeek-V4's bias-free experts on rows sorted by expert ([T, H], counts [E]) -> [T, H] float64."""
+    out = torch.zeros(x_sorted.shape[0], w2.shape[1], dtype=torch.float64)
+    start = 0
+    for e, count in enumerate(counts.tolist()):
+        rows = x_sorted[start:start + count].double()
+        out[start:start + count] = clamped_silu_f64(rows @ w13[e].double().T, limit) @ w2[e].double().T
+        start += count
+    return out
+
+
 def silu_f64(gate_up: torch.Tensor) -> torch.Tensor:
     intermediate = gate_up.shape[-1] // 2
     gate = gate_up[..., :intermediate]

@@ -8,7 +8,8 @@ rounded to 11 / 8 bits).
 """
 import pytest
 import torch
-from expert_epilogue_reference import activations, biased_experts, contiguous_f64, expert_f64
+from expert_epilogue_reference import (LIMIT, activations, biased_experts, clamped_silu_experts_f64, contiguous_f64,
+                                       expert_f64)
 
 from kernels.expert_activation import ExpertActivation
 from kernels.mxfp4_weights import dequantize_mxfp4, quantize_mxfp4
@@ -83,6 +84,18 @@ def test_silu_experts_with_biases():
     want = contiguous_f64(x, counts, experts.w13, experts.w2, experts.b13, experts.b2, clamped=False)
     got = KERNELS.expert_mlp(*on_device(x, counts, experts.w13, experts.w2), b13=experts.b13.to(DEVICE),
                              b2=experts.b2.to(DEVICE))
+    assert relative_error(got, want) < 1e-4
+
+
+def test_deepseek_v4_clamped_silu_experts():
+    """DeepSeek-V4's clamped SiLU in the grouped GEMM's epilogue (no biases), with the clamps biting."""
+    experts = biased_experts(E, H, I)
+    counts = torch.tensor([3, 0, 17, 5])
+    x = activations(int(counts.sum()), H)
+    assert experts.clamps_bite(x)
+    want = clamped_silu_experts_f64(x, counts, experts.w13, experts.w2)
+    got = KERNELS.expert_mlp(*on_device(x, counts, experts.w13, experts.w2),
+                             activation=ExpertActivation.deepseek_v4(LIMIT))
     assert relative_error(got, want) < 1e-4
 
 

@@ -89,3 +89,11 @@ def wait_for_free(engines_and_counts: list, timeout_s: float = 15.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"free KV blocks {seen}, expected {[c for _, c in engines_and_counts]}")
         settle([engine for engine, _ in engines_and_counts], 0.05)
+
+
+def wait_for_blocks_and_slots(engines_and_counts: list) -> None:
+    """`wait_for_free`, then every engine's recurrent-state slots back too (hybrid models, DeepSeek-V4)."""
+    wait_for_free(engines_and_counts)
+    for engine, _ in engines_and_counts:
+        states = engine.core.block_manager.states
+        assert states.num_free == states.num_slots, "a state slot leaked"

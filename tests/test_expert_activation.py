@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 from triton_interpreter_child import assert_cases_pass_in_interpreter
-from expert_epilogue_reference import activations, biased_experts, contiguous_f64, expert_f64
+from expert_epilogue_reference import (LIMIT, activations, biased_experts, clamped_silu_experts_f64, contiguous_f64,
+                                       expert_f64)
 from safetensors.torch import save_file
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
@@ -41,6 +42,30 @@ def test_the_activation_is_transformers_gate():
     ours = GPT_OSS.on_gate_up(torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=-1))
     torch.testing.assert_close(ours, experts._apply_gate(gate_up), rtol=0, atol=0)
     assert (gate_up[:, 0::2] > 7).any() and (gate_up[:, 1::2].abs() > 7).any()
+
+
+def test_deepseek_v4_activation_is_transformers_gate():
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
+
+    experts = DeepseekV4Experts(DeepseekV4Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E,
+                                                 swiglu_limit=LIMIT, num_hidden_layers=1))
+    gate_up = torch.randn(5, 2 * I, dtype=torch.float64) * 8.0                 # gate half, then up half
+    ours = ExpertActivation.deepseek_v4(LIMIT).on_gate_up(gate_up)
+    torch.testing.assert_close(ours, experts._apply_gate(gate_up), rtol=0, atol=0)
+    assert (gate_up[:, :I] > LIMIT).any() and (gate_up[:, I:].abs() > LIMIT).any()
+
+
+@pytest.mark.parametrize("family", ["torch", "reference"])
+def test_deepseek_v4_experts_through_the_torch_families(family):
+    experts = biased_experts(E, H, I)
+    counts = torch.tensor([3, 0, 9, 5])
+    x = activations(int(counts.sum()), H)
+    assert experts.clamps_bite(x)
+    got = get_kernels("cpu", family).expert_mlp(x, counts, experts.w13, experts.w2,
+                                                activation=ExpertActivation.deepseek_v4(LIMIT))
+    want = clamped_silu_experts_f64(x, counts, experts.w13, experts.w2)
+    assert relative_error(got, want) < TOL
 
 
 def test_activation_is_validated():

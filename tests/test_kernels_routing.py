@@ -127,3 +127,24 @@ def test_config_that_cannot_fit_its_experts_is_rejected():
         select_experts(torch.randn(2, 8), RoutingConfig(top_k=5, num_groups=4, topk_groups=2))
     with pytest.raises(ValueError, match="correction_bias"):
         select_experts(torch.randn(2, 8), RoutingConfig(top_k=2), torch.zeros(7))
+
+
+def test_sqrtsoftplus_matches_deepseek_v4s_router():
+    """DeepSeek-V4: sqrt(softplus) scores, the correction bias for the choice only, always renormalised, scaled."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+
+    config = DeepseekV4Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=1.5,
+                              num_hidden_layers=1)
+    router = DeepseekV4TopKRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 32, generator=generator))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=generator))
+    hidden = torch.randn(7, 32, generator=generator)
+    logits, want_weights, want_ids = router(hidden)
+    routing = RoutingConfig(top_k=4, scoring="sqrtsoftplus", renormalize=True, routed_scaling_factor=1.5)
+    got = select_experts(logits, routing, router.e_score_correction_bias)
+    order, want_order = got.ids.argsort(dim=-1), want_ids.argsort(dim=-1)
+    assert torch.equal(got.ids.gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(got.weights.gather(1, order), want_weights.gather(1, want_order))

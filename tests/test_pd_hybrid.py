@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lazy_engines import engine_pool
-from pd_helpers import decode, free_blocks, greedy, prefill, run_until, wait_for_free
+from pd_helpers import decode, free_blocks, greedy, prefill, run_until, wait_for_blocks_and_slots, wait_for_free
 from pd_helpers import kv_key  # noqa: F401  the module's KV secret (an autouse fixture)
 from kernels.delta_rule import DEFAULT_CHUNK
 from moe_runtime.config.engine_config import EngineConfig
@@ -75,10 +75,7 @@ def test_prefill_there_decode_here_equals_one_instance_and_transformers(arch, la
         assert any(shard["state_layers"] for shard in first.kv_handle.to_json_object()["shards"])
         done = decode(p, d, f"d{next(ids)}", prompt, first.kv_handle, NEW_TOKENS)
         assert (done.finish_reason, done.token_ids) == ("length", tokens)
-    wait_for_free([(p, p_free), (d, d_free)])
-    for engine in (p, d):
-        states = engine.core.block_manager.states
-        assert states.num_free == states.num_slots, "a state slot leaked"
+    wait_for_blocks_and_slots([(p, p_free), (d, d_free)])
 
 
 def finish_all(engine, request_ids: list[str], timeout_s: float = 120.0) -> list[list[int]]:

@@ -58,7 +58,8 @@ def test_registry_shapes_fit_parallel_layouts():
         if experts:
             assert experts % 4 == 0, arch
         assert config.num_attention_heads % 4 == 0, arch
-        assert config.num_key_value_heads % 4 == 0, arch
+        if arch != "deepseek_v4":   # its one shared K = V head is whole on every rank by design (MQA)
+            assert config.num_key_value_heads % 4 == 0, arch
         gqa.append(config.num_key_value_heads < config.num_attention_heads)
     assert any(gqa)
 

@@ -275,6 +275,39 @@ TINY_ARCHS: dict[str, TinyArch] = {
             "top-1 of 8 scaling the expert's input, shared expert, MoE on layers 1 and 3, dense MLP (128) on 0 and 2",
         ),
         TinyArch(
+            "deepseek_v4",
+            "DeepseekV4Config",
+            dict(
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=32,
+                partial_rotary_factor=0.25,      # rotary on the last 8 channels of each head
+                q_lora_rank=32,
+                o_groups=2,
+                o_lora_rank=24,
+                moe_intermediate_size=64,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                routed_scaling_factor=1.5,
+                layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+                mlp_layer_types=["hash_moe", "moe", "moe"],
+                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+                sliding_window=8,
+                index_topk=4,
+                index_n_heads=16,   # many heads: an entry that every head's ReLU zeroes (an exact tie) is rare
+                index_head_dim=16,
+                swiglu_limit=1.5,   # not the default 10: it binds on some of these activations
+                rope_theta=1e4,
+                compress_rope_theta=4e4,
+            ),
+            "DeepSeek-V4: layer 0 CSA (entries of 4 tokens, overlapping windows, indexer keeping the top 4), layer "
+            "1 HCA (entries of 16 tokens: shrunk from 128), layer 2 sliding only, all with an 8-token sliding "
+            "window and sinks; 4 hyper-connection streams; layer 0 hash-routed, sqrtsoftplus top-2 of 8, clamped "
+            "SwiGLU (limit 1.5), grouped output projection (2 groups of 24)",
+        ),
+        TinyArch(
             "qwen3_next",
             "Qwen3NextConfig",
             dict(

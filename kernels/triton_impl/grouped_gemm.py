@@ -150,9 +150,14 @@ def fp8_block_dot(a, a_scale, w_base, s_base, rows, ks, k0, row_ok, k_ok, stride
 
 
 @triton.jit
-def gated_activation(gate, up, alpha, limit, CLAMPED_SWIGLU: tl.constexpr):
-    """silu(gate) * up, or gpt-oss's (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
-    if CLAMPED_SWIGLU:
+def gated_activation(gate, up, alpha, limit, CLAMPED_SWIGLU: tl.constexpr, CLAMPED_SILU: tl.constexpr):
+    """silu(gate) * up, or gpt-oss's (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
+    or DeepSeek-V4's silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    if CLAMPED_SILU:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        out = gate / (1.0 + tl.exp(-gate)) * up
+    elif CLAMPED_SWIGLU:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         out = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
@@ -170,7 +175,7 @@ def grouped_gemm_kernel(
     MASKED: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, SWIGLU: tl.constexpr,
     PRECISION: tl.constexpr, FP8_WEIGHTS: tl.constexpr, E4M3_BYTES: tl.constexpr, SCALE_PER_ELEMENT: tl.constexpr,
     FP8_ACTIVATIONS: tl.constexpr, NATIVE_DOT: tl.constexpr, ACT_GROUP: tl.constexpr,
-    MXFP4_WEIGHTS: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
+    MXFP4_WEIGHTS: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, CLAMPED_SILU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, slots, rows, valid, dead = tile_rows(tl.program_id(0), padded_rows_ptr, block_expert_ptr, counts_ptr,
@@ -220,7 +225,7 @@ def grouped_gemm_kernel(
         if SWIGLU:
             acc_up += tl.load(b_base + (cols + up_offset) * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if SWIGLU:
-        acc = gated_activation(acc, acc_up, alpha, limit, CLAMPED_SWIGLU)
+        acc = gated_activation(acc, acc_up, alpha, limit, CLAMPED_SWIGLU, CLAMPED_SILU)
     tl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :] * stride_on,
              acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
@@ -286,7 +291,8 @@ def run_grouped_gemm(a: torch.Tensor | QuantizedActivations, w, out, tiles: Tile
         SCALE_PER_ELEMENT=scales is not None and not mxfp4 and not fp8_activations and scale_block_k % block_k != 0,
         FP8_ACTIVATIONS=fp8_activations, NATIVE_DOT=fp8_activations and a_values.dtype != torch.uint8,
         ACT_GROUP=ACTIVATION_GROUP, MXFP4_WEIGHTS=mxfp4, HAS_BIAS=bias is not None,
-        CLAMPED_SWIGLU=swiglu and not activation.is_silu,
+        CLAMPED_SWIGLU=swiglu and activation.kind == "gpt_oss_clamped_swiglu",
+        CLAMPED_SILU=swiglu and activation.kind == "clamped_silu",
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
 

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ..routing import RoutingConfig, TopK
+from ..routing import select_experts as torch_select_experts
 
 
 @triton.jit
@@ -80,6 +81,8 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
     config.validate_for(num_experts)
     if correction_bias is not None and correction_bias.shape != (num_experts,):
         raise ValueError(f"correction_bias must be [{num_experts}], got shape {tuple(correction_bias.shape)}")
+    if config.scoring == "sqrtsoftplus":   # DeepSeek-V4's scores: the kernel fuses softmax and sigmoid only
+        return torch_select_experts(router_logits, config, correction_bias)
     weights = torch.empty(num_tokens, config.top_k, dtype=torch.float32, device=router_logits.device)  # [T, K]
     ids = torch.empty(num_tokens, config.top_k, dtype=torch.int64, device=router_logits.device)        # [T, K]
     if num_tokens == 0:

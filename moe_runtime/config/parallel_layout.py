@@ -124,6 +124,20 @@ class ParallelLayout:
             raise InvalidRequestError(
                 f"attention TP = {self.attn_tp} and {kv_heads} KV heads: one must divide the other"
             )
+        if getattr(hf_config, "model_type", None) == "deepseek_v4":
+            self._validate_deepseek_v4(hf_config)
+
+    def _validate_deepseek_v4(self, hf_config) -> None:
+        """What DeepSeek-V4's compressed attention does not run yet (moe_runtime/models/deepseek_v4_support.py
+        refuses its engine options): context parallelism, and attention TP that would cut an output group."""
+        if self.cp > 1:
+            raise InvalidRequestError(f"cp={self.cp} with DeepSeek-V4: not implemented (splitting a step's tokens over "
+                                      "its compressors' per-sequence state)")
+        groups = hf_config.o_groups
+        if self.attn_tp > 1 and groups % self.attn_tp:
+            raise InvalidRequestError(
+                f"attention TP = {self.attn_tp} with DeepSeek-V4's {groups} output groups (o_groups): a rank must hold "
+                f"whole groups; use an attention TP that divides {groups}")
 
     def _validate_context_parallel(self) -> None:
         if self.ep > 1 and (self.ep // self.dp_attn) % self.cp:

@@ -151,9 +151,10 @@ class BlockManager:
             seq.window_tables = [[] for _ in self.windows]
         for window, table in zip(self.windows, seq.window_tables):
             window.prepare(table, first, first + num_tokens)
-        self.cache_full_blocks(seq, min(first + num_tokens, seq.num_tokens))   # drafts are not cached
+        computed = min(first + num_tokens, seq.num_tokens)   # drafts are not cached, nor states after them
+        self.cache_full_blocks(seq, computed)
         if self.snapshots is not None:
-            self._capture_states(seq, first, first + num_tokens)
+            self._capture_states(seq, first, computed)
 
     def _capture_states(self, seq: Sequence, first: int, stop: int) -> None:
         """Snapshot rows for the full-block boundaries in (first, stop] that the step computes (in order, while

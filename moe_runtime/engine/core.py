@@ -19,7 +19,7 @@ from load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.kv_groups import KVCacheLayout
-from moe_runtime.engine.state_slots import linear_attention_layers
+from moe_runtime.engine.state_slots import state_layers
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.execution.decode_capture import CaptureSettings
 from moe_runtime.execution.host_reads import DecodeHostReads
@@ -115,7 +115,7 @@ class EngineCore:
                                                self.dtype)
         checkpoint_fp8 = Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir))
         quant = weights_in_memory(config.quantization, checkpoint_fp8, self.kernels)
-        ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant)
+        ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant, config)
         reader = CheckpointReader.open(self.checkpoint_dir, checkpoint_fp8)
         self.model = build_model(self.architecture, self.hf_config, ctx)
         self.executor.finish_registration()  # every MoE layer registered itself while the model was built
@@ -127,7 +127,7 @@ class EngineCore:
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
         kv_layout = KVCacheLayout.plan(attention_spans(self.hf_config), config,   # windowed groups, state slots
-                                       linear_attention_layers(self.hf_config))
+                                       state_layers(self.hf_config))
         num_blocks = kv_blocks_for_budget(self.model, config.kv_cache_memory, config.block_size, self.dtype, kv_layout)
         if self.parallel.world_size > 1:  # every rank schedules alike: pipeline stages hold different layers
             num_blocks = agree_on_minimum(num_blocks, self.parallel.world_control_group)

@@ -24,6 +24,14 @@ def linear_attention_layers(hf_config) -> tuple[int, ...]:
     return tuple(i for i, kind in enumerate(layer_types) if kind == LINEAR_ATTENTION)
 
 
+def state_layers(hf_config) -> tuple[int, ...]:
+    """The layers that keep per-sequence state in a slot: linear-attention layers, and every DeepSeek-V4 layer (its
+    sliding window's keys and its compressors' partial windows: moe_runtime/layers/compressed_cache.py)."""
+    if getattr(hf_config, "model_type", None) == "deepseek_v4":
+        return tuple(range(hf_config.num_hidden_layers))
+    return linear_attention_layers(hf_config)
+
+
 class StateSlots:
     def __init__(self, num_slots: int):
         if num_slots < 1:

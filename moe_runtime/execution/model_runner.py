@@ -13,6 +13,7 @@ from moe_runtime.execution.decode_capture import CaptureSettings, DecodeCapture
 from moe_runtime.execution.step_inputs import StepInputs, TargetHidden
 from moe_runtime.engine.kv_groups import KVCacheLayout
 from moe_runtime.engine.state_snapshots import SnapshotPoolSize
+from moe_runtime.layers.compressed_cache import CompressedAttentionSpec, LayerCompressedCache
 from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.layers.state_cache import LayerStateCache, StateSpec
 from moe_runtime.sampling.prompt_logprobs import chunk_tokens_for, join_prompt_logprobs, prompt_logprobs_due, score_prompt
@@ -28,8 +29,12 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
     snapshots: `SnapshotPoolSize`) are paid for, and a drafter's layers (`kv_layout.drafter_layers`) beside the full
     ones. A pipeline stage without full layers fits as many as the budget's bytes: the other stages decide."""
     kv_layout = kv_layout or KVCacheLayout.single()
-    full_per_token = window_bytes = 0
+    full_per_token = window_bytes = compressed_per_block = 0
     for spec in model.kv_cache_specs():
+        if isinstance(spec, CompressedAttentionSpec):   # entries paged with the full group, the rest per sequence
+            window_bytes += spec.bytes_per_slot(dtype) * state_rows(kv_layout.state_slots)
+            compressed_per_block += spec.bytes_per_block(block_size, dtype)
+            continue
         if isinstance(spec, StateSpec):
             window_bytes += spec.bytes_per_slot(dtype) * state_rows(kv_layout.state_slots)
             continue
@@ -41,9 +46,10 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
         else:
             window_bytes += spec.bytes_per_token(dtype) * block_size * (kv_layout.window_blocks[group - 1] + 1)
     left = budget_bytes - window_bytes
-    if full_per_token == 0:
+    per_block = full_per_token * block_size + compressed_per_block
+    if per_block == 0:
         return max(left // block_size, 0)
-    return max(left // (full_per_token * block_size), 0)
+    return max(left // per_block, 0)
 
 
 def state_rows(state_slots: int) -> int:
@@ -69,6 +75,10 @@ class ModelRunner:
             if isinstance(spec, StateSpec):
                 self.caches.append(LayerStateCache.allocate(spec, state_rows(self.state_slots), dtype, device))
                 continue
+            if isinstance(spec, CompressedAttentionSpec):
+                self.caches.append(LayerCompressedCache.allocate(spec, allocated, block_size,
+                                                                 state_rows(self.state_slots), dtype, device))
+                continue
             group = self.groups.group_of_span(spec.span)
             blocks = allocated if group == 0 else self.window_blocks[group - 1] + 1
             self.caches.append(LayerKVCache.allocate(spec, blocks, block_size, dtype, device, group))
@@ -91,7 +101,7 @@ class ModelRunner:
     def cache_bytes(self) -> int:
         total = 0
         for cache in self.caches:
-            if isinstance(cache, LayerStateCache):
+            if isinstance(cache, (LayerStateCache, LayerCompressedCache)):
                 total += cache.nbytes()
                 continue
             total += cache.keys.numel() * cache.keys.element_size()
@@ -135,7 +145,7 @@ class ModelRunner:
         captures = {seq.state_slot: [(position - seq.num_cached_tokens, base + row)
                                      for position, row in seq.state_captures]
                     for seq in seqs if seq.state_captures}
-        states = [cache for cache in self.caches if isinstance(cache, LayerStateCache)]
+        states = [cache for cache in self.caches if isinstance(cache, (LayerStateCache, LayerCompressedCache))]
         if fresh:
             index = torch.tensor(fresh, dtype=torch.long, device=self.device)
             for cache in states:

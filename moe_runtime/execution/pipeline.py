@@ -39,7 +39,7 @@ def split_micro_batches(seqs: list[Sequence], count: int) -> list[list[Sequence]
 @torch.inference_mode()
 def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches: int) -> PipelineStepResult:
     model = runner.model
-    hidden_size = model.hf_config.hidden_size
+    hidden_size = model.stage_activation_width()
     sends, logits, compute = [], [], 0.0
     for group in split_micro_batches(seqs, num_micro_batches):
         inputs = runner.prepare(group)

@@ -30,6 +30,7 @@ from moe_runtime.execution.micro_batches import MicroBatch, split_in_two
 from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.stages import Staged, call_staged, interleave
+from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.parallel_context import ParallelContext
 from moe_runtime.weights.quantization.weight_quantization import WeightQuantization, linear_quantization
 
@@ -44,6 +45,7 @@ class BuildContext:
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     quant: WeightQuantization | None = None   # --quantization fp8 | int8: projections and experts stay quantized
+    engine: EngineConfig | None = None        # the engine's settings, for a model that refuses some by name
 
     def owns_layer(self, index: int) -> bool:
         """Whether this pipeline stage holds decoder layer `index`."""
@@ -126,6 +128,9 @@ def build_stack(cfg, ctx: BuildContext, make_layer) -> DecoderStack:
 class CausalLM(nn.Module):
     """`forward` maps a flattened batch of new tokens to final hidden states; `logits` projects them."""
 
+    # whether the per-sequence states of its state layers stay right past rejected drafts (speculative decoding)
+    states_roll_back = False
+
     def __init__(self, hf_config, stack: DecoderStack, tie_word_embeddings: bool, ctx: BuildContext):
         super().__init__()
         p = ctx.parallel
@@ -152,6 +157,10 @@ class CausalLM(nn.Module):
         MLA layers have none)."""
         windows = [getattr(layer.self_attn.shape, "sliding_window", None) for layer in self.model.owned_layers()]
         return min((window for window in windows if window is not None), default=None)
+
+    def stage_activation_width(self) -> int:
+        """Channels per token a pipeline stage hands the next."""
+        return self.hf_config.hidden_size
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return [layer.self_attn.kv_cache_spec() for layer in self.model.owned_layers()]

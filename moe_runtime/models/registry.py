@@ -10,6 +10,7 @@ def _builders():
     from moe_runtime.models import llama4
     from moe_runtime.models import qwen3_next
     from moe_runtime.models import deepseek_v32
+    from moe_runtime.models import deepseek_v4
 
     return {
         "LlamaForCausalLM": llama.build_llama,
@@ -22,6 +23,7 @@ def _builders():
         "DeepseekV2ForCausalLM": deepseek.build_deepseek_v2,
         "DeepseekV3ForCausalLM": deepseek.build_deepseek_v3,
         "DeepseekV32ForCausalLM": deepseek_v32.build_deepseek_v32,
+        "DeepseekV4ForCausalLM": deepseek_v4.build_deepseek_v4,
         "Glm4MoeForCausalLM": glm4_moe.build_glm4_moe,
         "GlmMoeDsaForCausalLM": deepseek_v32.build_glm_moe_dsa,
         "MiniMaxM2ForCausalLM": minimax_m2.build_minimax_m2,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dispatch.base import LAYOUT_CONTIGUOUS
 from kernels import KernelSet
+from kernels.expert_activation import ExpertActivation
 from kernels.expert_mlp import swiglu
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.moe.expert_kernel import expert_kernel_for
@@ -26,13 +27,13 @@ from moe_runtime.weights.quantization.weight_quantization import WeightQuantizat
 class DenseMLP(ExpertWeights):
     def __init__(self, hidden_size: int, intermediate_size: int, kernels: KernelSet, dtype=torch.float32,
                  device=None, tp_size: int = 1, tp_rank: int = 0, tp_group=None,
-                 quant: WeightQuantization | None = None):
+                 quant: WeightQuantization | None = None, activation: ExpertActivation = ExpertActivation()):
         shard = intermediate_size // tp_size
         start = tp_rank * shard
         if quant is not None and not quant.fits_columns(start, start + shard, intermediate_size):
             quant = None
         # w13 [1, 2I/tp, H], w2 [1, H, I/tp]
-        super().__init__([0], hidden_size, shard, dtype=dtype, device=device, quant=quant)
+        super().__init__([0], hidden_size, shard, dtype=dtype, device=device, quant=quant, activation=activation)
         self.shard_start = start
         self.tp_size, self.tp_group = tp_size, tp_group
         self._kernel = expert_kernel_for(LAYOUT_CONTIGUOUS, kernels)
@@ -60,7 +61,7 @@ class DenseMLP(ExpertWeights):
         if self.quant is None:
             # the one expert on all rows as two plain matmuls: the grouped kernel would read its segment sizes off
             # the device (a stall on a GPU, a break in a captured step) and has nothing to group
-            out = swiglu(x, self.w13[0], self.w2[0])                               # [T, H]
+            out = swiglu(x, self.w13[0], self.w2[0], activation=self.activation)   # [T, H]
         else:
             # [1]: on the input's device, where the expert kernel runs (a Triton kernel cannot read a CPU tensor)
             counts = torch.full((1,), x.shape[0], dtype=torch.long, device=x.device)

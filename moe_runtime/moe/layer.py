@@ -34,6 +34,7 @@ class MoEShape:
     expert_bias: bool = False              # gpt-oss gate_up_proj_bias / down_proj_bias
     activation: ExpertActivation = ExpertActivation()   # gpt-oss: ExpertActivation.gpt_oss(limit=swiglu_limit)
     router_name: str = "gate"              # checkpoint module name of the router (gpt-oss: "router")
+    shared_activation: ExpertActivation = ExpertActivation()   # DeepSeek-V4 clamps its shared expert's too
 
 
 class SparseMoE(nn.Module):
@@ -53,7 +54,8 @@ class SparseMoE(nn.Module):
         if shape.shared_intermediate_size:
             self.shared_name = shape.shared_name
             self.add_module(shape.shared_name, DenseMLP(shape.hidden_size, shape.shared_intermediate_size, kernels,
-                                                        dtype, device, quant=linear_quantization(quant)))
+                                                        dtype, device, quant=linear_quantization(quant),
+                                                        activation=shape.shared_activation))
         self.shared_expert_gate = Linear(shape.hidden_size, 1, False, dtype, device) if shape.shared_expert_gate else None
         self._executor = executor
         self._kernels = kernels

@@ -20,6 +20,7 @@ class Launch:
     kv_cache_memory: int
     max_num_seqs: int
     gpus_per_node: int
+    block_size: int = 16
 
     def flags(self) -> list[str]:
         lo, p = self.layout, self.precision
@@ -30,6 +31,8 @@ class Launch:
                             ("--cp", lo.cp), ("--num-redundant-experts", lo.num_redundant_experts)):
             if value != (0 if name == "--num-redundant-experts" else 1):
                 flags += [name, str(value)]
+        if self.block_size != 16:
+            flags += ["--block-size", str(self.block_size)]
         flags += ["--kv-cache-memory", size_flag(self.kv_cache_memory), "--max-num-seqs", str(self.max_num_seqs)]
         return flags
 

@@ -141,10 +141,10 @@ def rank_memory(shape: ModelShape, layout: ParallelLayout, precision: Precision,
         full = sum(kv_bytes_per_token(l, attn_tp, dt) for l, f in zip(layers, full_flags) if f)
         fixed = 0
         for layer, f in zip(layers, full_flags):
-            if layer.span == LINEAR:   # one state slot per running sequence, and a scratch one
+            if layer.state_fp32 or layer.state_conv:   # one state slot per running sequence, and a scratch one
                 heads_share = attn_tp if layer.kv_split else 1
                 fixed += (max_num_seqs + 1) * (layer.state_fp32 * 4 + layer.state_conv * dt) // heads_share
-            elif not f:
+            if layer.span != LINEAR and not f:
                 pool = window_pool_blocks(layer.window, block_size, max_num_seqs, max_num_batched_tokens)
                 fixed += kv_bytes_per_token(layer, attn_tp, dt) * block_size * (pool + 1)
         stages.append(StageMemory(tuple(layers), weights, full, fixed))

@@ -13,6 +13,7 @@ moe_runtime/models/; tests/test_plan.py holds the set of architectures read here
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +26,7 @@ DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausal
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM",
                      "Llama4ForCausalLM", "GptOssForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
-                     "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+                     "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "DeepseekV4ForCausalLM")
 QWEN_SPARSE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
 PLANNED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ALIASES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}   # the text model of a multimodal checkpoint
@@ -46,7 +47,8 @@ class LayerShape:
     span: str = FULL               # FULL, SLIDING, CHUNKED or LINEAR
     window: int | None = None      # tokens a windowed layer keeps
     state_fp32: int = 0            # a linear-attention layer's recurrent state per sequence (float32 elements)
-    state_conv: int = 0            # ... and its short convolution's last inputs (elements of the compute dtype)
+    state_conv: int = 0            # ... and its short convolution's last inputs (elements of the compute dtype);
+                                   # DeepSeek-V4: its window's keys and carried compressor projections
 
     @property
     def moe(self) -> bool:
@@ -68,6 +70,11 @@ class ModelShape:
     checkpoint_dtype: str          # torch_dtype of the checkpoint ("bfloat16", ...)
     checkpoint_quantization: str | None   # quantization_config.quant_method (fp8, mxfp4) or None
     config: dict = field(repr=False, compare=False, default_factory=dict)
+    block_multiple: int = 1        # --block-size must be a multiple of it (DeepSeek-V4: its compression rates)
+
+    def block_size_for(self, requested: int) -> int:
+        """The smallest block size the runtime takes for this model, at least `requested`."""
+        return math.lcm(requested, self.block_multiple)
 
     @property
     def num_layers(self) -> int:
@@ -131,7 +138,14 @@ def model_shape_of(config: dict) -> ModelShape:
         embedding_params=c.vocab_size * hidden * (1 if tied else 2),
         max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048) or 2048),
         checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-        checkpoint_quantization=quant, config={**config, "architectures": [architecture]})
+        checkpoint_quantization=quant, config={**config, "architectures": [architecture]},
+        block_multiple=_compression_rates_lcm(config) if architecture == "DeepseekV4ForCausalLM" else 1)
+
+
+def _compression_rates_lcm(config: dict) -> int:
+    """DeepSeek-V4 pages a block's compressed entries in it: blocks a multiple of every compression rate."""
+    rates = [rate for kind, rate in (config.get("compress_rates") or {}).items() if kind in config["layer_types"]]
+    return math.lcm(1, *rates)
 
 
 def _num_experts(config: dict) -> int:
@@ -142,6 +156,8 @@ def _num_experts(config: dict) -> int:
 
 
 def _layer(c, architecture: str, i: int, hidden: int, heads: int, head_dim: int, experts: int) -> LayerShape:
+    if architecture == "DeepseekV4ForCausalLM":
+        return _deepseek_v4_layer(c, i, hidden, heads, head_dim, experts)
     span, window = _span(c, i)
     if span == LINEAR:
         attention, state_fp32, state_conv = _linear_attention(c, hidden)
@@ -163,6 +179,30 @@ def _layer(c, architecture: str, i: int, hidden: int, heads: int, head_dim: int,
         dense = 3 * hidden * (getattr(c, "intermediate_size_mlp", None) or c.intermediate_size)
     return LayerShape(attention, dense, shared, expert, router, kv_heads, kv_dim, kv_split, span, window, state_fp32,
                       state_conv)
+
+
+def _deepseek_v4_layer(c, i: int, hidden: int, heads: int, head_dim: int, experts: int) -> LayerShape:
+    """A DeepSeek-V4 layer as moe_runtime/layers/compressed_cache.py keeps it: per token its compressed entries
+    (head_dim, and a CSA layer's index key, over the rate), paged with the full group; per sequence the window's
+    keys and the compressors' carried projections (a sliding-only layer keeps only those: a state layer)."""
+    kind = c.layer_types[i]
+    rate = c.compress_rates.get(kind, 0) if kind != "sliding_attention" else 0
+    csa = kind == "compressed_sparse_attention"
+    index_dim = c.index_head_dim if csa else 0
+    q_lora, o_lora = c.q_lora_rank, c.o_lora_rank
+    attention = (hidden * q_lora + q_lora * heads * head_dim + hidden * head_dim + heads * head_dim * o_lora
+                 + c.o_groups * o_lora * hidden)
+    projection = (2 if csa else 1) * head_dim
+    carried = (2 if csa else 1) * rate
+    if rate:
+        attention += 2 * hidden * projection
+    if csa:
+        attention += q_lora * c.index_n_heads * index_dim + hidden * c.index_n_heads + 4 * hidden * index_dim
+    state = c.sliding_window * head_dim + carried * 2 * (projection + 2 * index_dim)
+    expert_inter = c.moe_intermediate_size
+    span = FULL if rate else LINEAR
+    return LayerShape(attention, 0, 3 * hidden * expert_inter, 3 * hidden * expert_inter, hidden * experts, 1,
+                      -(-(head_dim + index_dim) // rate) if rate else 0, False, span, None, 0, state)
 
 
 def _attention(c, hidden: int, heads: int, head_dim: int) -> tuple[int, int, int, bool]:
@@ -235,7 +275,7 @@ def _is_moe_layer(c, architecture: str, i: int) -> bool:
     if architecture in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM") and getattr(c, "mlp_layer_types", None):
         return c.mlp_layer_types[i] == "sparse"
     if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
-                        "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):
+                        "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "DeepseekV4ForCausalLM"):
         return i >= (getattr(c, "first_k_dense_replace", 0) or 0)
     if architecture in QWEN_SPARSE:
         step = getattr(c, "decoder_sparse_step", 1) or 1

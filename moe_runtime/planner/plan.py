@@ -122,7 +122,8 @@ def _colocated_row(request: PlanRequest, candidate: Candidate) -> tuple[PlanRow,
         row.reason = f"needs {lo.world_size} GPUs, {request.total_gpus} given"
         return row, None
     hw, w = request.hardware, request.workload
-    provisional = rank_memory(request.shape, lo, request.precision, request.block_size)
+    block_size = request.shape.block_size_for(request.block_size)
+    provisional = rank_memory(request.shape, lo, request.precision, block_size)
     row.weights_gb_per_rank = provisional.weight_bytes / GB
     usable = hw.memory_bytes * (1 - hw.memory_reserve)
     budget = request.kv_cache_memory
@@ -133,11 +134,11 @@ def _colocated_row(request: PlanRequest, candidate: Candidate) -> tuple[PlanRow,
                       f"{hw.name}'s {hw.memory_bytes / GB:.0f} GB")
         return row, None
     # the fixed pools of windowed groups depend on --max-num-seqs: size it from a first guess, then settle
-    capacity = kv_capacity(provisional, lo, budget, request.block_size, request.request_tokens)
+    capacity = kv_capacity(provisional, lo, budget, block_size, request.request_tokens)
     max_num_seqs = max(min(capacity.requests_per_worker, MAX_NUM_SEQS_CAP), 1)
-    memory = rank_memory(request.shape, lo, request.precision, request.block_size, max_num_seqs,
+    memory = rank_memory(request.shape, lo, request.precision, block_size, max_num_seqs,
                          w.max_num_batched_tokens)
-    capacity = kv_capacity(memory, lo, budget, request.block_size, request.request_tokens)
+    capacity = kv_capacity(memory, lo, budget, block_size, request.request_tokens)
     row.kv_bytes_per_token, row.kv_cache_memory = memory.kv_bytes_per_token, budget
     row.kv_tokens, row.kv_requests = capacity.tokens, capacity.requests
     if capacity.requests_per_worker < 1:
@@ -147,7 +148,8 @@ def _colocated_row(request: PlanRequest, candidate: Candidate) -> tuple[PlanRow,
     max_num_seqs = min(capacity.requests_per_worker, MAX_NUM_SEQS_CAP)
     step = StepModel(request.shape, lo, request.precision, hw, Topology(request.gpus_per_node))
     model = InstanceModel(step, w, max_num_seqs)
-    launch = Launch(request.model, hw.device, request.precision, lo, budget, max_num_seqs, request.gpus_per_node)
+    launch = Launch(request.model, hw.device, request.precision, lo, budget, max_num_seqs, request.gpus_per_node,
+                    block_size)
     replicas_max = request.total_gpus // lo.world_size
     if w.qps is not None:
         estimate = colocated_at_qps(model, w.qps, max(replicas_max, 1) * 64)
@@ -179,7 +181,7 @@ def _disaggregated_row(request: PlanRequest, candidate: Candidate, model: Instan
     _fill(row, request, estimate, model)
     p, d = (int(x) for x in estimate.note.split()[0:4:3])
     launch = Launch(request.model, request.hardware.device, request.precision, lo, colocated.kv_cache_memory,
-                    model.cap_per_worker, request.gpus_per_node)
+                    model.cap_per_worker, request.gpus_per_node, request.shape.block_size_for(request.block_size))
     row.command = disaggregated_command(launch, p, d)
     return row
 

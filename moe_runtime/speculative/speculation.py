@@ -52,7 +52,7 @@ class Speculation:
         if kv_layout.windows:
             raise InvalidRequestError("speculative decoding with windowed KV cache groups (sliding-window layers) "
                                       "is not built: their blocks cannot be rolled back past rejected drafts yet")
-        if kv_layout.state_slots:
+        if kv_layout.state_slots and not (source is not None and source.target.states_roll_back):
             raise InvalidRequestError("speculative decoding with recurrent-state (linear-attention) layers is not "
                                       "built: their states would need a checkpoint per drafted position")
         if pp_size > 1:

@@ -41,6 +41,8 @@ class CheckpointReader:
     tensors_read: int = 0
     fp8: Fp8BlockFormat | None = None          # the checkpoint's FP8 block format; None = not quantized
     consumed: set[str] = field(default_factory=set, repr=False)
+    # a checkpoint read under other names than stored (DeepSeek-V4's published names): name -> stored name
+    stored_names: dict[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, directory: str | Path, fp8: Fp8BlockFormat | None = None) -> "CheckpointReader":
@@ -72,6 +74,16 @@ class CheckpointReader:
                     tensor_to_file[name] = path.name
         return cls(directory, tensor_to_file)
 
+    def renamed(self, rename) -> None:
+        """Read every tensor under `rename(stored name)` from now on (a model whose checkpoints come in another
+        naming: each name the model reads, and each the loader reports unread, is the renamed one)."""
+        stored = {rename(name): name for name in self.tensor_to_file}
+        self.tensor_to_file = {name: self.tensor_to_file[original] for name, original in stored.items()}
+        self.stored_names = {name: original for name, original in stored.items() if name != original}
+
+    def _stored(self, name: str) -> str:
+        return self.stored_names.get(name, name)
+
     def has(self, name: str) -> bool:
         return name in self.tensor_to_file
 
@@ -86,7 +98,7 @@ class CheckpointReader:
         parts = []
         for suffix in (BLOCKS_SUFFIX, SCALES_SUFFIX):
             full = name + suffix
-            view = self._handle(full).get_slice(full)
+            view = self._handle(full).get_slice(self._stored(full))
             tensor = view[:] if start is None else view[start:stop]
             self._count(full, tensor)
             parts.append(tensor)
@@ -97,16 +109,16 @@ class CheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         if self.is_mxfp4(name):   # the dequantized parameter layout [..., K, N]
-            *lead, rows, groups, _ = self._handle(name + BLOCKS_SUFFIX).get_slice(name + BLOCKS_SUFFIX).get_shape()
+            *lead, rows, groups, _ = self._handle(name + BLOCKS_SUFFIX).get_slice(self._stored(name + BLOCKS_SUFFIX)).get_shape()
             return (*lead, groups * 32, rows)
         handle = self._handle(name)
-        return tuple(handle.get_slice(name).get_shape())
+        return tuple(handle.get_slice(self._stored(name)).get_shape())
 
     def read(self, name: str) -> torch.Tensor:
         if self.is_mxfp4(name):
             return self.read_mxfp4_rows(name).dequantized()
         handle = self._handle(name)
-        tensor = handle.get_tensor(name)
+        tensor = handle.get_tensor(self._stored(name))
         self._count(name, tensor)
         if tensor.dtype == torch.float8_e4m3fn:
             return self._dequantized(name, tensor)
@@ -125,7 +137,7 @@ class CheckpointReader:
         if self.is_fp8(name):  # scales cover blocks, not rows: dequantize the whole tensor, then cut
             whole = self.read(name)
             return whole[start:stop] if dim == 0 else whole[:, start:stop]
-        view = self._handle(name).get_slice(name)
+        view = self._handle(name).get_slice(self._stored(name))
         tensor = view[start:stop] if dim == 0 else view[:, start:stop]
         self._count(name, tensor)
         return tensor
@@ -137,7 +149,7 @@ class CheckpointReader:
         """
         if not self.is_fp8(name):
             return quantize_rows(self.read(name), block_k)
-        values = self._handle(name).get_tensor(name)
+        values = self._handle(name).get_tensor(self._stored(name))
         self._count(name, values)
         scale_inv = self._scales_of(name)
         if self.fp8.block_cols != block_k:
@@ -147,7 +159,7 @@ class CheckpointReader:
         return Fp8Rows(values, expand_block_scales(scale_inv, values.shape[0], self.fp8.block_rows))
 
     def is_fp8(self, name: str) -> bool:
-        return self._handle(name).get_slice(name).get_dtype() == "F8_E4M3"
+        return self._handle(name).get_slice(self._stored(name)).get_dtype() == "F8_E4M3"
 
     def _dequantized(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         scale_inv = self._scales_of(name)   # first: it names what is missing when the checkpoint is not FP8-ready
@@ -162,7 +174,7 @@ class CheckpointReader:
         if not self.has(scale_name):
             raise CheckpointError(f"tensor {name!r} in {self.directory} is float8_e4m3fn without its scales "
                                   f"{scale_name!r}")
-        scale = self._handle(scale_name).get_tensor(scale_name)
+        scale = self._handle(scale_name).get_tensor(self._stored(scale_name))
         self._count(scale_name, scale)
         return scale
 

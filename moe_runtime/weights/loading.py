@@ -58,6 +58,8 @@ class SkippedTensors:
                                        f"multi-token-prediction layer(s) {first}..{last} (num_nextn_predict_layers="
                                        f"{num_mtp}): read by the MTP drafter when speculative_config's method is \"mtp\", "
                                        "else not used"))
+        if getattr(hf_config, "model_type", None) == "deepseek_v4":   # DeepSeek's published MTP layer
+            rules.append(SkippedTensor(r"^mtp\.", "DeepSeek-V4's multi-token-prediction layer: not used"))
         return cls(tuple(rules))
 
     def rule_for(self, name: str) -> SkippedTensor | None:
@@ -98,6 +100,8 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader, skipped: Skip
     share of this checkpoint (None: this process loads all of it).
     """
     started = time.perf_counter()
+    if hasattr(model, "checkpoint_name"):   # a model whose checkpoints name tensors otherwise (DeepSeek-V4)
+        reader.renamed(model.checkpoint_name)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     custom_modules = [

@@ -98,9 +98,9 @@ class KVBlockServer:
         if pull.num_heads < 1 or head < 0 or head + pull.num_heads > shard.num_heads:
             raise PullRefused(f"KV heads [{pull.head_start}, +{pull.num_heads}) are not all on this rank "
                               f"(it holds [{shard.head_start}, +{shard.num_heads}))")
-        state_layers = set(shard.state_layers) & set(range(pull.first_layer, pull.first_layer + pull.num_layers))
-        if state_layers:
-            raise PullRefused(f"layers {sorted(state_layers)} are linear-attention layers: states, not blocks")
+        not_paged = set(range(pull.first_layer, pull.first_layer + pull.num_layers)) - set(shard.kv_layers)
+        if not_paged:
+            raise PullRefused(f"layers {sorted(not_paged)} keep states, not blocks")
         if pull.num_blocks < 1 or pull.first_block + pull.num_blocks > len(parked.block_ids):
             raise PullRefused(f"blocks [{pull.first_block}, +{pull.num_blocks}) outside the request's "
                               f"{len(parked.block_ids)}")

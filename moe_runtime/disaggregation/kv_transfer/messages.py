@@ -6,7 +6,9 @@ the answer is a `BlocksReply` header followed by one frame per layer for its key
 values), each `[num_blocks, block_size, num_heads, dim]` in the stored cache dtype, C order. A hybrid
 model's recurrent states come apart (`PullStates`: a request's states of some linear-attention layers): the
 answer is a `BlocksReply` header and, per layer, its convolution state `[channels, width]` (cache dtype) and
-its delta-rule state `[heads, Dk, Dv]` (float32) of the request's slot. A decode front tells a prefill
+its delta-rule state `[heads, Dk, Dv]` (float32) of the request's slot. DeepSeek-V4's layers travel in their own
+frames (`KVShard.compressed_layers`): a block's rows are its compressed entries, a state its window and carried
+projections. A decode front tells a prefill
 front it may free a request's blocks with `ReleaseKV`. Each side
 decodes only its own direction's types, every field bounded: no pickle, nothing of the sender's
 choosing is built.

@@ -274,7 +274,7 @@ class KVPuller:
         element = torch.tensor([], dtype=shard.torch_dtype).element_size()
         parts, num_bytes = [], 0
         for frame, dim in zip(frames[1:], dims):
-            shape = (piece.num_blocks, shard.block_size, piece.source.num_heads, dim)
+            shape = (piece.num_blocks, shard.rows_per_block(piece.layer), piece.source.num_heads, dim)
             expected = math.prod(shape) * element
             if frame.buffer.nbytes != expected:
                 raise PullFailed(f"the prefill rank at {endpoint} sent {frame.buffer.nbytes} bytes, not {expected}")

@@ -14,15 +14,22 @@ A decode rank pulls those of the request's slot beside its blocks (`state_plan.p
 
 GLM-5's shared sparse-attention layers keep keys (latents) only where its other layers keep index keys too
 (`keys_only_layers`): a block of such a layer travels as one tensor.
+
+DeepSeek-V4's layers differ from each other (moe_runtime/layers/compressed_cache.py), so its shard lists each
+layer's frames (`compressed_layers`, in layer order): a block holds `rows` compressed entries of each of `dims`
+(none on a sliding-only layer), and a sequence's state is the tensors `state` (window keys, carried projections),
+all in the cache dtype. Every layer is a state layer; those with entries are KV layers too.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Annotated
 
 import msgspec
 import torch
 
+from moe_runtime.layers.compressed_cache import CompressedAttentionSpec
 from moe_runtime.layers.kv_cache import KVCacheSpec
 from moe_runtime.layers.state_cache import StateSpec
 
@@ -32,6 +39,14 @@ CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**20)]
 Endpoint = Annotated[str, msgspec.Meta(max_length=256)]
 MAX_STATE_LAYERS = 4096
+
+
+class LayerFrames(msgspec.Struct, frozen=True):
+    """One DeepSeek-V4 layer's frames: per block `rows` entries of each of `dims` channels, per sequence `state`."""
+
+    rows: Count
+    dims: Annotated[tuple[Count, ...], msgspec.Meta(max_length=4)]
+    state: Annotated[tuple[tuple[Count, ...], ...], msgspec.Meta(max_length=4)]
 
 
 class KVLayoutError(ValueError):
@@ -59,12 +74,16 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
     # KV layers whose cache keeps keys only although `value_dim` > 0 (global indices): GLM-5's shared DeepSeek Sparse
     # Attention layers, which keep no index keys beside their latents
     keys_only_layers: Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_STATE_LAYERS)] = ()
+    # DeepSeek-V4: each of its layers' frames (empty for every other model)
+    compressed_layers: Annotated[tuple[LayerFrames, ...], msgspec.Meta(max_length=MAX_STATE_LAYERS)] = ()
 
     @classmethod
     def of(cls, specs: list, first_layer: int, block_size: int, dtype: torch.dtype,
            endpoint: str = "") -> "KVShard":
         """The shard of a rank whose owned layers have `specs` (`KVCacheSpec`s, every one alike as in every model
-        here, and a hybrid model's `StateSpec`s, likewise alike)."""
+        here, and a hybrid model's `StateSpec`s, likewise alike; or DeepSeek-V4's `CompressedAttentionSpec`s)."""
+        if specs and all(isinstance(spec, CompressedAttentionSpec) for spec in specs):
+            return cls._compressed(specs, first_layer, block_size, dtype, endpoint)
         kv = [spec for spec in specs if isinstance(spec, KVCacheSpec)]
         states = [(first_layer + i, spec) for i, spec in enumerate(specs) if isinstance(spec, StateSpec)]
         if not kv and not states:
@@ -94,6 +113,37 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
         return cls(endpoint=endpoint, first_layer=first_layer, num_layers=len(specs), block_size=block_size,
                    dtype=names[dtype], keys_only_layers=keys_only, **heads, **state)
 
+    @classmethod
+    def _compressed(cls, specs: list, first_layer: int, block_size: int, dtype: torch.dtype,
+                    endpoint: str) -> "KVShard":
+        names = {value: name for name, value in CACHE_DTYPES.items()}
+        if dtype not in names:
+            raise KVLayoutError(f"KV transfer supports caches in {sorted(CACHE_DTYPES)}, not {dtype}")
+        frames = tuple(LayerFrames(
+            spec.entries_per_block(block_size),
+            tuple(dim for dim in (spec.head_dim if spec.compress_rate else 0, spec.index_dim) if dim),
+            tuple(shape for shape in ((spec.window_ring, spec.head_dim), (spec.carried, 2 * spec.projection_dim),
+                                      (spec.carried, 2 * spec.index_projection_dim)) if shape[0] and shape[1]))
+            for spec in specs)
+        return cls(endpoint=endpoint, first_layer=first_layer, num_layers=len(specs), block_size=block_size,
+                   dtype=names[dtype], head_start=0, num_heads=1, total_heads=1, key_dim=specs[0].head_dim,
+                   value_dim=max(spec.index_dim for spec in specs),
+                   state_layers=tuple(range(first_layer, first_layer + len(specs))), compressed_layers=frames)
+
+    def frames_of(self, layer: int) -> LayerFrames | None:
+        """A DeepSeek-V4 layer's frames (None for other models)."""
+        return self.compressed_layers[layer - self.first_layer] if self.compressed_layers else None
+
+    def rows_per_block(self, layer: int) -> int:
+        """Rows of one block of `layer`'s cache tensors: its tokens, or a V4 layer's compressed entries."""
+        frames = self.frames_of(layer)
+        return self.block_size if frames is None else frames.rows
+
+    def state_shape_of(self, layer: int) -> tuple:
+        """What one sequence's state of `layer` is on this rank: equal on two ranks iff they can exchange it."""
+        frames = self.frames_of(layer)
+        return self.state_shape if frames is None else frames.state
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return CACHE_DTYPES[self.dtype]
@@ -104,7 +154,9 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """Its layers with a paged KV cache (all but the linear-attention ones)."""
+        """Its layers with a paged KV cache (all but the linear-attention ones; DeepSeek-V4's with entries)."""
+        if self.compressed_layers:
+            return tuple(layer for layer in self.layers if self.frames_of(layer).dims)
         return tuple(layer for layer in self.layers if layer not in self.state_layers)
 
     @property
@@ -113,11 +165,14 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
         return (self.conv_channels, self.conv_width, self.state_heads, self.state_key_dim, self.state_value_dim)
 
     def holds(self, layer: int, head: int) -> bool:
-        return (layer in self.layers and layer not in self.state_layers
+        return (layer in self.kv_layers
                 and self.head_start <= head < self.head_start + self.num_heads)
 
     def dims_of(self, layer: int) -> list[int]:
         """The channels per head of each tensor `layer`'s cache keeps: [keys] or [keys, values]."""
+        frames = self.frames_of(layer)
+        if frames is not None:
+            return list(frames.dims)
         if self.value_dim and layer not in self.keys_only_layers:
             return [self.key_dim, self.value_dim]
         return [self.key_dim]
@@ -125,10 +180,14 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
     def bytes_per_block(self, num_heads: int) -> int:
         """Bytes of one block of one layer for `num_heads` of its heads (keys and values: the most a layer keeps)."""
         element = torch.tensor([], dtype=self.torch_dtype).element_size()
+        if self.compressed_layers:
+            return max(f.rows * sum(f.dims) for f in self.compressed_layers) * num_heads * element
         return self.block_size * num_heads * (self.key_dim + self.value_dim) * element
 
     def bytes_per_state(self) -> int:
         """Bytes of one sequence's state of one linear layer (convolution inputs and delta-rule state)."""
         element = torch.tensor([], dtype=self.torch_dtype).element_size()
+        if self.compressed_layers:
+            return max(sum(math.prod(shape) for shape in f.state) for f in self.compressed_layers) * element
         return (self.conv_channels * self.conv_width * element
                 + self.state_heads * self.state_key_dim * self.state_value_dim * 4)

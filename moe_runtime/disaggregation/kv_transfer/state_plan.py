@@ -35,7 +35,7 @@ def plan_state_pulls(local: KVShard, remote: list[KVShard], tp_rank: int = 0) ->
         if not holders:
             raise KVLayoutError(f"no prefill rank holds the recurrent state of linear-attention layer {layer} (the "
                                 "prefill instance serves another model?)")
-        mismatched = [remote[i] for i in holders if remote[i].state_shape != local.state_shape]
+        mismatched = [remote[i] for i in holders if remote[i].state_shape_of(layer) != local.state_shape_of(layer)]
         if mismatched:
             raise KVLayoutError(
                 f"recurrent-state transfer between different attention-TP splits is not supported: the prefill "

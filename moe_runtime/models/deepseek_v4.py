@@ -1,0 +1,223 @@
+"""DeepSeek-V4 (`DeepseekV4ForCausalLM`): compressed attention, hyper-connected residual streams, hash-routed MoE.
+
+- Attention (moe_runtime/layers/compressed_attention.py), per `layer_types`: a sliding window on every layer, plus
+  compressed sparse attention (CSA: an entry per 4 tokens, a lightning indexer choosing `index_topk` of them per
+  query) or heavily compressed attention (HCA: an entry per 128 tokens, all read); sinks, a grouped low-rank output
+  projection. Its cache (moe_runtime/layers/compressed_cache.py) pages the entries and keeps the window and the
+  compressors' partial windows as per-sequence state.
+- The residual is `hc_mult` streams mixed by hyper-connections around each block (moe_runtime/layers/
+  hyper_connections.py), collapsed by the hyper head before the final norm.
+- MoE on every layer: `sqrtsoftplus` scores, DeepSeek-V3's correction bias for the choice, top-k always
+  renormalised and scaled; the first layers (`mlp_layer_types` "hash_moe") choose their experts by a frozen
+  token id -> experts table (`tid2eid`) instead. Experts and the shared expert run a clamped SwiGLU (`swiglu_limit`).
+- The multi-token-prediction layer is not loaded (its tensors are skipped by name).
+
+Checkpoints: the names DeepSeek publishes (`layers.N.attn.wq_a.weight`, `embed.weight`, `head.weight`,
+`hc_head_fn`, ...), with or without transformers' `model.` prefix (`checkpoint_name` maps them to this module
+tree). DeepSeek's FP8 / FP4 weight formats are refused by name (`refuse_unsupported`).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from kernels import RoutingConfig, TopK
+from kernels.expert_activation import ExpertActivation
+from kernels.routing import expert_scores
+from moe_runtime.execution.micro_batches import MicroBatch
+from moe_runtime.layers.compressed_attention import CompressedAttention, V4AttentionShape
+from moe_runtime.layers.hyper_connections import HyperConnection, HyperHead
+from moe_runtime.layers.kv_compressor import WeightedNorm
+from moe_runtime.layers.v4_indexer import IndexerShape, V4Indexer
+from moe_runtime.layers.v4_rotary import V4Rotary
+from moe_runtime.models.decoder import BuildContext, CausalLM, build_stack
+from moe_runtime.models.deepseek_v4_support import refuse_unsupported
+from moe_runtime.moe.expert_weights import MIXTRAL_NAMING
+from moe_runtime.moe.layer import MoEShape, SparseMoE
+from moe_runtime.moe.router import Router
+from moe_runtime.moe.stages import Staged
+from moe_runtime.speculative.config import SpeculativeConfig
+from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.weights.loading import copy_checked
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+HASH_MOE = "hash_moe"
+
+
+class HashRouter(Router):
+    """The router of a hash layer: its logits score the experts its `tid2eid` row names for the token."""
+
+    def __init__(self, hidden_size: int, num_experts: int, vocab_size: int, top_k: int, dtype, device):
+        super().__init__(hidden_size, num_experts, False, dtype, device)
+        self.tid2eid = nn.Parameter(torch.zeros(vocab_size, top_k, dtype=torch.long, device=device),
+                                    requires_grad=False)
+
+    def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
+        loaded = super().load_weights(reader, prefix)
+        copy_checked(self.tid2eid, reader.read(f"{prefix}tid2eid"), f"{prefix}tid2eid", reader.directory)
+        return loaded | {"tid2eid"}
+
+
+class V4MoE(SparseMoE):
+    """SparseMoE whose choice may depend on the token ids (hash layers: `router.tid2eid`)."""
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:   # [T, H] -> [T, H]
+        return self._add_shared(x, self._executor.run(self.moe_layer, x, self._choose(x, input_ids)))
+
+    def stages(self, x: torch.Tensor, input_ids: torch.Tensor) -> Staged[torch.Tensor]:
+        out = yield from self._executor.stages(self.moe_layer, x, self._choose(x, input_ids))
+        return self._add_shared(x, out)
+
+    def _choose(self, x: torch.Tensor, input_ids: torch.Tensor) -> TopK:
+        router = getattr(self, self.router_name)
+        if not isinstance(router, HashRouter):
+            return self._route(x)
+        ids = router.tid2eid[input_ids]                                                      # [T, K]
+        weights = expert_scores(router(x), self.routing.scoring).gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return TopK(weights=weights * self.routing.routed_scaling_factor, ids=ids)
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, attn: CompressedAttention, ffn: V4MoE, cfg, device):
+        super().__init__()
+        self.attn, self.ffn = attn, ffn
+        self.attn_norm = WeightedNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.ffn_norm = WeightedNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        hc = dict(hc_mult=cfg.hc_mult, hidden_size=cfg.hidden_size, sinkhorn_iters=cfg.hc_sinkhorn_iters,
+                  hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, device=device)
+        self.hc_attn, self.hc_ffn = HyperConnection(**hc), HyperConnection(**hc)
+
+    def _attention(self, positions, streams, batch, cache) -> torch.Tensor:   # [T, n, H] -> [T, n, H]
+        post, comb, x = self.hc_attn(streams)
+        return HyperConnection.merge(streams, self.attn(positions, self.attn_norm(x), batch, cache), post, comb)
+
+    def forward(self, positions, streams, batch, cache, input_ids) -> torch.Tensor:   # [T, n, H]
+        streams = self._attention(positions, streams, batch, cache)
+        post, comb, x = self.hc_ffn(streams)
+        return HyperConnection.merge(streams, self.ffn(self.ffn_norm(x), input_ids), post, comb)
+
+    def stages(self, positions, streams, batch, cache, input_ids) -> Staged[torch.Tensor]:
+        streams = self._attention(positions, streams, batch, cache)
+        post, comb, x = self.hc_ffn(streams)
+        out = yield from self.ffn.stages(self.ffn_norm(x), input_ids)
+        return HyperConnection.merge(streams, out, post, comb)
+
+
+class V4CausalLM(CausalLM):
+    """Runs the residual as `hc_mult` streams and hands each MoE layer the step's token ids."""
+
+    states_roll_back = True   # position-indexed rings with room for a verify step's drafts (compressed_cache.py)
+
+    def kv_cache_specs(self) -> list:
+        return [layer.attn.kv_cache_spec() for layer in self.model.owned_layers()]
+
+    def min_sliding_window(self) -> int | None:
+        return None   # the window lives in per-sequence state, not in the paged blocks
+
+    @staticmethod
+    def checkpoint_name(stored: str) -> str:
+        return checkpoint_name(stored)
+
+    def stage_activation_width(self) -> int:
+        return self.hf_config.hc_mult * self.hf_config.hidden_size   # the streams, flattened
+
+    def _streams(self, micro: MicroBatch) -> torch.Tensor:   # -> [t, n, H]
+        n, hidden = self.hf_config.hc_mult, self.hf_config.hidden_size
+        if not self.parallel.is_first_stage:
+            return micro.hidden.view(micro.hidden.shape[0], n, hidden)
+        return self.model.embed_tokens(micro.input_ids).unsqueeze(1).expand(-1, n, -1).contiguous()
+
+    def _output(self, streams: torch.Tensor) -> torch.Tensor:   # [t, n, H] -> [t, H], or [t, n * H] mid-pipeline
+        if self.parallel.is_last_stage:
+            return self.model.norm(self.model.hc_head(streams))
+        return streams.reshape(streams.shape[0], self.stage_activation_width())
+
+    def _run(self, micro: MicroBatch, caches: list) -> torch.Tensor:
+        streams = self._streams(micro)
+        for layer, cache in zip(self.model.owned_layers(), caches):
+            streams = layer(micro.positions, streams, micro.batch, cache, micro.input_ids)
+        return self._output(streams)
+
+    def _stages(self, micro: MicroBatch, caches: list) -> Staged[torch.Tensor]:
+        streams = self._streams(micro)
+        for layer, cache in zip(self.model.owned_layers(), caches):
+            streams = yield from layer.stages(micro.positions, streams, micro.batch, cache, micro.input_ids)
+        return self._output(streams)
+
+
+_LEAF_RENAMES = (   # DeepSeek's published names (and transformers' saved ones) -> this module tree's
+    (r"^(model\.)?embed(_tokens)?\.weight$", "model.embed_tokens.weight"),
+    (r"^(lm_)?head\.weight$", "lm_head.weight"),
+    (r"^(model\.)?norm\.weight$", "model.norm.weight"),
+    (r"^(model\.)?hc_head[._](hc_)?(fn|base|scale)$", r"model.hc_head.\3"),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2"),
+    (r"\.ffn\.gate\.bias$", ".ffn.gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"^layers\.", "model.layers."),
+)
+
+
+def checkpoint_name(stored: str) -> str:
+    """The parameter name a stored DeepSeek-V4 tensor fills (multi-token-prediction `mtp.*` stays as it is)."""
+    name = stored
+    for pattern, replacement in _LEAF_RENAMES:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def _attention(cfg, i: int, ctx: BuildContext, rotaries: dict[str, V4Rotary]) -> CompressedAttention:
+    kind = cfg.layer_types[i]
+    rate = cfg.compress_rates[kind] if kind in (CSA, HCA) else 0
+    shape = V4AttentionShape(cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups,
+                             cfg.o_lora_rank, cfg.sliding_window, rate, kind == CSA, cfg.rms_norm_eps,
+                             draft_slack(ctx.engine))
+    indexer = None
+    if kind == CSA:
+        indexer = V4Indexer(IndexerShape.from_config(cfg), cfg.rms_norm_eps, rotaries["compress"], ctx.dtype,
+                            ctx.device, ctx.linear_quant)
+    rotary = rotaries["compress" if rate else "main"]
+    p = ctx.parallel
+    return CompressedAttention(shape, rotary, rotaries["compress"], indexer, ctx.dtype, ctx.device, ctx.linear_quant,
+                               p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group)
+
+
+def draft_slack(engine) -> int:
+    """Ring positions kept past the window and the carried windows: a verify step's 1 + k tokens, so that the
+    positions a rejected draft wrote never overwrite one a later step reads."""
+    speculative = SpeculativeConfig.parse(engine.speculative_config) if engine is not None else None
+    return 0 if speculative is None else speculative.num_speculative_tokens + 1
+
+
+def _moe(cfg, i: int, ctx: BuildContext) -> V4MoE:
+    hashed = cfg.mlp_layer_types[i] == HASH_MOE
+    activation = ExpertActivation.deepseek_v4(cfg.swiglu_limit)
+    shape = MoEShape(cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size,
+                     shared_intermediate_size=cfg.moe_intermediate_size, shared_name="shared_experts",
+                     correction_bias=not hashed, activation=activation, shared_activation=activation)
+    routing = RoutingConfig(top_k=cfg.num_experts_per_tok, scoring=cfg.scoring_func, renormalize=True,
+                            routed_scaling_factor=cfg.routed_scaling_factor)
+    moe = V4MoE(shape, routing, ctx.executor, ctx.kernels, MIXTRAL_NAMING, dtype=ctx.dtype, device=ctx.device,
+                quant=ctx.quant)
+    if hashed:
+        moe.gate = HashRouter(cfg.hidden_size, cfg.n_routed_experts, cfg.vocab_size, cfg.num_experts_per_tok,
+                              ctx.dtype, ctx.device)
+    return moe
+
+
+def build_deepseek_v4(cfg, ctx: BuildContext) -> V4CausalLM:
+    refuse_unsupported(cfg, ctx)
+    rotaries = {label: V4Rotary(cfg, label, ctx.device) for label in ("main", "compress")}
+
+    def make_layer(i: int) -> V4DecoderLayer:
+        return V4DecoderLayer(_attention(cfg, i, ctx, rotaries), _moe(cfg, i, ctx), cfg, ctx.device)
+
+    stack = build_stack(cfg, ctx, make_layer)
+    if ctx.parallel.is_last_stage:
+        stack.norm = WeightedNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.device)
+        stack.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps, ctx.device)
+    return V4CausalLM(cfg, stack, cfg.tie_word_embeddings, ctx)

@@ -1,0 +1,55 @@
+"""What the DeepSeek-V4 implementation does not run yet, refused at start-up by name (never run wrong).
+
+Built: one rank, expert parallelism with DP attention, attention TP (whole output groups per rank), pipeline stages,
+two-batch overlap, chunked prefill, prefix caching (the per-sequence state snapshotted at block boundaries), P/D
+(each layer's entries travel with the blocks, its state with the slot: moe_runtime/disaggregation/kv_transfer/
+shard.py), n-gram speculative decoding (the state rings keep room for a verify step's drafts), every expert kernel
+family (its clamped SiLU in each; the attention itself is torch code). Refused here: MTP drafting, captured decode
+steps, weights kept quantized, and DeepSeek's FP8 / FP4 checkpoint formats; context parallelism and attention TP
+that would cut an output group are refused by ParallelLayout.validate (moe_runtime/config/parallel_layout.py),
+which the planner asks too.
+"""
+from __future__ import annotations
+
+import math
+
+from moe_runtime.errors import InvalidRequestError, UnsupportedArchitectureError
+
+SUPPORTED_ATTENTION = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+def refuse_unsupported(cfg, ctx) -> None:
+    """InvalidRequestError naming the first layout or option a DeepSeek-V4 engine cannot run; checkpoint formats and
+    config values it does not implement as UnsupportedArchitectureError."""
+    quantization = getattr(cfg, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise UnsupportedArchitectureError(
+            f"DeepSeek-V4 checkpoint with quantization_config (quant_method={method!r}, DeepSeek's FP8 weights and FP4 "
+            "experts): not implemented; convert the checkpoint to bfloat16 first")
+    unknown = sorted(set(cfg.layer_types) - set(SUPPORTED_ATTENTION))
+    if unknown:
+        raise UnsupportedArchitectureError(f"DeepSeek-V4 layer_types {unknown}: not implemented "
+                                           f"(implemented: {SUPPORTED_ATTENTION})")
+    if cfg.num_key_value_heads != 1:
+        raise UnsupportedArchitectureError(f"DeepSeek-V4 with num_key_value_heads={cfg.num_key_value_heads}: its "
+                                           "attention is shared-KV MQA (one KV head), nothing else is implemented")
+    if ctx.quant is not None:
+        raise InvalidRequestError(f"--quantization {ctx.quant.name} with DeepSeek-V4: not implemented")
+    engine = ctx.engine
+    if engine is None:
+        return
+    if engine.enable_torch_compile:
+        raise InvalidRequestError("--enable-torch-compile with DeepSeek-V4: not implemented (a captured decode step "
+                                  "does not take its per-sequence compressor state yet)")
+    speculative = engine.speculative_config or {}
+    if speculative.get("method", "ngram") == "mtp":
+        raise InvalidRequestError("speculative_config method 'mtp' with DeepSeek-V4: not implemented (its "
+                                  "multi-token-prediction layer is not loaded); use method 'ngram'")
+    rates = sorted({cfg.compress_rates[kind] for kind in cfg.layer_types if kind in cfg.compress_rates})
+    uneven = [rate for rate in rates if engine.block_size % rate]
+    if uneven:
+        raise InvalidRequestError(
+            f"--block-size {engine.block_size} with DeepSeek-V4: each block pages the compressed entries of its "
+            f"tokens, so it must be a multiple of every compression rate {rates}; use --block-size "
+            f"{math.lcm(engine.block_size, *rates)}")
