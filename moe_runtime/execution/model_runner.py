@@ -17,6 +17,7 @@ from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.layers.state_cache import LayerStateCache, StateSpec
 from moe_runtime.sampling.prompt_logprobs import chunk_tokens_for, join_prompt_logprobs, prompt_logprobs_due, score_prompt
 from moe_runtime.engine.sequence import Sequence
+from moe_runtime.speculative.state_rollback import DraftCheckpoints
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
     full_per_token = window_bytes = 0
     for spec in model.kv_cache_specs():
         if isinstance(spec, StateSpec):
-            window_bytes += spec.bytes_per_slot(dtype) * state_rows(kv_layout.state_slots)
+            window_bytes += spec.bytes_per_slot(dtype) * state_rows(kv_layout.state_slots, kv_layout.draft_checkpoints)
             continue
         group = kv_layout.groups.group_of_span(spec.span)
         if group == 0:
@@ -46,9 +47,14 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
     return max(left // (full_per_token * block_size), 0)
 
 
-def state_rows(state_slots: int) -> int:
-    """Rows of each linear layer's state tensors: the slots, a scratch one, then the snapshot pool's."""
-    return state_slots + 1 + SnapshotPoolSize().of(state_slots)
+def state_rows(state_slots: int, draft_checkpoints: int = 0) -> int:
+    """Rows of each linear layer's state tensors: the slots, a scratch one, the snapshot pool's, then
+    speculation's checkpoints (`draft_checkpoints` per slot: moe_runtime/speculative/state_rollback.py)."""
+    return draft_checkpoint_rows(state_slots, draft_checkpoints).first_row + state_slots * draft_checkpoints
+
+
+def draft_checkpoint_rows(state_slots: int, per_slot: int) -> DraftCheckpoints:
+    return DraftCheckpoints(state_slots + 1 + SnapshotPoolSize().of(state_slots), per_slot)
 
 
 class ModelRunner:
@@ -62,12 +68,14 @@ class ModelRunner:
         self.groups = kv_layout.groups
         self.window_blocks = kv_layout.window_blocks   # each windowed group's pool; its scratch block is the next one
         self.state_slots = kv_layout.state_slots       # recurrent-state slots (linear-attention layers), + 1 scratch
+        self.draft_checkpoints = draft_checkpoint_rows(self.state_slots, kv_layout.draft_checkpoints)
         # A captured decode step pads its batch; the pad rows write to one scratch block past the managed ones.
         allocated = num_blocks + (1 if capture is not None else 0)
         self.caches = []
         for spec in model.kv_cache_specs():
             if isinstance(spec, StateSpec):
-                self.caches.append(LayerStateCache.allocate(spec, state_rows(self.state_slots), dtype, device))
+                self.caches.append(LayerStateCache.allocate(
+                    spec, state_rows(self.state_slots, kv_layout.draft_checkpoints), dtype, device))
                 continue
             group = self.groups.group_of_span(spec.span)
             blocks = allocated if group == 0 else self.window_blocks[group - 1] + 1
@@ -126,27 +134,32 @@ class ModelRunner:
     def _start_states(self, seqs: list[Sequence], batch: AttentionBatch) -> None:
         """Each sequence's state slot for the linear layers; those computing their first token start from zero
         states (a new request, or a preempted one recomputed), those resuming a cached prefix from its snapshot
-        (copied before the forward, so before any snapshot this step writes). The layers write this step's
-        snapshots (`seq.state_captures`) after the tokens that reach each boundary."""
+        (copied before the forward, so before any snapshot this step writes), those whose last step verified
+        drafts that were rejected from its checkpoint of the last accepted one (`seq.state_rollback`). The layers
+        write this step's snapshots (`seq.state_captures`) after the tokens that reach each boundary, and a
+        verifying sequence's checkpoints after each of its drafts but the last (`DraftCheckpoints`)."""
         batch.state_slots = [seq.state_slot for seq in seqs]
         fresh = [seq.state_slot for seq in seqs if seq.num_cached_tokens == 0]
-        resumed = [seq for seq in seqs if seq.state_restore >= 0]
         base = self.state_slots + 1                                    # snapshot row r is state row base + r
+        starts = [(seq.state_slot, base + seq.state_restore) for seq in seqs if seq.state_restore >= 0]
+        starts += [(seq.state_slot, self.draft_checkpoints.row(seq.state_slot, seq.state_rollback))
+                   for seq in seqs if seq.state_rollback > 0]
         captures = {seq.state_slot: [(position - seq.num_cached_tokens, base + row)
                                      for position, row in seq.state_captures]
-                    for seq in seqs if seq.state_captures}
+                    + self.draft_checkpoints.captures(seq.state_slot, len(seq.draft_token_ids))
+                    for seq in seqs if seq.state_captures or seq.draft_token_ids}
         states = [cache for cache in self.caches if isinstance(cache, LayerStateCache)]
         if fresh:
             index = torch.tensor(fresh, dtype=torch.long, device=self.device)
             for cache in states:
                 cache.clear(index)
-        if resumed:
-            slots = torch.tensor([seq.state_slot for seq in resumed], dtype=torch.long, device=self.device)
-            rows = torch.tensor([base + seq.state_restore for seq in resumed], dtype=torch.long, device=self.device)
+        if starts:
+            slots = torch.tensor([slot for slot, _ in starts], dtype=torch.long, device=self.device)
+            rows = torch.tensor([row for _, row in starts], dtype=torch.long, device=self.device)
             for cache in states:
                 cache.restore(slots, rows)
-            for seq in resumed:
-                seq.state_restore = -1
+            for seq in seqs:
+                seq.state_restore = seq.state_rollback = -1
         for cache in states:
             cache.captures = captures
 

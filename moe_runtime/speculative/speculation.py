@@ -4,9 +4,9 @@ Drafts come from prompt lookup (`ngram`, on the host) or the checkpoint's multi-
 run after each step: `after_step`). Greedy and sampled requests draft alike: verification keeps greedy output
 token for token what it is without speculation, and sampled output distributed as it is without it
 (`rejection_sampling`). Requests with a grammar decode one token per step: their matcher would have to walk
-the drafts before the target scores them. Models whose state cannot be rolled back past rejected drafts
-(windowed KV groups, recurrent-state layers) and pipeline parallelism (the last stage broadcasts one token per
-sequence) are refused at start-up, by name.
+the drafts before the target scores them. Rejected drafts are rolled back in every KV group and, for
+recurrent-state layers, from per-draft state checkpoints (`state_rollback`). Pipeline parallelism (the last
+stage broadcasts one token per sequence) is refused at start-up, by name.
 """
 from __future__ import annotations
 
@@ -42,19 +42,13 @@ class Speculation:
         self._told_grammar = False
 
     @classmethod
-    def for_engine(cls, raw: dict | None, kv_layout, pp_size: int, max_model_len: int,
+    def for_engine(cls, raw: dict | None, pp_size: int, max_model_len: int,
                    source: DraftSource | None = None) -> "Speculation | None":
-        """The engine's speculation (None: off); refuses what cannot roll back rejected drafts. `source`: what
-        a model drafter is built from (method "mtp")."""
+        """The engine's speculation (None: off); refuses what cannot verify drafts. `source`: what a model
+        drafter is built from (method "mtp")."""
         config = SpeculativeConfig.parse(raw)
         if config is None:
             return None
-        if kv_layout.windows:
-            raise InvalidRequestError("speculative decoding with windowed KV cache groups (sliding-window layers) "
-                                      "is not built: their blocks cannot be rolled back past rejected drafts yet")
-        if kv_layout.state_slots:
-            raise InvalidRequestError("speculative decoding with recurrent-state (linear-attention) layers is not "
-                                      "built: their states would need a checkpoint per drafted position")
         if pp_size > 1:
             raise InvalidRequestError("speculative decoding with --pp > 1 is not built: the last stage sends one "
                                       "token per sequence")
