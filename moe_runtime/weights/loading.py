@@ -58,6 +58,9 @@ class SkippedTensors:
                                        f"multi-token-prediction layer(s) {first}..{last} (num_nextn_predict_layers="
                                        f"{num_mtp}): read by the MTP drafter when speculative_config's method is \"mtp\", "
                                        "else not used"))
+        if getattr(hf_config, "layer_types", None) and "linear_attention" in hf_config.layer_types:
+            rules.append(SkippedTensor(r"^mtp\.", "Qwen3-Next's multi-token-prediction module: read by the MTP "
+                                       "drafter when speculative_config's method is \"mtp\", else not used"))
         return cls(tuple(rules))
 
     def rule_for(self, name: str) -> SkippedTensor | None:
