@@ -2,8 +2,9 @@
 
 - the drafter (no model): vLLM's rule, the longest suffix n-gram within [min, max] at its latest earlier
   occurrence, and the k tokens that followed it;
-- the config: vLLM's names through `LLM` and `moe-serve --speculative-config`; a method not built
-  ("eagle3") and pp > 1 refused by name (windowed groups and recurrent states: tests/test_speculative_hybrid.py);
+- the config: vLLM's names through `LLM` and `moe-serve --speculative-config`; an unknown method and pp > 1
+  refused by name (windowed groups and recurrent states: tests/test_speculative_hybrid.py; eagle3:
+  tests/test_speculative_eagle3.py);
 - the scheduler and block manager (no model): a drafting sequence gets 1 + d tokens and their blocks, the
   drafts are never offered to the prefix cache, and a roll-back frees the blocks past the accepted tokens;
 - the engine: greedy tokens with speculation equal those without it (and transformers') for a dense and an
@@ -55,8 +56,6 @@ def test_the_drafter_proposes_what_followed_the_longest_latest_suffix_match():
 def test_the_config_takes_vllms_names_and_refuses_what_is_not_built_by_name():
     config = SpeculativeConfig.parse(NGRAM)
     assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 1, 3)
-    with pytest.raises(InvalidRequestError, match="eagle3.*not built"):
-        SpeculativeConfig.parse({"method": "eagle3"})
     assert SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_max": 5}).prompt_lookup_min == 5
     with pytest.raises(InvalidRequestError, match="medusa"):
         EngineConfig(model="m", speculative_config={"method": "medusa"}).validate_options()

@@ -92,7 +92,7 @@ class ModelRunner:
                                                                    device, capture)
         self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)
         self._scored_prompts: dict[str, PromptLogprobs] = {}   # request id -> prompt logprobs not yet taken
-        self.keep_hidden = False                      # a drafter reads each step's hidden states (MTP)
+        self.keep_hidden = False                      # a drafter reads each step's hidden states (MTP, EAGLE-3)
         self.last_hidden: TargetHidden | None = None  # ... the last eager step's, when asked
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.cache_bytes() / 2**20)
 
@@ -191,9 +191,10 @@ class ModelRunner:
                 seq.commit_scheduled_tokens()
             return logits
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
-        if self.keep_hidden:
+        if self.keep_hidden:   # the final hidden states, or the aux layers' inputs where an EAGLE-3 head asks
+            kept = self.model.aux_hidden if self.model.aux_layers else hidden
             self.last_hidden = TargetHidden(list(seqs), [seq.num_cached_tokens for seq in seqs],
-                                            inputs.batch.query_start, hidden)
+                                            inputs.batch.query_start, kept)
         self.score_prompts(seqs, inputs, hidden)
         for seq in seqs:
             seq.commit_scheduled_tokens()
