@@ -1,10 +1,13 @@
 """Speculative decoding: acceptance length and decode tok/s, with and without it, side by side in one run.
 
 `--method ngram` (prompt lookup) runs on the bench checkpoint (bench/bench_offline.py builds it: Qwen3-MoE-shaped,
-random weights); `--method mtp` on a DeepSeek-V3-shaped one with an MTP layer (bench/deepseek_mtp_checkpoint.py).
-An MTP layer with random weights almost never predicts the random target: that row measures what the drafter
-costs (its pass over each step's rows, the chain, the wider verify steps), the floor under a trained layer's
-gain (DeepSeek-V3 reports 85-90% acceptance of the first draft).
+random weights); `--method mtp` on a DeepSeek-V3-shaped one with an MTP layer (bench/deepseek_mtp_checkpoint.py)
+trained on the target's own greedy outputs (bench/mtp_training.py), so that its acceptance means something;
+`--mtp-head random` keeps the layer random instead: that row measures what the drafter costs (its pass over each
+step's rows, the chain, the wider verify steps) with almost nothing accepted. The trained layer memorises its 48
+training sequences rather than generalising (the random target's continuations carry no structure a small
+layer learns from 9k positions): on the bench's prompts it too accepts nothing, so `--seen` runs the
+comparison on its training prompts, where its drafts are accepted: the drafter's gain when it predicts.
 
 The prompt is shaped like a code edit: a "file" of 160 tokens, a short instruction, then the file again up to
 the point being edited, so that the context repeats itself (what n-gram lookup feeds on). Greedy, eos ignored;
@@ -14,8 +17,8 @@ length is the tokens a verifying sequence-step emits on average (1 + accepted / 
 repeats itself only where its own greedy output loops, so the acceptance here is a floor of what a trained
 model editing code gets.
 
-    python bench/bench_speculative.py [--method ngram|mtp] [--batches 1 4] [--new-tokens 128] [--k 3] [--min 1]
-                                      [--max 3]
+    python bench/bench_speculative.py [--method ngram|mtp] [--mtp-head trained|random] [--seen] [--batches 1 4]
+                                      [--new-tokens 128] [--k 3] [--min 1] [--max 3]
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 from bench.bench_offline import build_checkpoint
 from bench.deepseek_mtp_checkpoint import build_mtp_checkpoint
+from bench.mtp_training import build_trained_mtp_checkpoint
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -49,11 +53,18 @@ def edit_prompts(count: int, vocab: int = 4096) -> list[list[int]]:
     return prompts
 
 
-def measure(path: Path, batch: int, new_tokens: int, speculative: dict | None) -> dict:
+def seen_prompts(count: int) -> list[list[int]]:
+    """The prompts the MTP layer was trained on (bench/mtp_training.py): its drafts are accepted there only."""
+    from bench.mtp_training import PROMPT_TOKENS, training_sequences
+
+    return [row[:PROMPT_TOKENS] for row in training_sequences()[:count].tolist()]
+
+
+def measure(path: Path, batch: int, new_tokens: int, speculative: dict | None, seen: bool = False) -> dict:
     from moe_runtime import LLM, SamplingParams
 
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
-    prompts = edit_prompts(batch)
+    prompts = seen_prompts(batch) if seen else edit_prompts(batch)
     with LLM(str(path), device="cpu", dtype="float32", enable_prefix_caching=False,
              speculative_config=speculative) as llm:
         llm.generate(edit_prompts(1), greedy(4))                       # warm-up
@@ -89,10 +100,13 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--min", type=int, default=1, help="prompt_lookup_min")
     parser.add_argument("--max", type=int, default=3, help="prompt_lookup_max")
+    parser.add_argument("--mtp-head", choices=["trained", "random"], default="trained")
+    parser.add_argument("--seen", action="store_true", help="mtp: the trained layer's own training prompts")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     if args.method == "mtp":
-        path, speculative = build_mtp_checkpoint(), {"method": "mtp", "num_speculative_tokens": args.k}
+        path = build_trained_mtp_checkpoint() if args.mtp_head == "trained" else build_mtp_checkpoint()
+        speculative = {"method": "mtp", "num_speculative_tokens": args.k}
     else:
         path, speculative = build_checkpoint("float32"), {"method": "ngram", "num_speculative_tokens": args.k,
                                                           "prompt_lookup_min": args.min, "prompt_lookup_max": args.max}
@@ -100,8 +114,8 @@ def main() -> int:
     print(f"{'batch':>5} {'plain tok/s':>12} {args.method + ' tok/s':>12} {'speedup':>8} {'accept len':>10} "
           f"{'accept rate':>11}")
     for batch in args.batches:
-        plain = measure(path, batch, args.new_tokens, None)
-        spec = measure(path, batch, args.new_tokens, speculative)
+        plain = measure(path, batch, args.new_tokens, None, args.seen)
+        spec = measure(path, batch, args.new_tokens, speculative, args.seen)
         same = plain.pop("token_ids") == spec.pop("token_ids")
         speedup = spec["decode_tok_s"] / plain["decode_tok_s"]
         rows.append({"batch": batch, "plain": plain, args.method: spec, "speedup": round(speedup, 3),
@@ -110,7 +124,9 @@ def main() -> int:
               f"{spec['acceptance_length'] or 0:>10.2f} {spec['acceptance_rate'] or 0:>11.2f}"
               + ("" if same else "  TOKENS DIFFER"))
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"speculative_{args.method}.json"
+    random_head = args.method == "mtp" and args.mtp_head == "random"
+    suffix = ("_random_head" if random_head else "") + ("_seen" if args.seen else "")
+    out = RESULTS / f"speculative_{args.method}{suffix}.json"
     out.write_text(json.dumps({"checkpoint": path.name, "machine": platform.processor() or platform.machine(),
                                "threads": torch.get_num_threads(), "prompt": f"{FILE_TOKENS}-token file + "
                                f"{len(INSTRUCTION)}-token instruction + the file's first {2 * FILE_TOKENS // 3}",

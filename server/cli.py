@@ -106,8 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", type=json_object, default=e.speculative_config,
                    help='speculative decoding, as JSON with vLLM\'s names: {"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4} drafts by '
-                        'prompt lookup, {"method": "mtp", "num_speculative_tokens": 2} with DeepSeek-V3\'s '
-                        'multi-token-prediction layer; the drafts are verified in one forward (greedy output '
+                        'prompt lookup, {"method": "mtp", "num_speculative_tokens": 2} with the checkpoint\'s '
+                        'multi-token-prediction layer, {"method": "eagle3", "model": DIR, '
+                        '"num_speculative_tokens": 3} with an EAGLE-3 draft head; the drafts are verified in one '
+                        'forward (greedy output '
                         'exact, sampled output by speculative sampling)')
     g.add_argument("--max-queue", type=positive_int, default=s.max_queue,
                    help="requests that may wait for their first token; more get HTTP 429 with Retry-After")

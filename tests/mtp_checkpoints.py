@@ -1,5 +1,5 @@
 """The MTP drafts transformers' modules give, for checkpoints with a multi-token-prediction layer
-(moe_runtime/weights/mtp_checkpoint_writer.py appends one to a tiny DeepSeek-V3 checkpoint).
+(moe_runtime/weights/mtp_checkpoint_writer.py appends one to a tiny DeepSeek-V3 or GLM-4.5 checkpoint).
 
 `MtpReference` computes what the MTP layer drafts with transformers' own decoder layer and norms, from the
 module's definition (vLLM's and SGLang's): x_p = eh_proj(cat(enorm(embed(t[p + 1])), hnorm(h_p))) with the
@@ -18,7 +18,6 @@ from moe_runtime.weights.quantization.fp8_checkpoint_writer import read_all_tens
 class MtpReference:
     def __init__(self, path: Path):
         from transformers import AutoModelForCausalLM
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                           attn_implementation="sdpa").eval()
@@ -31,8 +30,9 @@ class MtpReference:
         tensors = {n[len(f"model.layers.{index}."):]: t for n, t in read_all_tensors(path).items()
                    if n.startswith(f"model.layers.{index}.")}
         self.norms = {}
+        rms_norm = type(self.model.model.norm)                           # the architecture's own RMSNorm
         for name in ("enorm", "hnorm", "shared_head.norm"):
-            norm = DeepseekV3RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps)
             norm.weight.data.copy_(tensors[f"{name}.weight"])
             self.norms[name] = norm
         self.eh_proj = tensors["eh_proj.weight"]
@@ -61,3 +61,94 @@ class MtpReference:
             next_tokens.append(draft)                                                           # the chain
             previous.append(y[-1])
         return drafts
+
+
+class Qwen3NextMtpReference:
+    """Qwen3-Next's MTP module (`mtp.*`) from transformers' own modules: x = fc(cat(pre_fc_norm_embedding(
+    embed(t[p + 1])), pre_fc_norm_hidden(h_p))), y = norm(block(x)), draft = argmax lm_head(y_last), chained on
+    y_last; the block is transformers' full-attention decoder layer, loaded as one more layer of the model."""
+
+    def __init__(self, path: Path, scratch: Path):
+        from transformers import AutoModelForCausalLM
+
+        from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, write_two_shards
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        cfg = self.model.config
+        index = cfg.num_hidden_layers
+        tensors = read_all_tensors(path)
+        mtp = {n[len("mtp."):]: t for n, t in tensors.items() if n.startswith("mtp.")}
+        # the block as layer N of an extended checkpoint, loaded by transformers itself (its expert conversions)
+        extended = {n: t for n, t in tensors.items() if not n.startswith("mtp.")}
+        extended.update({f"model.layers.{index}.{n[len('layers.0.'):]}": t for n, t in mtp.items()
+                         if n.startswith("layers.0.")})
+        copy_side_files(path, scratch)
+        write_two_shards(extended, scratch)
+        self.block = AutoModelForCausalLM.from_pretrained(
+            str(scratch), dtype=torch.float32, num_hidden_layers=index + 1,
+            layer_types=[*cfg.layer_types, "full_attention"]).eval().model.layers[index]
+        rms_norm = type(self.model.model.norm)
+        self.norms = {}
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps)
+            norm.weight.data.copy_(mtp[f"{name}.weight"])
+            self.norms[name] = norm
+        self.fc = mtp["fc.weight"]
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        ids = torch.tensor([tokens])
+        hidden = self.model.model(ids[:, :-1]).last_hidden_state[0]                              # [n, H]
+        embedding, head = self.model.model.embed_tokens.weight, self.model.lm_head.weight
+        next_tokens, previous, drafts = list(tokens[1:]), [hidden[p] for p in range(len(tokens) - 1)], []
+        for _ in range(k):
+            embeds = embedding[torch.tensor(next_tokens)]                                        # [m, H]
+            x = torch.cat([self.norms["pre_fc_norm_embedding"](embeds),
+                           self.norms["pre_fc_norm_hidden"](torch.stack(previous))], dim=-1)
+            x = (x @ self.fc.T)[None]                                                           # [1, m, H]
+            positions = torch.arange(x.shape[1])[None]
+            y = self.block(x, position_embeddings=self.model.model.rotary_emb(x, positions),
+                           position_ids=positions, attention_mask=None)
+            y = self.norms["norm"]((y[0] if isinstance(y, tuple) else y)[0])                    # [m, H]
+            draft = int((y[-1] @ head.T).argmax())
+            drafts.append(draft)
+            next_tokens.append(draft)
+            previous.append(y[-1])
+        return drafts
+
+
+def run_checking_drafts(core, reference, k: int) -> int:
+    """Step `core` until its requests finish; after every step each sequence's drafts (a model drafter's, for
+    where it stands now) must be the prefix of `reference.drafts(its tokens, k)`. The comparisons made."""
+    seqs = list(core._sequences.values())
+    compared = 0
+    while core.has_unfinished():
+        core.step()
+        for seq in seqs:
+            if seq.is_finished or seq.proposed_at != seq.num_tokens:
+                continue                               # a prefill chunk that sampled nothing drafts nothing
+            expected = reference.drafts(seq.all_token_ids, k)
+            assert seq.proposed_drafts == expected[: len(seq.proposed_drafts)], f"after {seq.num_tokens} tokens"
+            assert len(seq.proposed_drafts) >= 1
+            compared += 1
+    return compared
+
+
+def drafted_greedy_run(path: Path, speculative: dict, reference, prompts: list[list[int]], new_tokens: int):
+    """Greedy outputs of `prompts` on an engine drafting by `speculative` (chunked prefill of 8 tokens, blocks of 4,
+    prefix caching), the drafts checked against `reference` after every step (`run_checking_drafts`, at least
+    twice per prompt); with the worker's stats."""
+    from engine_helpers import greedy
+    from moe_runtime.config.engine_config import EngineConfig
+    from moe_runtime.engine.core import EngineCore
+
+    core = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32", speculative_config=speculative,
+                                   block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=8,
+                                   enable_prefix_caching=True))
+    for index, prompt in enumerate(prompts):
+        core.add_request(str(index), prompt, greedy(new_tokens))
+    seqs = list(core._sequences.values())
+    assert run_checking_drafts(core, reference, speculative["num_speculative_tokens"]) >= 2 * len(prompts)
+    worker = core.stats().workers[0]
+    core.shutdown()
+    return [seq.output_token_ids for seq in seqs], worker

@@ -2,8 +2,9 @@
 
 - the drafter (no model): vLLM's rule, the longest suffix n-gram within [min, max] at its latest earlier
   occurrence, and the k tokens that followed it;
-- the config: vLLM's names through `LLM` and `moe-serve --speculative-config`; a method not built
-  ("eagle3") and layouts that cannot roll back (windowed KV groups, recurrent states, pp) refused by name;
+- the config: vLLM's names through `LLM` and `moe-serve --speculative-config`; an unknown method and pp > 1
+  refused by name (windowed groups and recurrent states: tests/test_speculative_hybrid.py; eagle3:
+  tests/test_speculative_eagle3.py);
 - the scheduler and block manager (no model): a drafting sequence gets 1 + d tokens and their blocks, the
   drafts are never offered to the prefix cache, and a roll-back frees the blocks past the accepted tokens;
 - the engine: greedy tokens with speculation equal those without it (and transformers') for a dense and an
@@ -14,8 +15,6 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
-
 import pytest
 
 from engine_helpers import greedy
@@ -58,20 +57,13 @@ def test_the_config_takes_vllms_names_and_refuses_what_is_not_built_by_name():
     config = SpeculativeConfig.parse(NGRAM)
     assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 1, 3)
     assert SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_max": 5}).prompt_lookup_min == 5
-    with pytest.raises(InvalidRequestError, match="eagle3.*not built"):
-        SpeculativeConfig.parse({"method": "eagle3"})
     with pytest.raises(InvalidRequestError, match="medusa"):
         EngineConfig(model="m", speculative_config={"method": "medusa"}).validate_options()
     with pytest.raises(InvalidRequestError, match="prompt_lookup_min"):
         SpeculativeConfig.parse({"prompt_lookup_min": 4, "prompt_lookup_max": 2})
-    plain = SimpleNamespace(windows=(), state_slots=0)
-    assert Speculation.for_engine(None, plain, 1, 64) is None
-    with pytest.raises(InvalidRequestError, match="windowed KV cache groups"):
-        Speculation.for_engine(NGRAM, SimpleNamespace(windows=((None, 4),), state_slots=0), 1, 64)
-    with pytest.raises(InvalidRequestError, match="recurrent-state"):
-        Speculation.for_engine(NGRAM, SimpleNamespace(windows=(), state_slots=4), 1, 64)
+    assert Speculation.for_engine(None, 1, 64) is None
     with pytest.raises(InvalidRequestError, match="--pp"):
-        Speculation.for_engine(NGRAM, plain, 2, 64)
+        Speculation.for_engine(NGRAM, 2, 64)
 
 
 def test_moe_serve_takes_speculative_config_json():

@@ -84,8 +84,9 @@ class EngineConfig:
     kv_transfer_key_file: str | None = None  # the deployment's shared KV secret (default: $MOE_RUNTIME_KV_KEY)
     kv_transfer_timeout_s: float = 30.0  # parked KV not pulled, or a pull not done, by then is freed
     # Speculative decoding (vLLM's speculative_config): {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "mtp", "num_speculative_tokens": k} (the
-    # checkpoint's multi-token-prediction layer); None: off (moe_runtime/speculative/config.py)
+    # "prompt_lookup_min": a, "prompt_lookup_max": b}, {"method": "mtp", "num_speculative_tokens": k} (the
+    # checkpoint's multi-token-prediction layer) or {"method": "eagle3", "model": DIR, "num_speculative_tokens": k}
+    # (an EAGLE-3 draft head); None: off (moe_runtime/speculative/config.py)
     speculative_config: dict | None = None
     # Structured output: a grammar compiles off the stepping loop; one still compiling after this fails its request.
     grammar_compile_timeout_s: float = 10.0

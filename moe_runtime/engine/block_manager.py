@@ -134,13 +134,20 @@ class BlockManager:
 
     def roll_back(self, seq: Sequence) -> None:
         """Forget the K/V of its rejected drafts: the cache holds every token but its last (the one it sampled
-        last), and the blocks past those are freed. Their K/V content is simply overwritten later; none of them
-        was offered to the prefix cache (`schedule_tokens` registers tokens, never drafts)."""
+        last), and the blocks past those are freed, in every group. Their K/V content is simply overwritten
+        later; none of them was offered to the prefix cache (`schedule_tokens` registers tokens, never drafts).
+        Recurrent states cannot be cut: the sequence's next step starts its slot from the checkpoint before the
+        rejected tokens (`seq.state_rollback`, moe_runtime/speculative/state_rollback.py)."""
+        rejected = seq.num_cached_tokens - (seq.num_tokens - 1)
+        if rejected > 0 and self.states is not None:
+            seq.state_rollback = rejected
         seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
         keep = self.blocks_needed(seq.num_tokens)
         for block in reversed(seq.block_table[keep:]):
             self.pool.release(block)
         del seq.block_table[keep:]
+        for window, table in zip(self.windows, seq.window_tables):
+            window.truncate(table, keep)
 
     def schedule_tokens(self, seq: Sequence, num_tokens: int) -> None:
         """`seq` computes its next `num_tokens` in the step being scheduled: its windowed groups hold the blocks
@@ -151,9 +158,9 @@ class BlockManager:
             seq.window_tables = [[] for _ in self.windows]
         for window, table in zip(self.windows, seq.window_tables):
             window.prepare(table, first, first + num_tokens)
-        computed = min(first + num_tokens, seq.num_tokens)   # drafts are not cached, nor states after them
+        computed = min(first + num_tokens, seq.num_tokens)   # drafts are not cached
         self.cache_full_blocks(seq, computed)
-        if self.snapshots is not None:
+        if self.snapshots is not None:   # boundaries of true tokens only: a state past a draft is no prefix's
             self._capture_states(seq, first, computed)
 
     def _capture_states(self, seq: Sequence, first: int, stop: int) -> None:
@@ -203,6 +210,7 @@ class BlockManager:
             self.snapshots.forget_pending(seq)
         seq.state_slot = -1
         seq.state_restore = -1
+        seq.state_rollback = -1
         seq.state_captures = []
         seq.block_table = []
         seq.draft_token_ids = []

@@ -140,7 +140,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device,
                                   capture=self._capture_settings(config, self.device, self.max_model_len),
                                   kv_layout=kv_layout)
-        self.speculation = Speculation.for_engine(config.speculative_config, kv_layout, config.pp, self.max_model_len,
+        self.speculation = Speculation.for_engine(config.speculative_config, config.pp, self.max_model_len,
                                                   DraftSource(config, ctx, reader, self.model, self.runner, num_blocks))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,

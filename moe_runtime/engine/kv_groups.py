@@ -93,6 +93,7 @@ class KVCacheLayout:
     window_blocks: tuple[int, ...] = ()
     state_slots: int = 0
     drafter_layers: int = 0        # full-group layers a drafter adds (the MTP layer), paid from the same budget
+    draft_checkpoints: int = 0     # state rows per slot for the states inside a verify step (speculation's k)
 
     @classmethod
     def single(cls) -> "KVCacheLayout":
@@ -105,7 +106,9 @@ class KVCacheLayout:
         `config` (which is refused, naming the flag, where windowed groups or state slots are not supported yet)."""
         drafter_layers = SpeculativeConfig.drafter_kv_layers(config.speculative_config)
         if state_layers:
-            return cls(KVGroups.single(), state_slots=_state_slots(config, state_layers), drafter_layers=drafter_layers)
+            speculation = SpeculativeConfig.parse(config.speculative_config)
+            return cls(KVGroups.single(), state_slots=_state_slots(config, state_layers), drafter_layers=drafter_layers,
+                       draft_checkpoints=speculation.num_speculative_tokens if speculation is not None else 0)
         groups = KVGroups.of_layers(spans)
         if not groups.hybrid:
             return cls(groups, drafter_layers=drafter_layers)

@@ -39,6 +39,7 @@ class Sequence:
     state_slot: int = -1                           # its recurrent-state slot (linear-attention models; -1: none)
     state_restore: int = -1                        # snapshot row its slot starts from (a cached prefix; -1: none)
     state_captures: list[tuple[int, int]] = field(default_factory=list)  # this step's (boundary position, snapshot row)
+    state_rollback: int = -1                       # its last verify step's rejected drafts: the slot goes back so far
     num_cached_tokens: int = 0                     # tokens whose K/V are in the cache
     num_scheduled_tokens: int = 0                  # tokens the current step computes (a prefill chunk, 1, or 1 + drafts)
     draft_token_ids: list[int] = field(default_factory=list)  # this step's drafts after its last token (speculation)

@@ -79,6 +79,13 @@ class WindowBlocks:
             if table[index] != FREED:
                 self.pool.store(table[index], hashes[index])
 
+    def truncate(self, table: list[int], keep: int) -> None:
+        """Give back the blocks past the table's first `keep` entries (a sequence's rejected drafts)."""
+        for block in reversed(table[keep:]):
+            if block != FREED:
+                self.pool.release(block)
+        del table[keep:]
+
     def release(self, table: list[int]) -> None:
         """Give back every block of a finished or preempted sequence (cached ones stay cached, idle)."""
         for block in reversed(table):

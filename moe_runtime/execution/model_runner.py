@@ -18,6 +18,7 @@ from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.layers.state_cache import LayerStateCache, StateSpec
 from moe_runtime.sampling.prompt_logprobs import chunk_tokens_for, join_prompt_logprobs, prompt_logprobs_due, score_prompt
 from moe_runtime.engine.sequence import Sequence
+from moe_runtime.speculative.state_rollback import DraftCheckpoints
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
             compressed_per_block += spec.bytes_per_block(block_size, dtype)
             continue
         if isinstance(spec, StateSpec):
-            window_bytes += spec.bytes_per_slot(dtype) * state_rows(kv_layout.state_slots)
+            window_bytes += spec.bytes_per_slot(dtype) * state_rows(kv_layout.state_slots, kv_layout.draft_checkpoints)
             continue
         group = kv_layout.groups.group_of_span(spec.span)
         if group == 0:
@@ -52,9 +53,14 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
     return max(left // per_block, 0)
 
 
-def state_rows(state_slots: int) -> int:
-    """Rows of each linear layer's state tensors: the slots, a scratch one, then the snapshot pool's."""
-    return state_slots + 1 + SnapshotPoolSize().of(state_slots)
+def state_rows(state_slots: int, draft_checkpoints: int = 0) -> int:
+    """Rows of each linear layer's state tensors: the slots, a scratch one, the snapshot pool's, then
+    speculation's checkpoints (`draft_checkpoints` per slot: moe_runtime/speculative/state_rollback.py)."""
+    return draft_checkpoint_rows(state_slots, draft_checkpoints).first_row + state_slots * draft_checkpoints
+
+
+def draft_checkpoint_rows(state_slots: int, per_slot: int) -> DraftCheckpoints:
+    return DraftCheckpoints(state_slots + 1 + SnapshotPoolSize().of(state_slots), per_slot)
 
 
 class ModelRunner:
@@ -68,12 +74,14 @@ class ModelRunner:
         self.groups = kv_layout.groups
         self.window_blocks = kv_layout.window_blocks   # each windowed group's pool; its scratch block is the next one
         self.state_slots = kv_layout.state_slots       # recurrent-state slots (linear-attention layers), + 1 scratch
+        self.draft_checkpoints = draft_checkpoint_rows(self.state_slots, kv_layout.draft_checkpoints)
         # A captured decode step pads its batch; the pad rows write to one scratch block past the managed ones.
         allocated = num_blocks + (1 if capture is not None else 0)
         self.caches = []
         for spec in model.kv_cache_specs():
             if isinstance(spec, StateSpec):
-                self.caches.append(LayerStateCache.allocate(spec, state_rows(self.state_slots), dtype, device))
+                self.caches.append(LayerStateCache.allocate(
+                    spec, state_rows(self.state_slots, kv_layout.draft_checkpoints), dtype, device))
                 continue
             if isinstance(spec, CompressedAttentionSpec):
                 self.caches.append(LayerCompressedCache.allocate(spec, allocated, block_size,
@@ -94,7 +102,7 @@ class ModelRunner:
                                                                    device, capture)
         self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)
         self._scored_prompts: dict[str, PromptLogprobs] = {}   # request id -> prompt logprobs not yet taken
-        self.keep_hidden = False                      # a drafter reads each step's hidden states (MTP)
+        self.keep_hidden = False                      # a drafter reads each step's hidden states (MTP, EAGLE-3)
         self.last_hidden: TargetHidden | None = None  # ... the last eager step's, when asked
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.cache_bytes() / 2**20)
 
@@ -136,29 +144,47 @@ class ModelRunner:
     def _start_states(self, seqs: list[Sequence], batch: AttentionBatch) -> None:
         """Each sequence's state slot for the linear layers; those computing their first token start from zero
         states (a new request, or a preempted one recomputed), those resuming a cached prefix from its snapshot
-        (copied before the forward, so before any snapshot this step writes). The layers write this step's
-        snapshots (`seq.state_captures`) after the tokens that reach each boundary."""
+        (copied before the forward, so before any snapshot this step writes), those whose last step verified
+        drafts that were rejected from its checkpoint of the last accepted one (`seq.state_rollback`). The layers
+        write this step's snapshots (`seq.state_captures`) after the tokens that reach each boundary, and a
+        verifying sequence's checkpoints after each of its drafts but the last (`DraftCheckpoints`)."""
         batch.state_slots = [seq.state_slot for seq in seqs]
         fresh = [seq.state_slot for seq in seqs if seq.num_cached_tokens == 0]
-        resumed = [seq for seq in seqs if seq.state_restore >= 0]
         base = self.state_slots + 1                                    # snapshot row r is state row base + r
+        prefix_starts = [(seq.state_slot, base + seq.state_restore) for seq in seqs if seq.state_restore >= 0]
+        starts = prefix_starts + [(seq.state_slot, self.draft_checkpoints.row(seq.state_slot, seq.state_rollback))
+                                  for seq in seqs if seq.state_rollback > 0]
         captures = {seq.state_slot: [(position - seq.num_cached_tokens, base + row)
                                      for position, row in seq.state_captures]
                     for seq in seqs if seq.state_captures}
-        states = [cache for cache in self.caches if isinstance(cache, (LayerStateCache, LayerCompressedCache))]
+        # recurrent states also keep a checkpoint after each draft (rejected drafts roll back to one); compressed
+        # caches (DeepSeek-V4) index their rings by position and need none
+        checkpoints = {seq.state_slot: self.draft_checkpoints.captures(seq.state_slot, len(seq.draft_token_ids))
+                       for seq in seqs if seq.draft_token_ids}
+        states = [cache for cache in self.caches if isinstance(cache, LayerStateCache)]
+        compressed = [cache for cache in self.caches if isinstance(cache, LayerCompressedCache)]
         if fresh:
             index = torch.tensor(fresh, dtype=torch.long, device=self.device)
-            for cache in states:
+            for cache in states + compressed:
                 cache.clear(index)
-        if resumed:
-            slots = torch.tensor([seq.state_slot for seq in resumed], dtype=torch.long, device=self.device)
-            rows = torch.tensor([base + seq.state_restore for seq in resumed], dtype=torch.long, device=self.device)
-            for cache in states:
-                cache.restore(slots, rows)
-            for seq in resumed:
-                seq.state_restore = -1
+        self._restore(states, starts)
+        self._restore(compressed, prefix_starts)
+        for seq in seqs:
+            seq.state_restore = seq.state_rollback = -1
         for cache in states:
+            cache.captures = {slot: captures.get(slot, []) + checkpoints.get(slot, [])
+                              for slot in set(captures) | set(checkpoints)}
+        for cache in compressed:
             cache.captures = captures
+
+    def _restore(self, caches: list, starts: list[tuple[int, int]]) -> None:
+        """Copy state row `row` into slot `slot` of each cache, for every (slot, row) in `starts`."""
+        if not starts or not caches:
+            return
+        slots = torch.tensor([slot for slot, _ in starts], dtype=torch.long, device=self.device)
+        rows = torch.tensor([row for _, row in starts], dtype=torch.long, device=self.device)
+        for cache in caches:
+            cache.restore(slots, rows)
 
     def _window_view(self, batch: AttentionBatch, seqs: list[Sequence], group: int) -> AttentionBatch:
         """Windowed group `group`'s slots and block tables for this step (its released blocks read as the group's
@@ -188,9 +214,10 @@ class ModelRunner:
                 seq.commit_scheduled_tokens()
             return logits
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
-        if self.keep_hidden:
+        if self.keep_hidden:   # the final hidden states, or the aux layers' inputs where an EAGLE-3 head asks
+            kept = self.model.aux_hidden if self.model.aux_layers else hidden
             self.last_hidden = TargetHidden(list(seqs), [seq.num_cached_tokens for seq in seqs],
-                                            inputs.batch.query_start, hidden)
+                                            inputs.batch.query_start, kept)
         self.score_prompts(seqs, inputs, hidden)
         for seq in seqs:
             seq.commit_scheduled_tokens()

@@ -20,10 +20,10 @@ class StepInputs:
 
 @dataclass
 class TargetHidden:
-    """A step's final hidden states, kept for a drafter that reads them (MTP): row query_start[b] + j is
-    sequence b's position starts[b] + j."""
+    """A step's final hidden states, kept for a drafter that reads them (MTP; an EAGLE-3 head: the residual
+    streams entering its aux layers, concatenated): row query_start[b] + j is sequence b's position starts[b] + j."""
 
     seqs: list                     # [B] the step's sequences, in order
     starts: list[int]              # [B] each one's first position this step
     query_start: list[int]         # [B + 1]
-    hidden: torch.Tensor           # [T, H] after the final norm
+    hidden: torch.Tensor           # [T, H] after the final norm (EAGLE-3: [T, 3H])

@@ -48,6 +48,7 @@ class AttentionShape:
     span: AttentionSpan | None = None   # which keys a query reads (None: from sliding_window, else full)
     sinks: bool = False                 # a learned sink logit per query head (gpt-oss)
     query_temperature: QueryTemperature | None = None   # queries scaled by their position (Llama 4's NoPE layers)
+    input_size: int | None = None       # q/k/v's input width (None: hidden_size; an EAGLE-3 head's is 2 x hidden)
 
     def __post_init__(self):
         """Make `span` and `sliding_window` say the same thing, whichever was given."""
@@ -120,11 +121,11 @@ class Attention(nn.Module):
         self.heads = h = HeadShard.of(s, tp_size, tp_rank)
         self.tp_group = tp_group
         d = s.head_dim
-        self.q_proj = Linear(s.hidden_size, s.num_heads * d, s.qkv_bias, dtype, device, h.rows(h.q_start, h.num_heads, d),
-                             quant)
+        width = s.input_size or s.hidden_size
+        self.q_proj = Linear(width, s.num_heads * d, s.qkv_bias, dtype, device, h.rows(h.q_start, h.num_heads, d), quant)
         kv_rows = h.rows(h.kv_start, h.num_kv_heads, d)
-        self.k_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows, quant)
-        self.v_proj = Linear(s.hidden_size, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows, quant)
+        self.k_proj = Linear(width, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows, quant)
+        self.v_proj = Linear(width, s.num_kv_heads * d, s.qkv_bias, dtype, device, kv_rows, quant)
         o_cols = None if tp_size == 1 else LinearShard(1, h.q_start * d, (h.q_start + h.num_heads) * d)
         self.o_proj = Linear(s.num_heads * d, s.hidden_size, s.o_bias, dtype, device, o_cols, quant)
         if s.qk_norm == "per_head":

@@ -187,14 +187,15 @@ class GatedDeltaNet(nn.Module):
 
 
 def _fla_states_at(q, k, v, g, beta, state, offsets: list[int]) -> list[torch.Tensor]:
-    """The states after each of the first `offsets` tokens, by fla runs from one boundary to the next."""
+    """The states after each of the first `offsets` tokens (a snapshot and a draft checkpoint may share one),
+    by fla runs from one boundary to the next."""
     states, previous = [], 0
-    for offset in sorted(offsets):
+    for offset in sorted(set(offsets)):
         _, state = fla_chunked_delta_rule(q[previous:offset], k[previous:offset], v[previous:offset],
                                           g[previous:offset], beta[previous:offset], state)
         states.append(state)
         previous = offset
-    by_offset = dict(zip(sorted(offsets), states))
+    by_offset = dict(zip(sorted(set(offsets)), states))
     return [by_offset[offset] for offset in offsets]
 
 

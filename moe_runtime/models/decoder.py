@@ -147,6 +147,10 @@ class CausalLM(nn.Module):
                                           ctx.dtype, ctx.device)
         elif p.is_last_stage and not tie_word_embeddings:
             self.lm_head = Linear(hidden, vocab, False, ctx.dtype, ctx.device)
+        # an EAGLE-3 head reads the residual stream entering these layers (moe_runtime/models/eagle3.py): the last
+        # eager forward's, concatenated in layer order [T, len * H] (none kept when empty)
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -186,8 +190,13 @@ class CausalLM(nn.Module):
         """One batch through this stage's layers, no yield points (generators are also opaque to torch.compile,
         which traces this for a captured decode step)."""
         x = self.model.embed_tokens(micro.input_ids) if self.parallel.is_first_stage else micro.hidden
-        for layer, cache in zip(self.model.owned_layers(), caches):
+        aux = []
+        for index, (layer, cache) in enumerate(zip(self.model.owned_layers(), caches)):
+            if index in self.aux_layers:
+                aux.append(x)
             x = layer(micro.positions, x, micro.batch, cache)
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)                                  # [t, len(aux_layers) * H]
         return self.model.norm(x) if self.parallel.is_last_stage else x
 
     def _stages(self, micro: MicroBatch, caches: list[LayerKVCache]) -> Staged[torch.Tensor]:  # -> [t, H]

@@ -78,7 +78,7 @@ class DeepseekLayout:
 
 @dataclass
 class LayerParts:
-    attention: MultiHeadLatentAttention
+    attention: nn.Module           # MultiHeadLatentAttention (DeepSeek), GQA attention (GLM-4.5)
     mlp: nn.Module                 # SparseMoE from first_k_dense_replace on, a dense MLP before
 
 

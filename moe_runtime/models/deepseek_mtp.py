@@ -1,4 +1,5 @@
-"""DeepSeek-V3's multi-token-prediction (MTP) module, as its checkpoints store it after the last decoder layer.
+"""DeepSeek-V3's multi-token-prediction (MTP) module, as its checkpoints store it after the last decoder layer
+(GLM-4.5's is the same module around a GLM-4.5 decoder block: `MTP_BLOCKS`).
 
 Layer N = num_hidden_layers (+ i for the i-th of `num_nextn_predict_layers`) holds, under `model.layers.N.`:
 `enorm` and `hnorm` (RMSNorms), `eh_proj` (2H -> H), a whole decoder block (`self_attn`, `mlp`, its two norms)
@@ -11,7 +12,7 @@ and the embedding of the token at p + 1, and predicts the token at p + 2:
     logits = head(shared_head.norm(y))
 
 Chained as a drafter, y stands in for h at the next position (vLLM's and SGLang's rule). The block is built
-like the main model's layers (`deepseek_layer_parts`), so FP8 checkpoints load the same way; `eh_proj` and
+like the main model's layers (`MTP_BLOCKS`), so FP8 checkpoints load the same way; `eh_proj` and
 `shared_head.head` are read quantized when the checkpoint stores their scales. `MtpCheckpointView` gives the
 layer the checkpoint's parameter names.
 """
@@ -23,11 +24,12 @@ import torch
 from torch import nn
 
 from moe_runtime.execution.attention_batch import AttentionBatch
-from moe_runtime.layers.kv_cache import LayerKVCache
+from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Embedding, Linear
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer
-from moe_runtime.models.deepseek import DeepseekLayout, deepseek_layer_parts
+from moe_runtime.models.deepseek import DeepseekLayout, LayerParts, deepseek_layer_parts
+from moe_runtime.models.glm4_moe import glm4_moe_layer_parts
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,8 @@ class SharedHead(nn.Module):
 class MtpLayer(DecoderLayer):
     """One MTP module: a DeepSeek decoder block with its input projection and output head (module doc)."""
 
-    def __init__(self, cfg, ctx: BuildContext, tensors: MtpTensors, target: CausalLM):
-        parts = deepseek_layer_parts(cfg, ctx, DeepseekLayout.v3(cfg), tensors.index)
+    def __init__(self, cfg, ctx: BuildContext, tensors: MtpTensors, target: CausalLM, parts: LayerParts):
+        """`parts`: the block's attention and MLP, built like the target's layers (`MTP_BLOCKS`)."""
         super().__init__(parts.attention, parts.mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
         hidden = cfg.hidden_size
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps, ctx.kernels, ctx.dtype, ctx.device)
@@ -74,6 +76,12 @@ class MtpLayer(DecoderLayer):
         self.shared_head = SharedHead(cfg, ctx, tensors)
         self.embed_tokens = Embedding(cfg.vocab_size, hidden, ctx.dtype, ctx.device) if tensors.own_embedding else None
         self._target = [target]        # the main model's embedding and LM head where no copy is stored (unregistered)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.self_attn.kv_cache_spec()
+
+    def from_target(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]: the target's final hidden states as they are
+        return hidden
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         embedding = self.embed_tokens if self.embed_tokens is not None else self._target[0].model.embed_tokens
@@ -92,6 +100,14 @@ class MtpLayer(DecoderLayer):
         if self.shared_head.head is not None:
             return self.shared_head.head(normed).float()
         return self._target[0].logits(normed)
+
+
+def deepseek_v3_mtp_block(cfg, ctx: BuildContext, index: int) -> LayerParts:
+    return deepseek_layer_parts(cfg, ctx, DeepseekLayout.v3(cfg), index)
+
+
+# the architectures whose checkpoints carry this module, and how each builds its block (layer `index`)
+MTP_BLOCKS = {"DeepseekV3ForCausalLM": deepseek_v3_mtp_block, "Glm4MoeForCausalLM": glm4_moe_layer_parts}
 
 
 class MtpCheckpointView(nn.Module):

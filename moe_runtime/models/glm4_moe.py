@@ -2,9 +2,10 @@
 q/k/v bias; DeepSeek-V3's router (sigmoid, correction bias for the choice, groups by their top-2 sum,
 renormalised and scaled); shared experts; the first `first_k_dense_replace` layers dense.
 
-The multi-token-prediction layer(s) that follow the last decoder layer in published checkpoints
-(`num_nextn_predict_layers`, transformers' `num_mtp_layers`) are not built: their tensors are skipped by the
-loader's rule for them (`SkippedTensors.for_config`), as DeepSeek-V3's are.
+The multi-token-prediction layer that follows the last decoder layer in published checkpoints
+(`num_nextn_predict_layers`) is DeepSeek-V3's module around one more of these layers (`glm4_moe_layer_parts`):
+the target's load skips its tensors (`SkippedTensors.for_config`) and the MTP drafter reads them
+(moe_runtime/speculative/mtp_loading.py).
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from moe_runtime.layers.partial_rotary import partial_rotary_dim
 from moe_runtime.moe.layer import MoEShape, SparseMoE
 from moe_runtime.models.common import gqa_attention, head_dim_of
 from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack
-from moe_runtime.models.deepseek import deepseek_v3_routing
+from moe_runtime.models.deepseek import LayerParts, deepseek_v3_routing
 
 
-def build_glm4_moe(cfg, ctx: BuildContext) -> CausalLM:
+def glm4_moe_layer_parts(cfg, ctx: BuildContext, index: int) -> LayerParts:
+    """Layer `index`'s attention and MLP (also the multi-token-prediction layer's block, past the last)."""
     routing = deepseek_v3_routing(cfg)   # transformers' Glm4MoeTopkRouter is DeepSeek-V3's, line for line
     moe_shape = MoEShape(
         cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size,
@@ -25,14 +27,17 @@ def build_glm4_moe(cfg, ctx: BuildContext) -> CausalLM:
     rotary_dim = partial_rotary_dim(cfg, head_dim_of(cfg))
     qk_norm = "per_head" if getattr(cfg, "use_qk_norm", False) else None
     qkv_bias = bool(getattr(cfg, "attention_bias", False))   # o_proj has none
+    if index >= (cfg.first_k_dense_replace or 0):
+        mlp = SparseMoE(moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device,
+                        quant=ctx.quant)
+    else:
+        mlp = ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size)
+    return LayerParts(gqa_attention(cfg, index, ctx, qkv_bias=qkv_bias, qk_norm=qk_norm, rotary_dim=rotary_dim), mlp)
 
+
+def build_glm4_moe(cfg, ctx: BuildContext) -> CausalLM:
     def make_layer(i: int) -> DecoderLayer:
-        if i >= (cfg.first_k_dense_replace or 0):
-            mlp = SparseMoE(moe_shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device,
-                            quant=ctx.quant)
-        else:
-            mlp = ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size)
-        attention = gqa_attention(cfg, i, ctx, qkv_bias=qkv_bias, qk_norm=qk_norm, rotary_dim=rotary_dim)
-        return DecoderLayer(attention, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
+        parts = glm4_moe_layer_parts(cfg, ctx, i)
+        return DecoderLayer(parts.attention, parts.mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
 
     return CausalLM(cfg, build_stack(cfg, ctx, make_layer), cfg.tie_word_embeddings, ctx)

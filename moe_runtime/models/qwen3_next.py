@@ -11,6 +11,8 @@ mlp_only_layers; Qwen3.5 has none). For text, Qwen3.5's multimodal rotary is the
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -84,36 +86,53 @@ def _gated_attention(cfg, ctx: BuildContext) -> GatedAttention:
                           p.attn_tp_group)
 
 
-def _build(cfg, ctx: BuildContext, *, fused_projections: bool, renormalize: bool) -> HybridCausalLM:
-    routing = RoutingConfig(top_k=cfg.num_experts_per_tok, scoring="softmax", renormalize=renormalize)
-    shape = MoEShape(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
-                     shared_intermediate_size=cfg.shared_expert_intermediate_size, shared_expert_gate=True,
-                     shared_name="shared_expert")
-    deltanet = DeltaNetShape.from_config(cfg, fused_projections)
-    p = ctx.parallel
+@dataclass(frozen=True)
+class HybridLayerFactory:
+    """How the family's decoder layers are built (also the multi-token-prediction block's: moe_runtime/models/
+    qwen3_next_mtp.py)."""
 
-    def make_layer(i: int) -> HybridDecoderLayer:
-        if is_sparse_layer(cfg, i):
+    cfg: object
+    ctx: BuildContext
+    fused_projections: bool   # Qwen3-Next's in_proj_qkvz / in_proj_ba (else Qwen3.5's four projections)
+    renormalize: bool         # the top-k weights renormalised
+
+    def layer(self, index: int, layer_type: str) -> HybridDecoderLayer:
+        cfg, ctx, p = self.cfg, self.ctx, self.ctx.parallel
+        if is_sparse_layer(cfg, index):
+            routing = RoutingConfig(top_k=cfg.num_experts_per_tok, scoring="softmax", renormalize=self.renormalize)
+            shape = MoEShape(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                             shared_intermediate_size=cfg.shared_expert_intermediate_size, shared_expert_gate=True,
+                             shared_name="shared_expert")
             mlp = SparseMoE(shape, routing, ctx.executor, ctx.kernels, dtype=ctx.dtype, device=ctx.device,
                             quant=ctx.quant)
         else:
             mlp = ctx.dense_mlp(cfg.hidden_size, cfg.intermediate_size)
-        if cfg.layer_types[i] == LINEAR_ATTENTION:
-            mixer_name, mixer = "linear_attn", GatedDeltaNet(deltanet, ctx.dtype, ctx.device, p.attn_tp_size,
-                                                             p.attn_tp_rank, p.attn_tp_group)
+        if layer_type == LINEAR_ATTENTION:
+            mixer_name, mixer = "linear_attn", GatedDeltaNet(DeltaNetShape.from_config(cfg, self.fused_projections),
+                                                             ctx.dtype, ctx.device, p.attn_tp_size, p.attn_tp_rank,
+                                                             p.attn_tp_group)
         else:
             mixer_name, mixer = "self_attn", _gated_attention(cfg, ctx)
         return HybridDecoderLayer(mixer_name, mixer, mlp, cfg.hidden_size, cfg.rms_norm_eps, ctx)
 
-    stack = build_stack(cfg, ctx, make_layer)
+    @classmethod
+    def of(cls, architecture: str, cfg, ctx: BuildContext) -> "HybridLayerFactory":
+        if architecture == "Qwen3NextForCausalLM":
+            return cls(cfg, ctx, fused_projections=True, renormalize=bool(getattr(cfg, "norm_topk_prob", True)))
+        return cls(cfg, ctx, fused_projections=False, renormalize=True)
+
+
+def _build(factory: HybridLayerFactory) -> HybridCausalLM:
+    cfg, ctx = factory.cfg, factory.ctx
+    stack = build_stack(cfg, ctx, lambda i: factory.layer(i, cfg.layer_types[i]))
     if stack.norm is not None:
         stack.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
     return HybridCausalLM(cfg, stack, cfg.tie_word_embeddings, ctx)
 
 
 def build_qwen3_next(cfg, ctx: BuildContext) -> HybridCausalLM:
-    return _build(cfg, ctx, fused_projections=True, renormalize=bool(getattr(cfg, "norm_topk_prob", True)))
+    return _build(HybridLayerFactory.of("Qwen3NextForCausalLM", cfg, ctx))
 
 
 def build_qwen3_5_moe(cfg, ctx: BuildContext) -> HybridCausalLM:
-    return _build(cfg, ctx, fused_projections=False, renormalize=True)
+    return _build(HybridLayerFactory.of("Qwen3_5MoeForCausalLM", cfg, ctx))

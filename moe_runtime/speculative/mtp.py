@@ -16,15 +16,29 @@ spread over the expert-parallel ranks like the target's: `lock_step`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from moe_runtime.engine.sequence import Sequence
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.execution.step_inputs import TargetHidden
-from moe_runtime.layers.kv_cache import LayerKVCache
-from moe_runtime.models.deepseek_mtp import MtpLayer
+from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.moe.executor import MoEExecutor
+
+
+class MtpModule(Protocol):
+    """A checkpoint's MTP module (`models/deepseek_mtp.py`, `models/qwen3_next_mtp.py`), or an EAGLE-3 head
+    (`models/eagle3.py`, whose first pass reads three of the target's hidden states through its `fc`)."""
+
+    def kv_cache_spec(self) -> KVCacheSpec: ...
+
+    def from_target(self, hidden: torch.Tensor) -> torch.Tensor: ...   # the target's kept hidden rows -> [T, H]
+
+    def predict(self, positions: torch.Tensor, token_ids: torch.Tensor, previous: torch.Tensor,
+                batch: AttentionBatch, cache: LayerKVCache) -> torch.Tensor: ...   # [T], [T], [T, H] -> [T, H]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...                   # [B, H] -> [B, V] fp32
 
 
 @dataclass
@@ -61,17 +75,18 @@ class MtpRows:
 
 
 class MtpDrafter:
-    def __init__(self, layer: MtpLayer, executor: MoEExecutor, num_blocks: int, block_size: int,
+    def __init__(self, layer: MtpModule, executor: MoEExecutor | None, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, k: int, lock_step: bool = False):
         """`lock_step`: the layer exchanges with other ranks (the MoE block's experts, attention heads), so every
-        rank runs the pass and all k - 1 chain rows every step, with no rows where it has none."""
+        rank runs the pass and all k - 1 chain rows every step, with no rows where it has none. `executor`: the
+        layer's MoE block's (None: it has none, an EAGLE-3 head)."""
         self.layer = layer
         self.executor = executor
         self.lock_step = lock_step
         self.block_size = block_size
         self.device = device
         self.k = k
-        self.cache = LayerKVCache.allocate(layer.self_attn.kv_cache_spec(), num_blocks, block_size, dtype, device, 0)
+        self.cache = LayerKVCache.allocate(layer.kv_cache_spec(), num_blocks, block_size, dtype, device, 0)
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to `k` drafts to follow `seq` (none: its last step drafted nothing for where it stands now)."""
@@ -93,14 +108,16 @@ class MtpDrafter:
         positions = torch.tensor([p for start, stop in zip(rows.starts, rows.stops) for p in range(start, stop)],
                                  dtype=torch.long, device=dev)                                   # [M]
         previous = step.hidden.index_select(0, torch.tensor(rows.hidden_rows, dtype=torch.long, device=dev))
-        self.executor.begin_step("prefill")
+        if self.executor is not None:
+            self.executor.begin_step("prefill")
         try:
             out = self.layer.predict(positions, torch.tensor(rows.next_tokens, dtype=torch.long, device=dev),
-                                     previous, batch, self.cache)                               # [M, H]
+                                     self.layer.from_target(previous), batch, self.cache)       # [M, H]
             if rows.drafting or self.lock_step:
                 self._chain(rows, out, batch.query_start)
         finally:
-            self.executor.end_step()
+            if self.executor is not None:
+                self.executor.end_step()
 
     def _chain(self, rows: MtpRows, out: torch.Tensor, query_start: list[int]) -> None:
         """Drafts 1..k of the drafting sequences from their last rows' outputs `out` [M, H]."""

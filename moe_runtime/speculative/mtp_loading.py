@@ -1,34 +1,55 @@
-"""Building the MTP drafter: which checkpoints can, the layer built like the target's and loaded from the same
+"""Building the MTP drafter: which checkpoints can (DeepSeek-V3's and GLM-4.5's module after the last layer,
+Qwen3-Next's and Qwen3.5-MoE's under `mtp.`), the module built like the target's layers and loaded from the same
 checkpoint, its MoE block on an executor of its own. Refusals name what is missing."""
 from __future__ import annotations
 
 import dataclasses
+import re
+from dataclasses import dataclass
 
 from moe_runtime.config.model_config import architecture_of
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.models.deepseek_mtp import MtpCheckpointView, MtpLayer, MtpTensors
+from moe_runtime.models.deepseek_mtp import MTP_BLOCKS, MtpCheckpointView, MtpLayer, MtpTensors
+from moe_runtime.models.qwen3_next_mtp import (MTP_ARCHITECTURES as QWEN3_NEXT_MTP, MTP_PREFIX, Qwen3NextMtp,
+                                               Qwen3NextMtpCheckpointView, qwen3_next_mtp_layers)
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.speculative.draft_source import DraftSource
 from moe_runtime.speculative.mtp import MtpDrafter
 from moe_runtime.weights.loading import SkippedTensor, SkippedTensors, load_model_weights
 
-MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+
+@dataclass(frozen=True)
+class MtpLocation:
+    """Where a checkpoint keeps its MTP module: how many layers, and the prefix of its tensors."""
+
+    layers: int
+    prefix: str                  # model.layers.N. (DeepSeek-V3, GLM-4.5) or mtp. (Qwen3-Next, Qwen3.5-MoE)
+    present: bool                # its tensors are in the files
+
+    @classmethod
+    def of(cls, architecture: str, cfg, names: set[str]) -> "MtpLocation":
+        if architecture in QWEN3_NEXT_MTP:
+            return cls(qwen3_next_mtp_layers(cfg, names), MTP_PREFIX, f"{MTP_PREFIX}fc.weight" in names)
+        index = cfg.num_hidden_layers
+        return cls(getattr(cfg, "num_nextn_predict_layers", 0) or 0, f"model.layers.{index}.",
+                   MtpTensors.present(names, index))
 
 
 def build_mtp_drafter(source: DraftSource, k: int) -> MtpDrafter:
     cfg = source.target.hf_config
     architecture = architecture_of(cfg)
-    layers = getattr(cfg, "num_nextn_predict_layers", 0) or 0
-    index = cfg.num_hidden_layers
     names = set(source.reader.names())
-    if architecture not in MTP_ARCHITECTURES or layers < 1 or not MtpTensors.present(names, index):
+    where = MtpLocation.of(architecture, cfg, names)
+    built = (*MTP_BLOCKS, *QWEN3_NEXT_MTP)
+    if architecture not in built or where.layers < 1 or not where.present:
         raise InvalidRequestError(
             f"speculative_config method 'mtp': {architecture} at {source.reader.directory} has no "
-            f"multi-token-prediction layer to draft with (num_nextn_predict_layers={layers}, tensors "
-            f"model.layers.{index}.*; built for {', '.join(MTP_ARCHITECTURES)}); use method 'ngram'")
-    if layers > 1:
-        raise InvalidRequestError(f"speculative_config method 'mtp' with num_nextn_predict_layers={layers} is not "
-                                  "built: each further layer would need the previous one's outputs at every position")
+            f"multi-token-prediction layer to draft with (num_nextn_predict_layers={where.layers}, tensors "
+            f"{where.prefix}*; built for {', '.join(built)}); use method 'ngram'")
+    if where.layers > 1:
+        raise InvalidRequestError(f"speculative_config method 'mtp' with num_nextn_predict_layers={where.layers} is "
+                                  "not built: each further layer would need the previous one's outputs at every "
+                                  "position")
     parallel = source.ctx.parallel
     if parallel.cp_size > 1:
         raise InvalidRequestError("speculative_config method 'mtp' with --cp is not built yet: the MTP pass would "
@@ -38,11 +59,18 @@ def build_mtp_drafter(source: DraftSource, k: int) -> MtpDrafter:
                                   "decode step does not keep the hidden states the MTP layer reads")
     executor = MoEExecutor.for_engine(source.config, source.ctx.parallel, source.ctx.kernels, cfg.hidden_size,
                                       source.ctx.dtype)
-    layer = MtpLayer(cfg, dataclasses.replace(source.ctx, executor=executor), MtpTensors.find(names, index),
-                     source.target)
+    ctx = dataclasses.replace(source.ctx, executor=executor)
+    if architecture in QWEN3_NEXT_MTP:
+        layer = Qwen3NextMtp(architecture, cfg, ctx, source.target)
+        view = Qwen3NextMtpCheckpointView(layer)
+    else:
+        index = cfg.num_hidden_layers
+        layer = MtpLayer(cfg, ctx, MtpTensors.find(names, index), source.target,
+                         MTP_BLOCKS[architecture](cfg, ctx, index))
+        view = MtpCheckpointView(layer, index)
     executor.finish_registration()
-    others = SkippedTensor(rf"^(?!model\.layers\.{index}\.)", "the target model's, not the MTP layer's")
-    load_model_weights(MtpCheckpointView(layer, index), source.reader, SkippedTensors((others,)),
+    others = SkippedTensor(rf"^(?!{re.escape(where.prefix)})", "the target model's, not the MTP layer's")
+    load_model_weights(view, source.reader, SkippedTensors((others,)),
                        parallel.world_control_group if parallel.world_size > 1 else None)   # experts spread over EP
     layer.eval()
     source.runner.keep_hidden = True

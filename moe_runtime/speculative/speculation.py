@@ -1,12 +1,12 @@
 """One DP worker's speculative decoding: which sequences draft, how many drafts, and what was accepted.
 
-Drafts come from prompt lookup (`ngram`, on the host) or the checkpoint's multi-token-prediction layer (`mtp`,
-run after each step: `after_step`). Greedy and sampled requests draft alike: verification keeps greedy output
+Drafts come from prompt lookup (`ngram`, on the host), the checkpoint's multi-token-prediction layer (`mtp`) or
+an EAGLE-3 draft head (`eagle3`), the last two run after each step (`after_step`). Greedy and sampled requests draft alike: verification keeps greedy output
 token for token what it is without speculation, and sampled output distributed as it is without it
 (`rejection_sampling`). Requests with a grammar decode one token per step: their matcher would have to walk
-the drafts before the target scores them. Models whose state cannot be rolled back past rejected drafts
-(windowed KV groups, recurrent-state layers) and pipeline parallelism (the last stage broadcasts one token per
-sequence) are refused at start-up, by name.
+the drafts before the target scores them. Rejected drafts are rolled back in every KV group and, for
+recurrent-state layers, from per-draft state checkpoints (`state_rollback`). Pipeline parallelism (the last
+stage broadcasts one token per sequence) is refused at start-up, by name.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from moe_runtime.errors import InvalidRequestError
 from moe_runtime.execution.step_inputs import TargetHidden
 from moe_runtime.speculative.config import SpeculativeConfig
 from moe_runtime.speculative.draft_source import DraftSource
+from moe_runtime.speculative.eagle3_loading import build_eagle3_drafter
 from moe_runtime.speculative.mtp import MtpDrafter
 from moe_runtime.speculative.mtp_loading import build_mtp_drafter
 from moe_runtime.speculative.ngram import NgramDrafter
@@ -37,31 +38,28 @@ class Speculation:
         self.config = config
         self.max_model_len = max_model_len
         self.drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.model_drafter = model_drafter     # method "mtp": drafts computed after each step, on the device
+        self.model_drafter = model_drafter     # "mtp", "eagle3": drafts computed after each step, on the device
         self.counters = SpeculationCounters()
         self._told_grammar = False
 
     @classmethod
-    def for_engine(cls, raw: dict | None, kv_layout, pp_size: int, max_model_len: int,
+    def for_engine(cls, raw: dict | None, pp_size: int, max_model_len: int,
                    source: DraftSource | None = None) -> "Speculation | None":
-        """The engine's speculation (None: off); refuses what cannot roll back rejected drafts. `source`: what
-        a model drafter is built from (method "mtp")."""
+        """The engine's speculation (None: off); refuses what cannot verify drafts. `source`: what a model
+        drafter is built from (methods "mtp", "eagle3")."""
         config = SpeculativeConfig.parse(raw)
         if config is None:
             return None
-        if kv_layout.windows:
-            raise InvalidRequestError("speculative decoding with windowed KV cache groups (sliding-window layers) "
-                                      "is not built: their blocks cannot be rolled back past rejected drafts yet")
-        if kv_layout.state_slots and not (source is not None and source.target.states_roll_back):
-            raise InvalidRequestError("speculative decoding with recurrent-state (linear-attention) layers is not "
-                                      "built: their states would need a checkpoint per drafted position")
         if pp_size > 1:
             raise InvalidRequestError("speculative decoding with --pp > 1 is not built: the last stage sends one "
                                       "token per sequence")
-        if config.method != "mtp":
+        if config.method == "ngram":
             return cls(config, max_model_len)
         if source is None:
-            raise InvalidRequestError("speculative_config method 'mtp' needs the engine's model to draft with")
+            raise InvalidRequestError(f"speculative_config method {config.method!r} needs the engine's model to "
+                                      "draft with")
+        if config.method == "eagle3":
+            return cls(config, max_model_len, build_eagle3_drafter(source, config.model, config.num_speculative_tokens))
         return cls(config, max_model_len, build_mtp_drafter(source, config.num_speculative_tokens))
 
     def drafts_for(self, seq: Sequence, budget: int) -> list[int]:

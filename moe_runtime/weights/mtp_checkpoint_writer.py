@@ -1,10 +1,12 @@
-"""Append a multi-token-prediction (MTP) layer in DeepSeek-V3's layout to a checkpoint: what the tests and the
-speculative-decoding bench load when no published checkpoint fits on the machine.
+"""Append a multi-token-prediction (MTP) layer to a checkpoint, named as the published ones name it: what the tests
+and the speculative-decoding bench load when no published checkpoint fits on the machine.
 
-Layer N = num_hidden_layers: a decoder block drawn from the last one's tensors, `enorm` / `hnorm` /
-`shared_head.norm` and `eh_proj` at random; with `own_copies`, the embedding and LM head copies DeepSeek-V3's
-files carry too (`embed_tokens`, `shared_head.head`). The weights are random: drafts from such a layer are
-rarely accepted, which is what a bench of its cost wants and a test of exactness does not mind.
+DeepSeek-V3 and GLM-4.5: layer N = num_hidden_layers, a decoder block drawn from the last one's tensors, `enorm` /
+`hnorm` / `shared_head.norm` and `eh_proj` at random; with `own_copies`, the embedding and LM head copies
+DeepSeek-V3's files carry too (`embed_tokens`, `shared_head.head`). Qwen3-Next / Qwen3.5-MoE (a config with
+linear-attention layers): `mtp.layers.0` drawn from the last full-attention layer, `mtp.fc`, `mtp.pre_fc_norm_*`
+and `mtp.norm` at random ((1 + w) norms: w near 0). The weights are random: drafts from such a layer are rarely
+accepted, which is what a bench of its cost wants and a test of exactness does not mind.
 """
 from __future__ import annotations
 
@@ -31,14 +33,32 @@ def mtp_layer_tensors(tensors: dict[str, torch.Tensor], num_layers: int, hidden:
     return mtp
 
 
+def qwen3_next_mtp_tensors(tensors: dict[str, torch.Tensor], layer_types: list[str], hidden: int,
+                           generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """`mtp.*` from a Qwen3-Next-family checkpoint's `tensors` (the last full-attention layer's block copied)."""
+    last = f"model.layers.{max(i for i, kind in enumerate(layer_types) if kind == 'full_attention')}."
+    mtp = {"mtp.layers.0." + n[len(last):]: t.clone() for n, t in tensors.items() if n.startswith(last)}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = 0.2 * torch.randn(hidden, generator=generator)
+    mtp["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.02
+    return mtp
+
+
 def write_mtp_checkpoint(source: Path, target: Path, own_copies: bool = False, seed: int = 0) -> Path:
-    """`source` with an MTP layer appended and `num_nextn_predict_layers=1`, as two shards in `target`."""
+    """`source` with an MTP layer appended (and, after the last layer, `num_nextn_predict_layers=1`), as two
+    shards in `target`."""
     config = json.loads((source / "config.json").read_text())
     tensors = read_all_tensors(source)
-    tensors.update(mtp_layer_tensors(tensors, config["num_hidden_layers"], config["hidden_size"],
-                                     torch.Generator().manual_seed(seed), own_copies))
+    generator = torch.Generator().manual_seed(seed)
+    hybrid = "linear_attention" in (config.get("layer_types") or [])
+    if hybrid:
+        tensors.update(qwen3_next_mtp_tensors(tensors, config["layer_types"], config["hidden_size"], generator))
+    else:
+        tensors.update(mtp_layer_tensors(tensors, config["num_hidden_layers"], config["hidden_size"], generator,
+                                         own_copies))
     copy_side_files(source, target)
     write_two_shards(tensors, target)
-    config["num_nextn_predict_layers"] = 1
+    if not hybrid:
+        config["num_nextn_predict_layers"] = 1
     (target / "config.json").write_text(json.dumps(config, indent=2))
     return target

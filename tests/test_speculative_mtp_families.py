@@ -1,0 +1,84 @@
+"""MTP speculative decoding beyond DeepSeek-V3 (tests/test_speculative_mtp.py), on tiny checkpoints whose MTP
+tensors are named as the published ones:
+
+- GLM-4.5 (`Glm4MoeForCausalLM`): DeepSeek-V3's module (enorm, hnorm, eh_proj, shared_head, model.layers.N.*)
+  around a GLM-4.5 decoder block (GQA with partial rotary, q/k norm and q/k/v bias; routed and shared experts);
+- Qwen3-Next (`Qwen3NextForCausalLM`): `mtp.fc`, `mtp.pre_fc_norm_*`, a gated full-attention MoE block
+  `mtp.layers.0` and `mtp.norm`, drafting for a hybrid model whose linear layers' states roll back past the
+  rejected drafts.
+
+For each: the drafts after every step equal what transformers' own decoder layer and norms compute from the
+module's definition, and greedy tokens equal transformers' without speculation (chunked prefill, prefix
+caching). Under ep=2 with attention TP (GLM: dp_attn=1, the MTP block's heads split) and with DP attention
+(Qwen3-Next: dp_attn=2) greedy tokens are unchanged. Refused by name: a Qwen3-Next checkpoint without `mtp.*`,
+more than one MTP layer, `--cp`, a captured decode step.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine_helpers import greedy
+from mtp_checkpoints import MtpReference, Qwen3NextMtpReference, drafted_greedy_run
+from test_speculative_mtp import K, MTP, PROMPTS
+from moe_runtime import LLM
+from moe_runtime.errors import InvalidRequestError
+from moe_runtime.speculative.mtp_loading import build_mtp_drafter
+from moe_runtime.weights.mtp_checkpoint_writer import write_mtp_checkpoint
+
+pytestmark = pytest.mark.timeout(600)
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tiny_checkpoint_factory, tmp_path_factory):
+    """arch -> its tiny checkpoint with an MTP layer (GLM-4.5's with its own embedding and head copies)."""
+    root = tmp_path_factory.mktemp("mtp_families")
+    return {arch: write_mtp_checkpoint(tiny_checkpoint_factory(arch), root / arch, own_copies=True)
+            for arch in ("glm4_moe", "qwen3_next")}
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "qwen3_next"])
+def test_the_drafts_are_the_mtp_modules_and_greedy_tokens_are_unchanged(arch, mtp_checkpoint, greedy_oracle,
+                                                                       tmp_path):
+    path = mtp_checkpoint[arch]
+    reference = MtpReference(path) if arch == "glm4_moe" else Qwen3NextMtpReference(path, tmp_path)
+    outputs, worker = drafted_greedy_run(path, MTP, reference, PROMPTS, NEW_TOKENS)
+    assert outputs == greedy_oracle(arch, PROMPTS, NEW_TOKENS)
+    assert worker.spec_draft_tokens > 0 and worker.spec_verify_steps > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, dp_attn", [("glm4_moe", 1), ("qwen3_next", 2)])
+def test_mtp_under_expert_parallel(arch, dp_attn, mtp_checkpoint, greedy_oracle):
+    with LLM(str(mtp_checkpoint[arch]), device="cpu", dtype="float32", speculative_config=MTP, ep=2,
+             dp_attn=dp_attn, enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=4) as llm:
+        outputs = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
+        workers = llm.engine.stats().workers
+    assert outputs == greedy_oracle(arch, PROMPTS, NEW_TOKENS)
+    assert all(w.spec_draft_tokens > 0 for w in workers)
+    assert all(w.kv_blocks_free == w.kv_blocks_total for w in workers), "blocks leaked"
+
+
+def fake_source(cfg, names: set[str], cp_size: int = 1, captured: bool = False) -> SimpleNamespace:
+    """What `build_mtp_drafter` reads before it builds anything."""
+    return SimpleNamespace(target=SimpleNamespace(hf_config=cfg), reader=SimpleNamespace(names=lambda: names,
+                                                                                          directory="ckpt"),
+                           ctx=SimpleNamespace(parallel=SimpleNamespace(cp_size=cp_size)),
+                           runner=SimpleNamespace(capture=object() if captured else None))
+
+
+def test_what_mtp_cannot_draft_with_is_refused_by_name():
+    glm = SimpleNamespace(architectures=["Glm4MoeForCausalLM"], num_hidden_layers=3, num_nextn_predict_layers=1)
+    qwen = SimpleNamespace(architectures=["Qwen3NextForCausalLM"], num_hidden_layers=4)
+    with pytest.raises(InvalidRequestError, match="Qwen3NextForCausalLM.*mtp\\.\\*"):
+        build_mtp_drafter(fake_source(qwen, {"model.embed_tokens.weight"}), K)
+    with pytest.raises(InvalidRequestError, match="--cp is not built"):
+        build_mtp_drafter(fake_source(glm, {"model.layers.3.eh_proj.weight"}, cp_size=2), K)
+    with pytest.raises(InvalidRequestError, match="enable_torch_compile is not built"):
+        build_mtp_drafter(fake_source(glm, {"model.layers.3.eh_proj.weight"}, captured=True), K)
+    two = SimpleNamespace(**{**vars(glm), "num_nextn_predict_layers": 2})
+    with pytest.raises(InvalidRequestError, match="num_nextn_predict_layers=2 is not built"):
+        build_mtp_drafter(fake_source(two, {"model.layers.3.eh_proj.weight"}), K)
