@@ -222,9 +222,13 @@ def main() -> None:
                         help="this runtime's kernel family (cpu: the compiled CPU kernels, kernels/cpu_native)")
     parser.add_argument("--dense", action="store_true",
                         help="also the dense ~90M Llama-shaped model (bench/dense_bench_model.py) per dtype")
+    parser.add_argument("--dense-only", action="store_true", help="the dense model's rows alone (implies --dense)")
+    parser.add_argument("--out", default="offline_generate.json",
+                        help="file name of the dtype rows' JSON in bench/results (a partial run keeps the full one)")
     parser.add_argument("--cpu-experts", action="store_true",
                         help="also this runtime with --cpu-experts (routed experts on their own thread) per MoE row")
     args = parser.parse_args()
+    args.dense = args.dense or args.dense_only
     if LLAMA_CPP_ONLY_DTYPE in args.dtypes and args.llama_cpp is None:
         parser.error(f"--dtypes {LLAMA_CPP_ONLY_DTYPE} rows are llama.cpp's only: pass --llama-cpp")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -235,7 +239,7 @@ def main() -> None:
     llama = LlamaCppRun(args.llama_cpp, args.gguf_dir, args.llama_cpp_src, args.repeats) if args.llama_cpp else None
     int8_rows = measure_int8(args.batches, args.repeats, bandwidth) if "int8" in args.dtypes else []
     dtypes = [d for d in args.dtypes if d not in ("fp8", "int8", LLAMA_CPP_ONLY_DTYPE)]
-    models = [(model, dtype) for model in ("moe", "dense")[:1 + args.dense] for dtype in dtypes]
+    models = [(model, dtype) for model in ("moe", "dense")[args.dense_only:1 + args.dense] for dtype in dtypes]
     for model, dtype in models:
         dtype_bytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
         path = str(build_checkpoint(dtype) if model == "moe" else
@@ -306,7 +310,7 @@ def main() -> None:
     written = []
     extra = dict(llama_cpp_reference_rows=reference_rows) if reference_rows else {}
     if rows or (reference_rows and not int8_rows):   # each table has its own file: an fp8-only or int8-only run
-        written.append(RESULTS / "offline_generate.json")   # does not erase the dtype rows
+        written.append(RESULTS / args.out)   # does not erase the dtype rows
         written[-1].write_text(json.dumps(dict(benchmark="offline_generate", **common, rows=rows, **extra), indent=2))
     if fp8_rows:
         written.append(RESULTS / "offline_fp8.json")
