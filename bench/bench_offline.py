@@ -55,9 +55,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: the repo root, for bench.*
 
+from bench.dense_bench_model import DENSE_SHAPE, build_dense_checkpoint, dense_weight_bytes_per_decode_step
 from bench.gguf_convert import GgufTarget, ensure_gguf
 from bench.llama_cpp import LlamaCppRates, LlamaCppTools
-from bench.offline_tables import (print_compiled_rows, print_fp8_rows, print_int8_rows,
+from bench.offline_tables import (print_compiled_rows, print_cpu_experts_rows, print_fp8_rows, print_int8_rows,
                                   print_llama_cpp_reference_rows, print_rows)
 from bench.step_breakdown import run_step_breakdown
 from moe_runtime.planner.calibration_models import QWEN3_MOE_SHAPE
@@ -151,13 +152,13 @@ def make_prompts(batch: int) -> list[list[int]]:
 
 
 def run_runtime(path: str, dtype: str, prompts, repeats: int, queue, quantization: str | None = None,
-                compile_decode: bool = False) -> None:
+                compile_decode: bool = False, kernels: str = "auto", cpu_experts: bool = False) -> None:
     torch.set_num_threads(torch.get_num_threads())
     from moe_runtime import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(path, device="cpu", dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization,
-             enable_torch_compile=compile_decode) as llm:
+             enable_torch_compile=compile_decode, kernels=kernels, cpu_experts=cpu_experts) as llm:
         started = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up (+ compile)
         warmup_seconds = time.perf_counter() - started
@@ -217,7 +218,17 @@ def main() -> None:
     parser.add_argument("--torch-compile", action="store_true",
                         help="also run this runtime with --enable-torch-compile (the captured decode step) per row")
     parser.add_argument("--breakdown-steps", type=int, default=5)
+    parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu"],
+                        help="this runtime's kernel family (cpu: the compiled CPU kernels, kernels/cpu_native)")
+    parser.add_argument("--dense", action="store_true",
+                        help="also the dense ~90M Llama-shaped model (bench/dense_bench_model.py) per dtype")
+    parser.add_argument("--dense-only", action="store_true", help="the dense model's rows alone (implies --dense)")
+    parser.add_argument("--out", default="offline_generate.json",
+                        help="file name of the dtype rows' JSON in bench/results (a partial run keeps the full one)")
+    parser.add_argument("--cpu-experts", action="store_true",
+                        help="also this runtime with --cpu-experts (routed experts on their own thread) per MoE row")
     args = parser.parse_args()
+    args.dense = args.dense or args.dense_only
     if LLAMA_CPP_ONLY_DTYPE in args.dtypes and args.llama_cpp is None:
         parser.error(f"--dtypes {LLAMA_CPP_ONLY_DTYPE} rows are llama.cpp's only: pass --llama-cpp")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -227,28 +238,42 @@ def main() -> None:
                 if "fp8" in args.dtypes else [])
     llama = LlamaCppRun(args.llama_cpp, args.gguf_dir, args.llama_cpp_src, args.repeats) if args.llama_cpp else None
     int8_rows = measure_int8(args.batches, args.repeats, bandwidth) if "int8" in args.dtypes else []
-    for dtype in (d for d in args.dtypes if d not in ("fp8", "int8", LLAMA_CPP_ONLY_DTYPE)):
-        path = str(build_checkpoint(dtype))
+    dtypes = [d for d in args.dtypes if d not in ("fp8", "int8", LLAMA_CPP_ONLY_DTYPE)]
+    models = [(model, dtype) for model in ("moe", "dense")[args.dense_only:1 + args.dense] for dtype in dtypes]
+    for model, dtype in models:
+        dtype_bytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        path = str(build_checkpoint(dtype) if model == "moe" else
+                   build_dense_checkpoint(dtype, CACHE, build_checkpoint(dtype)))
         llama_rates = llama.rates(Path(path), GGUF_FILE_TYPE[dtype], args.batches) if llama else {}
         for batch in args.batches:
             prompts = make_prompts(batch)
-            logger.info("dtype=%s batch=%d: runtime", dtype, batch)
-            ours = in_subprocess(run_runtime, path, dtype, prompts, args.repeats)
+            logger.info("model=%s dtype=%s batch=%d: runtime", model, dtype, batch)
+            ours = in_subprocess(run_runtime, path, dtype, prompts, args.repeats, kernels=args.kernels)
             logger.info("dtype=%s batch=%d: transformers", dtype, batch)
             theirs = in_subprocess(run_transformers, path, dtype, prompts, args.repeats)
             generated = batch * NEW_TOKENS
             same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
-            step_bytes = weight_bytes_per_decode_step(batch, torch.tensor([], dtype=getattr(torch, dtype)).element_size())
+            step_bytes = (weight_bytes_per_decode_step(batch, dtype_bytes) if model == "moe" else
+                          dense_weight_bytes_per_decode_step(dtype_bytes))
             steps_per_s = lambda seconds: NEW_TOKENS / seconds  # noqa: E731  (prefill counted as a step)
             rows.append(dict(
-                dtype=dtype, batch=batch, runtime_tok_s=generated / ours["seconds"],
+                model=model, dtype=dtype, batch=batch, kernels=args.kernels, runtime_tok_s=generated / ours["seconds"],
                 transformers_tok_s=generated / theirs["seconds"], speedup=theirs["seconds"] / ours["seconds"],
                 runtime_peak_rss_mib=ours["peak_rss_mib"], transformers_peak_rss_mib=theirs["peak_rss_mib"],
                 identical_sequences=f"{same}/{batch}",
                 runtime_weight_gbs=step_bytes * steps_per_s(ours["seconds"]) / 1e9,
                 transformers_weight_gbs=step_bytes * steps_per_s(theirs["seconds"]) / 1e9,
-                copy_bandwidth_gbs=bandwidth,
+                weight_bytes_per_step=step_bytes, copy_bandwidth_gbs=bandwidth,
+                bandwidth_bound_tok_s=batch * bandwidth * 1e9 / step_bytes,
             ))
+            if args.cpu_experts and model == "moe":
+                logger.info("dtype=%s batch=%d: runtime, --cpu-experts", dtype, batch)
+                offloaded = in_subprocess(run_runtime, path, dtype, prompts, args.repeats, kernels=args.kernels,
+                                          cpu_experts=True)
+                rows[-1].update(cpu_experts_tok_s=generated / offloaded["seconds"],
+                                cpu_experts_vs_eager=ours["seconds"] / offloaded["seconds"],
+                                cpu_experts_identical=f"{sum(a == b for a, b in zip(offloaded['tokens'], ours['tokens']))}"
+                                                      f"/{batch}")
             if llama or args.breakdown:   # the machine may be shared: say how busy it was for this row
                 rows[-1].update(load_avg_1m=os.getloadavg()[0])
             if batch in llama_rates:
@@ -260,7 +285,8 @@ def main() -> None:
                                 decode_step_ms=breakdown["step_ms"], step_breakdown=breakdown)
             if args.torch_compile:
                 logger.info("dtype=%s batch=%d: runtime, captured decode step", dtype, batch)
-                compiled = in_subprocess(run_runtime, path, dtype, prompts, args.repeats, compile_decode=True)
+                compiled = in_subprocess(run_runtime, path, dtype, prompts, args.repeats, compile_decode=True,
+                                         kernels=args.kernels)
                 rows[-1].update(compiled_columns(compiled, ours, theirs, rows[-1], generated, step_bytes))
                 if args.breakdown:
                     breakdown = in_subprocess(run_step_breakdown, path, dtype, prompts, args.breakdown_steps,
@@ -271,11 +297,12 @@ def main() -> None:
     reference_rows = (llama.reference_rows(args.batches) if llama and LLAMA_CPP_ONLY_DTYPE in args.dtypes else [])
     print_rows(rows, PROMPT_LEN, NEW_TOKENS, torch.get_num_threads())
     print_compiled_rows(rows)
+    print_cpu_experts_rows(rows)
     print_fp8_rows(fp8_rows)
     print_int8_rows(int8_rows)
     print_llama_cpp_reference_rows(reference_rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    common = dict(shape=SHAPE, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, threads=torch.get_num_threads(),
+    common = dict(shape=SHAPE, dense_shape=DENSE_SHAPE, kernels=args.kernels, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, threads=torch.get_num_threads(),
                   machine=platform.machine(), python=sys.version.split()[0], torch=torch.__version__,
                   command="python bench/bench_offline.py " + " ".join(sys.argv[1:]))
     if llama:
@@ -283,7 +310,7 @@ def main() -> None:
     written = []
     extra = dict(llama_cpp_reference_rows=reference_rows) if reference_rows else {}
     if rows or (reference_rows and not int8_rows):   # each table has its own file: an fp8-only or int8-only run
-        written.append(RESULTS / "offline_generate.json")   # does not erase the dtype rows
+        written.append(RESULTS / args.out)   # does not erase the dtype rows
         written[-1].write_text(json.dumps(dict(benchmark="offline_generate", **common, rows=rows, **extra), indent=2))
     if fp8_rows:
         written.append(RESULTS / "offline_fp8.json")

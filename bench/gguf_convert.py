@@ -84,6 +84,20 @@ def accept_unknown_pre_tokenizer(text_model_class) -> None:
     text_model_class.get_vocab_base_pre = get_vocab_base_pre
 
 
+def skip_absent_sentencepiece(text_model_class) -> None:
+    """Dense Llama/Qwen converters try a SentencePiece vocabulary first and fall back to BPE on FileNotFoundError,
+    but import `sentencepiece` before looking for `tokenizer.model`: without the package (not needed here) that
+    import stops them. With no `tokenizer.model` the attempt now fails as the fallback expects."""
+    load_sentencepiece = text_model_class._set_vocab_sentencepiece
+
+    def _set_vocab_sentencepiece(self, *args, **kwargs):
+        if not (self.dir_model / "tokenizer.model").is_file():
+            raise FileNotFoundError(f"no tokenizer.model in {self.dir_model}")
+        return load_sentencepiece(self, *args, **kwargs)
+
+    text_model_class._set_vocab_sentencepiece = _set_vocab_sentencepiece
+
+
 def run_patched_converter(converter_dir: Path, checkpoint: Path, out: Path, outtype: str) -> None:
     """Import the converter's `conversion` package from `converter_dir`, patch it, run its script as __main__."""
     converter_dir = converter_dir.resolve()
@@ -92,6 +106,7 @@ def run_patched_converter(converter_dir: Path, checkpoint: Path, out: Path, outt
     from conversion.base import TextModel
 
     accept_unknown_pre_tokenizer(TextModel)
+    skip_absent_sentencepiece(TextModel)
     sys.argv = [CONVERTER_SCRIPT, str(checkpoint), "--outfile", str(out), "--outtype", outtype]
     runpy.run_path(str(converter_dir / CONVERTER_SCRIPT), run_name="__main__")
 

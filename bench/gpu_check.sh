@@ -19,8 +19,10 @@
 #   captured_ep      90 s      180 s    ep=2, --a2a-backend deepep: zero host reads in decode steps; the EP step
 #                                       captured whole (DeepEP low latency inside) gives eager's tokens; skipped
 #                                       (with the reason) without 2 GPUs and deep_ep
+#   cpu_experts      40 s      100 s    --cpu-experts: routed experts in host memory (two hot ones kept on the
+#                                       device) give the all-on-device tokens; ms/token offloaded vs on device
 #   kernel_cases     60 s      120 s    tests/triton_kernel_cases.py compiled (edge cases, bf16 + fp32)
-#   total           ~8.5 min (estimates: no GPU has run it yet). The run stops starting parts at 540 s
+#   total           ~9 min (estimates: no GPU has run it yet). The run stops starting parts at 540 s
 #                   (--total-timeout; less what the wheels took) and this script kills it at
 #                   GPU_CHECK_HARD_LIMIT_S (default 580 s); results are written after each part.
 # Most of a cold run is Triton compiling each kernel variant once; a part far over its budget is itself

@@ -17,17 +17,19 @@ def print_rows(rows: list[dict], prompt_len: int, new_tokens: int, threads: int)
     """The dtype rows; llama.cpp and breakdown columns only when the rows have them."""
     with_llama = any("llama_cpp_tok_s" in r for r in rows)
     with_breakdown = any("kernel_share" in r for r in rows)
-    header = f"{'dtype':9} {'batch':>5} {'runtime tok/s':>14} {'HF tok/s':>10} {'ratio':>7} {'RSS ours MiB':>13} " \
-             f"{'RSS HF MiB':>11} {'same tokens':>12} {'weights GB/s ours/HF':>21} {'memcpy GB/s':>12}"
+    header = f"{'model dtype':15} {'batch':>5} {'runtime tok/s':>14} {'HF tok/s':>10} {'ratio':>7} {'RSS ours MiB':>13} " \
+             f"{'RSS HF MiB':>11} {'same tokens':>12} {'weights GB/s ours/HF':>21} {'memcpy GB/s':>12} " \
+             f"{'MB/step':>8} {'bound tok/s':>12}"
     header += f" {'llama.cpp tok/s':>16} {'vs llama.cpp':>13} {'l.cpp pp/tg tok/s':>18}" if with_llama else ""
     header += f" {'step ms':>8} {'kernel/other':>13}" if with_breakdown else ""
-    print_table_head(f"\nOffline generation, Qwen3-MoE shape, {prompt_len} prompt + {new_tokens} new tokens, "
+    print_table_head(f"\nOffline generation, Qwen3-MoE shape (dense: Llama ~90M), {prompt_len} prompt + {new_tokens} new tokens, "
                      f"{threads} threads", header)
     for r in rows:
-        line = f"{r['dtype']:9} {r['batch']:>5} {r['runtime_tok_s']:>14.1f} {r['transformers_tok_s']:>10.1f} " \
+        line = f"{row_label(r):15} {r['batch']:>5} {r['runtime_tok_s']:>14.1f} {r['transformers_tok_s']:>10.1f} " \
                f"{r['speedup']:>6.2f}x {r['runtime_peak_rss_mib']:>13.0f} {r['transformers_peak_rss_mib']:>11.0f} " \
                f"{r['identical_sequences']:>12} {r['runtime_weight_gbs']:>10.1f}/{r['transformers_weight_gbs']:<10.1f} " \
-               f"{r['copy_bandwidth_gbs']:>12.1f}"
+               f"{r['copy_bandwidth_gbs']:>12.1f} {r['weight_bytes_per_step'] / 1e6:>8.1f} " \
+               f"{r['bandwidth_bound_tok_s']:>12.1f}"
         if with_llama:
             line += f" {r['llama_cpp_tok_s']:>16.1f} {r['vs_llama_cpp']:>12.2f}x " \
                     f"{r['llama_cpp_prefill_tok_s']:>9.0f}/{r['llama_cpp_decode_tok_s']:<8.1f}"
@@ -35,7 +37,8 @@ def print_rows(rows: list[dict], prompt_len: int, new_tokens: int, threads: int)
             line += f" {r['decode_step_ms']:>8.1f} {r['kernel_share']:>6.0%}/{r['other_share']:<6.0%}"
         print(line)
     print("weights GB/s: expert and dense weights a decode step reads (experts the batch touches), times steps/s;"
-          "\nnear the memcpy figure a system is bound by memory bandwidth, not by its overheads.")
+          "\nnear the memcpy figure a system is bound by memory bandwidth, not by its overheads. MB/step: those"
+          "\nweights' bytes; bound tok/s: batch x memcpy bandwidth / MB per step (decode steps only, no overheads).")
     if with_llama:
         print("llama.cpp: llama-batched-bench on the same weights in GGUF (F32/BF16), batch x (64 prompt + 64 new) "
               "tokens,\ngenerated tokens over prefill + decode time; vs llama.cpp: runtime tok/s over llama.cpp's.")
@@ -47,18 +50,34 @@ def print_rows(rows: list[dict], prompt_len: int, new_tokens: int, threads: int)
 def print_compiled_rows(rows: list[dict]) -> None:
     if not any("compiled_tok_s" in r for r in rows):
         return
-    header = f"{'dtype':9} {'batch':>5} {'eager tok/s':>12} {'compiled tok/s':>15} {'vs eager':>9} {'vs HF':>7} " \
+    header = f"{'model dtype':15} {'batch':>5} {'eager tok/s':>12} {'compiled tok/s':>15} {'vs eager':>9} {'vs HF':>7} " \
              f"{'vs llama.cpp':>13} {'same tokens':>12} {'weights GB/s':>13} {'compile s':>10}"
     print_table_head("\n--enable-torch-compile (captured decode step) beside the eager runtime, same checkpoint "
                      "and prompts", header)
     for r in rows:
         vs_llama = f"{r['compiled_vs_llama_cpp']:>12.2f}x" if "compiled_vs_llama_cpp" in r else f"{'-':>13}"
-        print(f"{r['dtype']:9} {r['batch']:>5} {r['runtime_tok_s']:>12.1f} {r['compiled_tok_s']:>15.1f} "
+        print(f"{row_label(r):15} {r['batch']:>5} {r['runtime_tok_s']:>12.1f} {r['compiled_tok_s']:>15.1f} "
               f"{r['compiled_vs_eager']:>8.2f}x {r['compiled_vs_transformers']:>6.2f}x {vs_llama} "
               f"{r['compiled_identical_to_eager']:>12} {r['compiled_weight_gbs']:>13.1f} "
               f"{r['compiled_warmup_seconds']:>10.0f}")
     print("compile s: the warm-up generate, which compiles the batch's bucket (the inductor cache in /tmp makes a "
           "second run\nfaster); same tokens: greedy sequences identical to the eager runtime's.")
+
+
+def row_label(row: dict) -> str:
+    """`float32` for the MoE bench model's rows, `dense float32` for the dense model's."""
+    return row["dtype"] if row.get("model", "moe") == "moe" else f"{row['model']} {row['dtype']}"
+
+
+def print_cpu_experts_rows(rows: list[dict]) -> None:
+    if not any("cpu_experts_tok_s" in r for r in rows):
+        return
+    header = f"{'model dtype':15} {'batch':>5} {'eager tok/s':>12} {'--cpu-experts tok/s':>20} {'vs eager':>9} " \
+             f"{'same tokens':>12}"
+    print_table_head("\n--cpu-experts (routed experts on their own thread, both sides on this CPU) beside eager", header)
+    for r in (r for r in rows if "cpu_experts_tok_s" in r):
+        print(f"{row_label(r):15} {r['batch']:>5} {r['runtime_tok_s']:>12.1f} {r['cpu_experts_tok_s']:>20.1f} "
+              f"{r['cpu_experts_vs_eager']:>8.2f}x {r['cpu_experts_identical']:>12}")
 
 
 def print_llama_cpp_reference_rows(rows: list[dict]) -> None:

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "cpu", "reference"],
                    help="MoE/attention kernel implementation (cpu: the torch family with the routed experts in a "
                         "C++ kernel compiled on first use for this CPU)")
+    g.add_argument("--cpu-experts", action=argparse.BooleanOptionalAction, default=e.cpu_experts,
+                   help="keep the routed experts in host memory and run them with the CPU kernels on their own "
+                        "thread while attention, the router and the shared experts run on the device")
+    g.add_argument("--device-resident-experts", type=non_negative_int, default=e.device_resident_experts,
+                   help="with --cpu-experts: each MoE layer's N hottest routed experts (by the recorded load, "
+                        "re-chosen every --eplb-window steps) keep a copy on the device and run there")
     g.add_argument("--enable-torch-compile", action=argparse.BooleanOptionalAction, default=e.enable_torch_compile,
                    help="capture decode steps: each batch size bucket (1, 2, 4, ... --torch-compile-max-bs) compiles "
                         "once with torch.compile (the first step of a bucket waits for it, tens of seconds on CPU); "

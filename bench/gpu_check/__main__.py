@@ -14,6 +14,7 @@ how to run it on a lent GPU. Parts (supervisor.PARTS has their budgets):
   captured      --enable-torch-compile: decode replayed as CUDA graphs gives the eager tokens
   captured_ep   ep=2 with DeepEP low latency: no host read in a decode step; the captured EP step gives the
                 eager tokens (needs 2 GPUs and deep_ep; the dry run uses the tests' DeepEP emulation)
+  cpu_experts   --cpu-experts: routed experts in host memory (hot ones on the device) give the on-device tokens
   kernel_cases  tests/triton_kernel_cases.py compiled on the GPU (edge cases, bf16 + fp32)
 
 Each part runs in its own process under a hard timeout; a check that fails, raises, or crashes its

@@ -26,10 +26,9 @@ from torch._dynamo.utils import counters
 from dispatch.deepep import deep_ep_importable
 from engine_helpers import greedy
 from moe_runtime import LLM
-from moe_runtime.demo.tokenizer_training import save_tokenizer
-from tiny_checkpoints import TinyCheckpointFactory, tiny_tokenizer
 
 from .report import Outcome, RunMode, judged, passed, skipped
+from .tiny_models import tiny_factory
 
 HIDDEN = 2048
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [19, 20, 21], [22, 23, 24, 25, 26]]
@@ -80,10 +79,7 @@ class CapturedEpPart:
 
     def checkpoint(self) -> Path:
         if self._path is None:
-            work = Path(self.mode.work_dir)
-            factory = TinyCheckpointFactory(work / "tiny_checkpoints",
-                                            save_tokenizer(tiny_tokenizer(), work / "tiny_tokenizer"))
-            self._path = factory("deepseek_v3", hidden_size=HIDDEN)
+            self._path = tiny_factory(self.mode.work_dir)("deepseek_v3", hidden_size=HIDDEN)
         return self._path
 
     def generate(self, captured: bool, new_tokens: int, **extra) -> tuple[EpRun, list[int]]:

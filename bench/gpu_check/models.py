@@ -20,13 +20,13 @@ from torch._dynamo.utils import counters
 from bench import bench_offline as offline
 from engine_helpers import PROMPTS, greedy, runtime_prefill_logits
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.demo.tokenizer_training import save_tokenizer
 from test_engine_parity import ARCHS as PARITY_ARCHS
 from test_engine_parity import NEW_TOKENS as PARITY_NEW_TOKENS
-from tiny_checkpoints import HFOracle, TinyCheckpointFactory, tiny_tokenizer
+from tiny_checkpoints import HFOracle, TinyCheckpointFactory
 
 from .kernel_shapes import synchronize
 from .report import Outcome, RunMode, judged, passed, skipped
+from .tiny_models import tiny_factory
 
 
 # ---------------------------------------------------------------------------------------------- parity
@@ -129,9 +129,7 @@ class ParityPart:
     def oracle(self, arch: str) -> ArchOracle:
         if self._oracle is None or self._oracle.arch != arch:
             if self._factory is None:
-                work = Path(self.mode.work_dir)
-                tokenizer_dir = save_tokenizer(tiny_tokenizer(), work / "tiny_tokenizer")
-                self._factory = TinyCheckpointFactory(work / "tiny_checkpoints", tokenizer_dir)
+                self._factory = tiny_factory(self.mode.work_dir)
             path = self._factory(arch)
             hf = HFOracle(path)
             self._oracle = ArchOracle(arch, path, hf.greedy(self.prompts, self.new_tokens),
@@ -391,9 +389,7 @@ class CapturedPart:
 
     def checkpoint(self, arch: str) -> Path:
         if self._factory is None:
-            work = Path(self.mode.work_dir)
-            self._factory = TinyCheckpointFactory(work / "tiny_checkpoints",
-                                                  save_tokenizer(tiny_tokenizer(), work / "tiny_tokenizer"))
+            self._factory = tiny_factory(self.mode.work_dir)
         return self._factory(arch)
 
     def generate(self, arch: str, dtype: str, prompts: list[list[int]], new_tokens: int, captured: bool) -> EngineRun:

@@ -93,7 +93,7 @@ PARTS: tuple[PartSpec, ...] = (
              gpu_budget_s=100, gpu_timeout_s=170, dry_budget_s=60, dry_timeout_s=120),
     PartSpec("serve", "bench.gpu_check.programs:ServePart",
              "moe-serve --device on the demo model answers a completion",
-             gpu_budget_s=40, gpu_timeout_s=100, dry_budget_s=25, dry_timeout_s=90),
+             gpu_budget_s=40, gpu_timeout_s=100, dry_budget_s=45, dry_timeout_s=90),
     PartSpec("moe_layer", "bench.gpu_check.programs:MoELayerPart",
              "bench/bench_moe_layer.py: one MoE layer vs transformers' block (grouped_mm, eager)",
              gpu_budget_s=50, gpu_timeout_s=120, dry_budget_s=20, dry_timeout_s=60),
@@ -109,6 +109,10 @@ PARTS: tuple[PartSpec, ...] = (
              "ep=2 decode captured whole with DeepEP low latency inside: no host read in eager decode steps, "
              "captured tokens equal eager (one worker idle too), ms per token (needs 2 GPUs and deep_ep)",
              gpu_budget_s=90, gpu_timeout_s=180, dry_budget_s=90, dry_timeout_s=180),
+    PartSpec("cpu_experts", "bench.gpu_check.cpu_experts:CpuExpertsPart",
+             "--cpu-experts: routed experts in host memory (two hot ones kept on the device) give the all-on-device "
+             "tokens; ms per token offloaded vs on the device",
+             gpu_budget_s=40, gpu_timeout_s=100, dry_budget_s=45, dry_timeout_s=90),
     # Last: the four checks the GPU run exists for come first; this one takes what time is left.
     PartSpec("kernel_cases", "bench.gpu_check.programs:KernelCasesPart",
              "tests/triton_kernel_cases.py compiled, bf16 + fp32 (empty batches, masked slots, partial tiles)",

@@ -3,7 +3,9 @@
 // are in cache, then the down rows), SwiGLU fused between the two, float32 accumulation. Weights are float32,
 // bfloat16 (widened in registers) or int8 with a float32 scale per row (converted in registers, the scale on the
 // dot product); activations float32 or bfloat16 (widened once per segment). Threads split
-// the experts' output rows (at::parallel_for), so one busy expert still uses every core.
+// the experts' output rows (at::parallel_for), so one busy expert still uses every core. The Python entry points
+// release the GIL: with --cpu-experts the kernel runs on its own thread while the caller's thread goes on
+// (moe_runtime/moe/host_experts.py).
 //
 // The dot products are AVX2 + FMA intrinsics where the CPU has them (built with -march=native for the machine it
 // runs on), plain loops the compiler vectorises elsewhere; the kernel is compiled on first use into a cache
@@ -272,7 +274,7 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_expert_mlp", &silu_expert_mlp, "routed SwiGLU experts over rows grouped by expert (see the file's top)",
         py::arg("x_sorted"), py::arg("counts"), py::arg("w13"), py::arg("w2"), py::arg("w13_scale") = py::none(),
-        py::arg("w2_scale") = py::none());
+        py::arg("w2_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("rows_linear", &rows_linear, "x [M, K] @ w[N, K].T at few rows (int8 weights with a scale per row)",
-        py::arg("x"), py::arg("w"), py::arg("scale") = py::none());
+        py::arg("x"), py::arg("w"), py::arg("scale") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

@@ -62,6 +62,10 @@ class EngineConfig:
     debug_host_reads: bool = False       # count each decode step's host reads (device values read on the host,
                                          # which stall a GPU and break graph capture): WorkerStats.decode_host_reads
     num_redundant_experts: int = 0       # extra physical expert slots for replicas of hot experts
+    cpu_experts: bool = False            # routed experts in host memory, run by the CPU kernels on their own thread
+                                         # while the shared experts run (KTransformers' split; moe/host_experts.py)
+    device_resident_experts: int = 0     # with cpu_experts: each layer's N hottest routed experts (by recorded
+                                         # load) keep a copy on the device and run there
     eplb_interval: int = 0               # rebalance experts every N steps (0 = only on demand)
     eplb_threshold: float = 0.0          # ... or when mean balancedness drops below this (0 = off)
     eplb_window: int = 128               # steps of expert load the rebalancer plans from
@@ -145,10 +149,31 @@ class EngineConfig:
             raise EngineConfigError("--dispatch-fp8 needs --ep > 1 (one rank dispatches nothing over a wire)")
         if self.enable_torch_compile:
             self.validate_torch_compile()
+        self.validate_cpu_experts()
         if self.cp > 1 and self.enable_two_batch_overlap:
             raise EngineConfigError(f"--cp {self.cp} with --enable-two-batch-overlap: a context-parallel step "
                                     "exchanges every layer's new K/V over the whole step, which two micro-batches "
                                     "would have to pair up; use one of them")
+
+    def validate_cpu_experts(self) -> None:
+        """Host-held routed experts run eagerly through the contiguous-layout kernels, in float or int8 weights."""
+        if self.device_resident_experts < 0:
+            raise EngineConfigError(f"--device-resident-experts {self.device_resident_experts}: must be >= 0")
+        if self.device_resident_experts and not self.cpu_experts:
+            raise EngineConfigError(f"--device-resident-experts {self.device_resident_experts} needs --cpu-experts "
+                                    "(without it every routed expert is on the device already)")
+        if not self.cpu_experts:
+            return
+        if self.enable_torch_compile:
+            raise EngineConfigError("--cpu-experts with --enable-torch-compile: the host experts run on their own "
+                                    "thread from host counts, which a captured step cannot hold; use one of them")
+        if self.quantization not in (None, "int8"):
+            raise EngineConfigError(f"--cpu-experts with --quantization {self.quantization}: the host expert "
+                                    "kernels run float32, bfloat16 and int8 experts; use --quantization int8 or none")
+        if self.a2a_backend == "deepep":
+            raise EngineConfigError("--cpu-experts with --a2a-backend deepep: DeepEP hands the experts device "
+                                    "buffers (masked at decode) that the host kernel does not take; use "
+                                    "all_to_all or allgather")
 
     def validate_torch_compile(self) -> None:
         """A captured decode step is one rank's whole forward with unquantized weights; the one exchange it may

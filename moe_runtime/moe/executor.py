@@ -23,18 +23,22 @@ import logging
 
 import torch
 
+from dispatch.base import LAYOUT_CONTIGUOUS
 from dispatch.backends import BACKEND_LOCAL, PHASE_DECODE, PHASE_PREFILL
 from dispatch.config import DispatchConfig
 from dispatch.deepep import DEFAULT_DEEPEP_MODULE
 from dispatch.factory import backend_for, make_phase_dispatchers
 from kernels import KernelSet, TopK
+from kernels.kernel_set import cpu_kernels
 from kernels.pair_experts import pair_expert_mlp
 from load_balancer.placement import Placement, static_placement
 from load_balancer.recorder import ExpertLoadRecorder
 from load_balancer.replica_choice import ReplicaTable, choose_replicas, replica_tables
 from load_balancer.slot_geometry import SlotGeometry
 from load_balancer.survivor_placement import SlotReload, survivor_placement
-from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
+from moe_runtime.moe.device_resident_experts import DeviceResidentExperts, hottest_slots
+from moe_runtime.moe.host_experts import HOST, HOST_QUANTIZATIONS, HostExpertKernel
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.comm_timeline import CommTimeline
 from moe_runtime.moe.expert_weights import ExpertWeights
@@ -52,7 +56,8 @@ class MoEExecutor:
     def __init__(self, kernels: KernelSet, parallel: ParallelContext, *, backend: str, num_redundant_experts: int,
                  hidden_size: int, dtype: torch.dtype, record_load: bool, record_window: int = 128,
                  decode_max_tokens: int | None = None, fp8_activations: bool = False,
-                 two_batch_overlap: bool = False, deepep_module: str = DEFAULT_DEEPEP_MODULE):
+                 two_batch_overlap: bool = False, deepep_module: str = DEFAULT_DEEPEP_MODULE,
+                 cpu_experts: bool = False, device_resident_experts: int = 0):
         self.kernels = kernels
         self.parallel = parallel
         self.backend = backend
@@ -67,6 +72,12 @@ class MoEExecutor:
         # Each step runs as two micro-batches whose dispatch/combine overlap the other's compute (the same
         # on every rank of the job: their collectives must pair up). A plain setting, read every step.
         self.two_batch_overlap = two_batch_overlap
+        # --cpu-experts: routed experts in host memory, run by the CPU kernels on a worker thread
+        # (moe/host_experts.py); the `device_resident_experts` hottest slots of each layer keep a device copy
+        self.cpu_experts = cpu_experts
+        self.device_resident_experts = device_resident_experts
+        self._resident: list[DeviceResidentExperts] = []   # by MoE layer, with device-resident experts
+        self._host_kernel: HostExpertKernel | None = None
         self.num_experts: int | None = None         # logical experts per MoE layer (the same in every layer)
         self.placement: Placement | None = None     # in force; None until registration ends, or without MoE layers
         self.recorder: ExpertLoadRecorder | None = None
@@ -85,10 +96,12 @@ class MoEExecutor:
         load is recorded where ranks report it to a front (a multi-rank job), not on a single-rank engine."""
         return cls(kernels, parallel, backend=config.a2a_backend if parallel.ep_size > 1 else BACKEND_LOCAL,
                    num_redundant_experts=config.num_redundant_experts, hidden_size=hidden_size, dtype=dtype,
-                   record_load=parallel.world_size > 1, record_window=config.eplb_window,
+                   record_load=parallel.world_size > 1 or config.device_resident_experts > 0,
+                   record_window=config.eplb_window,
                    decode_max_tokens=config.max_num_seqs,
                    fp8_activations=config.dispatch_fp8 and parallel.ep_size > 1,
-                   two_batch_overlap=config.enable_two_batch_overlap, deepep_module=config.deepep_module)
+                   two_batch_overlap=config.enable_two_batch_overlap, deepep_module=config.deepep_module,
+                   cpu_experts=config.cpu_experts, device_resident_experts=config.device_resident_experts)
 
     # ---- registration (model construction) ------------------------------------------------------------
     def _geometry(self, num_experts: int) -> SlotGeometry:
@@ -99,6 +112,10 @@ class MoEExecutor:
         geometry = self._geometry(num_experts)
         template = static_placement(1, num_experts, geometry.num_slots, geometry.num_ranks).phy2log[0]  # [P]
         return template[list(geometry.rank_slots(self.parallel.ep_rank))].tolist()
+
+    def routed_expert_device(self, device: torch.device | str | None) -> torch.device | str | None:
+        """Where a layer's routed experts are held: host memory with --cpu-experts, else the layer's device."""
+        return HOST if self.cpu_experts else device
 
     def register_layer(self, experts: ExpertWeights, num_experts: int) -> int:
         """Add one MoE layer, whose routed experts on this rank are `experts`; returns its MoE layer index
@@ -125,14 +142,38 @@ class MoEExecutor:
                                                placement=placement)
         self.set_placement(placement)
         dispatchers = make_phase_dispatchers(self._dispatch_config(geometry))
+        if self.cpu_experts:
+            self._start_host_experts(dispatchers)
         for phase, dispatcher in dispatchers.items():
-            self._by_phase[phase] = ModularMoE(dispatcher, expert_kernel_for(dispatcher.layout(), self.kernels))
+            kernel = self._host_kernel or expert_kernel_for(dispatcher.layout(), self.kernels)
+            self._by_phase[phase] = ModularMoE(dispatcher, kernel)
         if self.two_batch_overlap:
             cannot = sorted({moe.dispatcher.__class__.__name__ for moe in self._by_phase.values()
                              if not moe.dispatcher.supports_async()})
             if cannot:
                 logger.info("two-batch overlap: %s cannot overlap its transfers; the micro-batches run the same "
                             "schedule synchronously", ", ".join(cannot))
+
+    def _start_host_experts(self, dispatchers: dict) -> None:
+        """--cpu-experts: one host expert kernel for every phase; the device copies of the hot slots."""
+        masked = sorted({d.__class__.__name__ for d in dispatchers.values() if d.layout() != LAYOUT_CONTIGUOUS})
+        if masked:
+            raise EngineConfigError(f"--cpu-experts: {', '.join(masked)} hands the experts a masked layout, which "
+                                    "the host expert kernel does not take; use --a2a-backend all_to_all or allgather")
+        quant = self._experts[0].quant
+        if quant is not None and quant.name not in HOST_QUANTIZATIONS:
+            raise EngineConfigError(f"--cpu-experts with --quantization {quant.name}: the host expert kernels run "
+                                    "float32, bfloat16 and int8 experts; use --quantization int8 or none")
+        self._host_kernel = HostExpertKernel(cpu_kernels(), expert_kernel_for(LAYOUT_CONTIGUOUS, self.kernels))
+        if self.device_resident_experts > self._experts[0].num_local_experts:
+            raise EngineConfigError(f"--device-resident-experts {self.device_resident_experts}: this rank holds "
+                                    f"{self._experts[0].num_local_experts} routed experts per MoE layer; choose at "
+                                    "most that many (or 0 for none)")
+        if self.device_resident_experts:
+            for experts in self._experts:
+                copies = DeviceResidentExperts(experts, self.device_resident_experts, self.parallel.device)
+                self._resident.append(copies)
+                self._host_kernel.keep_on_device(copies)
 
     def _dispatch_config(self, geometry: SlotGeometry, phase: str | None = None) -> DispatchConfig:
         """This rank's dispatch settings; `max_tokens_per_rank` bounds decode steps (DeepEP low-latency)."""
@@ -162,6 +203,13 @@ class MoEExecutor:
         self._tables = replica_tables(placement, self.parallel.ep_rank, self.parallel.device)
         if self.recorder is not None:
             self.recorder.set_placement(placement)
+        for copies in self._resident:   # migrations wrote new experts into host slots: retake the device copies
+            copies.stale = True
+
+    @property
+    def host_kernel(self) -> HostExpertKernel | None:
+        """The expert kernel of --cpu-experts (None without it)."""
+        return self._host_kernel
 
     # ---- a lost rank (moe_runtime/processes/reform.py) ---------------------------------------------------------
     def reform(self, parallel: ParallelContext, backend: str, num_nodes: int = 1) -> list[SlotReload]:
@@ -202,7 +250,8 @@ class MoEExecutor:
         self.set_placement(placement)
         timeline = next((moe.timeline for moe in self._by_phase.values()), None)
         for phase, dispatcher in make_phase_dispatchers(self._dispatch_config(geometry)).items():
-            self._by_phase[phase] = ModularMoE(dispatcher, expert_kernel_for(dispatcher.layout(), self.kernels))
+            kernel = self._host_kernel or expert_kernel_for(dispatcher.layout(), self.kernels)
+            self._by_phase[phase] = ModularMoE(dispatcher, kernel)
             self._by_phase[phase].timeline = timeline
         return survivors.reloads
 
@@ -213,12 +262,36 @@ class MoEExecutor:
     def begin_step(self, phase: str) -> None:
         """Every rank must use the same backend in a step: the engine passes the agreed phase."""
         self.phase = phase
+        for copies in self._resident:
+            copies.sync()
         if phase in self._by_phase:
             self._by_phase[phase].dispatcher.begin_step()
 
     def end_step(self) -> None:
         if self.recorder is not None:
             self.recorder.end_step()
+            if self._resident and self.recorder.steps % self.record_window == 0:
+                self._choose_resident()
+
+    def _choose_resident(self) -> None:
+        """Each layer's device copies follow its hottest local slots over the recorder's window (this rank's
+        routing counts: no collective); the copies are retaken at the next step's start."""
+        window_load = self.recorder.window_steps().sum(0)                          # [L, E] logical experts
+        for moe_layer, copies in enumerate(self._resident):
+            slot_load = window_load[moe_layer, copies.host.expert_ids]             # [E_local]
+            copies.choose(hottest_slots(slot_load, len(copies.slots)))
+
+    @property
+    def device_copies(self) -> list[DeviceResidentExperts]:
+        """Per MoE layer, its device-resident copies (--device-resident-experts; [] without)."""
+        return list(self._resident)
+
+    def device_resident(self) -> list[list[int]]:
+        """Per MoE layer, the logical experts whose copies run on the device (--device-resident-experts); []
+        per layer when every routed expert runs where it is held."""
+        if not self._resident:
+            return [[] for _ in self._experts]
+        return [copies.resident_experts() for copies in self._resident]
 
     def needs_phase_agreement(self) -> bool:
         """True when prefill and decode steps use different backends (DeepEP normal vs low-latency). Asked every

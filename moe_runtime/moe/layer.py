@@ -17,7 +17,7 @@ from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertNaming, ExpertWeights
 from moe_runtime.moe.router import Router
-from moe_runtime.moe.stages import Staged
+from moe_runtime.moe.stages import Staged, YieldPoint, run_to_end
 from moe_runtime.weights.quantization.weight_quantization import WeightQuantization, linear_quantization
 
 
@@ -47,7 +47,8 @@ class SparseMoE(nn.Module):
         self.add_module(shape.router_name, Router(shape.hidden_size, shape.num_experts, shape.correction_bias, dtype,
                                                   device, bias=shape.router_bias))
         self.experts = ExpertWeights(executor.local_expert_ids(shape.num_experts), shape.hidden_size,
-                                     shape.moe_intermediate_size, naming, dtype, device, quant,
+                                     shape.moe_intermediate_size, naming, dtype, executor.routed_expert_device(device),
+                                     quant,
                                      bias=shape.expert_bias, activation=shape.activation)
         self.moe_layer = executor.register_layer(self.experts, shape.num_experts)
         self.shared_name = None
@@ -62,13 +63,37 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         """The block in one go: one batch's forward, and what a captured decode step traces."""
-        return self._add_shared(x, self._executor.run(self.moe_layer, x, self._route(x)))
+        if torch.compiler.is_compiling():
+            return self._add_shared(x, self._executor.run(self.moe_layer, x, self._route(x)))
+        return run_to_end(self.stages(x))
 
     def stages(self, x: torch.Tensor) -> Staged[torch.Tensor]:  # [T, H] -> [T, H]
         """The forward pass, yielding while the routed experts' dispatch and combine are in flight
-        (moe_runtime/moe/stages.py): two-batch overlap computes the other micro-batch there."""
-        out = yield from self._executor.stages(self.moe_layer, x, self._route(x))
-        return self._add_shared(x, out)
+        (moe_runtime/moe/stages.py): two-batch overlap computes the other micro-batch there. While routed
+        experts compute on the host (--cpu-experts, YieldPoint.HOST_EXPERTS) the shared experts run here."""
+        routed = self._executor.stages(self.moe_layer, x, self._route(x))
+        shared, shared_done = None, False
+        while True:
+            try:
+                point = next(routed)
+            except StopIteration as finished:
+                out = finished.value                                                # [T, H]
+                break
+            if point is YieldPoint.HOST_EXPERTS:
+                shared, shared_done = self._shared(x), True
+            else:
+                yield point
+        if not shared_done:
+            shared = self._shared(x)
+        return out if shared is None else out + shared
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:  # [T, H] -> [T, H], None without shared experts
+        if self.shared_name is None:
+            return None
+        shared = getattr(self, self.shared_name)(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared
 
     def _route(self, x: torch.Tensor) -> TopK:   # [T, H] -> top-k [T, K]
         router = getattr(self, self.router_name)
@@ -76,9 +101,5 @@ class SparseMoE(nn.Module):
         return self._kernels.select_experts(logits, self.routing, router.e_score_correction_bias)
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:   # routed out [T, H] -> [T, H]
-        if self.shared_name is not None:
-            shared = getattr(self, self.shared_name)(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+        shared = self._shared(x)
+        return out if shared is None else out + shared

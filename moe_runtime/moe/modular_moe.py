@@ -25,6 +25,7 @@ from dispatch.pending import Pending
 from moe_runtime.moe.comm_timeline import CommTimeline, TransferTimes
 from moe_runtime.moe.expert_kernel import ExpertKernel
 from moe_runtime.moe.expert_weights import ExpertWeights
+from moe_runtime.moe.host_experts import StartedExpertKernel
 from moe_runtime.moe.stages import Staged, YieldPoint, run_to_end
 
 
@@ -44,13 +45,19 @@ class ModularMoE:
 
     def stages(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
                experts: ExpertWeights) -> Staged[torch.Tensor]:  # x [T, H], slot_ids/weights [T, K] -> [T, H]
-        """Start dispatch, yield; wait, run the experts, start combine, yield; wait: the weighted outputs."""
+        """Start dispatch, yield; wait, run the experts, start combine, yield; wait: the weighted outputs. Experts
+        that run on the host (`StartedExpertKernel`) are started, then yielded on (HOST_EXPERTS), then waited."""
         started = time.perf_counter()
         dispatching = self.dispatcher.dispatch_start(x, slot_ids, weights)
         times = self._started("dispatch", started, dispatching)
         yield YieldPoint.DISPATCH
         out = self._wait(dispatching, times)
-        expert_out = self.kernel(out.recv_x, out.tokens_per_local_expert, experts)
+        if isinstance(self.kernel, StartedExpertKernel):   # --cpu-experts: the experts run on the host meanwhile
+            running = self.kernel.start(out.recv_x, out.tokens_per_local_expert, experts)
+            yield YieldPoint.HOST_EXPERTS
+            expert_out = running.wait()
+        else:
+            expert_out = self.kernel(out.recv_x, out.tokens_per_local_expert, experts)
         started = time.perf_counter()
         combining = self.dispatcher.combine_start(expert_out, out.handle)
         times = self._started("combine", started, combining)

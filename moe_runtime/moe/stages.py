@@ -35,6 +35,8 @@ class YieldPoint(enum.Enum):
 
     DISPATCH = "dispatch"
     COMBINE = "combine"
+    HOST_EXPERTS = "host_experts"   # --cpu-experts: the routed experts computing on the host (moe/host_experts.py);
+                                    # the MoE block runs its shared experts there and does not pass it on
 
 
 Staged = Generator[YieldPoint, None, T]
