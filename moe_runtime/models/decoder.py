@@ -128,9 +128,6 @@ def build_stack(cfg, ctx: BuildContext, make_layer) -> DecoderStack:
 class CausalLM(nn.Module):
     """`forward` maps a flattened batch of new tokens to final hidden states; `logits` projects them."""
 
-    # whether the per-sequence states of its state layers stay right past rejected drafts (speculative decoding)
-    states_roll_back = False
-
     def __init__(self, hf_config, stack: DecoderStack, tie_word_embeddings: bool, ctx: BuildContext):
         super().__init__()
         p = ctx.parallel

@@ -109,8 +109,6 @@ class V4DecoderLayer(nn.Module):
 class V4CausalLM(CausalLM):
     """Runs the residual as `hc_mult` streams and hands each MoE layer the step's token ids."""
 
-    states_roll_back = True   # position-indexed rings with room for a verify step's drafts (compressed_cache.py)
-
     def kv_cache_specs(self) -> list:
         return [layer.attn.kv_cache_spec() for layer in self.model.owned_layers()]
 
