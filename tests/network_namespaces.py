@@ -21,11 +21,15 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root"
     probe = f"moe-probe-{os.getpid()}"
-    try:
+    try:   # what `TwoNodes.create` needs: a namespace, and a veth pair with one end moved into it
         _ip("netns", "add", probe)
+        _ip("link", "add", f"mpa{os.getpid() % 100000}", "type", "veth", "peer", "name", f"mpb{os.getpid() % 100000}")
+        _ip("link", "set", f"mpb{os.getpid() % 100000}", "netns", probe)
     except subprocess.CalledProcessError as exc:
-        return f"`ip netns add` is refused here: {exc.stderr.strip()}"
-    _ip("netns", "del", probe)
+        return f"network namespaces joined by a veth pair are refused here: {exc.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "link", "del", f"mpa{os.getpid() % 100000}"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 
