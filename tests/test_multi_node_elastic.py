@@ -17,7 +17,8 @@ from attention_dp.control_key import CONTROL_KEY_ENV
 from network_namespaces import TwoNodes, unavailable
 from moe_runtime.processes.distributed import free_ports
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
+NAMESPACES_REFUSED = unavailable()   # why this machine cannot make two network namespaces (None: it can)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(NAMESPACES_REFUSED is not None, reason=str(NAMESPACES_REFUSED))]
 
 DRIVER = Path(__file__).with_name("multi_node_driver.py")
 WAIT_S = 240
@@ -32,21 +33,9 @@ def two_nodes():
 
 def _env(interface: str) -> dict:
     tests = str(Path(__file__).parent)
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=interface,
-               **{CONTROL_KEY_ENV: secrets.token_hex(32) if CONTROL_KEY_ENV not in os.environ else os.environ[CONTROL_KEY_ENV]})
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=interface)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), tests, env.get("PYTHONPATH")]))
     return env
-
-
-def _await_file(path: Path, *processes: subprocess.Popen) -> dict | list:
-    deadline = time.monotonic() + WAIT_S
-    while not path.exists():
-        for process in processes:
-            assert process.poll() is None or path.exists(), f"{process.args[3:6]} exited {process.returncode}"
-        assert time.monotonic() < deadline, f"no {path.name} within {WAIT_S}s"
-        time.sleep(0.2)
-    time.sleep(0.1)   # written whole by now
-    return json.loads(path.read_text())
 
 
 def _run(nodes: TwoNodes, checkpoint: Path, out: Path, redundant: int, take_away, bring_back=None) -> dict:
@@ -70,7 +59,7 @@ def _run(nodes: TwoNodes, checkpoint: Path, out: Path, redundant: int, take_away
 
     node1s = [start_node1()]
     try:
-        before = _await_file(out / "before.json", node0, node1s[0])
+        before = _await_outcome(out, ("before.json",), node0, node1s[0])
         take_away(node1s[0])
         (out / "go").touch()
         result = _await_outcome(out, ("after.json", "dead.json"), node0)
@@ -92,10 +81,12 @@ def _run(nodes: TwoNodes, checkpoint: Path, out: Path, redundant: int, take_away
                 node1.wait(10)
 
 
-def _await_outcome(out: Path, names: tuple[str, ...], node0: subprocess.Popen) -> dict:
+def _await_outcome(out: Path, names: tuple[str, ...], *processes: subprocess.Popen) -> dict | list:
+    """The first of `names` that node 0 writes into `out` (it and `processes` must stay up meanwhile)."""
     deadline = time.monotonic() + WAIT_S
     while not any((out / name).exists() for name in names):
-        assert node0.poll() is None, f"node 0 exited {node0.returncode}"
+        for process in processes:
+            assert process.poll() is None, f"{process.args[3:6]} exited {process.returncode}"
         assert time.monotonic() < deadline, f"node 0 wrote none of {names}"
         time.sleep(0.2)
     time.sleep(0.1)   # written whole by now

@@ -1,6 +1,7 @@
-"""A worker rank dies mid-generation: the job's ranks restart and every request resumes from its tokens, with the
-tokens it would have had (greedy and seeded sampling alike); restarts are bounded; `max_rank_restarts=0` keeps
-the old end (tests/test_worker_failure.py)."""
+"""A worker rank dies mid-generation: the other ranks re-form with a fresh process in its place (a layout whose DP
+worker spans ranks restarts them all), and every request resumes from its tokens, with the tokens it would have
+had (greedy and seeded sampling alike); recoveries are bounded; `max_rank_restarts=0` keeps the old end
+(tests/test_worker_failure.py)."""
 import os
 import signal
 import threading
@@ -91,7 +92,7 @@ def test_a_killed_rank_is_replaced_and_every_request_ends_as_it_would_have(ep_ll
 
 
 def test_a_rank_killed_mid_rebalance_fails_the_rebalance_alone(ep_llm):
-    """The rebalance in flight fails with the loss (the new job starts from the checkpoint's placement); the
+    """The rebalance in flight fails with the loss (the re-formed job plans from what its slots hold); the
     requests resume and end as they would have."""
     prompts, params = PROMPTS[:2], greedy(NEW_TOKENS)
     before = [out.token_ids for out in ep_llm.generate(prompts, params)]

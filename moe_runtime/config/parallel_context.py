@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,10 @@ def group_rank(group, rank: int) -> int:
     if group is None or group is dist.group.WORLD:
         return rank
     return dist.get_group_rank(group, rank)
+
+
+def agree_on_minimum(value: int, control_group) -> int:
+    """The smallest `value` over the ranks of the (gloo) `control_group`."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=control_group)
+    return int(tensor.item())

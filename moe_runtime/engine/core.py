@@ -42,7 +42,7 @@ from moe_runtime.models.attention_spans import attention_spans
 from moe_runtime.models.registry import build_model
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.engine.outputs import TokenDelta, error_message
-from moe_runtime.config.parallel_context import ParallelContext
+from moe_runtime.config.parallel_context import ParallelContext, agree_on_minimum
 from moe_runtime.disaggregation.prefill_exports import PrefillExports
 from moe_runtime.engine.request_limits import RequestLimits
 from moe_runtime.execution.pipeline import broadcast_sampled_tokens, run_pipeline_step
@@ -58,15 +58,6 @@ from moe_runtime.sampling.structured_output.grammar_waits import GrammarWaits, R
 from moe_runtime.weights.loading import SkippedTensors, load_model_weights
 
 logger = logging.getLogger(__name__)
-
-
-def agree_on_minimum(value: int, control_group) -> int:
-    """The smallest `value` over the ranks of the (gloo) `control_group`."""
-    import torch.distributed as dist
-
-    tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=control_group)
-    return int(tensor.item())
 
 
 def load_tokenizer(checkpoint_dir: Path):

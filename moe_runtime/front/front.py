@@ -42,7 +42,7 @@ from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.front.balancing_requests import BalancingRequests
 from moe_runtime.front.core_client import EngineCoreClient
 from moe_runtime.front.output_processor import OutputProcessor, ProcessedStep
-from moe_runtime.front.rank_recovery import RankRecovery, resume_commands
+from moe_runtime.front.rank_recovery import RankRecovery
 from moe_runtime.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -84,8 +84,7 @@ class Front:
         self.prefill: PrefillFront | None = None   # --disaggregation-mode prefill: handles, releases of parked KV
         self.decode: DecodeFront | None = None     # --disaggregation-mode decode: imports in flight
         self._dead: str | None = None
-        self.recovery = (RankRecovery(config.max_rank_restarts, relaunch, shape.world_size)
-                         if relaunch or client.reformable else None)
+        self.recovery = RankRecovery.for_front(config, client, relaunch)
         self._undelivered: list[RequestOutput] = []     # outputs for the next step() (blocking driver)
         self._worker_stats: dict[int, WorkerStats] = {}
         self.balancing = BalancingRequests(shape.pp_size)
@@ -410,16 +409,9 @@ class Front:
         self.client.attach(self._on_messages, self._on_lost)
 
     def _resume(self, client: EngineCoreClient) -> None:
-        """The job is back (re-formed, with fewer DP workers, or restarted): route every request afresh and send it
-        with its tokens so far."""
-        self.client, self.shape = client, client.shape
-        self.router = DPRouter.for_workers(self.shape.dp_size, self.num_kv_blocks, self.router.prefix_index is not None,
-                                           self.block_size)
-        self._worker_stats = {}
-        commands = resume_commands(list(self.outputs.requests.values()), self.router)
-        for command in commands:
-            self.client.send(command, only_worker=command.dp_rank)
-        self.recovery.finish(len(commands))
+        """The job is back (re-formed, maybe smaller, or restarted): its requests go on (`RankRecovery.resume`)."""
+        self.client, self.shape, self._worker_stats = client, client.shape, {}
+        self.router = self.recovery.resume(client, list(self.outputs.requests.values()), self.router)
 
     def _recovering(self) -> bool:
         return self.recovery is not None and self.recovery.recovering

@@ -46,6 +46,14 @@ class RankRecovery:
     _began: float = 0.0
     _impossible: bool = False   # the ranks left cannot re-form and none can restart: a retry would fail alike
 
+    @classmethod
+    def for_front(cls, config: EngineConfig, client: EngineCoreClient,
+                  relaunch: Callable[[], EngineCoreClient] | None) -> "RankRecovery | None":
+        """A front's recovery where its client's ranks can re-form or it can restart them (None: a loss ends it)."""
+        if relaunch is None and not client.reformable:
+            return None
+        return cls(config.max_rank_restarts, relaunch, client.shape.world_size)
+
     @staticmethod
     def can_restart(config: EngineConfig) -> bool:
         """Whether this front can start the job again by itself: every rank its own child on this node."""
@@ -117,6 +125,18 @@ class RankRecovery:
             reason = f"{self.stats.recovering}; restarting the ranks failed: {exc}"
             self.stats.recovering = None
             raise EngineDeadError(reason) from exc
+
+    def resume(self, client: EngineCoreClient, requests: list[RequestState], router: DPRouter) -> DPRouter:
+        """The job is back: every request still running routed afresh over its DP workers (a new router: they may
+        be fewer, and their caches changed) and sent with its tokens so far; the new router."""
+        shape = client.shape
+        router = DPRouter.for_workers(shape.dp_size, shape.num_kv_blocks, router.prefix_index is not None,
+                                      shape.block_size)
+        commands = resume_commands(requests, router)
+        for command in commands:
+            client.send(command, only_worker=command.dp_rank)
+        self.finish(len(commands))
+        return router
 
     def finish(self, resumed: int) -> None:
         seconds = time.monotonic() - self._began

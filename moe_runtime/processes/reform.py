@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 from attention_dp.messages import Reform, Shutdown
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.config.parallel_context import ParallelContext
-from moe_runtime.engine.core import agree_on_minimum
+from moe_runtime.config.parallel_context import ParallelContext, agree_on_minimum
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.processes.collective_interrupt import CollectiveInterrupt, shut_tcp_connections
 from moe_runtime.processes.distributed import build_parallel_context, init_distributed
