@@ -54,8 +54,11 @@ class CoreCommands:
 
     @staticmethod
     def starts_work(command) -> bool:
-        """A command after which every rank steps (a request was admitted or activated on some worker)."""
-        return isinstance(command, (AddRequest, AdmittedElsewhere, ActivateImport))
+        """A command after which every rank steps (a request was admitted, imported or activated on some worker).
+        The same on every rank: the other workers get `AdmittedElsewhere` for an `AddRequest` or an `ImportRequest`
+        (an import's first step is empty, its KV still in flight, but a worker stepping alone would wait forever
+        in the MoE layers' collectives for the others)."""
+        return isinstance(command, (AddRequest, ImportRequest, AdmittedElsewhere, ActivateImport))
 
     def apply(self, command) -> None:
         core, role = self.core, self.role
@@ -111,4 +114,5 @@ class CoreCommands:
         """Every rank of a decode worker reports its own pulls (each pulls its own share of the KV)."""
         for result in self.core.take_landed_imports():
             self.report(KVImported(rank=self.role.rank, request_id=result.request_id, error=result.error,
-                                   num_bytes=result.num_bytes, seconds=result.seconds))
+                                   num_bytes=result.num_bytes, seconds=result.seconds,
+                                   recomputable=result.recomputable))
