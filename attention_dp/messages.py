@@ -167,6 +167,8 @@ class KVImported(Message):
     error: str | None = None   # None: its KV is in place
     num_bytes: int = 0
     seconds: float = 0.0
+    recomputable: bool = False  # after an error: the decode side may compute the prompt itself instead (a failed
+                                # transfer, not a failed grammar)
 
 
 class ExpertLoadTables(msgspec.Struct, kw_only=True):

@@ -114,9 +114,11 @@ class EngineCollector:
             return
         yield CounterMetricFamily(p + "kv_transfer_bytes", "KV cache bytes pulled from prefill instances.",
                                   value=stats.bytes)
-        outcomes = CounterMetricFamily(p + "kv_transfers", "KV imports settled, by outcome.", labels=["outcome"])
+        outcomes = CounterMetricFamily(p + "kv_transfers", "KV imports settled, by outcome (recomputed: the transfer "
+                                       "failed or its ranks were lost, the prompt ran here).", labels=["outcome"])
         outcomes.add_metric(["ok"], stats.transfers)
         outcomes.add_metric(["failed"], stats.failures)
+        outcomes.add_metric(["recomputed"], stats.recomputed)
         yield outcomes
         exports = CounterMetricFamily(p + "kv_exports", "Prompts whose KV a prefill instance parked for a decode "
                                       "instance, and how their blocks were freed.", labels=["event"])

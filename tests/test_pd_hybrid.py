@@ -6,8 +6,9 @@ the request's slot); the decode instance pulls both and continues.
   another (slots reused on both sides), one whose prompt is several delta-rule chunks long (64 tokens a chunk),
   prefilled whole and in small steps (the state carried across steps before it moves);
 - the prefill's blocks and state slots come back once the decode side is done with them, the decode's at the end;
-- a decode instance whose linear layers split heads differently (attention TP 2 vs 1) refuses the hand-off by name
-  (the plan, before any pull); the block server refuses state pulls for layers it does not keep states of.
+- a decode instance whose linear layers split heads differently (attention TP 2 vs 1) refuses the pull by name
+  (the plan, before any byte moves) and computes the prompt itself; the block server refuses state pulls for
+  layers it does not keep states of.
 """
 from __future__ import annotations
 
@@ -100,13 +101,20 @@ def test_states_of_a_different_attention_tp_split_are_refused_by_name():
 
 
 @pytest.mark.parametrize("arch", ARCHS[:1])
-def test_an_engine_pair_of_different_attention_tp_refuses_the_hand_off_by_name(arch, engines):
+def test_an_engine_pair_of_different_attention_tp_names_why_and_runs_the_prompt_on_the_decode_side(
+        arch, engines, greedy_oracle, caplog):
+    """The plan refuses the pull before any byte moves, naming why; the decode instance then computes the prompt itself
+    (nothing is lost, counted as recomputed), with transformers' tokens."""
     p, d = engines(arch, "prefill", ep=2, dp_attn=1), engines(arch, "decode")
     p_free, d_free = free_blocks(p), free_blocks(d)
+    before = d.stats().transfer
     first = prefill(p, "tp-p", PROMPTS[1])
     d.add_request("tp-d", PROMPTS[1], greedy(NEW_TOKENS), import_kv=first.kv_handle)
     done = run_until([d, p], "tp-d")
-    assert done.finish_reason == "error" and "different attention-TP splits" in (done.error or "")
+    assert (done.finish_reason, done.token_ids) == ("length", greedy_oracle(arch, PROMPTS[1:2], NEW_TOKENS)[0])
+    assert "different attention-TP splits" in caplog.text and "its prompt runs here instead" in caplog.text
+    after = d.stats().transfer
+    assert (after.recomputed, after.transfers, after.bytes) == (before.recomputed + 1, before.transfers, before.bytes)
     wait_for_free([(p, p_free), (d, d_free)])
 
 

@@ -4,8 +4,13 @@ An import is admitted like a request (the same limits), after its handle's signa
 digest are checked: nothing connects anywhere for a handle this deployment did not make. Its first
 token (sampled by the prefill instance) is output at once. Each rank of the chosen worker reports
 when its pull ended (`landed`); when all have their KV the front activates the request on every
-rank, and when any failed, or the timeout passed first, it fails the request alone. Either way the
-prefill instance is told to free its parked copy (fire-and-forget: its own timeout is the backstop).
+rank. When a pull failed on any rank, or the timeout passed first (the prefill instance or one of its ranks
+died, its link is down, the two layouts cannot meet), the request is computed here instead: the front
+aborts the import on every rank and sends the request again with its first token as its tokens so far,
+recomputed as after a preemption (`ImportOutcome.recompute`); only a failure that would recur here (its
+grammar) fails the request alone. Either way the prefill instance is told to free its parked copy
+(fire-and-forget: its own timeout is the backstop). When the decode instance's own ranks re-form or
+restart, every import in flight is `abandon`ed alike and resumed with the other requests.
 
 A handle is good for one request: `claim` checks its signature and expiry and takes its nonce (a
 second use is refused before anything connects). A claimed handle whose request is then refused
@@ -46,6 +51,7 @@ class ImportOutcome:
     request_id: str
     dp_rank: int
     error: str | None                        # None: every rank has the KV, activate it
+    recompute: bool = False                  # after an error: compute the prompt here instead of failing
 
 
 @dataclass
@@ -111,20 +117,27 @@ class DecodeFront:
         self.sender.send(handle.release_endpoint, handle.request_id)
         return True
 
+    def compute_here(self, handle: KVHandle) -> KVHandle:
+        """A claimed import admitted while this instance's ranks recover: it will not be pulled (its request resumes
+        from its first token with the others), so its prefill instance frees its copy now."""
+        self.refuse(handle)
+        self.stats.recomputed += 1
+        return handle
+
     def start(self, request_id: str, dp_rank: int, ranks: set[int], handle: KVHandle) -> None:
         with self._lock:
             self._claimed.pop(handle.nonce, None)
         self._imports[request_id] = ImportInFlight(request_id, dp_rank, set(ranks), handle,
                                                    time.monotonic() + self.timeout_s + SETTLE_GRACE_S)
 
-    def landed(self, rank: int, request_id: str, error: str | None, num_bytes: int,
-               seconds: float) -> ImportOutcome | None:
+    def landed(self, rank: int, request_id: str, error: str | None, num_bytes: int, seconds: float,
+               recomputable: bool = False) -> ImportOutcome | None:
         """A rank's pull ended; the outcome once the import is settled (None while ranks are still pulling)."""
         entry = self._imports.get(request_id)
         if entry is None or rank not in entry.waiting_ranks:
             return None
         if error is not None:
-            return self._settle(entry, f"KV transfer from the prefill instance failed: {error}")
+            return self._settle(entry, f"KV transfer from the prefill instance failed: {error}", recomputable)
         entry.waiting_ranks.discard(rank)
         entry.num_bytes += num_bytes
         entry.seconds = max(entry.seconds, seconds)
@@ -132,8 +145,17 @@ class DecodeFront:
 
     def take_expired(self) -> list[ImportOutcome]:
         now = time.monotonic()
-        return [self._settle(entry, f"KV transfer from the prefill instance timed out ({self.timeout_s:g}s)")
+        return [self._settle(entry, f"KV transfer from the prefill instance timed out ({self.timeout_s:g}s)", True)
                 for entry in list(self._imports.values()) if entry.deadline <= now]
+
+    def abandon(self) -> list[str]:
+        """The decode instance's ranks were lost: no import in flight will land (the front resumes their requests
+        from their first token). Release every prefill copy; the requests' ids."""
+        abandoned = list(self._imports)
+        for request_id in abandoned:
+            self.abort(request_id)
+        self.stats.recomputed += len(abandoned)
+        return abandoned
 
     def abort(self, request_id: str) -> bool:
         """The request ended here before its import settled (client gone, stop string): release the prefill's copy."""
@@ -142,16 +164,18 @@ class DecodeFront:
             self.sender.send(entry.handle.release_endpoint, entry.handle.request_id)
         return entry is not None
 
-    def _settle(self, entry: ImportInFlight, error: str | None) -> ImportOutcome:
+    def _settle(self, entry: ImportInFlight, error: str | None, recompute: bool = False) -> ImportOutcome:
         del self._imports[entry.request_id]
         self.sender.send(entry.handle.release_endpoint, entry.handle.request_id)
         if error is None:
             self.stats.transfers += 1
             self.stats.bytes += entry.num_bytes
             self.stats.seconds.observe(entry.seconds)
+        elif recompute:
+            self.stats.recomputed += 1
         else:
             self.stats.failures += 1
-        return ImportOutcome(entry.request_id, entry.dp_rank, error)
+        return ImportOutcome(entry.request_id, entry.dp_rank, error, recompute)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._imports

@@ -107,7 +107,8 @@ class DecodeImports:
                     continue
                 error = self.grammars.finish(request_id)
                 if error is not None:
-                    entry.result = PullResult(request_id, error, entry.result.num_bytes, entry.result.seconds)
+                    entry.result = PullResult(request_id, error, entry.result.num_bytes, entry.result.seconds,
+                                              recomputable=False)
             entry.reported = True
             landed.append(entry.result)
         return landed

@@ -55,6 +55,13 @@ class PrefillExports:
         self.block_manager.free(seq)
         return True
 
+    def release_all(self) -> int:
+        """Free every parked request's blocks; how many there were."""
+        parked = list(self._parked)
+        for request_id in parked:
+            self.release(request_id)
+        return len(parked)
+
     def __len__(self) -> int:
         return len(self._parked)
 

@@ -70,6 +70,13 @@ class PrefillFront:
             due.append(parked)
         return due
 
+    def forget_all(self) -> int:
+        """The instance's ranks were lost: what they parked is gone (restarted) or freed (re-formed: the ranks free
+        it themselves), and a decode instance still pulling it computes the prompt itself. How many were parked."""
+        lost = len(self._parked)
+        self._parked.clear()
+        return lost
+
     def forget(self, request_id: str) -> ParkedExport | None:
         """The front frees it itself (the output processor ended the request: it needs no decode)."""
         return self._parked.pop(request_id, None)

@@ -292,9 +292,12 @@ class EngineCore:
         return seq is not None or parked
 
     def drop_requests(self) -> None:
-        """Abort every request (a job that lost a rank: the front resumes them; their full blocks stay cached)."""
+        """Abort every request (a job that lost a rank: the front resumes them; their full blocks stay cached), and
+        free every parked export (the front forgot them: a decode instance still pulling one computes it itself)."""
         for request_id in list(self._sequences):
             self.abort(request_id)
+        if self.exports is not None:
+            self.exports.release_all()
 
     def has_unfinished(self) -> bool:
         """Work to step: scheduled requests (a request waiting for its grammar is not, until it may start:

@@ -8,9 +8,8 @@ that resumes every request (`RankRecovery`). It talks to the core through one `E
 for one rank, over ZeroMQ for ranks elsewhere; both deliver the ranks' messages, which `_take` turns into outputs.
 
 Two drivers, one at a time: a blocking caller calls `step()` (and `wait` for an expert-load snapshot or
-a rebalance), or an asyncio loop `attach`es and gets outputs as messages arrive; then nothing polls:
-the core client wakes the loop, a KV release wakes it from the listener's thread, and transfer
-deadlines are loop timers.
+a rebalance), or an asyncio loop `attach`es and gets outputs as messages arrive; then nothing polls: the core
+client wakes the loop, a KV release wakes it from the listener's thread, and transfer deadlines are loop timers.
 """
 from __future__ import annotations
 
@@ -41,8 +40,9 @@ from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.front.balancing_requests import BalancingRequests
 from moe_runtime.front.core_client import EngineCoreClient
+from moe_runtime.front.deadline_timer import DeadlineTimer
 from moe_runtime.front.output_processor import OutputProcessor, ProcessedStep
-from moe_runtime.front.rank_recovery import RankRecovery
+from moe_runtime.front.rank_recovery import RankRecovery, resume_command
 from moe_runtime.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class Front:
         self._loop: asyncio.AbstractEventLoop | None = None     # attached: the loop outputs go to
         self._on_outputs: Callable[[list[RequestOutput]], None] | None = None
         self._on_death: Callable[[str], None] | None = None
-        self._transfer_timer: asyncio.TimerHandle | None = None
+        self._transfer_timer = DeadlineTimer(self._transfers_due)
         if config.disaggregation_mode != "none":
             self._open_kv_transfer()
 
@@ -161,12 +161,14 @@ class Front:
         if params.seed is None and self.shape.world_size > 1:  # the ranks of a DP worker must draw the same samples
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         if self._recovering():   # sent with the resumed requests once the ranks are back
-            self.outputs.add(request_id, prompt, params)
+            self.outputs.add(request_id, prompt, params, admission.export_kv)
+            if admission.import_kv is not None:   # resumed from its first token: its prompt runs here
+                self._output_first_token(request_id, params, self.decode.compute_here(admission.import_kv))
             self._prompt_tokens += len(prompt)
             return
         decision = self.router.choose(request_id, len(prompt), admission.block_hashes)
-        if admission.import_kv is None:
-            self.outputs.add(request_id, prompt, params)   # first: a loss its send meets resumes it with the rest
+        if admission.import_kv is None:   # added first: a loss its send meets resumes it with the rest
+            self.outputs.add(request_id, prompt, params, admission.export_kv)
             try:
                 self.client.send(AddRequest(request_id=request_id, prompt_token_ids=prompt, params=params,
                                             dp_rank=decision.dp_rank, export_kv=admission.export_kv),
@@ -187,19 +189,23 @@ class Front:
 
     def _add_import(self, request_id: str, prompt: list[int], params: SamplingParams, handle: KVHandle,
                     dp_rank: int) -> None:
-        first_logprob = handle.first_logprob.token_logprob() if handle.first_logprob is not None else None
         spec = ImportSpec(request_id, prompt, params, handle.first_token, handle.request_id, list(handle.shards),
-                          first_logprob)
+                          handle.first_token_logprob())
         self.decode.start(request_id, dp_rank, set(self.shape.worker_ranks[dp_rank]), handle)
         self.client.send(ImportRequest(spec=spec, dp_rank=dp_rank), only_worker=dp_rank)
         self.outputs.add(request_id, prompt, params)
+        self._output_first_token(request_id, params, handle)
+        self._arm_transfer_timer()
+
+    def _output_first_token(self, request_id: str, params: SamplingParams, handle: KVHandle) -> None:
+        """An import's first token, which its prefill instance sampled: output at once."""
+        first_logprob = handle.first_token_logprob()
         self._generation_tokens += 1
         self.router.grow(request_id, 1)
         self.router.first_output(request_id)
         first = TokenDelta(request_id, [handle.first_token],
                            [first_logprob] if params.logprobs is not None and first_logprob is not None else None)
         self._emit(self._outputs_of(self.outputs.process([first])))
-        self._arm_transfer_timer()
 
     def abort(self, request_id: str) -> bool:
         if request_id not in self.outputs or self._dead is not None:
@@ -232,7 +238,7 @@ class Front:
             outcome = None
             if self.decode is not None:
                 outcome = self.decode.landed(message.rank, message.request_id, message.error, message.num_bytes,
-                                             message.seconds)
+                                             message.seconds, message.recomputable)
             return self._settle(outcome) if outcome is not None else []
         self.balancing.take(message)
         return []
@@ -263,7 +269,7 @@ class Front:
     # ---- KV transfers (P/D instances) ---------------------------------------------------------------
     def _service_transfers(self) -> list[RequestOutput]:
         """Apply releases and transfer deadlines (the ranks' pull outcomes arrive as messages: `_take`)."""
-        if self._dead is not None:
+        if self._dead is not None or self._recovering():   # the job that held them is gone (`_resume`)
             return []
         if self.prefill is not None:
             for parked in self.prefill.take_due():
@@ -275,9 +281,17 @@ class Front:
         return outputs
 
     def _settle(self, outcome: ImportOutcome) -> list[RequestOutput]:
-        """Every rank of the worker has the import's KV: decode it; or one failed: fail it alone, on every rank."""
+        """Every rank of the worker has the import's KV: decode it. Its transfer failed: the worker drops the import
+        and computes the prompt itself, from the first token on (`ImportOutcome.recompute`). Else (its grammar
+        failed) it fails alone, on every rank."""
         if outcome.error is None:
             self.client.send(ActivateImport(request_id=outcome.request_id, dp_rank=outcome.dp_rank))
+            return []
+        state = self.outputs.requests.get(outcome.request_id)
+        if outcome.recompute and state is not None:
+            logger.warning("request %s: %s; its prompt runs here instead", outcome.request_id, outcome.error)
+            self.client.send(AbortRequest(request_id=outcome.request_id))
+            self.client.send(resume_command(state, outcome.dp_rank), only_worker=outcome.dp_rank)
             return []
         self.client.send(AbortRequest(request_id=outcome.request_id, finish_reason="error"))
         self.router.release(outcome.request_id)
@@ -366,7 +380,7 @@ class Front:
     def attach(self, on_outputs: Callable[[list[RequestOutput]], None], on_death: Callable[[str], None]) -> None:
         """From now on the running loop takes in the core's messages as they arrive: outputs go to `on_outputs`,
         and a dead core to `on_death(reason)` once. `step` and `wait` must not be used after this."""
-        self._loop = asyncio.get_running_loop()
+        self._loop = self._transfer_timer.loop = asyncio.get_running_loop()
         self._on_outputs = on_outputs
         self._on_death = on_death
         if self._undelivered:
@@ -411,6 +425,10 @@ class Front:
     def _resume(self, client: EngineCoreClient) -> None:
         """The job is back (re-formed, maybe smaller, or restarted): its requests go on (`RankRecovery.resume`)."""
         self.client, self.shape, self._worker_stats = client, client.shape, {}
+        if self.decode is not None:
+            self.decode.abandon()        # imports in flight resume from their first token: their prompts run here
+        if self.prefill is not None:
+            self.prefill.forget_all()    # what the lost job parked is gone; its decode instances compute it instead
         self.router = self.recovery.resume(client, list(self.outputs.requests.values()), self.router)
 
     def _recovering(self) -> bool:
@@ -418,7 +436,6 @@ class Front:
 
     def _transfers_due(self) -> None:
         """A release arrived or a transfer deadline passed: apply it now (on the loop)."""
-        self._transfer_timer = None
         try:
             outputs = self._service_transfers()
         except EngineDeadError:
@@ -429,24 +446,11 @@ class Front:
 
     def _arm_transfer_timer(self) -> None:
         """One loop timer at the earliest transfer deadline (a parked export's, an import's), instead of a tick."""
-        if self._loop is None:
-            return
-        deadlines = [front.next_deadline for front in (self.prefill, self.decode) if front is not None]
-        deadlines = [d for d in deadlines if d is not None]
-        if not deadlines:
-            return
-        when = self._loop.time() + max(min(deadlines) - time.monotonic(), 0.0)
-        if self._transfer_timer is not None:
-            if self._transfer_timer.when() <= when:
-                return
-            self._transfer_timer.cancel()
-        self._transfer_timer = self._loop.call_at(when, self._transfers_due)
+        self._transfer_timer.arm(front.next_deadline for front in (self.prefill, self.decode) if front is not None)
 
     def detach(self) -> None:
         """Stop taking messages on the loop (before shutting down)."""
-        if self._transfer_timer is not None:
-            self._transfer_timer.cancel()
-            self._transfer_timer = None
+        self._transfer_timer.cancel()
         self._on_outputs = None
         self.client.detach()
 
@@ -492,6 +496,5 @@ class Front:
             if front is not None:
                 front.close()
         self.prefill = self.decode = None
-        if self._transfer_timer is not None:
-            self._transfer_timer.cancel()
+        self._transfer_timer.cancel()
         self.client.shutdown()

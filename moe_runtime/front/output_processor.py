@@ -49,6 +49,7 @@ class RequestState:
     sent_pieces: list[str] = field(default_factory=list)  # ... as handed out (checked once, at the end)
     decode_state: DecodeState = field(default_factory=DecodeState)
     num_preemptions: int = 0
+    export_kv: bool = False           # a prefill instance parks its KV after its first token (sent so again on resume)
     prompt_logprobs: list[PromptTokenLogprob | None] | None = None   # from the first delta, when asked for
 
     def __post_init__(self) -> None:
@@ -68,8 +69,8 @@ class OutputProcessor:
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.requests: dict[str, RequestState] = {}
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.requests[request_id] = RequestState(request_id, prompt_token_ids, params)
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, export_kv: bool = False) -> None:
+        self.requests[request_id] = RequestState(request_id, prompt_token_ids, params, export_kv=export_kv)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Forget the request; its final output (finish_reason "abort"), or None if it was not running."""

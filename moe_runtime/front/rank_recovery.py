@@ -11,8 +11,11 @@ with the tokens it would have had; greedy ones are unchanged. Streams stay open:
 Requests that arrive meanwhile wait in the front and start with the others; an abort meanwhile just forgets the
 request. An expert-load snapshot or a rebalance in flight fails (the new job starts from the checkpoint's
 placement). Restarts are bounded (`max_restarts` in `WINDOW_S`): a crash that comes back at once ends the engine
-with the reason, as one without recovery does. Only jobs whose ranks this front started on one node, outside P/D
-roles, restart; the others end as before (`can_restart`).
+with the reason, as one without recovery does. Only jobs whose ranks this front started on one node restart; the
+others re-form where their layout allows, or end as before (`can_restart`). A P/D instance recovers alike: a
+prefill instance forgets what its lost job had parked (the decode instances pulling it compute those prompts
+themselves) and exports its resumed requests again; a decode instance resumes its imports in flight from their
+first token, their prompts computed on its own ranks.
 """
 from __future__ import annotations
 
@@ -57,8 +60,7 @@ class RankRecovery:
     @staticmethod
     def can_restart(config: EngineConfig) -> bool:
         """Whether this front can start the job again by itself: every rank its own child on this node."""
-        return (config.max_rank_restarts > 0 and config.nnodes == 1 and config.launch_workers
-                and config.disaggregation_mode == "none")
+        return config.max_rank_restarts > 0 and config.nnodes == 1 and config.launch_workers
 
     @property
     def recovering(self) -> bool:
@@ -151,10 +153,15 @@ def resume_commands(requests: Iterable[RequestState], router: DPRouter) -> list[
     """Every request still running, routed afresh (the new job's workers are empty), with its tokens so far."""
     commands = []
     for state in requests:
-        tokens = list(state.token_ids)
-        decision = router.choose(state.request_id, len(state.prompt_token_ids) + len(tokens), None)
-        if tokens:
+        decision = router.choose(state.request_id, len(state.prompt_token_ids) + len(state.token_ids), None)
+        if state.token_ids:
             router.first_output(state.request_id)
-        commands.append(AddRequest(request_id=state.request_id, prompt_token_ids=list(state.prompt_token_ids),
-                                   params=state.params, dp_rank=decision.dp_rank, resumed_token_ids=tokens))
+        commands.append(resume_command(state, decision.dp_rank))
     return commands
+
+
+def resume_command(state: RequestState, dp_rank: int) -> AddRequest:
+    """`state`'s request sent to worker `dp_rank` with its tokens so far (recomputed as after a preemption); a
+    prefill instance's export is exported again."""
+    return AddRequest(request_id=state.request_id, prompt_token_ids=list(state.prompt_token_ids), params=state.params,
+                      dp_rank=dp_rank, resumed_token_ids=list(state.token_ids), export_kv=state.export_kv)

@@ -34,10 +34,11 @@ class ShutdownWhileWaiting(Exception):
 
 def can_reform(config: EngineConfig) -> bool:
     """Whether a lost rank of this job can be absorbed by the others: EP with DP attention, one rank per DP
-    worker and one pipeline stage, no decode capture (its graphs hold the old groups), outside P/D."""
+    worker and one pipeline stage, no decode capture (its graphs hold the old groups). A P/D instance too: its
+    parked exports are freed and its imports dropped with its requests (the front resumes them)."""
     layout = config.layout()
     return (layout.ep > 1 and layout.worker_size == 1 and layout.pp == 1 and not config.enable_torch_compile
-            and config.disaggregation_mode == "none" and config.max_rank_restarts > 0)
+            and config.max_rank_restarts > 0)
 
 
 def leave_process_groups(device: torch.device, keep_ports: frozenset[int] = frozenset(), shut: bool = True) -> None:

@@ -63,6 +63,9 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: float                     # time.time() on the prefill instance when its parked copy is freed
     mac: Annotated[str, msgspec.Meta(max_length=128)] = ""
 
+    def first_token_logprob(self) -> TokenLogprob | None:
+        return self.first_logprob.token_logprob() if self.first_logprob is not None else None
+
     @staticmethod
     def new_nonce() -> str:
         return secrets.token_hex(NONCE_HEX_CHARS // 2)

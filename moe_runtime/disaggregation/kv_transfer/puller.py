@@ -80,6 +80,8 @@ class PullResult:
     error: str | None               # None: every block landed
     num_bytes: int
     seconds: float
+    recomputable: bool = True       # after an error: computing the prompt on the decode side gives the request its
+                                    # KV (a transfer that failed); False where that would fail alike (its grammar)
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,9 @@ class LatencyHistogram:
 class TransferStats:
     role: str                                 # "prefill" | "decode" | "none"
     transfers: int = 0                        # imports whose KV landed (decode)
-    failures: int = 0                         # imports that failed or timed out (decode)
+    failures: int = 0                         # imports that failed their request (decode: its grammar)
+    recomputed: int = 0                       # imports whose transfer failed or timed out, or was in flight when
+                                              # this instance's ranks were lost: the prompt computed here (decode)
     bytes: int = 0                            # KV bytes pulled (decode)
     exports: int = 0                          # requests whose KV was parked for a decode instance (prefill)
     exports_released: int = 0                 # ... freed after their decode instance said so (prefill)
