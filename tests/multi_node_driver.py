@@ -1,6 +1,6 @@
 """Node 0 of a two-node job, run inside its network namespace by tests/test_multi_node_elastic.py: the front and
 ranks 0-1 (`LLM`), greedy tokens before and after the test takes node 1 away (and, when it brings node 1 back,
-once its ranks are back), written as JSON files into OUT.
+once its ranks are back; when it takes node 1 away once more, after that), written as JSON files into OUT.
 
     python tests/multi_node_driver.py CHECKPOINT OUT MASTER_ADDR MASTER_PORT CONTROL_PORT REDUNDANT_EXPERTS
 """
@@ -35,8 +35,12 @@ def main(checkpoint: str, out: str, master_addr: str, master_port: str, control_
             return
         (out_dir / "after.json").write_text(json.dumps({"tokens": after, **_state(llm)}))
         deadline = time.monotonic() + GO_TIMEOUT_S
-        while not any((out_dir / name).exists() for name in ("back", "done")) and time.monotonic() < deadline:
+        while not any((out_dir / name).exists() for name in ("back", "done", "again")) and time.monotonic() < deadline:
             time.sleep(0.1)
+        if (out_dir / "again").exists():   # node 1 taken away once more (after a first change it rode through)
+            again = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
+            (out_dir / "again.json").write_text(json.dumps({"tokens": again, **_state(llm)}))
+            return
         if (out_dir / "back").exists():   # node 1 restarted: serve until its ranks have rejoined
             while llm.engine.shape.dp_size < 4 and time.monotonic() < deadline:
                 llm.generate(PROMPTS[:1], greedy(2))

@@ -1,7 +1,9 @@
 """Two "nodes" on one machine: network namespaces joined by a veth pair, each with its own address (root only).
 
 `TwoNodes.create()` makes them and `remove()` takes them away again; `run_in(node, argv)` starts a process inside
-one. `unavailable()` says why a machine cannot (not root, no `ip`, namespaces refused), for the tests to report."""
+one; `cut_link` and `drop_packets` take the second node's link down or make it lose packets. `unavailable()` and
+`packet_loss_unavailable()` say why a machine cannot (not root, no `ip` or `nft`, namespaces refused), for the
+tests to report."""
 from __future__ import annotations
 
 import os
@@ -31,6 +33,28 @@ def unavailable() -> str | None:
         subprocess.run(["ip", "link", "del", f"mpa{os.getpid() % 100000}"], capture_output=True)
         subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def packet_loss_unavailable() -> str | None:
+    """Why packets cannot be dropped at random here (None: they can). The kernel of this machine has no netem
+    qdisc (`tc qdisc ... netem loss` says "Specified qdisc kind is unknown"); nftables' `numgen random` drops
+    the same share of packets."""
+    if shutil.which("nft") is None:
+        return "the `nft` command (nftables) is not installed: packet loss is made with its random drop rule"
+    probe = f"moe-nft-probe-{os.getpid()}"
+    try:
+        _ip("netns", "add", probe)
+        _nft(probe, "add table inet probe")
+    except subprocess.CalledProcessError as exc:
+        return f"nftables is refused in a network namespace here: {exc.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _nft(namespace: str, script: str) -> None:
+    subprocess.run(["ip", "netns", "exec", namespace, "nft", "-f", "-"], input=script, check=True,
+                   capture_output=True, text=True)
 
 
 @dataclass(frozen=True)
@@ -72,6 +96,21 @@ class TwoNodes:
     def cut_link(self) -> None:
         """The second node's end of the link goes down: its packets stop, no connection is closed."""
         _ip("-n", self.second.namespace, "link", "set", self.second.interface, "down")
+
+    def drop_packets(self, percent: int) -> None:
+        """The second node's interface drops `percent`% of the packets it sends and receives, chosen at random (as
+        `tc netem loss` would); the link stays up. 0 takes the loss away."""
+        if not 0 <= percent <= 100:
+            raise ValueError(f"percent {percent} is not in 0..100")
+        rule = "drop" if percent == 100 else f"numgen random mod 100 < {percent} drop"
+        interface = self.second.interface
+        script = "table inet moe_loss\ndelete table inet moe_loss\n"   # declared first, so deleting never fails
+        if percent:
+            script += ("table inet moe_loss {\n"
+                       f"  chain in {{ type filter hook input priority 0; iifname {interface} {rule}; }}\n"
+                       f"  chain out {{ type filter hook output priority 0; oifname {interface} {rule}; }}\n"
+                       "}\n")
+        _nft(self.second.namespace, script)
 
     def restore_link(self) -> None:
         _ip("-n", self.second.namespace, "link", "set", self.second.interface, "up")

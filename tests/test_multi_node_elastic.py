@@ -1,7 +1,8 @@
 """A two-node job in two network namespaces joined by a veth pair (its addresses exist inside them only): node 1's
-ranks are killed, or its link is cut, and node 0's ranks re-form without them when they still hold a slot for
-every expert, or the engine ends naming why not. Root and iproute2 are needed; where the machine refuses network
-namespaces the tests say so and skip."""
+ranks are killed, or its link is cut (taken down, or dropping every packet), and node 0's ranks re-form without
+them when they still hold a slot for every expert, or the engine ends naming why not; a link losing some packets is
+ridden through. Root and iproute2 (and nftables, for the loss) are needed; where the machine refuses network
+namespaces (or nftables) the tests say so and skip."""
 import json
 import os
 import secrets
@@ -14,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from attention_dp.control_key import CONTROL_KEY_ENV
-from network_namespaces import TwoNodes, unavailable
+from network_namespaces import TwoNodes, packet_loss_unavailable, unavailable
 from moe_runtime.processes.distributed import free_ports
 
 NAMESPACES_REFUSED = unavailable()   # why this machine cannot make two network namespaces (None: it can)
+LOSS_REFUSED = packet_loss_unavailable() if NAMESPACES_REFUSED is None else None   # ... or drop packets in them
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NAMESPACES_REFUSED is not None, reason=str(NAMESPACES_REFUSED))]
 
 DRIVER = Path(__file__).with_name("multi_node_driver.py")
@@ -38,10 +40,12 @@ def _env(interface: str) -> dict:
     return env
 
 
-def _run(nodes: TwoNodes, checkpoint: Path, out: Path, redundant: int, take_away, bring_back=None) -> dict:
+def _run(nodes: TwoNodes, checkpoint: Path, out: Path, redundant: int, take_away, bring_back=None,
+         take_away_again=None) -> dict:
     """Node 0 (the front and ranks 0-1) and node 1 (`moe-serve --node-rank 1`: ranks 2-3); after the first
     answers, `take_away(node1)`; returns what node 0 wrote after that (after.json or dead.json), and with
-    `bring_back(node1, start_node1)` (which starts node 1 again) what it wrote once node 1's ranks were back (back.json)."""
+    `bring_back(node1, start_node1)` (which starts node 1 again) what it wrote once node 1's ranks were back (back.json),
+    or with `take_away_again()` what it wrote after that (again.json)."""
     master_port, control_port = free_ports(2)
     key = secrets.token_hex(32)
     addr = nodes.first.address
@@ -67,6 +71,10 @@ def _run(nodes: TwoNodes, checkpoint: Path, out: Path, redundant: int, take_away
             node1s.append(bring_back(node1s[0], start_node1))
             (out / "back").touch()
             result["back"] = _await_outcome(out, ("back.json",), node0)
+        elif take_away_again is not None and "tokens" in result:
+            take_away_again()
+            (out / "again").touch()
+            result["again"] = _await_outcome(out, ("again.json",), node0)
         else:
             (out / "done").touch()
         assert node0.wait(60) == 0
@@ -121,6 +129,25 @@ def test_node0_re_forms_when_node1_is_cut_off_and_takes_it_back_when_it_returns(
     assert back["tokens"] == result["before"]
     assert (back["reformations"], back["lost_ranks"], back["returned"], back["dp_size"]) == (2, 1, 2, 4), back
     assert back["healthy"] and not back["degraded"]
+
+
+@pytest.mark.skipif(LOSS_REFUSED is not None, reason=str(LOSS_REFUSED))
+def test_node1_losing_some_packets_is_ridden_through_and_losing_all_is_a_cut(two_nodes, tiny_checkpoint_factory,
+                                                                              tmp_path):
+    """Node 1's link drops 5% of its packets at random (`tc netem loss`; this machine's kernel has no netem, so
+    nftables drops them): TCP sends them again and the job serves on at its full size, no rank lost, the same
+    tokens. Then it drops all of them, the link still up: the heartbeat finds node 1's ranks gone and node 0
+    re-forms without them, as after a cut."""
+    result = _run(two_nodes, tiny_checkpoint_factory("mixtral"), tmp_path, 8, lambda node1: two_nodes.drop_packets(5),
+                  take_away_again=lambda: two_nodes.drop_packets(100))
+    assert "tokens" in result, result
+    assert result["tokens"] == result["before"]
+    assert (result["reformations"], result["lost_ranks"], result["dp_size"]) == (0, 0, 4), result
+    assert result["healthy"] and not result["degraded"]
+    again = result["again"]
+    assert again["tokens"] == result["before"]
+    assert (again["reformations"], again["lost_ranks"], again["dp_size"]) == (1, 1, 2), again
+    assert again["healthy"] and again["degraded"]
 
 
 def test_a_killed_node_whose_experts_the_rest_cannot_hold_ends_the_engine_naming_why(two_nodes, tiny_checkpoint_factory,
