@@ -189,7 +189,7 @@ class Front:
                     dp_rank: int) -> None:
         first_logprob = handle.first_logprob.token_logprob() if handle.first_logprob is not None else None
         spec = ImportSpec(request_id, prompt, params, handle.first_token, handle.request_id, list(handle.shards),
-                          first_logprob)
+                          first_logprob, list(handle.first_drafts))
         self.decode.start(request_id, dp_rank, set(self.shape.worker_ranks[dp_rank]), handle)
         self.client.send(ImportRequest(spec=spec, dp_rank=dp_rank), only_worker=dp_rank)
         self.outputs.add(request_id, prompt, params)

@@ -1,0 +1,123 @@
+"""Speculative decoding on the decode side of a P/D pair (DeepSeek-V3 with an MTP layer).
+
+- MTP on both sides: the prefill instance's MTP layer runs over the prompt, its KV rows travel as one more layer
+  and its drafts after the first token in the handle; the decode side's first step verifies those, and after every
+  step its drafts equal transformers' MTP reference over the whole sequence (as one instance drafts), its greedy
+  tokens transformers' without speculation;
+- MTP on the decode side only (the prefill instance drafts nothing): the drafter layer is planned out of the pull,
+  the decode side still drafts and verifies, greedy tokens unchanged; a prefill instance that drafts with MTP
+  handing to a decode side without speculation: its drafter layer is not asked for, tokens unchanged;
+- n-gram on the decode side (it needs only the prompt tokens, which the import carries): tokens unchanged, drafts
+  verified.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from lazy_engines import engine_pool
+from mtp_checkpoints import MtpReference
+from pd_helpers import decode, free_blocks, greedy, prefill, wait_for_free
+from pd_helpers import kv_key  # noqa: F401  the module's KV secret (an autouse fixture)
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.disaggregation.kv_transfer.plan import plan_pulls
+from moe_runtime.front.engine_factory import make_engine
+from moe_runtime.weights.mtp_checkpoint_writer import write_mtp_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+K = 3
+MTP = {"method": "mtp", "num_speculative_tokens": K}
+NGRAM = {"method": "ngram", "num_speculative_tokens": K}
+PROMPTS = [[5, 17, 42, 99, 3, 8, 61, 200, 31, 7] * 2, [7, 8, 9] * 6 + [1, 2]]
+NEW_TOKENS = 16   # the first prompt's output repeats a pair: an n-gram draft is accepted
+ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tiny_checkpoint_factory, tmp_path_factory):
+    return write_mtp_checkpoint(tiny_checkpoint_factory("deepseek_v3"), tmp_path_factory.mktemp("pd_mtp") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def engines(mtp_checkpoint, kv_key):
+    """`engines(mode, speculative)`: one engine per (mode, speculative_config) for the module."""
+    def build(mode: str, speculative: tuple | None):
+        return make_engine(EngineConfig(model=str(mtp_checkpoint), device="cpu", dtype="float32", block_size=4,
+                                        kv_cache_memory=2**20, disaggregation_mode=mode,
+                                        speculative_config=dict(speculative) if speculative else None))
+
+    with engine_pool(build) as pooled:
+        yield lambda mode, speculative=None: pooled(mode, tuple(sorted(speculative.items())) if speculative else None)
+
+
+@pytest.fixture(scope="module")
+def expected(greedy_oracle):
+    return greedy_oracle("deepseek_v3", PROMPTS, NEW_TOKENS)   # the MTP checkpoint's model, without the layer
+
+
+def decode_checking_drafts(p, d, prompt: list[int], handle, reference: MtpReference) -> tuple[list[int], int]:
+    """Decode on `d`, checking after activation and after every step that its drafts are `reference`'s for where
+    the sequence stands; its tokens and how many drafts were compared."""
+    request_id = f"d{next(ids)}"
+    d.add_request(request_id, prompt, greedy(NEW_TOKENS), import_kv=handle)
+    compared, seq = 0, None
+    while True:
+        outputs = d.step() + p.step()
+        seq = seq or d.core._sequences.get(request_id)
+        done = [o for o in outputs if o.request_id == request_id and o.finished]
+        if done:
+            return done[0].token_ids, compared
+        if seq is not None and seq.proposed_at == seq.num_tokens and seq.num_cached_tokens == seq.num_tokens - 1:
+            expected = reference.drafts(seq.all_token_ids, K)
+            assert seq.proposed_drafts == expected[: len(seq.proposed_drafts)], f"after {seq.num_tokens} tokens"
+            assert seq.proposed_drafts, "the drafts were cut short"
+            compared += 1
+
+
+def test_mtp_on_both_sides_drafts_as_one_instance_and_keeps_the_greedy_tokens(engines, expected, mtp_checkpoint):
+    reference = MtpReference(mtp_checkpoint)
+    p, d = engines("prefill", MTP), engines("decode", MTP)
+    p_free, d_free = free_blocks(p), free_blocks(d)
+    for prompt, want in zip(PROMPTS, expected):
+        first = prefill(p, f"p{next(ids)}", prompt)
+        handle = first.kv_handle
+        # as far as the prompt's blocks reach (the chain writes the layer's cache at each draft's position)
+        assert handle.first_drafts and handle.first_drafts == reference.drafts(prompt + want[:1], K)[
+            : len(handle.first_drafts)], "the prefill's drafts travel"
+        assert all(shard.drafter == "mtp" for shard in handle.shards)
+        tokens, compared = decode_checking_drafts(p, d, prompt, handle, reference)
+        assert tokens == want
+        assert compared >= 3
+    assert d.stats().workers[0].spec_verify_steps > 0
+    wait_for_free([(p, p_free), (d, d_free)])
+
+
+def test_mtp_on_one_side_only_keeps_the_greedy_tokens(engines, expected):
+    plain_p, mtp_d = engines("prefill"), engines("decode", MTP)
+    for prompt, want in zip(PROMPTS, expected):
+        first = prefill(plain_p, f"p{next(ids)}", prompt)
+        assert first.kv_handle.first_drafts == [] and first.kv_handle.shards[0].drafter == ""
+        local = mtp_d.core.kv_shard()
+        assert local.drafter == "mtp"
+        assert local.draft_layer not in {layer for piece in plan_pulls(local, first.kv_handle.shards)
+                                         for layer in range(piece.first_layer, piece.first_layer + piece.num_layers)}
+        drafted = mtp_d.stats().workers[0].spec_draft_tokens
+        done = decode(plain_p, mtp_d, f"d{next(ids)}", prompt, first.kv_handle, NEW_TOKENS)
+        assert done.token_ids == want
+        assert mtp_d.stats().workers[0].spec_draft_tokens > drafted
+    mtp_p, plain_d = engines("prefill", MTP), engines("decode")
+    first = prefill(mtp_p, f"p{next(ids)}", PROMPTS[0])
+    assert plain_d.core.kv_shard().drafter == ""
+    assert decode(mtp_p, plain_d, f"d{next(ids)}", PROMPTS[0], first.kv_handle, NEW_TOKENS).token_ids == expected[0]
+
+
+def test_ngram_on_the_decode_side_keeps_the_greedy_tokens(engines, expected):
+    p, d = engines("prefill"), engines("decode", NGRAM)
+    for prompt, want in zip(PROMPTS, expected):
+        first = prefill(p, f"p{next(ids)}", prompt)
+        done = decode(p, d, f"d{next(ids)}", prompt, first.kv_handle, NEW_TOKENS)
+        assert done.token_ids == want
+    worker = d.stats().workers[0]
+    assert worker.spec_draft_tokens > 0 and worker.spec_accepted_tokens > 0
