@@ -1,9 +1,10 @@
-"""Speculative decoding on the decode side of a P/D pair (DeepSeek-V3 with an MTP layer).
+"""Speculative decoding on the decode side of a P/D pair (DeepSeek-V3 and GLM-4.5 with an MTP layer).
 
 - MTP on both sides: the prefill instance's MTP layer runs over the prompt, its KV rows travel as one more layer
   and its drafts after the first token in the handle; the decode side's first step verifies those, and after every
   step its drafts equal transformers' MTP reference over the whole sequence (as one instance drafts), its greedy
-  tokens transformers' without speculation;
+  tokens transformers' without speculation; so too from a prefill instance under attention TP (GLM-4.5, ep=2
+  dp_attn=1: the MTP layer's heads split over its ranks, re-sharded 2 -> 1 by the pull);
 - MTP on the decode side only (the prefill instance drafts nothing): the drafter layer is planned out of the pull,
   the decode side still drafts and verifies, greedy tokens unchanged; a prefill instance that drafts with MTP
   handing to a decode side without speculation: its drafter layer is not asked for, tokens unchanged;
@@ -36,20 +37,30 @@ ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def mtp_checkpoint(tiny_checkpoint_factory, tmp_path_factory):
-    return write_mtp_checkpoint(tiny_checkpoint_factory("deepseek_v3"), tmp_path_factory.mktemp("pd_mtp") / "ckpt")
+def mtp_checkpoints(tiny_checkpoint_factory, tmp_path_factory):
+    """arch -> its tiny checkpoint with an MTP layer appended."""
+    root = tmp_path_factory.mktemp("pd_mtp")
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = write_mtp_checkpoint(tiny_checkpoint_factory(arch), root / arch)
+        return cache[arch]
+    return get
 
 
 @pytest.fixture(scope="module")
-def engines(mtp_checkpoint, kv_key):
-    """`engines(mode, speculative)`: one engine per (mode, speculative_config) for the module."""
-    def build(mode: str, speculative: tuple | None):
-        return make_engine(EngineConfig(model=str(mtp_checkpoint), device="cpu", dtype="float32", block_size=4,
-                                        kv_cache_memory=2**20, disaggregation_mode=mode,
-                                        speculative_config=dict(speculative) if speculative else None))
+def engines(mtp_checkpoints, kv_key):
+    """`engines(mode, speculative, arch="deepseek_v3", **layout)`: one engine per such key for the module."""
+    def build(arch: str, mode: str, speculative: tuple | None, layout: tuple):
+        return make_engine(EngineConfig(model=str(mtp_checkpoints(arch)), device="cpu", dtype="float32",
+                                        block_size=4, kv_cache_memory=2**20, disaggregation_mode=mode,
+                                        speculative_config=dict(speculative) if speculative else None,
+                                        **dict(layout)))
 
     with engine_pool(build) as pooled:
-        yield lambda mode, speculative=None: pooled(mode, tuple(sorted(speculative.items())) if speculative else None)
+        yield lambda mode, speculative=None, arch="deepseek_v3", **layout: pooled(
+            arch, mode, tuple(sorted(speculative.items())) if speculative else None, tuple(sorted(layout.items())))
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +87,14 @@ def decode_checking_drafts(p, d, prompt: list[int], handle, reference: MtpRefere
             compared += 1
 
 
-def test_mtp_on_both_sides_drafts_as_one_instance_and_keeps_the_greedy_tokens(engines, expected, mtp_checkpoint):
-    reference = MtpReference(mtp_checkpoint)
-    p, d = engines("prefill", MTP), engines("decode", MTP)
+@pytest.mark.parametrize("arch, prefill_layout", [("deepseek_v3", {}), ("glm4_moe", {"ep": 2, "dp_attn": 1})])
+def test_mtp_on_both_sides_drafts_as_one_instance_and_keeps_the_greedy_tokens(arch, prefill_layout, engines,
+                                                                              mtp_checkpoints, greedy_oracle):
+    reference = MtpReference(mtp_checkpoints(arch))
+    p, d = engines("prefill", MTP, arch, **prefill_layout), engines("decode", MTP, arch)
     p_free, d_free = free_blocks(p), free_blocks(d)
-    for prompt, want in zip(PROMPTS, expected):
+    prompts = PROMPTS if arch == "deepseek_v3" else PROMPTS[:1]
+    for prompt, want in zip(prompts, greedy_oracle(arch, prompts, NEW_TOKENS)):
         first = prefill(p, f"p{next(ids)}", prompt)
         handle = first.kv_handle
         # as far as the prompt's blocks reach (the chain writes the layer's cache at each draft's position)
