@@ -1,10 +1,11 @@
-"""Speculative decoding on the decode side of a P/D pair (DeepSeek-V3 and GLM-4.5 with an MTP layer).
+"""Speculative decoding on the decode side of a P/D pair (DeepSeek-V3, GLM-4.5, Qwen3-Next with an MTP layer).
 
 - MTP on both sides: the prefill instance's MTP layer runs over the prompt, its KV rows travel as one more layer
   and its drafts after the first token in the handle; the decode side's first step verifies those, and after every
   step its drafts equal transformers' MTP reference over the whole sequence (as one instance drafts), its greedy
   tokens transformers' without speculation; so too from a prefill instance under attention TP (GLM-4.5, ep=2
-  dp_attn=1: the MTP layer's heads split over its ranks, re-sharded 2 -> 1 by the pull);
+  dp_attn=1: the MTP layer's heads split over its ranks, re-sharded 2 -> 1 by the pull) and for a hybrid model
+  (Qwen3-Next: the MTP layer's rows pulled beside the linear layers' recurrent states);
 - MTP on the decode side only (the prefill instance drafts nothing): the drafter layer is planned out of the pull,
   the decode side still drafts and verifies, greedy tokens unchanged; a prefill instance that drafts with MTP
   handing to a decode side without speculation: its drafter layer is not asked for, tokens unchanged;
@@ -18,7 +19,7 @@ import itertools
 import pytest
 
 from lazy_engines import engine_pool
-from mtp_checkpoints import MtpReference
+from mtp_checkpoints import MtpReference, Qwen3NextMtpReference
 from pd_helpers import decode, free_blocks, greedy, prefill, wait_for_free
 from pd_helpers import kv_key  # noqa: F401  the module's KV secret (an autouse fixture)
 from moe_runtime.config.engine_config import EngineConfig
@@ -54,7 +55,7 @@ def engines(mtp_checkpoints, kv_key):
     """`engines(mode, speculative, arch="deepseek_v3", **layout)`: one engine per such key for the module."""
     def build(arch: str, mode: str, speculative: tuple | None, layout: tuple):
         return make_engine(EngineConfig(model=str(mtp_checkpoints(arch)), device="cpu", dtype="float32",
-                                        block_size=4, kv_cache_memory=2**20, disaggregation_mode=mode,
+                                        block_size=4, kv_cache_memory=2**20, max_num_seqs=4, disaggregation_mode=mode,
                                         speculative_config=dict(speculative) if speculative else None,
                                         **dict(layout)))
 
@@ -87,13 +88,15 @@ def decode_checking_drafts(p, d, prompt: list[int], handle, reference: MtpRefere
             compared += 1
 
 
-@pytest.mark.parametrize("arch, prefill_layout", [("deepseek_v3", {}), ("glm4_moe", {"ep": 2, "dp_attn": 1})])
+@pytest.mark.parametrize("arch, prefill_layout", [("deepseek_v3", {}), ("glm4_moe", {"ep": 2, "dp_attn": 1}),
+                                                  ("qwen3_next", {})])
 def test_mtp_on_both_sides_drafts_as_one_instance_and_keeps_the_greedy_tokens(arch, prefill_layout, engines,
-                                                                              mtp_checkpoints, greedy_oracle):
-    reference = MtpReference(mtp_checkpoints(arch))
+                                                                              mtp_checkpoints, greedy_oracle, tmp_path):
+    path = mtp_checkpoints(arch)
+    reference = Qwen3NextMtpReference(path, tmp_path) if arch == "qwen3_next" else MtpReference(path)
     p, d = engines("prefill", MTP, arch, **prefill_layout), engines("decode", MTP, arch)
     p_free, d_free = free_blocks(p), free_blocks(d)
-    prompts = PROMPTS if arch == "deepseek_v3" else PROMPTS[:1]
+    prompts = PROMPTS[:1]   # the drafts checked after every step: one request is enough (the others check tokens)
     for prompt, want in zip(prompts, greedy_oracle(arch, prompts, NEW_TOKENS)):
         first = prefill(p, f"p{next(ids)}", prompt)
         handle = first.kv_handle
@@ -101,6 +104,7 @@ def test_mtp_on_both_sides_drafts_as_one_instance_and_keeps_the_greedy_tokens(ar
         assert handle.first_drafts and handle.first_drafts == reference.drafts(prompt + want[:1], K)[
             : len(handle.first_drafts)], "the prefill's drafts travel"
         assert all(shard.drafter == "mtp" for shard in handle.shards)
+        assert all(bool(shard.state_layers) == (arch == "qwen3_next") for shard in handle.shards)
         tokens, compared = decode_checking_drafts(p, d, prompt, handle, reference)
         assert tokens == want
         assert compared >= 3
