@@ -1,11 +1,13 @@
-"""Speculative decoding on the decode side of a P/D pair (DeepSeek-V3, GLM-4.5, Qwen3-Next with an MTP layer).
+"""Speculative decoding on the decode side of a P/D pair (DeepSeek-V3, GLM-4.5, Qwen3-Next with an MTP layer; an
+EAGLE-3 head on Llama).
 
 - MTP on both sides: the prefill instance's MTP layer runs over the prompt, its KV rows travel as one more layer
   and its drafts after the first token in the handle; the decode side's first step verifies those, and after every
   step its drafts equal transformers' MTP reference over the whole sequence (as one instance drafts), its greedy
   tokens transformers' without speculation; so too from a prefill instance under attention TP (GLM-4.5, ep=2
   dp_attn=1: the MTP layer's heads split over its ranks, re-sharded 2 -> 1 by the pull) and for a hybrid model
-  (Qwen3-Next: the MTP layer's rows pulled beside the linear layers' recurrent states);
+  (Qwen3-Next: the MTP layer's rows pulled beside the linear layers' recurrent states); EAGLE-3 likewise (a Llama
+  target: the head's KV layer is shaped like the target's, so it travels);
 - MTP on the decode side only (the prefill instance drafts nothing): the drafter layer is planned out of the pull,
   the decode side still drafts and verifies, greedy tokens unchanged; a prefill instance that drafts with MTP
   handing to a decode side without speculation: its drafter layer is not asked for, tokens unchanged;
@@ -19,9 +21,11 @@ import itertools
 import pytest
 
 from lazy_engines import engine_pool
+from eagle3_checkpoints import Eagle3Reference, write_eagle3_head
 from mtp_checkpoints import MtpReference, Qwen3NextMtpReference
 from pd_helpers import decode, free_blocks, greedy, prefill, wait_for_free
 from pd_helpers import kv_key  # noqa: F401  the module's KV secret (an autouse fixture)
+from tiny_checkpoints import hf_greedy
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.plan import plan_pulls
 from moe_runtime.front.engine_factory import make_engine
@@ -34,27 +38,29 @@ MTP = {"method": "mtp", "num_speculative_tokens": K}
 NGRAM = {"method": "ngram", "num_speculative_tokens": K}
 PROMPTS = [[5, 17, 42, 99, 3, 8, 61, 200, 31, 7] * 2, [7, 8, 9] * 6 + [1, 2]]
 NEW_TOKENS = 16   # the first prompt's output repeats a pair: an n-gram draft is accepted
+CHECKED_TOKENS = 8   # where the drafts are checked after every step (each check runs the reference whole)
 ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def mtp_checkpoints(tiny_checkpoint_factory, tmp_path_factory):
-    """arch -> its tiny checkpoint with an MTP layer appended."""
+def checkpoints(tiny_checkpoint_factory, tmp_path_factory):
+    """arch -> its tiny checkpoint with an MTP layer appended; "llama" -> a 4-layer Llama (an EAGLE-3 target)."""
     root = tmp_path_factory.mktemp("pd_mtp")
     cache = {}
 
     def get(arch: str):
         if arch not in cache:
-            cache[arch] = write_mtp_checkpoint(tiny_checkpoint_factory(arch), root / arch)
+            cache[arch] = (tiny_checkpoint_factory(arch, num_hidden_layers=4) if arch == "llama"
+                           else write_mtp_checkpoint(tiny_checkpoint_factory(arch), root / arch))
         return cache[arch]
     return get
 
 
 @pytest.fixture(scope="module")
-def engines(mtp_checkpoints, kv_key):
+def engines(checkpoints, kv_key):
     """`engines(mode, speculative, arch="deepseek_v3", **layout)`: one engine per such key for the module."""
     def build(arch: str, mode: str, speculative: tuple | None, layout: tuple):
-        return make_engine(EngineConfig(model=str(mtp_checkpoints(arch)), device="cpu", dtype="float32",
+        return make_engine(EngineConfig(model=str(checkpoints(arch)), device="cpu", dtype="float32",
                                         block_size=4, kv_cache_memory=2**20, max_num_seqs=4, disaggregation_mode=mode,
                                         speculative_config=dict(speculative) if speculative else None,
                                         **dict(layout)))
@@ -73,7 +79,7 @@ def decode_checking_drafts(p, d, prompt: list[int], handle, reference: MtpRefere
     """Decode on `d`, checking after activation and after every step that its drafts are `reference`'s for where
     the sequence stands; its tokens and how many drafts were compared."""
     request_id = f"d{next(ids)}"
-    d.add_request(request_id, prompt, greedy(NEW_TOKENS), import_kv=handle)
+    d.add_request(request_id, prompt, greedy(CHECKED_TOKENS), import_kv=handle)
     compared, seq = 0, None
     while True:
         outputs = d.step() + p.step()
@@ -91,13 +97,13 @@ def decode_checking_drafts(p, d, prompt: list[int], handle, reference: MtpRefere
 @pytest.mark.parametrize("arch, prefill_layout", [("deepseek_v3", {}), ("glm4_moe", {"ep": 2, "dp_attn": 1}),
                                                   ("qwen3_next", {})])
 def test_mtp_on_both_sides_drafts_as_one_instance_and_keeps_the_greedy_tokens(arch, prefill_layout, engines,
-                                                                              mtp_checkpoints, greedy_oracle, tmp_path):
-    path = mtp_checkpoints(arch)
+                                                                              checkpoints, greedy_oracle, tmp_path):
+    path = checkpoints(arch)
     reference = Qwen3NextMtpReference(path, tmp_path) if arch == "qwen3_next" else MtpReference(path)
     p, d = engines("prefill", MTP, arch, **prefill_layout), engines("decode", MTP, arch)
     p_free, d_free = free_blocks(p), free_blocks(d)
     prompts = PROMPTS[:1]   # the drafts checked after every step: one request is enough (the others check tokens)
-    for prompt, want in zip(prompts, greedy_oracle(arch, prompts, NEW_TOKENS)):
+    for prompt, want in zip(prompts, greedy_oracle(arch, prompts, CHECKED_TOKENS)):
         first = prefill(p, f"p{next(ids)}", prompt)
         handle = first.kv_handle
         # as far as the prompt's blocks reach (the chain writes the layer's cache at each draft's position)
@@ -110,6 +116,21 @@ def test_mtp_on_both_sides_drafts_as_one_instance_and_keeps_the_greedy_tokens(ar
         assert compared >= 3
     assert d.stats().workers[0].spec_verify_steps > 0
     wait_for_free([(p, p_free), (d, d_free)])
+
+
+def test_eagle3_on_both_sides_drafts_as_one_instance_and_keeps_the_greedy_tokens(engines, checkpoints, tmp_path):
+    target = checkpoints("llama")
+    head = write_eagle3_head(target, tmp_path / "head", [1, 2, 3])
+    eagle3 = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
+    p, d = engines("prefill", eagle3, "llama"), engines("decode", eagle3, "llama")
+    reference = Eagle3Reference(target, head)
+    [want] = hf_greedy(target, PROMPTS[:1], CHECKED_TOKENS)
+    handle = prefill(p, f"p{next(ids)}", PROMPTS[0]).kv_handle
+    assert handle.first_drafts == reference.drafts(PROMPTS[0] + want[:1], K)[: len(handle.first_drafts)]
+    assert handle.first_drafts and handle.shards[0].drafter == "eagle3"
+    tokens, compared = decode_checking_drafts(p, d, PROMPTS[0], handle, reference)
+    assert tokens == want
+    assert compared >= 3
 
 
 def test_mtp_on_one_side_only_keeps_the_greedy_tokens(engines, expected):
