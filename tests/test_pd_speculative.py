@@ -8,6 +8,7 @@ EAGLE-3 head on Llama).
   dp_attn=1: the MTP layer's heads split over its ranks, re-sharded 2 -> 1 by the pull) and for a hybrid model
   (Qwen3-Next: the MTP layer's rows pulled beside the linear layers' recurrent states); EAGLE-3 likewise (a Llama
   target: the head's KV layer is shaped like the target's, so it travels);
+- MTP on a decode instance under attention TP (ep=2 dp_attn=1): greedy tokens unchanged;
 - MTP on the decode side only (the prefill instance drafts nothing): the drafter layer is planned out of the pull,
   the decode side still drafts and verifies, greedy tokens unchanged; a prefill instance that drafts with MTP
   handing to a decode side without speculation: its drafter layer is not asked for, tokens unchanged;
@@ -131,6 +132,15 @@ def test_eagle3_on_both_sides_drafts_as_one_instance_and_keeps_the_greedy_tokens
     tokens, compared = decode_checking_drafts(p, d, PROMPTS[0], handle, reference)
     assert tokens == want
     assert compared >= 3
+
+
+def test_mtp_on_a_decode_instance_under_attention_tp_keeps_the_greedy_tokens(engines, expected):
+    """Both decode ranks pull the MTP layer's rows and take the handle's drafts, then draft in lock-step."""
+    p, d = engines("prefill", MTP), engines("decode", MTP, ep=2, dp_attn=1)
+    for prompt, want in zip(PROMPTS, expected):
+        first = prefill(p, f"p{next(ids)}", prompt)
+        assert decode(p, d, f"d{next(ids)}", prompt, first.kv_handle, NEW_TOKENS).token_ids == want
+    assert d.stats().workers[0].spec_verify_steps > 0
 
 
 def test_mtp_on_one_side_only_keeps_the_greedy_tokens(engines, expected):
