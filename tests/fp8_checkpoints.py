@@ -20,8 +20,9 @@ from moe_runtime.weights.quantization.fp8_checkpoint_writer import (
 
 
 def write_fp8_checkpoint(source: Path, fp8_dir: Path, oracle_dir: Path, block: tuple[int, int],
-                         with_mtp: bool = True) -> tuple[Path, Path]:
-    """(FP8 checkpoint, dequantized oracle checkpoint) from the fp32 checkpoint `source`."""
+                         with_mtp: bool = True, mtp_oracle_dir: Path | None = None) -> tuple[Path, Path]:
+    """(FP8 checkpoint, dequantized oracle checkpoint) from the fp32 checkpoint `source`; with `mtp_oracle_dir`,
+    also the dequantized checkpoint with its MTP layer there (what the MTP layer must draft from)."""
     fmt = Fp8BlockFormat(*block)
     config = json.loads((source / "config.json").read_text())
     tensors = read_all_tensors(source)
@@ -37,4 +38,8 @@ def write_fp8_checkpoint(source: Path, fp8_dir: Path, oracle_dir: Path, block: t
     copy_side_files(source, oracle_dir)
     mtp_prefix = f"model.layers.{config['num_hidden_layers']}."
     write_two_shards({n: t for n, t in written.dequantized.items() if not n.startswith(mtp_prefix)}, oracle_dir)
+    if with_mtp and mtp_oracle_dir is not None:
+        copy_side_files(source, mtp_oracle_dir)
+        write_two_shards(written.dequantized, mtp_oracle_dir)
+        (mtp_oracle_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
     return fp8_dir, oracle_dir

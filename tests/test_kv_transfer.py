@@ -2,7 +2,9 @@
 
 - the re-sharding plan covers a decode rank's (layers x KV heads) with the prefill ranks' pieces:
   attention TP 2 -> 1 and 1 -> 2, layers straddling pipeline stages, MLA's replicated latent spread
-  over ranks; incompatible caches are refused naming why;
+  over ranks; incompatible caches are refused naming why; a drafter's KV layer (MTP, EAGLE-3) is pulled only from
+  prefill ranks that drafted with the same method, and travels only when shaped like the model's layers, from the
+  rank holding the model's last layer;
 - a handle is checked before anything connects: its MAC (another key, a moved endpoint) and the
   prompt it belongs to; a malformed one is refused;
 - every field of a handle is signed (the first token's logprob too) and survives JSON; an expired
@@ -20,6 +22,7 @@ import asyncio
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -31,6 +34,7 @@ from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from server_harness import FakeEngine
 from moe_runtime.disaggregation.kv_transfer.block_server import KVBlockServer
 from moe_runtime.disaggregation.decode_front import DecodeFront
+from moe_runtime.disaggregation.draft_layer import TransferredLayers
 from moe_runtime.disaggregation.kv_transfer.handle import HandleError, HandleLogprob, KVHandle, prompt_digest
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.disaggregation.kv_transfer.messages import KVCodec, PullBlocks
@@ -51,7 +55,7 @@ def a_handle(prompt: list[int], expires_in_s: float = 30.0, key: TransferKey = K
     return KVHandle(request_id="r", num_tokens=len(prompt), prompt_digest=prompt_digest(prompt), first_token=4,
                     first_logprob=HandleLogprob(token_id=4, logprob=-0.1234567891234, top_ids=[4, 9],
                                                 top_logprobs=[-0.1234567891234, -2.5]),
-                    shards=[KVShard(endpoint="tcp://127.0.0.1:1", first_layer=0, num_layers=1, head_start=0,
+                    first_drafts=[7, 3, 5], shards=[KVShard(endpoint="tcp://127.0.0.1:1", first_layer=0, num_layers=1, head_start=0,
                                     num_heads=1, total_heads=1, key_dim=8, value_dim=0, block_size=16,
                                     dtype="float32")],
                     release_endpoint="tcp://127.0.0.1:2", nonce=KVHandle.new_nonce(),
@@ -93,6 +97,43 @@ def test_plan_re_shards_heads_and_layers():
         plan_pulls(whole, [msgspec.structs.replace(tp2[0], block_size=32)])
     with pytest.raises(KVLayoutError, match="layer 2"):
         plan_pulls(whole, [shard(0, 2, 0, 4)])
+
+
+def test_a_drafters_layer_comes_only_from_prefill_ranks_drafting_with_the_same_method():
+    def shard(layers, head_start=0, heads=4, drafter="", endpoint="x"):
+        return KVShard(endpoint=endpoint, first_layer=0, num_layers=layers, head_start=head_start, num_heads=heads,
+                       total_heads=4, key_dim=8, value_dim=8, block_size=16, dtype="float32", drafter=drafter)
+
+    def pulled(local, remote):
+        return [(s.shard.endpoint, s.first_layer, s.num_layers, s.head_start, s.num_heads)
+                for s in plan_pulls(local, remote)]
+
+    mtp = shard(5, drafter="mtp", endpoint="")                     # four model layers, then the MTP layer's
+    assert mtp.draft_layer == 4 and mtp.kv_layers == (0, 1, 2, 3, 4) and shard(4).draft_layer is None
+    assert pulled(mtp, [shard(5, drafter="mtp", endpoint="a")]) == [("a", 0, 5, 0, 4)]
+    assert pulled(mtp, [shard(4, endpoint="a")]) == [("a", 0, 4, 0, 4)]               # it did not draft: left out
+    assert pulled(mtp, [shard(5, drafter="eagle3", endpoint="a")]) == [("a", 0, 4, 0, 4)]   # another drafter's
+    assert pulled(shard(4, endpoint=""), [shard(5, drafter="mtp", endpoint="a")]) == [("a", 0, 4, 0, 4)]
+    tp2 = [shard(5, 0, 2, "mtp", "a"), shard(5, 2, 2, "mtp", "b")]                 # its heads split like the model's
+    assert pulled(mtp, tp2) == [("a", 0, 5, 0, 2), ("b", 0, 5, 2, 2)]
+
+
+def test_a_drafters_layer_travels_when_shaped_like_the_models_from_the_last_layers_rank():
+    model = [KVCacheSpec(2, 8, 8)] * 3
+    caches = ["c0", "c1", "c2"]
+
+    def speculation(spec: KVCacheSpec, method: str = "mtp"):
+        drafter = SimpleNamespace(layer=SimpleNamespace(kv_cache_spec=lambda: spec), cache="draft")
+        return SimpleNamespace(model_drafter=drafter, config=SimpleNamespace(method=method))
+
+    layers = TransferredLayers.of(model, caches, speculation(KVCacheSpec(2, 8, 8)), holds_last_layer=True)
+    assert (layers.caches, layers.drafter) == ([*caches, "draft"], "mtp")
+    assert KVShard.of(layers.specs, 0, 16, torch.float32, drafter=layers.drafter).draft_layer == 3
+    for left_out in (TransferredLayers.of(model, caches, speculation(KVCacheSpec(4, 8, 8), "eagle3"), True),
+                     TransferredLayers.of(model, caches, speculation(KVCacheSpec(2, 8, 8)), False),
+                     TransferredLayers.of(model, caches, SimpleNamespace(model_drafter=None), True),
+                     TransferredLayers.of(model, caches, None, True)):
+        assert (left_out.caches, left_out.drafter) == (caches, "")
 
 
 def test_a_handle_is_checked_before_anything_connects():
@@ -191,6 +232,7 @@ def test_every_field_of_a_handle_is_signed_and_it_survives_json_but_not_its_expi
     better = msgspec.structs.replace(handle.first_logprob, logprob=-0.0001)
     for altered in (msgspec.structs.replace(handle, first_logprob=better),
                     msgspec.structs.replace(handle, first_logprob=None),
+                    msgspec.structs.replace(handle, first_drafts=[7, 3, 6]),
                     msgspec.structs.replace(handle, nonce=KVHandle.new_nonce()),
                     msgspec.structs.replace(handle, expires_at=handle.expires_at + 3600)):
         with pytest.raises(HandleError, match="signature"):

@@ -135,9 +135,16 @@ def test_expert_parallel_lock_step_with_mtp_gives_the_same_greedy_tokens(mtp_che
 
 
 def test_an_fp8_checkpoint_drafts_with_its_mtp_layer(tiny_checkpoint_factory, tmp_path):
-    """Dequantized at load, and kept FP8 in memory (--quantization fp8: the MTP layer's eh_proj and block too)."""
+    """Dequantized at load (the MTP layer's FP8 tensors and their `weight_scale_inv` read like the target's: its
+    drafts are those of the dequantized layer), and kept FP8 in memory (--quantization fp8: the MTP layer's
+    eh_proj and block too)."""
     fp8, oracle = write_fp8_checkpoint(tiny_checkpoint_factory("deepseek_v3"), tmp_path / "fp8", tmp_path / "oracle",
-                                       (32, 48), with_mtp=True)
+                                       (32, 48), with_mtp=True, mtp_oracle_dir=tmp_path / "mtp-oracle")
+    core = EngineCore(EngineConfig(model=str(fp8), device="cpu", dtype="float32", speculative_config=MTP,
+                                   block_size=4))
+    core.add_request("fp8", PROMPTS[0], greedy(6))
+    assert run_checking_drafts(core, MtpReference(tmp_path / "mtp-oracle"), K) >= 3
+    core.shutdown()
     expected = hf_greedy(oracle, PROMPTS, NEW_TOKENS)
     with LLM(str(fp8), device="cpu", dtype="float32", speculative_config=MTP) as llm:
         outputs = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]

@@ -5,7 +5,7 @@ travels in the control plane's `ImportRequest`, decoded field by field by msgspe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moe_runtime.sampling.logprobs import TokenLogprob
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
@@ -23,3 +23,4 @@ class ImportSpec:
     source_request_id: str                  # on the prefill instance
     shards: list[KVShard]                   # the prefilling worker's ranks
     first_logprob: TokenLogprob | None = None
+    first_drafts: list[int] = field(default_factory=list)   # the prefill's model drafter's, after first_token

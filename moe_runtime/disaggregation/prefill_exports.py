@@ -30,6 +30,7 @@ class PrefillExports:
         self.registry = ExportRegistry()
         self.source = open_source(caches, shard, self.registry, key, host)
         self._parked: dict[str, Sequence] = {}
+        self._drafting: list[tuple[Sequence, KVExportInfo]] = []   # parked this step: their drafts come after it
 
     @property
     def shard(self) -> KVShard:
@@ -44,7 +45,17 @@ class PrefillExports:
         needed = self.block_manager.blocks_needed(num_tokens)
         self.registry.park(seq.request_id, seq.block_table[:needed], num_tokens, seq.state_slot)
         self._parked[seq.request_id] = seq
-        return KVExportInfo(num_tokens)
+        info = KVExportInfo(num_tokens)
+        self._drafting.append((seq, info))
+        return info
+
+    def note_drafts(self) -> None:
+        """After the step's drafting: the drafts a model drafter made after each request parked in it (none with
+        n-gram or no speculation), for its handle."""
+        for seq, info in self._drafting:
+            if seq.proposed_at == seq.num_tokens:
+                info.drafts = list(seq.proposed_drafts)
+        self._drafting.clear()
 
     def release(self, request_id: str) -> bool:
         """Free a parked request's blocks (no pull reads them after this); False if it was not parked here."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_runtime.sampling.logprobs import TokenLogprob
-from moe_runtime.disaggregation.kv_transfer.handle import HandleLogprob, KVHandle, prompt_digest
+from moe_runtime.disaggregation.kv_transfer.handle import MAX_DRAFTS, HandleLogprob, KVHandle, prompt_digest
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.disaggregation.kv_transfer.release import ReleaseListener
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
@@ -49,7 +49,7 @@ class PrefillFront:
         return KVHandle(request_id=request_id, num_tokens=export.num_tokens,
                         prompt_digest=prompt_digest(prompt_token_ids), first_token=first_token,
                         first_logprob=HandleLogprob.of(first_logprob) if first_logprob is not None else None,
-                        shards=shards,
+                        first_drafts=list(export.drafts[:MAX_DRAFTS]), shards=shards,
                         release_endpoint=self.listener.endpoint, nonce=KVHandle.new_nonce(),
                         expires_at=time.time() + self.timeout_s).signed(self.key)
 

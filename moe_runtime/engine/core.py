@@ -24,6 +24,7 @@ from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.execution.decode_capture import CaptureSettings
 from moe_runtime.execution.host_reads import DecodeHostReads
 from moe_runtime.disaggregation.decode_imports import DecodeImports
+from moe_runtime.disaggregation.draft_layer import TransferredLayers
 from moe_runtime.disaggregation.import_grammars import ImportGrammars
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
@@ -175,11 +176,14 @@ class EngineCore:
             return
         key = key or TransferKey.shared(config.kv_transfer_key_file)
         first_layer = self.parallel.stage_layers[0] if self.parallel.stage_layers else 0
-        shard = KVShard.of(self.model.kv_cache_specs(), first_layer, config.block_size, self.dtype)
+        specs = self.model.kv_cache_specs()
+        layers = TransferredLayers.of(specs, self.runner.caches, self.speculation,
+                                      first_layer + len(specs) == self.hf_config.num_hidden_layers)
+        shard = KVShard.of(layers.specs, first_layer, config.block_size, self.dtype, drafter=layers.drafter)
         if config.disaggregation_mode == "prefill":
-            self.exports = PrefillExports(self.runner.caches, shard, self.block_manager, key, config.kv_transfer_host)
+            self.exports = PrefillExports(layers.caches, shard, self.block_manager, key, config.kv_transfer_host)
         else:
-            sink = open_sink(self.runner.caches, shard, key, on_landed=self._wake_loop)
+            sink = open_sink(layers.caches, shard, key, on_landed=self._wake_loop)
             self.imports = DecodeImports(shard, sink, self.block_manager, self.parallel.worker_rank,
                                          config.kv_transfer_timeout_s, ImportGrammars(self.grammar_waits))
 
@@ -391,6 +395,8 @@ class EngineCore:
                                      prompt_logprobs=scored_prompts.get(seq.request_id), kv_export=export,
                                      queue_seconds=self._queue_seconds_once(seq)))
         Speculation.after_step(self.speculation, self.runner.last_hidden, sampling)   # a model drafter drafts (MTP)
+        if self.exports is not None:
+            self.exports.note_drafts()   # ... parked requests' too: their handles carry them
         if self.imports is not None:
             self.imports.allocate()   # finished requests freed blocks an import may be waiting for
         return deltas

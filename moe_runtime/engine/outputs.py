@@ -13,6 +13,8 @@ class KVExportInfo:
     from the ranks (the front knows the rest: prompt, token, where the shards are)."""
 
     num_tokens: int                            # tokens whose KV is parked (the prompt)
+    drafts: list[int] = field(default_factory=list)   # a model drafter's after the first token (filled after the
+                                                      # step's drafting, `PrefillExports.note_drafts`)
 
 
 @dataclass

@@ -62,6 +62,12 @@ class Sequence:
             self.sampling_seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
 
     @property
+    def parked(self) -> bool:
+        """A prefill instance's request done here whose blocks wait for a decode instance (a model drafter still
+        runs over its last rows: they travel with the blocks, `disaggregation/draft_layer.py`)."""
+        return self.export_kv and self.finish_reason == FinishReason.LENGTH
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -190,7 +190,7 @@ class Front:
     def _add_import(self, request_id: str, prompt: list[int], params: SamplingParams, handle: KVHandle,
                     dp_rank: int) -> None:
         spec = ImportSpec(request_id, prompt, params, handle.first_token, handle.request_id, list(handle.shards),
-                          handle.first_token_logprob())
+                          handle.first_token_logprob(), list(handle.first_drafts))
         self.decode.start(request_id, dp_rank, set(self.shape.worker_ranks[dp_rank]), handle)
         self.client.send(ImportRequest(spec=spec, dp_rank=dp_rank), only_worker=dp_rank)
         self.outputs.add(request_id, prompt, params)

@@ -44,8 +44,12 @@ def refuse_unsupported(cfg, ctx) -> None:
                                   "does not take its per-sequence compressor state yet)")
     speculative = engine.speculative_config or {}
     if speculative.get("method", "ngram") == "mtp":
-        raise InvalidRequestError("speculative_config method 'mtp' with DeepSeek-V4: not implemented (its "
-                                  "multi-token-prediction layer is not loaded); use method 'ngram'")
+        raise InvalidRequestError("speculative_config method 'mtp' with DeepSeek-V4: not implemented; its "
+                                  "multi-token-prediction layer (mtp.0.*: e_proj and h_proj over each of the hc_mult "
+                                  "residual streams the target keeps before its hc_head, a V4 block whose compressed "
+                                  "attention keeps per-sequence window state, an hc_head of its own) is skipped at "
+                                  "load: the MTP drafter keeps one paged KV layer, not a V4 layer's state slot; use "
+                                  "method 'ngram'")
     rates = sorted({cfg.compress_rates[kind] for kind in cfg.layer_types if kind in cfg.compress_rates})
     uneven = [rate for rate in rates if engine.block_size % rate]
     if uneven:

@@ -57,7 +57,7 @@ class MtpRows:
     def of(cls, step: TargetHidden, sampled: set[str]) -> "MtpRows":
         rows = cls([], [], [], [], [], [])
         for seq, start, first_row, end_row in zip(step.seqs, step.starts, step.query_start, step.query_start[1:]):
-            if seq.is_finished:
+            if seq.is_finished and not seq.parked:
                 continue
             # true inputs end before the last known token: that one (the token just emitted) has no hidden state
             stop = min(start + end_row - first_row, seq.num_tokens - 1)

@@ -28,6 +28,7 @@ from moe_runtime.disaggregation.kv_transfer.shard import Count, Endpoint, KVShar
 
 MAX_SHARDS = 1024            # ranks of one prefill DP worker (attention TP x pipeline stages)
 MAX_TOP_LOGPROBS = 1024
+MAX_DRAFTS = 64              # drafts after the first token (a model drafter's num_speculative_tokens)
 NONCE_HEX_CHARS = 32          # 128 random bits
 
 
@@ -56,6 +57,8 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
     prompt_digest: Annotated[str, msgspec.Meta(max_length=64)]
     first_token: Count
     first_logprob: HandleLogprob | None = None
+    # the prefill's model drafter's drafts after the first token (MTP, EAGLE-3; `disaggregation/draft_layer.py`)
+    first_drafts: Annotated[list[Count], msgspec.Meta(max_length=MAX_DRAFTS)] = []
     shards: Annotated[list[KVShard], msgspec.Meta(min_length=1, max_length=MAX_SHARDS)]
     release_endpoint: Endpoint
     nonce: Annotated[str, msgspec.Meta(min_length=NONCE_HEX_CHARS, max_length=NONCE_HEX_CHARS,

@@ -6,7 +6,9 @@ prefill rank of the worker that prefilled the request holds some (layer, heads) 
 covers the decode rank's rectangle with pieces of the prefill ranks', merged where the same source
 serves consecutive layers with the same heads. Where several prefill ranks hold the same piece
 (KV heads replicated over TP ranks, MLA's latent on every rank), decode ranks spread over them.
-A hybrid model's linear-attention layers keep no blocks: they are planned apart (`state_plan`).
+A hybrid model's linear-attention layers keep no blocks: they are planned apart (`state_plan`). A drafter's layer
+(`KVShard.drafter`) comes only from a prefill rank that drafted with the same method; where none did, it is left
+out (`draft_layer.py`: the decode side then drafts from rows never written, worse drafts, the same output).
 """
 from __future__ import annotations
 
@@ -45,9 +47,14 @@ def plan_pulls(local: KVShard, remote: list[KVShard], spread: int = 0) -> list[P
         check_compatible(local, shard)
     pieces: list[PullSource] = []
     for layer in local.kv_layers:
+        drafting = layer == local.draft_layer
+        if drafting and not any(shard.drafter == local.drafter and shard.draft_layer == layer for shard in remote):
+            continue
         head, end = local.head_start, local.head_start + local.num_heads
         while head < end:
-            holders = [shard for shard in remote if shard.holds(layer, head)]
+            # a drafter's layer only from a drafter's, a model layer only from a model layer
+            holders = [shard for shard in remote
+                       if shard.holds(layer, head) and drafting == (layer == shard.draft_layer)]
             if not holders:
                 raise KVLayoutError(f"no prefill rank holds layer {layer}, KV head {head}")
             source = holders[spread % len(holders)]

@@ -19,6 +19,9 @@ DeepSeek-V4's layers differ from each other (moe_runtime/layers/compressed_cache
 layer's frames (`compressed_layers`, in layer order): a block holds `rows` compressed entries of each of `dims`
 (none on a sliding-only layer), and a sequence's state is the tensors `state` (window keys, carried projections),
 all in the cache dtype. Every layer is a state layer; those with entries are KV layers too.
+
+A rank whose engine drafts with a model (the MTP layer, an EAGLE-3 head: `disaggregation/draft_layer.py`) may hold
+the drafter's KV layer as one more, after the model's last (`drafter` names the speculative method).
 """
 from __future__ import annotations
 
@@ -76,12 +79,15 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
     keys_only_layers: Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_STATE_LAYERS)] = ()
     # DeepSeek-V4: each of its layers' frames (empty for every other model)
     compressed_layers: Annotated[tuple[LayerFrames, ...], msgspec.Meta(max_length=MAX_STATE_LAYERS)] = ()
+    # the speculative method ("mtp", "eagle3") whose drafter's KV layer is the last of `layers` ("": none here)
+    drafter: Annotated[str, msgspec.Meta(max_length=16)] = ""
 
     @classmethod
     def of(cls, specs: list, first_layer: int, block_size: int, dtype: torch.dtype,
-           endpoint: str = "") -> "KVShard":
+           endpoint: str = "", drafter: str = "") -> "KVShard":
         """The shard of a rank whose owned layers have `specs` (`KVCacheSpec`s, every one alike as in every model
-        here, and a hybrid model's `StateSpec`s, likewise alike; or DeepSeek-V4's `CompressedAttentionSpec`s)."""
+        here, and a hybrid model's `StateSpec`s, likewise alike; or DeepSeek-V4's `CompressedAttentionSpec`s).
+        `drafter`: the last spec is that speculative method's drafter layer's."""
         if specs and all(isinstance(spec, CompressedAttentionSpec) for spec in specs):
             return cls._compressed(specs, first_layer, block_size, dtype, endpoint)
         kv = [spec for spec in specs if isinstance(spec, KVCacheSpec)]
@@ -111,7 +117,7 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
                          conv_width=spec.conv_width, state_heads=spec.num_heads, state_key_dim=spec.key_dim,
                          state_value_dim=spec.value_dim)
         return cls(endpoint=endpoint, first_layer=first_layer, num_layers=len(specs), block_size=block_size,
-                   dtype=names[dtype], keys_only_layers=keys_only, **heads, **state)
+                   dtype=names[dtype], keys_only_layers=keys_only, drafter=drafter, **heads, **state)
 
     @classmethod
     def _compressed(cls, specs: list, first_layer: int, block_size: int, dtype: torch.dtype,
@@ -151,6 +157,11 @@ class KVShard(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def layers(self) -> range:
         return range(self.first_layer, self.first_layer + self.num_layers)
+
+    @property
+    def draft_layer(self) -> int | None:
+        """The drafter's KV layer (global index: the model's layer count), if this rank holds one."""
+        return self.first_layer + self.num_layers - 1 if self.drafter else None
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
