@@ -296,8 +296,8 @@ class EngineCore:
         return seq is not None or parked
 
     def drop_requests(self) -> None:
-        """Abort every request (a job that lost a rank: the front resumes them; their full blocks stay cached), and
-        free every parked export (the front forgot them: a decode instance still pulling one computes it itself)."""
+        """Abort every request and free every parked export (a job that lost a rank: the front resumes the requests,
+        and a decode instance still pulling an export computes it itself); their full blocks stay cached."""
         for request_id in list(self._sequences):
             self.abort(request_id)
         if self.exports is not None:
