@@ -2,9 +2,9 @@
 
 - the drafter (no model): vLLM's rule, the longest suffix n-gram within [min, max] at its latest earlier
   occurrence, and the k tokens that followed it;
-- the config: vLLM's names through `LLM` and `moe-serve --speculative-config`; an unknown method and pp > 1
-  refused by name (windowed groups and recurrent states: tests/test_speculative_hybrid.py; eagle3:
-  tests/test_speculative_eagle3.py);
+- the config: vLLM's names through `LLM` and `moe-serve --speculative-config`; an unknown method refused by
+  name (windowed groups and recurrent states: tests/test_speculative_hybrid.py; eagle3:
+  tests/test_speculative_eagle3.py; pipeline stages: tests/test_speculative_pipeline.py);
 - the scheduler and block manager (no model): a drafting sequence gets 1 + d tokens and their blocks, the
   drafts are never offered to the prefix cache, and a roll-back frees the blocks past the accepted tokens;
 - the engine: greedy tokens with speculation equal those without it (and transformers') for a dense and an
@@ -62,8 +62,6 @@ def test_the_config_takes_vllms_names_and_refuses_what_is_not_built_by_name():
     with pytest.raises(InvalidRequestError, match="prompt_lookup_min"):
         SpeculativeConfig.parse({"prompt_lookup_min": 4, "prompt_lookup_max": 2})
     assert Speculation.for_engine(None, 1, 64) is None
-    with pytest.raises(InvalidRequestError, match="--pp"):
-        Speculation.for_engine(NGRAM, 2, 64)
 
 
 def test_moe_serve_takes_speculative_config_json():

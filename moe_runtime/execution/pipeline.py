@@ -5,7 +5,10 @@ into micro-batches without being told. Stage s receives micro-batch i's activati
 s-1, runs its layers, and sends them on without waiting, then takes micro-batch i+1: while stage
 s+1 works on micro-batch i, stage s already works on i+1. The last stage computes the logits and
 samples; the sampled tokens are broadcast back along the pipeline so every stage advances its
-sequences identically. The number of micro-batches is the same on every rank of a stage (empty
+sequences identically. With speculative decoding a verifying sequence runs its last token and its d drafts
+through every stage (1 + d rows, each stage writing its own layers' K/V and recurrent states), the last stage
+scores all 1 + d rows and accepts, and the broadcast carries how many drafts each sequence accepted beside its
+token: every stage then appends the same tokens and rolls back the same rejected drafts in its own cache. The number of micro-batches is the same on every rank of a stage (empty
 ones included), because the MoE layers' collectives inside a stage must pair up.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moe_runtime.engine.sequence import Sequence
+from moe_runtime.sampling.device_draw import SampleResult
 
 
 @dataclass
@@ -66,9 +70,19 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
     return PipelineStepResult(torch.cat(logits) if logits else None, compute)
 
 
-def broadcast_sampled_tokens(token_ids: list[int] | None, count: int, parallel) -> list[int]:
-    """The last stage's sampled tokens, on every stage of the pipeline group (a CPU tensor: the
-    pipeline's gloo control group)."""
-    buffer = torch.tensor(token_ids if token_ids is not None else [0] * count, dtype=torch.int64)
+def broadcast_step_result(sampled: SampleResult | None, seqs: list[Sequence], parallel) -> SampleResult:
+    """The last stage's result for `seqs` (those that sample), on every stage of the pipeline group: each
+    sequence's token and how many of its drafts were accepted (a CPU [2, B] tensor: the pipeline's gloo control
+    group). The other stages know the drafts themselves; logprobs stay on the last stage, which reports them."""
+    if sampled is not None:
+        rows = [sampled.token_ids, [len(accepted) for accepted in sampled.accepted_rows()]]
+    else:
+        rows = [[0] * len(seqs), [0] * len(seqs)]
+    buffer = torch.tensor(rows, dtype=torch.int64)                                  # [2, B]
     dist.broadcast(buffer, src=parallel.pp_last_rank, group=parallel.pp_control_group)
-    return buffer.tolist()
+    if sampled is not None:
+        return sampled
+    tokens, accepted = buffer.tolist()
+    errors = ["sampling failed on the last pipeline stage" if t == SampleResult.NO_TOKEN else None for t in tokens]
+    return SampleResult(tokens, [None] * len(seqs), errors,
+                        [[(draft, None) for draft in seq.draft_token_ids[:n]] for seq, n in zip(seqs, accepted)])

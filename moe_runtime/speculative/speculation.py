@@ -5,8 +5,10 @@ an EAGLE-3 draft head (`eagle3`), the last two run after each step (`after_step`
 token for token what it is without speculation, and sampled output distributed as it is without it
 (`rejection_sampling`). Requests with a grammar decode one token per step: their matcher would have to walk
 the drafts before the target scores them. Rejected drafts are rolled back in every KV group and, for
-recurrent-state layers, from per-draft state checkpoints (`state_rollback`). Pipeline parallelism (the last
-stage broadcasts one token per sequence) is refused at start-up, by name.
+recurrent-state layers, from per-draft state checkpoints (`state_rollback`). Under pipeline parallelism every
+stage schedules the same drafts (prompt lookup reads the tokens every stage holds), the verify rows run through
+all stages, and the last stage's accepted counts come back with its tokens (`execution/pipeline.py`); a model
+drafter under --pp is refused at start-up, by name.
 """
 from __future__ import annotations
 
@@ -50,11 +52,12 @@ class Speculation:
         config = SpeculativeConfig.parse(raw)
         if config is None:
             return None
-        if pp_size > 1:
-            raise InvalidRequestError("speculative decoding with --pp > 1 is not built: the last stage sends one "
-                                      "token per sequence")
         if config.method == "ngram":
             return cls(config, max_model_len)
+        if pp_size > 1:
+            raise InvalidRequestError(f"speculative_config method {config.method!r} with --pp > 1 is not built: its "
+                                      "layer reads the last stage's hidden states, and the drafts it makes there "
+                                      "would have to reach every stage's scheduler; use method 'ngram' there")
         if source is None:
             raise InvalidRequestError(f"speculative_config method {config.method!r} needs the engine's model to "
                                       "draft with")
