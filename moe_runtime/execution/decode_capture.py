@@ -26,6 +26,13 @@ over each row's own context, so unused columns cost nothing) and the KV caches a
 addresses (written in place, never copied into the graph's input buffers). On CPU the width stays
 dynamic: the torch decode kernel attends to the whole table under capture, so a narrow one is cheaper.
 
+**Verify steps** (speculative decoding) are captured too: a sequence verifying d drafts computes 1 + d rows, all
+of them logits rows, and each row is a single query at its own position, attending to the sequence's table up
+to itself. The layers write every row's K/V before they attend, so the step runs as a decode step of
+sum(1 + d) rows (each row its sequence's table and its own context length, pad rows as above) through the
+same graphs, bucketed by rows. On one rank the captured MoE ignores the phase (per-(token, expert) GEMVs);
+under expert parallelism a verify step is a prefill-phase step and runs eagerly.
+
 Where capture cannot run it says so once and the engine decodes eagerly: no C++ compiler for
 inductor's CPU backend, or a compile that fails. What cannot be captured at all (several ranks, kept
 quantized weights) is refused when the engine is configured (`EngineConfig.validate_torch_compile`).
@@ -93,6 +100,7 @@ class CaptureStats:
     """What the capture did, for tests, benchmarks and the log."""
 
     captured_steps: int = 0                          # decode steps run through a compiled graph
+    captured_verify_steps: int = 0                   # ... of which verified drafts (speculative decoding)
     eager_steps: int = 0                             # steps run eagerly (prefill, mixed, too large, fallback)
     buckets_compiled: list[int] = field(default_factory=list)  # batch buckets whose first step compiled
     disabled_reason: str | None = None               # set when capture gave up; every step then runs eagerly
@@ -134,30 +142,35 @@ class DecodeCapture:
                                        fullgraph=True, dynamic=False)
 
     def covers(self, seqs: list[Sequence]) -> bool:
-        """Whether this step is a pure decode step the capture runs: every sequence computes and samples one
-        token (no prompt scored), within the largest bucket (windowed layers need no limit: their rows' first
-        keys are computed inside the graph)."""
-        if self.stats.disabled_reason is not None or not 0 < len(seqs) <= self.settings.max_batch:
+        """Whether this step is a decode step the capture runs: every sequence computes and samples its last
+        token, and its drafts when it verifies some (every row a logits row; no prompt scored), all rows within
+        the largest bucket (windowed layers need no limit: their rows' first keys are computed inside the
+        graph)."""
+        rows = sum(seq.num_scheduled_tokens for seq in seqs)
+        if self.stats.disabled_reason is not None or not seqs or rows > self.settings.max_batch:
             return False
-        if self.model.executor.phase != PHASE_DECODE:   # several ranks agreed on prefill: not the low-latency kernels
+        executor = self.model.executor
+        # several ranks agreed on prefill (a verify step, a mixed one): not the low-latency kernels
+        if executor.phase != PHASE_DECODE and executor.parallel.ep_size > 1:
             return False
         for seq in seqs:
-            if seq.num_scheduled_tokens != 1 or not seq.samples_this_step or prompt_logprobs_due(seq):
+            if not seq.samples_this_step or seq.num_scheduled_tokens != seq.logit_rows or prompt_logprobs_due(seq):
                 return False
-            if self.settings.table_width is not None and seq.num_cached_tokens + 1 > self.settings.table_width * \
-                    self.block_size:
+            if self.settings.table_width is not None and seq.num_cached_tokens + seq.num_scheduled_tokens > \
+                    self.settings.table_width * self.block_size:
                 return False
         return True
 
     def run(self, seqs: list[Sequence], inputs: StepInputs) -> torch.Tensor | None:
-        """Next-token logits [S, V] fp32 of a covered step (`covers`), from the runner's prepared `inputs`; None
-        for any other step, which the runner then runs eagerly (counted in `stats.eager_steps`)."""
+        """Next-token logits [R, V] fp32 of a covered step (`covers`: one row per token, R = S without drafts), from
+        the runner's prepared `inputs`; None for any other step, which the runner then runs eagerly (counted in `stats.eager_steps`)."""
         if not self.covers(seqs):
             self.stats.eager_steps += 1
             return None
-        num_seqs = len(seqs)
-        bucket = next(size for size in self.buckets if size >= num_seqs)
-        padded = self._pad(inputs, bucket)
+        num_rows = inputs.input_ids.shape[0]
+        verifying = num_rows > len(seqs)
+        bucket = next(size for size in self.buckets if size >= num_rows)
+        padded = self._pad(self._single_query_rows(inputs) if verifying else inputs, bucket)
         first = bucket not in self.stats.buckets_compiled
         if first:
             logger.info("compiling the decode step for batch bucket %d (backend %s)", bucket, self.settings.backend)
@@ -177,12 +190,26 @@ class DecodeCapture:
             # and every later one run eagerly. An error of the model itself raises again there.
             self._disable(f"the compiled decode step failed ({failure.__class__.__name__}: {failure})")
             self.stats.eager_steps += 1
-            return self._decode_logits(*padded)[:num_seqs]
+            return self._decode_logits(*padded)[:num_rows]
         if first:
             self.stats.buckets_compiled.append(bucket)
         self.stats.captured_steps += 1
+        self.stats.captured_verify_steps += verifying
         # A CUDA graph's output lives in its pool and the next replay overwrites it: the caller gets its own copy.
-        return logits[:num_seqs].clone() if self.settings.cuda_graphs else logits[:num_seqs]
+        return logits[:num_rows].clone() if self.settings.cuda_graphs else logits[:num_rows]
+
+    @staticmethod
+    def _single_query_rows(inputs: StepInputs) -> StepInputs:
+        """A verify step's inputs as one single-query row per token: each row its sequence's block table and its
+        own context (its position + 1), so it attends to the sequence's earlier tokens and to the rows before it,
+        whose K/V the layer writes first."""
+        batch: AttentionBatch = inputs.batch
+        per_seq = torch.tensor(batch.query_lens, dtype=torch.long, device=batch.block_tables.device)      # [B]
+        rows = AttentionBatch(query_lens=[], context_lens=[], query_start=[0], slot_mapping=batch.slot_mapping,
+                              block_tables=batch.block_tables.repeat_interleave(per_seq, dim=0),          # [T, W]
+                              context_lens_tensor=(inputs.positions + 1).to(torch.int32),                 # [T]
+                              block_size=batch.block_size)
+        return StepInputs(inputs.input_ids, inputs.positions, rows, inputs.last_token_index)
 
     def _pad(self, inputs: StepInputs, bucket: int) -> tuple[torch.Tensor, ...]:
         """The step's tensors padded to `bucket` rows, and the table to `settings.table_width` columns (CUDA) or to at
