@@ -119,6 +119,15 @@ def cpu_compiler_missing() -> str | None:
     return None
 
 
+@dataclass
+class CapturedStep:
+    logits: torch.Tensor           # [R, V] fp32
+    hidden: torch.Tensor           # [R, H] the final hidden states
+
+    def copied(self) -> "CapturedStep":
+        return CapturedStep(self.logits.clone(), self.hidden.clone())
+
+
 class DecodeCapture:
     """Runs pure decode steps of one rank's model through one compiled graph per batch bucket."""
 
@@ -138,7 +147,7 @@ class DecodeCapture:
                 for tensor in (cache.keys, cache.values):
                     if tensor is not None:
                         torch._dynamo.mark_static_address(tensor)
-        self._compiled = torch.compile(self._decode_logits, backend=settings.backend, mode=settings.compile_mode(),
+        self._compiled = torch.compile(self._decode_step, backend=settings.backend, mode=settings.compile_mode(),
                                        fullgraph=True, dynamic=False)
 
     def covers(self, seqs: list[Sequence]) -> bool:
@@ -161,9 +170,10 @@ class DecodeCapture:
                 return False
         return True
 
-    def run(self, seqs: list[Sequence], inputs: StepInputs) -> torch.Tensor | None:
-        """Next-token logits [R, V] fp32 of a covered step (`covers`: one row per token, R = S without drafts), from
-        the runner's prepared `inputs`; None for any other step, which the runner then runs eagerly (counted in `stats.eager_steps`)."""
+    def run(self, seqs: list[Sequence], inputs: StepInputs) -> CapturedStep | None:
+        """A covered step's (`covers`) final hidden states and next-token logits, one row per token (one per
+        sequence without drafts), from the runner's prepared `inputs`; None for any other step, which the runner
+        then runs eagerly (counted in `stats.eager_steps`)."""
         if not self.covers(seqs):
             self.stats.eager_steps += 1
             return None
@@ -184,19 +194,21 @@ class DecodeCapture:
             # then reruns eagerly below and the capture turns off.
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=not first), \
                     torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                logits = self._compiled(*padded)                              # [bucket, V]
+                hidden, logits = self._compiled(*padded)                      # [bucket, H], [bucket, V]
         except Exception as failure:
             # A compile (first call of a bucket, or a recompile later) that fails must not fail the step: this step
             # and every later one run eagerly. An error of the model itself raises again there.
             self._disable(f"the compiled decode step failed ({failure.__class__.__name__}: {failure})")
             self.stats.eager_steps += 1
-            return self._decode_logits(*padded)[:num_rows]
+            hidden, logits = self._decode_step(*padded)
+            return CapturedStep(logits[:num_rows], hidden[:num_rows])
         if first:
             self.stats.buckets_compiled.append(bucket)
         self.stats.captured_steps += 1
         self.stats.captured_verify_steps += verifying
+        step = CapturedStep(logits[:num_rows], hidden[:num_rows])
         # A CUDA graph's output lives in its pool and the next replay overwrites it: the caller gets its own copy.
-        return logits[:num_rows].clone() if self.settings.cuda_graphs else logits[:num_rows]
+        return step.copied() if self.settings.cuda_graphs else step
 
     @staticmethod
     def _single_query_rows(inputs: StepInputs) -> StepInputs:
@@ -229,14 +241,15 @@ class DecodeCapture:
             torch._dynamo.mark_dynamic(tables, 1)
         return input_ids, positions, slots, tables, context_lens
 
-    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                       block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:  # [B] -> [B, V]
-        """The traced step: one new token per row through every layer, then the LM head."""
+    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The traced step: one new token per row through every layer, then the LM head: [B] -> the final
+        hidden states [B, H] (an MTP drafter reads them) and the logits [B, V]."""
         batch = AttentionBatch(query_lens=[], context_lens=[], query_start=[0], slot_mapping=slot_mapping,
                                block_tables=block_tables, context_lens_tensor=context_lens,
                                block_size=self.block_size, static_decode=True)
         hidden = self.model(input_ids, positions, batch, self.caches)                # [B, H]
-        return self.model.logits(hidden)                                             # [B, V] fp32
+        return hidden, self.model.logits(hidden)                                     # [B, H], [B, V] fp32
 
     def _disable(self, reason: str | None) -> None:
         if reason is None or self.stats.disabled_reason is not None:

@@ -54,9 +54,6 @@ def build_mtp_drafter(source: DraftSource, k: int) -> MtpDrafter:
     if parallel.cp_size > 1:
         raise InvalidRequestError("speculative_config method 'mtp' with --cp is not built yet: the MTP pass would "
                                   "have to split its rows over the context-parallel ranks; use method 'ngram' there")
-    if source.runner.capture is not None:
-        raise InvalidRequestError("speculative_config method 'mtp' with enable_torch_compile is not built: a captured "
-                                  "decode step does not keep the hidden states the MTP layer reads")
     executor = MoEExecutor.for_engine(source.config, source.ctx.parallel, source.ctx.kernels, cfg.hidden_size,
                                       source.ctx.dtype)
     ctx = dataclasses.replace(source.ctx, executor=executor)
