@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moe_runtime.engine.sequence import Sequence
+from moe_runtime.execution.step_inputs import TargetHidden
 from moe_runtime.sampling.device_draw import SampleResult
 
 
@@ -27,6 +28,27 @@ from moe_runtime.sampling.device_draw import SampleResult
 class PipelineStepResult:
     logits: torch.Tensor | None    # [B, V] on the last stage, else None
     compute_seconds: float         # time this stage spent running its layers (the rest is bubble or comms)
+
+
+@dataclass
+class StageHidden:
+    """The last stage's final hidden states of one step, gathered micro-batch by micro-batch for a drafter (MTP)."""
+
+    seqs: list[Sequence]
+    starts: list[int]                                   # [B] each sequence's first position this step
+    query_start: list[int]                              # [B + 1] over the whole step
+    parts: list[torch.Tensor]                           # each micro-batch's [t, H], in order
+
+    @classmethod
+    def before(cls, seqs: list[Sequence]) -> "StageHidden":
+        """Where each sequence stands before the step commits its tokens."""
+        query_start = [0]
+        for seq in seqs:
+            query_start.append(query_start[-1] + seq.num_scheduled_tokens)
+        return cls(list(seqs), [seq.num_cached_tokens for seq in seqs], query_start, [])
+
+    def step(self) -> TargetHidden | None:
+        return TargetHidden(self.seqs, self.starts, self.query_start, torch.cat(self.parts)) if self.parts else None
 
 
 def split_micro_batches(seqs: list[Sequence], count: int) -> list[list[Sequence]]:
@@ -45,6 +67,7 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
     model = runner.model
     hidden_size = model.stage_activation_width()
     sends, logits, compute = [], [], 0.0
+    kept = StageHidden.before(seqs) if runner.keep_hidden and parallel.is_last_stage else None
     for group in split_micro_batches(seqs, num_micro_batches):
         inputs = runner.prepare(group)
         num_tokens = inputs.input_ids.shape[0]
@@ -63,8 +86,12 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
         elif group:
             runner.score_prompts(group, inputs, out)   # final hidden states exist on the last stage only
             logits.append(model.logits(out[inputs.last_token_index]))
+            if kept is not None:
+                kept.parts.append(out)
     for request in sends:
         request.wait()
+    if kept is not None:   # an MTP drafter reads them (`speculative/pipeline_drafts.py`)
+        runner.last_hidden = kept.step()
     for seq in seqs:
         seq.commit_scheduled_tokens()
     return PipelineStepResult(torch.cat(logits) if logits else None, compute)

@@ -68,8 +68,8 @@ def build_mtp_drafter(source: DraftSource, k: int) -> MtpDrafter:
     executor.finish_registration()
     others = SkippedTensor(rf"^(?!{re.escape(where.prefix)})", "the target model's, not the MTP layer's")
     load_model_weights(view, source.reader, SkippedTensors((others,)),
-                       parallel.world_control_group if parallel.world_size > 1 else None)   # experts spread over EP
+                       parallel.world_control_group if parallel.world_size > parallel.pp_size else None)   # over EP
     layer.eval()
     source.runner.keep_hidden = True
     return MtpDrafter(layer, executor, source.num_blocks, source.runner.block_size, source.ctx.dtype,
-                      source.ctx.device, k, lock_step=parallel.world_size > 1)
+                      source.ctx.device, k, lock_step=parallel.world_size > parallel.pp_size)   # --pp: last stage only
