@@ -8,8 +8,9 @@ samples; the sampled tokens are broadcast back along the pipeline so every stage
 sequences identically. With speculative decoding a verifying sequence runs its last token and its d drafts
 through every stage (1 + d rows, each stage writing its own layers' K/V and recurrent states), the last stage
 scores all 1 + d rows and accepts, and the broadcast carries how many drafts each sequence accepted beside its
-token: every stage then appends the same tokens and rolls back the same rejected drafts in its own cache. The number of micro-batches is the same on every rank of a stage (empty
-ones included), because the MoE layers' collectives inside a stage must pair up.
+token: every stage then appends the same tokens and rolls back the same rejected drafts in its own cache. The
+number of micro-batches is the same on every rank of a stage (empty ones included), because the MoE layers'
+collectives inside a stage must pair up.
 """
 from __future__ import annotations
 
