@@ -8,6 +8,8 @@ step's rows, the chain, the wider verify steps) with almost nothing accepted. Th
 training sequences rather than generalising (the random target's continuations carry no structure a small
 layer learns from 9k positions): on the bench's prompts it too accepts nothing, so `--seen` runs the
 comparison on its training prompts, where its drafts are accepted: the drafter's gain when it predicts.
+`--captured` runs both sides with the captured decode step (`enable_torch_compile`, inductor): plain decodes and
+verify steps alike go through its graphs.
 
 The prompt is shaped like a code edit: a "file" of 160 tokens, a short instruction, then the file again up to
 the point being edited, so that the context repeats itself (what n-gram lookup feeds on). Greedy, eos ignored;
@@ -17,7 +19,8 @@ length is the tokens a verifying sequence-step emits on average (1 + accepted / 
 repeats itself only where its own greedy output loops, so the acceptance here is a floor of what a trained
 model editing code gets.
 
-    python bench/bench_speculative.py [--method ngram|mtp] [--mtp-head trained|random] [--seen] [--batches 1 4]
+    python bench/bench_speculative.py [--method ngram|mtp] [--mtp-head trained|random] [--seen] [--captured]
+                                      [--batches 1 4]
                                       [--new-tokens 128] [--k 3] [--min 1] [--max 3]
 """
 from __future__ import annotations
@@ -60,14 +63,19 @@ def seen_prompts(count: int) -> list[list[int]]:
     return [row[:PROMPT_TOKENS] for row in training_sequences()[:count].tolist()]
 
 
-def measure(path: Path, batch: int, new_tokens: int, speculative: dict | None, seen: bool = False) -> dict:
+def measure(path: Path, batch: int, new_tokens: int, speculative: dict | None, seen: bool = False,
+            captured: bool = False) -> dict:
     from moe_runtime import LLM, SamplingParams
 
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     prompts = seen_prompts(batch) if seen else edit_prompts(batch)
     with LLM(str(path), device="cpu", dtype="float32", enable_prefix_caching=False,
-             speculative_config=speculative) as llm:
+             speculative_config=speculative, enable_torch_compile=captured, torch_compile_max_bs=16) as llm:
         llm.generate(edit_prompts(1), greedy(4))                       # warm-up
+        if captured:   # every bucket the run may use compiles here, not inside the timed runs
+            llm.generate(prompts, greedy(new_tokens))
+        capture = llm.engine.core.runner.capture
+        captured_before = (capture.stats.captured_steps, capture.stats.captured_verify_steps) if capture else None
         started = time.perf_counter()
         llm.generate(prompts, greedy(1))
         prefill_s = time.perf_counter() - started
@@ -76,6 +84,7 @@ def measure(path: Path, batch: int, new_tokens: int, speculative: dict | None, s
         outputs = llm.generate(prompts, greedy(new_tokens))
         total_s = time.perf_counter() - started
         after = llm.engine.stats().workers[0]
+        captured_after = (capture.stats.captured_steps, capture.stats.captured_verify_steps) if capture else None
     drafted = after.spec_draft_tokens - before.spec_draft_tokens
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     verify_steps = after.spec_verify_steps - before.spec_verify_steps
@@ -88,6 +97,8 @@ def measure(path: Path, batch: int, new_tokens: int, speculative: dict | None, s
         "drafted": drafted, "accepted": accepted, "verify_steps": verify_steps,
         "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
         "acceptance_length": round(1 + accepted / verify_steps, 3) if verify_steps else None,
+        "captured_steps": captured_after[0] - captured_before[0] if capture else None,   # in the timed runs
+        "captured_verify_steps": captured_after[1] - captured_before[1] if capture else None,
         "token_ids": [o.token_ids for o in outputs],
     }
 
@@ -102,6 +113,7 @@ def main() -> int:
     parser.add_argument("--max", type=int, default=3, help="prompt_lookup_max")
     parser.add_argument("--mtp-head", choices=["trained", "random"], default="trained")
     parser.add_argument("--seen", action="store_true", help="mtp: the trained layer's own training prompts")
+    parser.add_argument("--captured", action="store_true", help="both sides with the captured decode step")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     if args.method == "mtp":
@@ -114,8 +126,8 @@ def main() -> int:
     print(f"{'batch':>5} {'plain tok/s':>12} {args.method + ' tok/s':>12} {'speedup':>8} {'accept len':>10} "
           f"{'accept rate':>11}")
     for batch in args.batches:
-        plain = measure(path, batch, args.new_tokens, None, args.seen)
-        spec = measure(path, batch, args.new_tokens, speculative, args.seen)
+        plain = measure(path, batch, args.new_tokens, None, args.seen, args.captured)
+        spec = measure(path, batch, args.new_tokens, speculative, args.seen, args.captured)
         same = plain.pop("token_ids") == spec.pop("token_ids")
         speedup = spec["decode_tok_s"] / plain["decode_tok_s"]
         rows.append({"batch": batch, "plain": plain, args.method: spec, "speedup": round(speedup, 3),
@@ -125,7 +137,8 @@ def main() -> int:
               + ("" if same else "  TOKENS DIFFER"))
     RESULTS.mkdir(exist_ok=True)
     random_head = args.method == "mtp" and args.mtp_head == "random"
-    suffix = ("_random_head" if random_head else "") + ("_seen" if args.seen else "")
+    suffix = ("_random_head" if random_head else "") + ("_seen" if args.seen else "") + \
+        ("_captured" if args.captured else "")
     out = RESULTS / f"speculative_{args.method}{suffix}.json"
     out.write_text(json.dumps({"checkpoint": path.name, "machine": platform.processor() or platform.machine(),
                                "threads": torch.get_num_threads(), "prompt": f"{FILE_TOKENS}-token file + "

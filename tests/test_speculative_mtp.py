@@ -7,6 +7,8 @@
 - greedy tokens with `mtp` equal transformers' without speculation, with chunked prefill and prefix caching,
   and the engine's counters show the drafts were verified; FP8 checkpoints draft through the same loader,
   dequantized or kept FP8 (`--quantization fp8`: the MTP layer's projections stay FP8);
+- with the captured decode step (verify steps included) the drafts read its hidden states and are still the
+  MTP layer's, and greedy tokens are unchanged;
 - under preemption (blocks freed and taken by others, positions recomputed) greedy tokens are unchanged;
 - under ep=2 with dp_attn=2 or 1 (lock-step, the MTP layer's experts spread over the ranks, its heads split
   under attention TP) greedy tokens are unchanged;
@@ -73,6 +75,22 @@ def test_greedy_tokens_with_mtp_equal_transformers_with_chunked_prefill_and_pref
     assert worker.spec_draft_tokens > 0 and worker.spec_verify_steps > 0
     assert stats.prefix_cache_hits > 0
     assert worker.kv_blocks_free == worker.kv_blocks_total, "blocks leaked"
+
+
+def test_mtp_drafts_from_the_captured_decode_steps_hidden_states(mtp_checkpoints):
+    path, base = mtp_checkpoints[False]
+    prompts = PROMPTS[:1]   # rows 1 + d <= 4: three buckets traced
+    core = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32", speculative_config=MTP,
+                                   block_size=4, enable_torch_compile=True, torch_compile_backend="eager",
+                                   torch_compile_max_bs=4))
+    for index, prompt in enumerate(prompts):
+        core.add_request(str(index), prompt, greedy(12))
+    seqs = list(core._sequences.values())
+    assert run_checking_drafts(core, MtpReference(path), K) >= 2 * len(prompts)
+    stats = core.runner.capture.stats
+    core.shutdown()
+    assert [seq.output_token_ids for seq in seqs] == hf_greedy(base, prompts, 12)
+    assert stats.disabled_reason is None and stats.captured_verify_steps > 0
 
 
 def test_seeded_sampling_with_mtp_is_reproducible_and_the_mtp_cache_is_paid_from_the_kv_budget(mtp_checkpoints):

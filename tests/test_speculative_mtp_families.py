@@ -11,7 +11,7 @@ For each: the drafts after every step equal what transformers' own decoder layer
 module's definition, and greedy tokens equal transformers' without speculation (chunked prefill, prefix
 caching). Under ep=2 with attention TP (GLM: dp_attn=1, the MTP block's heads split) and with DP attention
 (Qwen3-Next: dp_attn=2) greedy tokens are unchanged. Refused by name: a Qwen3-Next checkpoint without `mtp.*`,
-more than one MTP layer, `--cp`, a captured decode step.
+more than one MTP layer, `--cp`.
 """
 from __future__ import annotations
 
@@ -62,12 +62,11 @@ def test_mtp_under_expert_parallel(arch, dp_attn, mtp_checkpoint, greedy_oracle)
     assert all(w.kv_blocks_free == w.kv_blocks_total for w in workers), "blocks leaked"
 
 
-def fake_source(cfg, names: set[str], cp_size: int = 1, captured: bool = False) -> SimpleNamespace:
+def fake_source(cfg, names: set[str], cp_size: int = 1) -> SimpleNamespace:
     """What `build_mtp_drafter` reads before it builds anything."""
     return SimpleNamespace(target=SimpleNamespace(hf_config=cfg), reader=SimpleNamespace(names=lambda: names,
                                                                                           directory="ckpt"),
-                           ctx=SimpleNamespace(parallel=SimpleNamespace(cp_size=cp_size)),
-                           runner=SimpleNamespace(capture=object() if captured else None))
+                           ctx=SimpleNamespace(parallel=SimpleNamespace(cp_size=cp_size)))
 
 
 def test_what_mtp_cannot_draft_with_is_refused_by_name():
@@ -77,8 +76,6 @@ def test_what_mtp_cannot_draft_with_is_refused_by_name():
         build_mtp_drafter(fake_source(qwen, {"model.embed_tokens.weight"}), K)
     with pytest.raises(InvalidRequestError, match="--cp is not built"):
         build_mtp_drafter(fake_source(glm, {"model.layers.3.eh_proj.weight"}, cp_size=2), K)
-    with pytest.raises(InvalidRequestError, match="enable_torch_compile is not built"):
-        build_mtp_drafter(fake_source(glm, {"model.layers.3.eh_proj.weight"}, captured=True), K)
     two = SimpleNamespace(**{**vars(glm), "num_nextn_predict_layers": 2})
     with pytest.raises(InvalidRequestError, match="num_nextn_predict_layers=2 is not built"):
         build_mtp_drafter(fake_source(two, {"model.layers.3.eh_proj.weight"}), K)

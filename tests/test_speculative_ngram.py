@@ -2,15 +2,16 @@
 
 - the drafter (no model): vLLM's rule, the longest suffix n-gram within [min, max] at its latest earlier
   occurrence, and the k tokens that followed it;
-- the config: vLLM's names through `LLM` and `moe-serve --speculative-config`; an unknown method and pp > 1
-  refused by name (windowed groups and recurrent states: tests/test_speculative_hybrid.py; eagle3:
-  tests/test_speculative_eagle3.py);
+- the config: vLLM's names through `LLM` and `moe-serve --speculative-config`; an unknown method refused by
+  name (windowed groups and recurrent states: tests/test_speculative_hybrid.py; eagle3:
+  tests/test_speculative_eagle3.py; pipeline stages: tests/test_speculative_pipeline.py);
 - the scheduler and block manager (no model): a drafting sequence gets 1 + d tokens and their blocks, the
   drafts are never offered to the prefix cache, and a roll-back frees the blocks past the accepted tokens;
 - the engine: greedy tokens with speculation equal those without it (and transformers') for a dense and an
   MoE model, on prompts that repeat themselves (drafts are accepted: the engine's counters say so), with
   chunked prefill and prefix caching, under preemption, and with ep=2, dp_attn=2 in lock-step (the workers
-  accept different numbers of tokens in the same step). Sampled requests: tests/test_speculative_sampling.py.
+  accept different numbers of tokens in the same step), and with the captured decode step (verify steps of
+  sum(1 + d) single-query rows through its graphs). Sampled requests: tests/test_speculative_sampling.py.
 """
 from __future__ import annotations
 
@@ -62,8 +63,6 @@ def test_the_config_takes_vllms_names_and_refuses_what_is_not_built_by_name():
     with pytest.raises(InvalidRequestError, match="prompt_lookup_min"):
         SpeculativeConfig.parse({"prompt_lookup_min": 4, "prompt_lookup_max": 2})
     assert Speculation.for_engine(None, 1, 64) is None
-    with pytest.raises(InvalidRequestError, match="--pp"):
-        Speculation.for_engine(NGRAM, 2, 64)
 
 
 def test_moe_serve_takes_speculative_config_json():
@@ -174,3 +173,19 @@ def test_expert_parallel_lock_step_with_speculation_gives_the_same_greedy_tokens
     assert all(w.spec_draft_tokens > 0 for w in workers), "each DP worker was meant to draft"
     assert sum(w.spec_accepted_tokens for w in workers) > 0
     assert all(w.kv_blocks_free == w.kv_blocks_total for w in workers), "blocks leaked"
+
+
+def test_verify_steps_run_through_the_captured_decode_step(tiny_checkpoint_factory, greedy_oracle):
+    """Every decode step, verifying or not, runs through a graph (dynamo's full-graph trace, "eager" backend):
+    rows of sequences with and without drafts side by side, padded to the row bucket."""
+    arch = "qwen3_moe"
+    expected = greedy_oracle(arch, PROMPTS, NEW_TOKENS)
+    with spec_llm(tiny_checkpoint_factory(arch), enable_torch_compile=True, torch_compile_backend="eager",
+                  torch_compile_max_bs=16) as llm:
+        outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+        accepted, drafted = accepted_and_drafted(llm)
+        stats = llm.engine.core.runner.capture.stats
+    assert [o.token_ids for o in outputs] == expected
+    assert stats.disabled_reason is None
+    assert stats.captured_verify_steps > 0 and stats.eager_steps == 1, "only the prefill step was meant to be eager"
+    assert 0 < accepted < drafted

@@ -46,7 +46,7 @@ from moe_runtime.engine.outputs import TokenDelta, error_message
 from moe_runtime.config.parallel_context import ParallelContext, agree_on_minimum
 from moe_runtime.disaggregation.prefill_exports import PrefillExports
 from moe_runtime.engine.request_limits import RequestLimits
-from moe_runtime.execution.pipeline import broadcast_sampled_tokens, run_pipeline_step
+from moe_runtime.execution.pipeline import broadcast_step_result, run_pipeline_step
 from moe_runtime.engine.prefix_cache import PrefixCacheEvents
 from moe_runtime.sampling.sampler import SampleResult, Sampler
 from moe_runtime.sampling.params import SamplingParams
@@ -329,11 +329,7 @@ class EngineCore:
         if not sampling:
             return SampleResult.empty()
         sampled = self._sample(result.logits, sampling) if self.parallel.is_last_stage else None
-        tokens = broadcast_sampled_tokens(sampled.token_ids if sampled else None, len(sampling), self.parallel)
-        if sampled is not None:
-            return sampled
-        errors = ["sampling failed on the last pipeline stage" if t == SampleResult.NO_TOKEN else None for t in tokens]
-        return SampleResult(tokens, [None] * len(sampling), errors)
+        return broadcast_step_result(sampled, sampling, self.parallel)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:  # logits [B, V]
         """The batch's tokens. If sampling the batch raises, each request is sampled on its own and only

@@ -26,6 +26,13 @@ over each row's own context, so unused columns cost nothing) and the KV caches a
 addresses (written in place, never copied into the graph's input buffers). On CPU the width stays
 dynamic: the torch decode kernel attends to the whole table under capture, so a narrow one is cheaper.
 
+**Verify steps** (speculative decoding) are captured too: a sequence verifying d drafts computes 1 + d rows, all
+of them logits rows, and each row is a single query at its own position, attending to the sequence's table up
+to itself. The layers write every row's K/V before they attend, so the step runs as a decode step of
+sum(1 + d) rows (each row its sequence's table and its own context length, pad rows as above) through the
+same graphs, bucketed by rows. On one rank the captured MoE ignores the phase (per-(token, expert) GEMVs);
+under expert parallelism a verify step is a prefill-phase step and runs eagerly.
+
 Where capture cannot run it says so once and the engine decodes eagerly: no C++ compiler for
 inductor's CPU backend, or a compile that fails. What cannot be captured at all (several ranks, kept
 quantized weights) is refused when the engine is configured (`EngineConfig.validate_torch_compile`).
@@ -93,6 +100,7 @@ class CaptureStats:
     """What the capture did, for tests, benchmarks and the log."""
 
     captured_steps: int = 0                          # decode steps run through a compiled graph
+    captured_verify_steps: int = 0                   # ... of which verified drafts (speculative decoding)
     eager_steps: int = 0                             # steps run eagerly (prefill, mixed, too large, fallback)
     buckets_compiled: list[int] = field(default_factory=list)  # batch buckets whose first step compiled
     disabled_reason: str | None = None               # set when capture gave up; every step then runs eagerly
@@ -109,6 +117,15 @@ def cpu_compiler_missing() -> str | None:
     except Exception as missing:   # inductor raises its own InvalidCxxCompiler
         return f"no C++ compiler for torch.compile's CPU backend ({missing.__class__.__name__}: set CXX or install g++)"
     return None
+
+
+@dataclass
+class CapturedStep:
+    logits: torch.Tensor           # [R, V] fp32
+    hidden: torch.Tensor           # [R, H] the final hidden states
+
+    def copied(self) -> "CapturedStep":
+        return CapturedStep(self.logits.clone(), self.hidden.clone())
 
 
 class DecodeCapture:
@@ -130,34 +147,40 @@ class DecodeCapture:
                 for tensor in (cache.keys, cache.values):
                     if tensor is not None:
                         torch._dynamo.mark_static_address(tensor)
-        self._compiled = torch.compile(self._decode_logits, backend=settings.backend, mode=settings.compile_mode(),
+        self._compiled = torch.compile(self._decode_step, backend=settings.backend, mode=settings.compile_mode(),
                                        fullgraph=True, dynamic=False)
 
     def covers(self, seqs: list[Sequence]) -> bool:
-        """Whether this step is a pure decode step the capture runs: every sequence computes and samples one
-        token (no prompt scored), within the largest bucket (windowed layers need no limit: their rows' first
-        keys are computed inside the graph)."""
-        if self.stats.disabled_reason is not None or not 0 < len(seqs) <= self.settings.max_batch:
+        """Whether this step is a decode step the capture runs: every sequence computes and samples its last
+        token, and its drafts when it verifies some (every row a logits row; no prompt scored), all rows within
+        the largest bucket (windowed layers need no limit: their rows' first keys are computed inside the
+        graph)."""
+        rows = sum(seq.num_scheduled_tokens for seq in seqs)
+        if self.stats.disabled_reason is not None or not seqs or rows > self.settings.max_batch:
             return False
-        if self.model.executor.phase != PHASE_DECODE:   # several ranks agreed on prefill: not the low-latency kernels
+        executor = self.model.executor
+        # several ranks agreed on prefill (a verify step, a mixed one): not the low-latency kernels
+        if executor.phase != PHASE_DECODE and executor.parallel.ep_size > 1:
             return False
         for seq in seqs:
-            if seq.num_scheduled_tokens != 1 or not seq.samples_this_step or prompt_logprobs_due(seq):
+            if not seq.samples_this_step or seq.num_scheduled_tokens != seq.logit_rows or prompt_logprobs_due(seq):
                 return False
-            if self.settings.table_width is not None and seq.num_cached_tokens + 1 > self.settings.table_width * \
-                    self.block_size:
+            if self.settings.table_width is not None and seq.num_cached_tokens + seq.num_scheduled_tokens > \
+                    self.settings.table_width * self.block_size:
                 return False
         return True
 
-    def run(self, seqs: list[Sequence], inputs: StepInputs) -> torch.Tensor | None:
-        """Next-token logits [S, V] fp32 of a covered step (`covers`), from the runner's prepared `inputs`; None
-        for any other step, which the runner then runs eagerly (counted in `stats.eager_steps`)."""
+    def run(self, seqs: list[Sequence], inputs: StepInputs) -> CapturedStep | None:
+        """A covered step's (`covers`) final hidden states and next-token logits, one row per token (one per
+        sequence without drafts), from the runner's prepared `inputs`; None for any other step, which the runner
+        then runs eagerly (counted in `stats.eager_steps`)."""
         if not self.covers(seqs):
             self.stats.eager_steps += 1
             return None
-        num_seqs = len(seqs)
-        bucket = next(size for size in self.buckets if size >= num_seqs)
-        padded = self._pad(inputs, bucket)
+        num_rows = inputs.input_ids.shape[0]
+        verifying = num_rows > len(seqs)
+        bucket = next(size for size in self.buckets if size >= num_rows)
+        padded = self._pad(self._single_query_rows(inputs) if verifying else inputs, bucket)
         first = bucket not in self.stats.buckets_compiled
         if first:
             logger.info("compiling the decode step for batch bucket %d (backend %s)", bucket, self.settings.backend)
@@ -171,18 +194,34 @@ class DecodeCapture:
             # then reruns eagerly below and the capture turns off.
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=not first), \
                     torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                logits = self._compiled(*padded)                              # [bucket, V]
+                hidden, logits = self._compiled(*padded)                      # [bucket, H], [bucket, V]
         except Exception as failure:
             # A compile (first call of a bucket, or a recompile later) that fails must not fail the step: this step
             # and every later one run eagerly. An error of the model itself raises again there.
             self._disable(f"the compiled decode step failed ({failure.__class__.__name__}: {failure})")
             self.stats.eager_steps += 1
-            return self._decode_logits(*padded)[:num_seqs]
+            hidden, logits = self._decode_step(*padded)
+            return CapturedStep(logits[:num_rows], hidden[:num_rows])
         if first:
             self.stats.buckets_compiled.append(bucket)
         self.stats.captured_steps += 1
+        self.stats.captured_verify_steps += verifying
+        step = CapturedStep(logits[:num_rows], hidden[:num_rows])
         # A CUDA graph's output lives in its pool and the next replay overwrites it: the caller gets its own copy.
-        return logits[:num_seqs].clone() if self.settings.cuda_graphs else logits[:num_seqs]
+        return step.copied() if self.settings.cuda_graphs else step
+
+    @staticmethod
+    def _single_query_rows(inputs: StepInputs) -> StepInputs:
+        """A verify step's inputs as one single-query row per token: each row its sequence's block table and its
+        own context (its position + 1), so it attends to the sequence's earlier tokens and to the rows before it,
+        whose K/V the layer writes first."""
+        batch: AttentionBatch = inputs.batch
+        per_seq = torch.tensor(batch.query_lens, dtype=torch.long, device=batch.block_tables.device)      # [B]
+        rows = AttentionBatch(query_lens=[], context_lens=[], query_start=[0], slot_mapping=batch.slot_mapping,
+                              block_tables=batch.block_tables.repeat_interleave(per_seq, dim=0),          # [T, W]
+                              context_lens_tensor=(inputs.positions + 1).to(torch.int32),                 # [T]
+                              block_size=batch.block_size)
+        return StepInputs(inputs.input_ids, inputs.positions, rows, inputs.last_token_index)
 
     def _pad(self, inputs: StepInputs, bucket: int) -> tuple[torch.Tensor, ...]:
         """The step's tensors padded to `bucket` rows, and the table to `settings.table_width` columns (CUDA) or to at
@@ -202,14 +241,15 @@ class DecodeCapture:
             torch._dynamo.mark_dynamic(tables, 1)
         return input_ids, positions, slots, tables, context_lens
 
-    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                       block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:  # [B] -> [B, V]
-        """The traced step: one new token per row through every layer, then the LM head."""
+    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The traced step: one new token per row through every layer, then the LM head: [B] -> the final
+        hidden states [B, H] (an MTP drafter reads them) and the logits [B, V]."""
         batch = AttentionBatch(query_lens=[], context_lens=[], query_start=[0], slot_mapping=slot_mapping,
                                block_tables=block_tables, context_lens_tensor=context_lens,
                                block_size=self.block_size, static_decode=True)
         hidden = self.model(input_ids, positions, batch, self.caches)                # [B, H]
-        return self.model.logits(hidden)                                             # [B, V] fp32
+        return hidden, self.model.logits(hidden)                                     # [B, H], [B, V] fp32
 
     def _disable(self, reason: str | None) -> None:
         if reason is None or self.stats.disabled_reason is not None:

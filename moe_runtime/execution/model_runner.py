@@ -207,21 +207,23 @@ class ModelRunner:
         order, `seq.logit_rows` rows each (one; 1 + drafts when it verifies drafts); marks every sequence's
         scheduled tokens as cached."""
         inputs = self.prepare(seqs)
-        logits = None if self.capture is None else self.capture.run(seqs, inputs)   # [S, V], None: not captured
-        if logits is not None:
-            self.last_hidden = None
+        captured = None if self.capture is None else self.capture.run(seqs, inputs)   # None: not captured
+        if captured is not None:
+            self.last_hidden = self._kept(seqs, inputs, captured.hidden) if self.keep_hidden else None
             for seq in seqs:
                 seq.commit_scheduled_tokens()
-            return logits
+            return captured.logits
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
         if self.keep_hidden:   # the final hidden states, or the aux layers' inputs where an EAGLE-3 head asks
-            kept = self.model.aux_hidden if self.model.aux_layers else hidden
-            self.last_hidden = TargetHidden(list(seqs), [seq.num_cached_tokens for seq in seqs],
-                                            inputs.batch.query_start, kept)
+            self.last_hidden = self._kept(seqs, inputs, self.model.aux_hidden if self.model.aux_layers else hidden)
         self.score_prompts(seqs, inputs, hidden)
         for seq in seqs:
             seq.commit_scheduled_tokens()
         return self.model.logits(hidden[inputs.last_token_index])
+
+    @staticmethod
+    def _kept(seqs: list[Sequence], inputs: StepInputs, hidden: torch.Tensor) -> TargetHidden:  # hidden [T, H']
+        return TargetHidden(list(seqs), [seq.num_cached_tokens for seq in seqs], inputs.batch.query_start, hidden)
 
     def score_prompts(self, seqs: list[Sequence], inputs: StepInputs, hidden: torch.Tensor) -> None:  # hidden [T, H]
         """Prompt logprobs of the sequences whose prompt positions this forward runs (`prompt_logprobs_due`),

@@ -5,8 +5,12 @@ into micro-batches without being told. Stage s receives micro-batch i's activati
 s-1, runs its layers, and sends them on without waiting, then takes micro-batch i+1: while stage
 s+1 works on micro-batch i, stage s already works on i+1. The last stage computes the logits and
 samples; the sampled tokens are broadcast back along the pipeline so every stage advances its
-sequences identically. The number of micro-batches is the same on every rank of a stage (empty
-ones included), because the MoE layers' collectives inside a stage must pair up.
+sequences identically. With speculative decoding a verifying sequence runs its last token and its d drafts
+through every stage (1 + d rows, each stage writing its own layers' K/V and recurrent states), the last stage
+scores all 1 + d rows and accepts, and the broadcast carries how many drafts each sequence accepted beside its
+token: every stage then appends the same tokens and rolls back the same rejected drafts in its own cache. The
+number of micro-batches is the same on every rank of a stage (empty ones included), because the MoE layers'
+collectives inside a stage must pair up.
 """
 from __future__ import annotations
 
@@ -17,12 +21,35 @@ import torch
 import torch.distributed as dist
 
 from moe_runtime.engine.sequence import Sequence
+from moe_runtime.execution.step_inputs import TargetHidden
+from moe_runtime.sampling.device_draw import SampleResult
 
 
 @dataclass
 class PipelineStepResult:
     logits: torch.Tensor | None    # [B, V] on the last stage, else None
     compute_seconds: float         # time this stage spent running its layers (the rest is bubble or comms)
+
+
+@dataclass
+class StageHidden:
+    """The last stage's final hidden states of one step, gathered micro-batch by micro-batch for a drafter (MTP)."""
+
+    seqs: list[Sequence]
+    starts: list[int]                                   # [B] each sequence's first position this step
+    query_start: list[int]                              # [B + 1] over the whole step
+    parts: list[torch.Tensor]                           # each micro-batch's [t, H], in order
+
+    @classmethod
+    def before(cls, seqs: list[Sequence]) -> "StageHidden":
+        """Where each sequence stands before the step commits its tokens."""
+        query_start = [0]
+        for seq in seqs:
+            query_start.append(query_start[-1] + seq.num_scheduled_tokens)
+        return cls(list(seqs), [seq.num_cached_tokens for seq in seqs], query_start, [])
+
+    def step(self) -> TargetHidden | None:
+        return TargetHidden(self.seqs, self.starts, self.query_start, torch.cat(self.parts)) if self.parts else None
 
 
 def split_micro_batches(seqs: list[Sequence], count: int) -> list[list[Sequence]]:
@@ -41,6 +68,7 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
     model = runner.model
     hidden_size = model.stage_activation_width()
     sends, logits, compute = [], [], 0.0
+    kept = StageHidden.before(seqs) if runner.keep_hidden and parallel.is_last_stage else None
     for group in split_micro_batches(seqs, num_micro_batches):
         inputs = runner.prepare(group)
         num_tokens = inputs.input_ids.shape[0]
@@ -59,16 +87,30 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
         elif group:
             runner.score_prompts(group, inputs, out)   # final hidden states exist on the last stage only
             logits.append(model.logits(out[inputs.last_token_index]))
+            if kept is not None:
+                kept.parts.append(out)
     for request in sends:
         request.wait()
+    if kept is not None:   # an MTP drafter reads them (`speculative/pipeline_drafts.py`)
+        runner.last_hidden = kept.step()
     for seq in seqs:
         seq.commit_scheduled_tokens()
     return PipelineStepResult(torch.cat(logits) if logits else None, compute)
 
 
-def broadcast_sampled_tokens(token_ids: list[int] | None, count: int, parallel) -> list[int]:
-    """The last stage's sampled tokens, on every stage of the pipeline group (a CPU tensor: the
-    pipeline's gloo control group)."""
-    buffer = torch.tensor(token_ids if token_ids is not None else [0] * count, dtype=torch.int64)
+def broadcast_step_result(sampled: SampleResult | None, seqs: list[Sequence], parallel) -> SampleResult:
+    """The last stage's result for `seqs` (those that sample), on every stage of the pipeline group: each
+    sequence's token and how many of its drafts were accepted (a CPU [2, B] tensor: the pipeline's gloo control
+    group). The other stages know the drafts themselves; logprobs stay on the last stage, which reports them."""
+    if sampled is not None:
+        rows = [sampled.token_ids, [len(accepted) for accepted in sampled.accepted_rows()]]
+    else:
+        rows = [[0] * len(seqs), [0] * len(seqs)]
+    buffer = torch.tensor(rows, dtype=torch.int64)                                  # [2, B]
     dist.broadcast(buffer, src=parallel.pp_last_rank, group=parallel.pp_control_group)
-    return buffer.tolist()
+    if sampled is not None:
+        return sampled
+    tokens, accepted = buffer.tolist()
+    errors = ["sampling failed on the last pipeline stage" if t == SampleResult.NO_TOKEN else None for t in tokens]
+    return SampleResult(tokens, [None] * len(seqs), errors,
+                        [[(draft, None) for draft in seq.draft_token_ids[:n]] for seq, n in zip(seqs, accepted)])

@@ -32,6 +32,7 @@ from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.stages import Staged, call_staged, interleave
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.parallel_context import ParallelContext
+from moe_runtime.speculative.config import SpeculativeConfig
 from moe_runtime.weights.quantization.weight_quantization import WeightQuantization, linear_quantization
 
 
@@ -51,6 +52,12 @@ class BuildContext:
         """Whether this pipeline stage holds decoder layer `index`."""
         span = self.parallel.stage_layers
         return span is None or span[0] <= index < span[1]
+
+    def embeds_on_last_stage(self, tie_word_embeddings: bool) -> bool:
+        """Whether the last pipeline stage holds the embedding too: tied to the LM head, or read by the checkpoint's
+        MTP layer, which drafts there (`speculative/pipeline_drafts.py`)."""
+        config = SpeculativeConfig.parse(self.engine.speculative_config) if self.engine is not None else None
+        return tie_word_embeddings or (config is not None and config.method == "mtp")
 
     def dense_tp(self) -> dict:
         """Tensor-parallel arguments for a dense MLP (split only when the model runs dense TP)."""
@@ -103,7 +110,7 @@ class DecoderStack(nn.Module):
         super().__init__()
         p = ctx.parallel
         self.embed_tokens = None
-        if p.is_first_stage or (p.is_last_stage and tie_word_embeddings):
+        if p.is_first_stage or (p.is_last_stage and ctx.embeds_on_last_stage(tie_word_embeddings)):
             if p.dense_tp:
                 self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size, p.attn_tp_size, p.attn_tp_rank,
                                                            p.attn_tp_group, ctx.dtype, ctx.device)

@@ -54,9 +54,6 @@ def build_mtp_drafter(source: DraftSource, k: int) -> MtpDrafter:
     if parallel.cp_size > 1:
         raise InvalidRequestError("speculative_config method 'mtp' with --cp is not built yet: the MTP pass would "
                                   "have to split its rows over the context-parallel ranks; use method 'ngram' there")
-    if source.runner.capture is not None:
-        raise InvalidRequestError("speculative_config method 'mtp' with enable_torch_compile is not built: a captured "
-                                  "decode step does not keep the hidden states the MTP layer reads")
     executor = MoEExecutor.for_engine(source.config, source.ctx.parallel, source.ctx.kernels, cfg.hidden_size,
                                       source.ctx.dtype)
     ctx = dataclasses.replace(source.ctx, executor=executor)
@@ -71,8 +68,8 @@ def build_mtp_drafter(source: DraftSource, k: int) -> MtpDrafter:
     executor.finish_registration()
     others = SkippedTensor(rf"^(?!{re.escape(where.prefix)})", "the target model's, not the MTP layer's")
     load_model_weights(view, source.reader, SkippedTensors((others,)),
-                       parallel.world_control_group if parallel.world_size > 1 else None)   # experts spread over EP
+                       parallel.world_control_group if parallel.world_size > parallel.pp_size else None)   # over EP
     layer.eval()
     source.runner.keep_hidden = True
     return MtpDrafter(layer, executor, source.num_blocks, source.runner.block_size, source.ctx.dtype,
-                      source.ctx.device, k, lock_step=parallel.world_size > 1)
+                      source.ctx.device, k, lock_step=parallel.world_size > parallel.pp_size)   # --pp: last stage only

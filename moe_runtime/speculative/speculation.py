@@ -5,8 +5,11 @@ an EAGLE-3 draft head (`eagle3`), the last two run after each step (`after_step`
 token for token what it is without speculation, and sampled output distributed as it is without it
 (`rejection_sampling`). Requests with a grammar decode one token per step: their matcher would have to walk
 the drafts before the target scores them. Rejected drafts are rolled back in every KV group and, for
-recurrent-state layers, from per-draft state checkpoints (`state_rollback`). Pipeline parallelism (the last
-stage broadcasts one token per sequence) is refused at start-up, by name.
+recurrent-state layers, from per-draft state checkpoints (`state_rollback`). Under pipeline parallelism every
+stage schedules the same drafts (prompt lookup reads the tokens every stage holds), the verify rows run through
+all stages, and the last stage's accepted counts come back with its tokens (`execution/pipeline.py`); the MTP
+layer runs on the last stage, which broadcasts its drafts (`pipeline_drafts`); EAGLE-3 under --pp is refused at
+start-up, by name.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from moe_runtime.speculative.eagle3_loading import build_eagle3_drafter
 from moe_runtime.speculative.mtp import MtpDrafter
 from moe_runtime.speculative.mtp_loading import build_mtp_drafter
 from moe_runtime.speculative.ngram import NgramDrafter
+from moe_runtime.speculative.pipeline_drafts import PipelineDrafts
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +38,8 @@ class SpeculationCounters:
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, model_drafter: MtpDrafter | None = None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 model_drafter: MtpDrafter | PipelineDrafts | None = None):
         self.config = config
         self.max_model_len = max_model_len
         self.drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -50,16 +55,19 @@ class Speculation:
         config = SpeculativeConfig.parse(raw)
         if config is None:
             return None
-        if pp_size > 1:
-            raise InvalidRequestError("speculative decoding with --pp > 1 is not built: the last stage sends one "
-                                      "token per sequence")
         if config.method == "ngram":
             return cls(config, max_model_len)
+        if pp_size > 1 and config.method == "eagle3":
+            raise InvalidRequestError("speculative_config method 'eagle3' with --pp > 1 is not built: the head reads "
+                                      "the inputs of three target layers, which sit on different stages; use method "
+                                      "'ngram' or 'mtp' there")
         if source is None:
             raise InvalidRequestError(f"speculative_config method {config.method!r} needs the engine's model to "
                                       "draft with")
         if config.method == "eagle3":
             return cls(config, max_model_len, build_eagle3_drafter(source, config.model, config.num_speculative_tokens))
+        if pp_size > 1:
+            return cls(config, max_model_len, PipelineDrafts.on_stage(source, config.num_speculative_tokens))
         return cls(config, max_model_len, build_mtp_drafter(source, config.num_speculative_tokens))
 
     def drafts_for(self, seq: Sequence, budget: int) -> list[int]:
