@@ -62,7 +62,7 @@ def eager_modes(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
 
     return {"torch": lambda: linear_rows(x, next_weight()),
             "compiled": lambda: native.rows_linear(x, next_weight()),
-            "compiled_op": lambda: custom_ops.rows_linear(x, next_weight())}
+            "compiled_op": lambda: torch.ops.moe_cpu.rows_linear(x, next_weight())}
 
 
 def captured_modes(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
@@ -70,7 +70,7 @@ def captured_modes(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
         return [linear_rows(x, w) for w in ws]
 
     def chain_op(x, *ws):
-        return [custom_ops.rows_linear(x, w) for w in ws]
+        return [torch.ops.moe_cpu.rows_linear(x, w) for w in ws]
 
     compiled = {name: torch.compile(fn, fullgraph=True, dynamic=False) for name, fn in
                 (("torch", chain_torch), ("compiled_op", chain_op))}
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--no-captured", action="store_true", help="eager calls only (no inductor compile)")
     parser.add_argument("--out", default="cpu_gemv.json")
     args = parser.parse_args()
-    if native_experts() is None:
+    if custom_ops.operators() is None:
         raise SystemExit("the compiled CPU kernels did not build (no C++ compiler?): nothing to compare")
     load_before = os.getloadavg()[0]
     rows_out = []

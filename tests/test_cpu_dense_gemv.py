@@ -6,8 +6,7 @@ rows per weight load, a row alone), and the row counts and shapes that keep torc
 import pytest
 import torch
 
-from kernels.cpu_native import dense_gemv
-from kernels.cpu_native.build import native_experts
+from kernels.cpu_native import custom_ops, dense_gemv
 from kernels.cpu_native.dense_gemv import COMPILED_GEMV_MAX_ROWS, compiled_gemv_wins, cpu_linear_rows
 from kernels.skinny_matmul import linear_rows
 
@@ -17,7 +16,7 @@ N, K = 40, 72   # not multiples of 32 / 8: the kernel's tails run
 @pytest.fixture
 def small_weights_take_the_kernel(monkeypatch):
     """The rule keeps torch below 512 x 512 weights (measured); the tests' small weights take the kernel."""
-    assert native_experts() is not None, "the CPU kernel did not build (see kernels/cpu_native/build.py's log line)"
+    assert custom_ops.operators() is not None, "the CPU kernel did not build (see kernels/cpu_native/build.py's log)"
     monkeypatch.setattr(dense_gemv, "COMPILED_GEMV_MIN_WEIGHT", 0)
 
 

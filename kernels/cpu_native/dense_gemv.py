@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native import custom_ops
 from kernels.cpu_native.build import native_experts
 from kernels.skinny_matmul import linear_rows
 
@@ -37,7 +36,7 @@ def cpu_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if not compiled_gemv_wins(x, weight):
         return linear_rows(x, weight, bias)
     if torch.compiler.is_compiling():
-        out = custom_ops.rows_linear(x.contiguous(), weight.contiguous())          # [n, N]
+        out = torch.ops.moe_cpu.rows_linear(x.contiguous(), weight.contiguous())   # [n, N]
         return out if bias is None else out + bias
     out = native_experts().rows_linear(x.contiguous(), weight.contiguous())       # [n, N]
     return out if bias is None else out.add_(bias)

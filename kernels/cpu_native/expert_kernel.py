@@ -6,7 +6,8 @@ activations; an int8 projection at up to `LINEAR_MAX_ROWS` rows (decode). gpt-os
 biases, other dtypes and devices, and larger row counts take the torch kernels (`kernels/expert_mlp.py`,
 `kernels/int8_weights.py`), which stay the twins these are tested against. The grouped-layout entries run
 outside a captured step (their counts are read on the host); a captured step calls `cpu_pair_expert_mlp`, the
-router's layout as one operator (`custom_ops.routed_expert_mlp`), whose twin is `kernels/pair_experts.py`.
+router's layout as one operator (`torch.ops.moe_cpu.routed_expert_mlp`, custom_ops.py), whose twin is
+`kernels/pair_experts.py`.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ LINEAR_MAX_ROWS = 16   # more rows: the torch GEMM's blocking wins over one pass
 
 
 def compiled_kernels_built() -> bool:
-    """Whether the compiled kernels serve on this machine (built now if not yet)."""
-    return native_experts() is not None
+    """Whether the compiled kernels serve on this machine (built now if not yet, their operators registered)."""
+    return native_experts() is not None and custom_ops.operators() is not None
 
 
 def cpu_expert_mlp(
@@ -69,7 +70,7 @@ def cpu_pair_expert_mlp(
     if not applies:
         return pair_expert_mlp(x, slot_ids, weights, w13, w2, b13=b13, b2=b2, activation=activation)
     check_expert_weights(x.shape[-1], w13, w2)
-    return custom_ops.routed_expert_mlp(x.contiguous(), slot_ids.to(torch.int64).contiguous(),
+    return torch.ops.moe_cpu.routed_expert_mlp(x.contiguous(), slot_ids.to(torch.int64).contiguous(),
                                         weights.float().contiguous(), w13.contiguous(), w2.contiguous())
 
 

@@ -14,6 +14,7 @@
 // runs on), plain loops the compiler vectorises elsewhere; the kernel is compiled on first use into a cache
 // (kernels/cpu_native/build.py). An AVX-512 / AMX path is not written yet.
 #include <ATen/ATen.h>
+#include <torch/library.h>
 #include <torch/python.h>
 #include <ATen/Parallel.h>
 
@@ -385,7 +386,28 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   return out;
 }
 
+torch::Tensor routed_expert_mlp_op(const torch::Tensor& x, const torch::Tensor& slot_ids, const torch::Tensor& weights,
+                                   const torch::Tensor& w13, const torch::Tensor& w2) {
+  return routed_expert_mlp(x, slot_ids, weights, w13, w2, c10::nullopt, c10::nullopt);
+}
+
+torch::Tensor rows_linear_op(const torch::Tensor& x, const torch::Tensor& weight) {
+  return rows_linear(x, weight, c10::nullopt);
+}
+
 }  // namespace
+
+// The same kernels as torch operators (the dispatcher calls them without Python: a captured step's extern calls
+// cost a few microseconds each); their fake implementations are registered in kernels/cpu_native/custom_ops.py.
+TORCH_LIBRARY(moe_cpu, m) {
+  m.def("routed_expert_mlp(Tensor x, Tensor slot_ids, Tensor weights, Tensor w13, Tensor w2) -> Tensor");
+  m.def("rows_linear(Tensor x, Tensor weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) {
+  m.impl("routed_expert_mlp", TORCH_FN(routed_expert_mlp_op));
+  m.impl("rows_linear", TORCH_FN(rows_linear_op));
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_expert_mlp", &silu_expert_mlp, "routed SwiGLU experts over rows grouped by expert (see the file's top)",
