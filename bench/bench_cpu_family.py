@@ -8,7 +8,7 @@ other processes hits all four alike; the best round of each is kept. Reports tok
 whole generate call, prefill included, as bench_offline.py does), the cpu/torch ratios, whether the greedy
 tokens are identical between the families, the load average and `contended` (load above 1.5).
 
-    python bench/bench_cpu_family.py [--batches 1 16] [--dtypes float32 bfloat16] [--rounds 3]
+    python bench/bench_cpu_family.py [--batches 1 16] [--dtypes float32 bfloat16] [--rounds 3] [--threads 1]
 """
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ def mode_name(family: str, captured: bool) -> str:
     return f"{family}_{'captured' if captured else 'eager'}"
 
 
-def run_modes(path: str, dtype: str, prompts, rounds: int, queue) -> None:
+def run_modes(path: str, dtype: str, prompts, rounds: int, threads: int | None, queue) -> None:
+    if threads:
+        torch.set_num_threads(threads)
     from moe_runtime import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -64,6 +66,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (1: no parallel regions, whose barriers a loaded machine stalls)")
     parser.add_argument("--out", default="cpu_family.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -72,7 +76,7 @@ def main() -> None:
         path = str(build_checkpoint(dtype))
         for batch in args.batches:
             load_before = os.getloadavg()[0]
-            result = in_subprocess(run_modes, path, dtype, make_prompts(batch), args.rounds)
+            result = in_subprocess(run_modes, path, dtype, make_prompts(batch), args.rounds, args.threads)
             load_after = os.getloadavg()[0]
             tok_s = {name: batch * NEW_TOKENS / min(times) for name, times in result["seconds"].items()}
             tokens = result["tokens"]
@@ -89,7 +93,8 @@ def main() -> None:
             rows.append(row)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / args.out).write_text(json.dumps(dict(
-        benchmark="cpu_family", torch=torch.__version__, threads=torch.get_num_threads(), new_tokens=NEW_TOKENS,
+        benchmark="cpu_family", torch=torch.__version__, threads=args.threads or torch.get_num_threads(),
+        new_tokens=NEW_TOKENS,
         command="python bench/bench_cpu_family.py " + " ".join(sys.argv[1:]), rows=rows), indent=1) + "\n")
 
 

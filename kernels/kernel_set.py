@@ -80,13 +80,21 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def cpu_kernels_compiled() -> bool:
+    """Whether kernels/cpu_native built on this machine (built now, once per process, if not yet)."""
+    from .cpu_native.expert_kernel import compiled_kernels_built
+
+    return compiled_kernels_built()
+
+
 @functools.lru_cache(maxsize=None)
 def log_choice_once(name: str, device: str, reason: str) -> None:
     logger.info("MoE kernels: %s on %s (%s)", name, device, reason)
 
 
 def get_kernels(device: torch.device | str, prefer: str = "auto") -> KernelSet:
-    """Pick the kernel family: "auto" = triton on CUDA when triton imports, else torch.
+    """Pick the kernel family: "auto" = triton on CUDA when triton imports; on the CPU the cpu family where its
+    compiled kernels build (measured ahead of torch's: bench/results/cpu_family.json), else torch.
 
     The environment variable MOE_KERNELS (triton / torch / cpu / reference) overrides "auto" only.
     """
@@ -96,9 +104,12 @@ def get_kernels(device: torch.device | str, prefer: str = "auto") -> KernelSet:
         prefer, reason = os.environ[ENV_OVERRIDE].strip().lower(), f"{ENV_OVERRIDE} environment variable"
         if prefer not in KERNEL_FAMILIES + ("auto",):
             raise ValueError(f"{ENV_OVERRIDE}={prefer!r} is not one of {KERNEL_FAMILIES + ('auto',)}")
-    if prefer == "auto":
-        use_triton = device.type == "cuda" and triton_importable()
-        prefer, reason = ("triton", "CUDA device with triton") if use_triton else ("torch", f"{device.type} device")
+    if prefer == "auto" and device.type == "cuda" and triton_importable():
+        prefer, reason = "triton", "CUDA device with triton"
+    elif prefer == "auto" and device.type == "cpu" and cpu_kernels_compiled():
+        prefer, reason = "cpu", "CPU with the compiled CPU kernels built"
+    elif prefer == "auto":
+        prefer, reason = "torch", f"{device.type} device"
     builders = {"triton": triton_kernels, "torch": torch_kernels, "cpu": cpu_kernels, "reference": reference_kernels}
     if prefer not in builders:
         raise ValueError(f"get_kernels(prefer={prefer!r}): expected 'auto' or one of {KERNEL_FAMILIES}")
