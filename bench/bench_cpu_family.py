@@ -80,13 +80,12 @@ def main() -> None:
             load_after = os.getloadavg()[0]
             tok_s = {name: batch * NEW_TOKENS / min(times) for name, times in result["seconds"].items()}
             tokens = result["tokens"]
+            same = {mode: sum(a == b for a, b in zip(tokens[f"cpu_{mode}"], tokens[f"torch_{mode}"]))
+                    for mode in ("eager", "captured")}
             row = dict(dtype=dtype, batch=batch, tok_s={k: round(v, 1) for k, v in tok_s.items()},
                        cpu_vs_torch_eager=round(tok_s["cpu_eager"] / tok_s["torch_eager"], 2),
                        cpu_vs_torch_captured=round(tok_s["cpu_captured"] / tok_s["torch_captured"], 2),
-                       identical_sequences={
-                           "eager": f"{sum(a == b for a, b in zip(tokens['cpu_eager'], tokens['torch_eager']))}/{batch}",
-                           "captured": f"{sum(a == b for a, b in zip(tokens['cpu_captured'], tokens['torch_captured']))}"
-                                       f"/{batch}"},
+                       identical_sequences={mode: f"{count}/{batch}" for mode, count in same.items()},
                        load_average=[round(load_before, 2), round(load_after, 2)],
                        contended=max(load_before, load_after) > CONTENDED_LOAD)
             print(json.dumps(row), flush=True)

@@ -31,7 +31,8 @@ def torch_kernels() -> KernelSet:
     from .unpermute import unpermute_reduce
 
     return KernelSet("torch", select_experts, permute_by_expert, expert_mlp, masked_expert_mlp, pair_expert_mlp,
-                     unpermute_reduce, linear_rows, fused_moe, rms_norm, fused_add_rms_norm, paged_decode_attention,
+                     unpermute_reduce, linear_rows, fused_moe, rms_norm, fused_add_rms_norm,
+                     paged_decode_attention,
                      fp8_linear, fp8_expert_mlp, fp8_masked_expert_mlp,
                      int8_linear, int8_expert_mlp, int8_masked_expert_mlp,
                      mxfp4_linear, mxfp4_expert_mlp, mxfp4_masked_expert_mlp)
@@ -63,8 +64,9 @@ def reference_kernels() -> KernelSet:
     from .skinny_matmul import linear_rows
 
     return KernelSet("reference", select_experts, reference.permute_by_expert, reference.expert_mlp,
-                     reference.masked_expert_mlp, pair_expert_mlp, reference.unpermute_reduce, linear_rows, reference.fused_moe,
-                     reference.rms_norm, reference.fused_add_rms_norm, reference.paged_decode_attention,
+                     reference.masked_expert_mlp, pair_expert_mlp, reference.unpermute_reduce, linear_rows,
+                     reference.fused_moe, reference.rms_norm, reference.fused_add_rms_norm,
+                     reference.paged_decode_attention,
                      reference.fp8_linear, reference.fp8_expert_mlp, reference.fp8_masked_expert_mlp,
                      reference.int8_linear, reference.int8_expert_mlp, reference.int8_masked_expert_mlp,
                      reference.mxfp4_linear, reference.mxfp4_expert_mlp, reference.mxfp4_masked_expert_mlp)

@@ -1,10 +1,11 @@
 """The CPU kernel family's expert MLPs and int8 linear: the compiled kernels (expert_mlp.cpp) where they apply,
 the torch ones elsewhere.
 
-They apply on the CPU when the kernel could be built (`build.native_experts`): SwiGLU experts without biases, float32 / bfloat16 / int8 (per-row scales) weights, float32 or bfloat16
-activations; an int8 projection at up to `LINEAR_MAX_ROWS` rows (decode). gpt-oss's clamped activation, expert
-biases, other dtypes and devices, and larger row counts take the torch kernels (`kernels/expert_mlp.py`,
-`kernels/int8_weights.py`), which stay the twins these are tested against. The grouped-layout entries run
+They apply on the CPU when the kernel could be built (`build.native_experts`): SwiGLU experts without biases,
+float32 / bfloat16 / int8 (per-row scales) weights, float32 or bfloat16 activations; an int8 projection at up
+to `LINEAR_MAX_ROWS` rows (decode). gpt-oss's clamped activation, expert biases, other dtypes and devices, and
+larger row counts take the torch kernels (`kernels/expert_mlp.py`, `kernels/int8_weights.py`), which stay the
+twins these are tested against. The grouped-layout entries run
 outside a captured step (their counts are read on the host); a captured step calls `cpu_pair_expert_mlp`, the
 router's layout as one operator (`torch.ops.moe_cpu.routed_expert_mlp`, custom_ops.py), whose twin is
 `kernels/pair_experts.py`.
@@ -71,7 +72,7 @@ def cpu_pair_expert_mlp(
         return pair_expert_mlp(x, slot_ids, weights, w13, w2, b13=b13, b2=b2, activation=activation)
     check_expert_weights(x.shape[-1], w13, w2)
     return torch.ops.moe_cpu.routed_expert_mlp(x.contiguous(), slot_ids.to(torch.int64).contiguous(),
-                                        weights.float().contiguous(), w13.contiguous(), w2.contiguous())
+                                               weights.float().contiguous(), w13.contiguous(), w2.contiguous())
 
 
 def cpu_int8_expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
