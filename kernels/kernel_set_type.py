@@ -12,7 +12,13 @@ class KernelSet:
     permute_by_expert: Callable
     expert_mlp: Callable           # (x_sorted [N, H], counts [E], w13, w2, *, b13=None, b2=None, activation) -> [N, H]
     masked_expert_mlp: Callable    # (x [E, M, H], counts [E], w13, w2, *, b13=None, b2=None, activation) -> [E, M, H]
+    # The routed experts in the router's layout, weighted and summed per token, with fixed shapes: what a captured
+    # decode step on one rank calls (kernels/pair_experts.py; the cpu family's compiled twin groups by expert inside).
+    pair_expert_mlp: Callable      # (x [T, H], slot_ids [T, K], weights [T, K], w13, w2, *, epilogue) -> [T, H]
     unpermute_reduce: Callable
+    # Unquantized projections and the LM head at any row count (kernels/skinny_matmul.py's few-row rule over torch;
+    # the cpu family's compiled GEMV at decode rows, kernels/cpu_native/dense_gemv.py).
+    linear_rows: Callable          # (x [T, K], weight [N, K], bias=None) -> [T, N]
     fused_moe: Callable
     rms_norm: Callable
     fused_add_rms_norm: Callable

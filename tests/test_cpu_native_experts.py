@@ -7,15 +7,18 @@ and the family serves the torch kernels, checked here with the build taken away.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine_helpers import PROMPTS, greedy
-from kernels.cpu_native import expert_kernel
+from kernels.cpu_native import custom_ops, dense_gemv, expert_kernel
 from kernels.cpu_native.build import native_experts
-from kernels.cpu_native.expert_kernel import cpu_expert_mlp, cpu_int8_expert_mlp, cpu_int8_linear
+from kernels.cpu_native.dense_gemv import cpu_linear_rows
+from kernels.cpu_native.expert_kernel import cpu_expert_mlp, cpu_int8_expert_mlp, cpu_int8_linear, cpu_pair_expert_mlp
 from kernels.expert_activation import ExpertActivation
 from kernels.expert_mlp import expert_mlp
 from kernels.int8_weights import int8_expert_mlp, int8_linear
 from kernels.kernel_set import get_kernels
+from kernels.pair_experts import pair_expert_mlp
 from moe_runtime import LLM
 
 E, H, I = 8, 64, 48
@@ -34,6 +37,7 @@ def native():
     """The compiled kernel: the suite's machines have a C++ compiler (.ci/run installs one), so it must build."""
     module = native_experts()
     assert module is not None, "the CPU kernel did not build (see the log line of kernels/cpu_native/build.py)"
+    assert custom_ops.operators() is not None   # the operators' fake implementations: traceable
     return module
 
 
@@ -42,6 +46,7 @@ def test_without_a_build_the_cpu_family_serves_the_torch_kernels(monkeypatch):
     monkeypatch.setattr(expert_kernel, "native_experts", lambda: None)
     x, counts, w13, w2 = _case([2, 0, 1, 0, 0, 0, 5, 0], torch.float32, seed=4)
     assert torch.equal(cpu_expert_mlp(x, counts, w13, w2), expert_mlp(x, counts, w13, w2))
+    assert get_kernels("cpu", prefer="cpu").pair_expert_mlp is pair_expert_mlp   # a captured step's experts
 
 
 @pytest.mark.parametrize("counts", [[1, 0, 0, 1, 0, 0, 0, 1], [0, 2, 3, 0, 1, 0, 0, 0], [9, 0, 4, 0, 20, 1, 0, 8],
@@ -58,6 +63,32 @@ def test_native_experts_match_float64(native, counts, dtype, tolerance):
     assert (got.double() - want).abs().max().item() <= tolerance * scale
     twin = expert_mlp(x, counts_t, w13, w2)                                       # the torch kernel, same dtype
     assert (got.double() - want).abs().max() <= (twin.double() - want).abs().max() * 4 + 1e-7 * scale
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_routed_pairs_match_float64(native, dtype, tolerance):
+    """The router's layout (grouped inside the kernel): 6 tokens x top-3 over 8 experts, one expert chosen by
+    five tokens (the four-row path and a row alone), a token choosing one expert twice, idle experts."""
+    x, _, w13, w2 = _case([6], dtype, seed=5)                                    # x [6, H]
+    slot_ids = torch.tensor([[0, 3, 5], [0, 5, 5], [0, 1, 7], [0, 3, 2], [0, 7, 3], [6, 3, 1]])
+    weights = torch.rand(6, 3, generator=torch.Generator().manual_seed(5))
+    want = torch.zeros(6, H, dtype=torch.float64)                                # [T, H], float64 throughout
+    for token, k in [(token, k) for token in range(6) for k in range(3)]:
+        expert = slot_ids[token, k].item()
+        gate, up = (w13[expert].double() @ x[token].double()).chunk(2)            # [I] each
+        want[token] += weights[token, k].double() * (w2[expert].double() @ (F.silu(gate) * up))
+    got = cpu_pair_expert_mlp(x, slot_ids, weights, w13, w2)
+    assert got.dtype == dtype and got.shape == want.shape
+    scale = want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= tolerance * scale
+    twin = pair_expert_mlp(x, slot_ids, weights, w13, w2)                        # the torch kernel, same dtype
+    assert (got.double() - want).abs().max() <= (twin.double() - want).abs().max() * 4 + 1e-7 * scale
+
+
+def test_routed_pairs_refuse_a_slot_outside_the_stack(native):
+    x, _, w13, w2 = _case([2], torch.float32)
+    with pytest.raises(RuntimeError, match="slot 8 is not one of the 8 experts"):
+        cpu_pair_expert_mlp(x, torch.tensor([[0, 8], [1, 2]]), torch.ones(2, 2), w13, w2)
 
 
 def test_float32_activations_with_bfloat16_weights_widen_once(native):
@@ -102,6 +133,9 @@ def test_what_the_native_kernel_does_not_take_goes_to_the_torch_kernel():
     x, counts, w13, w2 = _case([2, 0, 1, 0, 0, 0, 5, 0], torch.float32, seed=2)
     b13, b2 = torch.randn(E, 2 * I), torch.randn(E, H)
     clamped = ExpertActivation.gpt_oss()
+    slot_ids, weights = torch.tensor([[0, 6], [2, 6]]), torch.ones(2, 2)
+    assert torch.equal(cpu_pair_expert_mlp(x[:2], slot_ids, weights, w13, w2, b13=b13, b2=b2, activation=clamped),
+                       pair_expert_mlp(x[:2], slot_ids, weights, w13, w2, b13=b13, b2=b2, activation=clamped))
     assert torch.equal(cpu_expert_mlp(x, counts, w13, w2, b13=b13, b2=b2),
                        expert_mlp(x, counts, w13, w2, b13=b13, b2=b2))
     assert torch.equal(cpu_expert_mlp(x, counts, w13, w2, activation=clamped),
@@ -114,8 +148,12 @@ def test_counts_that_do_not_cover_the_rows_are_refused():
         cpu_expert_mlp(x[:-1], counts, w13, w2)
 
 
-def test_engine_with_the_cpu_family_gives_transformers_greedy_tokens(tiny_checkpoint_factory, greedy_oracle):
+def test_engine_with_the_cpu_family_gives_transformers_greedy_tokens(tiny_checkpoint_factory, greedy_oracle,
+                                                                     monkeypatch):
+    """Routed experts and (the size rule lowered to the tiny model's weights) every projection compiled."""
+    monkeypatch.setattr(dense_gemv, "COMPILED_GEMV_MIN_WEIGHT", 0)
     assert get_kernels("cpu", prefer="cpu").expert_mlp is cpu_expert_mlp
+    assert get_kernels("cpu", prefer="cpu").linear_rows is cpu_linear_rows
     path = tiny_checkpoint_factory("qwen3_moe")
     with LLM(str(path), device="cpu", dtype="float32", kernels="cpu") as llm:
         outputs = llm.generate(PROMPTS[:3], greedy(12))
@@ -130,3 +168,25 @@ def test_int8_engine_with_the_cpu_family_gives_the_torch_familys_tokens(tiny_che
         with LLM(str(path), device="cpu", dtype="float32", quantization="int8", kernels=family) as llm:
             tokens[family] = [out.token_ids for out in llm.generate(PROMPTS[:3], greedy(12))]
     assert tokens["cpu"] == tokens["torch"]
+
+
+def test_captured_step_with_the_cpu_family_calls_the_compiled_experts(native, tiny_checkpoint_factory,
+                                                                     greedy_oracle, monkeypatch):
+    """--enable-torch-compile --kernels cpu: the routed experts of every captured decode step are the compiled
+    kernel's operator, as are its projections (the size rule lowered to the tiny model's weights; operator calls
+    counted by the profiler: eager steps call the kernels without the dispatcher), and the greedy tokens stay
+    transformers'."""
+    monkeypatch.setattr(dense_gemv, "COMPILED_GEMV_MIN_WEIGHT", 0)
+    path = tiny_checkpoint_factory("qwen3_moe")
+    with LLM(str(path), device="cpu", dtype="float32", kernels="cpu", enable_torch_compile=True,
+             torch_compile_backend="eager") as llm:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            outputs = llm.generate(PROMPTS[:3], greedy(12))
+        stats = llm.engine.core.runner.capture.stats
+        num_moe_layers = llm.engine.core.executor.placement.num_layers
+    assert [out.token_ids for out in outputs] == greedy_oracle("qwen3_moe", PROMPTS[:3], 12)
+    assert stats.disabled_reason is None and stats.captured_steps == 11
+    calls = {name: sum(event.name == f"moe_cpu::{name}" for event in profile.events())
+             for name in ("routed_expert_mlp", "rows_linear")}
+    assert calls["routed_expert_mlp"] >= 11 * num_moe_layers     # and the calls traced with fake tensors
+    assert calls["rows_linear"] >= 11 * (4 * num_moe_layers + 1)   # q, k, v, o per layer and the LM head

@@ -1,11 +1,14 @@
 """The CPU kernel family's expert MLPs and int8 linear: the compiled kernels (expert_mlp.cpp) where they apply,
 the torch ones elsewhere.
 
-They apply on the CPU when the kernel could be built (`build.native_experts`), outside a captured step (no graph
-break): SwiGLU experts without biases, float32 / bfloat16 / int8 (per-row scales) weights, float32 or bfloat16
-activations; an int8 projection at up to `LINEAR_MAX_ROWS` rows (decode). gpt-oss's clamped activation, expert
-biases, other dtypes and devices, and larger row counts take the torch kernels (`kernels/expert_mlp.py`,
-`kernels/int8_weights.py`), which stay the twins these are tested against.
+They apply on the CPU when the kernel could be built (`build.native_experts`): SwiGLU experts without biases,
+float32 / bfloat16 / int8 (per-row scales) weights, float32 or bfloat16 activations; an int8 projection at up
+to `LINEAR_MAX_ROWS` rows (decode). gpt-oss's clamped activation, expert biases, other dtypes and devices, and
+larger row counts take the torch kernels (`kernels/expert_mlp.py`, `kernels/int8_weights.py`), which stay the
+twins these are tested against. The grouped-layout entries run
+outside a captured step (their counts are read on the host); a captured step calls `cpu_pair_expert_mlp`, the
+router's layout as one operator (`torch.ops.moe_cpu.routed_expert_mlp`, custom_ops.py), whose twin is
+`kernels/pair_experts.py`.
 """
 from __future__ import annotations
 
@@ -13,13 +16,20 @@ import math
 
 import torch
 
+from kernels.cpu_native import custom_ops
 from kernels.cpu_native.build import native_experts
 from kernels.expert_activation import ExpertActivation
 from kernels.expert_mlp import check_expert_biases, check_expert_weights, check_sorted_counts, expert_mlp
 from kernels.int8_weights import check_int8_expert_weights, check_int8_weight, int8_expert_mlp, int8_linear
+from kernels.pair_experts import pair_expert_mlp
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 LINEAR_MAX_ROWS = 16   # more rows: the torch GEMM's blocking wins over one pass per weight row
+
+
+def compiled_kernels_built() -> bool:
+    """Whether the compiled kernels serve on this machine (built now if not yet, their operators registered)."""
+    return native_experts() is not None and custom_ops.operators() is not None
 
 
 def cpu_expert_mlp(
@@ -40,6 +50,29 @@ def cpu_expert_mlp(
     check_expert_biases(w13, w2, b13, b2)
     check_sorted_counts(x_sorted, counts, w13.shape[0])
     return native.silu_expert_mlp(x_sorted.contiguous(), _host_counts(counts), w13.contiguous(), w2.contiguous())
+
+
+def cpu_pair_expert_mlp(
+    x: torch.Tensor,          # [T, H]
+    slot_ids: torch.Tensor,   # [T, K]
+    weights: torch.Tensor,    # [T, K]
+    w13: torch.Tensor,        # [E, 2I, H]
+    w2: torch.Tensor,         # [E, H, I]
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: ExpertActivation = ExpertActivation(),
+) -> torch.Tensor:            # [T, H], weighted sum over each token's K experts
+    """The compiled kernel over the router's pairs where it applies (the family puts this here only where
+    `native_experts()` built), else `pair_expert_mlp`. Callable inside a captured step: every check is on
+    static properties."""
+    applies = (activation.is_silu and b13 is None and b2 is None and x.device.type == "cpu"
+               and x.dtype in ACTIVATION_DTYPES and w13.dtype in ACTIVATION_DTYPES and w13.dtype == w2.dtype)
+    if not applies:
+        return pair_expert_mlp(x, slot_ids, weights, w13, w2, b13=b13, b2=b2, activation=activation)
+    check_expert_weights(x.shape[-1], w13, w2)
+    return torch.ops.moe_cpu.routed_expert_mlp(x.contiguous(), slot_ids.to(torch.int64).contiguous(),
+                                               weights.float().contiguous(), w13.contiguous(), w2.contiguous())
 
 
 def cpu_int8_expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,

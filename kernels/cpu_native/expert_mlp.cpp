@@ -3,7 +3,10 @@
 // are in cache, then the down rows), SwiGLU fused between the two, float32 accumulation. Weights are float32,
 // bfloat16 (widened in registers) or int8 with a float32 scale per row (converted in registers, the scale on the
 // dot product); activations float32 or bfloat16 (widened once per segment). Threads split
-// the experts' output rows (at::parallel_for), so one busy expert still uses every core. The Python entry points
+// the experts' output rows (at::parallel_for), so one busy expert still uses every core. Two layouts: rows already
+// grouped by expert (silu_expert_mlp, the eager step's) and the router's (token, expert) pairs grouped here
+// (routed_expert_mlp, fixed shapes: a captured step calls it as one operator, kernels/cpu_native/custom_ops.py).
+// rows_linear is the same streaming for one weight: the decode projections. The Python entry points
 // release the GIL: with --cpu-experts the kernel runs on its own thread while the caller's thread goes on
 // (moe_runtime/moe/host_experts.py).
 //
@@ -11,6 +14,7 @@
 // runs on), plain loops the compiler vectorises elsewhere; the kernel is compiled on first use into a cache
 // (kernels/cpu_native/build.py). An AVX-512 / AMX path is not written yet.
 #include <ATen/ATen.h>
+#include <torch/library.h>
 #include <torch/python.h>
 #include <ATen/Parallel.h>
 
@@ -119,6 +123,20 @@ struct Activations {
     }
     return a;
   }
+
+  // Busy expert b's rows are x's rows tokens[first[b] .. first[b + 1]) (a token once per expert that chose it).
+  template <typename X>
+  static Activations gather(const X* x, const std::vector<int64_t>& tokens, const std::vector<int64_t>& first,
+                            int64_t width) {
+    Activations a{std::vector<float>(tokens.size() * width), std::vector<int64_t>(first.size() - 1), width};
+    for (size_t b = 0; b + 1 < first.size(); ++b) a.at[b] = first[b] * width;
+    for (size_t row = 0; row < tokens.size(); ++row) {
+      const X* src = x + tokens[row] * width;
+      float* dst = a.data.data() + row * width;
+      for (int64_t k = 0; k < width; ++k) dst[k] = widen(src[k]);
+    }
+    return a;
+  }
 };
 
 // results[row of the expert][j] = dot(weights[e][j], row) for every busy expert's rows, j < outputs;
@@ -144,15 +162,14 @@ void project(const Activations& a, const int64_t* counts, const int64_t* busy, i
   });
 }
 
-template <typename W, typename X>
-void run_experts(const X* x, const int64_t* starts, const int64_t* counts, const int64_t* busy, int64_t num_busy,
-                 const W* w13, const float* w13_scale, const W* w2, const float* w2_scale, X* out, int64_t hidden,
-                 int64_t inter) {
+// Gate/up, SwiGLU and down of every busy expert over its packed rows: store(b, r, h, v) receives row r of busy
+// expert b's output h (float32, unweighted).
+template <typename W, typename Store>
+void experts_over(const Activations& xs, const int64_t* counts, const int64_t* busy, int64_t num_busy,
+                  const W* w13, const float* w13_scale, const W* w2, const float* w2_scale, int64_t hidden,
+                  int64_t inter, Store store) {
   std::vector<int64_t> first(num_busy + 1, 0);   // each busy expert's first row among all busy rows
   for (int64_t b = 0; b < num_busy; ++b) first[b + 1] = first[b] + counts[busy[b]];
-  std::vector<int64_t> x_start(num_busy);
-  for (int64_t b = 0; b < num_busy; ++b) x_start[b] = starts[busy[b]];
-  const Activations xs = Activations::pack(x, x_start.data(), counts, busy, num_busy, hidden);
   std::vector<float> gate_up(first[num_busy] * 2 * inter);
   project(xs, counts, busy, num_busy, w13, w13_scale, 2 * inter,
           [&](int64_t b, int64_t r, int64_t j, float v) { gate_up[(first[b] + r) * 2 * inter + j] = v; });
@@ -163,8 +180,71 @@ void run_experts(const X* x, const int64_t* starts, const int64_t* counts, const
   }
   // the activations packed as the gate/up inputs were (float32 already)
   const Activations acts = Activations::pack(act.data(), first.data(), counts, busy, num_busy, inter);
-  project(acts, counts, busy, num_busy, w2, w2_scale, hidden, [&](int64_t b, int64_t r, int64_t h, float v) {
-    out[(starts[busy[b]] + r) * hidden + h] = static_cast<X>(v);
+  project(acts, counts, busy, num_busy, w2, w2_scale, hidden, store);
+}
+
+template <typename W, typename X>
+void run_experts(const X* x, const int64_t* starts, const int64_t* counts, const int64_t* busy, int64_t num_busy,
+                 const W* w13, const float* w13_scale, const W* w2, const float* w2_scale, X* out, int64_t hidden,
+                 int64_t inter) {
+  std::vector<int64_t> x_start(num_busy);
+  for (int64_t b = 0; b < num_busy; ++b) x_start[b] = starts[busy[b]];
+  const Activations xs = Activations::pack(x, x_start.data(), counts, busy, num_busy, hidden);
+  experts_over(xs, counts, busy, num_busy, w13, w13_scale, w2, w2_scale, hidden, inter,
+               [&](int64_t b, int64_t r, int64_t h, float v) {
+                 out[(starts[busy[b]] + r) * hidden + h] = static_cast<X>(v);
+               });
+}
+
+// The (token, expert) pairs of a step grouped by expert (a counting sort, pairs of one expert in token order):
+// busy experts, their pairs' tokens and where each busy expert's pairs start.
+struct PairGroups {
+  std::vector<int64_t> counts, busy, first, tokens, pair_row;   // pair_row[t * K + k]: its row among the grouped
+
+  static PairGroups of(const int64_t* slot_ids, int64_t num_tokens, int64_t top_k, int64_t num_experts) {
+    PairGroups g{std::vector<int64_t>(num_experts, 0), {}, {0}, std::vector<int64_t>(num_tokens * top_k),
+                 std::vector<int64_t>(num_tokens * top_k)};
+    for (int64_t p = 0; p < num_tokens * top_k; ++p) {
+      TORCH_CHECK(slot_ids[p] >= 0 && slot_ids[p] < num_experts, "routed_expert_mlp: slot ", slot_ids[p],
+                  " is not one of the ", num_experts, " experts");
+      ++g.counts[slot_ids[p]];
+    }
+    std::vector<int64_t> next(num_experts, 0);
+    for (int64_t e = 0; e < num_experts; ++e) {
+      if (g.counts[e] == 0) continue;
+      next[e] = g.first.back();
+      g.busy.push_back(e);
+      g.first.push_back(g.first.back() + g.counts[e]);
+    }
+    for (int64_t p = 0; p < num_tokens * top_k; ++p) {
+      const int64_t row = next[slot_ids[p]]++;
+      g.tokens[row] = p / top_k;
+      g.pair_row[p] = row;
+    }
+    return g;
+  }
+};
+
+template <typename W, typename X>
+void run_routed(const X* x, const PairGroups& g, const float* pair_weights, int64_t num_tokens, int64_t top_k,
+                const W* w13, const float* w13_scale, const W* w2, const float* w2_scale, X* out, int64_t hidden,
+                int64_t inter) {
+  const int64_t nb = static_cast<int64_t>(g.busy.size());
+  const Activations xs = Activations::gather(x, g.tokens, g.first, hidden);
+  std::vector<float> down(g.tokens.size() * hidden);   // [P, H] by grouped row
+  experts_over(xs, g.counts.data(), g.busy.data(), nb, w13, w13_scale, w2, w2_scale, hidden, inter,
+               [&](int64_t b, int64_t r, int64_t h, float v) { down[(g.first[b] + r) * hidden + h] = v; });
+  at::parallel_for(0, num_tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(hidden);
+    for (int64_t t = begin; t < end; ++t) {   // the weighted sum over the token's K experts, in float32
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t k = 0; k < top_k; ++k) {
+        const float w = pair_weights[t * top_k + k];
+        const float* row = down.data() + g.pair_row[t * top_k + k] * hidden;
+        for (int64_t h = 0; h < hidden; ++h) sum[h] += w * row[h];
+      }
+      for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = static_cast<X>(sum[h]);
+    }
   });
 }
 
@@ -186,47 +266,91 @@ Segments segments_of(const torch::Tensor& counts, int64_t rows) {
   return s;
 }
 
+// The expert stacks' shapes, dtypes and (int8 weights) row scales, checked once for both layouts.
+struct ExpertStacks {
+  int64_t num_experts, hidden, inter;
+  const float* s13 = nullptr;   // int8: float32 row scales [E, 2I] and [E, H]
+  const float* s2 = nullptr;
+
+  static ExpertStacks of(const torch::Tensor& x, const torch::Tensor& w13, const torch::Tensor& w2,
+                         const c10::optional<torch::Tensor>& w13_scale, const c10::optional<torch::Tensor>& w2_scale) {
+    TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, "expert_mlp: x [N, H], w13 [E, 2I, H], w2 [E, H, I]");
+    TORCH_CHECK(x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous(), "expert_mlp: contiguous tensors");
+    TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "expert_mlp: w13 and w2 of one dtype");
+    ExpertStacks s{w13.size(0), x.size(1), w2.size(2)};
+    TORCH_CHECK(w13.size(1) == 2 * s.inter && w13.size(2) == s.hidden && w2.size(1) == s.hidden &&
+                w2.size(0) == s.num_experts, "expert_mlp: shapes");
+    const auto wt = w13.scalar_type(), xt = x.scalar_type();
+    const bool int8 = wt == torch::kInt8;
+    TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16 || int8, "expert_mlp: float32, bfloat16 or int8 weights");
+    TORCH_CHECK(xt == torch::kFloat32 || xt == torch::kBFloat16, "expert_mlp: float32 or bfloat16 activations");
+    TORCH_CHECK(int8 == (w13_scale.has_value() && w2_scale.has_value()), "expert_mlp: scales exactly with int8 weights");
+    if (int8) {
+      TORCH_CHECK(w13_scale->scalar_type() == torch::kFloat32 && w13_scale->is_contiguous() &&
+                  w13_scale->numel() == s.num_experts * 2 * s.inter && w2_scale->scalar_type() == torch::kFloat32 &&
+                  w2_scale->is_contiguous() && w2_scale->numel() == s.num_experts * s.hidden,
+                  "expert_mlp: float32 row scales [E, 2I] and [E, H]");
+      s.s13 = w13_scale->data_ptr<float>();
+      s.s2 = w2_scale->data_ptr<float>();
+    }
+    return s;
+  }
+};
+
+// Calls RUN(W, X) with the weight and activation element types of w13 and x.
+#define DISPATCH_WEIGHTS_AND_ROWS(w13, x)                                        \
+  {                                                                              \
+    const bool x32 = (x).scalar_type() == torch::kFloat32;                       \
+    if ((w13).scalar_type() == torch::kInt8) {                                   \
+      if (x32) RUN(int8_t, float) else RUN(int8_t, c10::BFloat16)                \
+    } else if ((w13).scalar_type() == torch::kFloat32) {                         \
+      if (x32) RUN(float, float) else RUN(float, c10::BFloat16)                  \
+    } else {                                                                     \
+      if (x32) RUN(c10::BFloat16, float) else RUN(c10::BFloat16, c10::BFloat16)  \
+    }                                                                            \
+  }
+
 // x_sorted [N, H] grouped by expert, counts [E] int64 (on the host), w13 [E, 2I, H], w2 [E, H, I] -> [N, H];
 // int8 weights come with their rows' float32 scales (w13_scale [E, 2I], w2_scale [E, H]).
 torch::Tensor silu_expert_mlp(torch::Tensor x_sorted, torch::Tensor counts, torch::Tensor w13, torch::Tensor w2,
                               c10::optional<torch::Tensor> w13_scale, c10::optional<torch::Tensor> w2_scale) {
-  TORCH_CHECK(x_sorted.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, "expert_mlp: x [N, H], w13 [E, 2I, H], w2 [E, H, I]");
-  TORCH_CHECK(x_sorted.is_contiguous() && w13.is_contiguous() && w2.is_contiguous(), "expert_mlp: contiguous tensors");
-  TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "expert_mlp: w13 and w2 of one dtype");
-  const int64_t num_experts = w13.size(0), hidden = x_sorted.size(1), inter = w2.size(2);
-  TORCH_CHECK(w13.size(1) == 2 * inter && w13.size(2) == hidden && w2.size(1) == hidden && w2.size(0) == num_experts,
-              "expert_mlp: shapes");
-  TORCH_CHECK(counts.numel() == num_experts, "expert_mlp: one count per expert");
-  const auto wt = w13.scalar_type(), xt = x_sorted.scalar_type();
-  const bool int8 = wt == torch::kInt8;
-  TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16 || int8, "expert_mlp: float32, bfloat16 or int8 weights");
-  TORCH_CHECK(xt == torch::kFloat32 || xt == torch::kBFloat16, "expert_mlp: float32 or bfloat16 activations");
-  TORCH_CHECK(int8 == (w13_scale.has_value() && w2_scale.has_value()), "expert_mlp: scales exactly with int8 weights");
-  const float* s13 = nullptr;
-  const float* s2 = nullptr;
-  if (int8) {
-    TORCH_CHECK(w13_scale->scalar_type() == torch::kFloat32 && w13_scale->is_contiguous() &&
-                w13_scale->numel() == num_experts * 2 * inter && w2_scale->scalar_type() == torch::kFloat32 &&
-                w2_scale->is_contiguous() && w2_scale->numel() == num_experts * hidden,
-                "expert_mlp: float32 row scales [E, 2I] and [E, H]");
-    s13 = w13_scale->data_ptr<float>();
-    s2 = w2_scale->data_ptr<float>();
-  }
+  const ExpertStacks st = ExpertStacks::of(x_sorted, w13, w2, w13_scale, w2_scale);
+  TORCH_CHECK(counts.numel() == st.num_experts, "expert_mlp: one count per expert");
   const Segments seg = segments_of(counts, x_sorted.size(0));
   auto out = torch::empty_like(x_sorted);
   const int64_t nb = static_cast<int64_t>(seg.busy.size());
   const int64_t* count = counts.data_ptr<int64_t>();
-#define RUN(W, X)                                                                                             \
-  run_experts<W, X>(x_sorted.data_ptr<X>(), seg.starts.data(), count, seg.busy.data(), nb, w13.data_ptr<W>(), \
-                    s13, w2.data_ptr<W>(), s2, out.data_ptr<X>(), hidden, inter)
-  const bool x32 = xt == torch::kFloat32;
-  if (int8) {
-    if (x32) RUN(int8_t, float); else RUN(int8_t, c10::BFloat16);
-  } else if (wt == torch::kFloat32) {
-    if (x32) RUN(float, float); else RUN(float, c10::BFloat16);
-  } else {
-    if (x32) RUN(c10::BFloat16, float); else RUN(c10::BFloat16, c10::BFloat16);
+#define RUN(W, X)                                                                                                 \
+  {                                                                                                               \
+    run_experts<W, X>(x_sorted.data_ptr<X>(), seg.starts.data(), count, seg.busy.data(), nb, w13.data_ptr<W>(),   \
+                      st.s13, w2.data_ptr<W>(), st.s2, out.data_ptr<X>(), st.hidden, st.inter);                   \
   }
+  DISPATCH_WEIGHTS_AND_ROWS(w13, x_sorted)
+#undef RUN
+  return out;
+}
+
+// The routed experts of a step in the router's layout, as llama.cpp's mul_mat_id: x [T, H], slot_ids [T, K] int64
+// (each pair's expert), weights [T, K] float32 -> [T, H], the weighted sum over each token's K experts. The
+// grouping by expert happens here, so the call has fixed shapes (a captured step keeps it as one opaque call).
+torch::Tensor routed_expert_mlp(torch::Tensor x, torch::Tensor slot_ids, torch::Tensor weights, torch::Tensor w13,
+                                torch::Tensor w2, c10::optional<torch::Tensor> w13_scale,
+                                c10::optional<torch::Tensor> w2_scale) {
+  const ExpertStacks st = ExpertStacks::of(x, w13, w2, w13_scale, w2_scale);
+  TORCH_CHECK(slot_ids.dim() == 2 && slot_ids.size(0) == x.size(0) && slot_ids.scalar_type() == torch::kInt64 &&
+              slot_ids.is_contiguous(), "routed_expert_mlp: slot_ids int64 [T, K] for x's T rows");
+  TORCH_CHECK(weights.sizes() == slot_ids.sizes() && weights.scalar_type() == torch::kFloat32 &&
+              weights.is_contiguous(), "routed_expert_mlp: weights float32 [T, K] like slot_ids");
+  const int64_t num_tokens = x.size(0), top_k = slot_ids.size(1);
+  const PairGroups groups = PairGroups::of(slot_ids.data_ptr<int64_t>(), num_tokens, top_k, st.num_experts);
+  auto out = torch::empty_like(x);
+  const float* pair_weights = weights.data_ptr<float>();
+#define RUN(W, X)                                                                                                 \
+  {                                                                                                               \
+    run_routed<W, X>(x.data_ptr<X>(), groups, pair_weights, num_tokens, top_k, w13.data_ptr<W>(), st.s13,         \
+                     w2.data_ptr<W>(), st.s2, out.data_ptr<X>(), st.hidden, st.inter);                            \
+  }
+  DISPATCH_WEIGHTS_AND_ROWS(w13, x)
 #undef RUN
   return out;
 }
@@ -257,24 +381,43 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
     project(a, counts, busy, 1, w.data_ptr<W>(), scales, n_out,                                             \
             [&](int64_t, int64_t r, int64_t j, float v) { o[r * n_out + j] = static_cast<X>(v); });         \
   }
-  const bool x32 = xt == torch::kFloat32;
-  if (int8) {
-    if (x32) RUN(int8_t, float) else RUN(int8_t, c10::BFloat16)
-  } else if (wt == torch::kFloat32) {
-    if (x32) RUN(float, float) else RUN(float, c10::BFloat16)
-  } else {
-    if (x32) RUN(c10::BFloat16, float) else RUN(c10::BFloat16, c10::BFloat16)
-  }
+  DISPATCH_WEIGHTS_AND_ROWS(w, x)
 #undef RUN
   return out;
 }
 
+torch::Tensor routed_expert_mlp_op(const torch::Tensor& x, const torch::Tensor& slot_ids, const torch::Tensor& weights,
+                                   const torch::Tensor& w13, const torch::Tensor& w2) {
+  return routed_expert_mlp(x, slot_ids, weights, w13, w2, c10::nullopt, c10::nullopt);
+}
+
+torch::Tensor rows_linear_op(const torch::Tensor& x, const torch::Tensor& weight) {
+  return rows_linear(x, weight, c10::nullopt);
+}
+
 }  // namespace
+
+// The same kernels as torch operators (the dispatcher calls them without Python: a captured step's extern calls
+// cost a few microseconds each); their fake implementations are registered in kernels/cpu_native/custom_ops.py.
+TORCH_LIBRARY(moe_cpu, m) {
+  m.def("routed_expert_mlp(Tensor x, Tensor slot_ids, Tensor weights, Tensor w13, Tensor w2) -> Tensor");
+  m.def("rows_linear(Tensor x, Tensor weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) {
+  m.impl("routed_expert_mlp", TORCH_FN(routed_expert_mlp_op));
+  m.impl("rows_linear", TORCH_FN(rows_linear_op));
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_expert_mlp", &silu_expert_mlp, "routed SwiGLU experts over rows grouped by expert (see the file's top)",
         py::arg("x_sorted"), py::arg("counts"), py::arg("w13"), py::arg("w2"), py::arg("w13_scale") = py::none(),
         py::arg("w2_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("routed_expert_mlp", &routed_expert_mlp,
+        "routed SwiGLU experts over the router's (token, expert) pairs, weighted and summed per token",
+        py::arg("x"), py::arg("slot_ids"), py::arg("weights"), py::arg("w13"), py::arg("w2"),
+        py::arg("w13_scale") = py::none(), py::arg("w2_scale") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("rows_linear", &rows_linear, "x [M, K] @ w[N, K].T at few rows (int8 weights with a scale per row)",
         py::arg("x"), py::arg("w"), py::arg("scale") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 
 from .. import int8_weights   # no Triton int8 kernel yet: the torch family's (see kernels/int8_weights.py)
+from ..pair_experts import pair_expert_mlp   # a captured step's experts: inductor writes the Triton kernel
+from ..skinny_matmul import linear_rows
 from ..kernel_set_type import KernelSet
 from . import align, fused_moe, grouped_gemm, mxfp4_weights, paged_attention, rms_norm, routing, unpermute
 from .fp8_block_weights import Fp8Kernels
@@ -26,7 +28,9 @@ def triton_kernel_set(fp8_scheme: Fp8Scheme | None = None) -> KernelSet:
         permute_by_expert=align.permute_by_expert,
         expert_mlp=grouped_gemm.expert_mlp,
         masked_expert_mlp=grouped_gemm.masked_expert_mlp,
+        pair_expert_mlp=pair_expert_mlp,
         unpermute_reduce=unpermute.unpermute_reduce,
+        linear_rows=linear_rows,
         fused_moe=fused_moe.fused_moe,
         rms_norm=rms_norm.rms_norm,
         fused_add_rms_norm=rms_norm.fused_add_rms_norm,

@@ -54,6 +54,7 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
+        self.matmul = linear_rows   # unquantized: the kernel family's, bound when the model is built (registry.py)
 
     def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
         loaded = set()
@@ -83,7 +84,7 @@ class Linear(nn.Module):
         bias = None if self.shard is not None and self.shard.dim == 1 else self.bias  # row parallel: see `reduce`
         if self.quant is not None:
             return self.quant.linear(x, self.weight, self.weight_scale, bias, self.quant_plan)
-        return linear_rows(x, self.weight, bias)
+        return self.matmul(x, self.weight, bias)
 
     def reduce(self, partial: torch.Tensor, group) -> torch.Tensor:
         """Row parallel: sum the ranks' partial outputs, then add the bias once."""

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from kernels import KernelSet
-from kernels.skinny_matmul import linear_rows
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.execution.context_parallel import ContextParallel
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
@@ -144,6 +143,7 @@ class CausalLM(nn.Module):
         self.lm_head = None
         self.parallel = p
         self.executor = ctx.executor   # says whether a step runs as two overlapped micro-batches
+        self.lm_matmul = ctx.kernels.linear_rows
         self.context_parallel = ContextParallel(p.cp_size, p.cp_rank, p.cp_group) if p.cp_size > 1 else None
         vocab, hidden = hf_config.vocab_size, hf_config.hidden_size
         if p.is_last_stage and p.dense_tp and not tie_word_embeddings:
@@ -214,4 +214,4 @@ class CausalLM(nn.Module):
         if self.parallel.dense_tp:
             return gather_vocab_logits(hidden, self.model.embed_tokens if self.tied else self.lm_head)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear_rows(hidden, weight).float()
+        return self.lm_matmul(hidden, weight).float()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.layers.linear import Linear
 from moe_runtime.models.decoder import BuildContext, CausalLM
 
 
@@ -45,4 +46,8 @@ def build_model(architecture: str, hf_config, ctx: BuildContext) -> CausalLM:
             f"architecture {architecture!r} (config.json 'architectures') is not supported; "
             f"supported: {', '.join(sorted(builders))}"
         )
-    return builders[architecture](hf_config, ctx)
+    model = builders[architecture](hf_config, ctx)
+    for module in model.modules():   # every unquantized projection multiplies with the kernel family's few-row matmul
+        if isinstance(module, Linear):
+            module.matmul = ctx.kernels.linear_rows
+    return model

@@ -30,7 +30,6 @@ from dispatch.deepep import DEFAULT_DEEPEP_MODULE
 from dispatch.factory import backend_for, make_phase_dispatchers
 from kernels import KernelSet, TopK
 from kernels.kernel_set import cpu_kernels
-from kernels.pair_experts import pair_expert_mlp
 from load_balancer.placement import Placement, static_placement
 from load_balancer.recorder import ExpertLoadRecorder
 from load_balancer.replica_choice import ReplicaTable, choose_replicas, replica_tables
@@ -314,13 +313,15 @@ class MoEExecutor:
 
     def _captured_run(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> torch.Tensor:  # [T, H] -> [T, H]
         """The layer inside a captured decode step (moe_runtime/execution/decode_capture.py): no staged generator, no
-        wall-clock timing, no data-dependent grouping. One rank: every expert local, per-(token, expert) GEMVs.
+        wall-clock timing, no data-dependent grouping. One rank: every expert local, the family's pair kernel
+        (per-(token, expert) GEMVs that inductor fuses; the cpu family's compiled kernel as one opaque call).
         Several: the phase's dispatcher, which a capture needs to be DeepEP's low-latency one (fixed shapes, counts
         on the device, its calls traced as operators: dispatch/deepep_ops.py), then the masked expert kernel."""
         experts = self._experts[moe_layer]
         slots = choose_replicas(topk.ids, self._tables[moe_layer])                 # [T, K]
         if self.parallel.ep_size == 1:
-            return pair_expert_mlp(x, slots, topk.weights, experts.w13, experts.w2, **experts.epilogue())  # [T, H]
+            return self.kernels.pair_expert_mlp(x, slots, topk.weights, experts.w13, experts.w2,
+                                                **experts.epilogue())                              # [T, H]
         if self.recorder is not None:
             self.recorder.record(moe_layer, topk.ids, slots)
         moe = self._by_phase[self.phase]
