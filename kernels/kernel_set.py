@@ -31,8 +31,7 @@ def torch_kernels() -> KernelSet:
     from .unpermute import unpermute_reduce
 
     return KernelSet("torch", select_experts, permute_by_expert, expert_mlp, masked_expert_mlp, pair_expert_mlp,
-                     unpermute_reduce, linear_rows, fused_moe, rms_norm, fused_add_rms_norm,
-                     paged_decode_attention,
+                     unpermute_reduce, linear_rows, fused_moe, rms_norm, fused_add_rms_norm, paged_decode_attention,
                      fp8_linear, fp8_expert_mlp, fp8_masked_expert_mlp,
                      int8_linear, int8_expert_mlp, int8_masked_expert_mlp,
                      mxfp4_linear, mxfp4_expert_mlp, mxfp4_masked_expert_mlp)
@@ -64,9 +63,8 @@ def reference_kernels() -> KernelSet:
     from .skinny_matmul import linear_rows
 
     return KernelSet("reference", select_experts, reference.permute_by_expert, reference.expert_mlp,
-                     reference.masked_expert_mlp, pair_expert_mlp, reference.unpermute_reduce, linear_rows,
-                     reference.fused_moe, reference.rms_norm, reference.fused_add_rms_norm,
-                     reference.paged_decode_attention,
+                     reference.masked_expert_mlp, pair_expert_mlp, reference.unpermute_reduce, linear_rows, reference.fused_moe,
+                     reference.rms_norm, reference.fused_add_rms_norm, reference.paged_decode_attention,
                      reference.fp8_linear, reference.fp8_expert_mlp, reference.fp8_masked_expert_mlp,
                      reference.int8_linear, reference.int8_expert_mlp, reference.int8_masked_expert_mlp,
                      reference.mxfp4_linear, reference.mxfp4_expert_mlp, reference.mxfp4_masked_expert_mlp)
@@ -82,21 +80,13 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def cpu_kernels_compiled() -> bool:
-    """Whether kernels/cpu_native built on this machine (built now, once per process, if not yet)."""
-    from .cpu_native.expert_kernel import compiled_kernels_built
-
-    return compiled_kernels_built()
-
-
 @functools.lru_cache(maxsize=None)
 def log_choice_once(name: str, device: str, reason: str) -> None:
     logger.info("MoE kernels: %s on %s (%s)", name, device, reason)
 
 
 def get_kernels(device: torch.device | str, prefer: str = "auto") -> KernelSet:
-    """Pick the kernel family: "auto" = triton on CUDA when triton imports; on the CPU the cpu family where its
-    compiled kernels build (measured ahead of torch's: bench/results/cpu_family.json), else torch.
+    """Pick the kernel family: "auto" = triton on CUDA when triton imports, else torch.
 
     The environment variable MOE_KERNELS (triton / torch / cpu / reference) overrides "auto" only.
     """
@@ -106,12 +96,9 @@ def get_kernels(device: torch.device | str, prefer: str = "auto") -> KernelSet:
         prefer, reason = os.environ[ENV_OVERRIDE].strip().lower(), f"{ENV_OVERRIDE} environment variable"
         if prefer not in KERNEL_FAMILIES + ("auto",):
             raise ValueError(f"{ENV_OVERRIDE}={prefer!r} is not one of {KERNEL_FAMILIES + ('auto',)}")
-    if prefer == "auto" and device.type == "cuda" and triton_importable():
-        prefer, reason = "triton", "CUDA device with triton"
-    elif prefer == "auto" and device.type == "cpu" and cpu_kernels_compiled():
-        prefer, reason = "cpu", "CPU with the compiled CPU kernels built"
-    elif prefer == "auto":
-        prefer, reason = "torch", f"{device.type} device"
+    if prefer == "auto":
+        use_triton = device.type == "cuda" and triton_importable()
+        prefer, reason = ("triton", "CUDA device with triton") if use_triton else ("torch", f"{device.type} device")
     builders = {"triton": triton_kernels, "torch": torch_kernels, "cpu": cpu_kernels, "reference": reference_kernels}
     if prefer not in builders:
         raise ValueError(f"get_kernels(prefer={prefer!r}): expected 'auto' or one of {KERNEL_FAMILIES}")

@@ -59,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with one scale per output row, quantized at load (weight-only: activations stay in "
                         "--dtype); unset: weights in --dtype (FP8 checkpoints are dequantized at load)")
     g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "cpu", "reference"],
-                   help="MoE/attention kernel implementation (cpu: the torch family with the routed experts and "
-                        "the few-row projections in C++ kernels compiled on first use for this CPU; auto's choice "
-                        "on the CPU where they build, else torch)")
+                   help="MoE/attention kernel implementation (auto: triton on CUDA where it imports, else torch; "
+                        "cpu: the torch family with the routed experts and the few-row projections in C++ kernels "
+                        "compiled on first use for this CPU)")
     g.add_argument("--cpu-experts", action=argparse.BooleanOptionalAction, default=e.cpu_experts,
                    help="keep the routed experts in host memory and run them with the CPU kernels on their own "
                         "thread while attention, the router and the shared experts run on the device")
