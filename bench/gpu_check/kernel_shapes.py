@@ -55,6 +55,8 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
     "select_experts": {dtype: Tolerance(1e-5, 1e-6) for dtype in ("float32", "float16", "bfloat16")},
     "fused_moe": GEMM,            # bf16: the [rows, I] activation is rounded to bf16 between the GEMMs
     "expert_mlp": GEMM,
+    "pair_expert_mlp": GEMM,      # fp32 accumulation per pair; the sum over K in fp32, rounded once
+    "linear_rows": GEMM,
     "masked_expert_mlp": GEMM,
     "fp8_expert_mlp": GEMM,       # FP8 weights: both sides dequantize the same bytes with the same scales
     "fp8_masked_expert_mlp": GEMM,

@@ -102,7 +102,11 @@ class KernelsPart:
                         lambda n=norm, t=tokens, d=dtype: self._rms_norm(n, t, d, fused=False))
                 checks[f"fused_add_rms_norm/{norm.name}/T{max(s.norm_tokens)}/{dtype}"] = (
                     lambda n=norm, t=max(s.norm_tokens), d=dtype: self._rms_norm(n, t, d, fused=True))
+            for pair_tokens in (1, 2):   # a decode step's rows; eager, the form gathers [T*K, 2I, H] weights
+                checks[f"pair_expert_mlp/{e.name}/T{pair_tokens}/{dtype}"] = (
+                    lambda t=pair_tokens, d=dtype: self._pair_experts(t, d))
             for rows in s.skinny_rows:
+                checks[f"linear_rows/rows{rows}/{dtype}"] = lambda r=rows, d=dtype: self._family_linear_rows(r, d)
                 checks[f"skinny_matmul/linear_rows/rows{rows}/{dtype}"] = (
                     lambda r=rows, d=dtype: self._skinny(r, d, batched=False))
             rows = min(max(s.skinny_rows), 8)
@@ -449,6 +453,28 @@ class KernelsPart:
                                                                           scale),
                                lambda: self.twin.paged_decode_attention(q, k_cache, v_cache, tables, context_lens,
                                                                         scale)))
+
+    def _pair_experts(self, tokens: int, dtype: str) -> Outcome:
+        """The captured step's routed experts (one GEMV per (token, expert) pair) against fused_moe in fp32."""
+        e, w = self.shapes.experts, self._expert_weights(dtype)
+        x = self._randn(tokens, e.hidden, dtype=dtype, seed=tokens + 7)
+        weights, ids = self._routing(tokens)
+        got = self.triton.pair_expert_mlp(x, ids, weights, w.w13, w.w2)
+        want = self.twin.fused_moe(x.float(), w.w13_fp32, w.w2_fp32, weights, ids)
+        twin_low = self.twin.fused_moe(x, w.w13, w.w2, weights, ids)
+        problems = [] if got.dtype == x.dtype else [f"output dtype {got.dtype}, expected {x.dtype}"]
+        return self._judge("pair_expert_mlp", dtype, got, want, twin_low, problems, tokens=tokens, top_k=e.top_k,
+                           reference="fused_moe of the twin family, fp32 and in the same dtype")
+
+    def _family_linear_rows(self, rows: int, dtype: str) -> Outcome:
+        """The family's few-row projection (`KernelSet.linear_rows`) against F.linear in fp32."""
+        e, w = self.shapes.experts, self._expert_weights(dtype)
+        x = self._randn(rows, e.hidden, dtype=dtype, seed=rows + 21)
+        weight = w.w13[0]
+        got = self.triton.linear_rows(x, weight)
+        want, twin_low = F.linear(x.float(), weight.float()), F.linear(x, weight)
+        return self._judge("linear_rows", dtype, got, want, twin_low, rows=rows,
+                           reference="F.linear, fp32 and in the same dtype")
 
     def _skinny(self, rows: int, dtype: str, batched: bool) -> Outcome:
         """No Triton twin: the CPU fast path must give F.linear's answer on any device and dtype."""
