@@ -47,13 +47,20 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def run_until(engines, request_id: str, timeout_s: float = 60.0) -> RequestOutput:
     """Step every engine until `request_id` finishes on one of them; its last output."""
+    return run_all_until(engines, [request_id], timeout_s)[request_id]
+
+
+def run_all_until(engines, request_ids: list[str], timeout_s: float = 60.0) -> dict[str, RequestOutput]:
+    """Step every engine until each of `request_ids` finished on one of them; their last outputs."""
+    done: dict[str, RequestOutput] = {}
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while len(done) < len(request_ids):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{sorted(set(request_ids) - set(done))} did not finish within {timeout_s}s")
         for engine in engines:
-            for output in engine.step():
-                if output.request_id == request_id and output.finished:
-                    return output
-    raise TimeoutError(f"{request_id} did not finish within {timeout_s}s")
+            done.update((output.request_id, output) for output in engine.step()
+                        if output.request_id in request_ids and output.finished)
+    return done
 
 
 def prefill(p, request_id: str, prompt: list[int]) -> RequestOutput:

@@ -13,14 +13,14 @@ the request's slot); the decode instance pulls both and continues.
 from __future__ import annotations
 
 import itertools
-import time
 
 import msgspec
 import pytest
 import torch
 
 from lazy_engines import engine_pool
-from pd_helpers import decode, free_blocks, greedy, prefill, run_until, wait_for_blocks_and_slots, wait_for_free
+from pd_helpers import (decode, free_blocks, greedy, prefill, run_all_until, run_until, wait_for_blocks_and_slots,
+                        wait_for_free)
 from pd_helpers import kv_key  # noqa: F401  the module's KV secret (an autouse fixture)
 from kernels.delta_rule import DEFAULT_CHUNK
 from moe_runtime.config.engine_config import EngineConfig
@@ -67,7 +67,9 @@ def test_prefill_there_decode_here_equals_one_instance_and_transformers(arch, la
     colocated = engines(arch, "none", layout)
     for index, prompt in enumerate(PROMPTS):
         colocated.add_request(f"colocated-{arch}-{layout}-{index}", prompt, greedy(NEW_TOKENS))
-    assert finish_all(colocated, [f"colocated-{arch}-{layout}-{i}" for i in range(len(PROMPTS))]) == want
+    request_ids = [f"colocated-{arch}-{layout}-{i}" for i in range(len(PROMPTS))]
+    done = run_all_until([colocated], request_ids, timeout_s=120)
+    assert [done[request_id].token_ids for request_id in request_ids] == want
     p, d = engines(arch, "prefill", layout), engines(arch, "decode")
     p_free, d_free = free_blocks(p), free_blocks(d)
     for prompt, tokens in zip(PROMPTS, want):
@@ -77,14 +79,6 @@ def test_prefill_there_decode_here_equals_one_instance_and_transformers(arch, la
         done = decode(p, d, f"d{next(ids)}", prompt, first.kv_handle, NEW_TOKENS)
         assert (done.finish_reason, done.token_ids) == ("length", tokens)
     wait_for_blocks_and_slots([(p, p_free), (d, d_free)])
-
-
-def finish_all(engine, request_ids: list[str], timeout_s: float = 120.0) -> list[list[int]]:
-    """Step `engine` until every request finishes; their tokens in `request_ids` order."""
-    done, deadline = {}, time.monotonic() + timeout_s
-    while len(done) < len(request_ids) and time.monotonic() < deadline:
-        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
-    return [done.get(request_id) for request_id in request_ids]
 
 
 def _shard(heads: int, channels: int, state_layers=(0, 1, 2), endpoint="") -> KVShard:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
-from pd_helpers import free_blocks, greedy, prefill, run_until, wait_for_free
+from pd_helpers import free_blocks, greedy, prefill, run_all_until, run_until, wait_for_free
 from pd_helpers import kv_key  # noqa: F401  the module's KV secret (an autouse fixture)
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.front.engine_factory import make_engine
@@ -67,19 +66,6 @@ def kill(engine, rank: int) -> int:
     return pid
 
 
-def finish_all(engines, request_ids: list[str], timeout_s: float = 120.0) -> dict:
-    """Step every engine until each of `request_ids` finished; their last outputs."""
-    done = {}
-    deadline = time.monotonic() + timeout_s
-    while len(done) < len(request_ids):
-        assert time.monotonic() < deadline, f"unfinished: {sorted(set(request_ids) - set(done))}"
-        for engine in engines:
-            for output in engine.step():
-                if output.request_id in request_ids and output.finished:
-                    done[output.request_id] = output
-    return done
-
-
 def recovered(engine, losses: int) -> bool:
     stats = engine.stats().recovery
     return stats.lost_ranks == losses and stats.recovering is None and engine.health().healthy
@@ -95,7 +81,7 @@ def test_a_decode_rank_lost_mid_transfer_its_imports_resume_from_their_first_tok
         d.add_request(f"dkill-d{i}", prompt, greedy(NEW_TOKENS), import_kv=handle)
     kill(d, 1)                                          # before the decode front settled any import
     ids = [f"dkill-d{i}" for i in range(len(PROMPTS))]
-    done = finish_all([d, p], ids)
+    done = run_all_until([d, p], ids, timeout_s=120)
     assert [(done[i].token_ids, done[i].finish_reason, done[i].error) for i in ids] == \
         [(want, "length", None) for want in expected]
     stats = d.stats()
@@ -122,7 +108,7 @@ def test_a_prefill_rank_lost_with_kv_parked_the_decode_side_computes_what_it_can
     recomputed = d.stats().transfer.recomputed
     for i, output in enumerate(parked):
         d.add_request(f"pkill-d{i}", PROMPTS[i], greedy(NEW_TOKENS), import_kv=output.kv_handle)
-    done = finish_all([d, p], ["pkill-d0", "pkill-d1", "pkill-waiting"])
+    done = run_all_until([d, p], ["pkill-d0", "pkill-d1", "pkill-waiting"], timeout_s=120)
     assert [done[f"pkill-d{i}"].token_ids for i in range(2)] == expected[:2]
     assert d.stats().transfer.recomputed > recomputed   # at least the KV parked on the killed rank
     assert recovered(p, losses + 1) and p.stats().recovery.reformations >= 1

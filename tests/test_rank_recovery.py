@@ -91,17 +91,24 @@ def test_a_killed_rank_is_replaced_and_every_request_ends_as_it_would_have(ep_ll
     assert [out.token_ids for out in ep_llm.generate(prompts, params)] == before   # the new job serves on
 
 
+def _kill_mid_rebalance(llm, rank: int, prompts):
+    """Start a rebalance, SIGKILL `rank` at once, and check the same greedy requests end as before; the rebalance's
+    future (done by then: failed with the loss, or landed before it was seen)."""
+    params = greedy(NEW_TOKENS)
+    before = [out.token_ids for out in llm.generate(prompts, params)]
+    rebalance = llm.engine.rebalance_now()
+    os.kill(llm.engine.client.processes[rank].pid, signal.SIGKILL)
+    assert [out.token_ids for out in llm.generate(prompts, params)] == before
+    assert rebalance.done()
+    return rebalance
+
+
 def test_a_rank_killed_mid_rebalance_fails_the_rebalance_alone(ep_llm):
     """The rebalance in flight fails with the loss (the re-formed job plans from what its slots hold); the
     requests resume and end as they would have."""
-    prompts, params = PROMPTS[:2], greedy(NEW_TOKENS)
-    before = [out.token_ids for out in ep_llm.generate(prompts, params)]
     losses = ep_llm.engine.stats().recovery.lost_ranks
-    rebalance = ep_llm.engine.rebalance_now()
-    os.kill(ep_llm.engine.client.processes[0].pid, signal.SIGKILL)
-    assert [out.token_ids for out in ep_llm.generate(prompts, params)] == before
+    rebalance = _kill_mid_rebalance(ep_llm, 0, PROMPTS[:2])
     assert ep_llm.engine.stats().recovery.lost_ranks == losses + 1
-    assert rebalance.done()
     if rebalance.exception() is not None:   # else it ended before the kill was seen
         assert isinstance(rebalance.exception(), EngineDeadError) and "rank 0" in str(rebalance.exception())
 
@@ -166,13 +173,8 @@ def test_a_rank_killed_mid_rebalance_leaves_survivors_on_what_their_slots_hold(e
     from what their slots really hold (not the placement some of them may not have committed), and the
     requests end as they would have."""
     llm = ep4_llm
-    prompts, params = PROMPTS[:4], greedy(NEW_TOKENS)
-    before = [out.token_ids for out in llm.generate(prompts, params)]
     reformations = llm.engine.stats().recovery.reformations
-    rebalance = llm.engine.rebalance_now()
-    os.kill(llm.engine.client.processes[3].pid, signal.SIGKILL)
-    assert [out.token_ids for out in llm.generate(prompts, params)] == before
+    _kill_mid_rebalance(llm, 3, PROMPTS[:4])
     assert llm.engine.stats().recovery.reformations == reformations + 1
-    assert rebalance.done()
     load = llm.engine.wait(llm.engine.expert_load())
     assert load.placement.shape[1] == 12 and all(set(row.tolist()) == set(range(8)) for row in load.placement)
