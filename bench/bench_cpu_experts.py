@@ -1,7 +1,8 @@
 """The compiled CPU expert kernel (`--kernels cpu`) against the torch one, side by side in one run.
 
 Two measurements on the MoE bench checkpoint's shape (bench_offline.py: 32 experts top-4, hidden 512,
-expert intermediate 256), float32, bfloat16 and int8 weights (per-row scales), decode batches 1 and 16, one thread:
+expert intermediate 256), float32, bfloat16, int8 (per-row scales) and FP8 e4m3fn weights (scales per row and
+128-column block, --quantization fp8's layout), decode batches 1 and 16, one thread:
   - the routed experts of one MoE layer (uniform top-4 routing), cycling through the model's 8 layers' weights
     as a step does (one layer's alone would stay in the caches): microseconds per layer for the torch kernel
     and the compiled one, and the weight bytes each streams over this machine's measured copy bandwidth (the
@@ -27,11 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_offline import SHAPE, build_checkpoint, copy_bandwidth_gbs   # noqa: E402
 from kernels.cpu_native.build import native_experts   # noqa: E402
 from kernels.expert_mlp import expert_mlp   # noqa: E402
+from kernels.fp8_block_weights import fp8_expert_mlp   # noqa: E402
 from kernels.int8_weights import int8_expert_mlp   # noqa: E402
 from moe_runtime.planner.cpu_engine_collectives import measure_engine_decode   # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHES = (1, 16)
+FP8_BLOCK_K = 128
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "fp8": 1}
 
 
 def routed_rows(batch: int, num_experts: int, top_k: int, hidden: int, dtype: torch.dtype, seed: int):
@@ -61,8 +65,19 @@ def int8_rows_of(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8), scale.float()
 
 
+def fp8_blocks_of(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3fn codes and float32 scales per row and FP8_BLOCK_K columns, row-expanded (the columns divide)."""
+    blocks = w.unflatten(-1, (w.shape[-1] // FP8_BLOCK_K, FP8_BLOCK_K))                  # [..., N, Kb, bk]
+    scale = blocks.abs().amax(dim=-1).clamp(min=1e-8) / 448                             # [..., N, Kb]
+    return (blocks / scale[..., None]).flatten(-2).to(torch.float8_e4m3fn), scale.float()
+
+
 def layer_kernels(native, weights: str, x: torch.Tensor, counts: torch.Tensor, layer):
     """(torch call, compiled call) of one layer's experts in the `weights` format."""
+    if weights == "fp8":
+        (q13, s13), (q2, s2) = layer
+        return (lambda: fp8_expert_mlp(x, counts, q13, s13, q2, s2, FP8_BLOCK_K),
+                lambda: native.silu_expert_mlp(x, counts, q13, q2, s13, s2, FP8_BLOCK_K))
     if weights == "int8":
         (q13, s13), (q2, s2) = layer
         return (lambda: int8_expert_mlp(x, counts, q13, s13, q2, s2),
@@ -74,14 +89,15 @@ def layer_kernels(native, weights: str, x: torch.Tensor, counts: torch.Tensor, l
 def layer_rows(native, bandwidth_gbs: float) -> list[dict]:
     e, h, i, k = SHAPE["num_experts"], SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts_per_tok"]
     rows = []
-    for weights in ("float32", "bfloat16", "int8"):
+    for weights in ("float32", "bfloat16", "int8", "fp8"):
         # every layer's weights, as a decode step reads them: one layer's alone would stay in the caches
         dtype = torch.bfloat16 if weights == "bfloat16" else torch.float32
         layers = [((torch.randn(e, 2 * i, h) * 0.05).to(dtype), (torch.randn(e, h, i) * 0.05).to(dtype))
                   for _ in range(SHAPE["num_hidden_layers"])]
-        if weights == "int8":
-            layers = [(int8_rows_of(w13), int8_rows_of(w2)) for w13, w2 in layers]
-        element = {"float32": 4, "bfloat16": 2, "int8": 1}[weights]
+        quantize = {"int8": int8_rows_of, "fp8": fp8_blocks_of}.get(weights)
+        if quantize is not None:
+            layers = [(quantize(w13), quantize(w2)) for w13, w2 in layers]
+        element = ELEMENT_BYTES[weights]
         for batch in BATCHES:
             x, counts = routed_rows(batch, e, k, h, dtype, seed=batch)
             streamed = int((counts > 0).sum()) * 3 * i * h * element

@@ -49,10 +49,13 @@ def test_offloaded_logits_equal_the_same_kernels_run_in_place(checkpoint):
     assert torch.equal(logits["offloaded"], logits["in place"])
 
 
-def test_int8_offloaded_experts_give_the_in_place_int8_tokens(checkpoint):
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantized_offloaded_experts_give_the_in_place_tokens(checkpoint, quantization):
+    """Weights kept quantized: the host kernels (int8 row scales, FP8 block scales decoded in registers) against the
+    torch family's twins run in place."""
     tokens = {}
-    for name, options in {"in place": dict(kernels="cpu"), "offloaded": dict(cpu_experts=True)}.items():
-        with LLM(str(checkpoint), device="cpu", dtype="float32", quantization="int8", **options) as llm:
+    for name, options in {"in place": dict(kernels="torch"), "offloaded": dict(cpu_experts=True)}.items():
+        with LLM(str(checkpoint), device="cpu", dtype="float32", quantization=quantization, **options) as llm:
             tokens[name] = [out.token_ids for out in llm.generate(PROMPTS[:2], greedy(TOKENS))]
     assert tokens["offloaded"] == tokens["in place"]
 
@@ -109,9 +112,9 @@ def test_hottest_slots_prefer_load_then_the_lower_slot():
     (dict(device_resident_experts=2), "--device-resident-experts 2 needs --cpu-experts"),
     (dict(cpu_experts=True, device_resident_experts=-1), "--device-resident-experts -1"),
     (dict(cpu_experts=True, enable_torch_compile=True), "--enable-torch-compile"),
-    (dict(cpu_experts=True, quantization="fp8"), "--quantization fp8"),
+    (dict(cpu_experts=True, quantization="mxfp4"), "--quantization mxfp4"),
     (dict(cpu_experts=True, ep=2, a2a_backend="deepep"), "--a2a-backend deepep"),
-], ids=["resident-alone", "negative", "compile", "fp8", "deepep"])
+], ids=["resident-alone", "negative", "compile", "mxfp4", "deepep"])
 def test_combinations_the_offload_cannot_run_are_refused(options, flag):
     with pytest.raises(EngineConfigError, match=flag):
         EngineConfig(model="unused", **options).validate_options()

@@ -13,9 +13,11 @@ from engine_helpers import PROMPTS, greedy
 from kernels.cpu_native import custom_ops, dense_gemv, expert_kernel
 from kernels.cpu_native.build import native_experts
 from kernels.cpu_native.dense_gemv import cpu_linear_rows
-from kernels.cpu_native.expert_kernel import cpu_expert_mlp, cpu_int8_expert_mlp, cpu_int8_linear, cpu_pair_expert_mlp
+from kernels.cpu_native.expert_kernel import (cpu_expert_mlp, cpu_fp8_expert_mlp, cpu_fp8_linear, cpu_int8_expert_mlp,
+                                              cpu_int8_linear, cpu_pair_expert_mlp)
 from kernels.expert_activation import ExpertActivation
 from kernels.expert_mlp import expert_mlp
+from kernels.fp8_block_weights import fp8_expert_mlp, fp8_linear
 from kernels.int8_weights import int8_expert_mlp, int8_linear
 from kernels.kernel_set import get_kernels
 from kernels.pair_experts import pair_expert_mlp
@@ -129,6 +131,79 @@ def test_int8_linear_at_decode_rows_matches_float64(native, rows):
     assert torch.allclose(got, int8_linear(x, q, scale, bias), rtol=1e-4, atol=1e-5)
 
 
+SUBNORMAL_CODES = torch.tensor([0x01, 0x05, 0x07, 0x83, 0x86], dtype=torch.uint8)   # e4m3fn with exponent 0
+
+
+def _fp8_blocks(w: torch.Tensor, block_k: int):
+    """FP8 e4m3fn codes of `w` [..., N, K] with one float32 scale per row and block_k columns (row-expanded), a few
+    codes set to subnormals (their decode is the part a flushed denormal would lose)."""
+    blocks = -(-w.shape[-1] // block_k)
+    padded = F.pad(w, (0, blocks * block_k - w.shape[-1])).unflatten(-1, (blocks, block_k))   # [..., N, Kb, bk]
+    scale = (padded.abs().amax(dim=-1).clamp(min=1e-8) / 448).float()                        # [..., N, Kb]
+    codes = (padded / scale[..., None]).flatten(-2)[..., : w.shape[-1]].to(torch.float8_e4m3fn)
+    every_seventh = codes.view(torch.uint8).view(-1)[::7]                                      # a view of the codes
+    every_seventh.copy_(SUBNORMAL_CODES.repeat(every_seventh.numel())[: every_seventh.numel()])
+    return codes, scale
+
+
+def _fp8_dequantized(codes: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:   # float64
+    return codes.double() * scale.double().repeat_interleave(block_k, dim=-1)[..., : codes.shape[-1]]
+
+
+@pytest.mark.parametrize("block_k", [16, 24], ids=["aligned-blocks", "blocks-with-scalar-tails"])
+@pytest.mark.parametrize("counts", [[1, 0, 0, 1, 0, 0, 0, 1], [9, 0, 4, 0, 20, 1, 0, 8]], ids=["decode", "prefill"])
+def test_fp8_experts_match_float64_of_their_dequantized_weights(native, counts, block_k):
+    """Block scales per 16 / 24 columns (48 = I is two 24-blocks, 64 = H two full and one partial), subnormal codes
+    among the weights, float32 and bfloat16 rows."""
+    x, counts_t, w13, w2 = _case(counts, torch.float32, seed=4)
+    (q13, s13), (q2, s2) = _fp8_blocks(w13, block_k), _fp8_blocks(w2, block_k)
+    want = expert_mlp(x.double(), counts_t, _fp8_dequantized(q13, s13, block_k), _fp8_dequantized(q2, s2, block_k))
+    got = cpu_fp8_expert_mlp(x, counts_t, q13, s13, q2, s2, block_k)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got, fp8_expert_mlp(x, counts_t, q13, s13, q2, s2, block_k), rtol=1e-4, atol=1e-5)
+    rows16 = cpu_fp8_expert_mlp(x.bfloat16(), counts_t, q13, s13, q2, s2, block_k)
+    assert rows16.dtype == torch.bfloat16 and torch.allclose(rows16.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_fp8_subnormal_codes_survive_a_thread_that_flushes_denormals(native):
+    """torch.set_flush_denormal(True) on the calling thread: the kernel's threads keep denormals while it runs, so
+    the subnormal codes still decode (their share of the result is checked alone: weights of only those codes)."""
+    codes = SUBNORMAL_CODES.repeat(4 * 40 // 5 + 1)[: 4 * 40].view(torch.float8_e4m3fn).view(4, 40)   # [N, K]
+    scale = torch.full((4, 1), 3.0)
+    x = torch.randn(2, 40, generator=torch.Generator().manual_seed(5))
+    want = x.double() @ _fp8_dequantized(codes, scale, 40).T
+    assert want.abs().max() > 0
+    flushing = torch.set_flush_denormal(True)
+    try:
+        got = cpu_fp8_linear(x, codes, scale, 40)
+    finally:
+        torch.set_flush_denormal(False)
+    assert flushing and torch.allclose(got.double(), want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 17], ids=["1-row", "7-rows", "17-rows-torch"])
+def test_fp8_linear_at_decode_rows_matches_float64(native, rows):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 40, generator=generator)                        # [..., K]
+    q, scale = _fp8_blocks(torch.randn(24, 40, generator=generator), 16)      # [N, K], [N, 3]
+    bias = torch.randn(24, generator=generator)
+    want = x.double() @ _fp8_dequantized(q, scale, 16).T + bias.double()
+    got = cpu_fp8_linear(x, q, scale, 16, bias)
+    assert got.shape == (1, rows, 24) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got, fp8_linear(x, q, scale, 16, bias), rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_scales_of_the_wrong_shape_are_refused_by_name(native):
+    x, counts, w13, w2 = _case([1, 0, 0, 0, 0, 0, 0, 1], torch.float32)
+    (q13, s13), (q2, s2) = _fp8_blocks(w13, 16), _fp8_blocks(w2, 16)
+    with pytest.raises(ValueError, match="w13_scale must be float32"):
+        cpu_fp8_expert_mlp(x, counts, q13, s13[..., :1].contiguous(), q2, s2, 16)
+    with pytest.raises(RuntimeError, match="expert_mlp w2: float32 scales"):   # the kernel's own check
+        native.silu_expert_mlp(x, counts, q13, q2, s13, s2[..., :1].contiguous(), 16)
+    with pytest.raises(RuntimeError, match="block_k > 0 exactly with FP8"):
+        native.silu_expert_mlp(x, counts, q13, q2, s13, s2, 0)
+
+
 def test_what_the_native_kernel_does_not_take_goes_to_the_torch_kernel():
     x, counts, w13, w2 = _case([2, 0, 1, 0, 0, 0, 5, 0], torch.float32, seed=2)
     b13, b2 = torch.randn(E, 2 * I), torch.randn(E, H)
@@ -160,13 +235,18 @@ def test_engine_with_the_cpu_family_gives_transformers_greedy_tokens(tiny_checkp
     assert [out.token_ids for out in outputs] == greedy_oracle("qwen3_moe", PROMPTS[:3], 12)
 
 
-def test_int8_engine_with_the_cpu_family_gives_the_torch_familys_tokens(tiny_checkpoint_factory):
-    """--quantization int8: the compiled kernels (experts and decode projections) against the torch ones."""
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantized_engine_with_the_cpu_family_gives_the_torch_familys_tokens(native, tiny_checkpoint_factory,
+                                                                            monkeypatch, quantization):
+    """--quantization int8 / fp8: the compiled kernels (experts and decode projections) against the torch ones."""
     path = tiny_checkpoint_factory("qwen3_moe")
+    calls = []
+    monkeypatch.setattr(expert_kernel, "native_experts", lambda: calls.append(1) or native)
     tokens = {}
     for family in ("torch", "cpu"):
-        with LLM(str(path), device="cpu", dtype="float32", quantization="int8", kernels=family) as llm:
+        with LLM(str(path), device="cpu", dtype="float32", quantization=quantization, kernels=family) as llm:
             tokens[family] = [out.token_ids for out in llm.generate(PROMPTS[:3], greedy(12))]
+    assert calls, "the cpu family never took its compiled kernels"
     assert tokens["cpu"] == tokens["torch"]
 
 

@@ -1,9 +1,11 @@
-"""The CPU kernel family's expert MLPs and int8 linear: the compiled kernels (expert_mlp.cpp) where they apply,
-the torch ones elsewhere.
+"""The CPU kernel family's expert MLPs and quantized linears: the compiled kernels (expert_mlp.cpp) where they
+apply, the torch ones elsewhere.
 
 They apply on the CPU when the kernel could be built (`build.native_experts`): SwiGLU experts without biases,
-float32 / bfloat16 / int8 (per-row scales) weights, float32 or bfloat16 activations; an int8 projection at up
-to `LINEAR_MAX_ROWS` rows (decode). gpt-oss's clamped activation, expert biases, other dtypes and devices, and
+float32 / bfloat16 / int8 (per-row scales) / FP8 e4m3fn (row-expanded block scales) weights, float32 or bfloat16
+activations; an int8 or FP8 projection at up to `LINEAR_MAX_ROWS` rows (decode). FP8 codes are decoded in
+registers (exact, subnormals included); NaN codes, which no checkpoint holds, would read as +-480 there where the
+torch twin gives NaN, so a weight its load plan found NaN codes in (`bit_decode_suits=False`) takes the twin. gpt-oss's clamped activation, expert biases, other dtypes and devices, and
 larger row counts take the torch kernels (`kernels/expert_mlp.py`, `kernels/int8_weights.py`), which stay the
 twins these are tested against. The grouped-layout entries run
 outside a captured step (their counts are read on the host); a captured step calls `cpu_pair_expert_mlp`, the
@@ -20,6 +22,8 @@ from kernels.cpu_native import custom_ops
 from kernels.cpu_native.build import native_experts
 from kernels.expert_activation import ExpertActivation
 from kernels.expert_mlp import check_expert_biases, check_expert_weights, check_sorted_counts, expert_mlp
+from kernels.fp8_block_weights import (check_fp8_expert_weights, check_fp8_linear, fp8_expert_mlp,
+                                       fp8_linear_prechecked)
 from kernels.int8_weights import check_int8_expert_weights, check_int8_weight, int8_expert_mlp, int8_linear
 from kernels.pair_experts import pair_expert_mlp
 
@@ -98,6 +102,34 @@ def cpu_int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                          f"[N, K]")
     out = native.rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous(),
                              scale.float().reshape(-1).contiguous())   # [T, N]
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def cpu_fp8_expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                       w2: torch.Tensor, w2_scale: torch.Tensor, block_k: int) -> torch.Tensor:   # see fp8_expert_mlp
+    native = native_experts() if _on_cpu(x_sorted) else None
+    if native is None:
+        return fp8_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale, block_k)
+    check_fp8_expert_weights(x_sorted.shape[-1], w13, w13_scale, w2, w2_scale, block_k)
+    check_sorted_counts(x_sorted, counts, w13.shape[0])
+    return native.silu_expert_mlp(x_sorted.contiguous(), _host_counts(counts), w13.contiguous(), w2.contiguous(),
+                                  w13_scale.contiguous(), w2_scale.contiguous(), block_k)
+
+
+def cpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+                   bias: torch.Tensor | None = None, bit_decode_suits: bool | None = None) -> torch.Tensor:
+    """fp8_linear: the compiled kernel at decode row counts, the torch twin elsewhere. `bit_decode_suits`: the
+    load plan's word on the weight (`Fp8InMemory.plan`; False where it holds NaN codes), which the twin takes too."""
+    rows = math.prod(x.shape[:-1])
+    if bit_decode_suits is None:
+        check_fp8_linear(x, weight, scale, block_k)
+    native = native_experts() if _on_cpu(x) and rows <= LINEAR_MAX_ROWS and bit_decode_suits is not False else None
+    if native is None:
+        return fp8_linear_prechecked(x, weight, scale, block_k, bias, bit_decode_suits)
+    out = native.rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous(), scale.contiguous(),
+                             block_k)   # [T, N]
     if bias is not None:
         out.add_(bias)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -1,8 +1,10 @@
 // Routed experts of a decode step on the CPU, as llama.cpp's mul_mat_id runs them: each busy expert's weights
 // are streamed once for all the rows that chose it (gate/up rows dotted with every row of its segment while they
 // are in cache, then the down rows), SwiGLU fused between the two, float32 accumulation. Weights are float32,
-// bfloat16 (widened in registers) or int8 with a float32 scale per row (converted in registers, the scale on the
-// dot product); activations float32 or bfloat16 (widened once per segment). Threads split
+// bfloat16 (widened in registers), int8 with a float32 scale per row, or FP8 (e4m3fn) with a float32 scale per row
+// and block of block_k columns (DeepSeek's block-scaled layout, row-expanded: kernels/fp8_block_weights.py); the
+// codes are converted in registers and each scale multiplies its block's partial dot product. Activations float32
+// or bfloat16 (widened once per segment). Threads split
 // the experts' output rows (at::parallel_for), so one busy expert still uses every core. Two layouts: rows already
 // grouped by expert (silu_expert_mlp, the eager step's) and the router's (token, expert) pairs grouped here
 // (routed_expert_mlp, fixed shapes: a captured step calls it as one operator, kernels/cpu_native/custom_ops.py).
@@ -12,7 +14,8 @@
 //
 // The dot products are AVX2 + FMA intrinsics where the CPU has them (built with -march=native for the machine it
 // runs on), plain loops the compiler vectorises elsewhere; the kernel is compiled on first use into a cache
-// (kernels/cpu_native/build.py). An AVX-512 / AMX path is not written yet.
+// (kernels/cpu_native/build.py). An AVX-512 / AMX path is not written: no machine here has those units to test
+// it on (with -march=native the compiler widens the plain loops, not the intrinsics).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <torch/python.h>
@@ -31,6 +34,7 @@ namespace {
 
 inline float widen(float v) { return v; }
 inline float widen(int8_t v) { return static_cast<float>(v); }
+inline float widen(c10::Float8_e4m3fn v) { return static_cast<float>(v); }
 inline float widen(c10::BFloat16 v) {
   uint32_t bits = static_cast<uint32_t>(v.x) << 16;
   float out;
@@ -48,6 +52,27 @@ inline __m256 load8(const c10::BFloat16* w) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
+
+// 8 FP8 e4m3fn codes as float32: the 7 payload bits of a byte moved to the top of a float32 word (its sign to the
+// sign bit) are the value times 2^-120, subnormals included, so a sign-extending widen, a shift, a mask and a
+// multiply by 2^120 decode them exactly (NaN codes, which checkpoints do not hold, would read as +-480).
+inline __m256 load8(const c10::Float8_e4m3fn* w) {
+  const __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(codes, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+}
+
+// FP8's subnormal codes decode to float32 subnormals (times 2^120): a thread flushing denormals (FTZ / DAZ, e.g.
+// torch.set_flush_denormal) would read them as zero, so the kernel's threads keep denormals while they run it.
+class DenormalsKept {
+ public:
+  DenormalsKept() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(kFlushToZero | kDenormalsAreZero)); }
+  ~DenormalsKept() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFlushToZero = 0x8000, kDenormalsAreZero = 0x0040;
+  unsigned saved_;
+};
 
 inline float sum8(__m256 v) {
   const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -76,10 +101,11 @@ inline float dot_one(const W* __restrict w_row, const float* __restrict x, int64
   return acc;
 }
 
-// Four rows (contiguous, `n` apart): out[r] = dot(w_row, row r), along n; each 8 weights are loaded once for the
-// four rows, whose four accumulators keep the FMAs pipelined.
+// Four rows (`stride` apart): out[r] = dot(w_row, row r), along n; each 8 weights are loaded once for the four
+// rows, whose four accumulators keep the FMAs pipelined.
 template <typename W>
-inline void dot_four(const W* __restrict w_row, const float* __restrict x, int64_t n, float* __restrict out) {
+inline void dot_four(const W* __restrict w_row, const float* __restrict x, int64_t n, int64_t stride,
+                     float* __restrict out) {
   int64_t k = 0;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #ifdef __AVX2__
@@ -87,15 +113,15 @@ inline void dot_four(const W* __restrict w_row, const float* __restrict x, int64
   for (; k + 8 <= n; k += 8) {
     const __m256 w = load8(w_row + k);
     a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + k), a0);
-    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + n + k), a1);
-    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 2 * n + k), a2);
-    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 3 * n + k), a3);
+    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + stride + k), a1);
+    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 2 * stride + k), a2);
+    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 3 * stride + k), a3);
   }
   acc[0] = sum8(a0), acc[1] = sum8(a1), acc[2] = sum8(a2), acc[3] = sum8(a3);
 #endif
   for (; k < n; ++k) {
     const float w = widen(w_row[k]);
-    for (int64_t r = 0; r < 4; ++r) acc[r] += w * x[r * n + k];
+    for (int64_t r = 0; r < 4; ++r) acc[r] += w * x[r * stride + k];
   }
   for (int64_t r = 0; r < 4; ++r) out[r] = acc[r];
 }
@@ -139,25 +165,51 @@ struct Activations {
   }
 };
 
-// results[row of the expert][j] = dot(weights[e][j], row) for every busy expert's rows, j < outputs;
-// tasks are (expert, output) pairs split over the threads.
+// The float32 scales of a quantized weight [E, N, K]: scale[e][j][k / block_k] multiplies the dot product of
+// row j's columns in that block (int8: one block of all K columns; FP8: DeepSeek's 128-column blocks). None for
+// float32 / bfloat16 weights.
+struct RowScales {
+  const float* data = nullptr;   // [E, N, blocks]
+  int64_t blocks = 1;            // per row: ceil(K / block_k)
+  int64_t block_k = 0;           // columns per block (0: all K)
+
+  int64_t columns(int64_t k) const { return block_k > 0 ? block_k : k; }
+};
+
+// results[row of the expert][j] = dot(weights[e][j], row) for every busy expert's rows, j < outputs, each column
+// block's partial dot times its scale; tasks are (expert, output) pairs split over the threads.
 template <typename W, typename Store>
 void project(const Activations& a, const int64_t* counts, const int64_t* busy, int64_t num_busy, const W* weights,
-             const float* scales, int64_t outputs, Store store) {   // scales [E, outputs] (int8 rows) or null
-  const int64_t n = a.width;
+             const RowScales& scales, int64_t outputs, Store store) {
+  const int64_t n = a.width, block = scales.columns(n);
   at::parallel_for(0, num_busy * outputs, 16, [&](int64_t begin, int64_t end) {
-    float block[4];
+#ifdef __AVX2__
+    const DenormalsKept denormals;
+#endif
+    float part[4];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / outputs, j = task % outputs, e = busy[b], c = counts[e];
       const W* w_row = weights + (e * outputs + j) * n;
-      const float scale = scales != nullptr ? scales[e * outputs + j] : 1.f;
+      const float* row_scales = scales.data != nullptr ? scales.data + (e * outputs + j) * scales.blocks : nullptr;
       const float* rows = a.data.data() + a.at[b];
       int64_t r = 0;
       for (; r + 4 <= c; r += 4) {
-        dot_four(w_row, rows + r * n, n, block);
-        for (int64_t q = 0; q < 4; ++q) store(b, r + q, j, block[q] * scale);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int64_t k0 = 0, blk = 0; k0 < n; k0 += block, ++blk) {
+          dot_four(w_row + k0, rows + r * n + k0, std::min(block, n - k0), n, part);
+          const float scale = row_scales != nullptr ? row_scales[blk] : 1.f;
+          for (int64_t q = 0; q < 4; ++q) acc[q] += part[q] * scale;
+        }
+        for (int64_t q = 0; q < 4; ++q) store(b, r + q, j, acc[q]);
       }
-      for (; r < c; ++r) store(b, r, j, dot_one(w_row, rows + r * n, n) * scale);
+      for (; r < c; ++r) {
+        float acc = 0.f;
+        for (int64_t k0 = 0, blk = 0; k0 < n; k0 += block, ++blk) {
+          const float scale = row_scales != nullptr ? row_scales[blk] : 1.f;
+          acc += dot_one(w_row + k0, rows + r * n + k0, std::min(block, n - k0)) * scale;
+        }
+        store(b, r, j, acc);
+      }
     }
   });
 }
@@ -166,7 +218,7 @@ void project(const Activations& a, const int64_t* counts, const int64_t* busy, i
 // expert b's output h (float32, unweighted).
 template <typename W, typename Store>
 void experts_over(const Activations& xs, const int64_t* counts, const int64_t* busy, int64_t num_busy,
-                  const W* w13, const float* w13_scale, const W* w2, const float* w2_scale, int64_t hidden,
+                  const W* w13, const RowScales& w13_scale, const W* w2, const RowScales& w2_scale, int64_t hidden,
                   int64_t inter, Store store) {
   std::vector<int64_t> first(num_busy + 1, 0);   // each busy expert's first row among all busy rows
   for (int64_t b = 0; b < num_busy; ++b) first[b + 1] = first[b] + counts[busy[b]];
@@ -185,8 +237,8 @@ void experts_over(const Activations& xs, const int64_t* counts, const int64_t* b
 
 template <typename W, typename X>
 void run_experts(const X* x, const int64_t* starts, const int64_t* counts, const int64_t* busy, int64_t num_busy,
-                 const W* w13, const float* w13_scale, const W* w2, const float* w2_scale, X* out, int64_t hidden,
-                 int64_t inter) {
+                 const W* w13, const RowScales& w13_scale, const W* w2, const RowScales& w2_scale, X* out,
+                 int64_t hidden, int64_t inter) {
   std::vector<int64_t> x_start(num_busy);
   for (int64_t b = 0; b < num_busy; ++b) x_start[b] = starts[busy[b]];
   const Activations xs = Activations::pack(x, x_start.data(), counts, busy, num_busy, hidden);
@@ -227,8 +279,8 @@ struct PairGroups {
 
 template <typename W, typename X>
 void run_routed(const X* x, const PairGroups& g, const float* pair_weights, int64_t num_tokens, int64_t top_k,
-                const W* w13, const float* w13_scale, const W* w2, const float* w2_scale, X* out, int64_t hidden,
-                int64_t inter) {
+                const W* w13, const RowScales& w13_scale, const W* w2, const RowScales& w2_scale, X* out,
+                int64_t hidden, int64_t inter) {
   const int64_t nb = static_cast<int64_t>(g.busy.size());
   const Activations xs = Activations::gather(x, g.tokens, g.first, hidden);
   std::vector<float> down(g.tokens.size() * hidden);   // [P, H] by grouped row
@@ -266,14 +318,30 @@ Segments segments_of(const torch::Tensor& counts, int64_t rows) {
   return s;
 }
 
-// The expert stacks' shapes, dtypes and (int8 weights) row scales, checked once for both layouts.
+// A quantized weight's scales [E, N, ceil(K / block_k)] (int8: [E, N], block_k 0) checked against it.
+RowScales scales_of(const c10::optional<torch::Tensor>& scale, bool quantized, bool fp8, int64_t block_k,
+                    int64_t experts, int64_t outputs, int64_t columns, const char* name) {
+  TORCH_CHECK(quantized == scale.has_value(), name, ": scales exactly with int8 / FP8 weights");
+  if (!quantized) return RowScales{};
+  TORCH_CHECK(fp8 ? block_k > 0 : block_k == 0, name, ": block_k > 0 exactly with FP8 weights (int8: one scale a row)");
+  const int64_t blocks = fp8 ? (columns + block_k - 1) / block_k : 1;
+  TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
+              scale->numel() == experts * outputs * blocks, name, ": float32 scales, ", blocks, " per row of ",
+              outputs, " rows x ", experts);
+  return RowScales{scale->data_ptr<float>(), blocks, block_k};
+}
+
+bool is_fp8(const torch::Tensor& w) { return w.scalar_type() == torch::kFloat8_e4m3fn; }
+bool is_quantized(const torch::Tensor& w) { return w.scalar_type() == torch::kInt8 || is_fp8(w); }
+
+// The expert stacks' shapes, dtypes and (int8 / FP8 weights) scales, checked once for both layouts.
 struct ExpertStacks {
   int64_t num_experts, hidden, inter;
-  const float* s13 = nullptr;   // int8: float32 row scales [E, 2I] and [E, H]
-  const float* s2 = nullptr;
+  RowScales s13, s2;   // int8: [E, 2I] and [E, H]; FP8: [E, 2I, ceil(H / bk)] and [E, H, ceil(I / bk)]
 
   static ExpertStacks of(const torch::Tensor& x, const torch::Tensor& w13, const torch::Tensor& w2,
-                         const c10::optional<torch::Tensor>& w13_scale, const c10::optional<torch::Tensor>& w2_scale) {
+                         const c10::optional<torch::Tensor>& w13_scale, const c10::optional<torch::Tensor>& w2_scale,
+                         int64_t block_k) {
     TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, "expert_mlp: x [N, H], w13 [E, 2I, H], w2 [E, H, I]");
     TORCH_CHECK(x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous(), "expert_mlp: contiguous tensors");
     TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "expert_mlp: w13 and w2 of one dtype");
@@ -281,18 +349,13 @@ struct ExpertStacks {
     TORCH_CHECK(w13.size(1) == 2 * s.inter && w13.size(2) == s.hidden && w2.size(1) == s.hidden &&
                 w2.size(0) == s.num_experts, "expert_mlp: shapes");
     const auto wt = w13.scalar_type(), xt = x.scalar_type();
-    const bool int8 = wt == torch::kInt8;
-    TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16 || int8, "expert_mlp: float32, bfloat16 or int8 weights");
+    TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16 || is_quantized(w13),
+                "expert_mlp: float32, bfloat16, int8 or float8_e4m3fn weights");
     TORCH_CHECK(xt == torch::kFloat32 || xt == torch::kBFloat16, "expert_mlp: float32 or bfloat16 activations");
-    TORCH_CHECK(int8 == (w13_scale.has_value() && w2_scale.has_value()), "expert_mlp: scales exactly with int8 weights");
-    if (int8) {
-      TORCH_CHECK(w13_scale->scalar_type() == torch::kFloat32 && w13_scale->is_contiguous() &&
-                  w13_scale->numel() == s.num_experts * 2 * s.inter && w2_scale->scalar_type() == torch::kFloat32 &&
-                  w2_scale->is_contiguous() && w2_scale->numel() == s.num_experts * s.hidden,
-                  "expert_mlp: float32 row scales [E, 2I] and [E, H]");
-      s.s13 = w13_scale->data_ptr<float>();
-      s.s2 = w2_scale->data_ptr<float>();
-    }
+    s.s13 = scales_of(w13_scale, is_quantized(w13), is_fp8(w13), block_k, s.num_experts, 2 * s.inter, s.hidden,
+                      "expert_mlp w13");
+    s.s2 = scales_of(w2_scale, is_quantized(w2), is_fp8(w2), block_k, s.num_experts, s.hidden, s.inter,
+                     "expert_mlp w2");
     return s;
   }
 };
@@ -303,6 +366,9 @@ struct ExpertStacks {
     const bool x32 = (x).scalar_type() == torch::kFloat32;                       \
     if ((w13).scalar_type() == torch::kInt8) {                                   \
       if (x32) RUN(int8_t, float) else RUN(int8_t, c10::BFloat16)                \
+    } else if ((w13).scalar_type() == torch::kFloat8_e4m3fn) {                   \
+      if (x32) RUN(c10::Float8_e4m3fn, float)                                    \
+      else RUN(c10::Float8_e4m3fn, c10::BFloat16)                                \
     } else if ((w13).scalar_type() == torch::kFloat32) {                         \
       if (x32) RUN(float, float) else RUN(float, c10::BFloat16)                  \
     } else {                                                                     \
@@ -311,10 +377,12 @@ struct ExpertStacks {
   }
 
 // x_sorted [N, H] grouped by expert, counts [E] int64 (on the host), w13 [E, 2I, H], w2 [E, H, I] -> [N, H];
-// int8 weights come with their rows' float32 scales (w13_scale [E, 2I], w2_scale [E, H]).
+// int8 weights come with their rows' float32 scales (w13_scale [E, 2I], w2_scale [E, H]), FP8 weights with their
+// row-expanded block scales (w13_scale [E, 2I, ceil(H / block_k)], w2_scale [E, H, ceil(I / block_k)]).
 torch::Tensor silu_expert_mlp(torch::Tensor x_sorted, torch::Tensor counts, torch::Tensor w13, torch::Tensor w2,
-                              c10::optional<torch::Tensor> w13_scale, c10::optional<torch::Tensor> w2_scale) {
-  const ExpertStacks st = ExpertStacks::of(x_sorted, w13, w2, w13_scale, w2_scale);
+                              c10::optional<torch::Tensor> w13_scale, c10::optional<torch::Tensor> w2_scale,
+                              int64_t block_k) {
+  const ExpertStacks st = ExpertStacks::of(x_sorted, w13, w2, w13_scale, w2_scale, block_k);
   TORCH_CHECK(counts.numel() == st.num_experts, "expert_mlp: one count per expert");
   const Segments seg = segments_of(counts, x_sorted.size(0));
   auto out = torch::empty_like(x_sorted);
@@ -335,8 +403,8 @@ torch::Tensor silu_expert_mlp(torch::Tensor x_sorted, torch::Tensor counts, torc
 // grouping by expert happens here, so the call has fixed shapes (a captured step keeps it as one opaque call).
 torch::Tensor routed_expert_mlp(torch::Tensor x, torch::Tensor slot_ids, torch::Tensor weights, torch::Tensor w13,
                                 torch::Tensor w2, c10::optional<torch::Tensor> w13_scale,
-                                c10::optional<torch::Tensor> w2_scale) {
-  const ExpertStacks st = ExpertStacks::of(x, w13, w2, w13_scale, w2_scale);
+                                c10::optional<torch::Tensor> w2_scale, int64_t block_k) {
+  const ExpertStacks st = ExpertStacks::of(x, w13, w2, w13_scale, w2_scale, block_k);
   TORCH_CHECK(slot_ids.dim() == 2 && slot_ids.size(0) == x.size(0) && slot_ids.scalar_type() == torch::kInt64 &&
               slot_ids.is_contiguous(), "routed_expert_mlp: slot_ids int64 [T, K] for x's T rows");
   TORCH_CHECK(weights.sizes() == slot_ids.sizes() && weights.scalar_type() == torch::kFloat32 &&
@@ -355,23 +423,17 @@ torch::Tensor routed_expert_mlp(torch::Tensor x, torch::Tensor slot_ids, torch::
   return out;
 }
 
-// x [M, K] @ w[N, K].T (* scale[N] for int8 rows) -> [M, N] in x's dtype: a projection at few rows, each weight
-// row read once for all of them (the dense layers' and the LM head's decode GEMV).
-torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale) {
+// x [M, K] @ w[N, K].T (int8 rows times scale [N], FP8 blocks times scale [N, ceil(K / block_k)]) -> [M, N] in x's
+// dtype: a projection at few rows, each weight row read once for all of them (the decode GEMVs).
+torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale, int64_t block_k) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_linear: x [M, K], w [N, K]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rows_linear: contiguous tensors");
   const auto wt = w.scalar_type(), xt = x.scalar_type();
-  const bool int8 = wt == torch::kInt8;
-  TORCH_CHECK(int8 == scale.has_value(), "rows_linear: a scale exactly with int8 weights");
   TORCH_CHECK(xt == torch::kFloat32 || xt == torch::kBFloat16, "rows_linear: float32 or bfloat16 activations");
-  TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16 || int8, "rows_linear: float32, bfloat16 or int8 weights");
-  const float* scales = nullptr;
-  if (int8) {
-    TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() && scale->numel() == w.size(0),
-                "rows_linear: float32 scale [N]");
-    scales = scale->data_ptr<float>();
-  }
+  TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16 || is_quantized(w),
+              "rows_linear: float32, bfloat16, int8 or float8_e4m3fn weights");
   const int64_t m = x.size(0), n_out = w.size(0);
+  const RowScales scales = scales_of(scale, is_quantized(w), is_fp8(w), block_k, 1, n_out, x.size(1), "rows_linear");
   auto out = torch::empty({m, n_out}, x.options());
   const int64_t counts[1] = {m}, busy[1] = {0}, start[1] = {0};
 #define RUN(W, X)                                                                                           \
@@ -388,11 +450,11 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 
 torch::Tensor routed_expert_mlp_op(const torch::Tensor& x, const torch::Tensor& slot_ids, const torch::Tensor& weights,
                                    const torch::Tensor& w13, const torch::Tensor& w2) {
-  return routed_expert_mlp(x, slot_ids, weights, w13, w2, c10::nullopt, c10::nullopt);
+  return routed_expert_mlp(x, slot_ids, weights, w13, w2, c10::nullopt, c10::nullopt, 0);
 }
 
 torch::Tensor rows_linear_op(const torch::Tensor& x, const torch::Tensor& weight) {
-  return rows_linear(x, weight, c10::nullopt);
+  return rows_linear(x, weight, c10::nullopt, 0);
 }
 
 }  // namespace
@@ -412,12 +474,13 @@ TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_expert_mlp", &silu_expert_mlp, "routed SwiGLU experts over rows grouped by expert (see the file's top)",
         py::arg("x_sorted"), py::arg("counts"), py::arg("w13"), py::arg("w2"), py::arg("w13_scale") = py::none(),
-        py::arg("w2_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("w2_scale") = py::none(), py::arg("block_k") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("routed_expert_mlp", &routed_expert_mlp,
         "routed SwiGLU experts over the router's (token, expert) pairs, weighted and summed per token",
         py::arg("x"), py::arg("slot_ids"), py::arg("weights"), py::arg("w13"), py::arg("w2"),
-        py::arg("w13_scale") = py::none(), py::arg("w2_scale") = py::none(),
+        py::arg("w13_scale") = py::none(), py::arg("w2_scale") = py::none(), py::arg("block_k") = 0,
         py::call_guard<py::gil_scoped_release>());
-  m.def("rows_linear", &rows_linear, "x [M, K] @ w[N, K].T at few rows (int8 weights with a scale per row)",
-        py::arg("x"), py::arg("w"), py::arg("scale") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("rows_linear", &rows_linear, "x [M, K] @ w[N, K].T at few rows (int8 / FP8 weights with their scales)",
+        py::arg("x"), py::arg("w"), py::arg("scale") = py::none(), py::arg("block_k") = 0,
+        py::call_guard<py::gil_scoped_release>());
 }

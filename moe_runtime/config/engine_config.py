@@ -22,6 +22,7 @@ DISAGGREGATION_MODES = ("none", "prefill", "decode")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
 QUANTIZATIONS = (None, "fp8", "int8", "mxfp4")    # --quantization choices (None = weights in the compute dtype)
+HOST_EXPERT_QUANTIZATIONS = (None, "int8", "fp8")   # what --cpu-experts' host kernels run (kernels/cpu_native)
 
 
 @dataclass
@@ -156,7 +157,7 @@ class EngineConfig:
                                     "would have to pair up; use one of them")
 
     def validate_cpu_experts(self) -> None:
-        """Host-held routed experts run eagerly through the contiguous-layout kernels, in float or int8 weights."""
+        """Host-held routed experts run eagerly through the contiguous-layout kernels, in float, int8 or FP8 weights."""
         if self.device_resident_experts < 0:
             raise EngineConfigError(f"--device-resident-experts {self.device_resident_experts}: must be >= 0")
         if self.device_resident_experts and not self.cpu_experts:
@@ -167,9 +168,10 @@ class EngineConfig:
         if self.enable_torch_compile:
             raise EngineConfigError("--cpu-experts with --enable-torch-compile: the host experts run on their own "
                                     "thread from host counts, which a captured step cannot hold; use one of them")
-        if self.quantization not in (None, "int8"):
+        if self.quantization not in HOST_EXPERT_QUANTIZATIONS:
             raise EngineConfigError(f"--cpu-experts with --quantization {self.quantization}: the host expert "
-                                    "kernels run float32, bfloat16 and int8 experts; use --quantization int8 or none")
+                                    "kernels run float32, bfloat16, int8 and FP8 experts; use --quantization fp8, "
+                                    "int8 or none")
         if self.a2a_backend == "deepep":
             raise EngineConfigError("--cpu-experts with --a2a-backend deepep: DeepEP hands the experts device "
                                     "buffers (masked at decode) that the host kernel does not take; use "

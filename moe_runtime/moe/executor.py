@@ -35,9 +35,9 @@ from load_balancer.recorder import ExpertLoadRecorder
 from load_balancer.replica_choice import ReplicaTable, choose_replicas, replica_tables
 from load_balancer.slot_geometry import SlotGeometry
 from load_balancer.survivor_placement import SlotReload, survivor_placement
-from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
+from moe_runtime.config.engine_config import HOST_EXPERT_QUANTIZATIONS, EngineConfig, EngineConfigError
 from moe_runtime.moe.device_resident_experts import DeviceResidentExperts, hottest_slots
-from moe_runtime.moe.host_experts import HOST, HOST_QUANTIZATIONS, HostExpertKernel
+from moe_runtime.moe.host_experts import HOST, HostExpertKernel
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.comm_timeline import CommTimeline
 from moe_runtime.moe.expert_weights import ExpertWeights
@@ -159,10 +159,10 @@ class MoEExecutor:
         if masked:
             raise EngineConfigError(f"--cpu-experts: {', '.join(masked)} hands the experts a masked layout, which "
                                     "the host expert kernel does not take; use --a2a-backend all_to_all or allgather")
-        quant = self._experts[0].quant
-        if quant is not None and quant.name not in HOST_QUANTIZATIONS:
-            raise EngineConfigError(f"--cpu-experts with --quantization {quant.name}: the host expert kernels run "
-                                    "float32, bfloat16 and int8 experts; use --quantization int8 or none")
+        quant = self._experts[0].quant   # the checkpoint's own format (an MXFP4 one) as well as --quantization's
+        if quant is not None and quant.name not in HOST_EXPERT_QUANTIZATIONS:
+            raise EngineConfigError(f"--cpu-experts with {quant.name} experts: the host expert kernels run float32, "
+                                    "bfloat16, int8 and FP8 experts")
         self._host_kernel = HostExpertKernel(cpu_kernels(), expert_kernel_for(LAYOUT_CONTIGUOUS, self.kernels))
         if self.device_resident_experts > self._experts[0].num_local_experts:
             raise EngineConfigError(f"--device-resident-experts {self.device_resident_experts}: this rank holds "

@@ -27,7 +27,6 @@ from moe_runtime.moe.expert_kernel import ExpertKernel
 from moe_runtime.moe.expert_weights import ExpertWeights
 
 HOST = torch.device("cpu")
-HOST_QUANTIZATIONS = (None, "int8")   # formats the host kernels run (the cpu family's int8 twin)
 WORKER_THREAD = "moe-host-experts"    # the worker thread's name prefix
 
 
@@ -106,6 +105,9 @@ class HostExpertKernel:
         k = self.host_kernels
         if experts.quant is None:
             return k.expert_mlp(x, counts, experts.w13, experts.w2, **experts.epilogue())
+        if experts.quant.name == "fp8":
+            return k.fp8_expert_mlp(x, counts, experts.w13, experts.w13_scale, experts.w2, experts.w2_scale,
+                                    experts.quant.block_k)
         return k.int8_expert_mlp(x, counts, experts.w13, experts.w13_scale, experts.w2, experts.w2_scale)
 
 
