@@ -134,19 +134,25 @@ def run_checking_drafts(core, reference, k: int) -> int:
     return compared
 
 
-def drafted_greedy_run(path: Path, speculative: dict, reference, prompts: list[list[int]], new_tokens: int):
-    """Greedy outputs of `prompts` on an engine drafting by `speculative` (chunked prefill of 8 tokens, blocks of 4,
-    prefix caching), the drafts checked against `reference` after every step (`run_checking_drafts`, at least
-    twice per prompt); with the worker's stats."""
+def drafting_core(path: Path, speculative: dict, prompts: list[list[int]], new_tokens: int, **options):
+    """An engine core drafting by `speculative` (chunked prefill of 8 tokens, blocks of 4, prefix caching; `options`:
+    more `EngineConfig` fields) with greedy requests for `prompts` added."""
     from engine_helpers import greedy
     from moe_runtime.config.engine_config import EngineConfig
     from moe_runtime.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32", speculative_config=speculative,
                                    block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=8,
-                                   enable_prefix_caching=True))
+                                   enable_prefix_caching=True, **options))
     for index, prompt in enumerate(prompts):
         core.add_request(str(index), prompt, greedy(new_tokens))
+    return core
+
+
+def drafted_greedy_run(path: Path, speculative: dict, reference, prompts: list[list[int]], new_tokens: int):
+    """Greedy outputs of `prompts` on a `drafting_core`, the drafts checked against `reference` after every step
+    (`run_checking_drafts`, at least twice per prompt); with the worker's stats."""
+    core = drafting_core(path, speculative, prompts, new_tokens)
     seqs = list(core._sequences.values())
     assert run_checking_drafts(core, reference, speculative["num_speculative_tokens"]) >= 2 * len(prompts)
     worker = core.stats().workers[0]

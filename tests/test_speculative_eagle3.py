@@ -3,13 +3,14 @@
 
 - the config: `{"method": "eagle3", "model": DIR}` (vLLM's names); the directory is required, and only eagle3
   takes one; the aux layers are the head config's `eagle_aux_hidden_state_layer_ids`, else vLLM's
-  (2, L // 2, L - 3); a directory holding something else, a captured decode step, `--cp` and two-batch
-  overlap are refused by name;
+  (2, L // 2, L - 3); a directory holding something else and `--cp` are refused by name;
 - the drafts after every step equal the head's definition computed naively from its tensors and transformers'
   hidden states of the target (the inputs of the three aux layers through fc, the token embedding, one Llama
   layer over cat(embeds, hidden), the draft vocabulary mapped back through d2t), chained on its own output;
 - greedy tokens equal transformers' without speculation, and the engine counts the drafts and acceptances;
-- under ep=2 dp_attn=2 with an MoE target greedy tokens are unchanged.
+- with the captured decode step (plain and verify steps captured) and with two-batch overlap (the step split in two
+  micro-batches) the drafts are still the head's after every step: those steps keep the aux layers' inputs too;
+- under ep=2 dp_attn=2 with an MoE target, with and without two-batch overlap, greedy tokens are unchanged.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 from eagle3_checkpoints import Eagle3Reference, write_eagle3_head
 from engine_helpers import greedy
-from mtp_checkpoints import drafted_greedy_run
+from mtp_checkpoints import drafted_greedy_run, drafting_core, run_checking_drafts
 from test_speculative_mtp import K, PROMPTS
 from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
@@ -58,37 +59,74 @@ def llama_with_head(tiny_checkpoint_factory, tmp_path_factory):
     return target, write_eagle3_head(target, tmp_path_factory.mktemp("eagle3") / "head", AUX)
 
 
-def test_the_drafts_are_the_heads_and_greedy_tokens_are_unchanged(llama_with_head):
+@pytest.fixture(scope="module")
+def llama_reference(llama_with_head):
+    return Eagle3Reference(*llama_with_head)
+
+
+@pytest.fixture(scope="module")
+def moe_with_head(tiny_checkpoint_factory, tmp_path_factory):
+    target = tiny_checkpoint_factory("qwen3_moe", num_hidden_layers=4)
+    return target, write_eagle3_head(target, tmp_path_factory.mktemp("eagle3-moe") / "head", AUX)
+
+
+def test_the_drafts_are_the_heads_and_greedy_tokens_are_unchanged(llama_with_head, llama_reference):
     target, head = llama_with_head
-    reference = Eagle3Reference(target, head)
-    outputs, worker = drafted_greedy_run(target, eagle3(head), reference, PROMPTS, NEW_TOKENS)
+    outputs, worker = drafted_greedy_run(target, eagle3(head), llama_reference, PROMPTS, NEW_TOKENS)
     assert outputs == hf_greedy(target, PROMPTS, NEW_TOKENS)
     assert worker.spec_draft_tokens > 0 and worker.spec_verify_steps > 0
     assert 0 <= worker.spec_accepted_tokens <= worker.spec_draft_tokens
+
+
+def test_the_drafts_are_the_heads_after_captured_decode_steps(llama_with_head, llama_reference):
+    """Plain and verify decode steps run through the traced graph (rows 1 + K <= 4: three buckets); the head reads
+    the aux layers' inputs the graph returns, so its drafts after every step are still the reference's."""
+    target, head = llama_with_head
+    prompts = PROMPTS[:1]
+    core = drafting_core(target, eagle3(head), prompts, NEW_TOKENS, enable_torch_compile=True,
+                         torch_compile_backend="eager", torch_compile_max_bs=1 + K)
+    seqs = list(core._sequences.values())
+    assert run_checking_drafts(core, llama_reference, K) >= 2 * len(prompts)
+    capture, worker = core.runner.capture.stats, core.stats().workers[0]
+    core.shutdown()
+    assert [seq.output_token_ids for seq in seqs] == hf_greedy(target, prompts, NEW_TOKENS)
+    assert capture.disabled_reason is None
+    assert capture.captured_verify_steps > 0 and capture.captured_steps > capture.captured_verify_steps
+    assert worker.spec_draft_tokens > 0
+
+
+def test_the_drafts_are_the_heads_under_two_batch_overlap(moe_with_head):
+    """One rank with MoE layers splits every step in two micro-batches; the head reads both halves' aux rows, in
+    row order (decode steps of several sequences put them in different halves)."""
+    target, head = moe_with_head
+    core = drafting_core(target, eagle3(head), PROMPTS, NEW_TOKENS, enable_two_batch_overlap=True)
+    assert core.executor.overlaps_micro_batches()
+    seqs = list(core._sequences.values())
+    assert run_checking_drafts(core, Eagle3Reference(target, head), K) >= 2 * len(PROMPTS)
+    worker = core.stats().workers[0]
+    core.shutdown()
+    assert [seq.output_token_ids for seq in seqs] == hf_greedy(target, PROMPTS, NEW_TOKENS)
+    assert worker.spec_draft_tokens > 0 and worker.spec_verify_steps > 0
 
 
 def test_what_eagle3_cannot_draft_from_is_refused_by_name(llama_with_head):
     target, head = llama_with_head
     with pytest.raises(InvalidRequestError, match="not an EAGLE-3 head"):
         EngineCore(EngineConfig(model=str(target), device="cpu", dtype="float32", speculative_config=eagle3(target)))
-    with pytest.raises(InvalidRequestError, match="'eagle3' with enable_torch_compile is not built"):
-        EngineCore(EngineConfig(model=str(target), device="cpu", dtype="float32", speculative_config=eagle3(head),
-                                enable_torch_compile=True))
-    target_cfg = SimpleNamespace(hidden_size=128, num_hidden_layers=4)
-    for flag, config in (("--cp", SimpleNamespace(cp=2, enable_two_batch_overlap=False)),
-                         ("--enable-two-batch-overlap", SimpleNamespace(cp=1, enable_two_batch_overlap=True))):
-        source = SimpleNamespace(target=SimpleNamespace(hf_config=target_cfg), config=config,
-                                 runner=SimpleNamespace(capture=None))
-        with pytest.raises(InvalidRequestError, match=f"'eagle3' with {flag} is not built"):
-            build_eagle3_drafter(source, str(head), K)
+    source = SimpleNamespace(target=SimpleNamespace(hf_config=SimpleNamespace(hidden_size=128, num_hidden_layers=4)),
+                             config=SimpleNamespace(cp=2, enable_two_batch_overlap=False),
+                             runner=SimpleNamespace(capture=None))
+    with pytest.raises(InvalidRequestError, match="'eagle3' with --cp is not built"):
+        build_eagle3_drafter(source, str(head), K)
 
 
 @pytest.mark.slow
-def test_eagle3_under_expert_parallel_lock_step(tiny_checkpoint_factory, tmp_path):
-    target = tiny_checkpoint_factory("qwen3_moe", num_hidden_layers=4)
-    head = write_eagle3_head(target, tmp_path / "head", AUX)
+@pytest.mark.parametrize("two_batch_overlap", [False, True], ids=["one-batch", "two-batch-overlap"])
+def test_eagle3_under_expert_parallel_lock_step(moe_with_head, two_batch_overlap):
+    target, head = moe_with_head
     with LLM(str(target), device="cpu", dtype="float32", speculative_config=eagle3(head), ep=2, dp_attn=2,
-             enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=4) as llm:
+             enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=4,
+             enable_two_batch_overlap=two_batch_overlap) as llm:
         outputs = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
         workers = llm.engine.stats().workers
     assert outputs == hf_greedy(target, PROMPTS, NEW_TOKENS)

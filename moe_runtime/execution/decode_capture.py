@@ -122,7 +122,8 @@ def cpu_compiler_missing() -> str | None:
 @dataclass
 class CapturedStep:
     logits: torch.Tensor           # [R, V] fp32
-    hidden: torch.Tensor           # [R, H] the final hidden states
+    hidden: torch.Tensor           # [R, H'] what a drafter reads (`CausalLM.drafter_hidden`): the final hidden
+                                   # states [R, H], or the EAGLE-3 aux layers' inputs [R, 3H]
 
     def copied(self) -> "CapturedStep":
         return CapturedStep(self.logits.clone(), self.hidden.clone())
@@ -171,7 +172,7 @@ class DecodeCapture:
         return True
 
     def run(self, seqs: list[Sequence], inputs: StepInputs) -> CapturedStep | None:
-        """A covered step's (`covers`) final hidden states and next-token logits, one row per token (one per
+        """A covered step's (`covers`) drafter rows (`CapturedStep.hidden`) and next-token logits, one row per token (one per
         sequence without drafts), from the runner's prepared `inputs`; None for any other step, which the runner
         then runs eagerly (counted in `stats.eager_steps`)."""
         if not self.covers(seqs):
@@ -194,7 +195,7 @@ class DecodeCapture:
             # then reruns eagerly below and the capture turns off.
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=not first), \
                     torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                hidden, logits = self._compiled(*padded)                      # [bucket, H], [bucket, V]
+                hidden, logits = self._compiled(*padded)                      # [bucket, H'], [bucket, V]
         except Exception as failure:
             # A compile (first call of a bucket, or a recompile later) that fails must not fail the step: this step
             # and every later one run eagerly. An error of the model itself raises again there.
@@ -243,13 +244,14 @@ class DecodeCapture:
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The traced step: one new token per row through every layer, then the LM head: [B] -> the final
-        hidden states [B, H] (an MTP drafter reads them) and the logits [B, V]."""
+        """The traced step: one new token per row through every layer, then the LM head: [B] -> the hidden rows a
+        drafter reads (`CausalLM.drafter_hidden`: the final hidden states [B, H] for MTP, the aux layers' inputs
+        [B, 3H] for an EAGLE-3 head) and the logits [B, V]."""
         batch = AttentionBatch(query_lens=[], context_lens=[], query_start=[0], slot_mapping=slot_mapping,
                                block_tables=block_tables, context_lens_tensor=context_lens,
                                block_size=self.block_size, static_decode=True)
         hidden = self.model(input_ids, positions, batch, self.caches)                # [B, H]
-        return hidden, self.model.logits(hidden)                                     # [B, H], [B, V] fp32
+        return self.model.drafter_hidden(hidden), self.model.logits(hidden)          # [B, H'], [B, V] fp32
 
     def _disable(self, reason: str | None) -> None:
         if reason is None or self.stats.disabled_reason is not None:

@@ -30,6 +30,9 @@ class MicroBatch:
     positions: torch.Tensor        # [t] int64
     batch: AttentionBatch          # the run's sequences only, token rows counted from 0
     hidden: torch.Tensor | None    # [t, H] the previous pipeline stage's activations (None on the first stage)
+    # [t, len(aux_layers) * H] set by the run: the residual stream entering each of `CausalLM.aux_layers`
+    # (an EAGLE-3 head reads them), concatenated in layer order; None when no layer is asked for
+    aux_hidden: torch.Tensor | None = None
 
 
 def balanced_split(query_lens: list[int]) -> int:

@@ -103,7 +103,7 @@ class ModelRunner:
         self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)
         self._scored_prompts: dict[str, PromptLogprobs] = {}   # request id -> prompt logprobs not yet taken
         self.keep_hidden = False                      # a drafter reads each step's hidden states (MTP, EAGLE-3)
-        self.last_hidden: TargetHidden | None = None  # ... the last eager step's, when asked
+        self.last_hidden: TargetHidden | None = None  # ... the last step's (eager or captured), when asked
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.cache_bytes() / 2**20)
 
     def cache_bytes(self) -> int:
@@ -215,7 +215,7 @@ class ModelRunner:
             return captured.logits
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
         if self.keep_hidden:   # the final hidden states, or the aux layers' inputs where an EAGLE-3 head asks
-            self.last_hidden = self._kept(seqs, inputs, self.model.aux_hidden if self.model.aux_layers else hidden)
+            self.last_hidden = self._kept(seqs, inputs, self.model.drafter_hidden(hidden))
         self.score_prompts(seqs, inputs, hidden)
         for seq in seqs:
             seq.commit_scheduled_tokens()

@@ -176,19 +176,32 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 caches: list[LayerKVCache], hidden: torch.Tensor | None = None) -> torch.Tensor:  # [T] -> [T, H]
         """Final hidden states, or, on a pipeline stage that is not the last, this stage's activations
-        (`hidden` carries the previous stage's; the first stage embeds `input_ids`)."""
+        (`hidden` carries the previous stage's; the first stage embeds `input_ids`). Keeps the aux layers' inputs
+        in `aux_hidden`, in the step's row order."""
         if self.context_parallel is not None:
             split = self.context_parallel.plan(batch)
             mine = MicroBatch(input_ids.index_select(0, split.rows), positions.index_select(0, split.rows),
                               split.local_batch, None if hidden is None else hidden.index_select(0, split.rows))
-            return split.gather(self._run(mine, caches))                               # [t, H] -> [T, H]
+            out = split.gather(self._run(mine, caches))                                # [t, H] -> [T, H]
+            self.aux_hidden = mine.aux_hidden                                          # this rank's rows only
+            return out
         if not self.executor.overlaps_micro_batches():
-            return self._run(MicroBatch(input_ids, positions, batch, hidden), caches)
+            whole = MicroBatch(input_ids, positions, batch, hidden)
+            out = self._run(whole, caches)
+            self.aux_hidden = whole.aux_hidden
+            return out
         # Two-batch overlap: every rank splits, also into two empty halves, and runs the same interleaving,
         # so the EP group's collectives pair up.
         first, second = split_in_two(input_ids, positions, batch, hidden)
         out_first, out_second = interleave(self._stages(first, caches), self._stages(second, caches))
+        self.aux_hidden = None if first.aux_hidden is None else \
+            torch.cat([first.aux_hidden, second.aux_hidden])                         # [T, len(aux_layers) * H]
         return torch.cat([out_first, out_second])                                   # [T, H]
+
+    def drafter_hidden(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H']
+        """What a drafter reads of the last forward, whose final hidden states are `hidden`: the aux layers'
+        inputs where an EAGLE-3 head asked for them ([T, 3H]), else `hidden` itself (MTP)."""
+        return self.aux_hidden if self.aux_layers else hidden
 
     def _run(self, micro: MicroBatch, caches: list[LayerKVCache]) -> torch.Tensor:  # -> [t, H]
         """One batch through this stage's layers, no yield points (generators are also opaque to torch.compile,
@@ -199,15 +212,18 @@ class CausalLM(nn.Module):
             if index in self.aux_layers:
                 aux.append(x)
             x = layer(micro.positions, x, micro.batch, cache)
-        if aux:
-            self.aux_hidden = torch.cat(aux, dim=-1)                                  # [t, len(aux_layers) * H]
+        micro.aux_hidden = torch.cat(aux, dim=-1) if aux else None                    # [t, len(aux_layers) * H]
         return self.model.norm(x) if self.parallel.is_last_stage else x
 
     def _stages(self, micro: MicroBatch, caches: list[LayerKVCache]) -> Staged[torch.Tensor]:  # -> [t, H]
         """`_run` as a staged computation, for two micro-batches interleaved."""
         x = self.model.embed_tokens(micro.input_ids) if self.parallel.is_first_stage else micro.hidden
-        for layer, cache in zip(self.model.owned_layers(), caches):
+        aux = []
+        for index, (layer, cache) in enumerate(zip(self.model.owned_layers(), caches)):
+            if index in self.aux_layers:
+                aux.append(x)
             x = yield from layer.stages(micro.positions, x, micro.batch, cache)
+        micro.aux_hidden = torch.cat(aux, dim=-1) if aux else None                    # [t, len(aux_layers) * H]
         return self.model.norm(x) if self.parallel.is_last_stage else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V] fp32

@@ -1,6 +1,8 @@
 """Building the EAGLE-3 drafter: the head from its own checkpoint directory (`speculative_config["model"]`,
 safetensors as the loader reads them), the target told which layers' inputs to keep, and the same drafting loop as
-MTP (`MtpDrafter`: a pass over each step's true rows, then the chain). Refusals name what is not built."""
+MTP (`MtpDrafter`: a pass over each step's true rows, then the chain). Every step keeps those inputs (eager, captured
+by `enable_torch_compile`, or split in two micro-batches by two-batch overlap: `CausalLM.drafter_hidden`). Refusals
+name what is not built."""
 from __future__ import annotations
 
 from moe_runtime.config.model_config import load_hf_config
@@ -29,12 +31,9 @@ def build_eagle3_drafter(source: DraftSource, directory: str, k: int) -> MtpDraf
     if len(layers) != 3 or not all(0 <= layer < target.hf_config.num_hidden_layers for layer in layers):
         raise InvalidRequestError(f"speculative_config method 'eagle3': aux layers {list(layers)} must be three "
                                   f"layers of the target's {target.hf_config.num_hidden_layers}")
-    config = source.config
-    for flag, active in (("--cp", config.cp > 1), ("enable_torch_compile", source.runner.capture is not None),
-                         ("--enable-two-batch-overlap", config.enable_two_batch_overlap)):
-        if active:
-            raise InvalidRequestError(f"speculative_config method 'eagle3' with {flag} is not built: that step does "
-                                      "not keep the target layers' inputs the head reads")
+    if source.config.cp > 1:   # each rank would keep only its own share of the step's rows
+        raise InvalidRequestError("speculative_config method 'eagle3' with --cp is not built: that step does not "
+                                  "keep the target layers' inputs the head reads")
     reader = CheckpointReader.open(directory)
     head = Eagle3Head(head_cfg, source.ctx, target, own_embedding="embed_tokens.weight" in set(reader.names()))
     load_model_weights(head, reader, SkippedTensors((SkippedTensor(r"^t2d$", "the target-to-draft vocabulary "
