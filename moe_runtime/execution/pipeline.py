@@ -10,7 +10,9 @@ through every stage (1 + d rows, each stage writing its own layers' K/V and recu
 scores all 1 + d rows and accepts, and the broadcast carries how many drafts each sequence accepted beside its
 token: every stage then appends the same tokens and rolls back the same rejected drafts in its own cache. The
 number of micro-batches is the same on every rank of a stage (empty ones included), because the MoE layers'
-collectives inside a stage must pair up.
+collectives inside a stage must pair up. A model drafter on the last stage reads the step's hidden states
+(`StageHidden`); for an EAGLE-3 head each stage hands on, beside the residual stream, the inputs of the head's aux
+layers that it and the stages before it own (`CausalLM.stage_activation_width`).
 """
 from __future__ import annotations
 
@@ -33,12 +35,13 @@ class PipelineStepResult:
 
 @dataclass
 class StageHidden:
-    """The last stage's final hidden states of one step, gathered micro-batch by micro-batch for a drafter (MTP)."""
+    """The last stage's final hidden states of one step (an EAGLE-3 head: its aux layers' inputs, which earlier
+    stages handed on with their activations), gathered micro-batch by micro-batch for a model drafter."""
 
     seqs: list[Sequence]
     starts: list[int]                                   # [B] each sequence's first position this step
     query_start: list[int]                              # [B + 1] over the whole step
-    parts: list[torch.Tensor]                           # each micro-batch's [t, H], in order
+    parts: list[torch.Tensor]                           # each micro-batch's [t, H] (EAGLE-3: [t, 3H]), in order
 
     @classmethod
     def before(cls, seqs: list[Sequence]) -> "StageHidden":
@@ -48,8 +51,8 @@ class StageHidden:
             query_start.append(query_start[-1] + seq.num_scheduled_tokens)
         return cls(list(seqs), [seq.num_cached_tokens for seq in seqs], query_start, [])
 
-    def step(self) -> TargetHidden | None:
-        return TargetHidden(self.seqs, self.starts, self.query_start, torch.cat(self.parts)) if self.parts else None
+    def step(self) -> TargetHidden:
+        return TargetHidden(self.seqs, self.starts, self.query_start, torch.cat(self.parts))
 
 
 def split_micro_batches(seqs: list[Sequence], count: int) -> list[list[Sequence]]:
@@ -84,14 +87,15 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
         if not parallel.is_last_stage:
             if num_tokens:
                 sends.append(dist.isend(out.contiguous(), parallel.pp_next_rank, group=parallel.pp_group))
-        elif group:
-            runner.score_prompts(group, inputs, out)   # final hidden states exist on the last stage only
-            logits.append(model.logits(out[inputs.last_token_index]))
-            if kept is not None:
-                kept.parts.append(out)
+        else:
+            if group:
+                runner.score_prompts(group, inputs, out)   # final hidden states exist on the last stage only
+                logits.append(model.logits(out[inputs.last_token_index]))
+            if kept is not None:   # empty micro-batches too: a drafter in lock-step runs on an empty step
+                kept.parts.append(model.aux_hidden if model.aux_layers else out)
     for request in sends:
         request.wait()
-    if kept is not None:   # an MTP drafter reads them (`speculative/pipeline_drafts.py`)
+    if kept is not None:   # a model drafter reads them (`speculative/pipeline_drafts.py`)
         runner.last_hidden = kept.step()
     for seq in seqs:
         seq.commit_scheduled_tokens()

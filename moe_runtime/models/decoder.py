@@ -31,7 +31,7 @@ from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.stages import Staged, call_staged, interleave
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.parallel_context import ParallelContext
-from moe_runtime.speculative.config import SpeculativeConfig
+from moe_runtime.speculative.config import MODEL_DRAFTERS, SpeculativeConfig
 from moe_runtime.weights.quantization.weight_quantization import WeightQuantization, linear_quantization
 
 
@@ -53,10 +53,11 @@ class BuildContext:
         return span is None or span[0] <= index < span[1]
 
     def embeds_on_last_stage(self, tie_word_embeddings: bool) -> bool:
-        """Whether the last pipeline stage holds the embedding too: tied to the LM head, or read by the checkpoint's
-        MTP layer, which drafts there (`speculative/pipeline_drafts.py`)."""
+        """Whether the last pipeline stage holds the embedding too: tied to the LM head, or read by the model
+        drafter (the checkpoint's MTP layer, an EAGLE-3 head that stores none of its own), which drafts there
+        (`speculative/pipeline_drafts.py`)."""
         config = SpeculativeConfig.parse(self.engine.speculative_config) if self.engine is not None else None
-        return tie_word_embeddings or (config is not None and config.method == "mtp")
+        return tie_word_embeddings or (config is not None and config.method in MODEL_DRAFTERS)
 
     def dense_tp(self) -> dict:
         """Tensor-parallel arguments for a dense MLP (split only when the model runs dense TP)."""
@@ -151,14 +152,22 @@ class CausalLM(nn.Module):
                                           ctx.dtype, ctx.device)
         elif p.is_last_stage and not tie_word_embeddings:
             self.lm_head = Linear(hidden, vocab, False, ctx.dtype, ctx.device)
-        # an EAGLE-3 head reads the residual stream entering these layers (moe_runtime/models/eagle3.py): the last
-        # eager forward's, concatenated in layer order [T, len * H] (none kept when empty)
+        # an EAGLE-3 head reads the residual stream entering these layers (moe_runtime/models/eagle3.py, global
+        # layer indices): the last eager forward's, concatenated in layer order [T, len * H] (none kept when
+        # empty); under pipeline parallelism each stage keeps those of its own layers and hands them on with its
+        # activations, so that the last stage holds all of them (`stage_activation_width`)
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.model.owned_layers())
+
+    @property
+    def first_layer(self) -> int:
+        """The global index of this stage's first decoder layer."""
+        span = self.parallel.stage_layers
+        return span[0] if span is not None else 0
 
     def min_sliding_window(self) -> int | None:
         """The narrowest sliding window among this stage's attention layers (None: all see the whole context;
@@ -167,8 +176,10 @@ class CausalLM(nn.Module):
         return min((window for window in windows if window is not None), default=None)
 
     def stage_activation_width(self) -> int:
-        """Channels per token a pipeline stage hands the next."""
-        return self.hf_config.hidden_size
+        """Channels per token this pipeline stage receives from the previous one: the residual stream, then the
+        aux layers' inputs that earlier stages kept for an EAGLE-3 head ([t, H] each, in layer order)."""
+        carried = sum(1 for layer in self.aux_layers if layer < self.first_layer)
+        return self.hf_config.hidden_size * (1 + carried)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return [layer.self_attn.kv_cache_spec() for layer in self.model.owned_layers()]
@@ -206,25 +217,38 @@ class CausalLM(nn.Module):
     def _run(self, micro: MicroBatch, caches: list[LayerKVCache]) -> torch.Tensor:  # -> [t, H]
         """One batch through this stage's layers, no yield points (generators are also opaque to torch.compile,
         which traces this for a captured decode step)."""
-        x = self.model.embed_tokens(micro.input_ids) if self.parallel.is_first_stage else micro.hidden
-        aux = []
-        for index, (layer, cache) in enumerate(zip(self.model.owned_layers(), caches)):
+        x, aux = self._stage_input(micro)
+        for index, (layer, cache) in enumerate(zip(self.model.owned_layers(), caches), self.first_layer):
             if index in self.aux_layers:
                 aux.append(x)
             x = layer(micro.positions, x, micro.batch, cache)
-        micro.aux_hidden = torch.cat(aux, dim=-1) if aux else None                    # [t, len(aux_layers) * H]
-        return self.model.norm(x) if self.parallel.is_last_stage else x
+        return self._stage_output(micro, x, aux)
 
     def _stages(self, micro: MicroBatch, caches: list[LayerKVCache]) -> Staged[torch.Tensor]:  # -> [t, H]
         """`_run` as a staged computation, for two micro-batches interleaved."""
-        x = self.model.embed_tokens(micro.input_ids) if self.parallel.is_first_stage else micro.hidden
-        aux = []
-        for index, (layer, cache) in enumerate(zip(self.model.owned_layers(), caches)):
+        x, aux = self._stage_input(micro)
+        for index, (layer, cache) in enumerate(zip(self.model.owned_layers(), caches), self.first_layer):
             if index in self.aux_layers:
                 aux.append(x)
             x = yield from layer.stages(micro.positions, x, micro.batch, cache)
+        return self._stage_output(micro, x, aux)
+
+    def _stage_input(self, micro: MicroBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The residual stream entering this stage [t, H] (the first embeds the tokens), and the aux layers'
+        inputs earlier stages kept ([t, H] each, `stage_activation_width`)."""
+        if self.parallel.is_first_stage:
+            return self.model.embed_tokens(micro.input_ids), []
+        x, *aux = micro.hidden.split(self.hf_config.hidden_size, dim=-1)
+        return x.contiguous(), aux
+
+    def _stage_output(self, micro: MicroBatch, x: torch.Tensor,
+                      aux: list[torch.Tensor]) -> torch.Tensor:  # [t, H] -> [t, H or more]
+        """The last stage's final hidden states (the aux layers' inputs kept as the micro-batch's `aux_hidden`);
+        another stage's residual stream with the aux layers' inputs kept so far beside it, for the next stage."""
+        if not self.parallel.is_last_stage:
+            return torch.cat([x, *aux], dim=-1) if aux else x
         micro.aux_hidden = torch.cat(aux, dim=-1) if aux else None                    # [t, len(aux_layers) * H]
-        return self.model.norm(x) if self.parallel.is_last_stage else x
+        return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V] fp32
         if self.parallel.dense_tp:

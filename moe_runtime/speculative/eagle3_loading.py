@@ -17,6 +17,18 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 
 
 def build_eagle3_drafter(source: DraftSource, directory: str, k: int) -> MtpDrafter:
+    head_cfg = keep_eagle3_aux_layers(source, directory)
+    reader = CheckpointReader.open(directory)
+    head = Eagle3Head(head_cfg, source.ctx, source.target, own_embedding="embed_tokens.weight" in set(reader.names()))
+    load_model_weights(head, reader, SkippedTensors((SkippedTensor(r"^t2d$", "the target-to-draft vocabulary "
+                                                                   "map: drafting needs only d2t"),)))
+    head.eval()
+    return MtpDrafter(head, None, source.num_blocks, source.runner.block_size, source.ctx.dtype, source.ctx.device, k)
+
+
+def keep_eagle3_aux_layers(source: DraftSource, directory: str):
+    """The head's config, checked against the target, which is told to keep its aux layers' inputs (on every
+    pipeline stage: those of earlier stages travel to the last with the activations)."""
     head_cfg = load_hf_config(directory)
     architectures = tuple(getattr(head_cfg, "architectures", None) or ())
     if not set(architectures) & set(EAGLE3_ARCHITECTURES):
@@ -34,11 +46,6 @@ def build_eagle3_drafter(source: DraftSource, directory: str, k: int) -> MtpDraf
     if source.config.cp > 1:   # each rank would keep only its own share of the step's rows
         raise InvalidRequestError("speculative_config method 'eagle3' with --cp is not built: that step does not "
                                   "keep the target layers' inputs the head reads")
-    reader = CheckpointReader.open(directory)
-    head = Eagle3Head(head_cfg, source.ctx, target, own_embedding="embed_tokens.weight" in set(reader.names()))
-    load_model_weights(head, reader, SkippedTensors((SkippedTensor(r"^t2d$", "the target-to-draft vocabulary "
-                                                                   "map: drafting needs only d2t"),)))
-    head.eval()
     target.aux_layers = layers
     source.runner.keep_hidden = True
-    return MtpDrafter(head, None, source.num_blocks, source.runner.block_size, source.ctx.dtype, source.ctx.device, k)
+    return head_cfg

@@ -67,9 +67,10 @@ def build_mtp_drafter(source: DraftSource, k: int) -> MtpDrafter:
         view = MtpCheckpointView(layer, index)
     executor.finish_registration()
     others = SkippedTensor(rf"^(?!{re.escape(where.prefix)})", "the target model's, not the MTP layer's")
+    several = parallel.world_size > parallel.pp_size   # ranks per stage: the MTP layer's experts spread over them
     load_model_weights(view, source.reader, SkippedTensors((others,)),
-                       parallel.world_control_group if parallel.world_size > parallel.pp_size else None)   # over EP
+                       parallel.ep_control_group if several else None)   # the (last) stage's ranks: the world at --pp 1
     layer.eval()
     source.runner.keep_hidden = True
     return MtpDrafter(layer, executor, source.num_blocks, source.runner.block_size, source.ctx.dtype,
-                      source.ctx.device, k, lock_step=parallel.world_size > parallel.pp_size)   # --pp: last stage only
+                      source.ctx.device, k, lock_step=several)

@@ -1,11 +1,24 @@
-"""A model drafter (MTP) under pipeline parallelism: it lives on the last stage, every stage schedules its drafts.
+"""A model drafter (MTP, EAGLE-3) under pipeline parallelism: it lives on the last stage, every stage schedules its
+drafts.
 
 The MTP layer reads the target's final hidden states, which only the last stage computes, so only the last
-stage builds and runs it (`MtpDrafter.after_step` over the pipeline step's kept hidden states). Every stage's
-scheduler must propose the same drafts, so after each step the last stage broadcasts the drafts it made for the
-sequences that sampled ([B, k] over the pipeline's gloo control group, -1 past a sequence's last draft) and
-every other stage writes them on its own copies of those sequences (`Sequence.proposed_drafts`), where
-`propose` reads them next step on every stage alike.
+stage builds and runs it (`MtpDrafter.after_step` over the pipeline step's kept hidden states). An EAGLE-3 head
+reads the inputs of three target layers, which may sit on different stages: every stage keeps those of its own
+layers and hands them on beside its activations (`CausalLM.stage_activation_width`), so the last stage holds all
+three and runs the head as it would the MTP layer. The drafter reads the embedding, which the last stage then
+holds too (`BuildContext.embeds_on_last_stage`).
+
+A stage of several ranks (`--ep`, `--dp-attn`: DP attention workers, attention TP) runs the drafter on each of the
+last stage's ranks, each for its DP worker's sequences. The MTP layer's MoE block runs on an executor of its own
+over the last stage's expert-parallel group, its weights are checked over that stage's ranks, and every rank of
+the stage runs its pass and chain rows every step (`MtpDrafter`'s lock-step; an idle worker's empty step
+included), so the block's exchanges pair up among the last stage's ranks alone; the other stages take no part.
+
+Every stage's scheduler must propose the same drafts, so after each step each last-stage rank broadcasts the
+drafts it made for its sequences that sampled ([B, k], -1 past a sequence's last draft) over its pipeline control
+group (the gloo group of the ranks at its position on every stage, which serve the same DP worker), and the
+other stages write them on their own copies of those sequences (`Sequence.proposed_drafts`), where `propose`
+reads them next step on every stage alike.
 """
 from __future__ import annotations
 
@@ -13,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from moe_runtime.engine.sequence import Sequence
-from moe_runtime.errors import InvalidRequestError
 from moe_runtime.execution.step_inputs import TargetHidden
+from moe_runtime.speculative.config import SpeculativeConfig
 from moe_runtime.speculative.draft_source import DraftSource
+from moe_runtime.speculative.eagle3_loading import build_eagle3_drafter, keep_eagle3_aux_layers
 from moe_runtime.speculative.mtp import MtpDrafter
 from moe_runtime.speculative.mtp_loading import build_mtp_drafter
 
@@ -28,13 +42,15 @@ class PipelineDrafts:
         self.k = k
 
     @classmethod
-    def on_stage(cls, source: DraftSource, k: int) -> "PipelineDrafts":
-        """This stage's part: the MTP drafter on the last stage, the drafts' receiver on the others."""
-        parallel = source.ctx.parallel
-        if parallel.world_size > parallel.pp_size:
-            raise InvalidRequestError("speculative_config method 'mtp' with --pp > 1 and more than one rank per stage "
-                                      "(--ep, --dp-attn, --tp, --cp) is not built: the last stage's ranks would run "
-                                      "the MTP layer's exchanges without the other stages; use method 'ngram' there")
+    def on_stage(cls, source: DraftSource, config: SpeculativeConfig) -> "PipelineDrafts":
+        """This stage's part: the drafter on the last stage, the drafts' receiver on the others (which, for an
+        EAGLE-3 head, keep the inputs of the aux layers they own)."""
+        parallel, k = source.ctx.parallel, config.num_speculative_tokens
+        if config.method == "eagle3":
+            if not parallel.is_last_stage:
+                keep_eagle3_aux_layers(source, config.model)
+                return cls(None, parallel, k)
+            return cls(build_eagle3_drafter(source, config.model, k), parallel, k)
         return cls(build_mtp_drafter(source, k) if parallel.is_last_stage else None, parallel, k)
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
@@ -45,7 +61,7 @@ class PipelineDrafts:
         if self.drafter is not None:
             self.drafter.after_step(step, sampled)
         if not sampled:
-            return   # every stage sampled the same sequences: none of them broadcasts
+            return   # every stage of a DP worker sampled the same sequences: none of them broadcasts
         drafts = torch.full((len(sampled), self.k), -1, dtype=torch.int64)                   # [B, k]
         if self.drafter is not None:
             for row, seq in enumerate(sampled):

@@ -8,8 +8,8 @@ the drafts before the target scores them. Rejected drafts are rolled back in eve
 recurrent-state layers, from per-draft state checkpoints (`state_rollback`). Under pipeline parallelism every
 stage schedules the same drafts (prompt lookup reads the tokens every stage holds), the verify rows run through
 all stages, and the last stage's accepted counts come back with its tokens (`execution/pipeline.py`); the MTP
-layer runs on the last stage, which broadcasts its drafts (`pipeline_drafts`); EAGLE-3 under --pp is refused at
-start-up, by name.
+layer or the EAGLE-3 head runs on the last stage (the head's aux layers' inputs travel there with the
+activations), whose ranks broadcast their drafts to the other stages (`pipeline_drafts`).
 """
 from __future__ import annotations
 
@@ -57,17 +57,13 @@ class Speculation:
             return None
         if config.method == "ngram":
             return cls(config, max_model_len)
-        if pp_size > 1 and config.method == "eagle3":
-            raise InvalidRequestError("speculative_config method 'eagle3' with --pp > 1 is not built: the head reads "
-                                      "the inputs of three target layers, which sit on different stages; use method "
-                                      "'ngram' or 'mtp' there")
         if source is None:
             raise InvalidRequestError(f"speculative_config method {config.method!r} needs the engine's model to "
                                       "draft with")
+        if pp_size > 1:
+            return cls(config, max_model_len, PipelineDrafts.on_stage(source, config))
         if config.method == "eagle3":
             return cls(config, max_model_len, build_eagle3_drafter(source, config.model, config.num_speculative_tokens))
-        if pp_size > 1:
-            return cls(config, max_model_len, PipelineDrafts.on_stage(source, config.num_speculative_tokens))
         return cls(config, max_model_len, build_mtp_drafter(source, config.num_speculative_tokens))
 
     def drafts_for(self, seq: Sequence, budget: int) -> list[int]:
