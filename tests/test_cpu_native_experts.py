@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine_helpers import PROMPTS, greedy
 from kernels.cpu_native import custom_ops, dense_gemv, expert_kernel
-from kernels.cpu_native.build import native_experts
+from kernels.cpu_native.build import compile_errors, native_experts
 from kernels.cpu_native.dense_gemv import cpu_linear_rows
 from kernels.cpu_native.expert_kernel import (cpu_expert_mlp, cpu_fp8_expert_mlp, cpu_fp8_linear, cpu_int8_expert_mlp,
                                               cpu_int8_linear, cpu_pair_expert_mlp)
@@ -202,6 +202,12 @@ def test_fp8_scales_of_the_wrong_shape_are_refused_by_name(native):
         native.silu_expert_mlp(x, counts, q13, q2, s13, s2[..., :1].contiguous(), 16)
     with pytest.raises(RuntimeError, match="block_k > 0 exactly with FP8"):
         native.silu_expert_mlp(x, counts, q13, q2, s13, s2, 0)
+
+
+def test_the_avx512_path_compiles():
+    """The 16-lane path runs only where the CPU has AVX-512 (a build there takes it with -march=native); here it is
+    compiled for such a CPU without running, so it cannot rot unseen."""
+    assert compile_errors("x86-64-v4") == ""
 
 
 def test_what_the_native_kernel_does_not_take_goes_to_the_torch_kernel():

@@ -13,6 +13,8 @@ import hashlib
 import logging
 import os
 import platform
+import subprocess
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 
@@ -52,3 +54,15 @@ def native_experts() -> ModuleType | None:
         logger.warning("CPU expert kernel not built (%s: %s); the torch expert kernel serves", type(exc).__name__,
                        str(exc).splitlines()[0] if str(exc) else "")
         return None
+
+
+def compile_errors(march: str) -> str:
+    """The compiler's errors for the kernel built for another CPU (`-march=x86-64-v4`: AVX-512), checked without
+    code generation: how the paths this machine's CPU does not run are kept compiling ("" when none)."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{path}" for path in (*include_paths(), sysconfig.get_paths()["include"])]
+    command = ["g++", "-std=c++20", "-fsyntax-only", f"-march={march}", "-DTORCH_EXTENSION_NAME=syntax_check",
+               *includes, str(SOURCE)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    return "" if result.returncode == 0 else result.stderr

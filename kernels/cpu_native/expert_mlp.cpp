@@ -13,16 +13,18 @@
 // (moe_runtime/moe/host_experts.py).
 //
 // The dot products are AVX2 + FMA intrinsics where the CPU has them (built with -march=native for the machine it
-// runs on), plain loops the compiler vectorises elsewhere; the kernel is compiled on first use into a cache
-// (kernels/cpu_native/build.py). An AVX-512 / AMX path is not written: no machine here has those units to test
-// it on (with -march=native the compiler widens the plain loops, not the intrinsics).
+// runs on), AVX-512F intrinsics (16 lanes) where the build's CPU has them, plain loops the compiler vectorises
+// elsewhere; the kernel is compiled on first use for the CPU it runs on (kernels/cpu_native/build.py:
+// -march=native), which is how the path is chosen. The AVX-512 path is compiled by the tests on every machine but
+// runs only on one with the unit (the dev machine has AVX2 only); no AMX path (tile GEMMs pay off at larger row
+// counts than a decode step's).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <torch/python.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <cstdint>
@@ -81,12 +83,40 @@ inline float sum8(__m256 v) {
 }
 #endif
 
-// One row: dot(w_row, x) over n, along n (four vector accumulators: the FMAs pipeline).
+#ifdef __AVX512F__
+// 16 weights as float32, as load8 does with 8 (the same widening and FP8 decode, one 512-bit register).
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+inline __m512 load16(const c10::BFloat16* w) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* w) {
+  const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(codes, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
+  return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+}
+#endif
+
+// One row: dot(w_row, x) over n, along n (four vector accumulators: the FMAs pipeline). With AVX-512 (a build on a
+// CPU that has it: -march=native) 16 lanes a register, else AVX2's 8, then the scalar tail.
 template <typename W>
 inline float dot_one(const W* __restrict w_row, const float* __restrict x, int64_t n) {
   int64_t k = 0;
   float acc = 0.f;
-#ifdef __AVX2__
+#if defined(__AVX512F__)
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (; k + 64 <= n; k += 64) {
+    a0 = _mm512_fmadd_ps(load16(w_row + k), _mm512_loadu_ps(x + k), a0);
+    a1 = _mm512_fmadd_ps(load16(w_row + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+    a2 = _mm512_fmadd_ps(load16(w_row + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+    a3 = _mm512_fmadd_ps(load16(w_row + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+  }
+  for (; k + 16 <= n; k += 16) a0 = _mm512_fmadd_ps(load16(w_row + k), _mm512_loadu_ps(x + k), a0);
+  acc = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#elif defined(__AVX2__)
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
   for (; k + 32 <= n; k += 32) {
     a0 = _mm256_fmadd_ps(load8(w_row + k), _mm256_loadu_ps(x + k), a0);
@@ -108,7 +138,18 @@ inline void dot_four(const W* __restrict w_row, const float* __restrict x, int64
                      float* __restrict out) {
   int64_t k = 0;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#ifdef __AVX2__
+#if defined(__AVX512F__)
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (; k + 16 <= n; k += 16) {
+    const __m512 w = load16(w_row + k);
+    a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + k), a0);
+    a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + stride + k), a1);
+    a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 2 * stride + k), a2);
+    a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 3 * stride + k), a3);
+  }
+  acc[0] = _mm512_reduce_add_ps(a0), acc[1] = _mm512_reduce_add_ps(a1);
+  acc[2] = _mm512_reduce_add_ps(a2), acc[3] = _mm512_reduce_add_ps(a3);
+#elif defined(__AVX2__)
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
   for (; k + 8 <= n; k += 8) {
     const __m256 w = load8(w_row + k);
