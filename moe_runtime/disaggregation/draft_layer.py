@@ -39,7 +39,7 @@ class TransferredLayers:
            holds_last_layer: bool) -> "TransferredLayers":
         """`specs`, `caches`: the model layers this rank owns; `speculation`: the engine's (None: off);
         `holds_last_layer`: this rank owns the model's last layer."""
-        drafter = speculation.model_drafter if speculation is not None else None
+        drafter = speculation.local_model_drafter() if speculation is not None else None
         if drafter is None or not holds_last_layer:
             return cls(list(specs), list(caches))
         method = speculation.config.method

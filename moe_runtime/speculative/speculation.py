@@ -66,6 +66,13 @@ class Speculation:
             return cls(config, max_model_len, build_eagle3_drafter(source, config.model, config.num_speculative_tokens))
         return cls(config, max_model_len, build_mtp_drafter(source, config.num_speculative_tokens))
 
+    def local_model_drafter(self) -> MtpDrafter | None:
+        """The model drafter this rank runs, with its layer and cache (under --pp the last stage's; None on the other
+        stages and for n-gram)."""
+        if isinstance(self.model_drafter, PipelineDrafts):
+            return self.model_drafter.drafter
+        return self.model_drafter
+
     def drafts_for(self, seq: Sequence, budget: int) -> list[int]:
         """Drafts for decoding `seq` this step: at most k, at most `budget` (tokens left in the step), none past
         its max_tokens (the verified step emits one more than it accepts) or the context length."""
