@@ -21,6 +21,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("expert_mlp.cpp")
+HEADERS = (Path(__file__).with_name("weight_loads.h"),)   # included by SOURCE: copied beside it, hashed with it
 CACHE = Path.home() / ".cache" / "moe-runtime" / "cpu_native"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
 
@@ -31,7 +32,8 @@ def _cpu_digest() -> str:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    digest = hashlib.sha256((flags + SOURCE.read_text() + " ".join(FLAGS)).encode())
+    texts = "".join(path.read_text() for path in (SOURCE, *HEADERS))
+    digest = hashlib.sha256((flags + texts + " ".join(FLAGS)).encode())
     return digest.hexdigest()[:16]
 
 
@@ -43,17 +45,24 @@ def native_experts() -> ModuleType | None:
 
         directory = CACHE / _cpu_digest()
         directory.mkdir(parents=True, exist_ok=True)
-        source = directory / SOURCE.name   # the build names its source's path: one path for every checkout
-        if not source.exists() or source.read_text() != SOURCE.read_text():
-            staged = directory / f".{SOURCE.name}.{os.getpid()}"
-            staged.write_text(SOURCE.read_text())
-            os.replace(staged, source)   # whole or not at all: ranks may start the build at once
+        for original in (*HEADERS, SOURCE):   # the build names its source's path: one path for every checkout
+            _place(original, directory / original.name)
+        source = directory / SOURCE.name
         return load(name="moe_cpu_experts", sources=[str(source)], extra_cflags=FLAGS,
                     build_directory=str(directory), verbose=False)
     except Exception as exc:   # noqa: BLE001 - no compiler, no headers, a failed build: the torch path serves
         logger.warning("CPU expert kernel not built (%s: %s); the torch expert kernel serves", type(exc).__name__,
                        str(exc).splitlines()[0] if str(exc) else "")
         return None
+
+
+def _place(original: Path, copy: Path) -> None:
+    """`copy` made to hold `original`'s text, whole or not at all: ranks may start the build at once."""
+    if copy.exists() and copy.read_text() == original.read_text():
+        return
+    staged = copy.with_name(f".{copy.name}.{os.getpid()}")
+    staged.write_text(original.read_text())
+    os.replace(staged, copy)
 
 
 def compile_errors(march: str) -> str:

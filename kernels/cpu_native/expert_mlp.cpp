@@ -24,81 +24,23 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "weight_loads.h"
 
 namespace {
 
-
-inline float widen(float v) { return v; }
-inline float widen(int8_t v) { return static_cast<float>(v); }
-inline float widen(c10::Float8_e4m3fn v) { return static_cast<float>(v); }
-inline float widen(c10::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
+using moe_cpu::widen;
 #ifdef __AVX2__
-// 8 weights as float32: loaded, or bfloat16 widened (its 16 bits become a float32's high half)
-inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
-inline __m256 load8(const int8_t* w) {   // int8 codes as float32 (the row's scale multiplies the dot product)
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-}
-inline __m256 load8(const c10::BFloat16* w) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-
-// 8 FP8 e4m3fn codes as float32: the 7 payload bits of a byte moved to the top of a float32 word (its sign to the
-// sign bit) are the value times 2^-120, subnormals included, so a sign-extending widen, a shift, a mask and a
-// multiply by 2^120 decode them exactly (NaN codes, which checkpoints do not hold, would read as +-480).
-inline __m256 load8(const c10::Float8_e4m3fn* w) {
-  const __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(codes, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
-  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
-}
-
-// FP8's subnormal codes decode to float32 subnormals (times 2^120): a thread flushing denormals (FTZ / DAZ, e.g.
-// torch.set_flush_denormal) would read them as zero, so the kernel's threads keep denormals while they run it.
-class DenormalsKept {
- public:
-  DenormalsKept() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(kFlushToZero | kDenormalsAreZero)); }
-  ~DenormalsKept() { _mm_setcsr(saved_); }
-
- private:
-  static constexpr unsigned kFlushToZero = 0x8000, kDenormalsAreZero = 0x0040;
-  unsigned saved_;
-};
-
-inline float sum8(__m256 v) {
-  const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
-  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 0x1)));
-}
+using moe_cpu::DenormalsKept;
+using moe_cpu::load8;
+using moe_cpu::sum8;
 #endif
-
 #ifdef __AVX512F__
-// 16 weights as float32, as load8 does with 8 (the same widening and FP8 decode, one 512-bit register).
-inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
-inline __m512 load16(const int8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-}
-inline __m512 load16(const c10::BFloat16* w) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load16(const c10::Float8_e4m3fn* w) {
-  const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-  const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(codes, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
-  return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
-}
+using moe_cpu::load16;
 #endif
+
 
 // One row: dot(w_row, x) over n, along n (four vector accumulators: the FMAs pipeline). With AVX-512 (a build on a
 // CPU that has it: -march=native) 16 lanes a register, else AVX2's 8, then the scalar tail.
