@@ -158,8 +158,9 @@ class DeepseekV4MtpReference:
     """DeepSeek-V4's MTP layer (`mtp.0.*`, moe_runtime/models/deepseek_v4_mtp.py) from transformers' own modules, over
     the whole sequence at once (no cache): the target's streams s_p entering its hyper head (a hook), x[j] =
     e_proj(enorm(embed(t[p + 1]))) + h_proj(hnorm(s_p[j])), y = the block, draft = argmax head(norm(hc_head(y_last))),
-    chained on y_last. The block, its hyper head and norm run as a one-layer transformers DeepseekV4ForCausalLM
-    (`layer_type`: the block's attention; hash routing on the tokens it embeds) whose input streams a hook replaces."""
+    chained on y_last. The block, its hyper head, norm, embedding and head (the layer's own copies where stored) run as
+    a one-layer transformers DeepseekV4ForCausalLM (`layer_type`: the block's attention; hash routing on the tokens it
+    embeds) whose input streams a hook replaces."""
 
     def __init__(self, path: Path, scratch: Path, layer_type: str, mlp_layer_type: str):
         from transformers import AutoModelForCausalLM
@@ -170,10 +171,11 @@ class DeepseekV4MtpReference:
         cfg = self.model.config
         tensors = read_all_tensors(path)
         mtp = {n[len("mtp.0."):]: t for n, t in tensors.items() if n.startswith("mtp.0.")}
-        outside_block = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head_")
+        outside_block = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head_", "head.", "embed.")
         one_layer = {f"model.layers.0.{n}": t for n, t in mtp.items() if not n.startswith(outside_block)}
-        one_layer.update({"model.embed_tokens.weight": tensors["model.embed_tokens.weight"],
-                          "head.weight": tensors["head.weight"], "model.norm.weight": mtp["norm.weight"],
+        one_layer.update({"model.embed_tokens.weight": mtp.get("embed.weight", tensors["model.embed_tokens.weight"]),
+                          "head.weight": mtp.get("head.weight", tensors["head.weight"]),
+                          "model.norm.weight": mtp["norm.weight"],
                           **{f"model.hc_head.hc_{part}": mtp[f"hc_head_{part}"] for part in ("fn", "base", "scale")}})
         copy_side_files(path, scratch)
         write_two_shards(one_layer, scratch)
@@ -208,7 +210,7 @@ class DeepseekV4MtpReference:
         previous, _ = self._streams(self.model, tokens[:-1])                                  # [m, n, H]
         next_tokens, drafts = list(tokens[1:]), []
         for _ in range(k):
-            embeds = self.model.model.embed_tokens.weight[torch.tensor(next_tokens)]               # [m, H]
+            embeds = self.block_model.model.embed_tokens.weight[torch.tensor(next_tokens)]         # [m, H]
             e = self.norms["enorm"](embeds) @ self.e_proj.T                                       # [m, H]
             self._streams_in = (e[:, None, :] + self.norms["hnorm"](previous) @ self.h_proj.T)[None]  # [1, m, n, H]
             out, logits = self._streams(self.block_model, next_tokens)

@@ -13,12 +13,12 @@ head (before it collapses them: `V4CausalLM.keep_streams`) and the token after p
 Chained as a drafter, the streams y stand in for s at the next position (vLLM's and SGLang's rule for DeepSeek-V3's
 MTP, here on the streams).
 
-Which attention the block runs is not in transformers' config (its `layer_types` stops at the target's layers), so
-the tensors decide (`V4MtpTensors.attention_kind`): `attn.indexer.*` a compressed sparse attention (CSA) block,
-`attn.compressor.*` alone a heavily compressed one (HCA), neither a sliding-window-only block (what DeepSeek's
-published V4 configs give their MTP layer: a compression ratio of 0 after the target's). Likewise `ffn.gate.tid2eid`
-makes its MoE hash-routed (on the token it embeds). `embed.weight`, `head.weight` and `norm.weight` under the
-prefix are used where the checkpoint stores them, else the target's.
+Which attention the block runs is not in transformers' config (its `layer_types` is cut to the target's layers),
+so the tensors decide (`V4MtpTensors.attention_kind`): `attn.indexer.*` a compressed sparse attention (CSA) block,
+`attn.compressor.*` alone a heavily compressed one (HCA), neither a sliding-window-only block (a legacy
+`compress_ratios` entry past the target's layers, which transformers' config drops, would say the same). Likewise
+`ffn.gate.tid2eid` makes its MoE hash-routed (on the token it embeds). `embed.weight`, `head.weight` and
+`norm.weight` under the prefix are used where the checkpoint stores them, else the target's.
 
 Like the target's layers it keeps per-sequence state (its window's keys, its compressors' carried projections) in
 a state slot, in a `LayerCompressedCache` of its own at the sequence's slot index (moe_runtime/speculative/mtp.py).

@@ -4,8 +4,8 @@ Built: one rank, expert parallelism with DP attention, attention TP (whole outpu
 two-batch overlap, chunked prefill, prefix caching (the per-sequence state snapshotted at block boundaries), P/D
 (each layer's entries travel with the blocks, its state with the slot: moe_runtime/disaggregation/kv_transfer/
 shard.py), n-gram speculative decoding (the state rings keep room for a verify step's drafts), MTP drafting with the
-checkpoint's `mtp.0.*` layer (moe_runtime/models/deepseek_v4_mtp.py: its state in a slot of its own; tested on one
-rank and with EP + DP attention), every expert kernel family (its clamped SiLU in each; the attention itself is torch
+checkpoint's `mtp.0.*` layer (moe_runtime/models/deepseek_v4_mtp.py: its state in a slot of its own; one rank, EP
+with DP attention or attention TP), every expert kernel family (its clamped SiLU in each; the attention itself is torch
 code). Refused here: captured decode steps, MTP drafting with pipeline stages, weights kept quantized, and DeepSeek's
 FP8 / FP4 checkpoint formats; context parallelism and attention TP that would cut an output group are refused by
 ParallelLayout.validate (moe_runtime/config/parallel_layout.py), which the planner asks too.

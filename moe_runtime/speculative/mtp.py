@@ -1,5 +1,5 @@
-"""Drafting with the checkpoint's multi-token-prediction layer (DeepSeek-V3 MTP, `models/deepseek_mtp.py`; DeepSeek-V4's,
-`models/deepseek_v4_mtp.py`).
+"""Drafting with the checkpoint's multi-token-prediction layer (DeepSeek-V3 MTP, `models/deepseek_mtp.py`;
+DeepSeek-V4's, `models/deepseek_v4_mtp.py`).
 
 After every target step the MTP layer runs over the positions the step computed whose input tokens turned out
 true (a prefill chunk's, a decode's, a verify step's up to its last accepted draft), each with the target's

@@ -16,7 +16,8 @@ from moe_runtime.errors import InvalidRequestError
 from moe_runtime.execution.model_runner import state_rows
 from moe_runtime.layers.compressed_cache import LayerCompressedCache
 from moe_runtime.models.deepseek_mtp import MTP_BLOCKS, MtpCheckpointView, MtpLayer, MtpTensors
-from moe_runtime.models.deepseek_v4_mtp import MTP_PREFIX as V4_MTP_PREFIX, V4MtpCheckpointView, V4MtpLayer, V4MtpTensors
+from moe_runtime.models.deepseek_v4_mtp import (MTP_PREFIX as V4_MTP_PREFIX, V4MtpCheckpointView, V4MtpLayer,
+                                                 V4MtpTensors)
 from moe_runtime.models.qwen3_next_mtp import (MTP_ARCHITECTURES as QWEN3_NEXT_MTP, MTP_PREFIX, Qwen3NextMtp,
                                                Qwen3NextMtpCheckpointView, qwen3_next_mtp_layers)
 from moe_runtime.moe.executor import MoEExecutor
