@@ -27,6 +27,9 @@ from mtp_checkpoints import DeepseekV4MtpReference, run_checking_drafts
 from moe_runtime import LLM
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.core import EngineCore
+from moe_runtime.engine.kv_groups import KVCacheLayout, KVGroups
+from moe_runtime.execution.model_runner import kv_blocks_for_budget, state_rows
+from moe_runtime.layers.compressed_cache import CompressedAttentionSpec
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.models.deepseek_v4_support import refuse_unsupported
 from moe_runtime.weights.mtp_checkpoint_writer import write_mtp_checkpoint
@@ -146,3 +149,24 @@ def test_pipeline_stages_are_refused_by_name(hf_oracles):
         refuse_unsupported(hf_oracles(ARCH).model.config, context)
     refuse_unsupported(hf_oracles(ARCH).model.config, SimpleNamespace(quant=None, engine=engine,
                                                                       parallel=SimpleNamespace(pp_size=1)))
+
+
+def test_the_mtp_layers_cache_is_paid_from_the_kv_budget():
+    """The MTP layer's state rows and paged entries come out of the same budget as the target's, at the largest
+    layer's size (a CSA layer's: window, carried projections, entries and index keys)."""
+    csa = CompressedAttentionSpec(32, 8, 4, True, 16, K + 1)
+    model = SimpleNamespace(kv_cache_specs=lambda: [csa, CompressedAttentionSpec(32, 8, 16, draft_slack=K + 1),
+                                                    CompressedAttentionSpec(32, 8, draft_slack=K + 1)])
+    budget, slots = 2**22, 4
+
+    def blocks(drafter_layers: int) -> int:
+        layout = KVCacheLayout(KVGroups.single(), state_slots=slots, drafter_layers=drafter_layers)
+        return kv_blocks_for_budget(model, budget, 16, torch.float32, layout)
+
+    without, with_mtp = blocks(0), blocks(1)
+    per_block = sum(spec.bytes_per_block(16, torch.float32) for spec in model.kv_cache_specs())
+    per_slot = sum(spec.bytes_per_slot(torch.float32) for spec in model.kv_cache_specs())
+    mtp_block, mtp_slot = csa.bytes_per_block(16, torch.float32), csa.bytes_per_slot(torch.float32)
+    assert with_mtp < without
+    assert with_mtp * (per_block + mtp_block) + (per_slot + mtp_slot) * state_rows(slots) <= budget
+    assert (with_mtp + 1) * (per_block + mtp_block) + (per_slot + mtp_slot) * state_rows(slots) > budget
