@@ -158,3 +158,70 @@ def drafted_greedy_run(path: Path, speculative: dict, reference, prompts: list[l
     worker = core.stats().workers[0]
     core.shutdown()
     return [seq.output_token_ids for seq in seqs], worker
+
+
+class DeepseekV4MtpReference:
+    """DeepSeek-V4's MTP layer (`mtp.0.*`, moe_runtime/models/deepseek_v4_mtp.py) from transformers' own modules, over
+    the whole sequence at once (no cache): the target's streams s_p entering its hyper head (a hook), x[j] =
+    e_proj(enorm(embed(t[p + 1]))) + h_proj(hnorm(s_p[j])), y = the block, draft = argmax head(norm(hc_head(y_last))),
+    chained on y_last. The block, its hyper head, norm, embedding and head (the layer's own copies where stored) run as
+    a one-layer transformers DeepseekV4ForCausalLM (`layer_type`: the block's attention; hash routing on the tokens it
+    embeds) whose input streams a hook replaces."""
+
+    def __init__(self, path: Path, scratch: Path, layer_type: str, mlp_layer_type: str):
+        from transformers import AutoModelForCausalLM
+
+        from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, write_two_shards
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        cfg = self.model.config
+        tensors = read_all_tensors(path)
+        mtp = {n[len("mtp.0."):]: t for n, t in tensors.items() if n.startswith("mtp.0.")}
+        outside_block = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head_", "head.", "embed.")
+        one_layer = {f"model.layers.0.{n}": t for n, t in mtp.items() if not n.startswith(outside_block)}
+        one_layer.update({"model.embed_tokens.weight": mtp.get("embed.weight", tensors["model.embed_tokens.weight"]),
+                          "head.weight": mtp.get("head.weight", tensors["head.weight"]),
+                          "model.norm.weight": mtp["norm.weight"],
+                          **{f"model.hc_head.hc_{part}": mtp[f"hc_head_{part}"] for part in ("fn", "base", "scale")}})
+        copy_side_files(path, scratch)
+        write_two_shards(one_layer, scratch)
+        self.block_model = AutoModelForCausalLM.from_pretrained(
+            str(scratch), dtype=torch.float32, num_hidden_layers=1, layer_types=[layer_type],
+            mlp_layer_types=[mlp_layer_type]).eval()
+        rms_norm = type(self.model.model.norm)
+        self.norms = {}
+        for name in ("enorm", "hnorm"):
+            norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps)
+            norm.weight.data.copy_(mtp[f"{name}.weight"])
+            self.norms[name] = norm
+        self.e_proj, self.h_proj = mtp["e_proj.weight"], mtp["h_proj.weight"]
+        self._captured: list[torch.Tensor] = []
+        self._streams_in: torch.Tensor | None = None
+        self.model.model.hc_head.register_forward_hook(lambda _m, args, _out: self._captured.append(args[0]))
+        self.block_model.model.hc_head.register_forward_hook(lambda _m, args, _out: self._captured.append(args[0]))
+        self.block_model.model.layers[0].register_forward_pre_hook(self._replace_streams, with_kwargs=True)
+
+    def _replace_streams(self, _module, args, kwargs):
+        return (self._streams_in, *args[1:]), kwargs
+
+    def _streams(self, model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the streams entering `model`'s hyper head [m, n, H], its logits [m, V]) over `ids`."""
+        self._captured.clear()
+        logits = model(torch.tensor([ids]), use_cache=False).logits[0]
+        return self._captured[-1][0], logits
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        """The MTP layer's k drafts after `tokens` (the target's streams over all but the last)."""
+        previous, _ = self._streams(self.model, tokens[:-1])                                  # [m, n, H]
+        next_tokens, drafts = list(tokens[1:]), []
+        for _ in range(k):
+            embeds = self.block_model.model.embed_tokens.weight[torch.tensor(next_tokens)]         # [m, H]
+            e = self.norms["enorm"](embeds) @ self.e_proj.T                                       # [m, H]
+            self._streams_in = (e[:, None, :] + self.norms["hnorm"](previous) @ self.h_proj.T)[None]  # [1, m, n, H]
+            out, logits = self._streams(self.block_model, next_tokens)
+            draft = int(logits[-1].argmax())
+            drafts.append(draft)
+            next_tokens.append(draft)                                                             # the chain
+            previous = torch.cat([previous, out[-1:]])
+        return drafts

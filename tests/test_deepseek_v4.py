@@ -242,8 +242,6 @@ def test_deepseeks_fp8_checkpoints_are_refused_by_name(hf_oracles):
 
 @pytest.mark.parametrize("options, match", [
     (dict(block_size=8), r"--block-size 8 with DeepSeek-V4: .* multiple of every compression rate \[4, 16\]"),
-    (dict(speculative_config=dict(method="mtp", num_speculative_tokens=1)),
-     r"method 'mtp' with DeepSeek-V4: not implemented; its multi-token-prediction layer \(mtp\.0\.\*"),
     (dict(quantization="int8"), r"--quantization int8 with DeepSeek-V4: not implemented"),
     (dict(enable_torch_compile=True), r"--enable-torch-compile with DeepSeek-V4: not implemented"),
 ])

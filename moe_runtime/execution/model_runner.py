@@ -31,7 +31,14 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
     ones. A pipeline stage without full layers fits as many as the budget's bytes: the other stages decide."""
     kv_layout = kv_layout or KVCacheLayout.single()
     full_per_token = window_bytes = compressed_per_block = 0
-    for spec in model.kv_cache_specs():
+    specs = model.kv_cache_specs()
+    compressed = [spec for spec in specs if isinstance(spec, CompressedAttentionSpec)]
+    if compressed and kv_layout.drafter_layers:   # DeepSeek-V4's MTP layer: at most the largest layer's bytes
+        window_bytes += kv_layout.drafter_layers * max(spec.bytes_per_slot(dtype) for spec in compressed) * state_rows(
+            kv_layout.state_slots)
+        compressed_per_block += kv_layout.drafter_layers * max(spec.bytes_per_block(block_size, dtype)
+                                                               for spec in compressed)
+    for spec in specs:
         if isinstance(spec, CompressedAttentionSpec):   # entries paged with the full group, the rest per sequence
             window_bytes += spec.bytes_per_slot(dtype) * state_rows(kv_layout.state_slots)
             compressed_per_block += spec.bytes_per_block(block_size, dtype)
@@ -102,6 +109,9 @@ class ModelRunner:
                                                                    device, capture)
         self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)
         self._scored_prompts: dict[str, PromptLogprobs] = {}   # request id -> prompt logprobs not yet taken
+        # a drafter layer keeping per-sequence state (DeepSeek-V4's MTP layer): restored from a cached prefix's
+        # snapshot and snapshotted at the step's boundaries like the model's compressed caches
+        self.drafter_state_caches: list[LayerCompressedCache] = []
         self.keep_hidden = False                      # a drafter reads each step's hidden states (MTP, EAGLE-3)
         self.last_hidden: TargetHidden | None = None  # ... the last step's (eager or captured), when asked
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.cache_bytes() / 2**20)
@@ -163,6 +173,7 @@ class ModelRunner:
                        for seq in seqs if seq.draft_token_ids}
         states = [cache for cache in self.caches if isinstance(cache, LayerStateCache)]
         compressed = [cache for cache in self.caches if isinstance(cache, LayerCompressedCache)]
+        compressed += self.drafter_state_caches
         if fresh:
             index = torch.tensor(fresh, dtype=torch.long, device=self.device)
             for cache in states + compressed:

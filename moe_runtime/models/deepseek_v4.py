@@ -10,7 +10,8 @@
 - MoE on every layer: `sqrtsoftplus` scores, DeepSeek-V3's correction bias for the choice, top-k always
   renormalised and scaled; the first layers (`mlp_layer_types` "hash_moe") choose their experts by a frozen
   token id -> experts table (`tid2eid`) instead. Experts and the shared expert run a clamped SwiGLU (`swiglu_limit`).
-- The multi-token-prediction layer is not loaded (its tensors are skipped by name).
+- The multi-token-prediction layer (`mtp.0.*`) drafts for speculative decoding (moe_runtime/models/deepseek_v4_mtp.py);
+  without method "mtp" its tensors are skipped by name.
 
 Checkpoints: the names DeepSeek publishes (`layers.N.attn.wq_a.weight`, `embed.weight`, `head.weight`,
 `hc_head_fn`, ...), with or without transformers' `model.` prefix (`checkpoint_name` maps them to this module
@@ -128,10 +129,34 @@ class V4CausalLM(CausalLM):
             return micro.hidden.view(micro.hidden.shape[0], n, hidden)
         return self.model.embed_tokens(micro.input_ids).unsqueeze(1).expand(-1, n, -1).contiguous()
 
+    def keep_streams(self) -> None:
+        """From now on keep each eager forward's `hc_mult` streams entering the hyper head, flattened, as
+        `aux_hidden` [T, n * H] (what the MTP layer reads: moe_runtime/models/deepseek_v4_mtp.py). They are the
+        residual entering layer `num_hidden_layers`, so `aux_layers` names that one (the runner keeps
+        `aux_hidden` where `aux_layers` is set)."""
+        self.aux_layers = (self.hf_config.num_hidden_layers,)
+
+    def _keeps_streams(self) -> bool:
+        return self.parallel.is_last_stage and self.aux_layers == (self.hf_config.num_hidden_layers,)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, caches: list,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:   # [T] -> [T, H]
+        out = super().forward(input_ids, positions, batch, caches, hidden)
+        if not self._keeps_streams():
+            return out
+        # `_output` put the streams beside the final hidden states, so that every path (two-batch overlap's halves
+        # included) hands them through in row order
+        width = self.hf_config.hidden_size
+        self.aux_hidden = out[:, width:]                                                 # [T, n * H]
+        return out[:, :width].contiguous()
+
     def _output(self, streams: torch.Tensor) -> torch.Tensor:   # [t, n, H] -> [t, H], or [t, n * H] mid-pipeline
-        if self.parallel.is_last_stage:
-            return self.model.norm(self.model.hc_head(streams))
-        return streams.reshape(streams.shape[0], self.stage_activation_width())
+        if not self.parallel.is_last_stage:
+            return streams.reshape(streams.shape[0], self.stage_activation_width())
+        final = self.model.norm(self.model.hc_head(streams))
+        if self._keeps_streams():
+            return torch.cat([final, streams.reshape(streams.shape[0], self.stage_activation_width())], dim=-1)
+        return final
 
     def _run(self, micro: MicroBatch, caches: list) -> torch.Tensor:
         streams = self._streams(micro)
@@ -151,6 +176,7 @@ _LEAF_RENAMES = (   # DeepSeek's published names (and transformers' saved ones) 
     (r"^(lm_)?head\.weight$", "lm_head.weight"),
     (r"^(model\.)?norm\.weight$", "model.norm.weight"),
     (r"^(model\.)?hc_head[._](hc_)?(fn|base|scale)$", r"model.hc_head.\3"),
+    (r"^(mtp\.\d+\.)hc_head[._](hc_)?(fn|base|scale)$", r"\1hc_head.\3"),   # the MTP layer's own hyper head
     (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2"),
     (r"\.ffn\.gate\.bias$", ".ffn.gate.e_score_correction_bias"),
     (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
@@ -161,15 +187,16 @@ _LEAF_RENAMES = (   # DeepSeek's published names (and transformers' saved ones) 
 
 
 def checkpoint_name(stored: str) -> str:
-    """The parameter name a stored DeepSeek-V4 tensor fills (multi-token-prediction `mtp.*` stays as it is)."""
+    """The parameter name a stored DeepSeek-V4 tensor fills (the multi-token-prediction layer's `mtp.N.*` keep their
+    prefix: moe_runtime/models/deepseek_v4_mtp.py)."""
     name = stored
     for pattern, replacement in _LEAF_RENAMES:
         name = re.sub(pattern, replacement, name)
     return name
 
 
-def _attention(cfg, i: int, ctx: BuildContext, rotaries: dict[str, V4Rotary]) -> CompressedAttention:
-    kind = cfg.layer_types[i]
+def v4_attention(cfg, kind: str, ctx: BuildContext, rotaries: dict[str, V4Rotary]) -> CompressedAttention:
+    """An attention block of `kind` (a `layer_types` entry), as the target's layers and the MTP layer build it."""
     rate = cfg.compress_rates[kind] if kind in (CSA, HCA) else 0
     shape = V4AttentionShape(cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups,
                              cfg.o_lora_rank, cfg.sliding_window, rate, kind == CSA, cfg.rms_norm_eps,
@@ -191,8 +218,8 @@ def draft_slack(engine) -> int:
     return 0 if speculative is None else speculative.num_speculative_tokens + 1
 
 
-def _moe(cfg, i: int, ctx: BuildContext) -> V4MoE:
-    hashed = cfg.mlp_layer_types[i] == HASH_MOE
+def v4_moe(cfg, hashed: bool, ctx: BuildContext) -> V4MoE:
+    """A MoE block (`hashed`: chosen by its `tid2eid` table), as the target's layers and the MTP layer build it."""
     activation = ExpertActivation.deepseek_v4(cfg.swiglu_limit)
     shape = MoEShape(cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size,
                      shared_intermediate_size=cfg.moe_intermediate_size, shared_name="shared_experts",
@@ -212,7 +239,8 @@ def build_deepseek_v4(cfg, ctx: BuildContext) -> V4CausalLM:
     rotaries = {label: V4Rotary(cfg, label, ctx.device) for label in ("main", "compress")}
 
     def make_layer(i: int) -> V4DecoderLayer:
-        return V4DecoderLayer(_attention(cfg, i, ctx, rotaries), _moe(cfg, i, ctx), cfg, ctx.device)
+        return V4DecoderLayer(v4_attention(cfg, cfg.layer_types[i], ctx, rotaries),
+                              v4_moe(cfg, cfg.mlp_layer_types[i] == HASH_MOE, ctx), cfg, ctx.device)
 
     stack = build_stack(cfg, ctx, make_layer)
     if ctx.parallel.is_last_stage:

@@ -3,11 +3,12 @@
 Built: one rank, expert parallelism with DP attention, attention TP (whole output groups per rank), pipeline stages,
 two-batch overlap, chunked prefill, prefix caching (the per-sequence state snapshotted at block boundaries), P/D
 (each layer's entries travel with the blocks, its state with the slot: moe_runtime/disaggregation/kv_transfer/
-shard.py), n-gram speculative decoding (the state rings keep room for a verify step's drafts), every expert kernel
-family (its clamped SiLU in each; the attention itself is torch code). Refused here: MTP drafting, captured decode
-steps, weights kept quantized, and DeepSeek's FP8 / FP4 checkpoint formats; context parallelism and attention TP
-that would cut an output group are refused by ParallelLayout.validate (moe_runtime/config/parallel_layout.py),
-which the planner asks too.
+shard.py), n-gram speculative decoding (the state rings keep room for a verify step's drafts), MTP drafting with the
+checkpoint's `mtp.0.*` layer (moe_runtime/models/deepseek_v4_mtp.py: its state in a slot of its own; one rank, EP
+with DP attention or attention TP), every expert kernel family (its clamped SiLU in each; the attention itself is torch
+code). Refused here: captured decode steps, MTP drafting with pipeline stages, weights kept quantized, and DeepSeek's
+FP8 / FP4 checkpoint formats; context parallelism and attention TP that would cut an output group are refused by
+ParallelLayout.validate (moe_runtime/config/parallel_layout.py), which the planner asks too.
 """
 from __future__ import annotations
 
@@ -43,13 +44,10 @@ def refuse_unsupported(cfg, ctx) -> None:
         raise InvalidRequestError("--enable-torch-compile with DeepSeek-V4: not implemented (a captured decode step "
                                   "does not take its per-sequence compressor state yet)")
     speculative = engine.speculative_config or {}
-    if speculative.get("method", "ngram") == "mtp":
-        raise InvalidRequestError("speculative_config method 'mtp' with DeepSeek-V4: not implemented; its "
-                                  "multi-token-prediction layer (mtp.0.*: e_proj and h_proj over each of the hc_mult "
-                                  "residual streams the target keeps before its hc_head, a V4 block whose compressed "
-                                  "attention keeps per-sequence window state, an hc_head of its own) is skipped at "
-                                  "load: the MTP drafter keeps one paged KV layer, not a V4 layer's state slot; use "
-                                  "method 'ngram'")
+    if speculative.get("method") == "mtp" and ctx.parallel.pp_size > 1:
+        raise InvalidRequestError("speculative_config method 'mtp' with DeepSeek-V4 and --pp > 1: not implemented; a "
+                                  "pipeline keeps the last stage's final hidden states, not the hc_mult streams "
+                                  "entering the hyper head, which the MTP layer reads; use method 'ngram' there")
     rates = sorted({cfg.compress_rates[kind] for kind in cfg.layer_types if kind in cfg.compress_rates})
     uneven = [rate for rate in rates if engine.block_size % rate]
     if uneven:

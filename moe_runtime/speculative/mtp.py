@@ -1,4 +1,5 @@
-"""Drafting with the checkpoint's multi-token-prediction layer (DeepSeek-V3 MTP, `models/deepseek_mtp.py`).
+"""Drafting with the checkpoint's multi-token-prediction layer (DeepSeek-V3 MTP, `models/deepseek_mtp.py`;
+DeepSeek-V4's, `models/deepseek_v4_mtp.py`).
 
 After every target step the MTP layer runs over the positions the step computed whose input tokens turned out
 true (a prefill chunk's, a decode's, a verify step's up to its last accepted draft), each with the target's
@@ -8,6 +9,12 @@ last such row of a sequence that sampled predicts the token after the one just e
 then comes from the layer run again at the next position on draft j and its own output (the chain), for up to
 k drafts, as far as the sequence's blocks reach (a chain row writes the layer's cache there; the next step's
 true rows overwrite it). Drafts are the layer's argmax: point masses for the verifier.
+
+A layer that keeps per-sequence state (DeepSeek-V4's: its window's keys and its compressors' partial windows, in
+rings indexed by position) reads and writes it at each sequence's state slot. Chain rows write the rings at
+positions the next step's true rows write again, and the rings keep room for a verify step's tokens beyond the
+window (`draft_slack`), so no position a later row reads is one a chain row left; an entry a chain row completed is
+compressed again when its window really completes (as for the target's rejected drafts).
 
 The drafts come back to the host in one copy per step ([D, k]), where the scheduler reads them next step
 (`Sequence.proposed_drafts`); the MTP layer runs its MoE block through an executor of its own (its experts
@@ -23,6 +30,7 @@ import torch
 from moe_runtime.engine.sequence import Sequence
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.execution.step_inputs import TargetHidden
+from moe_runtime.layers.compressed_cache import LayerCompressedCache
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.moe.executor import MoEExecutor
 
@@ -76,17 +84,20 @@ class MtpRows:
 
 class MtpDrafter:
     def __init__(self, layer: MtpModule, executor: MoEExecutor | None, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, k: int, lock_step: bool = False):
+                 dtype: torch.dtype, device: torch.device, k: int, lock_step: bool = False,
+                 cache: LayerCompressedCache | None = None):
         """`lock_step`: the layer exchanges with other ranks (the MoE block's experts, attention heads), so every
         rank runs the pass and all k - 1 chain rows every step, with no rows where it has none. `executor`: the
-        layer's MoE block's (None: it has none, an EAGLE-3 head)."""
+        layer's MoE block's (None: it has none, an EAGLE-3 head). `cache`: a layer keeping per-sequence state
+        (DeepSeek-V4's) comes with its own, indexed by the sequences' state slots (None: one paged KV layer)."""
         self.layer = layer
         self.executor = executor
         self.lock_step = lock_step
         self.block_size = block_size
         self.device = device
         self.k = k
-        self.cache = LayerKVCache.allocate(layer.kv_cache_spec(), num_blocks, block_size, dtype, device, 0)
+        self.cache = cache if cache is not None else LayerKVCache.allocate(layer.kv_cache_spec(), num_blocks,
+                                                                             block_size, dtype, device, 0)
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to `k` drafts to follow `seq` (none: its last step drafted nothing for where it stands now)."""
@@ -105,6 +116,7 @@ class MtpDrafter:
         dev = self.device
         batch = AttentionBatch.over_ranges([seq.block_table for seq in rows.seqs], rows.starts, rows.stops,
                                            self.block_size, dev)
+        batch.state_slots = [seq.state_slot for seq in rows.seqs]
         positions = torch.tensor([p for start, stop in zip(rows.starts, rows.stops) for p in range(start, stop)],
                                  dtype=torch.long, device=dev)                                   # [M]
         previous = step.hidden.index_select(0, torch.tensor(rows.hidden_rows, dtype=torch.long, device=dev))
@@ -114,10 +126,17 @@ class MtpDrafter:
             out = self.layer.predict(positions, torch.tensor(rows.next_tokens, dtype=torch.long, device=dev),
                                      self.layer.from_target(previous), batch, self.cache)       # [M, H]
             if rows.drafting or self.lock_step:
+                self._forget_snapshots()
                 self._chain(rows, out, batch.query_start)
         finally:
             if self.executor is not None:
                 self.executor.end_step()
+
+    def _forget_snapshots(self) -> None:
+        """A state-keeping layer's prefix snapshots are of true rows only (the runner names them for the step, the
+        pass over the true rows writes them): the chain's rows write none."""
+        if isinstance(self.cache, LayerCompressedCache):
+            self.cache.captures = {}
 
     def _chain(self, rows: MtpRows, out: torch.Tensor, query_start: list[int]) -> None:
         """Drafts 1..k of the drafting sequences from their last rows' outputs `out` [M, H]."""
@@ -143,6 +162,7 @@ class MtpDrafter:
             position = [last_positions[i] + j for i in alive]
             batch = AttentionBatch.over_ranges([seqs[i].block_table for i in alive], position,
                                                [p + 1 for p in position], self.block_size, dev)
+            batch.state_slots = [seqs[i].state_slot for i in alive]
             hidden = self.layer.predict(torch.tensor(position, dtype=torch.long, device=dev), token, hidden, batch,
                                         self.cache)                                             # [A, H]
             token = self.layer.logits(hidden).argmax(dim=-1)                                    # [A]

@@ -59,7 +59,8 @@ class SkippedTensors:
                                        f"{num_mtp}): read by the MTP drafter when speculative_config's method is \"mtp\", "
                                        "else not used"))
         if getattr(hf_config, "model_type", None) == "deepseek_v4":   # DeepSeek's published MTP layer
-            rules.append(SkippedTensor(r"^mtp\.", "DeepSeek-V4's multi-token-prediction layer: not used"))
+            rules.append(SkippedTensor(r"^mtp\.", "DeepSeek-V4's multi-token-prediction layer: read by the MTP "
+                                       "drafter when speculative_config's method is \"mtp\", else not used"))
         if getattr(hf_config, "layer_types", None) and "linear_attention" in hf_config.layer_types:
             rules.append(SkippedTensor(r"^mtp\.", "Qwen3-Next's multi-token-prediction module: read by the MTP "
                                        "drafter when speculative_config's method is \"mtp\", else not used"))

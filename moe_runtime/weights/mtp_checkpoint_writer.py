@@ -1,7 +1,9 @@
 """Append a multi-token-prediction (MTP) layer to a checkpoint, named as the published ones name it: what the tests
 and the speculative-decoding bench load when no published checkpoint fits on the machine.
 
-DeepSeek-V3 and GLM-4.5: layer N = num_hidden_layers, a decoder block drawn from the last one's tensors, `enorm` /
+DeepSeek-V4: `mtp.0.*` in DeepSeek's names, the block drawn from one of the target's layers (which decides its
+attention kind), `e_proj` / `h_proj` and the norms at random, a hyper head of its own. DeepSeek-V3 and GLM-4.5:
+layer N = num_hidden_layers, a decoder block drawn from the last one's tensors, `enorm` /
 `hnorm` / `shared_head.norm` and `eh_proj` at random; with `own_copies`, the embedding and LM head copies
 DeepSeek-V3's files carry too (`embed_tokens`, `shared_head.head`). Qwen3-Next / Qwen3.5-MoE (a config with
 linear-attention layers): `mtp.layers.0` drawn from the last full-attention layer, `mtp.fc`, `mtp.pre_fc_norm_*`
@@ -44,14 +46,35 @@ def qwen3_next_mtp_tensors(tensors: dict[str, torch.Tensor], layer_types: list[s
     return mtp
 
 
-def write_mtp_checkpoint(source: Path, target: Path, own_copies: bool = False, seed: int = 0) -> Path:
+def deepseek_v4_mtp_tensors(tensors: dict[str, torch.Tensor], block_layer: int, hidden: int,
+                            generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """`mtp.0.*` from a DeepSeek-V4 checkpoint's `tensors`, in DeepSeek's names: layer `block_layer`'s block copied
+    (so its attention kind and routing; its attention output scaled up), `e_proj` / `h_proj` and the norms at random,
+    the hyper head the target's perturbed."""
+    source = f"model.layers.{block_layer}."
+    mtp = {"mtp.0." + n[len(source):]: t.clone() for n, t in tensors.items() if n.startswith(source)}
+    mtp["mtp.0.attn.wo_b.weight"] *= 8.0   # attention weighs in the drafts: a wrong window or entry shows in them
+    for norm in ("enorm", "hnorm", "norm"):
+        mtp[f"mtp.0.{norm}.weight"] = 1.0 + 0.2 * torch.randn(hidden, generator=generator)
+    for projection in ("e_proj", "h_proj"):
+        mtp[f"mtp.0.{projection}.weight"] = torch.randn(hidden, hidden, generator=generator) / hidden ** 0.5
+    for part in ("fn", "base", "scale"):
+        stored = tensors[f"model.hc_head.hc_{part}"]
+        mtp[f"mtp.0.hc_head_{part}"] = stored + 0.1 * torch.randn(stored.shape, generator=generator)
+    return mtp
+
+
+def write_mtp_checkpoint(source: Path, target: Path, own_copies: bool = False, seed: int = 0,
+                         v4_block_layer: int = 0) -> Path:
     """`source` with an MTP layer appended (and, after the last layer, `num_nextn_predict_layers=1`), as two
-    shards in `target`."""
+    shards in `target`. DeepSeek-V4: `mtp.0.*`, its block drawn from layer `v4_block_layer`."""
     config = json.loads((source / "config.json").read_text())
     tensors = read_all_tensors(source)
     generator = torch.Generator().manual_seed(seed)
     hybrid = "linear_attention" in (config.get("layer_types") or [])
-    if hybrid:
+    if config.get("model_type") == "deepseek_v4":
+        tensors.update(deepseek_v4_mtp_tensors(tensors, v4_block_layer, config["hidden_size"], generator))
+    elif hybrid:
         tensors.update(qwen3_next_mtp_tensors(tensors, config["layer_types"], config["hidden_size"], generator))
     else:
         tensors.update(mtp_layer_tensors(tensors, config["num_hidden_layers"], config["hidden_size"], generator,
