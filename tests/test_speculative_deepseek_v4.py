@@ -151,6 +151,15 @@ def test_pipeline_stages_are_refused_by_name(hf_oracles):
                                                                       parallel=SimpleNamespace(pp_size=1)))
 
 
+def test_an_eagle3_head_is_refused_by_name(hf_oracles):
+    """Its aux rows would be one stream of the hc_mult: refused at start-up instead of failing in the first step."""
+    engine = SimpleNamespace(enable_torch_compile=False, speculative_config={"method": "eagle3", "model": "head"},
+                             block_size=16)
+    context = SimpleNamespace(quant=None, engine=engine, parallel=SimpleNamespace(pp_size=1))
+    with pytest.raises(InvalidRequestError, match=r"method 'eagle3' with DeepSeek-V4: not implemented"):
+        refuse_unsupported(hf_oracles(ARCH).model.config, context)
+
+
 def test_the_mtp_layers_cache_is_paid_from_the_kv_budget():
     """The MTP layer's state rows and paged entries come out of the same budget as the target's, at the largest
     layer's size (a CSA layer's: window, carried projections, entries and index keys)."""
