@@ -30,8 +30,8 @@ def drafted_on_rank(path: str, speculative: dict, make_reference, reference_args
     """Greedy tokens of the prompts this rank's DP worker takes (prompt i: worker i % dp), from an engine core of
     this rank in `layout` (EngineConfig fields) drafting by `speculative`, its drafts after every step equal to
     `make_reference(*reference_args).drafts(tokens, k)`' prefix."""
-    config = EngineConfig(model=path, device="cpu", dtype="float32", speculative_config=speculative, block_size=4,
-                          enable_chunked_prefill=True, max_num_batched_tokens=16, **layout)
+    settings = dict(block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=16) | layout
+    config = EngineConfig(model=path, device="cpu", dtype="float32", speculative_config=speculative, **settings)
     parallel = build_parallel_context(config.layout(), dist.get_rank(), torch.device("cpu"),
                                       load_hf_config(path).num_hidden_layers)
     core = EngineCore(config, parallel)

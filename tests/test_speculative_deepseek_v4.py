@@ -21,9 +21,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from engine_helpers import greedy
 from mtp_checkpoints import DeepseekV4MtpReference, run_checking_drafts
+from multirank import ranks  # noqa: F401  (pytest fixture)
 from moe_runtime import LLM
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.core import EngineCore
@@ -34,6 +36,7 @@ from moe_runtime.errors import InvalidRequestError
 from moe_runtime.models.deepseek_v4_support import refuse_unsupported
 from moe_runtime.weights.mtp_checkpoint_writer import write_mtp_checkpoint
 from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, read_all_tensors, write_two_shards
+from speculative_pipeline_cases import drafted_on_rank
 from test_deepseek_v4 import ARCH, PROMPTS
 
 pytestmark = pytest.mark.timeout(600)
@@ -136,19 +139,27 @@ def test_mtp_with_expert_parallel(dp_attn, mtp_checkpoint, greedy_oracle):
     assert all(w.spec_draft_tokens > 0 and w.spec_verify_steps > 0 for w in workers), workers
 
 
+def rank_reference(path: Path, root: Path) -> DeepseekV4MtpReference:
+    """The CSA layer's reference on one rank of the pool (each writes its one-layer checkpoint apart)."""
+    return DeepseekV4MtpReference(path, root / f"rank{dist.get_rank()}", "compressed_sparse_attention", "hash_moe")
+
+
+@pytest.mark.slow
+def test_mtp_under_pipeline_stages_drafts_the_layers_drafts(ranks, mtp_checkpoint, greedy_oracle, tmp_path):
+    """--pp 2: the last stage keeps the hc_mult streams entering the hyper head and drafts; every stage's drafts
+    (the first stage's by broadcast) equal the reference's after every step."""
+    path = mtp_checkpoint["csa"]
+    runs = ranks(2).run(drafted_on_rank, str(path), MTP, rank_reference, (path, tmp_path), PROMPTS, NEW_TOKENS,
+                        pp=2, block_size=16)
+    assert all(run.tokens == dict(enumerate(greedy_oracle(ARCH, PROMPTS, NEW_TOKENS))) for run in runs)
+    assert all(run.compared >= len(PROMPTS) for run in runs)
+    assert runs[-1].drafted > 0 and runs[-1].verify_steps > 0
+
+
 def test_a_checkpoint_without_the_mtp_layer_is_refused_by_name(tiny_checkpoint_factory):
     with pytest.raises(InvalidRequestError, match=r"DeepseekV4ForCausalLM .* has no multi-token-prediction layer .* "
                                                   r"tensors mtp\.0\.\*"):
         LLM(str(tiny_checkpoint_factory(ARCH)), device="cpu", dtype="float32", speculative_config=MTP)
-
-
-def test_pipeline_stages_are_refused_by_name(hf_oracles):
-    engine = SimpleNamespace(enable_torch_compile=False, speculative_config=MTP, block_size=16)
-    context = SimpleNamespace(quant=None, engine=engine, parallel=SimpleNamespace(pp_size=2))
-    with pytest.raises(InvalidRequestError, match=r"method 'mtp' with DeepSeek-V4 and --pp > 1: not implemented"):
-        refuse_unsupported(hf_oracles(ARCH).model.config, context)
-    refuse_unsupported(hf_oracles(ARCH).model.config, SimpleNamespace(quant=None, engine=engine,
-                                                                      parallel=SimpleNamespace(pp_size=1)))
 
 
 def test_an_eagle3_head_is_refused_by_name(hf_oracles):

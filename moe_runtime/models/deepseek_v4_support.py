@@ -5,10 +5,10 @@ two-batch overlap, chunked prefill, prefix caching (the per-sequence state snaps
 (each layer's entries travel with the blocks, its state with the slot: moe_runtime/disaggregation/kv_transfer/
 shard.py), n-gram speculative decoding (the state rings keep room for a verify step's drafts), MTP drafting with the
 checkpoint's `mtp.0.*` layer (moe_runtime/models/deepseek_v4_mtp.py: its state in a slot of its own; one rank, EP
-with DP attention or attention TP), every expert kernel family (its clamped SiLU in each; the attention itself is
-torch code). Refused here: captured decode steps, MTP drafting with pipeline stages, EAGLE-3 heads, weights kept
-quantized, and DeepSeek's FP8 / FP4 checkpoint formats; context parallelism and attention TP that would cut an output group are refused by
-ParallelLayout.validate (moe_runtime/config/parallel_layout.py), which the planner asks too.
+with DP attention or attention TP, pipeline stages), every expert kernel family (its clamped SiLU in each; the
+attention itself is torch code). Refused here: captured decode steps, EAGLE-3 heads, weights kept quantized, and
+DeepSeek's FP8 / FP4 checkpoint formats; context parallelism and attention TP that would cut an output group are
+refused by ParallelLayout.validate (moe_runtime/config/parallel_layout.py), which the planner asks too.
 """
 from __future__ import annotations
 
@@ -48,10 +48,6 @@ def refuse_unsupported(cfg, ctx) -> None:
         raise InvalidRequestError("speculative_config method 'eagle3' with DeepSeek-V4: not implemented; an EAGLE-3 "
                                   "head reads one residual stream entering each of three layers, and V4 carries "
                                   "hc_mult hyper-connected streams there; use method 'mtp' (its own layer) or 'ngram'")
-    if speculative.get("method") == "mtp" and ctx.parallel.pp_size > 1:
-        raise InvalidRequestError("speculative_config method 'mtp' with DeepSeek-V4 and --pp > 1: not implemented; a "
-                                  "pipeline keeps the last stage's final hidden states, not the hc_mult streams "
-                                  "entering the hyper head, which the MTP layer reads; use method 'ngram' there")
     rates = sorted({cfg.compress_rates[kind] for kind in cfg.layer_types if kind in cfg.compress_rates})
     uneven = [rate for rate in rates if engine.block_size % rate]
     if uneven:
