@@ -1,6 +1,6 @@
 """The compiled CPU expert kernel (kernels/cpu_native/) against float64 and its torch twin, and in an engine.
 
-Segments of 1 to 20 rows cover both of its paths (a row alone, four rows per weight load); float32
+Segments of 1 to 20 rows cover each of its paths (a row alone, 2, 3 and 4 rows per weight load); float32
 and bfloat16 weights and activations; what it does not take (biases, gpt-oss's activation) goes to the torch
 kernel unchanged. The build needs a C++ compiler (.ci/run installs one): without one `native_experts()` is None
 and the family serves the torch kernels, checked here with the build taken away.

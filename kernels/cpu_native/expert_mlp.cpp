@@ -73,40 +73,49 @@ inline float dot_one(const W* __restrict w_row, const float* __restrict x, int64
   return acc;
 }
 
-// Four rows (`stride` apart): out[r] = dot(w_row, row r), along n; each 8 weights are loaded once for the four
-// rows, whose four accumulators keep the FMAs pipelined.
-template <typename W>
-inline void dot_four(const W* __restrict w_row, const float* __restrict x, int64_t n, int64_t stride,
+// R rows (`stride` apart, R <= 4): out[r] = dot(w_row, row r), along n; each vector of weights is loaded (and
+// widened or decoded) once for all R rows, whose R accumulators keep the FMAs pipelined. A step's experts often
+// hold 2 or 3 rows: they take R = 2, 3 rather than converting the same weights once per row.
+template <int R, typename W>
+inline void dot_rows(const W* __restrict w_row, const float* __restrict x, int64_t n, int64_t stride,
                      float* __restrict out) {
   int64_t k = 0;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc[R] = {};
 #if defined(__AVX512F__)
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
   for (; k + 16 <= n; k += 16) {
     const __m512 w = load16(w_row + k);
-    a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + k), a0);
-    a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + stride + k), a1);
-    a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 2 * stride + k), a2);
-    a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 3 * stride + k), a3);
+    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * stride + k), a[r]);
   }
-  acc[0] = _mm512_reduce_add_ps(a0), acc[1] = _mm512_reduce_add_ps(a1);
-  acc[2] = _mm512_reduce_add_ps(a2), acc[3] = _mm512_reduce_add_ps(a3);
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_reduce_add_ps(a[r]);
 #elif defined(__AVX2__)
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  __m256 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
   for (; k + 8 <= n; k += 8) {
     const __m256 w = load8(w_row + k);
-    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + k), a0);
-    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + stride + k), a1);
-    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 2 * stride + k), a2);
-    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 3 * stride + k), a3);
+    for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * stride + k), a[r]);
   }
-  acc[0] = sum8(a0), acc[1] = sum8(a1), acc[2] = sum8(a2), acc[3] = sum8(a3);
+  for (int r = 0; r < R; ++r) acc[r] = sum8(a[r]);
 #endif
   for (; k < n; ++k) {
     const float w = widen(w_row[k]);
-    for (int64_t r = 0; r < 4; ++r) acc[r] += w * x[r * stride + k];
+    for (int r = 0; r < R; ++r) acc[r] += w * x[r * stride + k];
   }
-  for (int64_t r = 0; r < 4; ++r) out[r] = acc[r];
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// out[r] = the dot of w_row with each of `count` rows (1 to 4): one row alone along four accumulators (dot_one),
+// more with the weights converted once (dot_rows).
+template <typename W>
+inline void dot_some(const W* __restrict w_row, const float* __restrict x, int64_t n, int64_t stride, int64_t count,
+                     float* __restrict out) {
+  switch (count) {
+    case 4: dot_rows<4>(w_row, x, n, stride, out); break;
+    case 3: dot_rows<3>(w_row, x, n, stride, out); break;
+    case 2: dot_rows<2>(w_row, x, n, stride, out); break;
+    default: out[0] = dot_one(w_row, x, n);
+  }
 }
 
 // The rows of every busy expert as float32, row-major; `at[b]`: where busy expert b's rows start.
@@ -175,23 +184,15 @@ void project(const Activations& a, const int64_t* counts, const int64_t* busy, i
       const W* w_row = weights + (e * outputs + j) * n;
       const float* row_scales = scales.data != nullptr ? scales.data + (e * outputs + j) * scales.blocks : nullptr;
       const float* rows = a.data.data() + a.at[b];
-      int64_t r = 0;
-      for (; r + 4 <= c; r += 4) {
+      for (int64_t r = 0; r < c; r += 4) {   // four rows at a time, the last 1 to 4 together
+        const int64_t count = std::min<int64_t>(4, c - r);
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         for (int64_t k0 = 0, blk = 0; k0 < n; k0 += block, ++blk) {
-          dot_four(w_row + k0, rows + r * n + k0, std::min(block, n - k0), n, part);
+          dot_some(w_row + k0, rows + r * n + k0, std::min(block, n - k0), n, count, part);
           const float scale = row_scales != nullptr ? row_scales[blk] : 1.f;
-          for (int64_t q = 0; q < 4; ++q) acc[q] += part[q] * scale;
+          for (int64_t q = 0; q < count; ++q) acc[q] += part[q] * scale;
         }
-        for (int64_t q = 0; q < 4; ++q) store(b, r + q, j, acc[q]);
-      }
-      for (; r < c; ++r) {
-        float acc = 0.f;
-        for (int64_t k0 = 0, blk = 0; k0 < n; k0 += block, ++blk) {
-          const float scale = row_scales != nullptr ? row_scales[blk] : 1.f;
-          acc += dot_one(w_row + k0, rows + r * n + k0, std::min(block, n - k0)) * scale;
-        }
-        store(b, r, j, acc);
+        for (int64_t q = 0; q < count; ++q) store(b, r + q, j, acc[q]);
       }
     }
   });
