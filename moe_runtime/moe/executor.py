@@ -65,7 +65,7 @@ class MoEExecutor:
         self.dtype = dtype
         self.record_load = record_load
         self.record_window = record_window
-        self.decode_max_tokens = decode_max_tokens  # a decode step's tokens per rank, drafts included (DeepEP low-latency)
+        self.decode_max_tokens = decode_max_tokens  # a decode step's tokens per rank, drafts in (DeepEP low latency)
         self.fp8_activations = fp8_activations      # dispatch sends FP8 values + per-128-column scales
         self.deepep_module = deepep_module          # the module whose Buffer is DeepEP's
         # Each step runs as two micro-batches whose dispatch/combine overlap the other's compute (the same
