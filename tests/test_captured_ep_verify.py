@@ -26,8 +26,11 @@ DEEPEP_HIDDEN = 2048          # one of the hidden sizes DeepEP's low-latency ker
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
 # One per DP worker. The random model's output follows no pattern of its prompt; a prompt holding a third of the
-# vocabulary makes the n-gram drafter find the latest token earlier in about a third of the steps.
-PROMPTS = [list(range(1, 512, 3)), list(range(2, 512, 3))]
+# vocabulary makes the n-gram drafter find the latest token earlier in about a third of the steps. A verify step
+# runs eagerly when the other worker prefills in it (the requests reach the ranks in separate agreements now and
+# then), and in bfloat16 eager multi-token MLA (expanded) and the captured single-query rows (absorbed) differ in
+# the last bits: these prompts' greedy tokens have no near-tie those bits flip (range(1, 512, 3) has one).
+PROMPTS = [list(range(2, 512, 3)), list(range(3, 512, 3))]
 NEW_TOKENS = 10
 
 
