@@ -150,7 +150,8 @@ class LockstepLoop:
     def _step(self) -> None:
         batch = self.core.schedule()
         # only ranks with work vote: an idle rank follows, so DeepEP's low-latency mode runs whenever every
-        # busy rank decodes (an idle vote for prefill would force normal mode whenever any worker is idle)
+        # busy rank decodes (an idle vote for prefill would force normal mode whenever any worker is idle); a
+        # worker verifying drafts decodes too (`ScheduledBatch.phase`), beside plain decodes and idle workers
         phase = "prefill" if batch is not None and batch.is_prefill else "decode"
         if self.core.executor.needs_phase_agreement():
             flag = torch.tensor([int(phase == "prefill")], dtype=torch.int64)

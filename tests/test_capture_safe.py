@@ -26,6 +26,8 @@ from kernels import TopK, get_kernels
 from load_balancer import SlotGeometry
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.config.parallel_context import ParallelContext
+from moe_runtime.engine.scheduler import ScheduledBatch
+from moe_runtime.engine.sequence import Sequence
 from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.execution.host_reads import HostReadCounter, opaque_device_kernel
 from moe_runtime.front.llm import LLM
@@ -44,11 +46,6 @@ class NoGroupBuffer(EmulatedDeepEPBuffer):
 
 
 @dataclass
-class Batch:
-    is_prefill: bool
-
-
-@dataclass
 class PhaseExecutor:
     def needs_phase_agreement(self) -> bool:
         return True   # prefill and decode use different dispatch backends (DeepEP normal / low-latency)
@@ -58,12 +55,12 @@ class PhaseExecutor:
 class RecordingCore:
     """The parts of an `EngineCore` one lock-step step touches; records the phase it was run in."""
 
-    batch: Batch | None
+    batch: ScheduledBatch | None
     executor: PhaseExecutor = field(default_factory=PhaseExecutor)
     phases: list[str] = field(default_factory=list)
     wake: object = None
 
-    def schedule(self) -> Batch | None:
+    def schedule(self) -> ScheduledBatch | None:
         return self.batch
 
     def execute(self, batch, phase: str) -> list:
@@ -101,11 +98,23 @@ class Results(list):
         self.append(message)
 
 
+def _one_sequence_batch(kind: str) -> ScheduledBatch:
+    """A step of one sequence: "prefill" computes its prompt, "decode" its last token, "verify" that and 2 drafts."""
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0), arrival=0)
+    if kind == "prefill":
+        seq.num_scheduled_tokens = 3
+        return ScheduledBatch([seq])
+    seq.output_token_ids, seq.num_cached_tokens = [4], 3
+    seq.draft_token_ids = [5, 6] if kind == "verify" else []
+    seq.num_scheduled_tokens = seq.logit_rows
+    return ScheduledBatch([seq])
+
+
 def _phase_of_one_step(batches: list[str | None]) -> str:
-    """Rank r runs one step with `batches[r]` ("prefill", "decode" or None: idle); the phase it ran in."""
+    """Rank r runs one step with `batches[r]` ("prefill", "decode", "verify" or None: idle); the phase it ran in."""
     rank = dist.get_rank()
     wanted = batches[rank]
-    core = RecordingCore(None if wanted is None else Batch(is_prefill=wanted == "prefill"))
+    core = RecordingCore(None if wanted is None else _one_sequence_batch(wanted))
     group = dist.new_group(backend="gloo")
     LockstepLoop(core, Commands(), Results(), OneRankWorker(rank, group, dp_rank=rank))._step()
     return core.phases[0]
@@ -119,6 +128,13 @@ def test_an_idle_worker_follows_the_busy_ones_into_low_latency_decode(ranks):
 def test_any_prefill_makes_every_rank_take_the_prefill_mode(ranks):
     assert ranks(2).run(_phase_of_one_step, ["prefill", None]) == ["prefill", "prefill"]
     assert ranks(2).run(_phase_of_one_step, ["decode", "prefill"]) == ["prefill", "prefill"]
+    assert ranks(2).run(_phase_of_one_step, ["verify", "prefill"]) == ["prefill", "prefill"]
+
+
+def test_a_worker_verifying_drafts_decodes_beside_plain_decodes_and_idle_workers(ranks):
+    """A verify step's rows fit the decode bound (drafts counted): every rank stays in the low-latency mode."""
+    assert ranks(2).run(_phase_of_one_step, ["verify", "decode"]) == ["decode", "decode"]
+    assert ranks(2).run(_phase_of_one_step, [None, "verify"]) == ["decode", "decode"]
 
 
 # ------------------------------------------------------------------ item 2: DeepEP's preconditions

@@ -93,7 +93,7 @@ def test_a_drafting_sequence_schedules_its_drafts_and_rolls_back_what_was_reject
     seq.commit_scheduled_tokens()
     seq.output_token_ids.append(8)                          # 8 tokens: blocks 0, 1 full, the 8th not computed
     batch = scheduler.schedule()
-    assert batch.is_prefill, "a step that verifies drafts takes the prefill dispatch (any tokens per rank)"
+    assert batch.phase == "decode", "a step of decodes verifying drafts is a decode step (drafts within its bound)"
     assert seq.num_scheduled_tokens == 6 and seq.scheduled_token_ids() == [8, 9, 9, 9, 9, 9]
     assert seq.samples_this_step and seq.logit_rows == 6
     assert len(seq.block_table) == 4                        # positions up to 12 (7 + 1 + 5 drafts)

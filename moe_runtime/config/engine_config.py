@@ -204,6 +204,19 @@ class EngineConfig:
                                     "ranks, the capture one; use one of them")
 
     @property
+    def decode_max_tokens(self) -> int:
+        """The most tokens one DP worker's decode-phase step computes: what DeepEP's low-latency buffers are sized
+        for and what bounds the captured step's largest bucket. One per sequence (`max_num_seqs`); with speculative
+        decoding each sequence verifies up to `num_speculative_tokens` drafts beside its last token, and the
+        scheduler gives drafts only what is left of the step's token budget (`max_num_batched_tokens`), so a
+        step of drafts never passes the larger of that budget and `max_num_seqs`."""
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is None:
+            return self.max_num_seqs
+        return min(self.max_num_seqs * (1 + speculative.num_speculative_tokens),
+                   max(self.max_num_batched_tokens, self.max_num_seqs))
+
+    @property
     def ranks_start_elsewhere(self) -> bool:
         """Ranks on other nodes or from torchrun: they prove the shared control key to join."""
         return self.nnodes > 1 or not self.launch_workers

@@ -163,10 +163,12 @@ class EngineCore:
     @staticmethod
     def _capture_settings(config: EngineConfig, device: torch.device, max_model_len: int) -> CaptureSettings | None:
         """The decode capture of `--enable-torch-compile` (None: off); the config refused layouts it cannot
-        capture (`EngineConfig.validate_torch_compile`)."""
+        capture (`EngineConfig.validate_torch_compile`). Its largest bucket stays within the decode bound (a padded
+        step's rows go through DeepEP's low-latency dispatch under expert parallelism)."""
         if not config.enable_torch_compile:
             return None
-        return CaptureSettings.for_device(device, max_batch=min(config.torch_compile_max_bs, config.max_num_seqs),
+        largest = min(config.torch_compile_max_bs, config.decode_max_tokens)
+        return CaptureSettings.for_device(device, max_batch=largest,
                                           backend=config.torch_compile_backend, max_model_len=max_model_len,
                                           block_size=config.block_size)
 
@@ -444,6 +446,7 @@ class EngineCore:
             prefix_cache_queries=self.block_manager.counters.queries,
             prefix_cache_hits=self.block_manager.counters.hits,
             captured_decode_steps=self.runner.capture.stats.captured_steps if self.runner.capture else 0,
+            captured_verify_steps=self.runner.capture.stats.captured_verify_steps if self.runner.capture else 0,
             **DecodeHostReads.stats(self.decode_host_reads), **Speculation.stats(self.speculation),
         )
 

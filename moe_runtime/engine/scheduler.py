@@ -19,8 +19,9 @@ same step can already reuse it.
 
 With speculative decoding (`drafter`), a decoding sequence may compute its last token and the drafts proposed
 after it in one step (1 + d tokens; blocks for all of them), when blocks and the step's token budget allow
-(else it decodes one token). Such a step is a "prefill"-phase step: the expert dispatch then takes any number
-of tokens per rank, so the decode-phase bound (`max_num_seqs` tokens per rank, DeepEP low-latency) holds as it is.
+(else it decodes one token). A step whose sequences all decode, with or without drafts, is still a
+"decode"-phase step (DeepEP's low-latency dispatch, the captured step): its rows stay within the decode bound,
+`EngineConfig.decode_max_tokens` (max_num_seqs x (1 + k), and no more than the token budget lets drafts take).
 
 When a decode finds no free block, the most recently admitted request is preempted: its blocks are
 freed (cached ones stay cached) and it goes back to the front of the queue, to be recomputed from
@@ -38,8 +39,8 @@ from moe_runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-PHASE_PREFILL = "prefill"   # some sequence computes prompt tokens or more than one token (dispatch: any size)
-PHASE_DECODE = "decode"     # every sequence computes one token past its prompt (<= max_num_seqs tokens)
+PHASE_PREFILL = "prefill"   # some sequence computes prompt tokens or recomputes its output (dispatch: any size)
+PHASE_DECODE = "decode"     # every sequence computes its last token and its drafts, if any (<= decode_max_tokens)
 
 
 class Drafter(Protocol):
@@ -65,9 +66,10 @@ class ScheduledBatch:
 
     @property
     def phase(self) -> str:
-        """"decode" when every sequence decodes one token, else "prefill" (mixed steps included): the
-        expert dispatch picks its mode by it, and a decode mode may bound the tokens per rank."""
-        if all(seq.is_decoding and seq.num_scheduled_tokens == 1 for seq in self.seqs):
+        """"decode" when every sequence decodes: its last token, and the drafts it verifies (1 + d tokens, all
+        logits rows), else "prefill" (mixed steps included): the expert dispatch picks its mode by it, and a
+        decode mode may bound the tokens per rank (`EngineConfig.decode_max_tokens`, drafts counted)."""
+        if all(seq.is_decoding and seq.num_scheduled_tokens == seq.logit_rows for seq in self.seqs):
             return PHASE_DECODE
         return PHASE_PREFILL
 

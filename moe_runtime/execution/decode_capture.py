@@ -31,7 +31,10 @@ of them logits rows, and each row is a single query at its own position, attendi
 to itself. The layers write every row's K/V before they attend, so the step runs as a decode step of
 sum(1 + d) rows (each row its sequence's table and its own context length, pad rows as above) through the
 same graphs, bucketed by rows. On one rank the captured MoE ignores the phase (per-(token, expert) GEMVs);
-under expert parallelism a verify step is a prefill-phase step and runs eagerly.
+under expert parallelism a verify step is a decode-phase step (`ScheduledBatch.phase`): its rows go through
+DeepEP's low-latency dispatch like any decode step's, within the decode bound that counts the drafts
+(`EngineConfig.decode_max_tokens`, which also caps the largest bucket), so a DP worker verifying drafts, one
+plain-decoding and an idle one run the same collectives in the same step.
 
 Where capture cannot run it says so once and the engine decodes eagerly: no C++ compiler for
 inductor's CPU backend, or a compile that fails. What cannot be captured at all (several ranks, kept
@@ -160,7 +163,7 @@ class DecodeCapture:
         if self.stats.disabled_reason is not None or not seqs or rows > self.settings.max_batch:
             return False
         executor = self.model.executor
-        # several ranks agreed on prefill (a verify step, a mixed one): not the low-latency kernels
+        # several ranks agreed on prefill (some worker prefills): not the low-latency kernels
         if executor.phase != PHASE_DECODE and executor.parallel.ep_size > 1:
             return False
         for seq in seqs:
@@ -219,7 +222,8 @@ class DecodeCapture:
         batch: AttentionBatch = inputs.batch
         per_seq = torch.tensor(batch.query_lens, dtype=torch.long, device=batch.block_tables.device)      # [B]
         rows = AttentionBatch(query_lens=[], context_lens=[], query_start=[0], slot_mapping=batch.slot_mapping,
-                              block_tables=batch.block_tables.repeat_interleave(per_seq, dim=0),          # [T, W]
+                              block_tables=batch.block_tables.repeat_interleave(                          # [T, W]
+                                  per_seq, dim=0, output_size=inputs.input_ids.shape[0]),
                               context_lens_tensor=(inputs.positions + 1).to(torch.int32),                 # [T]
                               block_size=batch.block_size)
         return StepInputs(inputs.input_ids, inputs.positions, rows, inputs.last_token_index)

@@ -65,7 +65,7 @@ class MoEExecutor:
         self.dtype = dtype
         self.record_load = record_load
         self.record_window = record_window
-        self.decode_max_tokens = decode_max_tokens  # a decode step's tokens per rank (bounds DeepEP low-latency)
+        self.decode_max_tokens = decode_max_tokens  # a decode step's tokens per rank, drafts in (DeepEP low latency)
         self.fp8_activations = fp8_activations      # dispatch sends FP8 values + per-128-column scales
         self.deepep_module = deepep_module          # the module whose Buffer is DeepEP's
         # Each step runs as two micro-batches whose dispatch/combine overlap the other's compute (the same
@@ -97,7 +97,7 @@ class MoEExecutor:
                    num_redundant_experts=config.num_redundant_experts, hidden_size=hidden_size, dtype=dtype,
                    record_load=parallel.world_size > 1 or config.device_resident_experts > 0,
                    record_window=config.eplb_window,
-                   decode_max_tokens=config.max_num_seqs,
+                   decode_max_tokens=config.decode_max_tokens,
                    fp8_activations=config.dispatch_fp8 and parallel.ep_size > 1,
                    two_batch_overlap=config.enable_two_batch_overlap, deepep_module=config.deepep_module,
                    cpu_experts=config.cpu_experts, device_resident_experts=config.device_resident_experts)
