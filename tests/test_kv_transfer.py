@@ -124,14 +124,14 @@ def test_a_drafters_layer_travels_when_shaped_like_the_models_from_the_last_laye
 
     def speculation(spec: KVCacheSpec, method: str = "mtp"):
         drafter = SimpleNamespace(layer=SimpleNamespace(kv_cache_spec=lambda: spec), cache="draft")
-        return SimpleNamespace(model_drafter=drafter, config=SimpleNamespace(method=method))
+        return SimpleNamespace(local_model_drafter=lambda: drafter, config=SimpleNamespace(method=method))
 
     layers = TransferredLayers.of(model, caches, speculation(KVCacheSpec(2, 8, 8)), holds_last_layer=True)
     assert (layers.caches, layers.drafter) == ([*caches, "draft"], "mtp")
     assert KVShard.of(layers.specs, 0, 16, torch.float32, drafter=layers.drafter).draft_layer == 3
     for left_out in (TransferredLayers.of(model, caches, speculation(KVCacheSpec(4, 8, 8), "eagle3"), True),
                      TransferredLayers.of(model, caches, speculation(KVCacheSpec(2, 8, 8)), False),
-                     TransferredLayers.of(model, caches, SimpleNamespace(model_drafter=None), True),
+                     TransferredLayers.of(model, caches, SimpleNamespace(local_model_drafter=lambda: None), True),
                      TransferredLayers.of(model, caches, None, True)):
         assert (left_out.caches, left_out.drafter) == (caches, "")
 
