@@ -27,96 +27,16 @@
 #include <cstdint>
 #include <vector>
 
-#include "weight_loads.h"
+#include "weight_dots.h"
 
 namespace {
 
+using moe_cpu::dot_some;
 using moe_cpu::widen;
 #ifdef __AVX2__
 using moe_cpu::DenormalsKept;
-using moe_cpu::load8;
-using moe_cpu::sum8;
-#endif
-#ifdef __AVX512F__
-using moe_cpu::load16;
 #endif
 
-
-// One row: dot(w_row, x) over n, along n (four vector accumulators: the FMAs pipeline). With AVX-512 (a build on a
-// CPU that has it: -march=native) 16 lanes a register, else AVX2's 8, then the scalar tail.
-template <typename W>
-inline float dot_one(const W* __restrict w_row, const float* __restrict x, int64_t n) {
-  int64_t k = 0;
-  float acc = 0.f;
-#if defined(__AVX512F__)
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-  for (; k + 64 <= n; k += 64) {
-    a0 = _mm512_fmadd_ps(load16(w_row + k), _mm512_loadu_ps(x + k), a0);
-    a1 = _mm512_fmadd_ps(load16(w_row + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-    a2 = _mm512_fmadd_ps(load16(w_row + k + 32), _mm512_loadu_ps(x + k + 32), a2);
-    a3 = _mm512_fmadd_ps(load16(w_row + k + 48), _mm512_loadu_ps(x + k + 48), a3);
-  }
-  for (; k + 16 <= n; k += 16) a0 = _mm512_fmadd_ps(load16(w_row + k), _mm512_loadu_ps(x + k), a0);
-  acc = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-#elif defined(__AVX2__)
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  for (; k + 32 <= n; k += 32) {
-    a0 = _mm256_fmadd_ps(load8(w_row + k), _mm256_loadu_ps(x + k), a0);
-    a1 = _mm256_fmadd_ps(load8(w_row + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-    a2 = _mm256_fmadd_ps(load8(w_row + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-    a3 = _mm256_fmadd_ps(load8(w_row + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-  }
-  for (; k + 8 <= n; k += 8) a0 = _mm256_fmadd_ps(load8(w_row + k), _mm256_loadu_ps(x + k), a0);
-  acc = sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-#endif
-  for (; k < n; ++k) acc += widen(w_row[k]) * x[k];
-  return acc;
-}
-
-// R rows (`stride` apart, R <= 4): out[r] = dot(w_row, row r), along n; each vector of weights is loaded (and
-// widened or decoded) once for all R rows, whose R accumulators keep the FMAs pipelined. A step's experts often
-// hold 2 or 3 rows: they take R = 2, 3 rather than converting the same weights once per row.
-template <int R, typename W>
-inline void dot_rows(const W* __restrict w_row, const float* __restrict x, int64_t n, int64_t stride,
-                     float* __restrict out) {
-  int64_t k = 0;
-  float acc[R] = {};
-#if defined(__AVX512F__)
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  for (; k + 16 <= n; k += 16) {
-    const __m512 w = load16(w_row + k);
-    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * stride + k), a[r]);
-  }
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_reduce_add_ps(a[r]);
-#elif defined(__AVX2__)
-  __m256 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
-  for (; k + 8 <= n; k += 8) {
-    const __m256 w = load8(w_row + k);
-    for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * stride + k), a[r]);
-  }
-  for (int r = 0; r < R; ++r) acc[r] = sum8(a[r]);
-#endif
-  for (; k < n; ++k) {
-    const float w = widen(w_row[k]);
-    for (int r = 0; r < R; ++r) acc[r] += w * x[r * stride + k];
-  }
-  for (int r = 0; r < R; ++r) out[r] = acc[r];
-}
-
-// out[r] = the dot of w_row with each of `count` rows (1 to 4): one row alone along four accumulators (dot_one),
-// more with the weights converted once (dot_rows).
-template <typename W>
-inline void dot_some(const W* __restrict w_row, const float* __restrict x, int64_t n, int64_t stride, int64_t count,
-                     float* __restrict out) {
-  switch (count) {
-    case 4: dot_rows<4>(w_row, x, n, stride, out); break;
-    case 3: dot_rows<3>(w_row, x, n, stride, out); break;
-    case 2: dot_rows<2>(w_row, x, n, stride, out); break;
-    default: out[0] = dot_one(w_row, x, n);
-  }
-}
 
 // The rows of every busy expert as float32, row-major; `at[b]`: where busy expert b's rows start.
 struct Activations {
