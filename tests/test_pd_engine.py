@@ -97,6 +97,27 @@ def test_prefill_there_decode_here_equals_one_instance(engines, expected, arch, 
     wait_for_free([(p, p_free), (d, d_free)])   # the prefill's copy released, the decode's freed at the end
 
 
+def test_imports_past_max_num_seqs_wait_their_turn_holding_their_blocks(engines, expected):
+    """A decode instance with max_num_seqs=1 takes two imports that land together: the second waits, holding its
+    blocks, while the first decodes alone (a decode step never holds more sequences than the decode bound sizes),
+    then decodes; both give one instance's tokens."""
+    p, d = engines("llama", "prefill"), engines("llama", "decode", max_num_seqs=1)
+    handles = [prefill(p, f"p{next(ids)}", prompt).kv_handle for prompt in PROMPTS]
+    request_ids = [f"d{next(ids)}" for _ in PROMPTS]
+    for request_id, prompt, handle in zip(request_ids, PROMPTS, handles):
+        d.add_request(request_id, prompt, greedy(NEW_TOKENS), import_kv=handle)
+    scheduler, most_running, waited = d.core.scheduler, 0, False
+    done: dict = {}
+    deadline = time.monotonic() + 60
+    while len(done) < len(request_ids) and time.monotonic() < deadline:
+        for engine in (d, p):
+            done.update((o.request_id, o) for o in engine.step() if o.request_id in request_ids and o.finished)
+        most_running = max(most_running, len(scheduler.running))
+        waited = waited or (bool(scheduler.landed) and bool(scheduler.running))
+    assert [done[request_id].token_ids for request_id in request_ids] == expected("llama")
+    assert most_running == 1 and waited
+
+
 def test_a_seeded_request_draws_what_it_would_on_one_instance(engines):
     p, d = engines("qwen3_moe", "prefill"), engines("qwen3_moe", "decode")
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)

@@ -435,7 +435,7 @@ class EngineCore:
         return WorkerStats(
             dp_rank=self.parallel.dp_rank,
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + len(self.scheduler.landed),
             kv_blocks_total=self.block_manager.num_blocks,
             kv_blocks_free=self.block_manager.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,

@@ -85,13 +85,14 @@ class Scheduler:
         self.drafter = drafter                     # speculative decoding (None: off)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.landed: deque[Sequence] = deque()    # a decode instance's imports, holding their blocks, waiting for
+        self.num_preemptions = 0                  # room under max_num_seqs (`add_running`)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.landed)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -103,7 +104,7 @@ class Scheduler:
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
         """End a request before the engine would (client gone, or the front saw a stop string); frees its blocks."""
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.running, self.landed):
             for seq in list(queue):
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -112,6 +113,8 @@ class Scheduler:
         return None
 
     def schedule(self) -> ScheduledBatch | None:
+        while self.landed and len(self.running) < self.config.max_num_seqs:
+            self.running.append(self.landed.popleft())
         if self.config.enable_chunked_prefill:
             return self._schedule_mixed()
         return self._schedule_prefill() or self._schedule_decode()
@@ -225,15 +228,17 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: FinishReason, keep_blocks: bool = False) -> None:
         """The request is done here; its blocks are freed unless `keep_blocks` (a prefill instance parks them
         for a decode instance to pull, and frees them on release: `PrefillExports`)."""
-        if seq in self.running:
-            self.running.remove(seq)
+        for queue in (self.running, self.landed):
+            if seq in queue:
+                queue.remove(seq)
         self._finish(seq, reason, keep_blocks)
 
     def add_running(self, seq: Sequence) -> None:
-        """Put a request that already holds its blocks and computed tokens (a decode instance's import) straight
-        into the running set: it decodes from the next step."""
+        """A request that already holds its blocks and computed tokens (a decode instance's import): it joins the
+        running set at the next step with room under max_num_seqs, so a decode step never holds more sequences
+        than the decode bound sizes (DeepEP low-latency buffers, captured buckets) however many imports land."""
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.landed.append(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason, keep_blocks: bool = False) -> None:
         seq.status = SequenceStatus.FINISHED
