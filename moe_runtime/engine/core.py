@@ -21,7 +21,7 @@ from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.kv_groups import KVCacheLayout
 from moe_runtime.engine.state_slots import state_layers
 from moe_runtime.weights.checkpoint import CheckpointReader
-from moe_runtime.execution.decode_capture import CaptureSettings
+from moe_runtime.execution.decode_capture import CaptureSettings, CaptureStats
 from moe_runtime.execution.host_reads import DecodeHostReads
 from moe_runtime.disaggregation.decode_imports import DecodeImports
 from moe_runtime.disaggregation.draft_layer import TransferredLayers
@@ -168,9 +168,8 @@ class EngineCore:
         if not config.enable_torch_compile:
             return None
         largest = min(config.torch_compile_max_bs, config.decode_max_tokens)
-        return CaptureSettings.for_device(device, max_batch=largest,
-                                          backend=config.torch_compile_backend, max_model_len=max_model_len,
-                                          block_size=config.block_size)
+        return CaptureSettings.for_device(device, max_batch=largest, backend=config.torch_compile_backend,
+                                          max_model_len=max_model_len, block_size=config.block_size)
 
     def _open_kv_transfer(self, config: EngineConfig, key: TransferKey | None) -> None:
         """A prefill instance's rank serves its parked blocks; a decode instance's rank pulls into its own."""
@@ -445,9 +444,8 @@ class EngineCore:
             compute_seconds=self._compute_seconds if self.parallel.pp_size > 1 else self._step_seconds,
             prefix_cache_queries=self.block_manager.counters.queries,
             prefix_cache_hits=self.block_manager.counters.hits,
-            captured_decode_steps=self.runner.capture.stats.captured_steps if self.runner.capture else 0,
-            captured_verify_steps=self.runner.capture.stats.captured_verify_steps if self.runner.capture else 0,
-            **DecodeHostReads.stats(self.decode_host_reads), **Speculation.stats(self.speculation),
+            **CaptureStats.worker_fields(self.runner.capture), **DecodeHostReads.stats(self.decode_host_reads),
+            **Speculation.stats(self.speculation),
         )
 
     def reset_prefix_cache(self) -> int:

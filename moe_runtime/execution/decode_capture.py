@@ -108,6 +108,14 @@ class CaptureStats:
     buckets_compiled: list[int] = field(default_factory=list)  # batch buckets whose first step compiled
     disabled_reason: str | None = None               # set when capture gave up; every step then runs eagerly
 
+    @staticmethod
+    def worker_fields(capture: "DecodeCapture | None") -> dict:
+        """The `WorkerStats` fields (none without a capture: the defaults, 0)."""
+        if capture is None:
+            return {}
+        return {"captured_decode_steps": capture.stats.captured_steps,
+                "captured_verify_steps": capture.stats.captured_verify_steps}
+
 
 def cpu_compiler_missing() -> str | None:
     """Why inductor's CPU backend cannot build kernels here (None: a C++ compiler was found)."""
@@ -175,9 +183,9 @@ class DecodeCapture:
         return True
 
     def run(self, seqs: list[Sequence], inputs: StepInputs) -> CapturedStep | None:
-        """A covered step's (`covers`) drafter rows (`CapturedStep.hidden`) and next-token logits, one row per token (one per
-        sequence without drafts), from the runner's prepared `inputs`; None for any other step, which the runner
-        then runs eagerly (counted in `stats.eager_steps`)."""
+        """A covered step's (`covers`) drafter rows (`CapturedStep.hidden`) and next-token logits, one row per
+        token (one per sequence without drafts), from the runner's prepared `inputs`; None for any other step, which
+        the runner then runs eagerly (counted in `stats.eager_steps`)."""
         if not self.covers(seqs):
             self.stats.eager_steps += 1
             return None

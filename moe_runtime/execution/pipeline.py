@@ -92,7 +92,7 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
                 runner.score_prompts(group, inputs, out)   # final hidden states exist on the last stage only
                 logits.append(model.logits(out[inputs.last_token_index]))
             if kept is not None:   # empty micro-batches too: a drafter in lock-step runs on an empty step
-                kept.parts.append(model.aux_hidden if model.aux_layers else out)
+                kept.parts.append(model.drafter_hidden(out))
     for request in sends:
         request.wait()
     if kept is not None:   # a model drafter reads them (`speculative/pipeline_drafts.py`)
