@@ -35,9 +35,9 @@ import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
-from attention_dp.control_key import ControlKey
-from attention_dp.messages import Hello, Message, MessageCodec, WorkerSetup
-from attention_dp.pending_handshakes import HandshakeCaps, PendingHandshakes
+from moe_runtime.attention_dp.control_key import ControlKey
+from moe_runtime.attention_dp.messages import Hello, Message, MessageCodec, WorkerSetup
+from moe_runtime.attention_dp.pending_handshakes import HandshakeCaps, PendingHandshakes
 
 logger = logging.getLogger(__name__)
 

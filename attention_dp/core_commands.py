@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, AdmittedElsewhere, ExpertLoadReport,
-                                   ExpertLoadTables, ImportRequest, KVImported, RebalanceNow, RebalanceReport,
-                                   ReleaseExport, ResetPrefixCache, SnapshotExpertLoad, StepOutputs)
-from load_balancer.rebalance_event import RebalanceEvent
+from moe_runtime.attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, AdmittedElsewhere, ExpertLoadReport,
+                                               ExpertLoadTables, ImportRequest, KVImported, RebalanceNow, RebalanceReport,
+                                               ReleaseExport, ResetPrefixCache, SnapshotExpertLoad, StepOutputs)
+from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 
 
 @dataclass(frozen=True)

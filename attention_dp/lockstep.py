@@ -29,9 +29,9 @@ import queue
 import torch
 import torch.distributed as dist
 
-from attention_dp.control_plane import Woken
-from attention_dp.core_commands import CoreCommands, RankRole
-from attention_dp.messages import RebalanceReport, Reform, Shutdown
+from moe_runtime.attention_dp.control_plane import Woken
+from moe_runtime.attention_dp.core_commands import CoreCommands, RankRole
+from moe_runtime.attention_dp.messages import RebalanceReport, Reform, Shutdown
 from moe_runtime.sampling.structured_output.grammar_waits import AGREEMENT_WINDOW, Readiness
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Union
 
 import msgspec
 
-from load_balancer.rebalance_event import RebalanceEvent
+from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.disaggregation.import_spec import ImportSpec

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from attention_dp.prefix_index import PrefixCacheIndex
+from moe_runtime.attention_dp.prefix_index import PrefixCacheIndex
 
 
 @dataclass

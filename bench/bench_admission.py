@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from attention_dp.messages import AddRequest, AdmittedElsewhere, MessageCodec
+from moe_runtime.attention_dp.messages import AddRequest, AdmittedElsewhere, MessageCodec
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig

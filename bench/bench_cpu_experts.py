@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_offline import SHAPE, build_checkpoint, copy_bandwidth_gbs   # noqa: E402
-from kernels.cpu_native.build import native_experts   # noqa: E402
-from kernels.expert_mlp import expert_mlp   # noqa: E402
-from kernels.fp8_block_weights import fp8_expert_mlp   # noqa: E402
-from kernels.int8_weights import int8_expert_mlp   # noqa: E402
+from moe_runtime.kernels.cpu_native.build import native_experts   # noqa: E402
+from moe_runtime.kernels.expert_mlp import expert_mlp   # noqa: E402
+from moe_runtime.kernels.fp8_block_weights import fp8_expert_mlp   # noqa: E402
+from moe_runtime.kernels.int8_weights import int8_expert_mlp   # noqa: E402
 from moe_runtime.planner.cpu_engine_collectives import measure_engine_decode   # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

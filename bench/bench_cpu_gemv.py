@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.cpu_native import custom_ops
-from kernels.cpu_native.build import native_experts
-from kernels.skinny_matmul import linear_rows
+from moe_runtime.kernels.cpu_native import custom_ops
+from moe_runtime.kernels.cpu_native.build import native_experts
+from moe_runtime.kernels.skinny_matmul import linear_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"moe_qo": (512, 512), "moe_kv": (256, 512), "moe_lm_head": (8192, 512),

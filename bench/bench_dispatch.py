@@ -69,8 +69,8 @@ def _measure_on_rank(shape: Shape, target_s: float) -> dict:
     """
     import torch.distributed as dist
 
-    from dispatch import DispatchConfig, make_dispatcher
-    from load_balancer import SlotGeometry
+    from moe_runtime.dispatch import DispatchConfig, make_dispatcher
+    from moe_runtime.load_balancer import SlotGeometry
 
     rank = dist.get_rank()
     dtype = getattr(torch, shape.dtype)

@@ -46,14 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_ep_decode import StepTime, TimedRun, make_prompts, timed_generate
 from bench.skewed_checkpoint import SkewedShape, SkewSpec, build_skewed_checkpoint
-from load_balancer import (
-    ExpertLoadTrace,
-    Placement,
-    balancedness,
-    max_over_mean,
-    mean_over_max,
-    save_trace,
-)
+from moe_runtime.load_balancer import (
+                ExpertLoadTrace,
+                Placement,
+                balancedness,
+                max_over_mean,
+                mean_over_max,
+                save_trace,
+            )
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -41,10 +41,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dispatch.base import LAYOUT_CONTIGUOUS  # noqa: E402
-from dispatch.local import LocalDispatcher  # noqa: E402
-from kernels import KernelSet, RoutingConfig, get_kernels  # noqa: E402
-from load_balancer import SlotGeometry  # noqa: E402
+from moe_runtime.dispatch.base import LAYOUT_CONTIGUOUS  # noqa: E402
+from moe_runtime.dispatch.local import LocalDispatcher  # noqa: E402
+from moe_runtime.kernels import KernelSet, RoutingConfig, get_kernels  # noqa: E402
+from moe_runtime.load_balancer import SlotGeometry  # noqa: E402
 from moe_runtime.moe.expert_kernel import expert_kernel_for  # noqa: E402
 from moe_runtime.moe.expert_weights import ExpertWeights  # noqa: E402
 from moe_runtime.moe.modular_moe import ModularMoE  # noqa: E402

@@ -69,7 +69,7 @@ class Server:
     def start(self, timeout_s: float = 600.0) -> "Server":
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads), MOE_RUNTIME_KV_KEY=KV_SECRET)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "server.cli", *self.args, "--host", "127.0.0.1", "--port", "0",
+        command = [sys.executable, "-m", "moe_runtime.server.cli", *self.args, "--host", "127.0.0.1", "--port", "0",
                    "--log-level", "warning"]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=env, cwd=REPO_ROOT)

@@ -35,15 +35,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.eplb_reference import eplb_rebalance  # noqa: E402
-from load_balancer import (  # noqa: E402
-    DEFAULT_GAIN_PER_COPY_ROUND,
-    ExpertLoadRecorder,
-    Placement,
-    balancedness,
-    load_trace,
-    rebalance,
-    static_placement,
-)
+from moe_runtime.load_balancer import (  # noqa: E402
+                DEFAULT_GAIN_PER_COPY_ROUND,
+                ExpertLoadRecorder,
+                Placement,
+                balancedness,
+                load_trace,
+                rebalance,
+                static_placement,
+            )
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED_TRACE = ROOT / "bench" / "traces" / "recorded.json"

@@ -97,7 +97,9 @@ def make_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
 # ---- the server -----------------------------------------------------------------------------
 
 def cli_module(tree: Path) -> str:
-    """The moe-serve module of a checkout (it moved from the engine package to server/)."""
+    """The moe-serve module of a checkout (it moved from the engine package to server/, then under moe_runtime.*)."""
+    if (tree / "moe_runtime" / "folder_names.py").exists():
+        return "moe_runtime.server.cli"
     return "server.cli" if (tree / "server" / "cli.py").exists() else "moe_runtime.cli"
 
 

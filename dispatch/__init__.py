@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import importlib
 
+from moe_runtime.folder_names import yield_bare_name
+
+yield_bare_name(__name__, __file__)   # first: this folder is imported as moe_runtime.dispatch only
+
 _EXPORTS = {
-    "AllToAllDispatcher": "dispatch.all_to_all", "AllGatherDispatcher": "dispatch.allgather",
-    "LAYOUT_CONTIGUOUS": "dispatch.base", "LAYOUT_MASKED": "dispatch.base", "DispatchOutput": "dispatch.base",
-    "DispatchStats": "dispatch.base", "Dispatcher": "dispatch.base", "BACKENDS": "dispatch.backends",
-    "DispatchConfig": "dispatch.config", "DeepEPDispatcher": "dispatch.deepep", "make_dispatcher": "dispatch.factory",
-    "select_backend": "dispatch.factory", "LocalDispatcher": "dispatch.local",
-    "naive_moe_reference": "dispatch.reference", "SlotLayout": "dispatch.slots",
-    "Fp8Activations": "dispatch.fp8_activations", "quantize_token_groups": "dispatch.fp8_activations",
-    "dequantize": "dispatch.fp8_activations", "Pending": "dispatch.pending", "Ready": "dispatch.pending",
+    "AllToAllDispatcher": "moe_runtime.dispatch.all_to_all", "AllGatherDispatcher": "moe_runtime.dispatch.allgather",
+    "LAYOUT_CONTIGUOUS": "moe_runtime.dispatch.base", "LAYOUT_MASKED": "moe_runtime.dispatch.base", "DispatchOutput": "moe_runtime.dispatch.base",
+    "DispatchStats": "moe_runtime.dispatch.base", "Dispatcher": "moe_runtime.dispatch.base", "BACKENDS": "moe_runtime.dispatch.backends",
+    "DispatchConfig": "moe_runtime.dispatch.config", "DeepEPDispatcher": "moe_runtime.dispatch.deepep", "make_dispatcher": "moe_runtime.dispatch.factory",
+    "select_backend": "moe_runtime.dispatch.factory", "LocalDispatcher": "moe_runtime.dispatch.local",
+    "naive_moe_reference": "moe_runtime.dispatch.reference", "SlotLayout": "moe_runtime.dispatch.slots",
+    "Fp8Activations": "moe_runtime.dispatch.fp8_activations", "quantize_token_groups": "moe_runtime.dispatch.fp8_activations",
+    "dequantize": "moe_runtime.dispatch.fp8_activations", "Pending": "moe_runtime.dispatch.pending", "Ready": "moe_runtime.dispatch.pending",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -29,4 +33,4 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'dispatch' has no attribute {name!r}")
+    raise AttributeError(f"module 'moe_runtime.dispatch' has no attribute {name!r}")

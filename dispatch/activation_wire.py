@@ -24,8 +24,8 @@ import dataclasses
 
 import torch
 
-from dispatch.collectives import ColumnSpec
-from dispatch.fp8_activations import FP8_DTYPE, Fp8Activations, dequantize, num_groups, quantize_token_groups
+from moe_runtime.dispatch.collectives import ColumnSpec
+from moe_runtime.dispatch.fp8_activations import FP8_DTYPE, Fp8Activations, dequantize, num_groups, quantize_token_groups
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,13 +20,13 @@ import logging
 
 import torch
 
-from dispatch.activation_wire import ActivationWire
-from dispatch.base import DispatchOutput, DispatchStats, OverlappingDispatcher
-from dispatch.collectives import (ColumnSpec, all_gather_counts, pack_rows, start_all_gather_rows,
-                                  start_all_reduce_slice, start_reduce_scatter_rows, unpack_rows)
-from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
-from dispatch.pending import Pending
-from dispatch.slots import SlotLayout, check_dispatch_inputs
+from moe_runtime.dispatch.activation_wire import ActivationWire
+from moe_runtime.dispatch.base import DispatchOutput, DispatchStats, OverlappingDispatcher
+from moe_runtime.dispatch.collectives import (ColumnSpec, all_gather_counts, pack_rows, start_all_gather_rows,
+                                              start_all_reduce_slice, start_reduce_scatter_rows, unpack_rows)
+from moe_runtime.dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
+from moe_runtime.dispatch.pending import Pending
+from moe_runtime.dispatch.slots import SlotLayout, check_dispatch_inputs
 
 logger = logging.getLogger(__name__)
 

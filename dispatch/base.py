@@ -35,7 +35,7 @@ import dataclasses
 
 import torch
 
-from dispatch.pending import Pending, Ready
+from moe_runtime.dispatch.pending import Pending, Ready
 
 LAYOUT_CONTIGUOUS = "contiguous"  # recv_x [N, H], rows grouped by local expert
 LAYOUT_MASKED = "masked"          # recv_x [E_local, M, H], first tokens_per_local_expert[e] valid

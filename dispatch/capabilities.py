@@ -8,13 +8,13 @@ device and DeepEP's presence, so its check runs there, on the resolved name.
 
 from __future__ import annotations
 
-from dispatch.all_to_all import AllToAllDispatcher
-from dispatch.allgather import AllGatherDispatcher
-from dispatch.backends import (BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_DEEPEP,
-                               BACKEND_DEEPEP_LOW_LATENCY, BACKEND_DEEPEP_NORMAL, BACKEND_LOCAL)
-from dispatch.base import Dispatcher
-from dispatch.deepep import DeepEPDispatcher
-from dispatch.local import LocalDispatcher
+from moe_runtime.dispatch.all_to_all import AllToAllDispatcher
+from moe_runtime.dispatch.allgather import AllGatherDispatcher
+from moe_runtime.dispatch.backends import (BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_DEEPEP,
+                                           BACKEND_DEEPEP_LOW_LATENCY, BACKEND_DEEPEP_NORMAL, BACKEND_LOCAL)
+from moe_runtime.dispatch.base import Dispatcher
+from moe_runtime.dispatch.deepep import DeepEPDispatcher
+from moe_runtime.dispatch.local import LocalDispatcher
 
 
 def dispatcher_class(backend: str) -> type[Dispatcher] | None:

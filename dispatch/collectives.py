@@ -17,7 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from dispatch.pending import InFlight, Pending
+from moe_runtime.dispatch.pending import InFlight, Pending
 
 
 @dataclasses.dataclass(frozen=True)

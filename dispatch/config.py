@@ -6,9 +6,9 @@ import dataclasses
 
 import torch
 
-from dispatch.backends import BACKEND_AUTO, BACKENDS, PHASES
-from dispatch.capabilities import check_fp8_activations
-from dispatch.slots import SlotLayout
+from moe_runtime.dispatch.backends import BACKEND_AUTO, BACKENDS, PHASES
+from moe_runtime.dispatch.capabilities import check_fp8_activations
+from moe_runtime.dispatch.slots import SlotLayout
 
 
 @dataclasses.dataclass

@@ -43,13 +43,13 @@ import importlib
 
 import torch
 
-from dispatch.base import LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchOutput, Dispatcher
-from dispatch.deepep_buffer import SharedDeepEPBuffer
-from dispatch.deepep_ops import LowLatencyCalls, low_latency_combine, low_latency_dispatch
-from dispatch.deepep_preconditions import MODE_LOW_LATENCY, MODE_NORMAL, deepep_refusal
-from dispatch.fp8_activations import GROUP_SIZE, Fp8Activations, dequantize, quantize_token_groups
-from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
-from dispatch.slots import SlotLayout, check_dispatch_inputs
+from moe_runtime.dispatch.base import LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchOutput, Dispatcher
+from moe_runtime.dispatch.deepep_buffer import SharedDeepEPBuffer
+from moe_runtime.dispatch.deepep_ops import LowLatencyCalls, low_latency_combine, low_latency_dispatch
+from moe_runtime.dispatch.deepep_preconditions import MODE_LOW_LATENCY, MODE_NORMAL, deepep_refusal
+from moe_runtime.dispatch.fp8_activations import GROUP_SIZE, Fp8Activations, dequantize, quantize_token_groups
+from moe_runtime.dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
+from moe_runtime.dispatch.slots import SlotLayout, check_dispatch_inputs
 
 
 DEFAULT_DEEPEP_MODULE = "deep_ep"

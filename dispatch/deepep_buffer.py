@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dispatch.deepep_preconditions import MODE_LOW_LATENCY, MODE_NORMAL
+from moe_runtime.dispatch.deepep_preconditions import MODE_LOW_LATENCY, MODE_NORMAL
 
 
 @dataclass(frozen=True)

@@ -8,18 +8,18 @@ from dataclasses import dataclass
 
 import torch
 
-from dispatch.all_to_all import AllToAllDispatcher
-from dispatch.allgather import AllGatherDispatcher
-from dispatch.base import Dispatcher
-from dispatch.capabilities import check_fp8_activations
-from dispatch.backends import (BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_AUTO, BACKEND_DEEPEP,
-                               BACKEND_DEEPEP_LOW_LATENCY, BACKEND_DEEPEP_NORMAL, BACKEND_LOCAL, BACKENDS,
-                               PHASE_DECODE, PHASE_PREFILL, PHASES)
-from dispatch.config import DispatchConfig
-from dispatch.deepep import DEFAULT_DEEPEP_MODULE, DeepEPDispatcher, deep_ep_importable, import_deep_ep_buffer
-from dispatch.deepep_buffer import DeepEPBufferShape, SharedDeepEPBuffer
-from dispatch.deepep_preconditions import DEEPEP_DTYPE, MODE_LOW_LATENCY, MODE_NORMAL, deepep_refusal
-from dispatch.local import LocalDispatcher
+from moe_runtime.dispatch.all_to_all import AllToAllDispatcher
+from moe_runtime.dispatch.allgather import AllGatherDispatcher
+from moe_runtime.dispatch.base import Dispatcher
+from moe_runtime.dispatch.capabilities import check_fp8_activations
+from moe_runtime.dispatch.backends import (BACKEND_ALL_TO_ALL, BACKEND_ALLGATHER, BACKEND_AUTO, BACKEND_DEEPEP,
+                                           BACKEND_DEEPEP_LOW_LATENCY, BACKEND_DEEPEP_NORMAL, BACKEND_LOCAL, BACKENDS,
+                                           PHASE_DECODE, PHASE_PREFILL, PHASES)
+from moe_runtime.dispatch.config import DispatchConfig
+from moe_runtime.dispatch.deepep import DEFAULT_DEEPEP_MODULE, DeepEPDispatcher, deep_ep_importable, import_deep_ep_buffer
+from moe_runtime.dispatch.deepep_buffer import DeepEPBufferShape, SharedDeepEPBuffer
+from moe_runtime.dispatch.deepep_preconditions import DEEPEP_DTYPE, MODE_LOW_LATENCY, MODE_NORMAL, deepep_refusal
+from moe_runtime.dispatch.local import LocalDispatcher
 
 logger = logging.getLogger(__name__)
 

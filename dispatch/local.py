@@ -6,9 +6,9 @@ import dataclasses
 
 import torch
 
-from dispatch.base import DispatchOutput, DispatchStats, Dispatcher
-from dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
-from dispatch.slots import SlotLayout, check_dispatch_inputs
+from moe_runtime.dispatch.base import DispatchOutput, DispatchStats, Dispatcher
+from moe_runtime.dispatch.grouping import ExpertGrouping, gather_grouped, group_by_local_expert, reduce_grouped
+from moe_runtime.dispatch.slots import SlotLayout, check_dispatch_inputs
 
 
 @dataclasses.dataclass

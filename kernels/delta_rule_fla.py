@@ -17,7 +17,7 @@ def fla_available(device: torch.device) -> bool:
 
 
 def fla_chunked_delta_rule(q, k, v, g, beta, state):
-    """kernels.delta_rule.chunked_delta_rule through fla's chunk kernel (one sequence as a batch of one).
+    """moe_runtime.kernels.delta_rule.chunked_delta_rule through fla's chunk kernel (one sequence as a batch of one).
     q and k come normalised and q scaled, so fla is told scale 1 and no in-kernel L2 norm."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -28,7 +28,7 @@ def fla_chunked_delta_rule(q, k, v, g, beta, state):
 
 
 def fla_delta_rule_step(q, k, v, g, beta, state):
-    """kernels.delta_rule.delta_rule_step through fla's fused recurrent kernel (B sequences, one token each)."""
+    """moe_runtime.kernels.delta_rule.delta_rule_step through fla's fused recurrent kernel (B sequences, one token each)."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     out, final = fused_recurrent_gated_delta_rule(q[:, None].float(), k[:, None].float(), v[:, None].float(),

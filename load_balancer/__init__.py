@@ -1,16 +1,20 @@
 """Expert placement and its balancing: slot geometry, placements, replica choice on the step path,
 expert-load recording, rebalancing (replication + placement), live migration through `ExpertStore`."""
 
-from load_balancer.balancedness import balancedness, max_over_mean, mean_over_max, rank_load
-from load_balancer.expert_store import ExpertStore
-from load_balancer.migration import MigrationPlan, plan_migration
-from load_balancer.placement import Placement, RebalanceStats, static_placement
-from load_balancer.rebalance import DEFAULT_GAIN_PER_COPY_ROUND, DEFAULT_LOAD_NOISE, rebalance
-from load_balancer.rebalance_event import RebalanceEvent
-from load_balancer.recorder import ExpertLoadRecorder, ExpertLoadSnapshot
-from load_balancer.replica_choice import ReplicaTable, choose_replicas, local_replica_slots, replica_tables
-from load_balancer.slot_geometry import SlotGeometry
-from load_balancer.trace import ExpertLoadTrace, load_trace, save_trace
+from moe_runtime.folder_names import yield_bare_name
+
+yield_bare_name(__name__, __file__)   # first: this folder is imported as moe_runtime.load_balancer only
+
+from moe_runtime.load_balancer.balancedness import balancedness, max_over_mean, mean_over_max, rank_load
+from moe_runtime.load_balancer.expert_store import ExpertStore
+from moe_runtime.load_balancer.migration import MigrationPlan, plan_migration
+from moe_runtime.load_balancer.placement import Placement, RebalanceStats, static_placement
+from moe_runtime.load_balancer.rebalance import DEFAULT_GAIN_PER_COPY_ROUND, DEFAULT_LOAD_NOISE, rebalance
+from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
+from moe_runtime.load_balancer.recorder import ExpertLoadRecorder, ExpertLoadSnapshot
+from moe_runtime.load_balancer.replica_choice import ReplicaTable, choose_replicas, local_replica_slots, replica_tables
+from moe_runtime.load_balancer.slot_geometry import SlotGeometry
+from moe_runtime.load_balancer.trace import ExpertLoadTrace, load_trace, save_trace
 
 __all__ = [
     "DEFAULT_GAIN_PER_COPY_ROUND",

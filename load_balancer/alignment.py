@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from load_balancer.slot_geometry import SlotGeometry
+from moe_runtime.load_balancer.slot_geometry import SlotGeometry
 
 
 def align_to_previous(

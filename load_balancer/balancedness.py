@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from load_balancer.placement import Placement
+from moe_runtime.load_balancer.placement import Placement
 
 
 def check_load(load: torch.Tensor, num_experts: int | None = None, name: str = "load") -> torch.Tensor:

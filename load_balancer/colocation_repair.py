@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from load_balancer.slot_geometry import SlotGeometry
+from moe_runtime.load_balancer.slot_geometry import SlotGeometry
 
 
 @dataclass(frozen=True)

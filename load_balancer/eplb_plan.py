@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from load_balancer.layout import Layout
+from moe_runtime.load_balancer.layout import Layout
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from load_balancer.slot_geometry import SlotGeometry
+from moe_runtime.load_balancer.slot_geometry import SlotGeometry
 
 
 @dataclass(frozen=True)

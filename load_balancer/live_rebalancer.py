@@ -30,14 +30,14 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from load_balancer.balancedness import balancedness
-from load_balancer.expert_store import ExpertStore
-from load_balancer.migration import MigrationPlan, plan_migration
-from load_balancer.placement import Placement
-from load_balancer.rebalance import rebalance
-from load_balancer.rebalance_event import RebalanceEvent
-from load_balancer.recorder import ExpertLoadRecorder
-from load_balancer.weight_migration import migrate_layer
+from moe_runtime.load_balancer.balancedness import balancedness
+from moe_runtime.load_balancer.expert_store import ExpertStore
+from moe_runtime.load_balancer.migration import MigrationPlan, plan_migration
+from moe_runtime.load_balancer.placement import Placement
+from moe_runtime.load_balancer.rebalance import rebalance
+from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
+from moe_runtime.load_balancer.recorder import ExpertLoadRecorder
+from moe_runtime.load_balancer.weight_migration import migrate_layer
 
 logger = logging.getLogger(__name__)
 

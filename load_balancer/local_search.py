@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from load_balancer.slot_geometry import SlotGeometry
+from moe_runtime.load_balancer.slot_geometry import SlotGeometry
 
 
 @dataclass(frozen=True)

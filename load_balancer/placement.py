@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from load_balancer.slot_geometry import SlotGeometry
+from moe_runtime.load_balancer.slot_geometry import SlotGeometry
 
 
 @dataclass

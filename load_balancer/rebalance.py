@@ -42,16 +42,16 @@ from typing import Optional
 import numpy as np
 import torch
 
-from load_balancer.alignment import align_to_previous
-from load_balancer.balancedness import check_load
-from load_balancer.colocation_repair import repair_colocation
-from load_balancer.eplb_plan import eplb_plan
-from load_balancer.layout import Layout
-from load_balancer.local_search import LayerSearch
-from load_balancer.packing import balanced_pack
-from load_balancer.placement import Placement, RebalanceStats, check_layout
-from load_balancer.replication import greedy_replica_counts
-from load_balancer.slot_geometry import SlotGeometry
+from moe_runtime.load_balancer.alignment import align_to_previous
+from moe_runtime.load_balancer.balancedness import check_load
+from moe_runtime.load_balancer.colocation_repair import repair_colocation
+from moe_runtime.load_balancer.eplb_plan import eplb_plan
+from moe_runtime.load_balancer.layout import Layout
+from moe_runtime.load_balancer.local_search import LayerSearch
+from moe_runtime.load_balancer.packing import balanced_pack
+from moe_runtime.load_balancer.placement import Placement, RebalanceStats, check_layout
+from moe_runtime.load_balancer.replication import greedy_replica_counts
+from moe_runtime.load_balancer.slot_geometry import SlotGeometry
 
 logger = logging.getLogger(__name__)
 

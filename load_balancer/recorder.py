@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from load_balancer.balancedness import max_over_mean, mean_over_max
-from load_balancer.placement import Placement, static_placement
-from load_balancer.slot_geometry import SlotGeometry
+from moe_runtime.load_balancer.balancedness import max_over_mean, mean_over_max
+from moe_runtime.load_balancer.placement import Placement, static_placement
+from moe_runtime.load_balancer.slot_geometry import SlotGeometry
 
 
 @dataclass

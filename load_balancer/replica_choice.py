@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from load_balancer.placement import Placement
+from moe_runtime.load_balancer.placement import Placement
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from load_balancer.placement import Placement
+from moe_runtime.load_balancer.placement import Placement
 
 
 class ExpertsLost(ValueError):

@@ -17,7 +17,7 @@ from typing import Union
 
 import torch
 
-from load_balancer.recorder import ExpertLoadRecorder
+from moe_runtime.load_balancer.recorder import ExpertLoadRecorder
 
 TRACE_FORMAT = "moe-runtime/expert-load-trace"
 TRACE_VERSION = 1

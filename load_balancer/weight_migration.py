@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from load_balancer.expert_store import ExpertStore
-from load_balancer.migration import MigrationPlan
-from load_balancer.placement import Placement
+from moe_runtime.load_balancer.expert_store import ExpertStore
+from moe_runtime.load_balancer.migration import MigrationPlan
+from moe_runtime.load_balancer.placement import Placement
 
 
 def source_slot(previous: Placement, layer: int, expert: int, rank: int) -> int:

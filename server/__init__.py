@@ -1,15 +1,19 @@
 """The OpenAI-compatible HTTP service: `build_app(async_engine, served_model_name, ...)`.
 
-`build_app` and `Mount` load on first use: `moe-serve --help` (server.cli) must not wait for fastapi and torch.
+`build_app` and `Mount` load on first use: `moe-serve --help` (moe_runtime.server.cli) must not wait for fastapi and torch.
 """
 from __future__ import annotations
 
 import importlib
+
+from moe_runtime.folder_names import yield_bare_name
+
+yield_bare_name(__name__, __file__)   # first: this folder is imported as moe_runtime.server only
 
 __all__ = ["Mount", "build_app"]
 
 
 def __getattr__(name: str):
     if name in __all__:
-        return getattr(importlib.import_module("server.app"), name)
-    raise AttributeError(f"module 'server' has no attribute {name!r}")
+        return getattr(importlib.import_module("moe_runtime.server.app"), name)
+    raise AttributeError(f"module 'moe_runtime.server' has no attribute {name!r}")

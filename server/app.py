@@ -24,27 +24,27 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 import moe_runtime
 from moe_runtime.front.async_engine import AsyncEngine
 from moe_runtime.errors import MoERuntimeError
-from server.auth import ApiKeyGate, ApiKeys
-from server.body_limit import RequestSizeLimit
-from server.chat import ChatFormatter
-from server.completions import CompletionFormatter
-from server.errors import APIError, as_api_error, install_error_handlers
-from server.generation import Generation
-from server.head_requests import HeadAsGet
-from server.json_body import documented_body, install_body_schemas, json_body
-from server.logprobs import TokenNamer
-from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from server.request_conversion import ModelInfo, chat_choices, check_model, completion_choices
-from server.server_config import DEFAULT_MAX_REQUEST_BYTES
-from server.sse import EventStreamResponse, sse_stream
-from server.stream_usage import stream_usage
-from server.tenant_salt import TenantSalts
-from server.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
-                                 detokenize, tokenize)
-from server.harmony_output import HarmonyFormat
-from server.reasoning.selection import choose_reasoning
-from server.tool_calls.selection import choose_parser
+from moe_runtime.server.auth import ApiKeyGate, ApiKeys
+from moe_runtime.server.body_limit import RequestSizeLimit
+from moe_runtime.server.chat import ChatFormatter
+from moe_runtime.server.completions import CompletionFormatter
+from moe_runtime.server.errors import APIError, as_api_error, install_error_handlers
+from moe_runtime.server.generation import Generation
+from moe_runtime.server.head_requests import HeadAsGet
+from moe_runtime.server.json_body import documented_body, install_body_schemas, json_body
+from moe_runtime.server.logprobs import TokenNamer
+from moe_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from moe_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from moe_runtime.server.request_conversion import ModelInfo, chat_choices, check_model, completion_choices
+from moe_runtime.server.server_config import DEFAULT_MAX_REQUEST_BYTES
+from moe_runtime.server.sse import EventStreamResponse, sse_stream
+from moe_runtime.server.stream_usage import stream_usage
+from moe_runtime.server.tenant_salt import TenantSalts
+from moe_runtime.server.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
+                                             detokenize, tokenize)
+from moe_runtime.server.harmony_output import HarmonyFormat
+from moe_runtime.server.reasoning.selection import choose_reasoning
+from moe_runtime.server.tool_calls.selection import choose_parser
 
 logger = logging.getLogger(__name__)
 

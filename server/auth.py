@@ -20,8 +20,8 @@ from typing import Sequence
 
 from fastapi import Request
 
-from server.body_limit import declares_body
-from server.errors import APIError
+from moe_runtime.server.body_limit import declares_body
+from moe_runtime.server.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 BROWSER_REALM = 'Basic realm="moe-serve", charset="UTF-8"'

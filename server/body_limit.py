@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.errors import APIError
+from moe_runtime.server.errors import APIError
 
 
 

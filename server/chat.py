@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.completions import api_finish_reason, usage_of
-from server.generation import ChoiceEvent, Generation
-from server.logprobs import TokenNamer, chat_logprobs
-from server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                             ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, DeltaMessage)
-from server.chat_reading import ChatReading, ChoiceReader
-from server.harmony_output import HarmonyFormat
-from server.reasoning.parser import ReasoningParser
-from server.tool_calls.plan import ToolCallReader
+from moe_runtime.server.completions import api_finish_reason, usage_of
+from moe_runtime.server.generation import ChoiceEvent, Generation
+from moe_runtime.server.logprobs import TokenNamer, chat_logprobs
+from moe_runtime.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                         ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, DeltaMessage)
+from moe_runtime.server.chat_reading import ChatReading, ChoiceReader
+from moe_runtime.server.harmony_output import HarmonyFormat
+from moe_runtime.server.reasoning.parser import ReasoningParser
+from moe_runtime.server.tool_calls.plan import ToolCallReader
 
 
 def chat_finish_reason(reason: str | None, called_tools: bool) -> str | None:

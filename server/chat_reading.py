@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from server.deltas import ChoiceDelta
-from server.harmony_output import HarmonyFormat
-from server.protocol import AssistantMessage
-from server.reasoning.parser import ReasoningParser, ReasoningStream, split_whole
-from server.tool_calls.plan import ToolCallReader
-from server.tool_calls.stream import StreamPiece, ToolCallStream
+from moe_runtime.server.deltas import ChoiceDelta
+from moe_runtime.server.harmony_output import HarmonyFormat
+from moe_runtime.server.protocol import AssistantMessage
+from moe_runtime.server.reasoning.parser import ReasoningParser, ReasoningStream, split_whole
+from moe_runtime.server.tool_calls.plan import ToolCallReader
+from moe_runtime.server.tool_calls.stream import StreamPiece, ToolCallStream
 
 
 class ChoiceReader(Protocol):

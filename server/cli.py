@@ -5,7 +5,7 @@
     moe-serve --dp-attn 8 --ep 8 ...            # multi-process expert parallel
     moe-serve ... --nnodes 2 --node-rank 1 ...  # another node's ranks (moe_runtime.processes.node_launcher)
 
-`python -m server.cli --help` lists every flag. Each flag's destination is the name of a field of
+`python -m moe_runtime.server.cli --help` lists every flag. Each flag's destination is the name of a field of
 exactly one of `ServerConfig` (HTTP, model choice) and `EngineConfig` (the engine), and its default
 is that field's default; the parser's values become the two configs by name.
 
@@ -19,16 +19,16 @@ import dataclasses
 import logging
 import sys
 
-from attention_dp.control_key import CONTROL_KEY_ENV
-from dispatch.backends import BACKENDS
+from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV
+from moe_runtime.dispatch.backends import BACKENDS
 from moe_runtime.config.engine_config import DISAGGREGATION_MODES, DTYPES, QUANTIZATIONS, EngineConfig
 from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
 from moe_runtime.errors import MoERuntimeError
-from server.flag_help import DefaultsHelpFormatter
-from server.flag_types import AppendToTuple, json_object, non_negative_int, parse_size, positive_int, tcp_port
-from server.server_config import DEMO_SERVED_NAME, ServerConfig
-from server.reasoning.names import REASONING_PARSER_NAMES
-from server.tool_calls.names import TOOL_CALL_PARSER_NAMES
+from moe_runtime.server.flag_help import DefaultsHelpFormatter
+from moe_runtime.server.flag_types import AppendToTuple, json_object, non_negative_int, parse_size, positive_int, tcp_port
+from moe_runtime.server.server_config import DEMO_SERVED_NAME, ServerConfig
+from moe_runtime.server.reasoning.names import REASONING_PARSER_NAMES
+from moe_runtime.server.tool_calls.names import TOOL_CALL_PARSER_NAMES
 
 UNRESOLVED_MODEL = ""   # EngineConfig.model until `--model` (or the demo) is resolved, at launch
 
@@ -233,11 +233,11 @@ def _values_of_fields(config_class, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["router"]:   # `moe-serve router ...`: the P/D router (its own flags)
-        from server.pd_router.cli import main as router_main
+        from moe_runtime.server.pd_router.cli import main as router_main
 
         return router_main(argv[1:])
     if argv[:1] == ["plan"]:     # `moe-serve plan ...`: layouts and GPU counts for a model and a load (its own flags)
-        from server.plan_cli import main as plan_main
+        from moe_runtime.server.plan_cli import main as plan_main
 
         return plan_main(argv[1:])
     parser = build_parser()
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     server_config, engine_config = server_config_from_args(args), engine_config_from_args(args)
     try:
         if server_config.pd is not None:
-            from server.pd_launch import serve_pd_set
+            from moe_runtime.server.pd_launch import serve_pd_set
 
             return serve_pd_set(server_config, argv)
         return _serve_or_join(server_config, engine_config)
@@ -268,7 +268,7 @@ def _serve_or_join(server_config: ServerConfig, engine_config: EngineConfig) -> 
         server_config.validate()
         engine_config.validate()
         return run_worker_node(engine_config)
-    from server.serve import serve
+    from moe_runtime.server.serve import serve
 
     return serve(server_config, engine_config)
 

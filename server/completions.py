@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.generation import ChoiceEvent, ChoiceSpec, Generation
-from server.logprobs import TokenNamer, completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
-from server.protocol import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
+from moe_runtime.server.generation import ChoiceEvent, ChoiceSpec, Generation
+from moe_runtime.server.logprobs import TokenNamer, completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
+from moe_runtime.server.protocol import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
 
 
 def api_finish_reason(reason: str | None) -> str | None:

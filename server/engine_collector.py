@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from load_balancer import ExpertLoadSnapshot, RebalanceEvent
+from moe_runtime.load_balancer import ExpertLoadSnapshot, RebalanceEvent
 from moe_runtime.engine.stats import EngineStats, RecoveryStats, WorkerStats
 from moe_runtime.disaggregation.kv_transfer.stats import LatencyHistogram, TransferStats
 

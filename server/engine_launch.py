@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.front.engine_factory import make_engine
-from server.server_config import ServerConfig
+from moe_runtime.server.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 
-from server.server_config import ServerConfig
+from moe_runtime.server.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import AsyncIterator
 from moe_runtime.front.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
 from moe_runtime.sampling.params import SamplingParams
-from server.deltas import ChoiceDelta, ChoiceTracker
-from server.metrics import ServerMetrics
+from moe_runtime.server.deltas import ChoiceDelta, ChoiceTracker
+from moe_runtime.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 

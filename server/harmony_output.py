@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_runtime.front.detokenizer import DecodeState, Detokenizer
-from server.deltas import ChoiceDelta
-from server.errors import bad_request
-from server.harmony_parse import HarmonyStream
-from server.harmony_render import REASONING_EFFORTS, HarmonyPrompt
-from server.harmony_tokens import STOPS
-from server.protocol import AssistantMessage, ChatCompletionRequest, ChatMessage
-from server.tool_calls.stream import StreamPiece
+from moe_runtime.server.deltas import ChoiceDelta
+from moe_runtime.server.errors import bad_request
+from moe_runtime.server.harmony_parse import HarmonyStream
+from moe_runtime.server.harmony_render import REASONING_EFFORTS, HarmonyPrompt
+from moe_runtime.server.harmony_tokens import STOPS
+from moe_runtime.server.protocol import AssistantMessage, ChatCompletionRequest, ChatMessage
+from moe_runtime.server.tool_calls.stream import StreamPiece
 
 
 class SpecialTokenDetokenizer(Detokenizer):

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from moe_runtime.front.output_processor import held_back_suffix
-from server.harmony_tokens import BODY_ENDS, CALL, CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE, START
-from server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
-from server.tool_calls.parser import openai_call_id
-from server.tool_calls.stream import NO_ARGUMENTS, StreamPiece
+from moe_runtime.server.harmony_tokens import BODY_ENDS, CALL, CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE, START
+from moe_runtime.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from moe_runtime.server.tool_calls.parser import openai_call_id
+from moe_runtime.server.tool_calls.stream import NO_ARGUMENTS, StreamPiece
 
 RECIPIENT = re.compile(r"to=([^\s<]+)")
 HEADER_MARKERS = [MESSAGE, START, CHANNEL, CONSTRAIN]

@@ -20,9 +20,9 @@ import datetime
 import json
 from dataclasses import dataclass
 
-from server.harmony_schema import functions_namespace
-from server.harmony_tokens import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, START
-from server.protocol import ChatMessage
+from moe_runtime.server.harmony_schema import functions_namespace
+from moe_runtime.server.harmony_tokens import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, START
+from moe_runtime.server.protocol import ChatMessage
 
 REASONING_EFFORTS = ("low", "medium", "high")
 IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."

@@ -20,8 +20,8 @@ from typing import Awaitable, Callable, Iterable, TypeVar
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 
-from server.errors import APIError, bad_request, validation_error
-from server.json_failure_field import deepest_field, long_integer_field
+from moe_runtime.server.errors import APIError, bad_request, validation_error
+from moe_runtime.server.json_failure_field import deepest_field, long_integer_field
 
 Model = TypeVar("Model", bound=BaseModel)
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from moe_runtime.disaggregation.kv_transfer.handle import HandleError, KVHandle
-from server.errors import bad_request
-from server.generation import ChoiceSpec
-from server.protocol import SamplingFields
+from moe_runtime.server.errors import bad_request
+from moe_runtime.server.generation import ChoiceSpec
+from moe_runtime.server.protocol import SamplingFields
 
 PARAM = "kv_transfer_params"
 

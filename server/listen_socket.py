@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import socket
 
-from server.server_config import ServerConfigError
+from moe_runtime.server.server_config import ServerConfigError
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -3,7 +3,7 @@ the completions shape (echo) and in vLLM's `prompt_logprobs` shape."""
 from __future__ import annotations
 
 from moe_runtime.sampling.logprobs import PromptTokenLogprob, TokenLogprob
-from server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
+from moe_runtime.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 
 
 class TokenNamer:

@@ -12,8 +12,8 @@ from typing import Iterable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from load_balancer import ExpertLoadSnapshot
-from server.engine_collector import EngineCollector, EngineReading
+from moe_runtime.load_balancer import ExpertLoadSnapshot
+from moe_runtime.server.engine_collector import EngineCollector, EngineReading
 
 PREFIX = "moe_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST   # the exposition format `generate_latest` writes

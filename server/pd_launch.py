@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
-from server.pd_router.backends import BackendPool
-from server.pd_router.cli import serve_router
-from server.server_config import ServerConfig, ServerConfigError
+from moe_runtime.server.pd_router.backends import BackendPool
+from moe_runtime.server.pd_router.cli import serve_router
+from moe_runtime.server.server_config import ServerConfig, ServerConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def instance_args(argv: list[str]) -> list[str]:
 
 
 def start_instance(name: str, role: str, args: list[str], env: dict) -> Instance:
-    command = [sys.executable, "-m", "server.cli", *args, "--disaggregation-mode", role, "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "moe_runtime.server.cli", *args, "--disaggregation-mode", role, "--host", "127.0.0.1",
                "--port", "0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     instance = Instance(name, process)

@@ -19,19 +19,19 @@ from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.sampling.structured_output.spec import FIELD, StructuredOutputSpec
 from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
-from server.errors import APIError, bad_request
-from server.generation import ChoiceSpec
-from server.harmony_output import HarmonyFormat
-from server.kv_transfer_request import with_kv_transfer
-from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, digit_keys
-from server.request_work import (chat_logprob_views, check_choices, check_logprobs, check_prompt_tokens,
-                                 completion_logprob_views)
-from server.structured_output_request import requested_structure
-from server.tool_calls.fallback_rendering import messages_with_tools_in_text
-from server.tool_calls.parser import ToolCallParser
-from server.tool_calls.plan import ToolCallReader, plan_tool_use
-from server.tool_calls.selection import template_supports_tools
-from server.unknown_fields import UnknownFieldWarnings
+from moe_runtime.server.errors import APIError, bad_request
+from moe_runtime.server.generation import ChoiceSpec
+from moe_runtime.server.harmony_output import HarmonyFormat
+from moe_runtime.server.kv_transfer_request import with_kv_transfer
+from moe_runtime.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, digit_keys
+from moe_runtime.server.request_work import (chat_logprob_views, check_choices, check_logprobs, check_prompt_tokens,
+                                             completion_logprob_views)
+from moe_runtime.server.structured_output_request import requested_structure
+from moe_runtime.server.tool_calls.fallback_rendering import messages_with_tools_in_text
+from moe_runtime.server.tool_calls.parser import ToolCallParser
+from moe_runtime.server.tool_calls.plan import ToolCallReader, plan_tool_use
+from moe_runtime.server.tool_calls.selection import template_supports_tools
+from moe_runtime.server.unknown_fields import UnknownFieldWarnings
 
 
 @dataclass(frozen=True)

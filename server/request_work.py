@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_runtime.sampling.bounds import WORK_BOUND
-from server.errors import bad_request
+from moe_runtime.server.errors import bad_request
 
 REFUSAL_CODE = "request_too_large"
 

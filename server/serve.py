@@ -16,17 +16,17 @@ from typing import Callable
 import uvicorn
 
 from moe_runtime.config.engine_config import EngineConfig
-from server.app import build_app
-from server.dashboard import dashboard_router
-from server.engine_launch import EngineLaunch
-from server.exposure import warn_if_exposed
-from server.graceful_drain import GracefulDrain
-from server.listen_socket import bind_socket, socket_url
-from server.open_files import AcceptFailureLog, raise_open_file_limit
-from server.serve_loop import serve_until_stopped, until_started
-from server.server_config import ServerConfig
-from server.startup_gate import StartupGate
-from server.tool_calls.selection import checkpoint_model_type
+from moe_runtime.server.app import build_app
+from moe_runtime.server.dashboard import dashboard_router
+from moe_runtime.server.engine_launch import EngineLaunch
+from moe_runtime.server.exposure import warn_if_exposed
+from moe_runtime.server.graceful_drain import GracefulDrain
+from moe_runtime.server.listen_socket import bind_socket, socket_url
+from moe_runtime.server.open_files import AcceptFailureLog, raise_open_file_limit
+from moe_runtime.server.serve_loop import serve_until_stopped, until_started
+from moe_runtime.server.server_config import ServerConfig
+from moe_runtime.server.startup_gate import StartupGate
+from moe_runtime.server.tool_calls.selection import checkpoint_model_type
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
-from server.errors import as_api_error
+from moe_runtime.server.errors import as_api_error
 
 if TYPE_CHECKING:  # the P/D router streams with this module too, without the engine's imports (torch)
-    from server.generation import ChoiceEvent, Generation
-    from server.metrics import ServerMetrics
+    from moe_runtime.server.generation import ChoiceEvent, Generation
+    from moe_runtime.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 

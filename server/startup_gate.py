@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse, Response
 
-from server.body_limit import declares_body
-from server.errors import APIError
+from moe_runtime.server.body_limit import declares_body
+from moe_runtime.server.errors import APIError
 
 STARTING_RETRY_AFTER_S = 5
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.errors import bad_request
-from server.protocol import SamplingFields
+from moe_runtime.server.errors import bad_request
+from moe_runtime.server.protocol import SamplingFields
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from typing import Callable
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling.structured_output.spec import FIELD, StructuredOutputSpec
 from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
-from server.errors import bad_request
-from server.protocol import SamplingFields
+from moe_runtime.server.errors import bad_request
+from moe_runtime.server.protocol import SamplingFields
 
 MAX_CHOICES = 256
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from server.auth import KEY_INDEX_STATE, ApiKeys
-from server.protocol import SamplingFields
+from moe_runtime.server.auth import KEY_INDEX_STATE, ApiKeys
+from moe_runtime.server.protocol import SamplingFields
 
 
 @dataclass(frozen=True)

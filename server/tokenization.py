@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from server.errors import bad_request, short_repr
-from server.protocol import ChatMessage, MAX_TOOLS, RequestModel, ToolDefinition
-from server.request_conversion import ModelInfo, check_model, render_chat
+from moe_runtime.server.errors import bad_request, short_repr
+from moe_runtime.server.protocol import ChatMessage, MAX_TOOLS, RequestModel, ToolDefinition
+from moe_runtime.server.request_conversion import ModelInfo, check_model, render_chat
 
 MIN_DETOKENIZE_BOUND = 2**17   # ids one /detokenize takes: the model's context, and at least this many
 

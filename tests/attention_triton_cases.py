@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from kernels import get_kernels
-from kernels.paged_prefill_attention import PagedPrefillBatch
-from kernels.paged_prefill_attention import paged_prefill_attention as torch_prefill
+from moe_runtime.kernels import get_kernels
+from moe_runtime.kernels.paged_prefill_attention import PagedPrefillBatch
+from moe_runtime.kernels.paged_prefill_attention import paged_prefill_attention as torch_prefill
 from mixed_attention_cases import SCALE, mixed_attention_case
 from paged_steps import paged_step
 from moe_runtime.layers.attention_backend import attention_kernels_for
@@ -26,8 +26,8 @@ TWIN = get_kernels("cpu", "torch")
 if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("attention_triton_cases.py runs on CUDA or with TRITON_INTERPRET=1 set before triton is imported")
 
-from kernels.triton_impl import paged_attention as triton_decode              # noqa: E402  (after the check)
-from kernels.triton_impl import paged_prefill_attention as triton_prefill     # noqa: E402
+from moe_runtime.kernels.triton_impl import paged_attention as triton_decode              # noqa: E402  (after the check)
+from moe_runtime.kernels.triton_impl import paged_prefill_attention as triton_prefill     # noqa: E402
 
 
 def tolerance(dtype):

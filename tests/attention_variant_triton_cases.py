@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from attention_variant_oracle import CHUNK, DECODE_CASES, PREFILL_CASES, WINDOW, variant_case
-from kernels import get_kernels
-from kernels.paged_prefill_attention import PagedPrefillBatch
+from moe_runtime.kernels import get_kernels
+from moe_runtime.kernels.paged_prefill_attention import PagedPrefillBatch
 from moe_runtime.layers.attention_backend import attention_kernels_for
 from moe_runtime.layers.attention_ops import paged_varlen_attention, split_attention
 
@@ -22,8 +22,8 @@ if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("attention_variant_triton_cases.py runs on CUDA or with TRITON_INTERPRET=1 set before triton "
                        "is imported")
 
-from kernels.triton_impl import paged_attention as triton_decode              # noqa: E402  (after the check)
-from kernels.triton_impl import paged_prefill_attention as triton_prefill     # noqa: E402
+from moe_runtime.kernels.triton_impl import paged_attention as triton_decode              # noqa: E402  (after the check)
+from moe_runtime.kernels.triton_impl import paged_prefill_attention as triton_prefill     # noqa: E402
 
 
 def tolerance(dtype):

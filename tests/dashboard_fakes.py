@@ -11,7 +11,7 @@ import time
 import torch
 from server_harness import FakeEngine
 
-from load_balancer import ExpertLoadRecorder, RebalanceEvent, plan_migration, rebalance, static_placement
+from moe_runtime.load_balancer import ExpertLoadRecorder, RebalanceEvent, plan_migration, rebalance, static_placement
 
 
 class RoutingFakeEngine(FakeEngine):

@@ -10,9 +10,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from dispatch import DispatchConfig
+from moe_runtime.dispatch import DispatchConfig
 from deepep_emulation import EmulatedDeepEPBuffer
-from load_balancer import SlotGeometry
+from moe_runtime.load_balancer import SlotGeometry
 
 HIDDEN = 8
 INTERMEDIATE = 6

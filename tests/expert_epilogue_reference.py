@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.mxfp4_weights import dequantize_mxfp4, quantize_mxfp4
+from moe_runtime.kernels.mxfp4_weights import dequantize_mxfp4, quantize_mxfp4
 
 ALPHA, LIMIT = 1.702, 7.0
 

@@ -11,9 +11,9 @@ import torch
 from expert_epilogue_reference import (LIMIT, activations, biased_experts, clamped_silu_experts_f64, contiguous_f64,
                                        expert_f64)
 
-from kernels.expert_activation import ExpertActivation
-from kernels.mxfp4_weights import dequantize_mxfp4, quantize_mxfp4
-from kernels.triton_impl.kernel_set import triton_kernel_set
+from moe_runtime.kernels.expert_activation import ExpertActivation
+from moe_runtime.kernels.mxfp4_weights import dequantize_mxfp4, quantize_mxfp4
+from moe_runtime.kernels.triton_impl.kernel_set import triton_kernel_set
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dispatch.fp8_activations import dequantize, quantize_token_groups
-from kernels.fp8_block_weights import dequantize_rows
+from moe_runtime.dispatch.fp8_activations import dequantize, quantize_token_groups
+from moe_runtime.kernels.fp8_block_weights import dequantize_rows
 
 REFERENCE_DTYPE = torch.float64
 

@@ -25,12 +25,12 @@ from fp8_activation_reference import (fp8_activation_expert_mlp, fp8_activation_
 from fp8_block_inputs import random_fp8_experts, random_fp8_weight, strided
 from host_reads import HostReadWatch
 
-from dispatch.fp8_activations import GROUP_SIZE, quantize_token_groups
-from kernels import get_kernels
-from kernels.triton_impl.fp8_activations import quantize_activations
-from kernels.triton_impl.fp8_e4m3 import float_to_e4m3_bits
-from kernels.triton_impl.fp8_scheme import ACTIVATION_GROUP, Fp8Scheme
-from kernels.triton_impl.kernel_set import triton_kernel_set
+from moe_runtime.dispatch.fp8_activations import GROUP_SIZE, quantize_token_groups
+from moe_runtime.kernels import get_kernels
+from moe_runtime.kernels.triton_impl.fp8_activations import quantize_activations
+from moe_runtime.kernels.triton_impl.fp8_e4m3 import float_to_e4m3_bits
+from moe_runtime.kernels.triton_impl.fp8_scheme import ACTIVATION_GROUP, Fp8Scheme
+from moe_runtime.kernels.triton_impl.kernel_set import triton_kernel_set
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"

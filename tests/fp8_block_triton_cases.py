@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 from fp8_block_inputs import all_e4m3_codes, random_fp8_experts, random_fp8_weight, strided
 
-from kernels import get_kernels
-from kernels.triton_impl.fp8_e4m3 import e4m3_bits_to_float
-from kernels.triton_impl.fp8_scheme import Fp8Scheme, device_fp8_scheme
-from kernels.triton_impl.kernel_set import triton_kernel_set
+from moe_runtime.kernels import get_kernels
+from moe_runtime.kernels.triton_impl.fp8_e4m3 import e4m3_bits_to_float
+from moe_runtime.kernels.triton_impl.fp8_scheme import Fp8Scheme, device_fp8_scheme
+from moe_runtime.kernels.triton_impl.kernel_set import triton_kernel_set
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"

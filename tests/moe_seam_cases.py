@@ -10,9 +10,9 @@ import torch.distributed as dist
 from dispatch_cases import (HIDDEN, INTERMEDIATE, SLOTS_PER_RANK, dispatch_config, make_case, make_experts,
                             row_format)
 
-from dispatch import DispatchConfig, make_dispatcher, naive_moe_reference
-from kernels import get_kernels
-from load_balancer import SlotGeometry
+from moe_runtime.dispatch import DispatchConfig, make_dispatcher, naive_moe_reference
+from moe_runtime.kernels import get_kernels
+from moe_runtime.load_balancer import SlotGeometry
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.expert_weights import ExpertWeights
 from moe_runtime.moe.modular_moe import ModularMoE

@@ -9,7 +9,7 @@ import openai
 
 from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
-from server import build_app
+from moe_runtime.server import build_app
 from server_harness import FakeEngine
 
 

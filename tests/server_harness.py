@@ -1,6 +1,6 @@
 """Server test harness: the real `moe-serve` in a subprocess, and fake engines for in-process app tests.
 
-`ServerProcess` starts `python -m server.cli` on a free loopback port (`--port 0`; the
+`ServerProcess` starts `python -m moe_runtime.server.cli` on a free loopback port (`--port 0`; the
 launcher prints the port it got), waits for /health to answer 200, and stops it with SIGTERM
 (SIGKILL if it hangs), reporting the exit code so a test can hold the shutdown to account.
 
@@ -40,12 +40,21 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"moe-serve: serving .* on http://([^\s]+):(\d+)")
 
 
+@dataclass(frozen=True)
+class InstalledMoeServe:
+    """The `moe-serve` script of another environment (a scratch venv), run from `cwd`."""
+    script: Path
+    cwd: Path
+
+
 class ServerProcess:
     """A `moe-serve` subprocess. Use as a context manager, or `start()` / `stop()`."""
 
     def __init__(self, args: list[str], startup_timeout_s: float = 120.0, env: dict[str, str] | None = None,
-                 subcommand: list[str] = ()):
-        """`subcommand` goes first (`["router"]`: `moe-serve router ...`)."""
+                 subcommand: list[str] = (), installed: "InstalledMoeServe | None" = None):
+        """`subcommand` goes first (`["router"]`: `moe-serve router ...`). `installed`: run another environment's
+        `moe-serve` script from another directory, with nothing of this checkout on its path."""
+        self.installed = installed
         self.args = list(args)
         self.subcommand = list(subcommand)
         self.startup_timeout_s = startup_timeout_s
@@ -66,11 +75,15 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(self.env or {}))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "server.cli", *self.subcommand, "--host", "127.0.0.1", "--port", "0",
-                   *self.args]
+        if self.installed is None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+            launcher, cwd = [sys.executable, "-m", "moe_runtime.server.cli"], REPO_ROOT
+        else:
+            env.pop("PYTHONPATH", None)
+            launcher, cwd = [str(self.installed.script)], self.installed.cwd
+        command = [*launcher, *self.subcommand, "--host", "127.0.0.1", "--port", "0", *self.args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=env, cwd=REPO_ROOT)
+                                        env=env, cwd=cwd)
         self._reader = threading.Thread(target=self._read_output, daemon=True)
         self._reader.start()
         deadline = time.monotonic() + self.startup_timeout_s
@@ -137,7 +150,7 @@ def serve_in_process(engine, scenario, max_queue: int | None = None, timeout_s: 
     its log (as uvicorn would), instead of the exception.
     """
     from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
-    from server import build_app
+    from moe_runtime.server import build_app
 
     async def main():
         async_engine = AsyncEngine(engine, AsyncEngineConfig(max_queue=max_queue)).start()

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from kernels import get_kernels
-from kernels.index_scores import index_scores as torch_index_scores
-from kernels.sparse_latent_attention import sparse_latent_attention as torch_sparse
+from moe_runtime.kernels import get_kernels
+from moe_runtime.kernels.index_scores import index_scores as torch_index_scores
+from moe_runtime.kernels.sparse_latent_attention import sparse_latent_attention as torch_sparse
 from paged_steps import paged_step
 from moe_runtime.layers.attention_backend import attention_kernels_for
 from moe_runtime.layers.kv_cache import LayerKVCache
@@ -26,8 +26,8 @@ if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("sparse_attention_triton_cases.py runs on CUDA or with TRITON_INTERPRET=1 set before triton "
                        "is imported")
 
-from kernels.triton_impl.index_scores import index_scores as triton_index_scores  # noqa: E402
-from kernels.triton_impl.sparse_latent_attention import sparse_latent_attention as triton_sparse  # noqa: E402
+from moe_runtime.kernels.triton_impl.index_scores import index_scores as triton_index_scores  # noqa: E402
+from moe_runtime.kernels.triton_impl.sparse_latent_attention import sparse_latent_attention as triton_sparse  # noqa: E402
 
 CASES = [  # rows, heads, entry dim, value dim, chosen per row
     (5, 4, 40, 32, 7),      # heads below a dot tile: the kernel's elementwise path; 40 = 32 + a tail of 8

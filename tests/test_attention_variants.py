@@ -11,10 +11,10 @@ import torch
 from triton_interpreter_child import assert_cases_pass_in_interpreter
 
 from attention_variant_oracle import CHUNK, DECODE_CASES, FULL, PREFILL_CASES, WINDOW, variant_case
-from kernels import get_kernels
-from kernels.flashinfer_attention import FlashInferAttention
-from kernels.paged_prefill_attention import PagedPrefillBatch
-from kernels.paged_prefill_attention import paged_prefill_attention as torch_prefill
+from moe_runtime.kernels import get_kernels
+from moe_runtime.kernels.flashinfer_attention import FlashInferAttention
+from moe_runtime.kernels.paged_prefill_attention import PagedPrefillBatch
+from moe_runtime.kernels.paged_prefill_attention import paged_prefill_attention as torch_prefill
 from moe_runtime.layers.attention import Attention, AttentionShape
 from moe_runtime.layers.attention_ops import split_attention, varlen_causal_attention
 from moe_runtime.layers.attention_span import SLIDING, AttentionSpan

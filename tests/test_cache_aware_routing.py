@@ -12,9 +12,9 @@ import pytest
 
 from engine_helpers import PROMPTS, greedy
 from tiny_checkpoints import hf_greedy
-from attention_dp.messages import MessageCodec, ResetPrefixCache, StepOutputs
-from attention_dp.prefix_index import PrefixCacheIndex
-from attention_dp.router import DPRouter
+from moe_runtime.attention_dp.messages import MessageCodec, ResetPrefixCache, StepOutputs
+from moe_runtime.attention_dp.prefix_index import PrefixCacheIndex
+from moe_runtime.attention_dp.router import DPRouter
 from moe_runtime import LLM
 from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.engine.prefix_cache import PrefixCacheEvents

@@ -23,7 +23,7 @@ from moe_runtime.engine.prefix_hash import ROOT_HASH, block_hashes, chain_root
 from moe_runtime.engine.sequence import Sequence
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
-from server import build_app
+from moe_runtime.server import build_app
 from test_server_unknown_fields import RecordingChatTokenizer
 
 pytestmark = pytest.mark.timeout(300)

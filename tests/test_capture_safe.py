@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import dispatch.factory
-from attention_dp.lockstep import LockstepLoop
+import moe_runtime.dispatch.factory
+from moe_runtime.attention_dp.lockstep import LockstepLoop
 from deepep_emulation import DeepEPRuleBroken, EmulatedDeepEPBuffer
-from dispatch import DispatchConfig, make_dispatcher
-from dispatch.factory import BackendChoice, choose_backend, make_phase_dispatchers
-from kernels import TopK, get_kernels
-from load_balancer import SlotGeometry
+from moe_runtime.dispatch import DispatchConfig, make_dispatcher
+from moe_runtime.dispatch.factory import BackendChoice, choose_backend, make_phase_dispatchers
+from moe_runtime.kernels import TopK, get_kernels
+from moe_runtime.load_balancer import SlotGeometry
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.config.parallel_context import ParallelContext
 from moe_runtime.engine.scheduler import ScheduledBatch
@@ -142,7 +142,7 @@ DEEPEP_HIDDEN = 2048        # one of the hidden sizes DeepEP's low-latency kerne
 
 
 def _deepep_present(monkeypatch) -> None:
-    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda module: True)
+    monkeypatch.setattr(moe_runtime.dispatch.factory, "deep_ep_importable", lambda module: True)
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
@@ -163,7 +163,7 @@ def test_the_fallback_is_said_in_one_log_line(monkeypatch, caplog):
     _deepep_present(monkeypatch)
     config = DispatchConfig("auto", SlotGeometry(4, 2), 0, None, 256, dtype=torch.float32, device="cuda",
                             max_tokens_per_rank=8, deepep_buffer_cls=NoGroupBuffer)
-    with caplog.at_level(logging.INFO, logger="dispatch.factory"):
+    with caplog.at_level(logging.INFO, logger="moe_runtime.dispatch.factory"):
         dispatchers = make_phase_dispatchers(config)
     assert {d.__class__.__name__ for d in dispatchers.values()} == {"AllToAllDispatcher"}
     said = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]

@@ -16,7 +16,7 @@ from moe_runtime import LLM
 from moe_runtime.execution.decode_capture import CaptureSettings
 from moe_runtime.config.engine_config import EngineConfigError
 from moe_runtime.engine.core import EngineCore
-from server.cli import build_parser, engine_config_from_args
+from moe_runtime.server.cli import build_parser, engine_config_from_args
 
 ARCHS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
          "deepseek_v2", "deepseek_v2_lite", "deepseek_v3"]

@@ -7,7 +7,7 @@ the GEMM rounds its own way: compared with the fp32 product of the same bf16 val
 import torch
 import torch.nn.functional as F
 
-from kernels.skinny_matmul import CAPTURED_GEMV_MAX_ROWS, captured_gemv_wins, linear_rows
+from moe_runtime.kernels.skinny_matmul import CAPTURED_GEMV_MAX_ROWS, captured_gemv_wins, linear_rows
 
 
 def traced(x, weight, bias=None):

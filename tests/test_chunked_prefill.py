@@ -21,7 +21,7 @@ import torch
 from engine_helpers import PROMPTS, greedy
 from mixed_attention_cases import attend, mixed_attention_case
 from tiny_checkpoints import HFOracle
-from kernels import get_kernels
+from moe_runtime.kernels import get_kernels
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.scheduler import Scheduler, SchedulerConfig

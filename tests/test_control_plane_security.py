@@ -26,14 +26,14 @@ import msgspec
 import pytest
 import zmq
 
-from attention_dp.control_key import CONTROL_KEY_ENV, ControlKey, ControlKeyError
-from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected, WorkerControl, Woken
-from attention_dp.messages import Hello, MessageCodec, ResetPrefixCache, Shutdown, WorkerSetup
+from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV, ControlKey, ControlKeyError
+from moe_runtime.attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected, WorkerControl, Woken
+from moe_runtime.attention_dp.messages import Hello, MessageCodec, ResetPrefixCache, Shutdown, WorkerSetup
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV, TransferKey, TransferKeyError
 from moe_runtime.front.engine_factory import make_engine
 from moe_runtime.processes.distributed import free_ports
-from server.cli import main as moe_serve_main
+from moe_runtime.server.cli import main as moe_serve_main
 from moe_runtime.config.engine_config import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -368,7 +368,7 @@ def test_http_stays_responsive_while_the_control_port_is_flooded(tiny_checkpoint
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{CONTROL_KEY_ENV: secrets.token_hex(32)})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     server = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--model", str(tiny_checkpoint_factory("mixtral")), "--device", "cpu",
+        [sys.executable, "-m", "moe_runtime.server.cli", "--model", str(tiny_checkpoint_factory("mixtral")), "--device", "cpu",
          "--host", "127.0.0.1", "--port", str(http_port), "--ep", "2", "--dp-attn", "2", "--external-workers",
          "--master-port", str(master_port), "--control-port", str(control_port)],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -6,9 +6,9 @@ rows per weight load, a row alone), and the row counts and shapes that keep torc
 import pytest
 import torch
 
-from kernels.cpu_native import custom_ops, dense_gemv
-from kernels.cpu_native.dense_gemv import COMPILED_GEMV_MAX_ROWS, compiled_gemv_wins, cpu_linear_rows
-from kernels.skinny_matmul import linear_rows
+from moe_runtime.kernels.cpu_native import custom_ops, dense_gemv
+from moe_runtime.kernels.cpu_native.dense_gemv import COMPILED_GEMV_MAX_ROWS, compiled_gemv_wins, cpu_linear_rows
+from moe_runtime.kernels.skinny_matmul import linear_rows
 
 N, K = 40, 72   # not multiples of 32 / 8: the kernel's tails run
 

@@ -10,17 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from engine_helpers import PROMPTS, greedy
-from kernels.cpu_native import custom_ops, dense_gemv, expert_kernel
-from kernels.cpu_native.build import compile_errors, native_experts
-from kernels.cpu_native.dense_gemv import cpu_linear_rows
-from kernels.cpu_native.expert_kernel import (cpu_expert_mlp, cpu_fp8_expert_mlp, cpu_fp8_linear, cpu_int8_expert_mlp,
-                                              cpu_int8_linear, cpu_pair_expert_mlp)
-from kernels.expert_activation import ExpertActivation
-from kernels.expert_mlp import expert_mlp
-from kernels.fp8_block_weights import fp8_expert_mlp, fp8_linear
-from kernels.int8_weights import int8_expert_mlp, int8_linear
-from kernels.kernel_set import get_kernels
-from kernels.pair_experts import pair_expert_mlp
+from moe_runtime.kernels.cpu_native import custom_ops, dense_gemv, expert_kernel
+from moe_runtime.kernels.cpu_native.build import compile_errors, native_experts
+from moe_runtime.kernels.cpu_native.dense_gemv import cpu_linear_rows
+from moe_runtime.kernels.cpu_native.expert_kernel import (cpu_expert_mlp, cpu_fp8_expert_mlp, cpu_fp8_linear, cpu_int8_expert_mlp,
+                                                          cpu_int8_linear, cpu_pair_expert_mlp)
+from moe_runtime.kernels.expert_activation import ExpertActivation
+from moe_runtime.kernels.expert_mlp import expert_mlp
+from moe_runtime.kernels.fp8_block_weights import fp8_expert_mlp, fp8_linear
+from moe_runtime.kernels.int8_weights import int8_expert_mlp, int8_linear
+from moe_runtime.kernels.kernel_set import get_kernels
+from moe_runtime.kernels.pair_experts import pair_expert_mlp
 from moe_runtime import LLM
 
 E, H, I = 8, 64, 48

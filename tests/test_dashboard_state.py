@@ -13,13 +13,13 @@ import torch
 from dashboard_fakes import RoutingFakeEngine
 from server_harness import FakeEngine
 
-from load_balancer import ExpertLoadRecorder, Placement, load_trace
+from moe_runtime.load_balancer import ExpertLoadRecorder, Placement, load_trace
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.engine.stats import EngineStats, WorkerStats
-from server import build_app
-from server.dashboard import DashboardConfig, dashboard_router
-from server.dashboard.load_view import load_view
-from server.dashboard.timeline import Timeline
+from moe_runtime.server import build_app
+from moe_runtime.server.dashboard import DashboardConfig, dashboard_router
+from moe_runtime.server.dashboard.load_view import load_view
+from moe_runtime.server.dashboard.timeline import Timeline
 
 pytestmark = pytest.mark.timeout(60)
 

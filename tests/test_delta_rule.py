@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.delta_rule import chunked_delta_rule, delta_rule_step
-from kernels.delta_rule_fla import fla_available
-from kernels.delta_rule_reference import reference_delta_rule
+from moe_runtime.kernels.delta_rule import chunked_delta_rule, delta_rule_step
+from moe_runtime.kernels.delta_rule_fla import fla_available
+from moe_runtime.kernels.delta_rule_reference import reference_delta_rule
 
 
 def _inputs(length: int, heads: int = 3, dk: int = 8, dv: int = 6, seed: int = 0):

@@ -1,12 +1,12 @@
 """Each rank announces its dispatch backend once, though the engine builds one dispatcher per phase."""
 import logging
 
-from dispatch import DispatchConfig, make_dispatcher
-from load_balancer import SlotGeometry
+from moe_runtime.dispatch import DispatchConfig, make_dispatcher
+from moe_runtime.load_balancer import SlotGeometry
 
 
 def test_one_info_line_per_rank_when_prefill_and_decode_share_the_backend(caplog):
-    caplog.set_level(logging.INFO, logger="dispatch.factory")
+    caplog.set_level(logging.INFO, logger="moe_runtime.dispatch.factory")
     for phase in ("prefill", "decode"):   # what the MoE executor builds on every rank
         make_dispatcher(DispatchConfig("auto", slots=SlotGeometry(num_slots=4, num_ranks=1), rank=0, group=None,
                                        hidden_size=8,

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import dispatch.deepep
-import dispatch.factory
-from dispatch import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchConfig, LocalDispatcher, make_dispatcher,
-                      select_backend)
+import moe_runtime.dispatch.deepep
+import moe_runtime.dispatch.factory
+from moe_runtime.dispatch import (LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchConfig, LocalDispatcher, make_dispatcher,
+                                  select_backend)
 from deepep_emulation import EmulatedDeepEPBuffer
-from load_balancer import SlotGeometry
+from moe_runtime.load_balancer import SlotGeometry
 from multirank import MultiRankError, ranks  # noqa: F401  (fixture)
 
 
@@ -24,12 +24,12 @@ def test_auto_picks_local_for_one_rank_and_all_to_all_on_cpu():
 
 
 def test_auto_on_cuda_without_deep_ep_falls_back_to_all_to_all(monkeypatch):
-    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda module: False)
+    monkeypatch.setattr(moe_runtime.dispatch.factory, "deep_ep_importable", lambda module: False)
     assert select_backend("auto", "cuda", 8, "decode") == "all_to_all"
 
 
 def test_auto_on_cuda_with_deep_ep_picks_mode_by_phase(monkeypatch):
-    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda module: True)
+    monkeypatch.setattr(moe_runtime.dispatch.factory, "deep_ep_importable", lambda module: True)
     assert select_backend("auto", "cuda", 8, "prefill") == "deepep_normal"
     assert select_backend("auto", "cuda", 8, None) == "deepep_normal"
     assert select_backend("auto", "cuda", 8, "decode") == "deepep_low_latency"
@@ -51,7 +51,7 @@ def test_importing_dispatch_does_not_import_deep_ep():
     assert "deep_ep" not in sys.modules
 
 
-@pytest.mark.skipif(dispatch.factory.deep_ep_importable(), reason="deep_ep is installed here: nothing is missing")
+@pytest.mark.skipif(moe_runtime.dispatch.factory.deep_ep_importable(), reason="deep_ep is installed here: nothing is missing")
 def test_missing_deep_ep_is_a_clear_error():
     with pytest.raises(ImportError, match="deep_ep"):
         make_dispatcher(DispatchConfig("deepep_normal", SlotGeometry(8, 2), 0, None, 16))
@@ -179,7 +179,7 @@ def test_all_to_all_sends_each_token_once_per_rank(ranks):
 
 
 def test_combine_reduction_in_small_chunks_matches_one_pass(monkeypatch):
-    import dispatch.grouping
+    import moe_runtime.dispatch.grouping
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(40, 8, generator=gen)
     slots = torch.randint(-1, 6, (40, 3), generator=gen)
@@ -187,7 +187,7 @@ def test_combine_reduction_in_small_chunks_matches_one_pass(monkeypatch):
     dispatcher = LocalDispatcher(SlotGeometry(num_slots=6, num_ranks=1))
     out = dispatcher.dispatch(x, slots, weights)
     one_pass = dispatcher.combine(out.recv_x * 3.0, out.handle)
-    monkeypatch.setattr(dispatch.grouping, "REDUCE_CHUNK_ELEMENTS", 8 * 7)  # 7 rows per chunk
+    monkeypatch.setattr(moe_runtime.dispatch.grouping, "REDUCE_CHUNK_ELEMENTS", 8 * 7)  # 7 rows per chunk
     chunked = dispatcher.combine(out.recv_x * 3.0, out.handle)
     expected = 3.0 * torch.where(slots >= 0, weights, 0.0).sum(dim=1, keepdim=True) * x
     torch.testing.assert_close(chunked, one_pass)
@@ -195,7 +195,7 @@ def test_combine_reduction_in_small_chunks_matches_one_pass(monkeypatch):
 
 
 def test_derived_low_latency_choice_without_token_bound_uses_normal_mode(monkeypatch):
-    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda module: True)
+    monkeypatch.setattr(moe_runtime.dispatch.factory, "deep_ep_importable", lambda module: True)
     for backend in ("auto", "deepep"):
         unbounded = make_dispatcher(DispatchConfig(backend, SlotGeometry(4, 2), 0, None, DEEPEP_HIDDEN, device="cuda",
                                                    phase="decode",
@@ -215,19 +215,19 @@ def test_a_missing_deep_ep_is_looked_for_once_per_process(monkeypatch):
         calls.append(module)
         raise ImportError("no deep_ep here")
 
-    monkeypatch.setattr(dispatch.deepep, "import_deep_ep_buffer", missing)
-    dispatch.deepep.deep_ep_importable.cache_clear()
+    monkeypatch.setattr(moe_runtime.dispatch.deepep, "import_deep_ep_buffer", missing)
+    moe_runtime.dispatch.deepep.deep_ep_importable.cache_clear()
     try:
-        assert not dispatch.deepep.deep_ep_importable() and not dispatch.deepep.deep_ep_importable()
+        assert not moe_runtime.dispatch.deepep.deep_ep_importable() and not moe_runtime.dispatch.deepep.deep_ep_importable()
         assert calls == ["deep_ep"]
     finally:
-        dispatch.deepep.deep_ep_importable.cache_clear()
+        moe_runtime.dispatch.deepep.deep_ep_importable.cache_clear()
 
 
 def test_rows_of_any_strides_pack_to_bytes():
     """A [T, 1] column with stride 0 in its last dimension counts as contiguous (a `ones_like` of an expanded
     tensor is one: Llama 4's top-1 weights handed to the executor) yet has no byte view of its own."""
-    from dispatch.collectives import ColumnSpec, pack_rows, unpack_rows
+    from moe_runtime.dispatch.collectives import ColumnSpec, pack_rows, unpack_rows
     strided = torch.as_strided(torch.arange(4.0), (4, 1), (1, 0))
     assert strided.is_contiguous() and strided.stride(-1) == 0
     ids = torch.arange(8).view(4, 2)

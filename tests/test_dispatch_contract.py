@@ -13,9 +13,9 @@ import torch.distributed as dist
 from dispatch_cases import (HIDDEN, MULTI_RANK_BACKENDS, SCENARIOS, SLOTS_PER_RANK, Experts, dispatch_config,
                             make_case, make_experts, row_format)
 
-from dispatch import LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchConfig, make_dispatcher, naive_moe_reference
-from kernels import expert_mlp, masked_expert_mlp
-from load_balancer import SlotGeometry
+from moe_runtime.dispatch import LAYOUT_CONTIGUOUS, LAYOUT_MASKED, DispatchConfig, make_dispatcher, naive_moe_reference
+from moe_runtime.kernels import expert_mlp, masked_expert_mlp
+from moe_runtime.load_balancer import SlotGeometry
 from multirank import ranks  # noqa: F401  (fixture)
 
 

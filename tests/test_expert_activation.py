@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
 
-from dispatch.base import LAYOUT_CONTIGUOUS
-from kernels import RoutingConfig, get_kernels
-from kernels.expert_activation import ExpertActivation
-from kernels.pair_experts import pair_expert_mlp
+from moe_runtime.dispatch.base import LAYOUT_CONTIGUOUS
+from moe_runtime.kernels import RoutingConfig, get_kernels
+from moe_runtime.kernels.expert_activation import ExpertActivation
+from moe_runtime.kernels.pair_experts import pair_expert_mlp
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.expert_weights import GPT_OSS_NAMING, ExpertWeights
 from moe_runtime.moe.router import Router

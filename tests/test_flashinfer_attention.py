@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import get_kernels
-from kernels.flashinfer_attention import FlashInferAttention, is_mla_cache, page_table, shapes_supported
-from kernels.paged_prefill_attention import PagedPrefillBatch
-from kernels.paged_prefill_attention import paged_prefill_attention as torch_prefill
-from kernels.paged_attention import paged_decode_attention as torch_decode
+from moe_runtime.kernels import get_kernels
+from moe_runtime.kernels.flashinfer_attention import FlashInferAttention, is_mla_cache, page_table, shapes_supported
+from moe_runtime.kernels.paged_prefill_attention import PagedPrefillBatch
+from moe_runtime.kernels.paged_prefill_attention import paged_prefill_attention as torch_prefill
+from moe_runtime.kernels.paged_attention import paged_decode_attention as torch_decode
 from moe_runtime.layers.attention_backend import FlashInferFirst, attention_kernels_for
 
 

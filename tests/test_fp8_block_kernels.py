@@ -15,9 +15,9 @@ import pytest
 import torch
 from fp8_block_inputs import all_e4m3_codes, random_fp8_experts, random_fp8_weight, strided
 
-import kernels.chunked_weights as chunked_weights
-import kernels.fp8_block_weights as fp8_module
-from kernels import get_kernels
+import moe_runtime.kernels.chunked_weights as chunked_weights
+import moe_runtime.kernels.fp8_block_weights as fp8_module
+from moe_runtime.kernels import get_kernels
 
 FAST = get_kernels("cpu", "torch")
 ORACLE = get_kernels("cpu", "reference")

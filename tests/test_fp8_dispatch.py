@@ -16,14 +16,14 @@ import torch.distributed as dist
 from deepep_emulation import EmulatedDeepEPBuffer
 from dispatch_cases import DEEPEP_BACKENDS, SLOTS_PER_RANK, Experts, dispatch_config, make_case, row_format
 
-import dispatch.factory
-from dispatch import (LAYOUT_MASKED, DispatchConfig, Dispatcher, Fp8Activations, dequantize,
-                      make_dispatcher, naive_moe_reference, quantize_token_groups)
-from dispatch.activation_wire import ActivationWire
-from dispatch.allgather import AllGatherDispatcher
-from dispatch.collectives import pack_rows, unpack_rows
-from kernels import expert_mlp, masked_expert_mlp
-from load_balancer import SlotGeometry
+import moe_runtime.dispatch.factory
+from moe_runtime.dispatch import (LAYOUT_MASKED, DispatchConfig, Dispatcher, Fp8Activations, dequantize,
+                                  make_dispatcher, naive_moe_reference, quantize_token_groups)
+from moe_runtime.dispatch.activation_wire import ActivationWire
+from moe_runtime.dispatch.allgather import AllGatherDispatcher
+from moe_runtime.dispatch.collectives import pack_rows, unpack_rows
+from moe_runtime.kernels import expert_mlp, masked_expert_mlp
+from moe_runtime.load_balancer import SlotGeometry
 from multirank import ranks  # noqa: F401  (fixture)
 
 E4M3_REL = 2.0 ** -4       # 3 mantissa bits, round to nearest: half an ulp, relatively
@@ -138,11 +138,11 @@ def test_deepep_refuses_fp8_for_hidden_sizes_it_cannot_scale(backend):
 
 
 def test_auto_is_checked_once_resolved(monkeypatch):
-    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda module: True)
+    monkeypatch.setattr(moe_runtime.dispatch.factory, "deep_ep_importable", lambda module: True)
     config = _config("auto", 200, device="cuda", phase="prefill")   # 'auto' names no class yet
     with pytest.raises(ValueError, match=r"'deepep_normal' \(chosen for 'auto'\) cannot send FP8"):
         make_dispatcher(config)
-    monkeypatch.setattr(dispatch.factory, "deep_ep_importable", lambda module: False)
+    monkeypatch.setattr(moe_runtime.dispatch.factory, "deep_ep_importable", lambda module: False)
     assert make_dispatcher(config).sends_fp8_activations()          # all_to_all
 
 

@@ -27,7 +27,7 @@ from moe_runtime import LLM
 from moe_runtime.layers.attention_span import SLIDING, AttentionSpan
 from moe_runtime.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from moe_runtime.models.attention_spans import attention_spans
-from server.reasoning.selection import choose_reasoning
+from moe_runtime.server.reasoning.selection import choose_reasoning
 
 ARCH = "gpt_oss"
 WINDOW, BLOCK = TINY_ARCHS[ARCH].config["sliding_window"], 4

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.gpu_check.report import CheckReport, CheckResult, PartResult, summary_table  # noqa: E402
-from kernels import KernelSet  # noqa: E402
+from moe_runtime.kernels import KernelSet  # noqa: E402
 
 
 def run_gpu_check(tmp_path: Path, *args: str, env_extra: dict | None = None):

@@ -22,10 +22,10 @@ from test_server_unknown_fields import RecordingChatTokenizer
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling.bounds import WORK_BOUND
 from moe_runtime.sampling.params import SamplingParams
-from server.errors import APIError
-from server.pd_router.forwarding import parse_body as router_parse_body
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.request_conversion import ModelInfo, chat_choices, completion_choices
+from moe_runtime.server.errors import APIError
+from moe_runtime.server.pd_router.forwarding import parse_body as router_parse_body
+from moe_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from moe_runtime.server.request_conversion import ModelInfo, chat_choices, completion_choices
 
 pytestmark = pytest.mark.timeout(120)
 

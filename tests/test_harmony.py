@@ -7,11 +7,11 @@ import pytest
 from scripted_chat import ScriptedChatEngine, run_chat
 from transformers import AutoTokenizer
 
-from server.harmony_parse import HarmonyStream, parse_header
-from server.harmony_render import HarmonyPrompt
-from server.harmony_tokens import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
-from server.protocol import ChatMessage
-from server.tool_calls.stream import StreamPiece
+from moe_runtime.server.harmony_parse import HarmonyStream, parse_header
+from moe_runtime.server.harmony_render import HarmonyPrompt
+from moe_runtime.server.harmony_tokens import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
+from moe_runtime.server.protocol import ChatMessage
+from moe_runtime.server.tool_calls.stream import StreamPiece
 
 pytestmark = pytest.mark.timeout(60)
 

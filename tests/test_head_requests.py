@@ -15,8 +15,8 @@ from fastapi.routing import iter_route_contexts
 from server_harness import FakeEngine
 
 from moe_runtime.front.async_engine import AsyncEngine
-from server import build_app
-from server.dashboard import dashboard_router
+from moe_runtime.server import build_app
+from moe_runtime.server.dashboard import dashboard_router
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,12 +21,12 @@ import torch
 from engine_helpers import PROMPTS, greedy, runtime_prefill_logits
 from tiny_checkpoints import HFOracle
 
-import kernels.chunked_weights as chunked_weights
-from kernels import get_kernels
+import moe_runtime.kernels.chunked_weights as chunked_weights
+from moe_runtime.kernels import get_kernels
 from moe_runtime import LLM
 from moe_runtime.moe.expert_weights import ExpertWeights
 from moe_runtime.weights.quantization.int8_in_memory import Int8InMemory, quantize_int8_rows
-from server.cli import build_parser, engine_config_from_args
+from moe_runtime.server.cli import build_parser, engine_config_from_args
 
 FAST = get_kernels("cpu", "torch")
 ORACLE = get_kernels("cpu", "reference")

@@ -6,12 +6,12 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from kernels import PermutePlan, get_kernels
-from kernels.skinny_matmul import SKINNY_ROWS_MAX, batched_linear_rows, linear_rows, weight_left_wins
+from moe_runtime.kernels import PermutePlan, get_kernels
+from moe_runtime.kernels.skinny_matmul import SKINNY_ROWS_MAX, batched_linear_rows, linear_rows, weight_left_wins
 
 FAST = get_kernels("cpu", "torch")
 ORACLE = get_kernels("cpu", "reference")
-expert_mlp_module = importlib.import_module("kernels.expert_mlp")  # the package re-exports a function of that name
+expert_mlp_module = importlib.import_module("moe_runtime.kernels.expert_mlp")  # the package re-exports a function of that name
 
 DEVICE_DTYPES = [("cpu", torch.float32), ("cpu", torch.bfloat16)]
 if torch.cuda.is_available():

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
-from kernels import NormOutput, get_kernels
+from moe_runtime.kernels import NormOutput, get_kernels
 
 FAMILIES = ["torch", "reference"]
 

@@ -1,12 +1,16 @@
 """Package-level guarantees: lazy triton import, kernel family choice, no clash with HF's `kernels`."""
-import importlib.metadata
+import importlib
+import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from kernels import KernelSet, get_kernels
+from moe_runtime.kernels import KernelSet, get_kernels
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_python(code, env=None):
@@ -16,7 +20,7 @@ def run_python(code, env=None):
 
 
 def test_importing_kernels_does_not_import_triton():
-    result = run_python("import sys, kernels; kernels.get_kernels('cpu'); print('triton' in sys.modules)")
+    result = run_python("import sys; from moe_runtime import kernels; kernels.get_kernels('cpu'); print('triton' in sys.modules)")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 
@@ -43,14 +47,64 @@ def test_kernel_sets_expose_every_operation():
             assert getattr(kernels, field) is not None, field
 
 
-def test_transformers_does_not_take_us_for_the_hf_kernels_hub():
-    """transformers probes `import kernels` + the distribution version; ours must fall outside its range."""
-    try:
-        version = importlib.metadata.version("moe-runtime")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.fail("moe-runtime is not pip-installed: the README's install step (pip install -e '.[dev]') comes first")
-    assert version == "0.1.0"
-    result = run_python("from transformers.utils.import_utils import is_kernels_available; "
-                        "print(is_kernels_available())")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False"
+MAPPED_FOLDERS = ("dispatch", "attention_dp", "kernels", "load_balancer", "server")
+
+
+def test_importing_from_the_repository_root_leaves_hf_kernels_its_name():
+    """With the repository root first on sys.path (`python -m ...` started there), `import kernels` is still
+    Hugging Face's hub package, which transformers imports; our folders answer only as moe_runtime.<folder>."""
+    code = ("import importlib, kernels, moe_runtime.kernels, transformers.integrations.hub_kernels\n"
+            "print(kernels.__file__)\nprint(moe_runtime.kernels.__file__)\n"
+            f"for name in {[f for f in MAPPED_FOLDERS if f != 'kernels']!r}:\n"
+            "    try:\n        importlib.import_module(name)\n    except ModuleNotFoundError as e:\n"
+            "        print(e.name)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    hub_kernels, ours, *missing = result.stdout.split("\n")[:-1]
+    assert Path(ours).resolve() == REPO_ROOT / "kernels" / "__init__.py"
+    assert Path(hub_kernels).resolve().parent.parent.name == "site-packages", hub_kernels
+    assert missing == [f for f in MAPPED_FOLDERS if f != "kernels"]
+
+
+def test_a_bare_folder_name_is_handed_to_the_package_that_owns_it(tmp_path, monkeypatch):
+    """yield_bare_name alone, in a tree of its own: `kernels` resolves past the repository to another owner,
+    and a bare name nobody else owns is a plain ModuleNotFoundError."""
+    repository, elsewhere = tmp_path / "repository", tmp_path / "elsewhere"
+    for folder in ("kernels", "server"):
+        (repository / folder).mkdir(parents=True)
+        (repository / folder / "__init__.py").write_text(
+            "from moe_runtime.folder_names import yield_bare_name\nyield_bare_name(__name__, __file__)\nOURS = True\n")
+    (repository / "moe_runtime").mkdir()
+    (repository / "moe_runtime" / "folder_names.py").write_text("")   # what marks a checkout of ours
+    (elsewhere / "kernels").mkdir(parents=True)
+    (elsewhere / "kernels" / "__init__.py").write_text("OWNER = 'elsewhere'\n")
+    monkeypatch.syspath_prepend(str(elsewhere))
+    monkeypatch.syspath_prepend(str(repository))
+    for name in ("kernels", "server"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    module = importlib.import_module("kernels")
+    assert module.OWNER == "elsewhere" and not hasattr(module, "OURS")
+    assert sys.modules["kernels"] is module
+    with pytest.raises(ModuleNotFoundError) as missing:
+        importlib.import_module("server")
+    assert missing.value.name == "server" and "server" not in sys.modules
+    monkeypatch.delitem(sys.modules, "kernels")
+
+
+def test_every_folder_is_a_package_under_moe_runtime():
+    """setup.py's mapping covers each folder with an __init__.py, and each starts with the bare-name guard."""
+    packages = set(setup_packages())
+    for folder in MAPPED_FOLDERS:
+        for init in (REPO_ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(REPO_ROOT).as_posix().replace("/", ".")
+            assert f"moe_runtime.{relative}" in packages, relative
+        head = (REPO_ROOT / folder / "__init__.py").read_text()
+        assert "yield_bare_name(__name__, __file__)" in head, folder
+
+
+def setup_packages() -> list[str]:
+    spec = importlib.util.spec_from_file_location("moe_runtime_setup", REPO_ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    source = (REPO_ROOT / "setup.py").read_text().split("\nsetup(")[0]   # the listing, without running setup()
+    exec(compile(source, str(REPO_ROOT / "setup.py"), "exec"), module.__dict__)
+    return module.mapped_packages()

@@ -9,7 +9,7 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from kernels import RoutingConfig, TopK, get_kernels, select_experts
+from moe_runtime.kernels import RoutingConfig, TopK, get_kernels, select_experts
 
 HIDDEN, EXPERTS, TOKENS = 32, 16, 37
 

@@ -29,7 +29,7 @@ else:
         assert_cases_pass_in_interpreter(CASES)
 
     def test_triton_without_cuda_or_interpreter_is_a_clear_error():
-        code = ("import kernels\n"
+        code = ("from moe_runtime import kernels\n"
                 "try:\n    kernels.get_kernels('cpu', 'triton')\nexcept RuntimeError as e:\n    print('CUDA' in str(e))")
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                                 env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from load_balancer import plan_migration, rebalance, static_placement
+from moe_runtime.load_balancer import plan_migration, rebalance, static_placement
 
 
 def test_plan_turns_previous_into_new_reading_from_real_holders():

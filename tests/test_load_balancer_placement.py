@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from load_balancer import Placement, balancedness, rank_load, static_placement
+from moe_runtime.load_balancer import Placement, balancedness, rank_load, static_placement
 
 
 def test_static_placement_identity_then_round_robin_replicas():

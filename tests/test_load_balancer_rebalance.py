@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from load_balancer import Placement, balancedness, plan_migration, rebalance, static_placement
+from moe_runtime.load_balancer import Placement, balancedness, plan_migration, rebalance, static_placement
 
 # (experts, slots, ranks, nodes, groups)
 LAYOUTS = [
@@ -218,8 +218,8 @@ EPLB_LAYOUTS = LAYOUTS + [(64, 72, 8, 1, None), (32, 40, 8, 1, None), (64, 80, 8
 def test_eplb_style_plan_is_eplbs_plan():
     # rebalance's EPLB-style candidate starts from exactly EPLB's placement (co-located
     # replicas included) before repair and local search, which only ever raise balancedness.
-    from load_balancer.eplb_plan import eplb_plan
-    from load_balancer.rebalance import _layout
+    from moe_runtime.load_balancer.eplb_plan import eplb_plan
+    from moe_runtime.load_balancer.rebalance import _layout
 
     generator = torch.Generator().manual_seed(21)
     for experts, slots, ranks, nodes, groups in EPLB_LAYOUTS:

@@ -3,16 +3,16 @@ import json
 import pytest
 import torch
 
-from load_balancer import (
-    ExpertLoadRecorder,
-    ExpertLoadTrace,
-    balancedness,
-    choose_replicas,
-    load_trace,
-    rebalance,
-    save_trace,
-)
-from load_balancer.replica_choice import replica_table
+from moe_runtime.load_balancer import (
+                ExpertLoadRecorder,
+                ExpertLoadTrace,
+                balancedness,
+                choose_replicas,
+                load_trace,
+                rebalance,
+                save_trace,
+            )
+from moe_runtime.load_balancer.replica_choice import replica_table
 
 
 def run_steps(recorder, steps, layers, experts, placement, seed=0):

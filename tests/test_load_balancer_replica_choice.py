@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from load_balancer import Placement, choose_replicas, local_replica_slots, replica_tables, static_placement
-from load_balancer.replica_choice import replica_table
+from moe_runtime.load_balancer import Placement, choose_replicas, local_replica_slots, replica_tables, static_placement
+from moe_runtime.load_balancer.replica_choice import replica_table
 
 
 def naive_choice(ids, placement, layer, my_rank):

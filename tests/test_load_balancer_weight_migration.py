@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from load_balancer import Placement, plan_migration, static_placement
-from load_balancer.weight_migration import migrate_layer
+from moe_runtime.load_balancer import Placement, plan_migration, static_placement
+from moe_runtime.load_balancer.weight_migration import migrate_layer
 from moe_runtime.moe.expert_weights import ExpertWeights
 from multirank import ranks  # noqa: F401  (fixture)
 

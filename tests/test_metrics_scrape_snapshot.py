@@ -10,8 +10,8 @@ import pytest
 from server_harness import FakeEngine
 
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
-from server import build_app
-from server.metrics import parse_samples
+from moe_runtime.server import build_app
+from moe_runtime.server.metrics import parse_samples
 from test_server_metrics import snapshot_with_rank_loads
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from dispatch_cases import MULTI_RANK_BACKENDS
 from moe_seam_cases import LOCAL, check_seam_results, seam_on_rank
 
-from dispatch import naive_moe_reference
-from kernels import TopK, get_kernels
-from load_balancer import Placement
+from moe_runtime.dispatch import naive_moe_reference
+from moe_runtime.kernels import TopK, get_kernels
+from moe_runtime.load_balancer import Placement
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertWeights
 from moe_runtime.config.parallel_context import ParallelContext

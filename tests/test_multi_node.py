@@ -12,7 +12,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from attention_dp.control_key import CONTROL_KEY_ENV
+from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV
 from engine_helpers import PROMPTS, greedy
 from server_harness import ServerProcess
 from tiny_checkpoints import hf_greedy
@@ -39,7 +39,7 @@ def test_second_node_started_with_node_rank(tiny_checkpoint_factory, monkeypatch
     expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
     master_port, control_port = free_ports(2)
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--model", str(path), "--device", "cpu", "--ep", "4",
+        [sys.executable, "-m", "moe_runtime.server.cli", "--model", str(path), "--device", "cpu", "--ep", "4",
          "--dp-attn", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
          "--master-port", str(master_port), "--control-port", str(control_port), "--log-level", "warning"],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

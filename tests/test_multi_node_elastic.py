@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from attention_dp.control_key import CONTROL_KEY_ENV
+from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV
 from network_namespaces import TwoNodes, packet_loss_unavailable, unavailable
 from moe_runtime.processes.distributed import free_ports
 
@@ -54,7 +54,7 @@ def _run(nodes: TwoNodes, checkpoint: Path, out: Path, redundant: int, take_away
                          env={**_env(nodes.first.interface), CONTROL_KEY_ENV: key})
 
     def start_node1() -> subprocess.Popen:
-        return nodes.run_in(nodes.second, [sys.executable, "-m", "server.cli", "--model", str(checkpoint), "--device",
+        return nodes.run_in(nodes.second, [sys.executable, "-m", "moe_runtime.server.cli", "--model", str(checkpoint), "--device",
                                            "cpu", "--ep", "4", "--dp-attn", "4", "--nnodes", "2", "--node-rank", "1",
                                            "--master-addr", addr, "--master-port", str(master_port), "--control-port",
                                            str(control_port), "--num-redundant-experts", str(redundant),

@@ -12,10 +12,10 @@ from mxfp4_checkpoints import write_mxfp4_checkpoint
 from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from dispatch.base import LAYOUT_CONTIGUOUS, LAYOUT_MASKED
-from kernels import get_kernels
-from kernels.expert_activation import ExpertActivation
-from kernels.mxfp4_weights import dequantize_mxfp4, quantize_mxfp4
+from moe_runtime.dispatch.base import LAYOUT_CONTIGUOUS, LAYOUT_MASKED
+from moe_runtime.kernels import get_kernels
+from moe_runtime.kernels.expert_activation import ExpertActivation
+from moe_runtime.kernels.mxfp4_weights import dequantize_mxfp4, quantize_mxfp4
 from moe_runtime.config.engine_config import QUANTIZATIONS
 from moe_runtime.front.llm import LLM
 from moe_runtime.moe.expert_kernel import expert_kernel_for

@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from server.open_files import ACCEPT_FAILURE, AcceptFailureLog
+from moe_runtime.server.open_files import ACCEPT_FAILURE, AcceptFailureLog
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +17,7 @@ STARVED_SERVER = textwrap.dedent("""
     import asyncio, logging, os, resource, socket, sys
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     logging.basicConfig()
-    from server.open_files import AcceptFailureLog
+    from moe_runtime.server.open_files import AcceptFailureLog
     if sys.argv[1] == "filtered":
         AcceptFailureLog.install(logging.getLogger("asyncio"))
 
@@ -69,7 +69,7 @@ def test_the_soft_open_file_limit_is_raised_to_the_hard_one():
     script = textwrap.dedent("""
         import resource
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024))
-        from server.open_files import raise_open_file_limit
+        from moe_runtime.server.open_files import raise_open_file_limit
         print(raise_open_file_limit(), *resource.getrlimit(resource.RLIMIT_NOFILE))
     """)
     assert _run(script=script).stdout.split() == ["1024", "1024", "1024"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from attention_dp.messages import MessageCodec, StepOutputs
+from moe_runtime.attention_dp.messages import MessageCodec, StepOutputs
 from moe_runtime.sampling.logprobs import TokenLogprob
 from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.front.output_processor import OutputProcessor, held_back_suffix

@@ -8,8 +8,8 @@ widened to fp32 inside the kernel and the result rounded once: against the fp32 
 import pytest
 import torch
 
-from kernels import reference
-from kernels.pair_experts import pair_expert_mlp
+from moe_runtime.kernels import reference
+from moe_runtime.kernels.pair_experts import pair_expert_mlp
 
 E, H, I, K = 8, 32, 24, 3
 

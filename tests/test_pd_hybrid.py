@@ -22,7 +22,7 @@ from lazy_engines import engine_pool
 from pd_helpers import (decode, free_blocks, greedy, prefill, run_all_until, run_until, wait_for_blocks_and_slots,
                         wait_for_free)
 from pd_helpers import kv_key  # noqa: F401  the module's KV secret (an autouse fixture)
-from kernels.delta_rule import DEFAULT_CHUNK
+from moe_runtime.kernels.delta_rule import DEFAULT_CHUNK
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.block_server import KVBlockServer
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey

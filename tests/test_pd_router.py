@@ -27,11 +27,11 @@ from fastapi.testclient import TestClient
 from server_harness import free_port
 
 from moe_runtime.sampling.params import SamplingParams
-from server.generation import ChoiceSpec
-from server.kv_transfer_request import with_kv_transfer
-from server.pd_router.app import build_router_app
-from server.pd_router.backends import BackendPool
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from moe_runtime.server.generation import ChoiceSpec
+from moe_runtime.server.kv_transfer_request import with_kv_transfer
+from moe_runtime.server.pd_router.app import build_router_app
+from moe_runtime.server.pd_router.backends import BackendPool
+from moe_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 
 KEY = "router-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -23,7 +23,7 @@ from process_tree import alive
 from server_harness import ServerProcess
 
 from moe_runtime import LLM, SamplingParams
-from server.metrics import parse_samples
+from moe_runtime.server.metrics import parse_samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 MODEL = "tiny-pd"

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.prefix_causal_attention import merge_attention_states, prefix_causal_attention
+from moe_runtime.kernels.prefix_causal_attention import merge_attention_states, prefix_causal_attention
 
 
 def masked_reference(q, k, v, scale):   # [1, Hq, n, D], [1, Hkv, S, D], [1, Hkv, S, Dv]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from attention_dp.messages import MessageCodec, StepOutputs
+from moe_runtime.attention_dp.messages import MessageCodec, StepOutputs
 from engine_helpers import PROMPTS, greedy
 from tiny_checkpoints import HFOracle
 from moe_runtime import LLM, SamplingParams

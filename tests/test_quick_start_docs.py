@@ -4,7 +4,7 @@ from pathlib import Path
 
 from moe_runtime.demo import demo_model as demo
 from moe_runtime.processes import worker
-from server.server_config import DEMO_SERVED_NAME
+from moe_runtime.server.server_config import DEMO_SERVED_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"

@@ -15,7 +15,7 @@ from lazy_engines import tiny_engine_pool
 from engine_helpers import greedy
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from tiny_checkpoints import HFOracle
-from kernels.delta_rule import DEFAULT_CHUNK
+from moe_runtime.kernels.delta_rule import DEFAULT_CHUNK
 from moe_runtime import LLM
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.engine.block_manager import BlockManager

@@ -11,7 +11,7 @@ import pytest
 from engine_helpers import greedy
 from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from tiny_checkpoints import HFOracle
-from kernels.delta_rule import chunked_delta_rule, chunked_delta_rule_states
+from moe_runtime.kernels.delta_rule import chunked_delta_rule, chunked_delta_rule_states
 from moe_runtime import LLM
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.sequence import Sequence

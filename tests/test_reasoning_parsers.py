@@ -6,8 +6,8 @@ import pytest
 from scripted_chat import ScriptedChatEngine, run_chat, text_pieces
 from transformers import AutoTokenizer
 
-from server.reasoning.parser import ReasoningPiece, split_whole
-from server.reasoning.selection import THINK_PARSERS, ReasoningChoiceError, choose_reasoning
+from moe_runtime.server.reasoning.parser import ReasoningPiece, split_whole
+from moe_runtime.server.reasoning.selection import THINK_PARSERS, ReasoningChoiceError, choose_reasoning
 
 pytestmark = pytest.mark.timeout(60)
 

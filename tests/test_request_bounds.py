@@ -17,16 +17,16 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from attention_dp.messages import AddRequest, MessageCodec
+from moe_runtime.attention_dp.messages import AddRequest, MessageCodec
 from engine_helpers import PROMPTS
 from moe_runtime import LLM
 from moe_runtime.engine.request_limits import ContextLengthError, RequestLimits, check_context_length
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling.bounds import BOUNDS, MAX_INT, Bound
 from moe_runtime.sampling.params import SamplingParams
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.request_conversion import ModelInfo, check_context, choice_specs
+from moe_runtime.server.errors import APIError
+from moe_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from moe_runtime.server.request_conversion import ModelInfo, check_context, choice_specs
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import pytest
 from server_harness import FakeEngine
 
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
-from server import build_app
+from moe_runtime.server import build_app
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,12 +33,12 @@ def post_completions(bodies: list[dict]) -> list[httpx.Response]:
 
 def request_lines(caplog) -> list[re.Match]:
     return [LINE.fullmatch(r.getMessage()) for r in caplog.records
-            if r.name == "server.generation" and r.levelno == logging.INFO]
+            if r.name == "moe_runtime.server.generation" and r.levelno == logging.INFO]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_one_line_per_request_with_its_tokens(caplog, stream):
-    caplog.set_level(logging.INFO, logger="server.generation")
+    caplog.set_level(logging.INFO, logger="moe_runtime.server.generation")
     responses = post_completions([{"prompt": [1, 2, 3], "max_tokens": 5, "stream": stream},
                                   {"prompt": [4, 5], "max_tokens": 2, "n": 2, "stream": stream}])
     assert [r.status_code for r in responses] == [200, 200]
@@ -50,7 +50,7 @@ def test_one_line_per_request_with_its_tokens(caplog, stream):
 
 
 def test_a_refused_request_logs_no_request_line(caplog):
-    caplog.set_level(logging.INFO, logger="server.generation")
+    caplog.set_level(logging.INFO, logger="moe_runtime.server.generation")
     response, = post_completions([{"prompt": [1, 10**6], "max_tokens": 2}])   # outside the fake vocabulary
     assert response.status_code == 400
     assert request_lines(caplog) == []

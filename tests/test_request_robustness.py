@@ -29,10 +29,10 @@ from moe_runtime.engine.request_limits import RequestLimits
 from moe_runtime.sampling.sampler import Sampler
 from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
 from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
-from server.errors import APIError
-from server.protocol import CompletionRequest
-from server.request_conversion import choice_specs
-from server.structured_output_request import requested_structure
+from moe_runtime.server.errors import APIError
+from moe_runtime.server.protocol import CompletionRequest
+from moe_runtime.server.request_conversion import choice_specs
+from moe_runtime.server.structured_output_request import requested_structure
 
 pytestmark = pytest.mark.timeout(120)
 

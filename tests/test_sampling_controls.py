@@ -18,7 +18,7 @@ import pytest
 import torch
 from tiny_checkpoints import HFOracle
 
-from attention_dp.messages import AddRequest, MessageCodec
+from moe_runtime.attention_dp.messages import AddRequest, MessageCodec
 from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.errors import InvalidRequestError

@@ -8,12 +8,12 @@ import torch
 from fastapi import APIRouter
 from server_harness import FakeEngine
 
-from load_balancer import ExpertLoadRecorder, RebalanceEvent
+from moe_runtime.load_balancer import ExpertLoadRecorder, RebalanceEvent
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling.params import SamplingParams
-from server import build_app
-from server.metrics import parse_samples
+from moe_runtime.server import build_app
+from moe_runtime.server.metrics import parse_samples
 
 pytestmark = pytest.mark.timeout(60)
 

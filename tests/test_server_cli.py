@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
-from server.cli import build_parser, engine_config_from_args, main, server_config_from_args
-from server.flag_types import parse_size
-from server.listen_socket import bind_socket
-from server.server_config import ServerConfig, ServerConfigError
+from moe_runtime.server.cli import build_parser, engine_config_from_args, main, server_config_from_args
+from moe_runtime.server.flag_types import parse_size
+from moe_runtime.server.listen_socket import bind_socket
+from moe_runtime.server.server_config import ServerConfig, ServerConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,7 +135,7 @@ def test_taken_port_is_a_clear_error():
 
 def test_help_runs_as_a_module():
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    result = subprocess.run([sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "moe_runtime.server.cli", "--help"], capture_output=True, text=True,
                             env=env, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
     for flag in ("--model", "--dp-attn", "--ep", "--kv-cache-memory", "--max-queue", "--api-key", "--master-port"):
@@ -145,12 +145,12 @@ def test_help_runs_as_a_module():
 def test_help_is_parsed_before_the_server_and_the_engine_are_imported():
     """--help and usage errors come before the serving stack loads (uvicorn, the engine's processes)."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "server.cli", "--help"], capture_output=True,
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "moe_runtime.server.cli", "--help"], capture_output=True,
                             text=True, env=env, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "moe-serve" in result.stdout
-    assert not {"torch", "fastapi", "uvicorn", "transformers", "server.serve", "moe_runtime.processes.node_launcher",
+    assert not {"torch", "fastapi", "uvicorn", "transformers", "moe_runtime.server.serve", "moe_runtime.processes.node_launcher",
                 "moe_runtime.front.multiprocess_engine"} & imported
 
 
@@ -172,7 +172,7 @@ def test_main_says_it_is_starting_before_loading_the_engine(capsys):
 
 @pytest.mark.parametrize("is_demo", [True, False], ids=["demo", "checkpoint"])
 def test_ready_lines_name_the_model_the_dashboard_and_the_demo(is_demo):
-    from server.serve import ready_lines
+    from moe_runtime.server.serve import ready_lines
 
     serving, dashboard = ready_lines("moe-runtime-demo", "http://127.0.0.1:8000", is_demo=is_demo).splitlines()
     assert serving.startswith("moe-serve: serving 'moe-runtime-demo'") and serving.endswith(

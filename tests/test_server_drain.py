@@ -18,7 +18,7 @@ from server_harness import FakeEngine, ServerProcess, serve_in_process
 from moe_runtime.errors import ShuttingDownError
 from moe_runtime.front.async_engine import AsyncEngine
 from moe_runtime.sampling.params import SamplingParams
-from server.graceful_drain import GracefulDrain
+from moe_runtime.server.graceful_drain import GracefulDrain
 
 pytestmark = pytest.mark.timeout(180)
 

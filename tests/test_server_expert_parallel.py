@@ -12,7 +12,7 @@ import pytest
 from server_harness import ServerProcess
 
 from moe_runtime import LLM, SamplingParams
-from server.metrics import parse_samples
+from moe_runtime.server.metrics import parse_samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 MODEL = "tiny-ep"

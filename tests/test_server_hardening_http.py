@@ -17,11 +17,11 @@ import httpx
 import pytest
 from server_harness import FakeEngine, serve_in_process
 
-from server import build_app
-from server.cli import build_parser, server_config_from_args
-from server.dashboard import dashboard_router
-from server.exposure import warn_if_exposed
-from server.server_config import ServerConfig
+from moe_runtime.server import build_app
+from moe_runtime.server.cli import build_parser, server_config_from_args
+from moe_runtime.server.dashboard import dashboard_router
+from moe_runtime.server.exposure import warn_if_exposed
+from moe_runtime.server.server_config import ServerConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -233,7 +233,7 @@ def test_warns_when_listening_beyond_loopback_without_an_api_key(caplog):
              ("0.0.0.0", "k", False), ("127.0.0.1", None, False), ("::1", None, False), ("localhost", None, False)]
     for host, api_key, warns in cases:
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="server.exposure"):
+        with caplog.at_level(logging.WARNING, logger="moe_runtime.server.exposure"):
             warn_if_exposed(ServerConfig(host=host, api_keys=(api_key,) if api_key else ()))
         warned = [r for r in caplog.records if r.levelno == logging.WARNING and "--api-key" in r.getMessage()]
         assert bool(warned) == warns, (host, api_key, caplog.text)
@@ -251,7 +251,7 @@ def test_head_health_is_200_without_a_body():
 
 
 def test_the_startup_gate_answers_503_until_the_app_is_ready():
-    from server.startup_gate import StartupGate
+    from moe_runtime.server.startup_gate import StartupGate
 
     async def ready_app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

@@ -9,11 +9,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import FakeEngine
 
-from load_balancer import ExpertLoadRecorder, RebalanceEvent
+from moe_runtime.load_balancer import ExpertLoadRecorder, RebalanceEvent
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.engine.outputs import RequestOutput
-from server import build_app
-from server.metrics import parse_samples
+from moe_runtime.server import build_app
+from moe_runtime.server.metrics import parse_samples
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -121,14 +121,14 @@ def test_a_request_the_engine_failed_is_a_500_counted_as_error(caplog):
         ok = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 4})
         return failed, streamed, ok, await scrape(client)
 
-    with caplog.at_level(logging.WARNING, logger="server.errors"):
+    with caplog.at_level(logging.WARNING, logger="moe_runtime.server.errors"):
         failed, streamed, ok, samples = serve(FailingEngine(), scenario)
     assert failed.status_code == 500
     assert failed.json() == {"error": {"message": "the engine failed this request", "type": "internal_server_error",
                                        "param": None, "code": "request_failed"}}
     assert '"code": "request_failed"' in streamed.text and "sampling blew up" not in streamed.text
     assert ok.status_code == 200   # the engine serves on
-    logged = [r for r in caplog.records if r.name == "server.errors"]
+    logged = [r for r in caplog.records if r.name == "moe_runtime.server.errors"]
     assert logged and all(r.levelno == logging.WARNING and r.exc_info is None for r in logged)
     assert any("sampling blew up" in r.getMessage() for r in logged)   # the detail is in the log only
     assert samples['moe_request_finish_total{reason="error"}'] == 2

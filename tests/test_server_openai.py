@@ -16,7 +16,7 @@ from server_harness import ServerProcess
 from tiny_checkpoints import HFOracle
 
 from moe_runtime import LLM, SamplingParams
-from server.metrics import parse_samples
+from moe_runtime.server.metrics import parse_samples
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -7,11 +7,11 @@ import pytest
 from server_harness import FakeEngine
 
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
-from server import build_app
+from moe_runtime.server import build_app
 
 pytestmark = pytest.mark.timeout(60)
 
-WARNING_LOGGER = "server.unknown_fields"
+WARNING_LOGGER = "moe_runtime.server.unknown_fields"
 
 
 class RecordingChatTokenizer:

@@ -66,7 +66,7 @@ def test_the_config_takes_vllms_names_and_refuses_what_is_not_built_by_name():
 
 
 def test_moe_serve_takes_speculative_config_json():
-    from server.cli import build_parser, engine_config_from_args
+    from moe_runtime.server.cli import build_parser, engine_config_from_args
 
     args = build_parser().parse_args(["--model", "m", "--speculative-config", json.dumps(NGRAM)])
     assert engine_config_from_args(args).speculative_config == NGRAM

@@ -17,8 +17,8 @@ from moe_runtime.sampling.structured_output.grammar_bitmask import GrammarBitmas
 from moe_runtime.sampling.structured_output.grammar_state import GrammarState
 from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
 from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
-from server.protocol import ChatCompletionRequest
-from server.structured_output_request import requested_structure
+from moe_runtime.server.protocol import ChatCompletionRequest
+from moe_runtime.server.structured_output_request import requested_structure
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,8 +4,8 @@ the checkpoint as a fresh load would have them (ExpertWeights.reload_slot)."""
 import pytest
 import torch
 
-from load_balancer.placement import static_placement
-from load_balancer.survivor_placement import ExpertsLost, survivor_placement
+from moe_runtime.load_balancer.placement import static_placement
+from moe_runtime.load_balancer.survivor_placement import ExpertsLost, survivor_placement
 from moe_runtime.moe.expert_weights import MIXTRAL_NAMING, ExpertWeights
 from moe_runtime.weights.checkpoint import CheckpointReader
 

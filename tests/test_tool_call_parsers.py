@@ -5,19 +5,19 @@ import json
 import jsonschema
 import pytest
 
-from server.cli import build_parser, server_config_from_args
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest
-from server.tool_calls import fallback_rendering
-from server.tool_calls.deepseek_v3 import DeepSeekV3Parser
-from server.tool_calls.forced import ForcedCallsParser
-from server.tool_calls.hermes import HermesParser
-from server.tool_calls.json_scan import value_end
-from server.tool_calls.mistral import MistralParser
-from server.tool_calls.names import TOOL_CALL_PARSER_NAMES
-from server.tool_calls.plan import MAX_CALLS, plan_tool_use
-from server.tool_calls.selection import PARSERS, checkpoint_model_type, choose_parser
-from server.tool_calls.stream import ToolCallStream, read_message
+from moe_runtime.server.cli import build_parser, server_config_from_args
+from moe_runtime.server.errors import APIError
+from moe_runtime.server.protocol import ChatCompletionRequest
+from moe_runtime.server.tool_calls import fallback_rendering
+from moe_runtime.server.tool_calls.deepseek_v3 import DeepSeekV3Parser
+from moe_runtime.server.tool_calls.forced import ForcedCallsParser
+from moe_runtime.server.tool_calls.hermes import HermesParser
+from moe_runtime.server.tool_calls.json_scan import value_end
+from moe_runtime.server.tool_calls.mistral import MistralParser
+from moe_runtime.server.tool_calls.names import TOOL_CALL_PARSER_NAMES
+from moe_runtime.server.tool_calls.plan import MAX_CALLS, plan_tool_use
+from moe_runtime.server.tool_calls.selection import PARSERS, checkpoint_model_type, choose_parser
+from moe_runtime.server.tool_calls.stream import ToolCallStream, read_message
 
 WEATHER_ARGS = '{"city": "Par\\"is {x}", "days": [1, {"a": null}]}'
 # (parser, text, expected content, expected calls as (name, arguments text))

@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from server.tool_calls.glm45 import Glm45Parser, glm_value
-from server.tool_calls.minimax_m2 import MiniMaxM2Parser, minimax_value
-from server.tool_calls.names import TOOL_CALL_PARSER_NAMES
-from server.protocol import ChatCompletionRequest
-from server.tool_calls.plan import MAX_CALLS, plan_tool_use
-from server.tool_calls.selection import PARSERS, choose_parser
-from server.tool_calls.stream import ToolCallStream, read_message
+from moe_runtime.server.tool_calls.glm45 import Glm45Parser, glm_value
+from moe_runtime.server.tool_calls.minimax_m2 import MiniMaxM2Parser, minimax_value
+from moe_runtime.server.tool_calls.names import TOOL_CALL_PARSER_NAMES
+from moe_runtime.server.protocol import ChatCompletionRequest
+from moe_runtime.server.tool_calls.plan import MAX_CALLS, plan_tool_use
+from moe_runtime.server.tool_calls.selection import PARSERS, choose_parser
+from moe_runtime.server.tool_calls.stream import ToolCallStream, read_message
 from test_tool_call_parsers import stream_in_pieces
 
 GLM_TEXT = ("Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris <b></arg_value>\n"

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.engine.outputs import RequestOutput
-from server import build_app
+from moe_runtime.server import build_app
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,7 +19,7 @@ from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM
 from moe_runtime.engine.sequence import Sequence
 from moe_runtime.moe.stages import interleave
-from server.cli import build_parser, engine_config_from_args
+from moe_runtime.server.cli import build_parser, engine_config_from_args
 
 NEW_TOKENS = 12
 LAYOUTS = [("qwen3_moe", 2), ("qwen3_moe", 1), ("deepseek_v3", 2), ("deepseek_v3", 1)]   # (arch, dp_attn), ep=2

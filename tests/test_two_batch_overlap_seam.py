@@ -15,12 +15,12 @@ import torch.distributed as dist
 from dispatch_cases import (HIDDEN, INTERMEDIATE, MULTI_RANK_BACKENDS, SLOTS_PER_RANK, dispatch_config, make_case,
                             make_experts, row_format)
 
-import dispatch.all_to_all
-import dispatch.allgather
-from dispatch import DispatchConfig, make_dispatcher, naive_moe_reference
-from dispatch.pending import Ready
-from kernels import get_kernels
-from load_balancer import SlotGeometry
+import moe_runtime.dispatch.all_to_all
+import moe_runtime.dispatch.allgather
+from moe_runtime.dispatch import DispatchConfig, make_dispatcher, naive_moe_reference
+from moe_runtime.dispatch.pending import Ready
+from moe_runtime.kernels import get_kernels
+from moe_runtime.load_balancer import SlotGeometry
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.execution.micro_batches import balanced_split, split_in_two
 from moe_runtime.moe.comm_timeline import CommTimeline
@@ -173,8 +173,8 @@ def _late_peer_on_rank(backend: str) -> dict:
     case = make_case("uneven", world_size, rank, rows.hidden)
     case.x = case.x.to(rows.dtype)
     # dispatch: only the payload is late (the counts exchange before it is synchronous by design)
-    patched = {"all_to_all": (dispatch.all_to_all, "start_all_to_all_rows"),
-               "allgather": (dispatch.allgather, "start_all_gather_rows")}.get(backend)
+    patched = {"all_to_all": (moe_runtime.dispatch.all_to_all, "start_all_to_all_rows"),
+               "allgather": (moe_runtime.dispatch.allgather, "start_all_gather_rows")}.get(backend)
     original = getattr(*patched) if patched else None
     def late(*args, **kwargs):
         time.sleep(DELAY_S)

@@ -12,7 +12,7 @@ from dispatch_cases import DEEPEP_BACKENDS, MULTI_RANK_BACKENDS
 from host_reads import HostReadWatch
 from moe_seam_cases import LOCAL, check_seam_results, seam_on_rank
 
-from kernels import RoutingConfig, get_kernels
+from moe_runtime.kernels import RoutingConfig, get_kernels
 from mixed_attention_cases import attend, mixed_attention_case
 from multirank import ranks  # noqa: F401  (fixture)
 
@@ -118,7 +118,7 @@ def test_permute_by_expert(triton_kernels, case):
 
 @pytest.mark.parametrize("case", sorted(MOE_CASES))
 def test_align_block_size_pads_each_expert_to_whole_tiles(triton_kernels, case):
-    from kernels.triton_impl.align import align_block_size
+    from moe_runtime.kernels.triton_impl.align import align_block_size
 
     _, _, _, _, ids = moe_inputs(**MOE_CASES[case])
     experts, block_m = MOE_CASES[case]["experts"], 16

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.flashinfer_attention import FlashInferAttention, import_flashinfer, shapes_supported
-from kernels.paged_attention import paged_decode_attention as twin_decode
-from kernels.paged_prefill_attention import PagedPrefillBatch
-from kernels.paged_prefill_attention import paged_prefill_attention as twin_prefill
+from moe_runtime.kernels.flashinfer_attention import FlashInferAttention, import_flashinfer, shapes_supported
+from moe_runtime.kernels.paged_attention import paged_decode_attention as twin_decode
+from moe_runtime.kernels.paged_prefill_attention import PagedPrefillBatch
+from moe_runtime.kernels.paged_prefill_attention import paged_prefill_attention as twin_prefill
 
 from .kernel_shapes import Tolerance, best_ms, compare
 from .report import Outcome, RunMode, judged, skipped
@@ -73,7 +73,7 @@ class AttentionKernelsPart:
         self.device = torch.device(mode.device)
         self.dtypes = ("float32", "float16") if mode.dry_run else ("bfloat16",)
         self.timed = not mode.dry_run
-        from kernels.triton_impl import paged_attention, paged_prefill_attention   # triton: the part's child only
+        from moe_runtime.kernels.triton_impl import paged_attention, paged_prefill_attention   # triton: the part's child only
 
         self.triton_decode = paged_attention.paged_decode_attention
         self.triton_prefill = paged_prefill_attention.paged_prefill_attention

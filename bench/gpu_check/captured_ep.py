@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from dispatch.deepep import deep_ep_importable
+from moe_runtime.dispatch.deepep import deep_ep_importable
 from engine_helpers import greedy
 from moe_runtime import LLM
 

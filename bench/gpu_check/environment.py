@@ -75,14 +75,14 @@ class EnvironmentPart:
                                                  not self.mode.dry_run and module in IMPORTED_ON_GPU)
             except Exception as exc:  # noqa: BLE001 - any import failure is a missing package here
                 missing.append(f"{distribution} ({type(exc).__name__}: {str(exc)[:120]})")
-        import kernels
+        from moe_runtime import kernels
 
         problems = []
         if missing:
             problems.append("cannot import: " + ", ".join(missing) + " -- on a machine without network, carry "
                             "them: `python -m bench.gpu_check.environment` here, then run with carry bench/.cache/wheels")
         if Path(kernels.__file__).resolve().parent != REPO / "kernels":
-            problems.append(f"`import kernels` found {kernels.__file__}, not this repo's kernels package")
+            problems.append(f"`moe_runtime.kernels` is {kernels.__file__}, not this repo's kernels/ folder")
         return judged(problems, python=sys.version.split()[0], executable=sys.executable, versions=versions,
                       platform=platform.platform(), cpu_count=os.cpu_count(),
                       load_average=[round(x, 2) for x in os.getloadavg()],   # wall times read against this

@@ -25,11 +25,11 @@ from typing import Callable
 
 import torch
 
-from kernels import KernelSet, RoutingConfig
-from kernels.routing import group_mask
+from moe_runtime.kernels import KernelSet, RoutingConfig
+from moe_runtime.kernels.routing import group_mask
 from moe_runtime.weights.quantization.fp8_in_memory import ONLINE_BLOCK_K, quantize_rows
 from moe_runtime.weights.quantization.int8_in_memory import quantize_int8_rows
-from kernels.mxfp4_weights import quantize_mxfp4
+from moe_runtime.kernels.mxfp4_weights import quantize_mxfp4
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows
 
 

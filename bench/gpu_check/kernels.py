@@ -28,10 +28,10 @@ import torch.nn.functional as F
 
 import fp8_activation_reference as fp8_reference     # tests/: the FP8-activation scheme in float64
 from host_reads import HostReadWatch                 # tests/: host reads and fills during a call
-from kernels import KernelSet, get_kernels
-from kernels.skinny_matmul import batched_linear_rows, linear_rows
-from kernels.triton_impl.fp8_scheme import Fp8Scheme
-from kernels.triton_impl.kernel_set import triton_kernel_set
+from moe_runtime.kernels import KernelSet, get_kernels
+from moe_runtime.kernels.skinny_matmul import batched_linear_rows, linear_rows
+from moe_runtime.kernels.triton_impl.fp8_scheme import Fp8Scheme
+from moe_runtime.kernels.triton_impl.kernel_set import triton_kernel_set
 from triton_kernel_cases import moe_inputs          # the edge-case suite's input generator
 
 from .kernel_shapes import (FP8, INT8, MXFP4, ROUTING_TIE_MARGIN, TOLERANCES, AttentionShape, ExpertWeights, KernelShapes,
@@ -230,7 +230,7 @@ class KernelsPart:
                                      lambda: self.twin.permute_by_expert(ids, e.experts), repeats=10))
 
     def _align(self, tokens: int, block_m: int) -> Outcome:
-        from kernels.triton_impl.align import align_block_size   # Triton-only: no twin, invariants instead
+        from moe_runtime.kernels.triton_impl.align import align_block_size   # Triton-only: no twin, invariants instead
 
         e = self.shapes.experts
         _, ids = self._routing(tokens)

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from kernels.cpu_native.build import native_experts
+from moe_runtime.kernels.cpu_native.build import native_experts
 
 NAMESPACE = "moe_cpu"
 

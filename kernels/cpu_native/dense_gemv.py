@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native.build import native_experts
-from kernels.skinny_matmul import linear_rows
+from moe_runtime.kernels.cpu_native.build import native_experts
+from moe_runtime.kernels.skinny_matmul import linear_rows
 
 COMPILED_GEMV_MAX_ROWS = 16              # more rows: MKL's GEMM blocking wins (bench/results/cpu_gemv.json)
 COMPILED_GEMV_MIN_WEIGHT = 256 * 512     # the smallest weight measured (k/v projections of the bench model)

@@ -18,14 +18,14 @@ import math
 
 import torch
 
-from kernels.cpu_native import custom_ops
-from kernels.cpu_native.build import native_experts
-from kernels.expert_activation import ExpertActivation
-from kernels.expert_mlp import check_expert_biases, check_expert_weights, check_sorted_counts, expert_mlp
-from kernels.fp8_block_weights import (check_fp8_expert_weights, check_fp8_linear, fp8_expert_mlp,
-                                       fp8_linear_prechecked)
-from kernels.int8_weights import check_int8_expert_weights, check_int8_weight, int8_expert_mlp, int8_linear
-from kernels.pair_experts import pair_expert_mlp
+from moe_runtime.kernels.cpu_native import custom_ops
+from moe_runtime.kernels.cpu_native.build import native_experts
+from moe_runtime.kernels.expert_activation import ExpertActivation
+from moe_runtime.kernels.expert_mlp import check_expert_biases, check_expert_weights, check_sorted_counts, expert_mlp
+from moe_runtime.kernels.fp8_block_weights import (check_fp8_expert_weights, check_fp8_linear, fp8_expert_mlp,
+                                                   fp8_linear_prechecked)
+from moe_runtime.kernels.int8_weights import check_int8_expert_weights, check_int8_weight, int8_expert_mlp, int8_linear
+from moe_runtime.kernels.pair_experts import pair_expert_mlp
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 LINEAR_MAX_ROWS = 16   # more rows: the torch GEMM's blocking wins over one pass per weight row

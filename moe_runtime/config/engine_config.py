@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from attention_dp.control_key import ControlKey
+from moe_runtime.attention_dp.control_key import ControlKey
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.speculative.config import SpeculativeConfig
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import get_kernels
-from load_balancer.rebalance_event import RebalanceEvent
+from moe_runtime.kernels import get_kernels
+from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.kv_groups import KVCacheLayout

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.paged_prefill_attention import PagedPrefillBatch
+from moe_runtime.kernels.paged_prefill_attention import PagedPrefillBatch
 from moe_runtime.layers.attention_span import AttentionSpan
 
 

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dispatch.backends import PHASE_DECODE
+from moe_runtime.dispatch.backends import PHASE_DECODE
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.sampling.prompt_logprobs import prompt_logprobs_due

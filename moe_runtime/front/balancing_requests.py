@@ -11,10 +11,10 @@ from typing import Callable
 
 import msgspec
 
-from attention_dp.messages import (ExpertLoadReport, Message, RebalanceNow, RebalanceReport,
-                                   SnapshotExpertLoad)
-from load_balancer.rebalance_event import RebalanceEvent
-from load_balancer.recorder import ExpertLoadSnapshot
+from moe_runtime.attention_dp.messages import (ExpertLoadReport, Message, RebalanceNow, RebalanceReport,
+                                               SnapshotExpertLoad)
+from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
+from moe_runtime.load_balancer.recorder import ExpertLoadSnapshot
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.stage_snapshots import merge_stage_snapshots
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from attention_dp.messages import Message
+from moe_runtime.attention_dp.messages import Message
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.engine.stats import EngineHealth
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Callable, Protocol
 
-from load_balancer.rebalance_event import RebalanceEvent
+from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
 from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.engine.request_limits import RequestLimits

@@ -21,10 +21,10 @@ import random
 import time
 from typing import Callable
 
-from attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, ImportRequest, KVImported,
-                                   ReleaseExport, ResetPrefixCache, StepOutputs)
-from attention_dp.router import DPRouter
-from load_balancer.rebalance_event import RebalanceEvent
+from moe_runtime.attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, ImportRequest, KVImported,
+                                               ReleaseExport, ResetPrefixCache, StepOutputs)
+from moe_runtime.attention_dp.router import DPRouter
+from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.decode_front import DecodeFront, ImportOutcome
 from moe_runtime.disaggregation.import_spec import ImportSpec

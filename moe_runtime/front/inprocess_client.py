@@ -17,8 +17,8 @@ import queue
 import threading
 from typing import Callable
 
-from attention_dp.core_commands import CoreCommands, RankRole
-from attention_dp.messages import Message, Shutdown
+from moe_runtime.attention_dp.core_commands import CoreCommands, RankRole
+from moe_runtime.attention_dp.messages import Message, Shutdown
 from moe_runtime.engine.core import EngineCore
 from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.errors import EngineDeadError

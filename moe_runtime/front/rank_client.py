@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from attention_dp.control_plane import HEARTBEAT_INTERVAL_MS, RankDisconnected
-from attention_dp.messages import AdmittedElsewhere, Hello, Message, RebalanceNow, Shutdown, WorkerFailed
+from moe_runtime.attention_dp.control_plane import HEARTBEAT_INTERVAL_MS, RankDisconnected
+from moe_runtime.attention_dp.messages import AdmittedElsewhere, Hello, Message, RebalanceNow, Shutdown, WorkerFailed
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.engine.stats import EngineHealth

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from attention_dp.messages import AddRequest
-from attention_dp.router import DPRouter
+from moe_runtime.attention_dp.messages import AddRequest
+from moe_runtime.attention_dp.router import DPRouter
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.stats import EngineHealth, RecoveryStats
 from moe_runtime.errors import EngineDeadError

@@ -14,8 +14,8 @@ import time
 import msgspec
 from dataclasses import dataclass
 
-from attention_dp.control_plane import RankDisconnected
-from attention_dp.messages import Reform, WorkerFailed, WorkerReady
+from moe_runtime.attention_dp.control_plane import RankDisconnected
+from moe_runtime.attention_dp.messages import Reform, WorkerFailed, WorkerReady
 from moe_runtime.processes.collective_interrupt import INTERRUPT_SIGNAL
 from moe_runtime.processes.launcher import LaunchedJob
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from load_balancer.recorder import ExpertLoadSnapshot
+from moe_runtime.load_balancer.recorder import ExpertLoadSnapshot
 
 
 def merge_stage_snapshots(snapshots: list[ExpertLoadSnapshot | None]) -> ExpertLoadSnapshot | None:

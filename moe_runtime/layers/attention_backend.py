@@ -28,10 +28,10 @@ from typing import Callable
 
 import torch
 
-from kernels.flashinfer_attention import FlashInferAttention, import_flashinfer
-from kernels.index_scores import index_scores as torch_index_scores
-from kernels.kernel_set_type import KernelSet
-from kernels.sparse_latent_attention import sparse_latent_attention as torch_sparse_latent_attention
+from moe_runtime.kernels.flashinfer_attention import FlashInferAttention, import_flashinfer
+from moe_runtime.kernels.index_scores import index_scores as torch_index_scores
+from moe_runtime.kernels.kernel_set_type import KernelSet
+from moe_runtime.kernels.sparse_latent_attention import sparse_latent_attention as torch_sparse_latent_attention
 
 logger = logging.getLogger(__name__)
 BACKEND_ENV = "MOE_ATTENTION_BACKEND"
@@ -78,14 +78,14 @@ class FlashInferFirst:
 
 
 def triton_prefill_kernel() -> PrefillAttention:
-    from kernels.triton_impl.paged_prefill_attention import paged_prefill_attention   # imports triton: only here
+    from moe_runtime.kernels.triton_impl.paged_prefill_attention import paged_prefill_attention   # imports triton: only here
 
     return paged_prefill_attention
 
 
 def triton_sparse_kernels() -> tuple[SparseLatentAttention, IndexScores]:
-    from kernels.triton_impl.index_scores import index_scores                           # imports triton: only here
-    from kernels.triton_impl.sparse_latent_attention import sparse_latent_attention
+    from moe_runtime.kernels.triton_impl.index_scores import index_scores                           # imports triton: only here
+    from moe_runtime.kernels.triton_impl.sparse_latent_attention import sparse_latent_attention
 
     return sparse_latent_attention, index_scores
 

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.delta_rule import chunked_delta_rule, chunked_delta_rule_states, delta_rule_step
-from kernels.delta_rule_fla import fla_available, fla_chunked_delta_rule, fla_delta_rule_step
+from moe_runtime.kernels.delta_rule import chunked_delta_rule, chunked_delta_rule_states, delta_rule_step
+from moe_runtime.kernels.delta_rule_fla import fla_available, fla_chunked_delta_rule, fla_delta_rule_step
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.layers.hybrid_norms import GatedRMSNorm
 from moe_runtime.layers.linear import Linear, LinearShard

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.index_scores import index_scores
+from moe_runtime.kernels.index_scores import index_scores
 from moe_runtime.layers.attention_backend import IndexScores
 from moe_runtime.layers.linear import Linear
 from moe_runtime.layers.norm import LayerNorm

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.skinny_matmul import linear_rows
+from moe_runtime.kernels.skinny_matmul import linear_rows
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
 from moe_runtime.weights.loading import copy_checked

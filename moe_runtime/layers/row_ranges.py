@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.skinny_matmul import linear_rows
+from moe_runtime.kernels.skinny_matmul import linear_rows
 from moe_runtime.weights.loading import copy_checked
 
 Ranges = tuple[tuple[int, int], ...]   # (start, stop) row ranges, in order

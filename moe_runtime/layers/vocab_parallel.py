@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.skinny_matmul import linear_rows
+from moe_runtime.kernels.skinny_matmul import linear_rows
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.loading import copy_checked
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import KernelSet
+from moe_runtime.kernels import KernelSet
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.execution.context_parallel import ContextParallel
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from kernels import RoutingConfig
+from moe_runtime.kernels import RoutingConfig
 from moe_runtime.layers.mla import MLAShape, MultiHeadLatentAttention, mla_softmax_scale
 from moe_runtime.moe.layer import MoEShape, SparseMoE
 from moe_runtime.models.common import rotary_for

@@ -24,9 +24,9 @@ import re
 import torch
 from torch import nn
 
-from kernels import RoutingConfig, TopK
-from kernels.expert_activation import ExpertActivation
-from kernels.routing import expert_scores
+from moe_runtime.kernels import RoutingConfig, TopK
+from moe_runtime.kernels.expert_activation import ExpertActivation
+from moe_runtime.kernels.routing import expert_scores
 from moe_runtime.execution.micro_batches import MicroBatch
 from moe_runtime.layers.compressed_attention import CompressedAttention, V4AttentionShape
 from moe_runtime.layers.hyper_connections import HyperConnection, HyperHead

@@ -15,8 +15,8 @@ as the published checkpoints keep everything else in bf16: attention takes `ctx.
 """
 from __future__ import annotations
 
-from kernels import RoutingConfig
-from kernels.expert_activation import ExpertActivation
+from moe_runtime.kernels import RoutingConfig
+from moe_runtime.kernels.expert_activation import ExpertActivation
 from moe_runtime.layers.attention import Attention, AttentionShape
 from moe_runtime.layers.attention_span import SLIDING, AttentionSpan
 from moe_runtime.models.common import head_dim_of, rotary_for, sliding_window_of

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import RoutingConfig, TopK
+from moe_runtime.kernels import RoutingConfig, TopK
 from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.layers.attention import Attention, AttentionShape
 from moe_runtime.layers.query_temperature import QueryTemperature

@@ -14,7 +14,7 @@ otherwise).
 """
 from __future__ import annotations
 
-from kernels import RoutingConfig
+from moe_runtime.kernels import RoutingConfig
 from moe_runtime.layers.partial_rotary import partial_rotary_dim
 from moe_runtime.moe.expert_weights import MIXTRAL_NAMING
 from moe_runtime.moe.layer import MoEShape, SparseMoE

@@ -1,7 +1,7 @@
 """Mixtral: GQA attention, softmax top-k (always renormalized) over w1/w3/w2 experts."""
 from __future__ import annotations
 
-from kernels import RoutingConfig
+from moe_runtime.kernels import RoutingConfig
 from moe_runtime.moe.expert_weights import MIXTRAL_NAMING
 from moe_runtime.moe.layer import MoEShape, SparseMoE
 from moe_runtime.models.common import gqa_attention

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import RoutingConfig
+from moe_runtime.kernels import RoutingConfig
 from moe_runtime.engine.state_slots import LINEAR_ATTENTION
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.layers.attention import AttentionShape

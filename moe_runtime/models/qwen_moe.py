@@ -1,7 +1,7 @@
 """Qwen2-MoE (qkv bias, gated shared expert) and Qwen3-MoE (per-head q/k norm) and OLMoE (full q/k norm)."""
 from __future__ import annotations
 
-from kernels import RoutingConfig
+from moe_runtime.kernels import RoutingConfig
 from moe_runtime.moe.layer import MoEShape, SparseMoE
 from moe_runtime.models.common import gqa_attention
 from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer, build_stack

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from dispatch.pending import Pending
+from moe_runtime.dispatch.pending import Pending
 
 
 @dataclass

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dispatch.base import LAYOUT_CONTIGUOUS
-from kernels import KernelSet
-from kernels.expert_activation import ExpertActivation
-from kernels.expert_mlp import swiglu
+from moe_runtime.dispatch.base import LAYOUT_CONTIGUOUS
+from moe_runtime.kernels import KernelSet
+from moe_runtime.kernels.expert_activation import ExpertActivation
+from moe_runtime.kernels.expert_mlp import swiglu
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.expert_weights import ExpertWeights

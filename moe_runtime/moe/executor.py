@@ -23,18 +23,18 @@ import logging
 
 import torch
 
-from dispatch.base import LAYOUT_CONTIGUOUS
-from dispatch.backends import BACKEND_LOCAL, PHASE_DECODE, PHASE_PREFILL
-from dispatch.config import DispatchConfig
-from dispatch.deepep import DEFAULT_DEEPEP_MODULE
-from dispatch.factory import backend_for, make_phase_dispatchers
-from kernels import KernelSet, TopK
-from kernels.kernel_set import cpu_kernels
-from load_balancer.placement import Placement, static_placement
-from load_balancer.recorder import ExpertLoadRecorder
-from load_balancer.replica_choice import ReplicaTable, choose_replicas, replica_tables
-from load_balancer.slot_geometry import SlotGeometry
-from load_balancer.survivor_placement import SlotReload, survivor_placement
+from moe_runtime.dispatch.base import LAYOUT_CONTIGUOUS
+from moe_runtime.dispatch.backends import BACKEND_LOCAL, PHASE_DECODE, PHASE_PREFILL
+from moe_runtime.dispatch.config import DispatchConfig
+from moe_runtime.dispatch.deepep import DEFAULT_DEEPEP_MODULE
+from moe_runtime.dispatch.factory import backend_for, make_phase_dispatchers
+from moe_runtime.kernels import KernelSet, TopK
+from moe_runtime.kernels.kernel_set import cpu_kernels
+from moe_runtime.load_balancer.placement import Placement, static_placement
+from moe_runtime.load_balancer.recorder import ExpertLoadRecorder
+from moe_runtime.load_balancer.replica_choice import ReplicaTable, choose_replicas, replica_tables
+from moe_runtime.load_balancer.slot_geometry import SlotGeometry
+from moe_runtime.load_balancer.survivor_placement import SlotReload, survivor_placement
 from moe_runtime.config.engine_config import HOST_EXPERT_QUANTIZATIONS, EngineConfig, EngineConfigError
 from moe_runtime.moe.device_resident_experts import DeviceResidentExperts, hottest_slots
 from moe_runtime.moe.host_experts import HOST, HostExpertKernel

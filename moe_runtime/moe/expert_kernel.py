@@ -16,8 +16,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from dispatch.base import LAYOUT_CONTIGUOUS, LAYOUT_MASKED
-from kernels import KernelSet
+from moe_runtime.dispatch.base import LAYOUT_CONTIGUOUS, LAYOUT_MASKED
+from moe_runtime.kernels import KernelSet
 from moe_runtime.moe.expert_weights import ExpertWeights
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels.expert_activation import ExpertActivation
+from moe_runtime.kernels.expert_activation import ExpertActivation
 from moe_runtime.moe.gpt_oss_expert_stacks import load_gpt_oss_expert
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat

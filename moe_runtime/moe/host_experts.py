@@ -20,8 +20,8 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-from dispatch.base import LAYOUT_CONTIGUOUS
-from kernels import KernelSet
+from moe_runtime.dispatch.base import LAYOUT_CONTIGUOUS
+from moe_runtime.kernels import KernelSet
 from moe_runtime.moe.device_resident_experts import DeviceResidentExperts
 from moe_runtime.moe.expert_kernel import ExpertKernel
 from moe_runtime.moe.expert_weights import ExpertWeights

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import KernelSet, RoutingConfig, TopK
-from kernels.expert_activation import ExpertActivation
+from moe_runtime.kernels import KernelSet, RoutingConfig, TopK
+from moe_runtime.kernels.expert_activation import ExpertActivation
 from moe_runtime.layers.linear import Linear
 from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from dispatch.base import Dispatcher
-from dispatch.pending import Pending
+from moe_runtime.dispatch.base import Dispatcher
+from moe_runtime.dispatch.pending import Pending
 from moe_runtime.moe.comm_timeline import CommTimeline, TransferTimes
 from moe_runtime.moe.expert_kernel import ExpertKernel
 from moe_runtime.moe.expert_weights import ExpertWeights

@@ -19,9 +19,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from attention_dp.control_key import ControlKey
-from attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected
-from attention_dp.messages import WorkerFailed, WorkerReady, WorkerSetup
+from moe_runtime.attention_dp.control_key import ControlKey
+from moe_runtime.attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected
+from moe_runtime.attention_dp.messages import WorkerFailed, WorkerReady, WorkerSetup
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 # What the workers' fork server imports once. `transformers.activations` is what a model's config class pulls
 # in when the checkpoint's config is read (2-3 s of imports behind transformers' lazy modules).
 WORKER_PRELOAD = ("torch", "transformers", "transformers.activations", "moe_runtime.processes.worker",
-                  "moe_runtime.engine.core", "attention_dp.lockstep", "moe_runtime.moe.executor")
+                  "moe_runtime.engine.core", "moe_runtime.attention_dp.lockstep", "moe_runtime.moe.executor")
 READY_POLL_S = 0.2   # start-up: how long one wait for a rank's message lasts before the deadline is looked at
 
 

@@ -10,8 +10,8 @@ import logging
 import multiprocessing as mp
 import time
 
-from attention_dp.control_key import ControlKey
-from attention_dp.control_plane import ControlAddress
+from moe_runtime.attention_dp.control_key import ControlKey
+from moe_runtime.attention_dp.control_plane import ControlAddress
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.processes.launcher import main_module_hidden, worker_context
 from moe_runtime.processes.worker import worker_main

@@ -18,7 +18,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from attention_dp.messages import Reform, Shutdown
+from moe_runtime.attention_dp.messages import Reform, Shutdown
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.parallel_context import ParallelContext, agree_on_minimum
 from moe_runtime.weights.checkpoint import CheckpointReader

@@ -13,11 +13,11 @@ import traceback
 
 import torch
 
-from attention_dp.control_key import ControlKey, ControlKeyError
-from attention_dp.control_plane import ControlAddress, WorkerControl
-from attention_dp.lockstep import LockstepLoop, ReformRequested
-from attention_dp.messages import Hello, WorkerFailed, WorkerReady
-from load_balancer.live_rebalancer import LiveRebalancer, RebalanceGroups, RebalancePolicy
+from moe_runtime.attention_dp.control_key import ControlKey, ControlKeyError
+from moe_runtime.attention_dp.control_plane import ControlAddress, WorkerControl
+from moe_runtime.attention_dp.lockstep import LockstepLoop, ReformRequested
+from moe_runtime.attention_dp.messages import Hello, WorkerFailed, WorkerReady
+from moe_runtime.load_balancer.live_rebalancer import LiveRebalancer, RebalanceGroups, RebalancePolicy
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.processes.collective_interrupt import CollectiveInterrupt, block_interrupt_signal
 from moe_runtime.processes.reform import ShutdownWhileWaiting, await_reform, can_reform, leave_process_groups, reform_core

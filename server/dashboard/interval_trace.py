@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from load_balancer.trace import TRACE_FORMAT, TRACE_VERSION
+from moe_runtime.load_balancer.trace import TRACE_FORMAT, TRACE_VERSION
 
 
 @dataclass

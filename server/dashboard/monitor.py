@@ -12,10 +12,10 @@ import uuid
 from dataclasses import dataclass
 
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
-from server.dashboard.interval_trace import IntervalTrace
-from server.dashboard.load_view import load_view
-from server.dashboard.timeline import Timeline
-from server.errors import APIError, engine_unavailable
+from moe_runtime.server.dashboard.interval_trace import IntervalTrace
+from moe_runtime.server.dashboard.load_view import load_view
+from moe_runtime.server.dashboard.timeline import Timeline
+from moe_runtime.server.errors import APIError, engine_unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -10,15 +10,15 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from server.auth import ApiKeyGate, key_matches
-from server.body_limit import RequestSizeLimit
-from server.errors import install_error_handlers
-from server.pd_router.backends import BackendPool, NoBackend
-from server.pd_router.forwarding import Forwarder, error_response, parse_body
-from server.pd_router.health import keep_probing, probe_all, quiet_http_client_log
-from server.pd_router.metrics import RouterMetrics
-from server.server_config import DEFAULT_MAX_REQUEST_BYTES
-from server.head_requests import HeadAsGet
+from moe_runtime.server.auth import ApiKeyGate, key_matches
+from moe_runtime.server.body_limit import RequestSizeLimit
+from moe_runtime.server.errors import install_error_handlers
+from moe_runtime.server.pd_router.backends import BackendPool, NoBackend
+from moe_runtime.server.pd_router.forwarding import Forwarder, error_response, parse_body
+from moe_runtime.server.pd_router.health import keep_probing, probe_all, quiet_http_client_log
+from moe_runtime.server.pd_router.metrics import RouterMetrics
+from moe_runtime.server.server_config import DEFAULT_MAX_REQUEST_BYTES
+from moe_runtime.server.head_requests import HeadAsGet
 
 
 def build_router_app(pool: BackendPool, api_key: str | None = None, backend_api_key: str | None = None,

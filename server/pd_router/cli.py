@@ -15,13 +15,13 @@ from typing import Awaitable, Callable
 
 import uvicorn
 
-from server.flag_help import DefaultsHelpFormatter
-from server.flag_types import parse_size, positive_int, tcp_port
-from server.listen_socket import bind_socket, socket_url
-from server.serve_loop import serve_until_stopped, until_started
-from server.pd_router.app import build_router_app
-from server.pd_router.backends import BackendPool
-from server.server_config import DEFAULT_MAX_REQUEST_BYTES
+from moe_runtime.server.flag_help import DefaultsHelpFormatter
+from moe_runtime.server.flag_types import parse_size, positive_int, tcp_port
+from moe_runtime.server.listen_socket import bind_socket, socket_url
+from moe_runtime.server.serve_loop import serve_until_stopped, until_started
+from moe_runtime.server.pd_router.app import build_router_app
+from moe_runtime.server.pd_router.backends import BackendPool
+from moe_runtime.server.server_config import DEFAULT_MAX_REQUEST_BYTES
 
 
 def build_parser() -> argparse.ArgumentParser:

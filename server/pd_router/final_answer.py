@@ -9,7 +9,7 @@ with its finish reason, the usage chunk if `stream_options.include_usage`, then 
 """
 from __future__ import annotations
 
-from server.sse import DONE, sse_data
+from moe_runtime.server.sse import DONE, sse_data
 
 HEADER_FIELDS = ("id", "created", "model")
 

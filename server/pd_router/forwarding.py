@@ -30,13 +30,13 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from server.errors import APIError
-from server.json_body import too_deep, too_long_integer
-from server.pd_router.backends import Backend, BackendPool, NoBackend
-from server.pd_router.final_answer import final_body, final_events
-from server.pd_router.metrics import RouterMetrics
-from server.pd_router.relay import RelayedStream
-from server.sse import EventStreamResponse
+from moe_runtime.server.errors import APIError
+from moe_runtime.server.json_body import too_deep, too_long_integer
+from moe_runtime.server.pd_router.backends import Backend, BackendPool, NoBackend
+from moe_runtime.server.pd_router.final_answer import final_body, final_events
+from moe_runtime.server.pd_router.metrics import RouterMetrics
+from moe_runtime.server.pd_router.relay import RelayedStream
+from moe_runtime.server.sse import EventStreamResponse
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import logging
 
 import httpx
 
-from server.pd_router.backends import Backend, BackendPool
+from moe_runtime.server.pd_router.backends import Backend, BackendPool
 
 logger = logging.getLogger(__name__)
 

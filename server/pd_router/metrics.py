@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from server.pd_router.backends import BackendPool
+from moe_runtime.server.pd_router.backends import BackendPool
 
 PREFIX = "moe_"   # as moe-serve's own metrics (server.metrics, not imported: it brings the engine, and torch)
 

@@ -13,9 +13,9 @@ from typing import AsyncIterator, Callable
 
 import httpx
 
-from server.errors import APIError
-from server.pd_router.backends import Backend
-from server.sse import sse_data
+from moe_runtime.server.errors import APIError
+from moe_runtime.server.pd_router.backends import Backend
+from moe_runtime.server.sse import sse_data
 
 logger = logging.getLogger(__name__)
 

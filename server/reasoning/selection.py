@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from server.reasoning.parser import ReasoningParser
-from server.reasoning.think_tags import AppendThinkParser, ThinkTagParser
+from moe_runtime.server.reasoning.parser import ReasoningParser
+from moe_runtime.server.reasoning.think_tags import AppendThinkParser, ThinkTagParser
 
 HARMONY = "gpt_oss"
 HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_runtime.front.output_processor import held_back_suffix
-from server.reasoning.parser import ReasoningPiece
+from moe_runtime.server.reasoning.parser import ReasoningPiece
 
 OPEN, CLOSE = "<think>", "</think>"
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.tool_calls.json_scan import NotJson, skip_whitespace, value_end
-from server.tool_calls.parser import PENDING_CALL, CallScan, SectionStart, arguments_start, find_marker, openai_call_id
+from moe_runtime.server.tool_calls.json_scan import NotJson, skip_whitespace, value_end
+from moe_runtime.server.tool_calls.parser import PENDING_CALL, CallScan, SectionStart, arguments_start, find_marker, openai_call_id
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"

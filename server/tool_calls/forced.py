@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from server.tool_calls.object_calls import call_in_array
-from server.tool_calls.parser import CallScan, SectionStart, openai_call_id
+from moe_runtime.server.tool_calls.object_calls import call_in_array
+from moe_runtime.server.tool_calls.parser import CallScan, SectionStart, openai_call_id
 
 
 @dataclass(frozen=True)

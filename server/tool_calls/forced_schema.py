@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from server.protocol import ToolDefinition
+from moe_runtime.server.protocol import ToolDefinition
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}   # a function without parameters
 

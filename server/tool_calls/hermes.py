@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.tool_calls.json_scan import skip_whitespace
-from server.tool_calls.object_calls import call_in_object
-from server.tool_calls.parser import PENDING_CALL, CallScan, SectionStart, find_marker, openai_call_id
+from moe_runtime.server.tool_calls.json_scan import skip_whitespace
+from moe_runtime.server.tool_calls.object_calls import call_in_object
+from moe_runtime.server.tool_calls.parser import PENDING_CALL, CallScan, SectionStart, find_marker, openai_call_id
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

@@ -17,9 +17,9 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from server.tool_calls.json_scan import NotJson, skip_whitespace
-from server.tool_calls.parser import PENDING_CALL, CallScan, SectionStart, find_marker, openai_call_id
-from server.tool_calls.tagged_arguments import ParameterTypes, as_json, continues_with, scan_pairs, tag_body
+from moe_runtime.server.tool_calls.json_scan import NotJson, skip_whitespace
+from moe_runtime.server.tool_calls.parser import PENDING_CALL, CallScan, SectionStart, find_marker, openai_call_id
+from moe_runtime.server.tool_calls.tagged_arguments import ParameterTypes, as_json, continues_with, scan_pairs, tag_body
 
 SECTION_OPEN = "<minimax:tool_call>"
 SECTION_CLOSE = "</minimax:tool_call>"

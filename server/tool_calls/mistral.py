@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from server.tool_calls.json_scan import NotJson, skip_whitespace, value_end
-from server.tool_calls.object_calls import call_in_array
-from server.tool_calls.parser import (PENDING_CALL, CallScan, SectionStart, alphanumeric_call_id, arguments_start,
-                                     find_marker)
+from moe_runtime.server.tool_calls.json_scan import NotJson, skip_whitespace, value_end
+from moe_runtime.server.tool_calls.object_calls import call_in_array
+from moe_runtime.server.tool_calls.parser import (PENDING_CALL, CallScan, SectionStart, alphanumeric_call_id, arguments_start,
+                                                 find_marker)
 
 MARKER = "[TOOL_CALLS]"
 ARGS = "[ARGS]"

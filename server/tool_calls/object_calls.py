@@ -2,8 +2,8 @@
 an array (Mistral's `[TOOL_CALLS][...]`, and the forced output of `tool_choice` required/named)."""
 from __future__ import annotations
 
-from server.tool_calls.json_scan import Member, NotJson, complete_string, object_prefix, skip_whitespace
-from server.tool_calls.parser import PENDING_CALL, CallScan
+from moe_runtime.server.tool_calls.json_scan import Member, NotJson, complete_string, object_prefix, skip_whitespace
+from moe_runtime.server.tool_calls.parser import PENDING_CALL, CallScan
 
 ARGUMENT_KEYS = ("arguments", "parameters")   # some models write "parameters"
 

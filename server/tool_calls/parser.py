@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from server.tool_calls.json_scan import NotJson, skip_whitespace
+from moe_runtime.server.tool_calls.json_scan import NotJson, skip_whitespace
 from moe_runtime.front.output_processor import held_back_suffix
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
-from server.tool_calls.forced import ForcedCallsParser
-from server.tool_calls.forced_schema import calls_schema
-from server.tool_calls.parser import SchemaTypedParser, ToolCallParser, openai_call_id
-from server.tool_calls.stream import ReadMessage, ToolCallStream, read_message
+from moe_runtime.server.errors import bad_request
+from moe_runtime.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
+from moe_runtime.server.tool_calls.forced import ForcedCallsParser
+from moe_runtime.server.tool_calls.forced_schema import calls_schema
+from moe_runtime.server.tool_calls.parser import SchemaTypedParser, ToolCallParser, openai_call_id
+from moe_runtime.server.tool_calls.stream import ReadMessage, ToolCallStream, read_message
 
 MAX_CALLS = 16   # calls read from one choice; 1 with parallel_tool_calls=false
 

@@ -13,13 +13,13 @@ import json
 from pathlib import Path
 from types import MappingProxyType
 
-from server.tool_calls import deepseek_v3, glm45, hermes, minimax_m2, mistral
-from server.tool_calls.deepseek_v3 import DeepSeekV3Parser
-from server.tool_calls.glm45 import Glm45Parser
-from server.tool_calls.hermes import HermesParser
-from server.tool_calls.minimax_m2 import MiniMaxM2Parser
-from server.tool_calls.mistral import MistralParser
-from server.tool_calls.parser import ToolCallParser
+from moe_runtime.server.tool_calls import deepseek_v3, glm45, hermes, minimax_m2, mistral
+from moe_runtime.server.tool_calls.deepseek_v3 import DeepSeekV3Parser
+from moe_runtime.server.tool_calls.glm45 import Glm45Parser
+from moe_runtime.server.tool_calls.hermes import HermesParser
+from moe_runtime.server.tool_calls.minimax_m2 import MiniMaxM2Parser
+from moe_runtime.server.tool_calls.mistral import MistralParser
+from moe_runtime.server.tool_calls.parser import ToolCallParser
 
 PARSERS = MappingProxyType({"hermes": HermesParser(), "deepseek_v3": DeepSeekV3Parser(), "mistral": MistralParser(),
                             "glm45": Glm45Parser(), "minimax_m2": MiniMaxM2Parser()})

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
-from server.tool_calls.json_scan import NotJson, is_json_object
-from server.tool_calls.parser import ToolCallParser
+from moe_runtime.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from moe_runtime.server.tool_calls.json_scan import NotJson, is_json_object
+from moe_runtime.server.tool_calls.parser import ToolCallParser
 
 NO_ARGUMENTS = "{}"   # what a complete call that wrote no arguments is given
 

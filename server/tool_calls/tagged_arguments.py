@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.tool_calls.json_scan import NotJson, skip_whitespace
-from server.tool_calls.parser import CallScan
+from moe_runtime.server.tool_calls.json_scan import NotJson, skip_whitespace
+from moe_runtime.server.tool_calls.parser import CallScan
 
 PairReader = Callable[[str, int], "tuple[str, str, int] | None"]   # (text, after the pair's opening) -> key, raw, end
 Typing = Callable[[str, str], Any]                                  # (raw value, key) -> the value

@@ -12,7 +12,7 @@ import logging
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from attention_dp.control_plane import OnlyKey, apply_liveness
+from moe_runtime.attention_dp.control_plane import OnlyKey, apply_liveness
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 
 logger = logging.getLogger(__name__)

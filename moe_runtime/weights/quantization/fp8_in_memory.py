@@ -26,8 +26,8 @@ from typing import Callable, ClassVar
 
 import torch
 
-import kernels.fp8_block_weights as torch_fp8
-from kernels import KernelSet
+import moe_runtime.kernels.fp8_block_weights as torch_fp8
+from moe_runtime.kernels import KernelSet
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows, TensorSource
 

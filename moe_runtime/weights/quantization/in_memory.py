@@ -1,7 +1,7 @@
 """The engine's `WeightQuantization` for `--quantization` (None: weights in the compute dtype)."""
 from __future__ import annotations
 
-from kernels import KernelSet
+from moe_runtime.kernels import KernelSet
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.fp8_in_memory import Fp8InMemory
 from moe_runtime.weights.quantization.int8_in_memory import Int8InMemory

@@ -19,8 +19,8 @@ from typing import ClassVar
 
 import torch
 
-from kernels import KernelSet
-from kernels.int8_weights import INT8_MAX
+from moe_runtime.kernels import KernelSet
+from moe_runtime.kernels.int8_weights import INT8_MAX
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows, TensorSource
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kernels.mxfp4_weights import dequantize_mxfp4, quantize_mxfp4
+from moe_runtime.kernels.mxfp4_weights import dequantize_mxfp4, quantize_mxfp4
 from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, read_all_tensors
 from moe_runtime.weights.quantization.mxfp4_format import BLOCKS_SUFFIX, QUANT_METHOD, SCALES_SUFFIX
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.mxfp4_weights import dequantize_mxfp4
+from moe_runtime.kernels.mxfp4_weights import dequantize_mxfp4
 from moe_runtime.errors import CheckpointError
 
 BLOCKS_SUFFIX = "_blocks"

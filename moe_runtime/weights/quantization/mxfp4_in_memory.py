@@ -23,8 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from kernels import KernelSet
-from kernels.mxfp4_weights import MXFP4_BLOCK, block_count, check_mxfp4_weight, packed_columns, quantize_mxfp4
+from moe_runtime.kernels import KernelSet
+from moe_runtime.kernels.mxfp4_weights import MXFP4_BLOCK, block_count, check_mxfp4_weight, packed_columns, quantize_mxfp4
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows, TensorSource
 
 
