@@ -3,8 +3,10 @@
     moe-serve plan --model tests/plan_configs/llama-3.1-70b.json --gpu h100 --gpus-per-node 8 \\
         --prompt-len 2048 --output-len 512 --qps 4 --ttft-ms 2000 --itl-ms 50
 
+    moe-serve plan --gpu cpu --calibrate     # measure this machine once (about a minute), for `--gpu cpu`
+
 Reads only config.json (no torch, no weights): answers in well under a second. docs/planning.md explains
-the arithmetic and how far to trust it.
+the arithmetic and how far to trust it. Only `--calibrate` measures (it runs engines on every core).
 """
 from __future__ import annotations
 
@@ -14,15 +16,15 @@ import sys
 
 from moe_runtime.config.engine_config import DTYPES, QUANTIZATIONS
 from moe_runtime.errors import MoERuntimeError
-from moe_runtime.planner.cpu_calibration import cpu_hardware
+from moe_runtime.planner.cpu_calibration import CACHE, cached_calibration, cpu_hardware
 from moe_runtime.planner.hardware import resolve_hardware
 from moe_runtime.planner.memory import resolve_precision
 from moe_runtime.planner.model_shape import load_model_shape
 from moe_runtime.planner.plan import Plan, PlanRequest, make_plan
 from moe_runtime.planner.plan_report import explain, table
 from moe_runtime.planner.serving import Workload
-from server.flag_help import DefaultsHelpFormatter
-from server.flag_types import parse_size, positive_int
+from moe_runtime.server.flag_help import DefaultsHelpFormatter
+from moe_runtime.server.flag_types import parse_size, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,15 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Rank every parallel layout the runtime can run for a model on the "
                                             "given GPUs: weights and KV per rank, KV capacity, roofline TTFT / ITL "
                                             "/ tokens per GPU, each with its moe-serve command.")
-    p.add_argument("--model", required=True, help="HF checkpoint directory or its config.json")
+    p.add_argument("--model", help="HF checkpoint directory or its config.json (required but with --calibrate)")
     p.add_argument("--gpu", required=True,
-                   help="h100, h200, b200, mi300x, cpu (this machine, measured once and cached) or a JSON file of "
-                        "moe_runtime.planner.hardware.Hardware fields")
+                   help="h100, h200, b200, mi300x, cpu (this machine, from its calibration: --calibrate) or a JSON "
+                        "file of moe_runtime.planner.hardware.Hardware fields")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --gpu cpu: measure this machine's costs now (about a minute on two cores, engines on "
+                        f"every core: not while serving) into {CACHE}; then plan if --model is given")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs in one node (the NVLink domain)")
     p.add_argument("--nodes", type=positive_int, default=1)
-    p.add_argument("--prompt-len", type=positive_int, required=True)
-    p.add_argument("--output-len", type=positive_int, required=True)
-    load = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--prompt-len", type=positive_int, help="required but with --calibrate alone")
+    p.add_argument("--output-len", type=positive_int, help="required but with --calibrate alone")
+    load = p.add_mutually_exclusive_group()
     load.add_argument("--qps", type=float, help="requests per second to serve: the planner finds the fewest GPUs")
     load.add_argument("--concurrency", type=positive_int,
                       help="requests in flight on all the GPUs: the planner finds the most tokens/s per GPU")
@@ -76,6 +81,20 @@ def plan_json(plan: Plan) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.calibrate:
+        if args.gpu != "cpu":
+            parser.error("--calibrate measures this machine: it goes with --gpu cpu")
+        rates, _ = cached_calibration(refresh=True)
+        print(f"moe-serve plan: calibrated {rates.host} ({rates.cores} cores): copy {rates.copy_bytes_s / 1e9:.1f} "
+              f"GB/s, matmul {rates.matmul_flops / 1e9:.1f} GFLOP/s per core; saved in {CACHE}", file=sys.stderr)
+        if args.model is None:
+            return 0
+    missing = [flag for flag, value in (("--model", args.model), ("--prompt-len", args.prompt_len),
+                                        ("--output-len", args.output_len)) if value is None]
+    if args.qps is None and args.concurrency is None:
+        missing.append("one of --qps, --concurrency")
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
     try:
         plan = make_plan(request_from_args(args))
     except (MoERuntimeError, OSError, KeyError, json.JSONDecodeError) as exc:

@@ -23,7 +23,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from browser_gate import CHROMEDRIVER, CHROMIUM, require_browser
-from process_tree import rank_pids
+from process_tree import descendants, rank_pids
 from server_harness import REPO_ROOT, ServerProcess
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -47,10 +47,12 @@ def checkpoint(tiny_checkpoint_factory):
 
 
 @pytest.fixture(scope="module")
-def moe_server(checkpoint):
+def moe_server(checkpoint, tmp_path_factory):
+    # An empty HOME: this machine has no CPU calibration for the plan view, as on a fresh server.
     server = ServerProcess(["--model", str(checkpoint), "--device", "cpu", "--ep", "2", "--dp-attn", "2",
                             "--num-redundant-experts", str(NUM_REDUNDANT), "--kv-cache-memory", "8M",
-                            "--max-rank-restarts", "0"])   # the last test's dead rank ends the server
+                            "--max-rank-restarts", "0"],   # the last test's dead rank ends the server
+                           env={"HOME": str(tmp_path_factory.mktemp("home"))})
     server.start()
     yield server
     server.stop()
@@ -221,6 +223,26 @@ def test_heatmap_shows_the_models_experts_and_the_numbers_of_v1_expert_load(moe_
 
     save_screenshot(browser, tmp_path / "dashboard.png")
     assert console_errors(browser) == []
+
+
+def test_opening_the_dashboard_measures_nothing_and_says_how_to_calibrate(moe_server, browser):
+    """No CPU calibration on the server: under load the page renders its charts within 10 s, its plan section
+    plans for a GPU table and names the calibrate command, and no process was started for it."""
+    before = descendants(moe_server.process.pid)
+    with Traffic(moe_server.base_url, "hello there") as traffic:
+        opened = time.monotonic()
+        browser.get(moe_server.base_url + "/dashboard")
+        wait_for(browser, lambda d: renders(d) >= 1 and len(chart(d, "heatmap")["data"]) > 0, timeout_s=10,
+                 what="the charts under load")
+        charts_s = time.monotonic() - opened
+        wait_for(browser, lambda d: "moe-serve plan --gpu cpu --calibrate" in text_of(d, "plan-calibration"),
+                 timeout_s=10, what="the plan section's calibration line")
+        answer = browser.execute_script("return window.moePlan.answer")
+        spawned = descendants(moe_server.process.pid) - before
+    assert charts_s < 10
+    assert answer["gpu"] == "h100" and answer["rows"], answer.get("calibration")
+    assert not spawned, f"opening the dashboard started processes: {spawned}"
+    assert traffic.completed > 0 and not traffic.errors
 
 
 def test_a_rebalance_from_the_button_is_marked_on_the_time_axis(moe_server, browser):

@@ -3,6 +3,8 @@ layout's row marked), on `cpu` by default and on another GPU kind and count when
 the other dashboard routes do, and the page wires it (section, script, asset)."""
 import asyncio
 import re
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -10,9 +12,9 @@ import pytest
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.front.engine_factory import make_engine
-from moe_runtime.planner.cpu_calibration import CpuRates, cpu_hardware
-from server import build_app
-from server.dashboard import dashboard_router
+from moe_runtime.planner.cpu_calibration import CpuNotCalibratedError, CpuRates, cpu_hardware
+from moe_runtime.server import build_app
+from moe_runtime.server.dashboard import dashboard_router
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,13 +24,18 @@ def fixed_cpu():
     return cpu_hardware(CpuRates("test", 2, 2e10, 4e10, 1e-5), overheads=None)
 
 
-def serve_tiny(path, api_key=None):
+def uncalibrated_cpu():
+    """A CPU server whose calibration was never run (the plan view must not measure it)."""
+    raise CpuNotCalibratedError(Path("/nonexistent/cpu_calibration.json"))
+
+
+def serve_tiny(path, api_key=None, cpu_loader=fixed_cpu):
     def runner(fn):
         async def main():
             engine_config = EngineConfig(model=str(path), device="cpu", dtype="float32",
                                          kv_cache_memory=4 * 2**20, max_num_seqs=8)
             async_engine = AsyncEngine(make_engine(engine_config), AsyncEngineConfig()).start()
-            router = dashboard_router(api_key=api_key, plan_cpu_loader=fixed_cpu, served_engine_config=engine_config)
+            router = dashboard_router(api_key=api_key, plan_cpu_loader=cpu_loader, served_engine_config=engine_config)
             app = build_app(async_engine, "tiny", api_key=api_key, extra_routers=[router])
             try:
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
@@ -92,3 +99,38 @@ def test_plan_route_takes_the_api_key_and_the_page_wires_it(tiny_moe):
     assert "/dashboard/static/plan.js" in re.findall(r'src="([^"]+)"', page.text)
     assert script.status_code == 200 and script.headers["content-type"].startswith("text/javascript")
     assert "/dashboard/plan" in script.text and "https://" not in script.text
+
+
+def test_an_uncalibrated_cpu_server_plans_for_a_gpu_table_and_says_how_to_calibrate(tiny_moe):
+    async def scenario(client):
+        return await client.get("/dashboard/plan"), await client.get("/dashboard/plan", params=dict(gpu="cpu"))
+
+    default, asked = serve_tiny(tiny_moe, cpu_loader=uncalibrated_cpu)(scenario)
+    assert default.status_code == 200, default.text
+    plan = default.json()
+    assert plan["gpu"] == plan["query"]["gpu"] == "h100" and plan["query"]["gpus_per_node"] == 8 and plan["rows"]
+    assert "moe-serve plan --gpu cpu --calibrate" in plan["calibration"]
+    assert asked.status_code == 400 and "--calibrate" in asked.json()["error"]["message"]   # asked for: an error
+
+
+def test_the_plan_route_answers_within_its_bound(tiny_moe, monkeypatch):
+    """A plan that takes too long is a 503 naming the bound, and the loop answers other routes meanwhile."""
+    from moe_runtime.server.dashboard import routes
+
+    def slow_plan(*args):
+        time.sleep(3)
+        raise AssertionError("not reached in time")
+
+    monkeypatch.setattr(routes, "served_plan", slow_plan)
+    monkeypatch.setattr(routes, "PLAN_TIMEOUT_S", 0.5)
+
+    async def scenario(client):
+        plan = asyncio.create_task(client.get("/dashboard/plan"))
+        started = time.monotonic()
+        health = await client.get("/health")
+        health_s = time.monotonic() - started
+        return await plan, health, health_s
+
+    plan, health, health_s = serve_tiny(tiny_moe)(scenario)
+    assert plan.status_code == 503 and "0.5" in plan.json()["error"]["message"], plan.text
+    assert health.status_code == 200 and health_s < 0.5

@@ -16,7 +16,7 @@ from moe_runtime.config.parallel_layout import ParallelLayout
 from moe_runtime.planner.hardware import known_gpus
 from moe_runtime.planner.memory import kv_capacity, rank_memory, resolve_precision, window_pool_blocks
 from moe_runtime.planner.model_shape import PLANNED_ARCHITECTURES, load_model_shape
-from server.cli import main as cli_main
+from moe_runtime.server.cli import main as cli_main
 
 CONFIGS = Path(__file__).parent / "plan_configs"
 LLAMA_70B = CONFIGS / "llama-3.1-70b.json"
@@ -67,7 +67,7 @@ def test_every_tiny_architecture_answers_in_under_a_second(tiny_configs, capsys,
 def test_planning_imports_no_torch():
     """A fresh `moe-serve plan` on a GPU table reads configs only: importing torch alone takes seconds (the
     in-process timings above run after other tests imported it)."""
-    script = ("import sys, contextlib, io\nfrom server.cli import main\n"
+    script = ("import sys, contextlib, io\nfrom moe_runtime.server.cli import main\n"
               "with contextlib.redirect_stdout(io.StringIO()):\n"
               f"    main(['plan', '--model', {str(LLAMA_70B)!r}, '--gpu', 'h100', '--prompt-len', '2048', "
               "'--output-len', '512', '--concurrency', '64'])\n"
@@ -192,3 +192,45 @@ def test_a_calibration_cache_of_another_version_is_measured_again(tmp_path, monk
     assert cpu_calibration.cached_calibration(cache) == (fresh, None)
     cache.write_text("{not json")
     assert cpu_calibration.cached_calibration(cache) == (fresh, None)
+
+
+def test_planning_for_an_uncalibrated_cpu_names_the_command_and_never_measures(tmp_path, monkeypatch, capsys):
+    """`--gpu cpu` reads the calibration cache only: without an entry it is one error line naming
+    `moe-serve plan --gpu cpu --calibrate`, and nothing is measured (measuring runs engines on every core)."""
+    from moe_runtime.planner import cpu_calibration
+
+    def must_not_measure(*args):
+        raise AssertionError("planning measured this machine")
+
+    monkeypatch.setattr(cpu_calibration, "measure_rates", must_not_measure)
+    monkeypatch.setattr(cpu_calibration, "measure_overheads", must_not_measure)
+    monkeypatch.setattr(cpu_calibration, "CACHE", tmp_path / "none.json")
+    with pytest.raises(cpu_calibration.CpuNotCalibratedError, match="moe-serve plan --gpu cpu --calibrate"):
+        cpu_calibration.cpu_hardware(path=tmp_path / "none.json")
+    monkeypatch.setattr("moe_runtime.server.plan_cli.cpu_hardware",
+                        lambda: cpu_calibration.cpu_hardware(path=tmp_path / "none.json"))
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["plan", "--model", str(LLAMA_70B), "--gpu", "cpu", "--prompt-len", "64", "--output-len", "16",
+                  "--concurrency", "4"])
+    assert refused.value.code == 2
+    assert "--gpu cpu --calibrate" in capsys.readouterr().err
+
+
+def test_calibrate_measures_on_request_and_only_for_cpu(tmp_path, monkeypatch, capsys):
+    from moe_runtime.planner import cpu_calibration
+    from moe_runtime.planner.cpu_calibration import CpuRates
+
+    measured = []
+    fresh = CpuRates("here", 2, 1e10, 2e10, 1e-5)
+    monkeypatch.setattr(cpu_calibration, "measure_rates", lambda: measured.append("rates") or fresh)
+    monkeypatch.setattr(cpu_calibration, "measure_overheads", lambda rates: None)
+    cache = tmp_path / "calibration.json"
+    monkeypatch.setattr("moe_runtime.server.plan_cli.cached_calibration",
+                        lambda refresh: cpu_calibration.cached_calibration(cache, refresh=refresh))
+    assert cli_main(["plan", "--gpu", "cpu", "--calibrate"]) == 0
+    assert measured == ["rates"] and "calibrated here (2 cores)" in capsys.readouterr().err
+    assert cpu_calibration.recorded_calibration(cache) == (fresh, None)    # what later plans read
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["plan", "--gpu", "h100", "--calibrate"])
+    assert refused.value.code == 2 and "--gpu cpu" in capsys.readouterr().err
+    assert measured == ["rates"]

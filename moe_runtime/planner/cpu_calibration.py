@@ -9,6 +9,10 @@ tensor-parallel jobs at the same batches (`cpu_engine_collectives.py`) and gloo'
 (`cpu_pipeline_hops.py`): the costs the roofline adds (`cpu_overhead_fit.py`). About a minute on two cores.
 The cache (~/.cache/moe-runtime/cpu_calibration.json, the checkpoints beside it) is keyed by host and core
 count; delete it (or `refresh=True`) to measure again.
+
+Measuring runs extra engines on every core, so it happens only when asked (`moe-serve plan --gpu cpu
+--calibrate`, the calibration bench): planning for `cpu` (the CLI, the dashboard's plan view on a serving
+machine) reads the cache and, without one, raises `CpuNotCalibratedError` naming that command.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from moe_runtime.errors import MoERuntimeError
 from moe_runtime.planner.cpu_overheads import CpuOverheads
 from moe_runtime.planner.hardware import Hardware
 from moe_runtime.planner.model_shape import load_model_shape
@@ -30,6 +35,16 @@ CACHE = Path.home() / ".cache" / "moe-runtime" / "cpu_calibration.json"
 CHECKPOINTS = Path.home() / ".cache" / "moe-runtime" / "calibration"
 CALIBRATION_BATCHES = (1, 8)    # decoding requests per DP worker of each timed job
 STEP_OVERHEAD_S = 2e-3        # without measured overheads: a step's host work
+CALIBRATE_COMMAND = "moe-serve plan --gpu cpu --calibrate"
+
+
+class CpuNotCalibratedError(MoERuntimeError):
+    """Planning for `cpu` on a machine whose costs were never measured (nothing measures implicitly)."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"this machine's CPU costs are not calibrated ({path} has no entry for "
+                         f"{calibration_key()}): run `{CALIBRATE_COMMAND}` (about a minute on two cores; "
+                         "it runs engines on every core, so not while serving)")
 
 
 @dataclass(frozen=True)
@@ -86,19 +101,32 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
+def calibration_key() -> str:
+    return f"{platform.node()}/{os.cpu_count()}"
+
+
+def recorded_calibration(path: Path = CACHE) -> tuple[CpuRates, CpuOverheads | None] | None:
+    """This machine's cached calibration, or None (missing, or written by another version); never measures."""
+    entry = _read_cache(path).get(calibration_key())
+    if entry is None:
+        return None
+    try:
+        overheads = entry["overheads"]
+        return CpuRates(**entry["rates"]), CpuOverheads.from_json(overheads) if overheads else None
+    except (KeyError, TypeError, ValueError):
+        logger.info("cpu calibration: the cached entry of %s is not this version's", calibration_key())
+        return None
+
+
 def cached_calibration(path: Path = CACHE, refresh: bool = False) -> tuple[CpuRates, CpuOverheads | None]:
-    key = f"{platform.node()}/{os.cpu_count()}"
+    """The cached calibration, measured first when there is none (or `refresh`): only for an explicit ask."""
+    recorded = None if refresh else recorded_calibration(path)
+    if recorded is not None:
+        return recorded
     stored = _read_cache(path)
-    entry = stored.get(key)
-    if entry is not None and not refresh:
-        try:
-            overheads = entry["overheads"]
-            return CpuRates(**entry["rates"]), CpuOverheads.from_json(overheads) if overheads else None
-        except (KeyError, TypeError, ValueError):   # written by another version: measured again below
-            logger.info("cpu calibration: the cached entry of %s is not this version's; measuring again", key)
     rates = measure_rates()
     overheads = measure_overheads(rates)
-    stored[key] = {"rates": asdict(rates), "overheads": overheads.as_json() if overheads else None}
+    stored[calibration_key()] = {"rates": asdict(rates), "overheads": overheads.as_json() if overheads else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stored, indent=1))
     return rates, overheads
@@ -113,15 +141,16 @@ def _read_cache(path: Path) -> dict:
     return stored if isinstance(stored, dict) else {}
 
 
-def cached_rates(path: Path = CACHE) -> CpuRates:
-    return cached_calibration(path)[0]
-
-
-def cpu_hardware(rates: CpuRates | None = None, overheads: CpuOverheads | None | str = "cached") -> Hardware:
+def cpu_hardware(rates: CpuRates | None = None, overheads: CpuOverheads | None | str = "cached",
+                 path: Path = CACHE) -> Hardware:
     """One "GPU" is one core (plan with --gpus-per-node = the cores): its measured single-thread rates, and
-    the measured per-part, per-collective and shared-core costs (`overheads`; "cached": from the cache)."""
+    the measured per-part, per-collective and shared-core costs (`overheads`; "cached": from the cache).
+    What is taken from the cache must be there: CpuNotCalibratedError otherwise (this never measures)."""
     if rates is None or overheads == "cached":
-        cached_rates_, cached_overheads = cached_calibration()
+        recorded = recorded_calibration(path)
+        if recorded is None:
+            raise CpuNotCalibratedError(path)
+        cached_rates_, cached_overheads = recorded
         rates = rates or cached_rates_
         overheads = cached_overheads if overheads == "cached" else overheads
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / rates.cores

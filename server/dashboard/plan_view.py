@@ -5,6 +5,10 @@ planner's ranked table for the served checkpoint (its config, dtype and quantiza
 server's hardware (`cpu` when it runs on the CPU, the GPU table's entry matching the CUDA device's name
 otherwise) and with as many GPUs per node as it sees; query parameters pick another GPU kind, counts and
 workload. The served layout's row is marked, so the page can say where the running layout ranks.
+
+The view never measures: on a CPU server it plans from the cached calibration, and without one it plans for
+a GPU table (`UNCALIBRATED_FALLBACK_GPU`) and says how to calibrate (an explicit command, run while the
+machine is not serving): measuring runs extra engines on the cores that serve.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.planner.cpu_calibration import cpu_hardware
+from moe_runtime.planner.cpu_calibration import CpuNotCalibratedError, cpu_hardware
 from moe_runtime.planner.hardware import Hardware, known_gpus, resolve_hardware
 from moe_runtime.planner.memory import resolve_precision
 from moe_runtime.planner.model_shape import load_model_shape
@@ -22,6 +26,8 @@ from moe_runtime.planner.plan import PlanRequest, make_plan
 from moe_runtime.planner.serving import Workload
 
 MAX_GPUS = 4096          # nodes x GPUs per node the view plans for at most (the planner's work grows with it)
+UNCALIBRATED_FALLBACK_GPU = "h100"   # this server's default on a CPU without a calibration
+FALLBACK_GPUS_PER_NODE = 8
 
 
 @dataclass(frozen=True)
@@ -57,19 +63,22 @@ def served_plan(config, query: PlanQuery, max_model_len: int,
 
     `config`: the served engine's EngineConfig; `cpu_loader`: the `--gpu cpu` hardware (default: measured
     once on this machine and cached, see cpu_calibration.py)."""
-    from server.plan_cli import plan_json
+    from moe_runtime.server.plan_cli import plan_json
 
     query.validate()
     device = _served_device(config)
     gpu = query.gpu or _default_gpu(device)
     per_node = query.gpus_per_node or _visible_devices(device)
+    hardware, calibration = _hardware(gpu, cpu_loader or cpu_hardware, asked=query.gpu is not None)
+    if hardware.name != gpu:   # no calibration of this CPU: the GPU table instead, and a line on calibrating
+        gpu, per_node = hardware.name, query.gpus_per_node or FALLBACK_GPUS_PER_NODE
     prompt_len = query.prompt_len or max(min(1024, max_model_len // 2), 1)
     output_len = query.output_len or max(min(256, max_model_len // 4), 1)
     concurrency = None if query.qps is not None else (query.concurrency or config.max_num_seqs)
     workload = Workload(prompt_len, output_len, query.qps, concurrency, query.ttft_ms, query.itl_ms,
                         config.max_num_batched_tokens)
     shape = load_model_shape(config.model)
-    request = PlanRequest(config.model, shape, resolve_hardware(gpu, cpu_loader or cpu_hardware), per_node, query.nodes, workload,
+    request = PlanRequest(config.model, shape, hardware, per_node, query.nodes, workload,
                           resolve_precision(shape, config.dtype, config.quantization), config.block_size)
     answer = plan_json(make_plan(request))
     served = asdict(config.layout())
@@ -80,7 +89,19 @@ def served_plan(config, query: PlanQuery, max_model_len: int,
                            itl_ms=query.itl_ms)
     answer["served_layout"] = served
     answer["gpu_choices"] = [*known_gpus(), "cpu"]
+    answer["calibration"] = calibration
     return _finite(answer)
+
+
+def _hardware(gpu: str, cpu_loader: Callable[[], Hardware], asked: bool) -> tuple[Hardware, str | None]:
+    """The hardware to plan on, and what to tell about calibrating (None: nothing). An uncalibrated `cpu` that
+    was asked for is an error naming the command; one that is only this server's default falls back."""
+    try:
+        return resolve_hardware(gpu, cpu_loader), None
+    except CpuNotCalibratedError as exc:
+        if asked:
+            raise
+        return resolve_hardware(UNCALIBRATED_FALLBACK_GPU, cpu_loader), f"planned for {UNCALIBRATED_FALLBACK_GPU}: {exc}"
 
 
 def _finite(value):

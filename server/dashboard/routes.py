@@ -24,15 +24,16 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
-from server.auth import api_key_dependency
+from moe_runtime.server.auth import api_key_dependency
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.errors import MoERuntimeError
-from server.dashboard.monitor import DashboardConfig, DashboardMonitor
-from server.dashboard.plan_view import PlanQuery, served_plan
-from server.errors import APIError
+from moe_runtime.server.dashboard.monitor import DashboardConfig, DashboardMonitor
+from moe_runtime.server.dashboard.plan_view import PlanQuery, served_plan
+from moe_runtime.server.errors import APIError
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 MEDIA_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+PLAN_TIMEOUT_S = 20.0   # the plan view answers within this or says it could not (the page renders without it)
 
 
 def plotly_js_path() -> Path:
@@ -48,7 +49,7 @@ def plotly_js_path() -> Path:
 
 def dashboard_router(api_key: str | None = None, config: DashboardConfig = DashboardConfig(),
                      plan_cpu_loader=None, served_engine_config: EngineConfig | None = None) -> APIRouter:
-    """`plan_cpu_loader`: the plan view's `--gpu cpu` hardware (default: measured on this machine, cached);
+    """`plan_cpu_loader`: the plan view's `--gpu cpu` hardware (default: this machine's cached calibration);
     `served_engine_config`: the served engine's settings, which the plan view plans for (None: no plan view,
     its route answers 404)."""
     assets = {"dashboard.js": STATIC_DIR / "dashboard.js", "dashboard.css": STATIC_DIR / "dashboard.css",
@@ -98,9 +99,13 @@ def dashboard_router(api_key: str | None = None, config: DashboardConfig = Dashb
             raise APIError(404, "plan: this server was not given its engine's settings to plan for",
                            "not_found_error", None, "no_plan")
         query = PlanQuery(gpu, gpus_per_node, nodes, prompt_len, output_len, qps, concurrency, ttft_ms, itl_ms)
-        try:   # a thread: the first `--gpu cpu` plan measures this machine (seconds), and the loop must not stall
-            answer = await asyncio.to_thread(served_plan, served_engine_config, query, engine.max_model_len,
-                                             plan_cpu_loader)
+        try:   # a thread with a bound: planning reads configs (no measuring), but the loop must never wait on it
+            answer = await asyncio.wait_for(asyncio.to_thread(served_plan, served_engine_config, query,
+                                                              engine.max_model_len, plan_cpu_loader),
+                                            PLAN_TIMEOUT_S)
+        except asyncio.TimeoutError as exc:
+            raise APIError(503, f"plan: no answer within {PLAN_TIMEOUT_S:g} s", "server_error", None,
+                           "plan_timeout") from exc
         except (MoERuntimeError, OSError, KeyError, ValueError) as exc:
             raise APIError(400, f"plan: {exc}", "invalid_request_error", None, "invalid_plan_query") from exc
         return JSONResponse(answer, headers={"Cache-Control": "no-store"})

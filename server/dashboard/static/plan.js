@@ -31,6 +31,7 @@
       `${answer.gpu}; ${q.prompt_len} + ${q.output_len} tokens, ` +
       (q.qps !== null ? `${q.qps} req/s` : `${q.concurrency} concurrent`) +
       (servedRank >= 0 ? `; the served layout ranks #${servedRank + 1}` : "; the served layout is not among these");
+    $("plan-calibration").textContent = answer.calibration || "";   // how to calibrate this CPU, when it is not
     $("plan-explanation").textContent = answer.explanation;
     const body = $("plan-table").querySelector("tbody");
     body.replaceChildren();
