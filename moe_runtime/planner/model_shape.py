@@ -12,13 +12,13 @@ moe_runtime/models/; tests/test_plan.py holds the set of architectures read here
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.planner.config_checks import ConfigError, check_config, read_config, text_config_of
 
 FULL, SLIDING, CHUNKED, LINEAR = "full", "sliding", "chunked", "linear"
 
@@ -107,24 +107,36 @@ class ModelShape:
 
 def load_model_shape(model: str | Path) -> ModelShape:
     """A checkpoint directory or its config.json (a multimodal one's text_config is the model)."""
-    path = Path(model)
-    path = path / "config.json" if path.is_dir() else path
-    with open(path) as f:
-        config = json.load(f)
-    return model_shape_of(config)
+    return model_shape_of(read_config(model))
 
 
 def model_shape_of(config: dict) -> ModelShape:
-    architecture = (config.get("architectures") or ["?"])[0]
+    """The shape of a parsed config.json; every field it reads is checked first (config_checks.py), and a
+    config that still does not add up is a ConfigError, never a traceback."""
+    architectures = config.get("architectures")
+    if architectures is not None and (not isinstance(architectures, list)
+                                      or not all(isinstance(a, str) for a in architectures)):
+        raise ConfigError("architectures", "must be a list of class names")
+    architecture = (architectures or ["?"])[0]
     architecture = ALIASES.get(architecture, architecture)
-    if "text_config" in config:   # a multimodal checkpoint: the decoder's fields sit there
-        config = {**config["text_config"], "architectures": [architecture],
-                  "torch_dtype": config.get("torch_dtype", config["text_config"].get("torch_dtype")),
+    text_config = text_config_of(config)
+    if text_config is not None:   # a multimodal checkpoint: the decoder's fields sit there
+        config = {**text_config, "architectures": [architecture],
+                  "torch_dtype": config.get("torch_dtype", text_config.get("torch_dtype")),
                   "quantization_config": config.get("quantization_config")}
     if architecture not in PLANNED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} (config.json 'architectures') is not one the runtime serves; "
             f"supported: {', '.join(sorted(PLANNED_ARCHITECTURES))}")
+    check_config(config, moe=architecture in MOE_ARCHITECTURES)
+    try:
+        return _shape(config, architecture)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError) as exc:
+        raise ConfigError("config.json", f"does not add up to a {architecture} ({type(exc).__name__}: "
+                                         f"{str(exc)[:120]})") from None
+
+
+def _shape(config: dict, architecture: str) -> ModelShape:
     c = SimpleNamespace(**config)
     hidden, heads = c.hidden_size, c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or hidden // heads
