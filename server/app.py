@@ -68,11 +68,13 @@ def build_app(
     tool_call_parser: str | None = None,
     model_type: str | None = None,
     reasoning_parser: str | None = None,
+    admin_key: str | None = None,
 ) -> FastAPI:
     """`tool_call_parser` names the parser of tool calls (`server.tool_calls.selection.PARSERS`); None chooses
     one from the chat template, then `model_type` (config.json's). `reasoning_parser` names the reasoning
     split (`server.reasoning.selection`; a gpt-oss `model_type` gets harmony in any case). `api_key`: one key, or one per tenant (each
-    tenant's requests then share prefix-cache blocks only among themselves: `server.tenant_salt`)."""
+    tenant's requests then share prefix-cache blocks only among themselves: `server.tenant_salt`). `admin_key`:
+    the operator's key, which the routes acting on every tenant need (`server.admin_routes`)."""
     app = FastAPI(title="moe-runtime", version=moe_runtime.__version__)
     app.state.async_engine = async_engine
     app.state.metrics = metrics = ServerMetrics()
@@ -88,7 +90,7 @@ def build_app(
 
     # the last added runs first: HEAD as GET, count refusals, check the key, then the size, then route
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
-    app.add_middleware(ApiKeyGate, api_key=api_key)
+    app.add_middleware(ApiKeyGate, api_key=api_key, admin_key=admin_key)
     app.add_middleware(RefusalCounter, metrics=metrics)
     app.add_middleware(HeadAsGet)
 
@@ -182,8 +184,8 @@ def build_app(
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
-        """Every DP worker forgets its cached KV blocks (behind the API key; blocks in use stay with their
-        requests). Benchmarks call it between runs; a new model revision behind the same name needs it."""
+        """Every DP worker forgets its cached KV blocks (an admin route: `server.admin_routes`; blocks in use stay
+        with their requests). Benchmarks call it between runs; a new model revision behind the same name needs it."""
         try:
             async_engine.reset_prefix_cache()
         except MoERuntimeError as exc:

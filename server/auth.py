@@ -20,6 +20,7 @@ from typing import Sequence
 
 from fastapi import Request
 
+from moe_runtime.server.admin_routes import ADMIN_PATHS, AdminKey
 from moe_runtime.server.body_limit import declares_body
 from moe_runtime.server.errors import APIError
 
@@ -88,44 +89,70 @@ def unauthorized() -> APIError:
 @dataclass
 class ApiKeyGate:
     """ASGI middleware: 401 for every HTTP request without a key, except on `OPEN_PATHS`; a request that
-    presents one has the key's index in its state (`KEY_INDEX_STATE`)."""
+    presents one has the key's index in its state (`KEY_INDEX_STATE`). Admin routes (`server.admin_routes`)
+    need the admin key where one is set, and are refused to every tenant key where several are served."""
 
     app: object
     api_key: str | Sequence[str] | None
+    admin_key: str | None = None
     keys: ApiKeys | None = field(init=False)
+    admin: AdminKey = field(init=False)
 
     def __post_init__(self) -> None:
         self.keys = ApiKeys.of(self.api_key)
+        self.admin = AdminKey(self.admin_key)
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.keys is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or (self.keys is None and self.admin.key is None):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        key_index = self.keys.identify(headers.get(b"authorization", b"").decode("latin-1"))
+        authorization = headers.get(b"authorization", b"").decode("latin-1")
+        key_index = self.keys.identify(authorization) if self.keys is not None else None
+        presented = presented_key(authorization)
+        if self.keys is not None and key_index is None and not self.admin.matches(presented):
+            await self._refuse(unauthorized(), scope, receive, send, headers)
+            return
+        if scope["path"] in ADMIN_PATHS:
+            refusal = self.admin.refusal(self.keys is not None and self.keys.several, presented)
+            if refusal is not None:
+                await self._refuse(refusal, scope, receive, send, headers)
+                return
         if key_index is not None:
             scope.setdefault("state", {})[KEY_INDEX_STATE] = key_index
-            await self.app(scope, receive, send)
-            return
-        extra = {"WWW-Authenticate": BROWSER_REALM if not scope["path"].startswith("/v1/") else "Bearer"}
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _refuse(error: APIError, scope, receive, send, headers: dict) -> None:
+        extra = {}
+        if error.status == 401:
+            extra["WWW-Authenticate"] = BROWSER_REALM if not scope["path"].startswith("/v1/") else "Bearer"
         if declares_body(headers):
             extra["Connection"] = "close"
-        response = unauthorized().response()
+        response = error.response()
         response.headers.update(extra)
         await response(scope, receive, send)
 
 
-def api_key_dependency(api_key: str | Sequence[str] | None):
-    """A FastAPI dependency that raises 401 without the key (a no-op without one), for routers used on their own.
+def api_key_dependency(api_key: str | Sequence[str] | None, admin_key: str | None = None, admin: bool = False):
+    """A FastAPI dependency that raises 401 without the key (a no-op without one), for routers used on their own;
+    `admin`: the route is an admin route, under `server.admin_routes`' rule.
 
     An app from `build_app(api_key=...)` already checks every route in `ApiKeyGate`; this guards a
     router (the dashboard's rebalance) even in an app built without that key.
     """
 
     keys = ApiKeys.of(api_key)
+    admin_rule = AdminKey(admin_key)
 
     async def require_api_key(request: Request) -> None:
-        if keys is not None and keys.identify(request.headers.get("authorization", "")) is None:
+        authorization = request.headers.get("authorization", "")
+        presented = presented_key(authorization)
+        if keys is not None and keys.identify(authorization) is None and not admin_rule.matches(presented):
             raise unauthorized()
+        if admin:
+            refusal = admin_rule.refusal(keys is not None and keys.several, presented)
+            if refusal is not None:
+                raise refusal
 
     return require_api_key

@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a browser opening /dashboard or /docs asks for it as the password); repeat it for "
                         "several tenants: each key's requests then share prefix-cache blocks only among "
                         "themselves")
+    g.add_argument("--admin-key", default=s.admin_key, metavar="KEY",
+                   help="the operator's key: the routes that act on every tenant (POST /reset_prefix_cache, "
+                        "/dashboard/rebalance) then take it and no tenant key; with several --api-key tenants and "
+                        "no admin key they are refused to everyone. It opens the other routes too")
     g.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=non_negative_int,
                    default=s.shutdown_timeout_s, metavar="SECONDS",
                    help="on SIGTERM, refuse new requests (503 with Retry-After; /health says draining) and let "

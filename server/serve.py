@@ -67,8 +67,10 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
             server.should_exit = True
             return
         api_key = server_config.api_keys or None
-        gate.open(build_app(launch.async_engine, launch.served_name, api_key=api_key,
-                            extra_routers=[dashboard_router(api_key, served_engine_config=launch.engine)],
+        admin_key = server_config.admin_key
+        gate.open(build_app(launch.async_engine, launch.served_name, api_key=api_key, admin_key=admin_key,
+                            extra_routers=[dashboard_router(api_key, served_engine_config=launch.engine,
+                                                            admin_key=admin_key)],
                             max_request_bytes=server_config.max_request_bytes,
                             tool_call_parser=server_config.tool_call_parser,
                             reasoning_parser=server_config.reasoning_parser,

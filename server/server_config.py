@@ -30,6 +30,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000                      # 0 = a free one
     api_keys: tuple[str, ...] = ()        # --api-key, repeatable: one per tenant (empty: no key)
+    admin_key: str | None = None          # --admin-key: the routes acting on every tenant (server.admin_routes)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES   # larger request bodies get HTTP 413
     max_queue: int = 512                  # requests waiting for their first token; more get HTTP 429
     shutdown_timeout_s: int = 20          # SIGTERM: seconds the running requests may take to finish (0: none)
@@ -43,6 +44,8 @@ class ServerConfig:
     def validate(self) -> None:
         if len(set(self.api_keys)) != len(self.api_keys):
             raise ServerConfigError("--api-key: the same key is given twice")
+        if self.admin_key is not None and (not self.admin_key or self.admin_key in self.api_keys):
+            raise ServerConfigError("--admin-key: give a key of its own, not empty and none of the --api-key ones")
         if self.pd is not None and len(self.api_keys) > 1:
             raise ServerConfigError("--pd takes one --api-key (its router passes it on to the instances); "
                                     "serve several tenants' keys from instances started on their own")

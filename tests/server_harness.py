@@ -185,6 +185,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.limits = RequestLimits(vocab_size, max_model_len, kv_capacity_tokens=max_model_len, has_tokenizer=False)
         self.max_running = max_running
+        self.prefix_cache_resets = 0
         self.step_delay_s = step_delay_s
         self.vocab_size = vocab_size
         self.die_at_step = die_at_step
@@ -292,7 +293,7 @@ class FakeEngine:
         pass
 
     def reset_prefix_cache(self) -> None:
-        pass
+        self.prefix_cache_resets += 1
 
     @staticmethod
     def _answer(produce) -> concurrent.futures.Future:

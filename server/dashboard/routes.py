@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Sequence
 
 import asyncio
 
@@ -47,9 +48,11 @@ def plotly_js_path() -> Path:
     return path
 
 
-def dashboard_router(api_key: str | None = None, config: DashboardConfig = DashboardConfig(),
-                     plan_cpu_loader=None, served_engine_config: EngineConfig | None = None) -> APIRouter:
-    """`plan_cpu_loader`: the plan view's `--gpu cpu` hardware (default: this machine's cached calibration);
+def dashboard_router(api_key: str | Sequence[str] | None = None, config: DashboardConfig = DashboardConfig(),
+                     plan_cpu_loader=None, served_engine_config: EngineConfig | None = None,
+                     admin_key: str | None = None) -> APIRouter:
+    """`api_key`/`admin_key`: as `build_app`'s (the rebalance button is an admin route: `server.admin_routes`);
+    `plan_cpu_loader`: the plan view's `--gpu cpu` hardware (default: this machine's cached calibration);
     `served_engine_config`: the served engine's settings, which the plan view plans for (None: no plan view,
     its route answers 404)."""
     assets = {"dashboard.js": STATIC_DIR / "dashboard.js", "dashboard.css": STATIC_DIR / "dashboard.css",
@@ -110,7 +113,7 @@ def dashboard_router(api_key: str | None = None, config: DashboardConfig = Dashb
             raise APIError(400, f"plan: {exc}", "invalid_request_error", None, "invalid_plan_query") from exc
         return JSONResponse(answer, headers={"Cache-Control": "no-store"})
 
-    @router.post("/rebalance", dependencies=[Depends(api_key_dependency(api_key))])
+    @router.post("/rebalance", dependencies=[Depends(api_key_dependency(api_key, admin_key, admin=True))])
     async def dashboard_rebalance(request: Request) -> JSONResponse:
         return JSONResponse({"event": await monitor(request).rebalance_now()})
 
