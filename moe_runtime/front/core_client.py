@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 from moe_runtime.attention_dp.messages import Message
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.engine.stats import EngineHealth
+from moe_runtime.front.rank_reform import ReformOutcome
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,9 @@ class EngineCoreClient(Protocol):
         """Stop delivering to the loop (before shutting down)."""
         ...
 
-    def reform(self) -> int:
+    def reform(self) -> ReformOutcome:
         """After `on_lost` or `EngineDeadError`, where `reformable`: the ranks left go on without the lost ones (or
-        take back ranks that returned: how many), and `shape` is theirs (blocking). Raises
+        take back ranks that returned), and `shape` is theirs (blocking); how many came back or were lost. Raises
         `front.rank_reform.ReformFailed` when they cannot."""
         ...
 

@@ -23,7 +23,7 @@ from moe_runtime.engine.core import EngineCore
 from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import CoreShape
-from moe_runtime.front.rank_reform import ReformFailed
+from moe_runtime.front.rank_reform import ReformFailed, ReformOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class InProcessClient:
             if thread.is_alive():
                 logger.error("the engine core thread did not stop within 30 s (a step is stuck)")
 
-    def reform(self) -> int:
+    def reform(self) -> ReformOutcome:
         raise ReformFailed("a one-rank engine has no other rank to go on with")
 
     def health(self) -> EngineHealth:

@@ -22,8 +22,8 @@ from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import CoreShape
-from moe_runtime.front.rank_reform import (LostRanks, RanksLostMeanwhile, ReformFailed, find_lost, reform_survivors,
-                                           take_back, take_in_disconnects)
+from moe_runtime.front.rank_reform import (LostRanks, RanksLostMeanwhile, ReformFailed, ReformOutcome, find_lost,
+                                           reform_survivors, take_back, take_in_disconnects)
 from moe_runtime.processes.distributed import FRONT_STORE
 from moe_runtime.processes.launcher import LaunchedJob, launch_job
 from moe_runtime.processes.reform import can_reform
@@ -66,11 +66,11 @@ class RankClient:
                          pp_size=max(r.pp_rank for r in ready.values()) + 1, worker_ranks=self.job.worker_ranks,
                          kv_shards={rank: r.kv_shard for rank, r in ready.items()})
 
-    def reform(self) -> int:
+    def reform(self) -> ReformOutcome:
         """Absorb the lost ranks: the others re-form without them (or, on one node, with fresh processes in their
         place) and this client goes on with them; or, when ranks lost across nodes came back, take them back.
-        Blocking: run it off the event loop. Returns how many ranks came back; raises `ReformFailed` when the
-        ranks cannot re-form (the caller restarts or ends)."""
+        Blocking: run it off the event loop. Returns how many ranks came back or were lost; raises `ReformFailed`
+        when the ranks cannot re-form (the caller restarts or ends)."""
         if not self.reformable:
             raise ReformFailed("this layout cannot absorb a lost rank")
         if self._away and self._back >= self._away:
@@ -85,8 +85,9 @@ class RankClient:
                                                   replace=self.job.rendezvous_dir is not None)
                 break
             except RanksLostMeanwhile as more:
-                if self.job.rendezvous_dir is not None:
-                    raise   # one node: the others may wait in a file store no interrupt reaches; restart instead
+                if self.job.rendezvous_dir is not None:   # one node: the others may wait in a file store no
+                    # interrupt reaches; restart instead (every rank lost so far counted by the recovery)
+                    raise RanksLostMeanwhile(set(lost.ranks | more.ranks), str(more)) from more
                 # across nodes the front's interrupt breaks its own ranks' wait in the TCP store: once more without them
                 logger.warning("%s; re-forming again without them", more)
                 lost = LostRanks(lost.ranks | more.ranks, lost.reason)
@@ -94,14 +95,14 @@ class RankClient:
         if lost.ranks - set(self.job.ready):   # lost across nodes: they may come back (a node restarted)
             self._away |= lost.ranks - set(self.job.ready)
             self.control.await_return(self._away)
-        return 0
+        return ReformOutcome(lost=len(lost.ranks))
 
-    def _take_back(self) -> int:
+    def _take_back(self) -> ReformOutcome:
         returned, self._away, self._back = set(self._back), set(), set()
         self.generation += 1
         self.job.ready = take_back(self.job, self._all_ranks, returned, self.generation, self._rendezvous())
         self._settle(back_at_layout=True)
-        return len(returned)
+        return ReformOutcome(returned=len(returned))
 
     def _settle(self, back_at_layout: bool) -> None:
         self._all_ranks = set(self.job.ready)

@@ -31,7 +31,7 @@ from moe_runtime.engine.stats import EngineHealth, RecoveryStats
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import EngineCoreClient
 from moe_runtime.front.output_processor import RequestState
-from moe_runtime.front.rank_reform import ReformFailed
+from moe_runtime.front.rank_reform import RanksLostMeanwhile, ReformFailed
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class RankRecovery:
         return client
 
     def begin(self, reason: str) -> bool:
-        """A rank was lost: whether to restart (False: restarts used up, the engine ends)."""
+        """A rank was lost: whether to restart (False: restarts used up, the engine ends). The loss counts one
+        rank here; a re-formation that finds more (a node's ranks, or ranks lost meanwhile) counts the rest."""
         now = time.monotonic()
         self.stats.lost_ranks += 1
         self._restarts = [t for t in self._restarts if now - t < WINDOW_S]
@@ -107,13 +108,16 @@ class RankRecovery:
         run it off the event loop)."""
         if old.reformable:
             try:
-                returned = old.reform()
+                outcome = old.reform()
                 self.stats.reformations += 1
-                if returned:   # not a loss: lost ranks came back
+                if outcome.returned:   # not a loss: lost ranks came back
                     self.stats.lost_ranks -= 1
-                    self.stats.returned_ranks += returned
+                    self.stats.returned_ranks += outcome.returned
+                self.stats.lost_ranks += max(outcome.lost - 1, 0)
                 return old
             except ReformFailed as exc:
+                if isinstance(exc, RanksLostMeanwhile):   # killed during the recovery: each of them counts
+                    self.stats.lost_ranks += max(len(exc.ranks) - 1, 0)
                 if self.relaunch is None:
                     reason = f"{self.stats.recovering}; the ranks left could not re-form: {exc}"
                     self.stats.recovering = None

@@ -29,11 +29,21 @@ class ReformFailed(Exception):
 
 
 class RanksLostMeanwhile(ReformFailed):
-    """Members were lost while the others re-formed: another generation goes on without them too."""
+    """Members were lost while the others re-formed: another generation goes on without them too. Raised out of
+    `RankClient.reform`, `ranks` are all the ranks this recovery lost (the first ones included)."""
 
     def __init__(self, ranks: set[int], reason: str):
         super().__init__(reason)
         self.ranks = ranks
+
+
+@dataclass(frozen=True)
+class ReformOutcome:
+    """What a re-formation did: ranks that came back (`returned`), or the ranks it went on without (`lost`: the
+    first loss's and any lost meanwhile)."""
+
+    returned: int = 0
+    lost: int = 0
 
 
 @dataclass(frozen=True)
