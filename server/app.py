@@ -28,6 +28,7 @@ from moe_runtime.server.auth import ApiKeyGate, ApiKeys
 from moe_runtime.server.body_limit import RequestSizeLimit
 from moe_runtime.server.chat import ChatFormatter
 from moe_runtime.server.completions import CompletionFormatter
+from moe_runtime.server.conversion_threads import ConversionThreads, declared_length
 from moe_runtime.server.errors import APIError, as_api_error, install_error_handlers
 from moe_runtime.server.generation import Generation
 from moe_runtime.server.head_requests import HeadAsGet
@@ -35,6 +36,7 @@ from moe_runtime.server.json_body import documented_body, install_body_schemas, 
 from moe_runtime.server.logprobs import TokenNamer
 from moe_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from moe_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from moe_runtime.server.prompt_size import PromptSizeBound
 from moe_runtime.server.request_conversion import ModelInfo, chat_choices, check_model, completion_choices
 from moe_runtime.server.server_config import DEFAULT_MAX_REQUEST_BYTES
 from moe_runtime.server.sse import EventStreamResponse, sse_stream
@@ -81,8 +83,11 @@ def build_app(
     parser = choose_parser(tool_call_parser, getattr(async_engine.tokenizer, "chat_template", None), model_type)
     reasoning = choose_reasoning(reasoning_parser, model_type)
     harmony = HarmonyFormat(async_engine.tokenizer) if reasoning.harmony else None
-    model = ModelInfo(served_model_name, async_engine.max_model_len, async_engine.tokenizer, parser,
-                      structured_output=async_engine.structured_output_validator, harmony=harmony)
+    tokenizer = async_engine.tokenizer
+    model = ModelInfo(served_model_name, async_engine.max_model_len, tokenizer, parser,
+                      structured_output=async_engine.structured_output_validator, harmony=harmony,
+                      prompt_size=PromptSizeBound.of(tokenizer, async_engine.max_model_len))
+    conversions = ConversionThreads()
     namer = TokenNamer(async_engine.tokenizer)
     salts = TenantSalts.for_keys(ApiKeys.of(api_key))
     install_error_handlers(app)
@@ -107,9 +112,10 @@ def build_app(
         return ModelCard(id=served_model_name, max_model_len=async_engine.max_model_len)
 
     @app.post("/tokenize", openapi_extra=documented_body(TokenizeRequest))
-    async def tokenize_route(body: TokenizeRequest = Depends(json_body(TokenizeRequest))) -> TokenizeResponse:
+    async def tokenize_route(request: Request,
+                             body: TokenizeRequest = Depends(json_body(TokenizeRequest))) -> TokenizeResponse:
         """vLLM's /tokenize: a prompt or chat messages to token ids (off the event loop)."""
-        return await asyncio.to_thread(tokenize, body, model)
+        return await conversions.run(tokenize, body, model, body_bytes=declared_length(request.headers))
 
     @app.post("/detokenize", openapi_extra=documented_body(DetokenizeRequest))
     async def detokenize_route(body: DetokenizeRequest = Depends(json_body(DetokenizeRequest))) -> DetokenizeResponse:
@@ -124,7 +130,8 @@ def build_app(
     async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))):
         body = salts.salted(body, request)
         usage = stream_usage(body)
-        choices = await asyncio.to_thread(completion_choices, body, model)   # tokenizes: off the event loop
+        choices = await conversions.run(completion_choices, body, model,   # tokenizes: off the event loop
+                                        body_bytes=declared_length(request.headers))
         generation = Generation(async_engine, f"cmpl-{uuid.uuid4().hex}", choices, metrics)
         formatter = CompletionFormatter(generation, served_model_name, namer, body.logprobs is not None, usage.final,
                                         continuous_usage=usage.continuous,
@@ -137,7 +144,8 @@ def build_app(
                                body: ChatCompletionRequest = Depends(json_body(ChatCompletionRequest))):
         body = salts.salted(body, request)
         usage = stream_usage(body)
-        chat = await asyncio.to_thread(chat_choices, body, model)   # renders and tokenizes: off the event loop
+        chat = await conversions.run(chat_choices, body, model,   # renders and tokenizes: off the event loop
+                                     body_bytes=declared_length(request.headers))
         generation = Generation(async_engine, f"chatcmpl-{uuid.uuid4().hex}", chat.choices, metrics)
         formatter = ChatFormatter(generation, served_model_name, namer, body.logprobs, usage.final,
                                   continuous_usage=usage.continuous, tool_calls=chat.tool_calls,

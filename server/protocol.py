@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from moe_runtime.sampling.bounds import BOUND, TOKEN_ID_DIGITS, refusal
 from moe_runtime.sampling.params import SamplingParams
+from moe_runtime.sampling.structured_output.schema_bounds import MAX_SCHEMA_DEPTH, object_nesting_depth
 
 TokenIds = list[int]
 
@@ -190,6 +191,16 @@ class FunctionDefinition(RequestModel):
     description: str | None = None
     parameters: dict | None = None            # a JSON schema of the arguments object; absent: no arguments
     strict: bool | None = None                # accepted; required/named calls follow the schema in any case
+
+    @field_validator("parameters")
+    @classmethod
+    def schema_depth_is_bounded(cls, parameters: dict | None) -> dict | None:
+        """Chat templates and the tool-call checks walk a schema recursively: bounded as structured output's."""
+        depth = object_nesting_depth(parameters)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the schema is nested {depth} levels deep (objects and arrays); at most "
+                             f"{MAX_SCHEMA_DEPTH} are accepted")
+        return parameters
 
 
 class ToolDefinition(RequestModel):

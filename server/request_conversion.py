@@ -23,6 +23,7 @@ from moe_runtime.server.errors import APIError, bad_request
 from moe_runtime.server.generation import ChoiceSpec
 from moe_runtime.server.harmony_output import HarmonyFormat
 from moe_runtime.server.kv_transfer_request import with_kv_transfer
+from moe_runtime.server.prompt_size import PromptSizeBound
 from moe_runtime.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, digit_keys
 from moe_runtime.server.request_work import (chat_logprob_views, check_choices, check_logprobs, check_prompt_tokens,
                                              completion_logprob_views)
@@ -47,6 +48,13 @@ class ModelInfo:
     # parses each structured-output spec once per server (in the conversion threads, off the event loop)
     structured_output: StructuredOutputValidator = field(default_factory=StructuredOutputValidator, compare=False)
     harmony: HarmonyFormat | None = None   # chat in harmony (gpt-oss) instead of the chat template
+    prompt_size: PromptSizeBound | None = None   # refuses a too-long text before tokenizing it (None: no bound)
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """The tokenizer's ids of a prompt's text, a text too long for the model refused first (`prompt_size`)."""
+        if self.prompt_size is None:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.prompt_size.encode(self.tokenizer, text, param, add_special_tokens)
 
 
 def check_model(requested: str | None, model: ModelInfo) -> None:
@@ -78,7 +86,7 @@ def completion_prompts(request: CompletionRequest, model: ModelInfo) -> list[lis
         if isinstance(one, str):
             if model.tokenizer is None:
                 raise bad_request("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-            one = model.tokenizer.encode(one)
+            one = model.encode(one, "prompt")
         if not one:
             raise bad_request(f"prompt {i} is empty", "prompt")
         token_ids.append(list(one))
@@ -100,9 +108,11 @@ def render_chat(messages: list[ChatMessage], model: ModelInfo, tools: list[dict]
     tool calls go to the template as they are. A harmony model (gpt-oss) is rendered in harmony instead
     (`server.harmony_render`); a request's `chat_template_kwargs` reach the template as variables."""
     tokenizer = model.tokenizer
+    if model.prompt_size is not None:   # the template adds little: the messages alone must fit
+        model.prompt_size.check_chars(sum(len(message.text()) for message in messages), "messages")
     if model.harmony is not None and tokenizer is not None:
         text = model.harmony.render(messages, tools, request, add_generation_prompt)
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return model.encode(text, "messages", add_special_tokens=add_special_tokens)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: use /v1/completions", "messages", "no_chat_template")
     rendered = [template_message(m) for m in messages]
@@ -118,7 +128,7 @@ def render_chat(messages: list[ChatMessage], model: ModelInfo, tools: list[dict]
                                              **options)
     except Exception as exc:  # noqa: BLE001 - the template's own error names what it rejects
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return model.encode(text, "messages", add_special_tokens=add_special_tokens)
 
 
 TEMPLATE_ARGUMENTS = frozenset({"tools", "add_generation_prompt", "continue_final_message", "tokenize", "conversation",

@@ -59,9 +59,9 @@ def tokenize(request: TokenizeRequest, model: ModelInfo) -> TokenizeResponse:
     if request.prompt is not None:
         if request.tools is not None:
             raise bad_request("tools are rendered with chat messages only: send 'messages'", "tools")
-        tokenizer = tokenizer_of(model, "prompt")
+        tokenizer_of(model, "prompt")   # a 400 naming the prompt without a tokenizer
         add_special = True if request.add_special_tokens is None else request.add_special_tokens
-        ids = tokenizer.encode(request.prompt, add_special_tokens=add_special)
+        ids = model.encode(request.prompt, "prompt", add_special_tokens=add_special)
     else:
         if request.add_generation_prompt and request.continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message exclude each other: set one to false",

@@ -212,8 +212,12 @@ def nested_schema(depth: int) -> str:
     ("guided_json", json.dumps({"prompt": [5, 6], "max_tokens": 1, "guided_json": nested_schema(1000)})),
 ], ids=["object", "response_format", "text"])
 def test_a_schema_nested_past_the_recursion_limit_is_a_400_naming_its_field(field, body):
+    """Past Python's recursion limit the body parser names the field; where the limit is higher (torch's
+    compiler raises it once imported in the process) the body parses and the schema-depth bound names the
+    schema inside the field. Either is a 400 naming where the nesting is."""
     status, answer, seconds = post(body)
-    assert status == 400 and refused(answer, field), answer
+    param = (answer.get("error") or {}).get("param") or ""
+    assert status == 400 and (param == field or param.startswith(field + ".")), answer
     assert no_python_wording(answer) and seconds < 5
 
 

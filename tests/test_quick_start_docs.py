@@ -28,7 +28,7 @@ def ci_commands() -> list[str]:
 
 
 def test_ci_installs_the_cpu_torch_the_readme_names_without_pytorchs_index():
-    torch_installs = [line for line in ci_commands() if re.search(r"pip install \"?torch==", line)]
+    torch_installs = [line for line in ci_commands() if re.search(r"pip install (--quiet )?\"?torch==", line)]
     assert len(torch_installs) == 1
     version = re.search(r"torch==([\w.]+)\+cpu", torch_installs[0]).group(1)   # the CPU build, explicitly
     assert not any(PYTORCH_CPU_INDEX in line for line in ci_commands())       # CI cannot reach it
@@ -44,7 +44,10 @@ def test_quick_start_is_two_commands_install_and_serve_then_test():
     assert len(commands) == 2, commands
     assert "pip install" in commands[0] and commands[0].rstrip().endswith("moe-serve --dp-attn 2 --ep 2")
     assert commands[1].strip() == "python -m pytest -q"
-    assert "python3 -m pytest -q" in (REPO_ROOT / ".ci" / "run").read_text()  # CI runs the README's test command
+    ci = ci_commands()
+    assert any(line.startswith("python -m pytest -q") for line in ci)   # CI runs the README's test command ...
+    assert 'pip install -e ".[dev]"' in ci[ci.index("source \"$SCRATCH/newest/bin/activate\"") + 1]   # ... in a
+    assert any(line.startswith("python3 -m venv") for line in ci)   # new venv, after exactly the README's install
 
 
 def test_ci_installs_chromium_when_either_part_is_missing():

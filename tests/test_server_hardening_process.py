@@ -234,3 +234,73 @@ def test_the_dashboard_works_in_a_browser_given_the_key(server, tmp_path):
     expected = "Basic " + base64.b64encode(f"user:{KEY}".encode()).decode()
     assert httpx.get(server.base_url + "/dashboard/state", headers={"Authorization": expected},
                      timeout=10).status_code == 200
+
+
+# ---- oversized prompts and stop strings (red team round 3) ---------------------------------------
+
+@dataclass
+class StreamGaps:
+    """Streams completions one after another from a thread and records the longest wait between two chunks."""
+
+    url: str
+    gaps: list[float] = field(default_factory=list)
+    chunks: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+    first_chunk: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        body = {"prompt": "the cat sat on the mat", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=self.url, headers=BEARER, timeout=30) as client:
+            while not self.stop.is_set():
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    last = None
+                    for line in response.iter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        now = time.perf_counter()
+                        if last is not None:
+                            self.gaps.append(now - last)
+                        last = now
+                        self.chunks += 1
+                        self.first_chunk.set()
+
+
+def test_oversized_prompts_are_refused_at_once_with_the_front_flat_and_streams_flowing(server):
+    """8 concurrent 3.9 MB prompts ("a " * 1,950,000: 27-34 s of tokenizing each, +2.4 GB before) and a body
+    with two 1 MB stop strings: each a 400 naming its field in under a second, the front's memory flat, and a
+    stream running meanwhile never waits 0.5 s for a chunk."""
+    streams = StreamGaps(server.base_url)
+    streamer = threading.Thread(target=streams.run, daemon=True)
+    streamer.start()
+    assert streams.first_chunk.wait(30)
+    watch = Watch(server.base_url, server.process.pid)
+    watcher = threading.Thread(target=watch.run, daemon=True)
+    rss_before = rss_bytes(server.process.pid)
+    watcher.start()
+    answers: list[tuple[int, str | None, float]] = []
+
+    def send(body: dict) -> None:
+        started = time.perf_counter()
+        response = httpx.post(server.base_url + "/v1/completions", json=body, headers=BEARER, timeout=60)
+        answers.append((response.status_code, response.json()["error"].get("param"), time.perf_counter() - started))
+
+    attackers = [threading.Thread(target=send, args=({"prompt": "a " * 1_950_000, "max_tokens": 4},))
+                 for _ in range(8)]
+    attackers.append(threading.Thread(target=send, args=({"prompt": "hi", "max_tokens": 4,
+                                                         "stop": ["x" * 2**20, "y" * 2**20]},)))
+    gaps_before = len(streams.gaps)
+    for attacker in attackers:
+        attacker.start()
+    for attacker in attackers:
+        attacker.join(60)
+    time.sleep(0.5)
+    watch.stop.set()
+    streams.stop.set()
+    watcher.join(15)
+    streamer.join(60)
+    assert sorted(param for _, param, _ in answers) == ["prompt"] * 8 + ["stop"], answers
+    assert all(status == 400 and seconds < 1.0 for status, _, seconds in answers), answers
+    during = streams.gaps[gaps_before:]
+    assert during and max(during) < 0.5, f"a stream waited {max(during):.2f}s for a chunk"
+    growth = watch.peak_rss - rss_before
+    assert growth < 2 * MAX_RSS_GROWTH_BYTES, f"the front grew by {growth / 2**20:.0f} MiB"

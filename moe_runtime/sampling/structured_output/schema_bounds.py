@@ -28,6 +28,18 @@ def json_nesting_depth(text: str) -> int:
     return max(accumulate(_STEP[b] for b in brackets), default=0)
 
 
+def object_nesting_depth(value: object) -> int:
+    """The deepest nesting of dicts and lists in a parsed JSON value (0 for a scalar), by a loop (no recursion)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def check_schema_depth(text: str, field: str) -> None:
     """`InvalidRequestError` naming `field` when the schema nests deeper than `MAX_SCHEMA_DEPTH`."""
     depth = json_nesting_depth(text)
