@@ -252,3 +252,14 @@ def test_the_router_names_the_field_of_a_body_its_parser_gives_up_on(raw, field)
     with pytest.raises(APIError) as refusal:
         router_parse_body(raw)
     assert refusal.value.status == 400 and refusal.value.param == field
+
+
+def test_a_tool_schema_nested_300_deep_is_a_400_naming_the_tool_and_the_bound():
+    """Red team round 3: the chat template's recursion answered with Python's 'maximum recursion depth exceeded'."""
+    parameters = json.loads(nested_schema(300))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "tools": [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+                      {"type": "function", "function": {"name": "deep", "parameters": parameters}}]}
+    status, answer, seconds = post(body, path="/v1/chat/completions")
+    assert status == 400 and refused(answer, "tools.1.function.parameters"), answer
+    assert "at most 64" in answer["error"]["message"] and no_python_wording(answer) and seconds < 5
