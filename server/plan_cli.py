@@ -18,7 +18,7 @@ from moe_runtime.config.engine_config import DTYPES, QUANTIZATIONS
 from moe_runtime.errors import MoERuntimeError
 from moe_runtime.planner.cpu_calibration import CACHE, cached_calibration, cpu_hardware
 from moe_runtime.planner.hardware import resolve_hardware
-from moe_runtime.planner.memory import resolve_precision
+from moe_runtime.planner.memory import ModelFootprint, resolve_precision
 from moe_runtime.planner.model_shape import load_model_shape
 from moe_runtime.planner.plan import Plan, PlanRequest, make_plan
 from moe_runtime.planner.plan_report import explain, table
@@ -71,7 +71,10 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
 
 def plan_json(plan: Plan) -> dict:
     r = plan.request
+    footprint = ModelFootprint.of(r.shape, r.precision)
     return {"model": r.model, "architecture": r.shape.architecture, "gpu": r.hardware.name,
+            "weight_bytes": footprint.weight_bytes, "kv_bytes_per_token": footprint.kv_bytes_per_token,
+            "windowed_kv_bytes_per_token": footprint.windowed_kv_bytes_per_token,
             "gpus": r.total_gpus, "workload": vars(r.workload), "dtype": r.precision.dtype,
             "quantization": r.precision.quantization,
             "params_b": r.shape.total_params / 1e9, "active_params_b": r.shape.active_params / 1e9,

@@ -234,3 +234,25 @@ def test_calibrate_measures_on_request_and_only_for_cpu(tmp_path, monkeypatch, c
         cli_main(["plan", "--gpu", "h100", "--calibrate"])
     assert refused.value.code == 2 and "--gpu cpu" in capsys.readouterr().err
     assert measured == ["rates"]
+
+
+def test_the_plan_states_the_whole_models_weights_and_kv_bytes_per_token(capsys):
+    """The numbers the planning question starts from, in the header and in --json (issue: Llama-3.1-70B's
+    320 KiB per token in bf16; DeepSeek-V3's MLA latent, 61 layers x (512 + 64) x 2 bytes)."""
+    args = ["--gpu", "h100", "--prompt-len", "2048", "--output-len", "512", "--concurrency", "64", "--dtype",
+            "bfloat16"]
+    llama = _plan_json(capsys, "--model", str(LLAMA_70B), *args)
+    assert llama["kv_bytes_per_token"] == 320 * 1024 and llama["windowed_kv_bytes_per_token"] == 0
+    assert round(llama["weight_bytes"] / 1e9) == 141
+    deepseek = _plan_json(capsys, "--model", str(DEEPSEEK_V3), *args)
+    assert deepseek["kv_bytes_per_token"] == 61 * (512 + 64) * 2
+    assert round(deepseek["weight_bytes"] / 1e9) == round(load_model_shape(DEEPSEEK_V3).total_params * 2 / 1e9)
+    assert cli_main(["plan", "--model", str(LLAMA_70B), *args]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header == "Whole model: weights 141.1 GB; KV cache 320.0 KiB per token in bfloat16"
+
+
+def test_windowed_layers_are_stated_apart(tiny_configs, capsys):
+    plan = _plan_json(capsys, "--model", str(tiny_configs["gpt_oss"]), "--gpu", "h100", "--prompt-len", "256",
+                      "--output-len", "64", "--qps", "2")
+    assert plan["kv_bytes_per_token"] > 0 and plan["windowed_kv_bytes_per_token"] > 0   # gpt-oss: sliding + full

@@ -99,6 +99,26 @@ def kv_bytes_per_token(layer: LayerShape, attn_tp: int, dtype_bytes: int) -> int
     return heads * layer.kv_dim * dtype_bytes
 
 
+@dataclass(frozen=True)
+class ModelFootprint:
+    """The two numbers a plan starts from, for the whole model on one device (no parallelism): its weights and
+    the KV bytes one more token of context costs (full-attention layers; windowed layers stop growing at their
+    window, linear-attention layers keep a fixed state)."""
+
+    weight_bytes: float
+    kv_bytes_per_token: int
+    windowed_kv_bytes_per_token: int
+
+    @classmethod
+    def of(cls, shape: ModelShape, precision: Precision) -> "ModelFootprint":
+        dt = precision.compute_bytes
+        whole = rank_memory(shape, ParallelLayout(), precision, max_num_seqs=1, max_num_batched_tokens=1)
+        full = sum(kv_bytes_per_token(layer, 1, dt) for layer in shape.layers if layer.span == FULL)
+        windowed = sum(kv_bytes_per_token(layer, 1, dt) for layer in shape.layers
+                       if layer.span not in (FULL, LINEAR))
+        return cls(whole.weight_bytes, full, windowed)
+
+
 def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
     """A windowed group's pool: each running sequence's reach (ceil(W / block) + 2) plus a full step's blocks
     (the bound moe_runtime/engine/kv_groups.py sizes it by, so that no step waits for a windowed block)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from moe_runtime.planner.memory import ModelFootprint
 from moe_runtime.planner.plan import GB, Plan, PlanRow
 
 COLUMNS = ("#", "layout", "GPUs", "W GB/rank", "KV tok/inst", "KV req", "TTFT ms", "ITL ms", "tok/s/GPU", "bound",
@@ -19,7 +20,7 @@ def table(plan: Plan, top: int) -> str:
             f"{r.nodes} x {r.gpus_per_node} {r.hardware.name}; {w.prompt_len} + {w.output_len} tokens, {load}{slo}")
     running = [row for row in plan.rows if row.runs][:top]
     refused = [row for row in plan.rows if not row.runs]
-    lines = [head, ""]
+    lines = [head, footprint_line(ModelFootprint.of(r.shape, r.precision), r.precision.dtype), ""]
     cells = [COLUMNS] + [_cells(i + 1, row) for i, row in enumerate(running)]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS) - 1)]
     for c in cells:
@@ -45,6 +46,14 @@ def _cells(rank: int, row: PlanRow) -> tuple[str, ...]:
     return (f"{rank}", row.name, str(row.gpus), f"{row.weights_gb_per_rank:.1f}", f"{row.kv_tokens:,}",
             str(row.kv_requests), ms(row.ttft_ms), ms(row.itl_ms), f"{row.tok_s_per_gpu:.0f}", row.decode_bound,
             flag + row.reason)
+
+
+def footprint_line(footprint: ModelFootprint, dtype: str) -> str:
+    """The numbers the question starts from: the whole model's weights and its KV bytes per token."""
+    windowed = (f" (+ {footprint.windowed_kv_bytes_per_token / 1024:.1f} KiB in windowed layers, up to their window)"
+                if footprint.windowed_kv_bytes_per_token else "")
+    return (f"Whole model: weights {footprint.weight_bytes / GB:.1f} GB; KV cache "
+            f"{footprint.kv_bytes_per_token / 1024:.1f} KiB per token in {dtype}{windowed}")
 
 
 def explain(plan: Plan) -> str:
