@@ -63,6 +63,10 @@ WORKER_FIGURES = (
                  lambda w: w.spec_draft_tokens, is_counter=True),
     WorkerFigure("spec_decode_num_accepted_tokens", "Draft tokens a DP worker accepted (speculative decoding).",
                  lambda w: w.spec_accepted_tokens, is_counter=True),
+    WorkerFigure("captured_decode_steps", "Decode steps a DP worker ran as the captured graph (--enable-torch-compile).",
+                 lambda w: w.captured_decode_steps, is_counter=True),
+    WorkerFigure("captured_verify_steps", "Of the captured steps, those that verified drafts (speculative decoding).",
+                 lambda w: w.captured_verify_steps, is_counter=True),
     WorkerFigure("prefix_cache_hits", "Tokens found in a DP worker's prefix cache at admission (not recomputed).",
                  lambda w: w.prefix_cache_hits, is_counter=True),
 )

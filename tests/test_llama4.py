@@ -18,6 +18,7 @@ from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from tiny_checkpoints import HFOracle
 from window_watch import window_blocks_held
 from moe_runtime import LLM
+from moe_runtime.config.engine_config import EngineConfigError
 from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.layers.attention_span import CHUNKED, AttentionSpan
 from moe_runtime.layers.query_temperature import QueryTemperature
@@ -41,7 +42,7 @@ LAYOUTS = {   # name -> LLM options (besides block_size)
     "ep2_dp2": dict(ep=2, dp_attn=2),
     "ep2_attention_tp2": dict(ep=2, dp_attn=1),   # one DP worker over two ranks: the heads split in two
     "pp2": dict(pp=2),                            # layers 0-1 and 2-3: a chunked and a NoPE layer on the second
-    "captured": dict(enable_torch_compile=True, torch_compile_backend="eager"),
+    "captured": dict(enable_torch_compile=True, torch_compile_backend="eager"),   # unchunked checkpoints only
 }
 
 
@@ -108,12 +109,13 @@ def test_a_chunked_layer_holds_at_most_its_chunk_over_a_long_generation(engines)
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
 
 
-def test_captured_decode_keeps_the_tokens(engines, expected, tiny_checkpoint_factory):
-    """With chunked groups the engine decodes eagerly (a captured step takes no per-group tables yet) and keeps the
-    tokens; without chunks (every layer full) the captured step traces the NoPE layer's temperature, the layers
-    without rotary and the weightless q/k norm, and gives transformers' tokens."""
-    llm = engines("captured")
-    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
+def test_captured_decode_keeps_the_tokens(checkpoint, tiny_checkpoint_factory):
+    """With chunked groups a captured step is refused naming the option and the model (it takes no per-group
+    tables yet; it used to decode eagerly after a log line); without chunks (every layer full) the captured step
+    traces the NoPE layer's temperature, the layers without rotary and the weightless q/k norm, and gives
+    transformers' tokens."""
+    with pytest.raises(EngineConfigError, match="--enable-torch-compile with Llama4ForCausalLM: .*windowed"):
+        LLM(str(checkpoint), device="cpu", dtype="float32", block_size=BLOCK, **LAYOUTS["captured"])
     unchunked = tiny_checkpoint_factory(ARCH, attention_chunk_size=None)
     want = HFOracle(unchunked).greedy(PROMPTS, NEW_TOKENS)
     with LLM(str(unchunked), device="cpu", dtype="float32", block_size=BLOCK, **LAYOUTS["captured"]) as captured:

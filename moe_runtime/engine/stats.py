@@ -42,7 +42,7 @@ class WorkerStats:
 class RecoveryStats:
     """Lost worker ranks and the restarts that resumed their requests (the front's `RankRecovery`)."""
 
-    lost_ranks: int = 0            # rank losses seen (each restarts the job once, while restarts are left)
+    lost_ranks: int = 0            # ranks lost (a lost node counts its ranks; losses during a recovery count)
     recoveries: int = 0            # re-formations and restarts that brought the job back
     reformations: int = 0          # of which the ranks left re-formed (with replacements on one node), no restart
     returned_ranks: int = 0        # ranks lost across nodes that came back (their node restarted) and rejoined

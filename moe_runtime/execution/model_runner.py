@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from moe_runtime.config.engine_config import EngineConfigError
 from moe_runtime.sampling.logprobs import PromptLogprobs
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.execution.decode_capture import CaptureSettings, DecodeCapture
@@ -97,14 +98,11 @@ class ModelRunner:
             group = self.groups.group_of_span(spec.span)
             blocks = allocated if group == 0 else self.window_blocks[group - 1] + 1
             self.caches.append(LayerKVCache.allocate(spec, blocks, block_size, dtype, device, group))
-        if capture is not None and self.state_slots:
-            logger.warning("decode capture off, decode steps run eagerly: the model's linear-attention layers keep "
-                           "recurrent states, which a captured step does not take yet")
-            capture = None
-        if capture is not None and self.groups.hybrid:
-            logger.warning("decode capture off, decode steps run eagerly: the model keeps windowed KV cache groups, "
-                           "whose per-group block tables a captured step does not take yet")
-            capture = None
+        if capture is not None and (self.state_slots or self.groups.hybrid):   # make_engine refuses these first
+            raise EngineConfigError("--enable-torch-compile with this model: its " + (
+                "linear-attention layers keep recurrent states" if self.state_slots else
+                "windowed KV cache groups beside the full one keep block tables") + ", which a captured step does "
+                "not take yet (front/model_options.py)")
         self.capture = None if capture is None else DecodeCapture(model, self.caches, block_size, num_blocks,
                                                                    device, capture)
         self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)

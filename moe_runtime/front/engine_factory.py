@@ -10,16 +10,19 @@ from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.engine.core import EngineCore, load_tokenizer
 from moe_runtime.front.front import Front
 from moe_runtime.front.inprocess_client import InProcessClient
+from moe_runtime.front.model_options import check_options_for_model
 from moe_runtime.front.rank_client import RankClient
 from moe_runtime.front.rank_recovery import RankRecovery
 
 
 def make_engine(config: EngineConfig, startup_timeout_s: float = 600.0) -> Front:
     """Options are checked here, so `LLM(...)` refuses an unknown quantization as `moe-serve` does; the
-    layout is checked against the checkpoint before any rank starts."""
+    layout, and the options the model cannot run (`model_options.py`), are checked against the checkpoint
+    before any rank starts."""
     config.validate_options()
+    hf_config = load_hf_config(config.model)
+    check_options_for_model(config, hf_config)
     if config.world_size > 1 or config.nnodes > 1 or not config.launch_workers:
-        hf_config = load_hf_config(config.model)
         layout = config.layout()
         layout.validate(hf_config)
         transfer_key = (TransferKey.shared(config.kv_transfer_key_file)
