@@ -82,3 +82,11 @@ def test_readme_and_worker_help_start_a_torchrun_job_the_same_way():
 def test_tests_section_says_how_long_and_how_to_skip_the_slow_tests():
     tests = readme_section("Tests")
     assert "python -m pytest -q" in tests and '-m "not slow"' in tests and "minutes" in tests
+
+
+def test_readme_stays_short_and_its_reference_pages_exist():
+    """At most 300 lines: the quick start, what it serves and where to read on; reference material in docs/."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    for page in re.findall(r"\]\((docs/[\w./-]+\.md)\)", readme):
+        assert (REPO_ROOT / page).is_file(), page
