@@ -162,9 +162,14 @@ class TextContentPart(RequestModel):
     text: str
 
 
+IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})   # OpenAI's, the Responses API's, Anthropic's
+
+
 class ChatMessage(RequestModel):
     """One message of the conversation; replayed history may carry an assistant's `tool_calls` and the
-    `tool_call_id` a tool message answers, which go on to the chat template (`template_message`)."""
+    `tool_call_id` a tool message answers, which go on to the chat template (`template_message`). Content
+    parts are text: an image part is refused by name (the served models are text models, a multimodal
+    release's vision tower is not loaded: `moe_runtime.config.multimodal_wrappers`)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
@@ -173,6 +178,16 @@ class ChatMessage(RequestModel):
     tool_calls: list[dict] | None = None
     reasoning_content: str | None = None      # an assistant turn's reasoning, as this server returned it
     reasoning: str | None = None              # ... under vLLM's newer name
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def no_images(cls, content):
+        if isinstance(content, list):
+            for index, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                    raise ValueError(f"part {index} is an image ({part['type']}): images are not served here, "
+                                     "only text (the served model's vision tower, if it has one, is not loaded)")
+        return content
 
     def text(self) -> str:
         if self.content is None:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moe_runtime.config.multimodal_wrappers import text_model_config
 from moe_runtime.errors import CheckpointError, UnsupportedArchitectureError
 
 
 def load_hf_config(checkpoint_dir: str | Path):
-    """The checkpoint's `PretrainedConfig`, with transformers' defaults filled in."""
+    """The checkpoint's `PretrainedConfig`, with transformers' defaults filled in; a multimodal release's is its
+    text model's (`multimodal_wrappers.py`)."""
     from transformers import AutoConfig
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -17,7 +19,7 @@ def load_hf_config(checkpoint_dir: str | Path):
     if not config_path.exists():
         raise CheckpointError(f"{config_path} is missing: a checkpoint directory needs config.json")
     try:
-        return AutoConfig.from_pretrained(str(checkpoint_dir), local_files_only=True)
+        return text_model_config(AutoConfig.from_pretrained(str(checkpoint_dir), local_files_only=True))
     except ValueError as exc:
         raise UnsupportedArchitectureError(f"{config_path}: {exc}") from exc
     except OSError as exc:

@@ -108,7 +108,7 @@ class EngineCore:
         checkpoint_fp8 = Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir))
         quant = weights_in_memory(config.quantization, checkpoint_fp8, self.kernels)
         ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant, config)
-        reader = CheckpointReader.open(self.checkpoint_dir, checkpoint_fp8)
+        reader = CheckpointReader.open(self.checkpoint_dir, checkpoint_fp8, self.hf_config)
         self.model = build_model(self.architecture, self.hf_config, ctx)
         self.executor.finish_registration()  # every MoE layer registered itself while the model was built
         load_model_weights(self.model, reader, SkippedTensors.for_config(self.hf_config),

@@ -63,6 +63,9 @@ class AttentionBatch:
     # DeepSeek Sparse Attention (moe_runtime/layers/sparse_mla.py): the cache slots of the tokens an indexer layer
     # chose for each row this step, selecting layer -> [T, K] (-1: none), for the layers above that reuse them
     token_selections: dict = field(default_factory=dict, repr=False)
+    # ... and each sequence's prompt length, [B]: a prompt token's top-k is taken over a row as wide as the prompt,
+    # in whatever chunk it runs (`index_row_widths`); None: over the step's context (a drafter's own steps)
+    prompt_lens: list[int] | None = None
     _splits: dict = field(default_factory=dict, repr=False)   # AttentionSpan -> SingleQuerySplit (per step)
     _prefills: dict = field(default_factory=dict, repr=False)  # seqs -> (rows, PagedPrefillBatch) (per step)
 
@@ -178,6 +181,18 @@ class AttentionBatch:
         """The step sequence entry `seq` belongs to (itself, unless context parallelism cut it into pieces,
         which then share their cache context up to each piece's end)."""
         return seq if self.source_seqs is None else self.source_seqs[seq]
+
+    def index_row_widths(self, seq: int) -> list[int] | None:
+        """How many tokens wide each new token's top-k row of sequence `seq` is (DeepSeek Sparse Attention), as a
+        one-step prefill and then decode steps (and transformers) score them: a prompt token's the whole prompt
+        (the keys after it masked), a later token's its context up to itself. Tied index scores are common and
+        torch.topk breaks ties by the whole row, so a prefill chunk's queries must see the prompt's width, not
+        the chunk's context, to keep the same tokens (moe_runtime/layers/lightning_indexer.py). None: no prompt
+        lengths known, each row as wide as the step's context."""
+        if self.prompt_lens is None:
+            return None
+        context, prompt = self.context_lens[seq], self.prompt_lens[seq]
+        return [max(prompt, position + 1) for position in range(context - self.query_lens[seq], context)]
 
     def context_slots(self, seq: int) -> torch.Tensor:
         """[context_lens[seq]] int64 flat cache slots of one sequence's whole context."""

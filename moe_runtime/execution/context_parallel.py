@@ -171,4 +171,5 @@ class ContextParallel:
             block_tables=batch.block_tables.index_select(0, seqs) if pieces else batch.block_tables[:0],
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=device),
             block_size=batch.block_size, source_seqs=[piece.seq for piece in pieces],
+            prompt_lens=None if batch.prompt_lens is None else [batch.prompt_lens[piece.seq] for piece in pieces],
         )

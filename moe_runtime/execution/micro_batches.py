@@ -55,6 +55,7 @@ def sequence_run(batch: AttentionBatch, first: int, stop: int) -> AttentionBatch
         block_size=batch.block_size,
         group_views=None if batch.group_views is None else [sequence_run(v, first, stop) for v in batch.group_views],
         state_slots=None if batch.state_slots is None else batch.state_slots[first:stop],
+        prompt_lens=None if batch.prompt_lens is None else batch.prompt_lens[first:stop],
     )
 
 

@@ -136,6 +136,7 @@ class ModelRunner:
         batch = AttentionBatch.over_ranges([seq.block_table for seq in seqs], [seq.num_cached_tokens for seq in seqs],
                                            [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs],
                                            self.block_size, dev)
+        batch.prompt_lens = [len(seq.prompt_token_ids) for seq in seqs]
         query_start = batch.query_start
         if self.state_slots:
             self._start_states(seqs, batch)

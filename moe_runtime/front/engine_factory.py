@@ -2,10 +2,12 @@
 both use it): one rank in this process, or worker ranks in other processes, behind the same `Front`."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.model_config import load_hf_config
+from moe_runtime.config.multimodal_wrappers import wrapper_of
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.engine.core import EngineCore, load_tokenizer
 from moe_runtime.front.front import Front
@@ -13,6 +15,8 @@ from moe_runtime.front.inprocess_client import InProcessClient
 from moe_runtime.front.model_options import check_options_for_model
 from moe_runtime.front.rank_client import RankClient
 from moe_runtime.front.rank_recovery import RankRecovery
+
+logger = logging.getLogger(__name__)
 
 
 def make_engine(config: EngineConfig, startup_timeout_s: float = 600.0) -> Front:
@@ -22,6 +26,10 @@ def make_engine(config: EngineConfig, startup_timeout_s: float = 600.0) -> Front
     config.validate_options()
     hf_config = load_hf_config(config.model)
     check_options_for_model(config, hf_config)
+    wrapper = wrapper_of(hf_config)
+    if wrapper is not None:
+        logger.warning("%s: serving its text model (%s); images are not served, its vision tower is not loaded",
+                       wrapper.name, wrapper.text_architecture)
     if config.world_size > 1 or config.nnodes > 1 or not config.launch_workers:
         layout = config.layout()
         layout.validate(hf_config)

@@ -156,7 +156,8 @@ class CompressedAttention(nn.Module):
             if self.indexer is not None:
                 index_keys = self._compressed(cache, cache.index_keys, cache.index_carry, self.indexer.compressor,
                                               step.index_series[rows], table, slot, first)
-                ready = self.indexer.choose(step.index_queries.rows(start, start + count), index_keys, positions)
+                ready = self.indexer.choose(step.index_queries.rows(start, start + count), index_keys, positions,
+                                            batch.index_row_widths(seq))
             keys = torch.cat([keys, entries])
             visible = torch.cat([visible, ready], dim=1)
         return self._attend(step.queries[rows], keys, visible)

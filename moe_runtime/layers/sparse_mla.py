@@ -13,7 +13,8 @@ The index keys live in the layer's cache beside the latents, one per token, in t
 latents, the cache budget counts their bytes, and a P/D transfer moves them with the blocks.
 
 The choice runs per sequence (in bounded slabs of query rows; the scores through the backend's `index_scores`,
-the top-k in torch), or, in a captured decode step (no host lists), for every row at once over the span its block
+the top-k in torch, over rows as wide as a one-step prefill's: a chunk's prompt tokens choose among tied keys as
+the whole prompt's prefill does, lightning_indexer.top_k_over_widths), or, in a captured decode step (no host lists), for every row at once over the span its block
 table covers; the attention over the chosen tokens is one
 call of the attention backend's sparse kernel for the whole step (kernels/sparse_latent_attention.py, or its Triton
 twin).
@@ -92,24 +93,30 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             if count == 0:
                 continue
             slots = batch.context_slots(seq)                                            # [S]
-            chosen = self._choose(queries.rows(start, start + count), index_keys.index_select(0, slots), context)
+            chosen = self._choose(queries.rows(start, start + count), index_keys.index_select(0, slots), context,
+                                  batch.index_row_widths(seq))
             chosen_slots.append(torch.where(chosen.valid, slots[chosen.positions], -1))   # [n, k]
         width = max((c.shape[1] for c in chosen_slots), default=1)
         if not chosen_slots:
             return queries.queries.new_zeros(0, width, dtype=torch.long)
         return torch.cat([F.pad(c, (0, width - c.shape[1]), value=-1) for c in chosen_slots])
 
-    def _choose(self, queries: IndexQueries, index_keys: torch.Tensor, context: int) -> TokenSelection:
+    def _choose(self, queries: IndexQueries, index_keys: torch.Tensor, context: int,
+                widths: list[int] | None) -> TokenSelection:
         """The indexer's choice for one sequence's new queries (the last `n` positions of its context, whose
-        index keys [S, D] are given), slab by slab of query rows."""
+        index keys [S, D] are given), slab by slab of query rows; `widths`: each row's top-k width
+        (`AttentionBatch.index_row_widths`)."""
         count = queries.queries.shape[0]
         positions = torch.arange(context - count, context, device=index_keys.device)    # [n]
-        step = slab_rows(self.indexer.shape.num_heads * context)                      # index scores
-        parts = [self.indexer.select(queries.rows(first, first + step), index_keys, positions[first:first + step])
+        step = slab_rows(self.indexer.shape.num_heads * max(context, *(widths or ())))   # index scores
+        parts = [self.indexer.select(queries.rows(first, first + step), index_keys, positions[first:first + step],
+                                     None if widths is None else widths[first:first + step])
                  for first in range(0, count, step)]
         if len(parts) == 1:
             return parts[0]
-        return TokenSelection(torch.cat([p.positions for p in parts]), torch.cat([p.valid for p in parts]))
+        width = max(p.positions.shape[1] for p in parts)
+        return TokenSelection(torch.cat([F.pad(p.positions, (0, width - p.positions.shape[1])) for p in parts]),
+                              torch.cat([F.pad(p.valid, (0, width - p.valid.shape[1])) for p in parts]))
 
     def _choose_for_decode_rows(self, queries: IndexQueries, batch: AttentionBatch,
                                 cache: LayerKVCache) -> torch.Tensor:   # -> [B, K] slots

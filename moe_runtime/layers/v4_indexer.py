@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from moe_runtime.layers.kv_compressor import KVCompressor
+from moe_runtime.layers.lightning_indexer import top_k_over_widths
 from moe_runtime.layers.linear import Linear
 from moe_runtime.layers.v4_rotary import V4Rotary
 
@@ -57,15 +58,19 @@ class V4Indexer(nn.Module):
         weights = self.weights_proj(x).float() * s.num_heads ** -0.5                          # [T, heads]
         return IndexQueries(self.rotary.rotate(q, positions), weights)
 
-    def choose(self, queries: IndexQueries, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[n, count] bool: the entries each query (at `positions` [n]) attends to, of keys [count, D]."""
+    def choose(self, queries: IndexQueries, keys: torch.Tensor, positions: torch.Tensor,
+               widths: list[int] | None = None) -> torch.Tensor:
+        """[n, count] bool: the entries each query (at `positions` [n]) attends to, of keys [count, D]; `widths`:
+        how many tokens wide each query's top-k row is (`AttentionBatch.index_row_widths`: a prompt token's the
+        whole prompt's entries, whatever chunk it runs in; None: `count` entries), see top_k_over_widths."""
         s = self.shape
         count = keys.shape[0]
-        chosen = torch.zeros(positions.shape[0], count, dtype=torch.bool, device=keys.device)
+        chosen = torch.zeros(positions.shape[0], count + 1, dtype=torch.bool, device=keys.device)
         if count == 0:
-            return chosen
+            return chosen[:, :count]
         scores = torch.relu(torch.einsum("nhd,ed->nhe", queries.queries.float(), keys.float())) * s.head_dim ** -0.5
         scores = (scores * queries.weights[:, :, None]).sum(dim=1)                             # [n, count]
         ready = torch.arange(count, device=keys.device)[None, :] < ((positions + 1) // s.rate)[:, None]
-        picks = scores.masked_fill(~ready, float("-inf")).topk(min(s.top_k, count), dim=-1).indices
-        return chosen.scatter_(1, picks, True) & ready
+        picks = top_k_over_widths(scores.masked_fill(~ready, float("-inf")), s.top_k,
+                                  None if widths is None else [width // s.rate for width in widths])
+        return chosen.scatter_(1, picks.masked_fill(picks < 0, count), True)[:, :count] & ready   # -1: none

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+from moe_runtime.config.multimodal_wrappers import WRAPPERS
 from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.planner.config_checks import ConfigError, check_config, read_config, text_config_of
 
@@ -29,7 +30,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "DeepseekV4ForCausalLM")
 QWEN_SPARSE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
 PLANNED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
-ALIASES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}   # the text model of a multimodal checkpoint
+ALIASES = {name: wrapper.text_architecture for name, wrapper in WRAPPERS.items()}   # a multimodal release's text model
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ def mirror_engine_start(core, parallel: ParallelContext) -> None:
     """The collectives a replacement's EngineCore runs while it starts, joined by a rank that has long started, in
     the same order: the checkpoint's consumed-tensor check (this rank read its share long ago: all ones) and the
     KV block count's minimum."""
-    names = CheckpointReader.open(core.checkpoint_dir).names()
+    names = CheckpointReader.open(core.checkpoint_dir, hf_config=core.hf_config).names()
     consumed = torch.ones(len(names), dtype=torch.uint8)
     dist.all_reduce(consumed, op=dist.ReduceOp.MAX, group=parallel.world_control_group)
     blocks = agree_on_minimum(core.block_manager.num_blocks, parallel.world_control_group)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moe_runtime.config.multimodal_wrappers import wrapper_of
 from moe_runtime.errors import CheckpointError
 from moe_runtime.weights.quantization.fp8_block import SCALE_SUFFIX, Fp8BlockFormat
 from moe_runtime.weights.quantization.fp8_in_memory import Fp8Rows, expand_block_scales, quantize_rows
@@ -45,9 +46,14 @@ class CheckpointReader:
     stored_names: dict[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def open(cls, directory: str | Path, fp8: Fp8BlockFormat | None = None) -> "CheckpointReader":
+    def open(cls, directory: str | Path, fp8: Fp8BlockFormat | None = None, hf_config=None) -> "CheckpointReader":
+        """`hf_config`: the served model's, when its checkpoint names tensors otherwise (a multimodal release's
+        text model under its wrapper's prefix: read under the text model's names)."""
         reader = cls._open(Path(directory))
         reader.fp8 = fp8
+        wrapper = wrapper_of(hf_config) if hf_config is not None else None
+        if wrapper is not None:
+            reader.renamed(wrapper.rename)
         return reader
 
     @classmethod

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_runtime.config.multimodal_wrappers import wrapper_of
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.errors import CheckpointError
 
@@ -61,6 +62,10 @@ class SkippedTensors:
         if getattr(hf_config, "model_type", None) == "deepseek_v4":   # DeepSeek's published MTP layer
             rules.append(SkippedTensor(r"^mtp\.", "DeepSeek-V4's multi-token-prediction layer: read by the MTP "
                                        "drafter when speculative_config's method is \"mtp\", else not used"))
+        wrapper = wrapper_of(hf_config)
+        if wrapper is not None:   # a multimodal release served as its text model
+            rules.append(SkippedTensor("^(" + "|".join(re.escape(p) for p in wrapper.vision_prefixes) + ")",
+                                       f"{wrapper.name}'s vision tower and projector: images are not served"))
         if getattr(hf_config, "layer_types", None) and "linear_attention" in hf_config.layer_types:
             rules.append(SkippedTensor(r"^mtp\.", "Qwen3-Next's multi-token-prediction module: read by the MTP "
                                        "drafter when speculative_config's method is \"mtp\", else not used"))
