@@ -1,10 +1,38 @@
-"""Read an HF checkpoint's config.json into transformers' config object (local files only)."""
+"""Read an HF checkpoint's config.json into transformers' config object (local files only, no remote code).
+
+Some releases name a model type only their remote code defines while their weights are a backbone transformers
+knows: Kimi K2 (`model_type: kimi_k2`, `auto_map` to its own files) is DeepSeek-V3. `REMOTE_CODE_BACKBONES`
+reads those as the backbone's config, without running the remote code.
+"""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from moe_runtime.config.multimodal_wrappers import text_model_config
 from moe_runtime.errors import CheckpointError, UnsupportedArchitectureError
+
+
+REMOTE_CODE_BACKBONES = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}   # model_type -> (backbone, class)
+
+
+def backbone_config(config_path: Path):
+    """A remote-code model type's config as its backbone's (None: not one of `REMOTE_CODE_BACKBONES`)."""
+    try:
+        data = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    backbone = REMOTE_CODE_BACKBONES.get(data.get("model_type")) if isinstance(data, dict) else None
+    if backbone is None:
+        return None
+    from transformers import CONFIG_MAPPING
+
+    model_type, architecture = backbone
+    data = {k: v for k, v in data.items() if k not in ("model_type", "auto_map")}
+    config = CONFIG_MAPPING[model_type].from_dict(data)
+    if not config.architectures or config.architectures[0] != architecture:
+        config.architectures = [architecture]
+    return config
 
 
 def load_hf_config(checkpoint_dir: str | Path):
@@ -18,6 +46,9 @@ def load_hf_config(checkpoint_dir: str | Path):
         raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist")
     if not config_path.exists():
         raise CheckpointError(f"{config_path} is missing: a checkpoint directory needs config.json")
+    backbone = backbone_config(config_path)
+    if backbone is not None:
+        return backbone
     try:
         return text_model_config(AutoConfig.from_pretrained(str(checkpoint_dir), local_files_only=True))
     except ValueError as exc:

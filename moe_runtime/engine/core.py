@@ -21,6 +21,7 @@ from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.kv_groups import KVCacheLayout
 from moe_runtime.engine.state_slots import state_layers
 from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.weights.tokenizer_files import eos_token_ids, load_tokenizer
 from moe_runtime.execution.decode_capture import CaptureSettings, CaptureStats
 from moe_runtime.execution.host_reads import DecodeHostReads
 from moe_runtime.disaggregation.decode_imports import DecodeImports
@@ -59,34 +60,6 @@ from moe_runtime.sampling.structured_output.grammar_waits import GrammarWaits, R
 from moe_runtime.weights.loading import SkippedTensors, load_model_weights
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(checkpoint_dir: Path):
-    """The checkpoint's tokenizer (local files only), or None when it ships none."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(checkpoint_dir), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        logger.warning("no tokenizer in %s (%s): only token-id prompts will work", checkpoint_dir, exc)
-        return None
-
-
-def eos_token_ids(checkpoint_dir: Path, hf_config, tokenizer) -> set[int]:
-    from transformers import GenerationConfig
-
-    ids: set[int] = set()
-    try:
-        found = GenerationConfig.from_pretrained(str(checkpoint_dir), local_files_only=True).eos_token_id
-    except OSError:
-        found = getattr(hf_config, "eos_token_id", None)
-    if found is None and tokenizer is not None:
-        found = tokenizer.eos_token_id
-    if isinstance(found, int):
-        ids.add(found)
-    elif found:
-        ids.update(int(i) for i in found)
-    return ids
 
 
 class EngineCore:

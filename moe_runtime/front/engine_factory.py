@@ -9,12 +9,13 @@ from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.model_config import load_hf_config
 from moe_runtime.config.multimodal_wrappers import wrapper_of
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
-from moe_runtime.engine.core import EngineCore, load_tokenizer
+from moe_runtime.engine.core import EngineCore
 from moe_runtime.front.front import Front
 from moe_runtime.front.inprocess_client import InProcessClient
 from moe_runtime.front.model_options import check_options_for_model
 from moe_runtime.front.rank_client import RankClient
 from moe_runtime.front.rank_recovery import RankRecovery
+from moe_runtime.weights.tokenizer_files import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -108,7 +108,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         (`AttentionBatch.index_row_widths`)."""
         count = queries.queries.shape[0]
         positions = torch.arange(context - count, context, device=index_keys.device)    # [n]
-        step = slab_rows(self.indexer.shape.num_heads * max(context, *(widths or ())))   # index scores
+        step = slab_rows(self.indexer.shape.num_heads * max([context, *(widths or ())]))   # index scores
         parts = [self.indexer.select(queries.rows(first, first + step), index_keys, positions[first:first + step],
                                      None if widths is None else widths[first:first + step])
                  for first in range(0, count, step)]
