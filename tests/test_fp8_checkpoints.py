@@ -199,3 +199,13 @@ def test_an_unknown_quantization_is_refused_by_its_flag():
         LLM("unused", device="cpu", quantization="int4")
     with pytest.raises(ValueError, match="--dispatch-fp8 needs --ep > 1"):
         LLM("unused", device="cpu", dispatch_fp8=True)
+
+
+def test_minimax_m2s_fmt_spelling_loads(fp8_checkpoints, tmp_path):
+    """MiniMax-M2 / M2.5 publish `"fmt": "float8_e4m3fn"` (the torch dtype's name) for DeepSeek's `e4m3`."""
+    fp8, _, expected = fp8_checkpoints("qwen3_moe", (128, 128))
+    path = shutil.copytree(fp8, tmp_path / "minimax-fmt")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["fmt"] = "float8_e4m3fn"
+    (path / "config.json").write_text(json.dumps(config))
+    assert _generate(path) == expected

@@ -21,6 +21,7 @@ from moe_runtime.weights.quantization.mxfp4_format import QUANT_METHOD as MXFP4_
 
 SCALE_SUFFIX = "_scale_inv"        # `x.weight` is scaled by `x.weight_scale_inv`
 FP8_MAX = 448.0                    # the largest finite float8_e4m3fn
+E4M3_NAMES = frozenset({"e4m3", "float8_e4m3fn"})   # DeepSeek's name, and MiniMax-M2's (the torch dtype's)
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,9 @@ class Fp8BlockFormat:
             raise CheckpointError(f"{where}: quantization_config.quant_method={method!r} is not supported (only "
                                   f"'fp8' block-quantized and 'mxfp4' checkpoints load; dequantize the checkpoint "
                                   f"first)")
-        if quant.get("fmt", "e4m3") != "e4m3":
-            raise CheckpointError(f"{where}: quantization_config.fmt={quant.get('fmt')!r} is not supported (only e4m3)")
+        if quant.get("fmt", "e4m3") not in E4M3_NAMES:
+            raise CheckpointError(f"{where}: quantization_config.fmt={quant.get('fmt')!r} is not supported (only "
+                                  f"e4m3: {', '.join(sorted(E4M3_NAMES))})")
         if quant.get("activation_scheme", "dynamic") != "dynamic":
             raise CheckpointError(f"{where}: quantization_config.activation_scheme={quant.get('activation_scheme')!r} "
                                   f"is not supported (only 'dynamic': static activation scales are not read)")
