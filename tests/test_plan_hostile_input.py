@@ -57,10 +57,10 @@ HOSTILE_BYTES = {
 }
 
 
-def run_plan(config_path: Path) -> tuple[subprocess.CompletedProcess, float, int]:
+def run_plan(config_path: Path, scratch: Path) -> tuple[subprocess.CompletedProcess, float, int]:
     """The CLI in a child process: its result, wall time and the child's own peak resident bytes (VmHWM: the
     high-water mark of its own memory since exec; ru_maxrss would carry the forking parent's)."""
-    peak_file = config_path.parent / f".{config_path.name}.peak"
+    peak_file = scratch / f"{config_path.parent.name}-{config_path.name}.peak"
     code = ("import atexit, pathlib, resource, sys\nfrom moe_runtime.server.cli import main\n"
             f"resource.setrlimit(resource.RLIMIT_AS, ({4 * MEMORY_BOUND_BYTES}, {4 * MEMORY_BOUND_BYTES}))\n"
             f"atexit.register(lambda: pathlib.Path({str(peak_file)!r}).write_text(str(1024 * int(next("
@@ -89,7 +89,7 @@ def test_hostile_config_values_end_in_one_line(case, tmp_path):
     config, field = HOSTILE_JSON[case]
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))   # NaN and Infinity are written as JSON's non-standard literals
-    assert_one_line_refusal(*run_plan(path), field)
+    assert_one_line_refusal(*run_plan(path, tmp_path), field)
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE_BYTES))
@@ -97,7 +97,7 @@ def test_hostile_config_bytes_end_in_one_line(case, tmp_path):
     raw, field = HOSTILE_BYTES[case]
     path = tmp_path / "config.json"
     path.write_bytes(raw)
-    assert_one_line_refusal(*run_plan(path), field)
+    assert_one_line_refusal(*run_plan(path, tmp_path), field)
 
 
 def test_a_config_that_is_no_regular_file_is_refused_before_reading(tmp_path):
@@ -108,19 +108,19 @@ def test_a_config_that_is_no_regular_file_is_refused_before_reading(tmp_path):
     fifo.parent.mkdir()
     os.mkfifo(fifo)                                # hung forever when opened
     for path in (zero, fifo, zero.parent, tmp_path / "missing.json"):
-        result, elapsed, peak = run_plan(path)
+        result, elapsed, peak = run_plan(path, tmp_path)
         assert_one_line_refusal(result, elapsed, peak, str(path))
 
 
 def test_an_oversized_config_file_is_refused_by_its_size(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**LLAMA, "padding": "x" * MAX_CONFIG_BYTES}))
-    result, elapsed, peak = run_plan(path)
+    result, elapsed, peak = run_plan(path, tmp_path)
     assert_one_line_refusal(result, elapsed, peak, str(path))
     assert "bytes" in result.stderr
 
 
-def test_the_real_configs_still_plan():
+def test_the_real_configs_still_plan(tmp_path):
     for name in ("deepseek-v3.json", "llama-3.1-70b.json"):
-        result, _, _ = run_plan(CONFIGS / name)
+        result, _, _ = run_plan(CONFIGS / name, tmp_path)
         assert result.returncode == 0 and ("Winner" in result.stdout or "No layout" in result.stdout), result.stderr
