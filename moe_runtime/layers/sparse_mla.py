@@ -14,8 +14,8 @@ latents, the cache budget counts their bytes, and a P/D transfer moves them with
 
 The choice runs per sequence (in bounded slabs of query rows; the scores through the backend's `index_scores`,
 the top-k in torch, over rows as wide as a one-step prefill's: a chunk's prompt tokens choose among tied keys as
-the whole prompt's prefill does, lightning_indexer.top_k_over_widths), or, in a captured decode step (no host lists), for every row at once over the span its block
-table covers; the attention over the chosen tokens is one
+the whole prompt's prefill does, lightning_indexer.top_k_over_widths), or, in a captured decode step (no host
+lists), for every row at once over the span its block table covers; the attention over the chosen tokens is one
 call of the attention backend's sparse kernel for the whole step (kernels/sparse_latent_attention.py, or its Triton
 twin).
 """
