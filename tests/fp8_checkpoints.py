@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moe_runtime.weights.mtp_checkpoint_writer import mtp_layer_tensors
+from moe_runtime.weights.mtp_checkpoint_writer import mtp_block_layer, mtp_layer_tensors
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.fp8_checkpoint_writer import (
     copy_side_files, fp8_config, quantize_tensors, read_all_tensors, write_two_shards,
@@ -27,7 +27,8 @@ def write_fp8_checkpoint(source: Path, fp8_dir: Path, oracle_dir: Path, block: t
     config = json.loads((source / "config.json").read_text())
     tensors = read_all_tensors(source)
     if with_mtp:
-        tensors.update(mtp_layer_tensors(tensors, config["num_hidden_layers"], config["hidden_size"]))
+        tensors.update(mtp_layer_tensors(tensors, config["num_hidden_layers"], config["hidden_size"],
+                                         block_layer=mtp_block_layer(config)))
     written = quantize_tensors(tensors, fmt)
     copy_side_files(source, fp8_dir)
     write_two_shards(written.quantized, fp8_dir)

@@ -1,10 +1,13 @@
 """The MTP drafts transformers' modules give, for checkpoints with a multi-token-prediction layer
-(moe_runtime/weights/mtp_checkpoint_writer.py appends one to a tiny DeepSeek-V3 or GLM-4.5 checkpoint).
+(moe_runtime/weights/mtp_checkpoint_writer.py appends one to a tiny DeepSeek-V3, GLM-4.5, DeepSeek-V3.2 or GLM-5
+checkpoint).
 
 `MtpReference` computes what the MTP layer drafts with transformers' own decoder layer and norms, from the
 module's definition (vLLM's and SGLang's): x_p = eh_proj(cat(enorm(embed(t[p + 1])), hnorm(h_p))) with the
 embedding zeroed at position 0, y = block(x) (causal over the sequence), draft = argmax head(norm(y_last)); the
-next draft chains on y_last and the draft just made.
+next draft chains on y_last and the draft just made. A sparse-attention block (DeepSeek-V3.2, GLM-5) is loaded as
+one more layer with an indexer of its own ("full" in GLM-5's `indexer_types`) and an MoE MLP, and is given the
+causal mask its indexer reads.
 """
 from __future__ import annotations
 
@@ -24,9 +27,15 @@ class MtpReference:
         cfg = self.model.config
         index = cfg.num_hidden_layers
         # the block loaded by transformers itself (its expert layout conversions): as one more decoder layer
+        per_layer = {name: [*getattr(cfg, name), kind] for name, kind in
+                     (("mlp_layer_types", "sparse"), ("indexer_types", "full"), ("layer_types", None))
+                     if getattr(cfg, name, None)}
+        if "layer_types" in per_layer:
+            per_layer["layer_types"][-1] = per_layer["layer_types"][-2]
         extended = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa",
-                                                        num_hidden_layers=index + 1).eval()
-        self.block = extended.model.layers[index]                      # sdpa: causal without a mask
+                                                        num_hidden_layers=index + 1, **per_layer).eval()
+        self.block = extended.model.layers[index]                      # sdpa: causal without a mask ...
+        self.masked = getattr(self.block.self_attn, "indexer", None) is not None   # ... but an indexer needs one
         tensors = {n[len(f"model.layers.{index}."):]: t for n, t in read_all_tensors(path).items()
                    if n.startswith(f"model.layers.{index}.")}
         self.norms = {}
@@ -53,8 +62,9 @@ class MtpReference:
             x = torch.cat([self.norms["enorm"](embeds), self.norms["hnorm"](torch.stack(previous))], dim=-1)
             x = (x @ self.eh_proj.T)[None]                                                      # [1, m, H]
             positions = torch.arange(x.shape[1])[None]
+            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()[None, None] if self.masked else None
             y = self.block(x, position_embeddings=self.model.model.rotary_emb(x, positions),
-                           position_ids=positions, attention_mask=None)
+                           position_ids=positions, attention_mask=mask)
             y = (y[0] if isinstance(y, tuple) else y)[0]                                        # [m, H]
             draft = int((self.norms["shared_head.norm"](y[-1]) @ self.head.T).argmax())
             drafts.append(draft)

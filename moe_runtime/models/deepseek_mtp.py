@@ -1,5 +1,7 @@
 """DeepSeek-V3's multi-token-prediction (MTP) module, as its checkpoints store it after the last decoder layer
-(GLM-4.5's is the same module around a GLM-4.5 decoder block: `MTP_BLOCKS`).
+(GLM-4.5's is the same module around a GLM-4.5 decoder block; DeepSeek-V3.2's and GLM-5's around a sparse-attention
+block whose lightning indexer is its own, even where GLM-5's last layers share one, as vLLM and SGLang run it:
+`MTP_BLOCKS`).
 
 Layer N = num_hidden_layers (+ i for the i-th of `num_nextn_predict_layers`) holds, under `model.layers.N.`:
 `enorm` and `hnorm` (RMSNorms), `eh_proj` (2H -> H), a whole decoder block (`self_attn`, `mlp`, its two norms)
@@ -28,7 +30,9 @@ from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Embedding, Linear
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.models.decoder import BuildContext, CausalLM, DecoderLayer
-from moe_runtime.models.deepseek import DeepseekLayout, LayerParts, deepseek_layer_parts
+from moe_runtime.models.deepseek import (DeepseekLayout, LayerParts, deepseek_layer_parts, deepseek_mlp,
+                                         deepseek_v3_routing)
+from moe_runtime.models.deepseek_v32 import sparse_attention
 from moe_runtime.models.glm4_moe import glm4_moe_layer_parts
 
 
@@ -106,8 +110,21 @@ def deepseek_v3_mtp_block(cfg, ctx: BuildContext, index: int) -> LayerParts:
     return deepseek_layer_parts(cfg, ctx, DeepseekLayout.v3(cfg), index)
 
 
+def sparse_mtp_block(*, interleaved_indexer_rope: bool):
+    """DeepSeek-V3.2's (indexer rotated in halves) or GLM-5's (in interleaved pairs) block, as
+    models/deepseek_v32.py builds a layer with an indexer: MLA over the tokens the block's own lightning indexer
+    chooses (its index keys beside its latents in the layer's cache), routed and shared experts."""
+    def build(cfg, ctx: BuildContext, index: int) -> LayerParts:
+        attention = sparse_attention(cfg, ctx, index, interleaved_indexer_rope, own=True)
+        return LayerParts(attention, deepseek_mlp(cfg, ctx, deepseek_v3_routing(cfg), True, index))
+
+    return build
+
+
 # the architectures whose checkpoints carry this module, and how each builds its block (layer `index`)
-MTP_BLOCKS = {"DeepseekV3ForCausalLM": deepseek_v3_mtp_block, "Glm4MoeForCausalLM": glm4_moe_layer_parts}
+MTP_BLOCKS = {"DeepseekV3ForCausalLM": deepseek_v3_mtp_block, "Glm4MoeForCausalLM": glm4_moe_layer_parts,
+              "DeepseekV32ForCausalLM": sparse_mtp_block(interleaved_indexer_rope=False),
+              "GlmMoeDsaForCausalLM": sparse_mtp_block(interleaved_indexer_rope=True)}
 
 
 class MtpCheckpointView(nn.Module):

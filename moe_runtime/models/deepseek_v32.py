@@ -49,19 +49,24 @@ def _build(cfg, ctx: BuildContext, *, interleaved_indexer_rope: bool) -> CausalL
             f"pp={ctx.parallel.pp_size}: pipeline stage layers {stage[0]}..{stage[1] - 1} start with a shared "
             f"indexer layer that reuses layer {choosers[stage[0]]}'s tokens, which another stage chooses; "
             "choose pp_layers so that every stage starts at a layer with an indexer of its own")
-    index_shape = IndexerShape.from_config(cfg)
-    kernels = attention_kernels_for(ctx.kernels, torch.device(ctx.device))
-
     def make_attention(i: int) -> SparseLatentAttention:
-        indexer = None
-        if choosers[i] == i:
-            indexer = LightningIndexer(index_shape, rotary_for(cfg, cfg.qk_rope_head_dim, ctx.device,
-                                                               interleaved_indexer_rope),
-                                       ctx.dtype, ctx.device, ctx.linear_quant, scores=kernels.index_scores)
-        return SparseLatentAttention(**mla_arguments(cfg, ctx, interleaved_rope=True), indexer=indexer,
-                                     selecting_layer=choosers[i])
+        return sparse_attention(cfg, ctx, choosers[i], interleaved_indexer_rope, own=choosers[i] == i)
 
     return build_mla_model(cfg, ctx, deepseek_v3_routing(cfg), make_attention, correction_bias=True)
+
+
+def sparse_attention(cfg, ctx: BuildContext, selecting_layer: int, interleaved_indexer_rope: bool,
+                     own: bool) -> SparseLatentAttention:
+    """MLA over the tokens layer `selecting_layer`'s indexer chooses; `own`: this layer runs that indexer (a
+    target's full layer, or an MTP block, which always chooses for itself)."""
+    indexer = None
+    if own:
+        kernels = attention_kernels_for(ctx.kernels, torch.device(ctx.device))
+        indexer = LightningIndexer(IndexerShape.from_config(cfg),
+                                   rotary_for(cfg, cfg.qk_rope_head_dim, ctx.device, interleaved_indexer_rope),
+                                   ctx.dtype, ctx.device, ctx.linear_quant, scores=kernels.index_scores)
+    return SparseLatentAttention(**mla_arguments(cfg, ctx, interleaved_rope=True), indexer=indexer,
+                                 selecting_layer=selecting_layer)
 
 
 def build_deepseek_v32(cfg, ctx: BuildContext) -> CausalLM:

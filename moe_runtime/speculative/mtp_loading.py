@@ -1,6 +1,7 @@
-"""Building the MTP drafter: which checkpoints can (DeepSeek-V3's and GLM-4.5's module after the last layer,
-Qwen3-Next's and Qwen3.5-MoE's under `mtp.`, DeepSeek-V4's under `mtp.0.`), the module built like the target's
-layers and loaded from the same checkpoint, its MoE block on an executor of its own. Refusals name what is missing.
+"""Building the MTP drafter: which checkpoints can (DeepSeek-V3's, GLM-4.5's, DeepSeek-V3.2's and GLM-5's module
+after the last layer, Qwen3-Next's and Qwen3.5-MoE's under `mtp.`, DeepSeek-V4's under `mtp.0.`), the module built
+like the target's layers and loaded from the same checkpoint, its MoE block on an executor of its own. Refusals name
+what is missing.
 
 DeepSeek-V4's layer keeps per-sequence state like the target's layers: its `LayerCompressedCache` has as many
 state rows as theirs (the slots, a scratch row, the prefix cache's snapshot rows), and the runner restores and
@@ -34,7 +35,7 @@ class MtpLocation:
     """Where a checkpoint keeps its MTP module: how many layers, and the prefix of its tensors."""
 
     layers: int
-    prefix: str                  # model.layers.N. (DeepSeek-V3, GLM-4.5) or mtp. (Qwen3-Next, Qwen3.5-MoE)
+    prefix: str                  # model.layers.N. (DeepSeek-V3, GLM-4.5, V3.2, GLM-5), mtp. (Qwen3-Next)
     present: bool                # its tensors are in the files
 
     @classmethod

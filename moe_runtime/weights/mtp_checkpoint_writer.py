@@ -2,9 +2,10 @@
 and the speculative-decoding bench load when no published checkpoint fits on the machine.
 
 DeepSeek-V4: `mtp.0.*` in DeepSeek's names, the block drawn from one of the target's layers (which decides its
-attention kind), `e_proj` / `h_proj` and the norms at random, a hyper head of its own. DeepSeek-V3 and GLM-4.5:
-layer N = num_hidden_layers, a decoder block drawn from the last one's tensors, `enorm` /
-`hnorm` / `shared_head.norm` and `eh_proj` at random; with `own_copies`, the embedding and LM head copies
+attention kind), `e_proj` / `h_proj` and the norms at random, a hyper head of its own. DeepSeek-V3, GLM-4.5,
+DeepSeek-V3.2 and GLM-5: layer N = num_hidden_layers, a decoder block drawn from the last one's tensors (GLM-5's
+from the last layer with an indexer of its own: `mtp_block_layer`), `enorm` / `hnorm` / `shared_head.norm` and
+`eh_proj` at random; with `own_copies`, the embedding and LM head copies
 DeepSeek-V3's files carry too (`embed_tokens`, `shared_head.head`). Qwen3-Next / Qwen3.5-MoE (a config with
 linear-attention layers): `mtp.layers.0` drawn from the last full-attention layer, `mtp.fc`, `mtp.pre_fc_norm_*`
 and `mtp.norm` at random ((1 + w) norms: w near 0). The weights are random: drafts from such a layer are rarely
@@ -20,10 +21,21 @@ import torch
 from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, read_all_tensors, write_two_shards
 
 
+def mtp_block_layer(config: dict) -> int:
+    """The layer whose block the MTP layer copies: the last, or the last with an indexer of its own where the
+    config's `indexer_types` has "shared" layers (GLM-5: the MTP layer runs its own indexer)."""
+    kinds = config.get("indexer_types") or []
+    layers = [i for i in range(config["num_hidden_layers"]) if i >= len(kinds) or kinds[i] != "shared"]
+    return layers[-1]
+
+
 def mtp_layer_tensors(tensors: dict[str, torch.Tensor], num_layers: int, hidden: int,
-                      generator: torch.Generator | None = None, own_copies: bool = False) -> dict[str, torch.Tensor]:
-    """Layer `num_layers`'s tensors, from a checkpoint's `tensors` (the last decoder layer's block copied)."""
-    last, prefix = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+                      generator: torch.Generator | None = None, own_copies: bool = False,
+                      block_layer: int | None = None) -> dict[str, torch.Tensor]:
+    """Layer `num_layers`'s tensors, from a checkpoint's `tensors` (layer `block_layer`'s block copied; None: the
+    last decoder layer's)."""
+    block_layer = num_layers - 1 if block_layer is None else block_layer
+    last, prefix = f"model.layers.{block_layer}.", f"model.layers.{num_layers}."
     generator = generator or torch.Generator().manual_seed(0)
     mtp = {prefix + n[len(last):]: t.clone() for n, t in tensors.items() if n.startswith(last)}
     for norm in ("enorm", "hnorm", "shared_head.norm"):      # not all ones: a swapped norm would show
@@ -78,7 +90,7 @@ def write_mtp_checkpoint(source: Path, target: Path, own_copies: bool = False, s
         tensors.update(qwen3_next_mtp_tensors(tensors, config["layer_types"], config["hidden_size"], generator))
     else:
         tensors.update(mtp_layer_tensors(tensors, config["num_hidden_layers"], config["hidden_size"], generator,
-                                         own_copies))
+                                         own_copies, mtp_block_layer(config)))
     copy_side_files(source, target)
     write_two_shards(tensors, target)
     if not hybrid:
