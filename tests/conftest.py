@@ -1,6 +1,8 @@
-"""Session fixtures shared by the test suite: the tiny tokenizer, tiny checkpoints, the demo model."""
+"""Session fixtures shared by the test suite: the tiny tokenizer, tiny checkpoints, the demo model; and the
+grouping that lets the suite run on both cores (`-n 2`, pytest-xdist) without oversubscribing them."""
 
 import pytest
+from shared_builds import build_once, shared_root
 from tiny_checkpoints import GreedyOracle, HFOracle, TinyCheckpointFactory, tiny_tokenizer
 
 from moe_runtime.demo.demo_model import ensure_demo_model
@@ -9,14 +11,14 @@ from moe_runtime.demo.tokenizer_training import save_tokenizer
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
-    """A small byte-level BPE tokenizer (vocab 512) saved with `save_pretrained`."""
-    return save_tokenizer(tiny_tokenizer(), tmp_path_factory.mktemp("tiny_tokenizer"))
+    """A small byte-level BPE tokenizer (vocab 512) saved with `save_pretrained`, once per run."""
+    return build_once(shared_root(tmp_path_factory), "tiny_tokenizer", lambda path: save_tokenizer(tiny_tokenizer(), path))
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint_factory(tmp_path_factory, tiny_tokenizer_dir):
     """`factory(arch, *, sharded=False, seed=0, **config_overrides) -> Path`, each built once per session."""
-    return TinyCheckpointFactory(tmp_path_factory.mktemp("tiny_checkpoints"), tiny_tokenizer_dir)
+    return TinyCheckpointFactory(shared_root(tmp_path_factory), tiny_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")
@@ -41,4 +43,18 @@ def hf_oracles(tiny_checkpoint_factory):
 def demo_model(tmp_path_factory):
     """The embedded demo model (random weights, its own tokenizer and chat template), built once per session
     into a private cache: the servers that need a real chat template share it."""
-    return ensure_demo_model(tmp_path_factory.mktemp("demo_cache"))
+    cache = build_once(shared_root(tmp_path_factory), "demo_cache", lambda path: None)
+    return ensure_demo_model(cache)   # racing builders are safe (test_demo.py)
+
+
+MULTI_PROCESS_GROUP = "multi_process"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` every test that starts processes of its own (marked slow: ranks, servers, a
+    browser, the Triton interpreter; or taking the multi-rank pool's `ranks`) runs on one worker, one at a time,
+    while the other worker takes the in-process tests: two multi-rank tests at once would put four or more
+    busy processes on two cores."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None or "ranks" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(MULTI_PROCESS_GROUP))

@@ -26,6 +26,7 @@ KEY = "K-hardening"
 BEARER = {"Authorization": f"Bearer {KEY}"}
 UPLOAD_BYTES = 100 * 2**20
 MAX_RSS_GROWTH_BYTES = 64 * 2**20
+REFUSAL_BOUND_S = 3.0
 
 
 @dataclass
@@ -299,7 +300,9 @@ def test_oversized_prompts_are_refused_at_once_with_the_front_flat_and_streams_f
     watcher.join(15)
     streamer.join(60)
     assert sorted(param for _, param, _ in answers) == ["prompt"] * 8 + ["stop"], answers
-    assert all(status == 400 and seconds < 1.0 for status, _, seconds in answers), answers
+    # alone on an idle machine each answer takes 0.3-0.9 s (3.9 MB uploads, 8 at once); the bound leaves room for
+    # the suite's other worker: tokenizing these prompts whole took 6-17 s each
+    assert all(status == 400 and seconds < REFUSAL_BOUND_S for status, _, seconds in answers), answers
     during = streams.gaps[gaps_before:]
     assert during and max(during) < 0.5, f"a stream waited {max(during):.2f}s for a chunk"
     growth = watch.peak_rss - rss_before

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from shared_builds import build_once
 from tiny_archs import COMMON, TINY_ARCHS, TinyArch
 from moe_runtime.weights.random_weights import RandomWeightScales, randomize_weights
 from moe_runtime.demo.tokenizer_training import TokenizerSpec, save_tokenizer, train_tokenizer
@@ -105,7 +106,8 @@ def build_sharded_tiny_checkpoint(arch: str, path: str | Path, *, num_shards: in
 
 
 class TinyCheckpointFactory:
-    """Builds each (arch, options) checkpoint once under `root` and hands back its path.
+    """Builds each (arch, options) checkpoint once under `root` (shared by the run's xdist workers) and hands back
+    its path.
 
     `factory("deepseek_v3")`, `factory("llama", sharded=True)`, `factory("mixtral", num_hidden_layers=3)`.
     """
@@ -117,10 +119,10 @@ class TinyCheckpointFactory:
 
     def __call__(self, arch: str, *, sharded: bool = False, seed: int = 0, **overrides) -> Path:
         key = repr((arch, sharded, seed, sorted(overrides.items())))
-        if key not in self._built:
-            path = self.root / f"{arch}-{len(self._built)}"
+        if key not in self._built:   # once per run across pytest-xdist workers (shared_builds.py)
             builder = build_sharded_tiny_checkpoint if sharded else build_tiny_checkpoint
-            self._built[key] = builder(arch, path, tokenizer=self.tokenizer_dir, seed=seed, **overrides)
+            self._built[key] = build_once(self.root, "checkpoint " + key, lambda path: builder(
+                arch, path, tokenizer=self.tokenizer_dir, seed=seed, **overrides))
         return self._built[key]
 
 

@@ -204,7 +204,7 @@ class KernelCasesPart:
     def run(self, name: str) -> Outcome:
         junit = Path(self.mode.work_dir) / "triton_kernel_cases.xml"
         command = [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-rfEs",
-                   f"--junitxml={junit}"]
+                   "-o", "addopts=", f"--junitxml={junit}"]   # one process, not the suite's xdist workers
         subset = self.mode.tiny or self.mode.dry_run
         if subset:
             command += ["-k", SUBSET]
