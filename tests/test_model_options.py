@@ -62,3 +62,16 @@ def test_llm_refuses_before_loading_anything(tiny_checkpoint_factory, arch, opti
     """Through the real entry point, on saved checkpoints: the refusal comes from make_engine."""
     with pytest.raises(EngineConfigError, match=re.escape(option) + r" with \w+ForCausalLM: "):
         LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", **OPTIONS[option])
+
+
+def test_the_start_up_log_and_the_stats_say_which_steps_are_captured(tiny_checkpoint_factory, caplog):
+    """Asked for and allowed, the captured step says so at start-up and its steps are counted (/metrics:
+    moe_captured_decode_steps, from these worker stats)."""
+    from engine_helpers import PROMPTS, greedy
+
+    with caplog.at_level("INFO"), LLM(str(tiny_checkpoint_factory("llama")), device="cpu", dtype="float32",
+                                      enable_torch_compile=True, torch_compile_backend="eager") as llm:
+        llm.generate(PROMPTS[:1], greedy(6))
+        captured = llm.engine.stats().workers[0].captured_decode_steps
+    assert "captured decode: pure decode steps of up to 32 rows" in caplog.text
+    assert captured == 5   # every decode step after the prefill

@@ -161,6 +161,10 @@ class DecodeCapture:
                         torch._dynamo.mark_static_address(tensor)
         self._compiled = torch.compile(self._decode_step, backend=settings.backend, mode=settings.compile_mode(),
                                        fullgraph=True, dynamic=False)
+        if self.stats.disabled_reason is None:   # what the start-up log says is captured (/metrics counts it)
+            logger.info("captured decode: pure decode steps of up to %d rows (buckets %s, backend %s%s) run as one "
+                        "graph; prefill and mixed steps run eagerly", self.buckets[-1], self.buckets,
+                        settings.backend, ", CUDA graphs" if settings.cuda_graphs else "")
 
     def covers(self, seqs: list[Sequence]) -> bool:
         """Whether this step is a decode step the capture runs: every sequence computes and samples its last
