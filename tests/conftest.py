@@ -1,5 +1,5 @@
 """Session fixtures shared by the test suite: the tiny tokenizer, tiny checkpoints, the demo model; and the
-grouping that lets the suite run on both cores (`-n 2`, pytest-xdist) without oversubscribing them."""
+order in which the suite's modules go to the two pytest-xdist workers (`-n 2 --dist loadfile`)."""
 
 import pytest
 from shared_builds import build_once, shared_root
@@ -47,14 +47,9 @@ def demo_model(tmp_path_factory):
     return ensure_demo_model(cache)   # racing builders are safe (test_demo.py)
 
 
-MULTI_PROCESS_GROUP = "multi_process"
-
-
 def pytest_collection_modifyitems(config, items):
-    """Under `--dist loadgroup` every test that starts processes of its own (marked slow: ranks, servers, a
-    browser, the Triton interpreter; or taking the multi-rank pool's `ranks`) runs on one worker, one at a time,
-    while the other worker takes the in-process tests: two multi-rank tests at once would put four or more
-    busy processes on two cores."""
-    for item in items:
-        if item.get_closest_marker("slow") is not None or "ranks" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group(MULTI_PROCESS_GROUP))
+    """Modules with multi-process tests (marked slow) first, each module's tests in their order: under
+    `--dist loadfile` a module runs whole on one worker (its module-scoped engines once, its tests in order),
+    and the longest modules starting first leave the shortest to even out the two workers' ends."""
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.module.__name__ not in slow_modules)   # stable: order kept within each

@@ -1,6 +1,8 @@
 """What a newcomer gets: a scratch venv resolving today's registry versions, Hugging Face's `kernels` beside us.
 
-One venv, built once: torch's CPU build, then this checkout as a built wheel installed non-editable (the
+One venv, built once: torch's CPU build (this suite's own, linked in as an installed distribution, as the
+README's first step leaves it: unpacking the same 700 MB wheel again would only cost time), then this
+checkout as a built wheel installed non-editable (the
 C++ kernel sources and the dashboard's files must travel in it) together with Hugging Face's `kernels`,
 whatever transformers pip resolves now. `moe-serve` is started from a directory outside the repository
 and answers a completion, and transformers runs a model in the same environment. Then the same venv takes
@@ -8,16 +10,17 @@ the checkout as an editable install and serves again from outside. Slow: it inst
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from server_harness import REPO_ROOT, InstalledMoeServe, ServerProcess
 
@@ -72,8 +75,20 @@ def copy_checkout(destination: Path) -> Path:
     return destination
 
 
-def completes(installed: InstalledMoeServe) -> str:
-    with ServerProcess(["--dp-attn", "2", "--ep", "2"], installed=installed, startup_timeout_s=240) as server:
+def link_torch(venv: Path) -> None:
+    """torch as installed here, linked into `venv`'s site-packages: its packages and its dist-info, so pip sees
+    it installed (and resolves its requirements itself)."""
+    torch_dist = importlib.metadata.distribution("torch")
+    installed_in = Path(torch_dist.locate_file(""))
+    site = venv / Path(sysconfig.get_path("purelib", vars={"base": str(venv)})).relative_to(venv)
+    top_level = (torch_dist.read_text("top_level.txt") or "torch").split()
+    dist_info = next(installed_in.glob(f"torch-{torch_dist.version}.dist-info"))
+    for name in [*top_level, dist_info.name]:
+        (site / name).symlink_to(installed_in / name)
+
+
+def completes(installed: InstalledMoeServe, layout: tuple[str, ...] = ("--dp-attn", "2", "--ep", "2")) -> str:
+    with ServerProcess(list(layout), installed=installed, startup_timeout_s=240) as server:
         reply = httpx.post(server.base_url + "/v1/completions", timeout=120,
                            json={"model": "moe-runtime-demo", "prompt": "Once upon a time", "max_tokens": 6})
         assert reply.status_code == 200, reply.text
@@ -89,7 +104,7 @@ def scratch(tmp_path_factory):
     venv = root / "venv"
     run([sys.executable, "-m", "venv", str(venv)], root, 120)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    run([*pip, f"torch=={torch.__version__}"], root)   # the CPU build this suite runs on (a local wheel here)
+    link_torch(venv)   # the CPU build this suite runs on
     checkout = copy_checkout(root / "checkout")
     run([str(venv / "bin" / "python"), "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(root / "wheels"),
          str(checkout)], root)
@@ -118,4 +133,4 @@ def test_an_editable_install_serves_from_another_directory(scratch):
     report = json.loads(run([str(venv / "bin" / "python"), "-c", ENVIRONMENT_REPORT], outside, 120))
     assert Path(report["our_kernels_file"]).resolve() == (checkout / "kernels" / "__init__.py").resolve(), report
     assert report["hub_has_get_kernel"], report
-    completes(InstalledMoeServe(venv / "bin" / "moe-serve", outside))
+    completes(InstalledMoeServe(venv / "bin" / "moe-serve", outside), layout=())   # one rank: the install is the point
