@@ -1,5 +1,5 @@
-"""Session fixtures shared by the test suite: the tiny tokenizer, tiny checkpoints, the demo model; and the
-order in which the suite's modules go to the two pytest-xdist workers (`-n 2 --dist loadfile`)."""
+"""Session fixtures shared by the test suite: the tiny tokenizer, tiny checkpoints, the demo model (each built once
+per run, whatever the number of pytest-xdist workers: shared_builds.py)."""
 
 import pytest
 from shared_builds import build_once, shared_root
@@ -45,11 +45,3 @@ def demo_model(tmp_path_factory):
     into a private cache: the servers that need a real chat template share it."""
     cache = build_once(shared_root(tmp_path_factory), "demo_cache", lambda path: None)
     return ensure_demo_model(cache)   # racing builders are safe (test_demo.py)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Modules with multi-process tests (marked slow) first, each module's tests in their order: under
-    `--dist loadfile` a module runs whole on one worker (its module-scoped engines once, its tests in order),
-    and the longest modules starting first leave the shortest to even out the two workers' ends."""
-    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.module.__name__ not in slow_modules)   # stable: order kept within each
