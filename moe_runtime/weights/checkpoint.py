@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from moe_runtime.config.multimodal_wrappers import wrapper_of
 from moe_runtime.errors import CheckpointError
+from moe_runtime.weights.quantization.compressed_tensors_format import CompressedTensorsFormat
 from moe_runtime.weights.quantization.fp8_block import SCALE_SUFFIX, Fp8BlockFormat
 from moe_runtime.weights.quantization.fp8_in_memory import Fp8Rows, expand_block_scales, quantize_rows
 from moe_runtime.weights.quantization.mxfp4_format import BLOCKS_SUFFIX, SCALES_SUFFIX, PackedMxfp4
@@ -44,6 +45,10 @@ class CheckpointReader:
     consumed: set[str] = field(default_factory=set, repr=False)
     # a checkpoint read under other names than stored (DeepSeek-V4's published names): name -> stored name
     stored_names: dict[str, str] = field(default_factory=dict, repr=False)
+    # compressed-tensors: each quantized module's `weight` made from its stored parameters, which the
+    # listing no longer shows (their files: `_parameter_files`)
+    compressed: CompressedTensorsFormat | None = None
+    _parameter_files: dict[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, directory: str | Path, fp8: Fp8BlockFormat | None = None, hf_config=None) -> "CheckpointReader":
@@ -54,7 +59,36 @@ class CheckpointReader:
         wrapper = wrapper_of(hf_config) if hf_config is not None else None
         if wrapper is not None:
             reader.renamed(wrapper.rename)
+        compressed = CompressedTensorsFormat.of(hf_config, reader.names(), str(directory)) if hf_config else None
+        if compressed is not None:
+            reader._read_compressed(compressed)
         return reader
+
+    def _read_compressed(self, compressed: CompressedTensorsFormat) -> None:
+        """List each compressed module's `weight` (read through its compressor) instead of its parameters."""
+        self.compressed = compressed
+        parameters = compressed.stored_names()
+        self._parameter_files = {name: self.tensor_to_file[name] for name in parameters}
+        weights = {module.weight_name: self.tensor_to_file[next(iter(module.params.values()))]
+                   for module in compressed.modules.values()}
+        self.tensor_to_file = {name: file for name, file in self.tensor_to_file.items() if name not in parameters}
+        self.tensor_to_file.update(weights)
+
+    def _compressed_module(self, name: str):
+        return self.compressed.modules.get(name) if self.compressed is not None else None
+
+    def _parameter_handle(self, name: str):
+        """The open file of a compressed module's stored parameter (not listed: the module's weight is)."""
+        file_name = self._parameter_files[name]
+        handle = self._handles.get(file_name)
+        if handle is None:
+            handle = self._handles[file_name] = safe_open(str(self.directory / file_name), framework="pt")
+        return handle
+
+    def _read_parameter(self, name: str) -> torch.Tensor:
+        tensor = self._parameter_handle(name).get_tensor(self._stored(name))
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
     @classmethod
     def _open(cls, directory: Path) -> "CheckpointReader":
@@ -114,6 +148,10 @@ class CheckpointReader:
         return list(self.tensor_to_file)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        module = self._compressed_module(name)
+        if module is not None:
+            return module.shape(self._read_parameter, lambda stored: tuple(
+                self._parameter_handle(stored).get_slice(self._stored(stored)).get_shape()))
         if self.is_mxfp4(name):   # the dequantized parameter layout [..., K, N]
             *lead, rows, groups, _ = self._handle(name + BLOCKS_SUFFIX).get_slice(self._stored(name + BLOCKS_SUFFIX)).get_shape()
             return (*lead, groups * 32, rows)
@@ -121,6 +159,12 @@ class CheckpointReader:
         return tuple(handle.get_slice(self._stored(name)).get_shape())
 
     def read(self, name: str) -> torch.Tensor:
+        module = self._compressed_module(name)
+        if module is not None:   # dequantized by the library's compressor for the module's scheme
+            tensor = module.dequantize(self._read_parameter)
+            self.tensors_read += 1
+            self.consumed.add(name)
+            return tensor
         if self.is_mxfp4(name):
             return self.read_mxfp4_rows(name).dequantized()
         handle = self._handle(name)
@@ -140,7 +184,8 @@ class CheckpointReader:
             if dim == 0:
                 return self.read_mxfp4_rows(name, start, stop).dequantized()
             return self.read(name)[:, start:stop]
-        if self.is_fp8(name):  # scales cover blocks, not rows: dequantize the whole tensor, then cut
+        if self._compressed_module(name) is not None or self.is_fp8(name):  # scales cover groups or blocks:
+            # dequantize the whole tensor, then cut
             whole = self.read(name)
             return whole[start:stop] if dim == 0 else whole[:, start:stop]
         view = self._handle(name).get_slice(self._stored(name))
@@ -165,6 +210,9 @@ class CheckpointReader:
         return Fp8Rows(values, expand_block_scales(scale_inv, values.shape[0], self.fp8.block_rows))
 
     def is_fp8(self, name: str) -> bool:
+        """Stored as DeepSeek-style FP8 blocks (a compressed-tensors module is read through its compressor)."""
+        if self._compressed_module(name) is not None:
+            return False
         return self._handle(name).get_slice(self._stored(name)).get_dtype() == "F8_E4M3"
 
     def _dequantized(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_runtime.config.multimodal_wrappers import wrapper_of
+from moe_runtime.weights.quantization.compressed_tensors_format import (QUANT_METHOD as COMPRESSED_TENSORS,
+                                                                        SKIPPED_SCALES, quantization_config_dict)
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.errors import CheckpointError
 
@@ -62,6 +64,9 @@ class SkippedTensors:
         if getattr(hf_config, "model_type", None) == "deepseek_v4":   # DeepSeek's published MTP layer
             rules.append(SkippedTensor(r"^mtp\.", "DeepSeek-V4's multi-token-prediction layer: read by the MTP "
                                        "drafter when speculative_config's method is \"mtp\", else not used"))
+        if (quantization_config_dict(hf_config) or {}).get("quant_method") == COMPRESSED_TENSORS:
+            rules.append(SkippedTensor(SKIPPED_SCALES, "compressed-tensors activation / KV-cache scales: activations "
+                                       "run in --dtype"))
         wrapper = wrapper_of(hf_config)
         if wrapper is not None:   # a multimodal release served as its text model
             rules.append(SkippedTensor("^(" + "|".join(re.escape(p) for p in wrapper.vision_prefixes) + ")",

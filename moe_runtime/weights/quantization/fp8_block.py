@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_runtime.errors import CheckpointError
+from moe_runtime.weights.quantization.compressed_tensors_format import QUANT_METHOD as COMPRESSED_TENSORS
 from moe_runtime.weights.quantization.mxfp4_format import QUANT_METHOD as MXFP4_METHOD
 
 SCALE_SUFFIX = "_scale_inv"        # `x.weight` is scaled by `x.weight_scale_inv`
@@ -38,7 +39,7 @@ class Fp8BlockFormat:
         if not isinstance(quant, dict):
             quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
         method = quant.get("quant_method")
-        if method == MXFP4_METHOD:
+        if method in (MXFP4_METHOD, COMPRESSED_TENSORS):   # read by name, or through the library's compressors
             return None
         if method != "fp8":
             raise CheckpointError(f"{where}: quantization_config.quant_method={method!r} is not supported (only "
