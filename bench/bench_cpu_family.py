@@ -1,6 +1,6 @@
 """The cpu kernel family against the torch family on the MoE bench checkpoint, eager and captured, side by side.
 
-Whether `--kernels cpu` (the compiled expert kernel and few-row GEMV of kernels/cpu_native/) should be the CPU
+Whether `--kernels cpu` (the compiled expert kernel and few-row GEMV of moe_runtime/kernels/cpu_native/) should be the CPU
 default: one process per (dtype, batch) holds four engines (torch / cpu family x eager / captured decode step)
 on the same checkpoint (bench/bench_offline.py's: Qwen3-MoE shape, hidden 512, 8 layers, 32 experts top-4) and
 generates the same 64 + 64-token greedy requests with each in turn, A B C D D C B A per round, so load from

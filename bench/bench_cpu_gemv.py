@@ -1,6 +1,6 @@
-"""Few-row projections on the CPU: the compiled GEMV (`kernels/cpu_native`, `rows_linear`) against torch.
+"""Few-row projections on the CPU: the compiled GEMV (`moe_runtime/kernels/cpu_native`, `rows_linear`) against torch.
 
-Decides where `kernels/cpu_native/dense_gemv.py` uses the compiled kernel. Two settings, each on the MoE bench
+Decides where `moe_runtime/kernels/cpu_native/dense_gemv.py` uses the compiled kernel. Two settings, each on the MoE bench
 checkpoint's projection shapes (hidden 512: q/o 512x512, k/v 256x512, LM head 8192x512) and the dense bench
 model's (hidden 768: 2048x768 gate/up, 768x2048 down, LM head 8192x768), float32 and bfloat16 weights, 1-16 rows:
 

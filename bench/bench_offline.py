@@ -219,7 +219,7 @@ def main() -> None:
                         help="also run this runtime with --enable-torch-compile (the captured decode step) per row")
     parser.add_argument("--breakdown-steps", type=int, default=5)
     parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu"],
-                        help="this runtime's kernel family (cpu: the compiled CPU kernels, kernels/cpu_native)")
+                        help="this runtime's kernel family (cpu: the compiled CPU kernels, moe_runtime/kernels/cpu_native)")
     parser.add_argument("--dense", action="store_true",
                         help="also the dense ~90M Llama-shaped model (bench/dense_bench_model.py) per dtype")
     parser.add_argument("--dense-only", action="store_true", help="the dense model's rows alone (implies --dense)")

@@ -97,8 +97,8 @@ def make_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
 # ---- the server -----------------------------------------------------------------------------
 
 def cli_module(tree: Path) -> str:
-    """The moe-serve module of a checkout (it moved from the engine package to server/, then under moe_runtime.*)."""
-    if (tree / "moe_runtime" / "folder_names.py").exists():
+    """The moe-serve module of a checkout (it moved from the engine package to server/, then to moe_runtime/server/)."""
+    if (tree / "moe_runtime" / "server" / "cli.py").exists():
         return "moe_runtime.server.cli"
     return "server.cli" if (tree / "server" / "cli.py").exists() else "moe_runtime.cli"
 

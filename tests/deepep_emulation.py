@@ -26,7 +26,7 @@ can be held against the dispatch contract on gloo without GPUs:
 - `low_latency_combine(x [E_local, max * R, H], topk_idx, topk_weights, handle)` ->
   (combined_x [T, H] weighted sum, event, hook)
 
-It holds its callers to DeepEP's rules (dispatch/deepep_preconditions.py), so a configuration the
+It holds its callers to DeepEP's rules (moe_runtime/dispatch/deepep_preconditions.py), so a configuration the
 real kernels would refuse fails here too: bfloat16 rows only (or an FP8 pair), the low-latency hidden
 sizes DeepEP compiles, a low-latency call only on a buffer made with `low_latency_mode=True` and only
 after `clean_low_latency_buffer` once normal-mode traffic has used it, normal calls only on a buffer with

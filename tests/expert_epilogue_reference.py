@@ -2,7 +2,7 @@
 clamps bite (shared by test_expert_activation.py, test_mxfp4.py and expert_epilogue_triton_cases.py).
 
 The formula is written out here from transformers' GptOssExperts (`_apply_gate` and `forward`), not taken
-from kernels/expert_activation.py, so the kernels are held against an independent statement of it.
+from moe_runtime/kernels/expert_activation.py, so the kernels are held against an independent statement of it.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 what the Triton grouped GEMM computes on sm89+ GPUs and, with the dot emulated, in the interpreter.
 
 Each projection's input is quantized per token and 128 columns exactly as the kernel does
-(dispatch/fp8_activations.py's `quantize_token_groups`, which the Triton quantizer matches bit for
+(moe_runtime/dispatch/fp8_activations.py's `quantize_token_groups`, which the Triton quantizer matches bit for
 bit), dequantized, and multiplied by the dequantized weight in float64. Between the two expert
 projections the SwiGLU activation is rounded to the activations' dtype (the kernel stores it so)
 before it is quantized. Results are float64; the kernels' only departures are fp32 accumulation and,

@@ -5,7 +5,7 @@ Collected by test_fp8_block_kernels.py on CUDA, run by test_kernels_triton.py's 
 What runs: on an sm89+ GPU the native scheme (float8e4nv tiles into tl.dot); on other GPUs and in the
 interpreter the same scheme with the dot emulated (both fp8 tiles decoded to fp32 exactly, ieee dot),
 which the kernel set never picks by itself there but which checks everything around the MMA: the
-quantizer (bit for bit against dispatch/fp8_activations.py), the scale indexing per activation group
+quantizer (bit for bit against moe_runtime/dispatch/fp8_activations.py), the scale indexing per activation group
 and weight block, the fp32 accumulation across K tiles, and the masked layout's device-side counts.
 
 Tolerances (outputs O(1)) against the float64 reference that quantizes the activations the same way:

@@ -1,4 +1,4 @@
-"""The fused GEMV a captured decode step uses for few rows (kernels/skinny_matmul.py, `captured_gemv_wins`).
+"""The fused GEMV a captured decode step uses for few rows (moe_runtime/kernels/skinny_matmul.py, `captured_gemv_wins`).
 
 Traced with dynamo's eager backend (the branch only exists under torch.compile). fp32 sums in another
 order than the GEMM: rtol = atol = 1e-5 on outputs O(1-10). bf16 accumulates in fp32 and rounds once,

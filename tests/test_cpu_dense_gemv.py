@@ -1,4 +1,4 @@
-"""The cpu family's unquantized few-row projections (kernels/cpu_native/dense_gemv.py) against float64 and
+"""The cpu family's unquantized few-row projections (moe_runtime/kernels/cpu_native/dense_gemv.py) against float64 and
 torch's `linear_rows`: eager (the pybind call) and traced (the `moe_cpu::rows_linear` operator, by dynamo with
 fullgraph=True, so a graph break would fail), float32 and bfloat16, rows on both paths of the kernel (four
 rows per weight load, a row alone), and the row counts and shapes that keep torch's.
@@ -16,7 +16,7 @@ N, K = 40, 72   # not multiples of 32 / 8: the kernel's tails run
 @pytest.fixture
 def small_weights_take_the_kernel(monkeypatch):
     """The rule keeps torch below 256 x 512 weights (not measured); the tests' small weights take the kernel."""
-    assert custom_ops.operators() is not None, "the CPU kernel did not build (see kernels/cpu_native/build.py's log)"
+    assert custom_ops.operators() is not None, "the CPU kernel did not build (see moe_runtime/kernels/cpu_native/build.py's log)"
     monkeypatch.setattr(dense_gemv, "COMPILED_GEMV_MIN_WEIGHT", 0)
 
 

@@ -1,4 +1,4 @@
-"""The compiled CPU expert kernel (kernels/cpu_native/) against float64 and its torch twin, and in an engine.
+"""The compiled CPU expert kernel (moe_runtime/kernels/cpu_native/) against float64 and its torch twin, and in an engine.
 
 Segments of 1 to 20 rows cover each of its paths (a row alone, 2, 3 and 4 rows per weight load); float32
 and bfloat16 weights and activations; what it does not take (biases, gpt-oss's activation) goes to the torch
@@ -38,7 +38,7 @@ def _case(counts: list[int], dtype: torch.dtype, seed: int = 0):
 def native():
     """The compiled kernel: the suite's machines have a C++ compiler (.ci/run installs one), so it must build."""
     module = native_experts()
-    assert module is not None, "the CPU kernel did not build (see the log line of kernels/cpu_native/build.py)"
+    assert module is not None, "the CPU kernel did not build (see the log line of moe_runtime/kernels/cpu_native/build.py)"
     assert custom_ops.operators() is not None   # the operators' fake implementations: traceable
     return module
 

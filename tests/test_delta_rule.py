@@ -1,6 +1,6 @@
-"""The gated delta rule's torch twins (kernels/delta_rule.py) against the float64 token-by-token reference:
+"""The gated delta rule's torch twins (moe_runtime/kernels/delta_rule.py) against the float64 token-by-token reference:
 chunked over several chunks (a ragged last one) from a nonzero state, split across calls (chunked prefill
-carries the state), and the batched one-token step. fla-core's CUDA twins (kernels/delta_rule_fla.py) are the
+carries the state), and the batched one-token step. fla-core's CUDA twins (moe_runtime/kernels/delta_rule_fla.py) are the
 GPU check's: this machine has no CUDA."""
 from __future__ import annotations
 

@@ -131,6 +131,6 @@ def test_an_editable_install_serves_from_another_directory(scratch):
     venv, checkout, outside = scratch
     run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(checkout)], outside)
     report = json.loads(run([str(venv / "bin" / "python"), "-c", ENVIRONMENT_REPORT], outside, 120))
-    assert Path(report["our_kernels_file"]).resolve() == (checkout / "kernels" / "__init__.py").resolve(), report
+    assert Path(report["our_kernels_file"]).resolve() == (checkout / "moe_runtime" / "kernels" / "__init__.py").resolve(), report
     assert report["hub_has_get_kernel"], report
     completes(InstalledMoeServe(venv / "bin" / "moe-serve", outside), layout=())   # one rank: the install is the point

@@ -1,4 +1,4 @@
-"""The captured decode step's MoE kernel (kernels/pair_experts.py) against the naive all-experts oracle.
+"""The captured decode step's MoE kernel (moe_runtime/kernels/pair_experts.py) against the naive all-experts oracle.
 
 Eager here (the kernel is plain torch; inductor's version of it runs in test_captured_decode.py). fp32:
 the same sums in another order, rtol = atol = 1e-5 on outputs O(0.1-1). bf16 weights and activations are

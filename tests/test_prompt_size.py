@@ -1,4 +1,4 @@
-"""A prompt too long for the model is refused before it is tokenized in full (server/prompt_size.py), and a
+"""A prompt too long for the model is refused before it is tokenized in full (moe_runtime/server/prompt_size.py), and a
 prompt that fits is never refused by the early bounds: its ids are the tokenizer's own."""
 from __future__ import annotations
 

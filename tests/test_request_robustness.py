@@ -239,7 +239,7 @@ def test_server_fails_only_the_client_whose_request_failed(llm, monkeypatch):
         return plain_fail, plain_ok, streamed_fail, n_fail, health, after
 
     plain_fail, plain_ok, streamed_fail, n_fail, health, after = serve_in_process(llm.engine, scenario, timeout_s=90)
-    for failed in (plain_fail, n_fail):  # what the message says is the HTTP layer's choice (server/errors.py)
+    for failed in (plain_fail, n_fail):  # what the message says is the HTTP layer's choice (moe_runtime/server/errors.py)
         assert failed.status_code == 500, failed.text
         assert failed.json()["error"]["type"] == "internal_server_error"
     assert streamed_fail.status_code == 200

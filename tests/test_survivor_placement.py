@@ -1,5 +1,5 @@
 """The placement survivors keep after losing ranks: every surviving slot unchanged, each expert no survivor holds
-put into a reclaimed redundant slot (load_balancer/survivor_placement.py), and the slot's weights reloaded from
+put into a reclaimed redundant slot (moe_runtime/load_balancer/survivor_placement.py), and the slot's weights reloaded from
 the checkpoint as a fresh load would have them (ExpertWeights.reload_slot)."""
 import pytest
 import torch

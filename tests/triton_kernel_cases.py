@@ -195,7 +195,7 @@ def test_masked_expert_mlp(triton_kernels, case, dtype):
 
 # Every dispatcher with the Triton expert kernels (test_moe_seam_contract.py runs the torch and reference
 # families). The multi-rank dispatchers run on gloo, which moves CPU tensors: on CUDA only the local one.
-# DeepEP moves bf16 rows only (dispatch/deepep_preconditions.py) and the interpreter computes no bf16, so
+# DeepEP moves bf16 rows only (moe_runtime/dispatch/deepep_preconditions.py) and the interpreter computes no bf16, so
 # on CPU the DeepEP seam runs with the torch families only; the local "masked" scenario keeps the masked layout.
 SEAM_BACKENDS = [LOCAL] if ON_CUDA else [LOCAL] + [b for b in MULTI_RANK_BACKENDS if b not in DEEPEP_BACKENDS]
 

@@ -6,7 +6,7 @@
 - `decode/...`: the split-context Triton decode kernel against the torch twin, and its time with the
   policy's split count beside one split (flash-decoding's gain at batch 1 MLA is the number to read).
 - `flashinfer/...`: FlashInfer's paged prefill / decode / MLA wrappers through our adapter
-  (kernels/flashinfer_attention.py) against the same twins; skipped, with the reason, where flashinfer
+  (moe_runtime/kernels/flashinfer_attention.py) against the same twins; skipped, with the reason, where flashinfer
   does not import. Nothing of FlashInfer has run before its first GPU run of this part.
 
 On CPU (--dry-run) the same checks run on tiny shapes in the Triton interpreter, fp32 and fp16, untimed.

@@ -81,8 +81,8 @@ class EnvironmentPart:
         if missing:
             problems.append("cannot import: " + ", ".join(missing) + " -- on a machine without network, carry "
                             "them: `python -m bench.gpu_check.environment` here, then run with carry bench/.cache/wheels")
-        if Path(kernels.__file__).resolve().parent != REPO / "kernels":
-            problems.append(f"`moe_runtime.kernels` is {kernels.__file__}, not this repo's kernels/ folder")
+        if Path(kernels.__file__).resolve().parent != REPO / "moe_runtime" / "kernels":
+            problems.append(f"`moe_runtime.kernels` is {kernels.__file__}, not this repo's moe_runtime/kernels/")
         return judged(problems, python=sys.version.split()[0], executable=sys.executable, versions=versions,
                       platform=platform.platform(), cpu_count=os.cpu_count(),
                       load_average=[round(x, 2) for x in os.getloadavg()],   # wall times read against this

@@ -11,7 +11,7 @@ The kernels are the fields of `KernelSet` plus the Triton-only `align_block_size
 GEMM's tile schedule) and `skinny_matmul` (the CPU fast path, which must hand back F.linear's
 result on any other device). The `coverage` check fails when a KernelSet kernel has no check here.
 
-FP8 weights run both Triton schemes (kernels/triton_impl/fp8_scheme.py) whatever the device's own
+FP8 weights run both Triton schemes (moe_runtime/kernels/triton_impl/fp8_scheme.py) whatever the device's own
 pick: the dequantize path against the torch twin (the checks named plainly), and the FP8-activation
 path (`.../fp8_tiles`: fp8 x fp8 tiles with per-block scales, native on sm89+, the dot emulated in
 the dry run and on older GPUs) against a float64 reference that quantizes the activations as the

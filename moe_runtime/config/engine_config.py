@@ -22,7 +22,7 @@ DISAGGREGATION_MODES = ("none", "prefill", "decode")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
 QUANTIZATIONS = (None, "fp8", "int8", "mxfp4")    # --quantization choices (None = weights in the compute dtype)
-HOST_EXPERT_QUANTIZATIONS = (None, "int8", "fp8")   # what --cpu-experts' host kernels run (kernels/cpu_native)
+HOST_EXPERT_QUANTIZATIONS = (None, "int8", "fp8")   # what --cpu-experts' host kernels run (moe_runtime/kernels/cpu_native)
 
 
 @dataclass

@@ -13,7 +13,7 @@ grouped kernels whose sizes depend on the routing. The capture removes both (SGL
   to the paged decode kernel, which attends to the table's full width instead of reading the longest
   context off the device (a sliding or chunked layer's rows start at their first key, computed in the
   graph from the context lengths: `AttentionBatch.decode_key_starts`); the MoE executor computes routed
-  experts as per-(token, expert) GEMVs (kernels/pair_experts.py), which inductor fuses into loops
+  experts as per-(token, expert) GEMVs (moe_runtime/kernels/pair_experts.py), which inductor fuses into loops
   streaming each chosen expert's weights.
 - **Whole step, no graph breaks** (`fullgraph=True`): the layers' plain `forward` (not the staged
   generators of two-batch overlap) from embedding to logits.

@@ -3,9 +3,9 @@ prefill (all of a step's chunks in one launch), chosen once per kernel family an
 
 - **FlashInfer** on CUDA when `flashinfer` imports (`pip install moe-runtime[gpu]`) and the Triton family
   runs: for fp16 / bf16 with head dims it is built for (GQA 64/128/256; MLA 512 + 64), eager steps only;
-  any other call takes the Triton kernels below. Not yet run on a GPU (kernels/flashinfer_attention.py).
+  any other call takes the Triton kernels below. Not yet run on a GPU (moe_runtime/kernels/flashinfer_attention.py).
 - **Triton** (the family `get_kernels` picks on CUDA, or in the interpreter for tests): the split-context
-  decode kernel and the varlen prefill kernel (kernels/triton_impl/).
+  decode kernel and the varlen prefill kernel (moe_runtime/kernels/triton_impl/).
 - **torch** (CPU, and the fallback): the family's paged decode kernel and `prefill=None`, which sends
   prefills through the per-sequence path in attention_ops.py (the CPU flash kernel, a loop per sequence).
 

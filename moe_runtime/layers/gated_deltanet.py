@@ -4,7 +4,7 @@ Per token: projections give q, k (num_k_heads x Dk), v and the output gate z (nu
 head a write strength b and a decay input a; q, k, v go through a short causal convolution (SiLU); q and k are
 L2-normalised (q also scaled by 1/sqrt(Dk)) and each k head serves num_v_heads / num_k_heads consecutive value
 heads; beta = sigmoid(b), log decay g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule
-(kernels/delta_rule.py) gives one output per value head, normalised per head and gated by silu(z)
+(moe_runtime/kernels/delta_rule.py) gives one output per value head, normalised per head and gated by silu(z)
 (`GatedRMSNorm`), then projected back.
 
 Checkpoint layouts: Qwen3-Next fuses the projections per key head (`in_proj_qkvz` rows [k head j: q_j, k_j, v

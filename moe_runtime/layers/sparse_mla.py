@@ -16,7 +16,7 @@ The choice runs per sequence (in bounded slabs of query rows; the scores through
 the top-k in torch, over rows as wide as a one-step prefill's: a chunk's prompt tokens choose among tied keys as
 the whole prompt's prefill does, lightning_indexer.top_k_over_widths), or, in a captured decode step (no host
 lists), for every row at once over the span its block table covers; the attention over the chosen tokens is one
-call of the attention backend's sparse kernel for the whole step (kernels/sparse_latent_attention.py, or its Triton
+call of the attention backend's sparse kernel for the whole step (moe_runtime/kernels/sparse_latent_attention.py, or its Triton
 twin).
 """
 from __future__ import annotations

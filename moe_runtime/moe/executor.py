@@ -214,7 +214,7 @@ class MoEExecutor:
     def reform(self, parallel: ParallelContext, backend: str, num_nodes: int = 1) -> list[SlotReload]:
         """Go on over the surviving ranks' new groups (every survivor calls this at once): the survivors' slots
         keep their experts, each expert no survivor holds is loaded from the checkpoint into a reclaimed slot
-        (load_balancer/survivor_placement.py), and the dispatchers, replica tables and load recorder are made anew
+        (moe_runtime/load_balancer/survivor_placement.py), and the dispatchers, replica tables and load recorder are made anew
         for the smaller job. Raises `ExpertsLost` when the survivors cannot hold every expert. Returns the reloads
         of every rank (this rank loaded its own)."""
         self.parallel = parallel
@@ -316,7 +316,7 @@ class MoEExecutor:
         wall-clock timing, no data-dependent grouping. One rank: every expert local, the family's pair kernel
         (per-(token, expert) GEMVs that inductor fuses; the cpu family's compiled kernel as one opaque call).
         Several: the phase's dispatcher, which a capture needs to be DeepEP's low-latency one (fixed shapes, counts
-        on the device, its calls traced as operators: dispatch/deepep_ops.py), then the masked expert kernel."""
+        on the device, its calls traced as operators: moe_runtime/dispatch/deepep_ops.py), then the masked expert kernel."""
         experts = self._experts[moe_layer]
         slots = choose_replicas(topk.ids, self._tables[moe_layer])                 # [T, K]
         if self.parallel.ep_size == 1:

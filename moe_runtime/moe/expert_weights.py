@@ -13,7 +13,7 @@ scales included, so migration and replication move them unchanged, whatever the 
 
 gpt-oss's experts add a bias after each projection (`bias=True`: b13 [E_local, 2I] in w13's row
 order, b2 [E_local, H], in the compute dtype, part of the slot's bytes) and their own activation
-(`activation`, kernels/expert_activation.py); their checkpoint stacks are transposed and interleave
+(`activation`, moe_runtime/kernels/expert_activation.py); their checkpoint stacks are transposed and interleave
 gate and up columns (`GPT_OSS_NAMING`, read by moe/gpt_oss_expert_stacks.py, MXFP4 or not).
 Llama 4's stacks are transposed the same way but not interleaved (`LLAMA4_NAMING`: the first I columns of
 `gate_up_proj` are the gate's, as transformers' Llama4TextExperts chunks them).

@@ -1,7 +1,7 @@
 """The MoE router: one linear layer from hidden states to a logit per logical expert.
 
 gpt-oss's router has a bias (`router.bias` [E], `bias=True`); its choice (top-k of the logits, softmax
-over the chosen k) is `RoutingConfig(top_k, scoring="softmax", renormalize=True)` (kernels/routing.py).
+over the chosen k) is `RoutingConfig(top_k, scoring="softmax", renormalize=True)` (moe_runtime/kernels/routing.py).
 """
 from __future__ import annotations
 

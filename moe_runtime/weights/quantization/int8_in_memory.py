@@ -10,7 +10,7 @@ shard (column parallel) quantizes only its rows, a column shard (row parallel) q
 weight and keeps its columns with the full rows' scales. Every shard fits (`fits_columns`), and the
 ranks' partial sums add up to the unsharded int8 product: tp = 2 computes what tp = 1 does, up to
 summation order. The kernels are the family's `int8_linear`, `int8_expert_mlp`,
-`int8_masked_expert_mlp` (kernels/int8_weights.py).
+`int8_masked_expert_mlp` (moe_runtime/kernels/int8_weights.py).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ quantized expert stack `<name>` (logically [E, K, N] in transformers' parameter 
 Dequantized it is [E, N, G*32] transposed to [E, K, N] (`convert_moe_packed_tensors`), which is
 what the reader hands out for `<name>` so that a dequantized (bf16) gpt-oss checkpoint and an MXFP4
 one load through the same code. For `--quantization mxfp4` the stored bytes are kept as they are
-(`read_packed`): a row's [G, 16] blocks flattened are exactly kernels/mxfp4_weights.py's layout.
+(`read_packed`): a row's [G, 16] blocks flattened are exactly moe_runtime/kernels/mxfp4_weights.py's layout.
 """
 from __future__ import annotations
 

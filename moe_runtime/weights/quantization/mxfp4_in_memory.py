@@ -1,6 +1,6 @@
 """`--quantization mxfp4`: routed experts kept in MXFP4 in memory, decoded per matmul tile.
 
-Layout (kernels/mxfp4_weights.py): values uint8 [N, ceil(K/32)*16] (two e2m1 codes a byte) and e8m0
+Layout (moe_runtime/kernels/mxfp4_weights.py): values uint8 [N, ceil(K/32)*16] (two e2m1 codes a byte) and e8m0
 exponents uint8 [N, ceil(K/32)], one per 32-column block. Both are bytes, so an expert slot is a byte
 row and migration moves it like any other (`ExpertWeights.read_slot`): 4.25 bits a weight instead of
 16 (bf16).

@@ -1,0 +1,143 @@
+"""The CPU kernel family's expert MLPs and quantized linears: the compiled kernels (expert_mlp.cpp) where they
+apply, the torch ones elsewhere.
+
+They apply on the CPU when the kernel could be built (`build.native_experts`): SwiGLU experts without biases,
+float32 / bfloat16 / int8 (per-row scales) / FP8 e4m3fn (row-expanded block scales) weights, float32 or bfloat16
+activations; an int8 or FP8 projection at up to `LINEAR_MAX_ROWS` rows (decode). FP8 codes are decoded in
+registers (exact, subnormals included); NaN codes, which no checkpoint holds, would read as +-480 there where the
+torch twin gives NaN, so a weight its load plan found NaN codes in (`bit_decode_suits=False`) takes the twin. gpt-oss's clamped activation, expert biases, other dtypes and devices, and
+larger row counts take the torch kernels (`moe_runtime/kernels/expert_mlp.py`, `moe_runtime/kernels/int8_weights.py`), which stay the
+twins these are tested against. The grouped-layout entries run
+outside a captured step (their counts are read on the host); a captured step calls `cpu_pair_expert_mlp`, the
+router's layout as one operator (`torch.ops.moe_cpu.routed_expert_mlp`, custom_ops.py), whose twin is
+`moe_runtime/kernels/pair_experts.py`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moe_runtime.kernels.cpu_native import custom_ops
+from moe_runtime.kernels.cpu_native.build import native_experts
+from moe_runtime.kernels.expert_activation import ExpertActivation
+from moe_runtime.kernels.expert_mlp import check_expert_biases, check_expert_weights, check_sorted_counts, expert_mlp
+from moe_runtime.kernels.fp8_block_weights import (check_fp8_expert_weights, check_fp8_linear, fp8_expert_mlp,
+                                                   fp8_linear_prechecked)
+from moe_runtime.kernels.int8_weights import check_int8_expert_weights, check_int8_weight, int8_expert_mlp, int8_linear
+from moe_runtime.kernels.pair_experts import pair_expert_mlp
+
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+LINEAR_MAX_ROWS = 16   # more rows: the torch GEMM's blocking wins over one pass per weight row
+
+
+def compiled_kernels_built() -> bool:
+    """Whether the compiled kernels serve on this machine (built now if not yet, their operators registered)."""
+    return native_experts() is not None and custom_ops.operators() is not None
+
+
+def cpu_expert_mlp(
+    x_sorted: torch.Tensor,   # [N, H] rows grouped by expert in contiguous segments
+    counts: torch.Tensor,     # [E] int64
+    w13: torch.Tensor,        # [E, 2I, H]
+    w2: torch.Tensor,         # [E, H, I]
+    *,
+    b13: torch.Tensor | None = None,   # [E, 2I]
+    b2: torch.Tensor | None = None,    # [E, H]
+    activation: ExpertActivation = ExpertActivation(),
+) -> torch.Tensor:            # [N, H], unweighted
+    applies = activation.is_silu and b13 is None and b2 is None and w13.dtype in ACTIVATION_DTYPES
+    native = native_experts() if applies and _on_cpu(x_sorted) and w13.dtype == w2.dtype else None
+    if native is None:
+        return expert_mlp(x_sorted, counts, w13, w2, b13=b13, b2=b2, activation=activation)
+    check_expert_weights(x_sorted.shape[-1], w13, w2)
+    check_expert_biases(w13, w2, b13, b2)
+    check_sorted_counts(x_sorted, counts, w13.shape[0])
+    return native.silu_expert_mlp(x_sorted.contiguous(), _host_counts(counts), w13.contiguous(), w2.contiguous())
+
+
+def cpu_pair_expert_mlp(
+    x: torch.Tensor,          # [T, H]
+    slot_ids: torch.Tensor,   # [T, K]
+    weights: torch.Tensor,    # [T, K]
+    w13: torch.Tensor,        # [E, 2I, H]
+    w2: torch.Tensor,         # [E, H, I]
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: ExpertActivation = ExpertActivation(),
+) -> torch.Tensor:            # [T, H], weighted sum over each token's K experts
+    """The compiled kernel over the router's pairs where it applies (the family puts this here only where
+    `native_experts()` built), else `pair_expert_mlp`. Callable inside a captured step: every check is on
+    static properties."""
+    applies = (activation.is_silu and b13 is None and b2 is None and x.device.type == "cpu"
+               and x.dtype in ACTIVATION_DTYPES and w13.dtype in ACTIVATION_DTYPES and w13.dtype == w2.dtype)
+    if not applies:
+        return pair_expert_mlp(x, slot_ids, weights, w13, w2, b13=b13, b2=b2, activation=activation)
+    check_expert_weights(x.shape[-1], w13, w2)
+    return torch.ops.moe_cpu.routed_expert_mlp(x.contiguous(), slot_ids.to(torch.int64).contiguous(),
+                                               weights.float().contiguous(), w13.contiguous(), w2.contiguous())
+
+
+def cpu_int8_expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                        w2: torch.Tensor, w2_scale: torch.Tensor) -> torch.Tensor:   # see int8_expert_mlp
+    native = native_experts() if _on_cpu(x_sorted) else None
+    if native is None:
+        return int8_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale)
+    check_int8_expert_weights(x_sorted.shape[-1], w13, w13_scale, w2, w2_scale)
+    check_sorted_counts(x_sorted, counts, w13.shape[0])
+    return native.silu_expert_mlp(x_sorted.contiguous(), _host_counts(counts), w13.contiguous(), w2.contiguous(),
+                                  w13_scale.float().contiguous(), w2_scale.float().contiguous())
+
+
+def cpu_int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:   # see int8_linear
+    rows = math.prod(x.shape[:-1])
+    native = native_experts() if _on_cpu(x) and rows <= LINEAR_MAX_ROWS else None
+    if native is None:
+        return int8_linear(x, weight, scale, bias)
+    check_int8_weight(weight, scale)
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"int8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [..., K] and "
+                         f"[N, K]")
+    out = native.rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous(),
+                             scale.float().reshape(-1).contiguous())   # [T, N]
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def cpu_fp8_expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                       w2: torch.Tensor, w2_scale: torch.Tensor, block_k: int) -> torch.Tensor:   # see fp8_expert_mlp
+    native = native_experts() if _on_cpu(x_sorted) else None
+    if native is None:
+        return fp8_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale, block_k)
+    check_fp8_expert_weights(x_sorted.shape[-1], w13, w13_scale, w2, w2_scale, block_k)
+    check_sorted_counts(x_sorted, counts, w13.shape[0])
+    return native.silu_expert_mlp(x_sorted.contiguous(), _host_counts(counts), w13.contiguous(), w2.contiguous(),
+                                  w13_scale.contiguous(), w2_scale.contiguous(), block_k)
+
+
+def cpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+                   bias: torch.Tensor | None = None, bit_decode_suits: bool | None = None) -> torch.Tensor:
+    """fp8_linear: the compiled kernel at decode row counts, the torch twin elsewhere. `bit_decode_suits`: the
+    load plan's word on the weight (`Fp8InMemory.plan`; False where it holds NaN codes), which the twin takes too."""
+    rows = math.prod(x.shape[:-1])
+    if bit_decode_suits is None:
+        check_fp8_linear(x, weight, scale, block_k)
+    native = native_experts() if _on_cpu(x) and rows <= LINEAR_MAX_ROWS and bit_decode_suits is not False else None
+    if native is None:
+        return fp8_linear_prechecked(x, weight, scale, block_k, bias, bit_decode_suits)
+    out = native.rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous(), scale.contiguous(),
+                             block_k)   # [T, N]
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _on_cpu(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in ACTIVATION_DTYPES and not torch.compiler.is_compiling()
+
+
+def _host_counts(counts: torch.Tensor) -> torch.Tensor:
+    return counts.to(torch.int64).contiguous()
