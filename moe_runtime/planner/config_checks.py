@@ -11,7 +11,6 @@ be planned for minutes), top-k to the expert count, and the dtype to a known one
 from __future__ import annotations
 
 import json
-import math
 import os
 import stat
 import sys
@@ -90,16 +89,22 @@ def parse_config(raw: bytes) -> dict:
         raise ConfigError("config.json", "is nested too deeply to be a model config") from None
     except json.JSONDecodeError as exc:
         raise ConfigError("config.json", f"is not JSON ({exc.msg}, line {exc.lineno})") from None
-    except ValueError as exc:   # an integer of more digits than Python converts, or NaN/Infinity
-        raise ConfigError("config.json", str(exc) if "NaN" in str(exc) or "Infinity" in str(exc) else
-                          f"holds an integer of more than {sys.get_int_max_str_digits()} digits") from None
+    except NonFiniteConstant as exc:
+        raise ConfigError("config.json", str(exc)) from None
+    except ValueError:   # an integer of more digits than Python converts
+        raise ConfigError("config.json", f"holds an integer of more than {sys.get_int_max_str_digits()} "
+                                         "digits") from None
     if not isinstance(config, dict):
         raise ConfigError("config.json", f"must be a JSON object, not {type(config).__name__}")
     return config
 
 
+class NonFiniteConstant(ValueError):
+    """JSON's non-standard NaN / Infinity / -Infinity, which no size can be."""
+
+
 def _refuse_constant(name: str):
-    raise ValueError(f"holds {name}, which is not a size")
+    raise NonFiniteConstant(f"holds {name}, which is not a size")
 
 
 def check_config(config: dict, moe: bool) -> None:
@@ -143,5 +148,5 @@ def text_config_of(config: dict) -> dict | None:
 
 
 def _shown(value: object) -> str:
-    text = repr(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."

@@ -79,11 +79,7 @@ class CheckpointReader:
 
     def _parameter_handle(self, name: str):
         """The open file of a compressed module's stored parameter (not listed: the module's weight is)."""
-        file_name = self._parameter_files[name]
-        handle = self._handles.get(file_name)
-        if handle is None:
-            handle = self._handles[file_name] = safe_open(str(self.directory / file_name), framework="pt")
-        return handle
+        return self._file(self._parameter_files[name])
 
     def _read_parameter(self, name: str) -> torch.Tensor:
         tensor = self._parameter_handle(name).get_tensor(self._stored(name))
@@ -241,6 +237,10 @@ class CheckpointReader:
         file_name = self.tensor_to_file.get(name)
         if file_name is None:
             raise CheckpointError(f"tensor {name!r} is missing from checkpoint {self.directory}")
+        return self._file(file_name)
+
+    def _file(self, file_name: str):
+        """The safetensors file `file_name`, opened on first use."""
         handle = self._handles.get(file_name)
         if handle is None:
             path = self.directory / file_name
