@@ -86,6 +86,21 @@ def unauthorized() -> APIError:
                     None, "invalid_api_key")
 
 
+def admission(keys: ApiKeys | None, admin: AdminKey, authorization: str,
+              admin_route: bool) -> tuple[int | None, APIError | None]:
+    """(the tenant key's index, None) for a request that may go on, (None, the refusal) for one that may not: a
+    tenant key or the admin key where keys are set, and on an admin route `server.admin_routes`' rule."""
+    key_index = keys.identify(authorization) if keys is not None else None
+    presented = presented_key(authorization)
+    if keys is not None and key_index is None and not admin.matches(presented):
+        return None, unauthorized()
+    if admin_route:
+        refusal = admin.refusal(keys is not None and keys.several, presented)
+        if refusal is not None:
+            return None, refusal
+    return key_index, None
+
+
 @dataclass
 class ApiKeyGate:
     """ASGI middleware: 401 for every HTTP request without a key, except on `OPEN_PATHS`; a request that
@@ -107,17 +122,11 @@ class ApiKeyGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        authorization = headers.get(b"authorization", b"").decode("latin-1")
-        key_index = self.keys.identify(authorization) if self.keys is not None else None
-        presented = presented_key(authorization)
-        if self.keys is not None and key_index is None and not self.admin.matches(presented):
-            await self._refuse(unauthorized(), scope, receive, send, headers)
+        key_index, refusal = admission(self.keys, self.admin, headers.get(b"authorization", b"").decode("latin-1"),
+                                       scope["path"] in ADMIN_PATHS)
+        if refusal is not None:
+            await self._refuse(refusal, scope, receive, send, headers)
             return
-        if scope["path"] in ADMIN_PATHS:
-            refusal = self.admin.refusal(self.keys is not None and self.keys.several, presented)
-            if refusal is not None:
-                await self._refuse(refusal, scope, receive, send, headers)
-                return
         if key_index is not None:
             scope.setdefault("state", {})[KEY_INDEX_STATE] = key_index
         await self.app(scope, receive, send)
@@ -146,13 +155,8 @@ def api_key_dependency(api_key: str | Sequence[str] | None, admin_key: str | Non
     admin_rule = AdminKey(admin_key)
 
     async def require_api_key(request: Request) -> None:
-        authorization = request.headers.get("authorization", "")
-        presented = presented_key(authorization)
-        if keys is not None and keys.identify(authorization) is None and not admin_rule.matches(presented):
-            raise unauthorized()
-        if admin:
-            refusal = admin_rule.refusal(keys is not None and keys.several, presented)
-            if refusal is not None:
-                raise refusal
+        _, refusal = admission(keys, admin_rule, request.headers.get("authorization", ""), admin)
+        if refusal is not None:
+            raise refusal
 
     return require_api_key
