@@ -78,6 +78,6 @@ def test_summary_fails_on_any_failed_check_and_names_it():
     part.finish()
     report = CheckReport(mode="gpu", command=[], results_file="r.json", started_at=0.0, parts=[part])
     assert part.status == "failed" and not report.ok
-    assert report.summary()["failed_checks"] == ["moe_runtime/kernels/paged_decode_attention/y/B5/bfloat16"]
+    assert report.summary()["failed_checks"] == ["kernels/paged_decode_attention/y/B5/bfloat16"]
     table = summary_table(report)
     assert "FAIL:" in table and "3 elements outside" in table and "1 CUDA device visible" in table
