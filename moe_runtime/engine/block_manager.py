@@ -99,6 +99,8 @@ class BlockManager:
         seq.window_tables = window_tables
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
+        if not seq.output_token_ids:   # its first admission: a preempted request's recompute is not a cache hit
+            seq.prefix_hit_tokens = seq.num_cached_tokens
         if reuse:
             self.prefix_cache.counters.queries += seq.num_tokens
             self.prefix_cache.counters.hits += seq.num_cached_tokens

@@ -363,6 +363,7 @@ class EngineCore:
             deltas.append(TokenDelta(seq.request_id, tokens, logprobs if seq.params.logprobs is not None else None,
                                      reason.value if reason else None, None, seq.num_preemptions,
                                      prompt_logprobs=scored_prompts.get(seq.request_id), kv_export=export,
+                                     cached_prompt_tokens=None if seq.queue_reported else seq.prefix_hit_tokens,
                                      queue_seconds=self._queue_seconds_once(seq)))
         Speculation.after_step(self.speculation, self.runner.last_hidden, sampling)   # a model drafter drafts (MTP)
         if self.exports is not None:

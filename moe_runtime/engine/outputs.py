@@ -34,6 +34,8 @@ class TokenDelta:
     prompt_logprobs: PromptLogprobs | None = None  # in the request's first delta only, when it asked for them
     kv_export: KVExportInfo | None = None     # prefill instance: its blocks are parked for a decode instance
     queue_seconds: float | None = None        # arrival on the ranks to its first scheduled step (once, when known)
+    cached_prompt_tokens: int | None = None   # prompt tokens the prefix cache held, in its first delta (usage's
+                                              # cached_tokens)
 
 
 @dataclass
@@ -61,6 +63,8 @@ class RequestOutput:
     prompt_logprobs: list[PromptTokenLogprob | None] | None = None  # one per prompt token (the first: None),
                                                                     # when the request asked for prompt_logprobs
     kv_handle: KVHandle | None = None         # prefill instance: where its parked KV blocks are, for a decode one
+    cached_prompt_tokens: int = 0             # prompt tokens served from the prefix cache (OpenAI's cached_tokens)
+    stop_string: str | None = None            # the stop string that ended it (finish_reason "stop"), if one did
 
 
 def error_message(exc: BaseException, limit: int = 200) -> str:

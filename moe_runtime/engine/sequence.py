@@ -56,6 +56,7 @@ class Sequence:
     queued_at: float = 0.0                         # perf_counter when it arrived here (its queue time's start)
     queue_seconds: float | None = None             # arrival to first scheduled step, once known
     queue_reported: bool = False                   # ... and handed out in a delta
+    prefix_hit_tokens: int = 0                     # prompt tokens its first admission found in the prefix cache
 
     def __post_init__(self) -> None:
         if self.sampling_seed < 0:

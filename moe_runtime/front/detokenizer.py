@@ -8,6 +8,7 @@ from dataclasses import dataclass
 class StopMatch:
     text: str      # output text cut before the stop string
     matched: bool
+    stop: str | None = None   # the stop string found (Anthropic's `stop_sequence` names it)
 
 
 def cut_at_stop(text: str, stop_strings: list[str], search_from: int) -> StopMatch:
@@ -19,7 +20,8 @@ def cut_at_stop(text: str, stop_strings: list[str], search_from: int) -> StopMat
             best = index
     if best == -1:
         return StopMatch(text, False)
-    return StopMatch(text[:best], True)
+    found = min((stop for stop in stop_strings if text.startswith(stop, best)), key=len)
+    return StopMatch(text[:best], True, found)
 
 
 @dataclass

@@ -51,6 +51,8 @@ class RequestState:
     num_preemptions: int = 0
     export_kv: bool = False           # a prefill instance parks its KV after its first token (sent so again on resume)
     prompt_logprobs: list[PromptTokenLogprob | None] | None = None   # from the first delta, when asked for
+    cached_prompt_tokens: int = 0     # from the first delta: prompt tokens the prefix cache held
+    stop_string: str | None = None    # the stop string that ended it
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -106,6 +108,8 @@ class OutputProcessor:
         params = state.params
         if delta.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = delta.prompt_logprobs.entries()
+        if delta.cached_prompt_tokens is not None:
+            state.cached_prompt_tokens = delta.cached_prompt_tokens
         new_tokens: list[int] = []
         new_logprobs: list[TokenLogprob] = []
         for index, token in enumerate(delta.new_token_ids):
@@ -121,7 +125,7 @@ class OutputProcessor:
             if params.stop and len(state.token_ids) >= params.min_tokens:
                 match = cut_at_stop(state.text, params.stop, previous_len)
                 if match.matched:
-                    state.text = match.text
+                    state.text, state.stop_string = match.text, match.stop
                     return self._output(state, new_tokens, new_logprobs, finished=True, finish_reason="stop",
                                         error=None)
         if delta.finish_reason is not None:
@@ -147,6 +151,8 @@ class OutputProcessor:
             new_text=self._new_text(state, finished),
             error=error,
             prompt_logprobs=state.prompt_logprobs,
+            cached_prompt_tokens=state.cached_prompt_tokens,
+            stop_string=state.stop_string,
         )
 
     @staticmethod

@@ -30,9 +30,13 @@ class ChoiceTracker:
     num_tokens: int = 0
     started: bool = False
     kv_handle: object | None = None    # prefill instance: its parked KV's `KVHandle`, on the last output
+    cached_prompt_tokens: int = 0      # prompt tokens the prefix cache held (usage's cached_tokens)
+    stop_string: str | None = None     # the stop string that ended it, if one did
 
     def advance(self, output: RequestOutput) -> ChoiceDelta:
         self.num_tokens = len(output.token_ids)
+        self.cached_prompt_tokens = max(self.cached_prompt_tokens, output.cached_prompt_tokens)
+        self.stop_string = output.stop_string
         if output.finished:
             self.finish_reason = output.finish_reason
             self.kv_handle = output.kv_handle

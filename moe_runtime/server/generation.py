@@ -72,6 +72,16 @@ class Generation:
         return sum(seen.values())
 
     @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens the prefix cache held, each distinct prompt counted once (its first choice's count)."""
+        seen: dict[int, int] = {}
+        for spec in self.choices:
+            tracker = self.trackers.get(spec.index)
+            if tracker is not None:
+                seen.setdefault(spec.prompt_index, tracker.cached_prompt_tokens)
+        return sum(seen.values())
+
+    @property
     def completion_tokens(self) -> int:
         return sum(tracker.num_tokens for tracker in self.trackers.values())
 
