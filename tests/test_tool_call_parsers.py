@@ -76,12 +76,17 @@ def test_known_text_reads_the_same_streamed_in_any_pieces_and_whole(case):
         assert len({c["id"] for c in calls}) == len(calls)
 
 
-def test_arguments_stream_as_they_grow():
+def test_a_call_is_held_until_complete_then_sent_whole():
+    """Each call is checked before it is sent, so nothing of it goes out until it is complete: then its
+    announcement and its arguments in one delta."""
     text = KNOWN_TEXTS["hermes"][1]
-    _, _, deltas = stream_in_pieces(HermesParser(), text, 1)
-    fragments = [d.function.arguments for d in deltas if d.index == 0 and d.function.name is None]
-    assert len(fragments) > 10   # not one fragment at the end of the call
-    assert "".join(fragments) == WEATHER_ARGS
+    first_call_end = text.index("</tool_call>") + len("</tool_call>")
+    stream = ToolCallStream(HermesParser(), MAX_CALLS)
+    pieces = [stream.feed(character) for character in text]
+    assert not any(piece.tool_calls for piece in pieces[:first_call_end - 1])
+    sent = pieces[first_call_end - 1].tool_calls
+    assert [(d.id is not None, d.function.name, d.function.arguments) for d in sent] == [
+        (True, "get_weather", ""), (False, None, WEATHER_ARGS)]
 
 
 @pytest.mark.parametrize("parser,text", [
@@ -103,16 +108,19 @@ def test_text_that_is_not_a_call_stays_content_streamed_and_whole(parser, text):
 def test_a_marker_split_over_pieces_is_never_sent_as_content():
     stream = ToolCallStream(HermesParser(), MAX_CALLS)
     assert stream.feed("Hello <tool").content == "Hello "
-    assert stream.feed('_call>{"name": "f", "arguments": {"a"').content == ""
-    assert stream.calls and stream.calls[0].name == "f"
+    piece = stream.feed('_call>{"name": "f", "arguments": {"a"')
+    assert (piece.content, piece.tool_calls, stream.calls) == ("", [], [])   # held until the call is complete
+    piece = stream.feed(': 1}}</tool_call>')
+    assert [(d.function.name, d.function.arguments) for d in piece.tool_calls] == [("f", ""), (None, '{"a": 1}')]
 
 
-def test_a_truncated_call_is_content_when_whole_and_a_prefix_when_streamed():
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+def test_a_truncated_call_is_content_streamed_and_whole():
+    """Cut by max_tokens, a call cannot be used: streamed, nothing of it was sent (calls are held until complete),
+    so both readings give its text as content."""
+    text = 'Let me see. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
     whole = read_message(HermesParser(), MAX_CALLS, text)
     assert whole.content == text and not whole.tool_calls
-    _, calls, _ = stream_in_pieces(HermesParser(), text, 3)
-    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == '{"city": "Pa'
+    assert stream_in_pieces(HermesParser(), text, 3)[:2] == (text, [])
 
 
 def test_max_calls_keeps_the_first_calls_only():

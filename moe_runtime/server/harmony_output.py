@@ -16,6 +16,7 @@ from moe_runtime.server.harmony_parse import HarmonyStream
 from moe_runtime.server.harmony_render import REASONING_EFFORTS, HarmonyPrompt
 from moe_runtime.server.harmony_tokens import STOPS
 from moe_runtime.server.protocol import AssistantMessage, ChatCompletionRequest, ChatMessage
+from moe_runtime.server.tool_calls.call_check import ANY_OBJECT_ARGUMENTS, CallCheck
 from moe_runtime.server.tool_calls.stream import StreamPiece
 
 
@@ -99,5 +100,6 @@ class HarmonyFormat:
                 ids.append(token_id)
         return ids
 
-    def reader(self) -> HarmonyChoiceReader:
-        return HarmonyChoiceReader(SpecialTokenDetokenizer(self.tokenizer))
+    def reader(self, check: CallCheck = ANY_OBJECT_ARGUMENTS) -> HarmonyChoiceReader:
+        """A choice's reader, sending the calls that pass `check` (the request's `ToolCallReader.check`)."""
+        return HarmonyChoiceReader(SpecialTokenDetokenizer(self.tokenizer), HarmonyStream(check=check))

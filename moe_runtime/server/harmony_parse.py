@@ -5,9 +5,11 @@ message's body goes where its channel and recipient say:
 
 - `analysis` (the chain of thought) -> reasoning;
 - `final` -> content;
-- `commentary` addressed `to=functions.NAME` -> a tool call NAME whose arguments are the body (announced
-  with the header, arguments streamed as they come); `commentary` to no one (a preamble the model
-  shows the user before calling tools) -> content;
+- `commentary` addressed `to=functions.NAME` -> a tool call NAME whose arguments are the body, held until
+  the body ends and sent whole if it passes the request's check (`server.tool_calls.call_check`: an offered
+  name, arguments valid for its schema), else the body is content (the message's markers delimit it, so the
+  messages after it read as usual); `commentary` to no one (a preamble the model shows the user before
+  calling tools) -> content;
 - anything else addressed to a recipient outside `functions` (gpt-oss's built-in browser and python
   tools, which this server does not run) -> reasoning, so nothing the model wrote is lost.
 
@@ -22,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from moe_runtime.front.output_processor import held_back_suffix
-from moe_runtime.server.harmony_tokens import BODY_ENDS, CALL, CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE, START
-from moe_runtime.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from moe_runtime.server.harmony_tokens import BODY_ENDS, CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE, START
+from moe_runtime.server.protocol import ToolCall
+from moe_runtime.server.tool_calls.call_check import ANY_OBJECT_ARGUMENTS, CallCheck
 from moe_runtime.server.tool_calls.parser import openai_call_id
-from moe_runtime.server.tool_calls.stream import NO_ARGUMENTS, StreamPiece
+from moe_runtime.server.tool_calls.stream_piece import NO_ARGUMENTS, SentCall, StreamPiece, whole_call
 
 RECIPIENT = re.compile(r"to=([^\s<]+)")
 HEADER_MARKERS = [MESSAGE, START, CHANNEL, CONSTRAIN]
@@ -58,21 +61,16 @@ def parse_header(header: str) -> Header:
 
 
 @dataclass
-class HarmonyCall:
-    id: str
-    name: str
-    arguments: str = ""
-    complete: bool = False
-
-
-@dataclass
 class HarmonyStream:
     new_call_id: Callable[[], str] = openai_call_id
-    calls: list[HarmonyCall] = field(default_factory=list)
+    check: CallCheck = ANY_OBJECT_ARGUMENTS   # which calls may be sent (the request's `OfferedTools`)
+    calls: list[SentCall] = field(default_factory=list)
     _pending: str = ""
     _state: str = "header"          # "header" (until <|message|>), "body", "between" (until <|start|>)
     _target: str = "content"
     _seen_marker: bool = False      # any harmony marker so far (else, at the end, the text is plain content)
+    _call_name: str | None = None   # the call whose body is being read (held until the body ends)
+    _call_body: str = ""
 
     def feed(self, text: str) -> StreamPiece:
         self._pending += text
@@ -88,8 +86,7 @@ class HarmonyStream:
         return bool(self.calls)
 
     def tool_calls(self) -> list[ToolCall]:
-        return [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments or NO_ARGUMENTS))
-                for call in self.calls]
+        return [call.as_tool_call() for call in self.calls]
 
     def _advance(self, final: bool) -> StreamPiece:
         piece = StreamPiece()
@@ -117,10 +114,7 @@ class HarmonyStream:
     def _open_body(self, header: Header, piece: StreamPiece) -> None:
         self._state, self._target = "body", header.target
         if self._target == "call":
-            name = header.recipient[len(FUNCTIONS):]
-            self.calls.append(HarmonyCall(self.new_call_id(), name))
-            piece.tool_calls.append(DeltaToolCall(index=len(self.calls) - 1, id=self.calls[-1].id, type="function",
-                                                  function=DeltaFunctionCall(name=name, arguments="")))
+            self._call_name, self._call_body = header.recipient[len(FUNCTIONS):], ""
 
     def _read_body(self, piece: StreamPiece, final: bool) -> bool:
         found = [(index, marker) for marker in BODY_ENDS if (index := self._pending.find(marker)) >= 0]
@@ -145,19 +139,20 @@ class HarmonyStream:
         elif self._target == "content":
             piece.content += text
         else:
-            call = self.calls[-1]
-            call.arguments += text
-            piece.tool_calls.append(DeltaToolCall(index=len(self.calls) - 1,
-                                                  function=DeltaFunctionCall(arguments=text)))
+            self._call_body += text
 
     def _close_body(self, piece: StreamPiece) -> None:
-        if self._state == "body" and self._target == "call" and not self.calls[-1].complete:
-            call = self.calls[-1]
-            call.complete = True
-            if not call.arguments.strip():   # a call with no arguments: OpenAI's clients expect an object
-                call.arguments = NO_ARGUMENTS
-                piece.tool_calls.append(DeltaToolCall(index=len(self.calls) - 1,
-                                                      function=DeltaFunctionCall(arguments=NO_ARGUMENTS)))
+        """The end of a call's body: the call is sent if it passes the check, else its body is content. A call
+        with no arguments gets `{}` (OpenAI's clients expect an object)."""
+        if self._call_name is None:
+            return
+        name, body, self._call_name = self._call_name, self._call_body, None
+        arguments = body if body.strip() else NO_ARGUMENTS
+        if not self.check.accepts(name, arguments):
+            piece.content += body
+            return
+        self.calls.append(SentCall(self.new_call_id(), name, arguments, complete=True))
+        piece.tool_calls += whole_call(len(self.calls) - 1, self.calls[-1])
 
     def _skip_to_start(self, final: bool) -> bool:
         start = self._pending.find(START)

@@ -64,15 +64,16 @@ class DeepSeekV3Parser:
     def _after_arguments(text: str, pos: int, final: bool) -> int | None:
         """The index after the closing fence and `<｜tool▁call▁end｜>`; what is missing at the very end of
         the text is forgiven."""
-        i = skip_whitespace(text, pos)
+        i = pos
         for literal in (FENCE_CLOSE, CALL_END):
+            i = skip_whitespace(text, i)
             if text.startswith(literal, i):
-                i = skip_whitespace(text, i + len(literal))
-            elif i >= len(text) or literal.startswith(text[i:]):
+                i += len(literal)   # whitespace after the call is not its own: where it ends must not depend on
+            elif i >= len(text) or literal.startswith(text[i:]):   # how much of the text has come
                 return len(text) if final else None
             else:
                 return i
         return i
 
-    def new_call_id(self) -> str:
+    def new_call_id(self, name: str, index: int) -> str:
         return openai_call_id()

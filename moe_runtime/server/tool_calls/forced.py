@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_runtime.server.tool_calls.object_calls import call_in_array
-from moe_runtime.server.tool_calls.parser import CallScan, SectionStart, openai_call_id
+from moe_runtime.server.tool_calls.parser import CallScan, SectionStart, openai_call_id_for
 
 
 @dataclass(frozen=True)
 class ForcedCallsParser:
-    call_ids: Callable[[], str] = openai_call_id   # the model family's ids, so replayed history fits its template
+    call_ids: Callable[[str, int], str] = openai_call_id_for   # the family's ids, so replayed history fits its template
     name: str = "forced"
 
     def find_start(self, text: str, final: bool) -> SectionStart:
@@ -21,5 +21,5 @@ class ForcedCallsParser:
     def scan_call(self, text: str, pos: int, final: bool) -> CallScan | None:
         return call_in_array(text, pos, final)
 
-    def new_call_id(self) -> str:
-        return self.call_ids()
+    def new_call_id(self, name: str, index: int) -> str:
+        return self.call_ids(name, index)

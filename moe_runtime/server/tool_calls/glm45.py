@@ -79,5 +79,5 @@ class Glm45Parser:
         return scan_pairs(text, name, k, CLOSE, KEY_OPEN, read_key_value,
                           lambda raw, key: glm_value(raw, self.parameter_types.type_of(name, key)))
 
-    def new_call_id(self) -> str:
+    def new_call_id(self, name: str, index: int) -> str:
         return openai_call_id()

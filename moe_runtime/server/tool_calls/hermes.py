@@ -46,5 +46,5 @@ class HermesParser:
             return None
         return i   # something else follows: the call is complete, the section ends here
 
-    def new_call_id(self) -> str:
+    def new_call_id(self, name: str, index: int) -> str:
         return openai_call_id()

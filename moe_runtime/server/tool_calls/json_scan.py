@@ -6,7 +6,8 @@ A parser must tell, after every new piece of text, which part of a call's argume
 functions do, in one pass over the text: strings (with escapes) and the nesting of objects and arrays
 are tracked exactly; a scalar (number, true, false, null) ends at the first character that cannot
 continue it, so one that reaches the end of the text is not known to be complete. They check structure,
-not every literal: the final arguments are still validated with `json.loads`.
+not every literal: a call's arguments are still parsed and checked before it is sent
+(`server.tool_calls.call_check`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 WHITESPACE = " \t\n\r"
-SCALAR_END = frozenset(",}]" + WHITESPACE)
+SCALAR_END = re.compile(r"[,}\] \t\n\r]")   # what ends a number, true, false or null
 STRING_SPECIAL = re.compile(r'["\\]')
 CONTAINER_SPECIAL = re.compile(r'["{}\[\]]')
 
@@ -72,10 +73,8 @@ def value_end(text: str, i: int) -> int | None:
                 return j
     if first in "}],:":
         raise NotJson(f"a value cannot start with {first!r}")
-    j = i
-    while j < len(text) and text[j] not in SCALAR_END:
-        j += 1
-    return j if j < len(text) else None
+    end = SCALAR_END.search(text, i)
+    return end.start() if end is not None else None
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ def object_prefix(text: str, i: int) -> ObjectPrefix:
         key_end = string_end(text, j)
         if key_end is None:
             break
-        key = json.loads(text[j:key_end])
+        key = decoded_string(text[j:key_end])
         j = skip_whitespace(text, key_end)
         if j >= len(text):
             break
@@ -134,15 +133,18 @@ def object_prefix(text: str, i: int) -> ObjectPrefix:
     return ObjectPrefix(members, None)
 
 
+def decoded_string(literal: str) -> str:
+    """A complete JSON string literal's value. Raises `NotJson` for one JSON does not allow (a raw control
+    character, a bad escape)."""
+    try:
+        return json.loads(literal)
+    except ValueError:
+        raise NotJson("not a JSON string") from None
+
+
 def complete_string(text: str, member: Member | None) -> str | None:
-    """The member's value if it is a complete JSON string, else None."""
+    """The member's value if it is a complete JSON string, else None. Raises `NotJson` for a string JSON does not
+    allow."""
     if member is None or member.end is None or text[member.start] != '"':
         return None
-    return json.loads(text[member.start:member.end])
-
-
-def is_json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
+    return decoded_string(text[member.start:member.end])

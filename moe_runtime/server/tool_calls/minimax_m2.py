@@ -61,7 +61,7 @@ def minimax_value(raw: str, json_type: str | None) -> Any:
         return text.lower() in ("true", "1")
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):   # nesting deeper than Python recurses is no value either
         return text
     return value if as_json(value) is not None else text
 
@@ -109,5 +109,5 @@ class MiniMaxM2Parser:
         return scan_pairs(text, name, k, INVOKE_CLOSE, PARAMETER_OPEN, read_parameter,
                           lambda raw, key: minimax_value(raw, self.parameter_types.type_of(name, key)))
 
-    def new_call_id(self) -> str:
+    def new_call_id(self, name: str, index: int) -> str:
         return openai_call_id()

@@ -66,5 +66,5 @@ class MistralParser:
         end = value_end(text, start)
         return CallScan(name, text[start:end if end is not None else len(text)], end)
 
-    def new_call_id(self) -> str:
+    def new_call_id(self, name: str, index: int) -> str:
         return alphanumeric_call_id()

@@ -18,13 +18,16 @@ def call_in_object(text: str, start: int) -> CallScan:
 
 def arguments_text(text: str, member: Member | None) -> str:
     """The arguments' JSON text known so far: an object streams as it grows; a JSON string holding the
-    arguments (some models quote them) counts once complete."""
+    arguments (some models quote them) counts once complete; any other value counts as written once complete
+    (not an object, it fails the call's check)."""
     if member is None:
         return ""
     if text[member.start] == "{":
         return text[member.start:member.end if member.end is not None else len(text)]
-    decoded = complete_string(text, member)
-    return decoded if decoded is not None else ""
+    if text[member.start] == '"':
+        decoded = complete_string(text, member)
+        return decoded if decoded is not None else ""
+    return text[member.start:member.end] if member.end is not None else ""
 
 
 def call_in_array(text: str, pos: int, final: bool) -> CallScan | None:

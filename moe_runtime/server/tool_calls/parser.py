@@ -7,6 +7,7 @@ answers two questions about the text a choice has produced so far, and nothing e
   except a tail that could still turn into the section's marker (held back, not streamed yet).
 - `scan_call`: what does the call starting at `pos` look like so far? Its name once complete, its
   arguments' JSON text as far as it is certain (it only ever grows), and where it ends once complete.
+  What a complete call's scan says must not change as the text grows (a stream sends it then).
 
 `ToolCallStream` (`server.tool_calls.stream`) drives a parser over a growing text and turns the answers
 into OpenAI deltas; a whole response is the same stream run once. Parsers keep no state, so one
@@ -37,12 +38,14 @@ class CallScan:
     """One tool call as far as the text shows it.
 
     `name` is None until it is complete; `arguments` is the arguments' JSON text known so far ("" until
-    they start), a prefix of the final text; `end` is the index after the call once it is complete.
+    they start), a prefix of the final text; `end` is the index after the call once it is complete;
+    `call_id` is the id the model wrote for the call, in formats that write one (Kimi K2).
     """
 
     name: str | None
     arguments: str
     end: int | None
+    call_id: str | None = None
 
 
 PENDING_CALL = CallScan(None, "", None)   # a call may start here, but the text does not show it yet
@@ -60,8 +63,9 @@ class ToolCallParser(Protocol):
         no further call starts there. Raises `NotJson` where the text cannot be this format's call."""
         ...
 
-    def new_call_id(self) -> str:
-        """A fresh id for a call this parser found (some chat templates require a format of their own)."""
+    def new_call_id(self, name: str, index: int) -> str:
+        """A fresh id for the call of `name`, the answer's call number `index` (from 0): some chat templates
+        require ids of their own format, which may include these."""
         ...
 
 
@@ -78,6 +82,11 @@ class SchemaTypedParser(Protocol):
 def openai_call_id() -> str:
     """`call_` and 24 hex digits, as OpenAI's ids look."""
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def openai_call_id_for(name: str, index: int) -> str:
+    """`openai_call_id` as a parser's `new_call_id` (the name and index play no part)."""
+    return openai_call_id()
 
 
 ALPHANUMERIC = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"

@@ -1,67 +1,60 @@
-"""One choice's text as content and OpenAI tool-call deltas, as it grows (`ToolCallStream`) or whole
-(`read_message`).
+"""One choice's text as content and OpenAI tool calls, as it grows (`ToolCallStream`) or whole (`read_message`),
+sending only calls that pass the request's check (`server.tool_calls.call_check`).
 
-Streamed, a call is announced once its name is complete (index, id, type, function name), then its
-arguments follow as fragments that concatenate to the JSON text the model wrote. Content before the
-tool-call section streams as it comes, except a tail that may still turn into the section's marker.
-A whole response goes through the same stream, so the two never disagree; it falls back to plain
-content (no calls) when a call is malformed or incomplete, as a client cannot use half a call.
+The text is read in up to three parts:
 
-Each update rescans only the call in progress (calls are short), and the calls of one choice are
-capped (`max_calls`).
+1. Content, until the parser finds where its tool-call section starts. It streams as it comes, except a tail
+   that may still turn into the section's marker (held back, not streamed yet).
+2. Calls, one after another. Each is held until it is complete, then checked: a call whose name is offered
+   and whose arguments validate is sent whole (its announcement - index, id, type, name - then its arguments in
+   one delta), so a client never receives a call that is later found broken. Sent calls cannot be taken back.
+3. After the calls, one of:
+   - the call in progress cannot be sent (its text is not this format's call, it does not pass the check, or
+     the text ends before it is complete): from that call's first character on, the rest of the text is
+     content, streamed as it comes. So nothing the model wrote is lost, a call that was not sent shows as the
+     text it was, and with no call sent at all the whole answer is content;
+   - the section ends (what follows is not a further call: text after the last call) or `max_calls` calls are
+     sent (`parallel_tool_calls` false: one): the rest is not shown (`dropped_text`), as vLLM's parsers drop it.
 
-A forced answer (`tool_choice` required or named: `only_calls`) is the calls and nothing else: its
-text is the internal JSON array, never content. Cut short (max_tokens), it shows the calls as far as
-they got, streamed and whole alike, and the finish reason ("length") tells the client they are cut.
+A whole response goes through the same stream, so the two never disagree: the same calls (ids apart) and the
+same content, except that a whole answer with calls gives blank content as null, as OpenAI's do. A forced answer
+(`tool_choice` required or named) reads differently: `server.tool_calls.forced_stream`.
+
+Parsers keep no state, so an update rescans the call in progress from its start. Most calls are short and are
+rescanned on every update; a long one (a file's content as an argument) only once the text has grown by a
+fraction of it since its last scan, so reading it costs a few times its length rather than its length squared
+(the update that completes it may then be noticed a little later, at the latest when the text is complete).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moe_runtime.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
-from moe_runtime.server.tool_calls.json_scan import NotJson, is_json_object
-from moe_runtime.server.tool_calls.parser import ToolCallParser
+from moe_runtime.server.tool_calls.call_check import ANY_OBJECT_ARGUMENTS, CallCheck
+from moe_runtime.server.tool_calls.forced_stream import read_forced
+from moe_runtime.server.tool_calls.json_scan import NotJson
+from moe_runtime.server.tool_calls.parser import CallScan, ToolCallParser
+from moe_runtime.server.tool_calls.stream_piece import (NO_ARGUMENTS, ReadMessage, SentCall, StreamPiece,
+                                                        whole_call)
 
-NO_ARGUMENTS = "{}"   # what a complete call that wrote no arguments is given
+__all__ = ["NO_ARGUMENTS", "ReadMessage", "StreamPiece", "ToolCallStream", "read_message"]
 
-
-@dataclass
-class StreamPiece:
-    """What one update adds: content text and tool-call deltas (and reasoning, where a reasoning parser or
-    harmony split it off: `server.chat_reading`)."""
-
-    content: str = ""
-    tool_calls: list[DeltaToolCall] = field(default_factory=list)
-    reasoning: str = ""
-
-    def extend(self, other: "StreamPiece") -> None:
-        self.content += other.content
-        self.tool_calls += other.tool_calls
-        self.reasoning += other.reasoning
-
-
-@dataclass
-class SentCall:
-    """What the client has been sent of one call."""
-
-    id: str
-    name: str | None = None
-    arguments: str = ""
-    complete: bool = False
+CONTENT, CALLS, REST_IS_CONTENT, REST_DROPPED = "content", "calls", "rest is content", "rest dropped"
+RESCAN_ALWAYS = 512   # a call in progress up to this long is rescanned on every update
+RESCAN_GROWTH = 8     # a longer one once the text has grown by 1/RESCAN_GROWTH of it since its last scan
 
 
 @dataclass
 class ToolCallStream:
     parser: ToolCallParser
     max_calls: int
-    only_calls: bool = False          # a forced answer: the text is never content, even when the calls break off
+    check: CallCheck = ANY_OBJECT_ARGUMENTS
     text: str = ""
     calls: list[SentCall] = field(default_factory=list)
-    malformed: bool = False           # a call went wrong after some were sent: the rest is dropped
+    section_start: int | None = None   # where the tool-call section starts, once found
+    calls_end: int = 0                 # the end of the last call sent (where the call in progress starts)
+    _part: str = CONTENT               # which part of the text is being read (the module's docstring)
     _content_sent: int = 0
-    _section: int | None = None       # where the tool-call section starts, once found
-    _plain: bool = False              # the section was not tool calls after all: all text is content
-    _call_pos: int = 0                # where the call in progress starts
+    _last_scan: tuple[int, int] = (-1, 0)   # (where the call scanned starts, how long the text was)
 
     def feed(self, text: str) -> StreamPiece:
         self.text += text
@@ -73,22 +66,33 @@ class ToolCallStream:
 
     @property
     def called(self) -> bool:
-        """True once a call has been announced."""
+        """True once a call has been sent."""
         return bool(self.calls)
+
+    @property
+    def calls_text(self) -> str:
+        """The text of the calls sent, as the model wrote it."""
+        return "" if self.section_start is None else self.text[self.section_start:self.calls_end]
+
+    @property
+    def dropped_text(self) -> str:
+        """The text after the calls that is not shown (neither content nor calls)."""
+        return self.text[self.calls_end:] if self._part == REST_DROPPED else ""
 
     def _advance(self, final: bool) -> StreamPiece:
         piece = StreamPiece()
-        if self._section is None and not self._plain:
+        if self._part == CONTENT:
             start = self.parser.find_start(self.text, final)
             if start.index is None:
                 self._send_content(piece, len(self.text) - (0 if final else start.held))
                 return piece
             self._send_content(piece, start.index)
-            self._section = self._call_pos = start.index
-        if self._plain:
+            self.section_start = self.calls_end = start.index
+            self._part = CALLS
+        if self._part == CALLS:
+            self._read_calls(piece, final)
+        if self._part == REST_IS_CONTENT:
             self._send_content(piece, len(self.text))
-            return piece
-        self._scan_calls(piece, final)
         return piece
 
     def _send_content(self, piece: StreamPiece, upto: int) -> None:
@@ -96,74 +100,72 @@ class ToolCallStream:
             piece.content += self.text[self._content_sent:upto]
             self._content_sent = upto
 
-    def _scan_calls(self, piece: StreamPiece, final: bool) -> None:
-        while not self.malformed and len(self._complete_calls()) < self.max_calls:
+    def _read_calls(self, piece: StreamPiece, final: bool) -> None:
+        while self._part == CALLS:
+            if len(self.calls) >= self.max_calls:
+                self._part = REST_DROPPED
+                return
+            if not final and not self._worth_rescanning():
+                return
+            self._last_scan = (self.calls_end, len(self.text))
             try:
-                scan = self.parser.scan_call(self.text, self._call_pos, final)
+                scan = self.parser.scan_call(self.text, self.calls_end, final)
             except NotJson:
-                self._give_up(piece)
+                self._rest_is_content()
                 return
-            if scan is None or (scan.name is None and scan.end is None):
-                return   # no further call, or nothing to announce yet
-            if scan.name is None:   # a complete call without a name
-                self._give_up(piece)
+            if scan is None:   # no further call here: the section is over (or never held one)
+                self._part = REST_DROPPED if self.calls else REST_IS_CONTENT
+                self._content_sent = self.calls_end
                 return
-            if not self.calls or self.calls[-1].complete:
-                self.calls.append(SentCall(self.parser.new_call_id()))
-            index, call = len(self.calls) - 1, self.calls[-1]
-            if call.name is None:
-                call.name = scan.name
-                piece.tool_calls.append(DeltaToolCall(index=index, id=call.id, type="function",
-                                                      function=DeltaFunctionCall(name=scan.name, arguments="")))
-            arguments = scan.arguments or (NO_ARGUMENTS if scan.end is not None else "")
-            if not arguments.startswith(call.arguments):   # sent fragments cannot be taken back
-                self.malformed = True
+            if scan.end is None:   # the call is not complete yet
+                if final:
+                    self._rest_is_content()
                 return
-            if len(arguments) > len(call.arguments):
-                piece.tool_calls.append(DeltaToolCall(
-                    index=index, function=DeltaFunctionCall(arguments=arguments[len(call.arguments):])))
-                call.arguments = arguments
-            if scan.end is None:
+            arguments = scan.arguments or NO_ARGUMENTS
+            if scan.name is None or not self.check.accepts(scan.name, arguments):
+                self._rest_is_content()
                 return
-            call.complete = True
-            self._call_pos = scan.end
+            self._send_call(piece, scan, arguments)
 
-    def _complete_calls(self) -> list[SentCall]:
-        return [call for call in self.calls if call.complete]
+    def _worth_rescanning(self) -> bool:
+        """Whether the call in progress is to be scanned again now (the module's docstring)."""
+        in_progress = len(self.text) - self.calls_end
+        start, scanned = self._last_scan
+        grown = len(self.text) - scanned
+        return start != self.calls_end or in_progress <= RESCAN_ALWAYS or grown * RESCAN_GROWTH >= in_progress
 
-    def _give_up(self, piece: StreamPiece) -> None:
-        """The text is not (or no longer) this format's calls: before any call was sent, it was all content;
-        after, the rest is dropped (a forced answer's text is never content)."""
-        if self.calls or self.only_calls:
-            self.malformed = True
-            return
-        self._plain = True
-        self._send_content(piece, len(self.text))
+    def _send_call(self, piece: StreamPiece, scan: CallScan, arguments: str) -> None:
+        index = len(self.calls)
+        call = SentCall(self._call_id(scan, index), scan.name, arguments, complete=True)
+        self.calls.append(call)
+        piece.tool_calls += whole_call(index, call)
+        self.calls_end = scan.end
+
+    def _call_id(self, scan: CallScan, index: int) -> str:
+        """The id the model wrote, else a fresh one; unique within the answer (a client matches each result to
+        its call by id)."""
+        used = {call.id for call in self.calls}
+        if scan.call_id is not None and scan.call_id not in used:
+            return scan.call_id
+        candidate = index
+        while (call_id := self.parser.new_call_id(scan.name, candidate)) in used:
+            candidate += 1
+        return call_id
+
+    def _rest_is_content(self) -> None:
+        """The call in progress cannot be sent: from its first character on, the text is content."""
+        self._part = REST_IS_CONTENT
+        self._content_sent = self.calls_end
 
 
-@dataclass(frozen=True)
-class ReadMessage:
-    """A whole answer read for tool calls: content (None when empty) and the calls (empty when none)."""
-
-    content: str | None
-    tool_calls: list[ToolCall]
-
-
-def read_message(parser: ToolCallParser, max_calls: int, text: str, only_calls: bool = False) -> ReadMessage:
-    """`text` through a `ToolCallStream`; calls only if every one is complete with a JSON object as arguments
-    (otherwise the whole text is the content, as vLLM answers). With `only_calls` (a forced answer) the calls
-    as far as the text has them, and no content."""
-    stream = ToolCallStream(parser, max_calls, only_calls)
+def read_message(parser: ToolCallParser, max_calls: int, text: str, only_calls: bool = False,
+                 check: CallCheck = ANY_OBJECT_ARGUMENTS) -> ReadMessage:
+    """`text` through a `ToolCallStream`: the calls it sends and its content (null when empty, or blank with
+    calls). With `only_calls` (a forced answer) the calls as far as the text has them, and no content."""
+    if only_calls:
+        return read_forced(parser, max_calls, text)
+    stream = ToolCallStream(parser, max_calls, check)
     piece = stream.feed(text)
     piece.extend(stream.finish())
-    calls = stream.calls
-    if only_calls:
-        return ReadMessage(None, [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-                                  for call in calls])
-    usable = calls and not stream.malformed and all(call.complete and is_json_object(call.arguments)
-                                                    for call in calls)
-    if not usable:
-        return ReadMessage(text or None, [])
-    content = piece.content if piece.content.strip() else None
-    return ReadMessage(content, [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-                                 for call in calls])
+    content = piece.content if piece.content.strip() or not stream.calls else ""
+    return ReadMessage(content or None, [call.as_tool_call() for call in stream.calls])

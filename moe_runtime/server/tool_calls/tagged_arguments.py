@@ -45,10 +45,10 @@ class ParameterTypes:
 
 
 def as_json(value: Any) -> str | None:
-    """`value` as strict JSON text, or None when it has no JSON form (a set, NaN, ...)."""
+    """`value` as strict JSON text, or None when it has no JSON form (a set, NaN, nesting too deep to write, ...)."""
     try:
         return json.dumps(value, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return None
 
 
