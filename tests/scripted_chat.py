@@ -23,10 +23,12 @@ class ScriptedChatEngine(FakeEngine):
         self.finish_reason = finish_reason
         self.prompts: list[list[int]] = []
         self.stop_token_ids: list[list[int]] = []
+        self.params: list = []   # every request's SamplingParams
 
     def add_request(self, request_id, prompt_token_ids, params) -> None:
         self.prompts.append(list(prompt_token_ids))
         self.stop_token_ids.append(list(params.stop_token_ids))
+        self.params.append(params)
         super().add_request(request_id, prompt_token_ids, params)
 
     def step(self) -> list[RequestOutput]:

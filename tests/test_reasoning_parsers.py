@@ -7,6 +7,7 @@ from scripted_chat import ScriptedChatEngine, run_chat, text_pieces
 from transformers import AutoTokenizer
 
 from moe_runtime.server.reasoning.parser import ReasoningPiece, split_whole
+from moe_runtime.server.reasoning.prompt_state import PromptReasoning, prompt_reasoning
 from moe_runtime.server.reasoning.selection import THINK_PARSERS, ReasoningChoiceError, choose_reasoning
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,7 +27,36 @@ CASES = [
     ("glm45", "<think>GLM thinks.</think>GLM answers.", "GLM thinks.", "GLM answers."),
     ("glm45", "Plain <think> in the middle", "", "Plain <think> in the middle"),
     ("minimax_m2_append_think", "kept</think>\nall content", "", "<think>kept</think>\nall content"),
+    ("deepseek_v3", "<think>V3.1 thinks.</think>It answers.", "V3.1 thinks.", "It answers."),
+    ("deepseek_v3", "No block: thinking was off.", "", "No block: thinking was off."),
+    ("kimi_k2", "<think>K2 thinks.</think>\nK2 answers.", "K2 thinks.", "K2 answers."),
 ]
+
+
+# (parser, where the prompt left the block, model text, expected reasoning, expected content)
+PROMPT_CASES = [
+    ("deepseek_r1", PromptReasoning.CLOSED, "Thinking was off.", "", "Thinking was off."),
+    ("deepseek_v3", PromptReasoning.OPEN, "Opened by the template.</think>Answer.", "Opened by the template.",
+     "Answer."),
+    ("qwen3", PromptReasoning.OPEN, "Qwen3-Thinking's template opened it.</think>\n\nYes.",
+     "Qwen3-Thinking's template opened it.", "Yes."),
+    ("qwen3", PromptReasoning.CLOSED, "<think>thinks anyway</think>ok", "thinks anyway", "ok"),
+    ("minimax_m2_append_think", PromptReasoning.CLOSED, "no block to put back", "", "no block to put back"),
+]
+
+
+@pytest.mark.parametrize("name,prompt,text,reasoning,content", PROMPT_CASES)
+def test_the_prompts_end_decides_where_the_answer_starts(name, prompt, text, reasoning, content):
+    assert split_whole(THINK_PARSERS[name], text, prompt) == ReasoningPiece(reasoning, content)
+
+
+def test_the_prompt_state_is_read_from_the_rendered_prompts_last_tokens(tiny_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir), local_files_only=True)
+    for prompt, state in [("<|im_start|>assistant\n<think>\n", PromptReasoning.OPEN),
+                          ("<|im_start|>assistant\n<think>\n\n</think>\n\n", PromptReasoning.CLOSED),
+                          ("<|im_start|>assistant\n", PromptReasoning.UNSAID)]:
+        assert prompt_reasoning(tokenizer, tokenizer.encode(prompt)) is state
+    assert prompt_reasoning(None, [1, 2]) is PromptReasoning.UNSAID
 
 
 @pytest.mark.parametrize("name,text,reasoning,content", CASES)
@@ -46,7 +76,7 @@ def test_a_text_streamed_in_two_pieces_at_every_boundary_splits_the_same(name, t
 
 @pytest.mark.parametrize("name", sorted(THINK_PARSERS))
 def test_a_text_streamed_one_character_at_a_time_never_leaks_a_tag(name):
-    text = "<think>a</think>b" if name in ("qwen3", "glm45") else "a</think>b"
+    text = "a</think>b" if getattr(THINK_PARSERS[name], "implicit_start", True) else "<think>a</think>b"
     stream = THINK_PARSERS[name].stream()
     pieces = [stream.feed(ch) for ch in text] + [stream.finish()]
     if name == "minimax_m2_append_think":

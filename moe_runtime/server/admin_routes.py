@@ -35,7 +35,7 @@ class AdminKey:
     key: str | None
 
     def matches(self, presented: str | None) -> bool:
-        """Whether the key a request presented (`server.auth.presented_key`) is this one (constant time)."""
+        """Whether the key a request presented (`server.auth.request_key`) is this one (constant time)."""
         return (self.key is not None and presented is not None
                 and secrets.compare_digest(presented.encode(), self.key.encode()))
 

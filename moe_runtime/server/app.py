@@ -35,11 +35,17 @@ from moe_runtime.server.head_requests import HeadAsGet
 from moe_runtime.server.json_body import documented_body, install_body_schemas, json_body
 from moe_runtime.server.logprobs import TokenNamer
 from moe_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from moe_runtime.server.messages.protocol import MessagesBody, MessagesRequest
+from moe_runtime.server.messages.routes import messages_router
 from moe_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from moe_runtime.server.prompt_size import PromptSizeBound
 from moe_runtime.server.request_conversion import ModelInfo, chat_choices, check_model, completion_choices
 from moe_runtime.server.server_config import DEFAULT_MAX_REQUEST_BYTES
-from moe_runtime.server.sse import EventStreamResponse, sse_stream
+from moe_runtime.server.responding import respond
+from moe_runtime.server.responses.protocol import ResponsesRequest
+from moe_runtime.server.responses.routes import responses_router
+from moe_runtime.server.responses.store import ResponseStore
+from moe_runtime.server.serving_context import ServingContext
 from moe_runtime.server.stream_usage import stream_usage
 from moe_runtime.server.tenant_salt import TenantSalts
 from moe_runtime.server.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
@@ -71,12 +77,14 @@ def build_app(
     model_type: str | None = None,
     reasoning_parser: str | None = None,
     admin_key: str | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """`tool_call_parser` names the parser of tool calls (`server.tool_calls.selection.PARSERS`); None chooses
     one from the chat template, then `model_type` (config.json's). `reasoning_parser` names the reasoning
     split (`server.reasoning.selection`; a gpt-oss `model_type` gets harmony in any case). `api_key`: one key, or one per tenant (each
     tenant's requests then share prefix-cache blocks only among themselves: `server.tenant_salt`). `admin_key`:
-    the operator's key, which the routes acting on every tenant need (`server.admin_routes`)."""
+    the operator's key, which the routes acting on every tenant need (`server.admin_routes`). `response_store`
+    keeps the Responses API's answers (`server.responses.store`; None: one with the default bounds)."""
     app = FastAPI(title="moe-runtime", version=moe_runtime.__version__)
     app.state.async_engine = async_engine
     app.state.metrics = metrics = ServerMetrics()
@@ -90,8 +98,10 @@ def build_app(
     conversions = ConversionThreads()
     namer = TokenNamer(async_engine.tokenizer)
     salts = TenantSalts.for_keys(ApiKeys.of(api_key))
+    app.state.serving = ServingContext(async_engine, model, metrics, conversions, salts, namer, reasoning, harmony)
     install_error_handlers(app)
-    install_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    install_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                               ResponsesRequest, MessagesRequest, MessagesBody])
 
     # the last added runs first: HEAD as GET, count refusals, check the key, then the size, then route
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
@@ -137,7 +147,7 @@ def build_app(
                                         continuous_usage=usage.continuous,
                                         echo=body.echo, num_logprobs=body.logprobs or 0,
                                         prompt_logprobs=body.prompt_logprobs)
-        return await respond(generation, formatter, body.stream, request)
+        return await respond(generation, formatter, body.stream, request, metrics)
 
     @v1.post("/chat/completions", openapi_extra=documented_body(ChatCompletionRequest))
     async def chat_completions(request: Request,
@@ -148,36 +158,8 @@ def build_app(
                                      body_bytes=declared_length(request.headers))
         generation = Generation(async_engine, f"chatcmpl-{uuid.uuid4().hex}", chat.choices, metrics)
         formatter = ChatFormatter(generation, served_model_name, namer, body.logprobs, usage.final,
-                                  continuous_usage=usage.continuous, tool_calls=chat.tool_calls,
-                                  reasoning=reasoning.parser, harmony=harmony)
-        return await respond(generation, formatter, body.stream, request)
-
-    async def respond(generation: Generation, formatter, stream: bool, request: Request) -> Response:
-        try:
-            await generation.start()
-        except MoERuntimeError as exc:  # refused: invalid, queue full, engine dead
-            raise as_api_error(exc) from exc
-        if stream:
-            return EventStreamResponse(
-                sse_stream(generation, metrics, formatter.opening, formatter.chunks, formatter.closing))
-        watcher = asyncio.create_task(abort_on_disconnect(request, generation))
-        try:
-            async for event in generation.events():
-                formatter.add(event)
-        except MoERuntimeError as exc:  # the engine died under the request
-            raise as_api_error(exc) from exc
-        finally:
-            watcher.cancel()
-            generation.close()
-        if any(t.finish_reason == "abort" for t in generation.trackers.values()):
-            metrics.requests.inc("aborted")
-            return JSONResponse(APIError(499, "the client closed the request", "aborted").body(), status_code=499)
-        metrics.requests.inc("success")
-        kv_transfer_params = generation.kv_transfer_params()
-        if kv_transfer_params is not None:   # a prefill instance's answer: where the prompt's KV waits
-            return JSONResponse({**formatter.response().model_dump(mode="json"),
-                                 "kv_transfer_params": kv_transfer_params})
-        return formatter.response()
+                                  continuous_usage=usage.continuous, reading=chat.reading(reasoning, harmony))
+        return await respond(generation, formatter, body.stream, request, metrics)
 
     @app.get("/health")
     async def health() -> Response:
@@ -217,6 +199,8 @@ def build_app(
         return JSONResponse(snapshot.to_dict())
 
     app.include_router(v1)
+    app.include_router(responses_router(app.state.serving, response_store or ResponseStore()))
+    app.include_router(messages_router(app.state.serving))
     for router in extra_routers:
         app.include_router(router)
     for mount in mounts:
@@ -256,16 +240,3 @@ def status_label(http_status: int) -> str:
     if http_status < 500:
         return "bad_request"
     return "error"
-
-
-async def abort_on_disconnect(request: Request, generation: Generation) -> None:
-    """A plain (non-streamed) request whose client left is aborted: nobody will read its answer.
-
-    The body has been read, so the server's next ASGI message for this request is the disconnect:
-    wait for it (no polling); the response finishing first cancels this watcher.
-    """
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    if not generation.finished:
-        logger.info("client of %s disconnected; aborting", generation.request_id)
-        generation.close()

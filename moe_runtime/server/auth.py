@@ -2,9 +2,12 @@
 
 `ApiKeyGate` is a pure ASGI middleware: it decides from the request headers alone, before a byte of
 the body is read, so a client without the key cannot make the server read, parse or tokenize
-anything. The key comes as `Authorization: Bearer <key>` (API clients) or as the password of
+anything. The key comes as `Authorization: Bearer <key>` (API clients), as the password of
 `Authorization: Basic` (any user name): a browser opening /dashboard or /docs gets a Basic challenge,
-asks its user for the key once, and then sends it with every request of the page by itself.
+asks its user for the key once, and then sends it with every request of the page by itself; or as
+`x-api-key: <key>`, Anthropic's header (Claude Code and Anthropic's SDKs send the key that way), on every
+route alike. A request presents one key: its Authorization header's when that carries one, else its
+x-api-key (`request_key`).
 
 Several keys (one per tenant) may be given: any of them opens the routes, and the gate records which one
 a request presented (its index, `KEY_INDEX_STATE` in the request's state) so that the app can keep the
@@ -44,6 +47,24 @@ def presented_key(authorization: str) -> str | None:
     return None
 
 
+def request_key(authorization: str, x_api_key: str | None) -> str | None:
+    """The key a request presents: its `Authorization` header's (Bearer token, Basic password) if that carries one,
+    else its `x-api-key` header's; None if it presents none."""
+    presented = presented_key(authorization)
+    if presented is not None:
+        return presented
+    if x_api_key is None or not x_api_key.strip():
+        return None
+    return x_api_key.strip()
+
+
+def key_in_headers(headers: dict[bytes, bytes]) -> str | None:
+    """`request_key` of an ASGI scope's headers (names lowercased, as ASGI gives them)."""
+    x_api_key = headers.get(b"x-api-key")
+    return request_key(headers.get(b"authorization", b"").decode("latin-1"),
+                       x_api_key.decode("latin-1") if x_api_key is not None else None)
+
+
 def key_matches(authorization: str, api_key: str) -> bool:
     presented = presented_key(authorization)
     return presented is not None and secrets.compare_digest(presented.encode(), api_key.encode())
@@ -71,10 +92,9 @@ class ApiKeys:
     def several(self) -> bool:
         return len(self.keys) > 1
 
-    def identify(self, authorization: str) -> int | None:
-        """The index of the key an `Authorization` header carries; None if it carries none of them. Every
+    def identify(self, presented: str | None) -> int | None:
+        """The index of the key a request presented (`request_key`); None if it is none of them. Every
         key is compared, in constant time each, so the time taken does not tell which key matched."""
-        presented = presented_key(authorization)
         if presented is None:
             return None
         matches = [secrets.compare_digest(presented.encode(), key.encode()) for key in self.keys]
@@ -82,16 +102,16 @@ class ApiKeys:
 
 
 def unauthorized() -> APIError:
-    return APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error",
-                    None, "invalid_api_key")
+    return APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                    "authentication_error", None, "invalid_api_key")
 
 
-def admission(keys: ApiKeys | None, admin: AdminKey, authorization: str,
+def admission(keys: ApiKeys | None, admin: AdminKey, presented: str | None,
               admin_route: bool) -> tuple[int | None, APIError | None]:
     """(the tenant key's index, None) for a request that may go on, (None, the refusal) for one that may not: a
-    tenant key or the admin key where keys are set, and on an admin route `server.admin_routes`' rule."""
-    key_index = keys.identify(authorization) if keys is not None else None
-    presented = presented_key(authorization)
+    tenant key or the admin key where keys are set, and on an admin route `server.admin_routes`' rule.
+    `presented`: the key the request presented (`request_key`)."""
+    key_index = keys.identify(presented) if keys is not None else None
     if keys is not None and key_index is None and not admin.matches(presented):
         return None, unauthorized()
     if admin_route:
@@ -122,8 +142,7 @@ class ApiKeyGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        key_index, refusal = admission(self.keys, self.admin, headers.get(b"authorization", b"").decode("latin-1"),
-                                       scope["path"] in ADMIN_PATHS)
+        key_index, refusal = admission(self.keys, self.admin, key_in_headers(headers), scope["path"] in ADMIN_PATHS)
         if refusal is not None:
             await self._refuse(refusal, scope, receive, send, headers)
             return
@@ -138,7 +157,7 @@ class ApiKeyGate:
             extra["WWW-Authenticate"] = BROWSER_REALM if not scope["path"].startswith("/v1/") else "Bearer"
         if declares_body(headers):
             extra["Connection"] = "close"
-        response = error.response()
+        response = error.response(scope["path"])   # in the shape of the API the path belongs to
         response.headers.update(extra)
         await response(scope, receive, send)
 
@@ -155,7 +174,8 @@ def api_key_dependency(api_key: str | Sequence[str] | None, admin_key: str | Non
     admin_rule = AdminKey(admin_key)
 
     async def require_api_key(request: Request) -> None:
-        _, refusal = admission(keys, admin_rule, request.headers.get("authorization", ""), admin)
+        presented = request_key(request.headers.get("authorization", ""), request.headers.get("x-api-key"))
+        _, refusal = admission(keys, admin_rule, presented, admin)
         if refusal is not None:
             raise refusal
 

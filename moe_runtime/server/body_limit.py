@@ -88,6 +88,6 @@ class RequestSizeLimit:
             await self._refuse(scope, receive, send)
 
     async def _refuse(self, scope, receive, send) -> None:
-        response = too_large(self.max_bytes).response()
+        response = too_large(self.max_bytes).response(scope["path"])   # in the shape of the path's API
         response.headers["Connection"] = "close"
         await response(scope, receive, send)

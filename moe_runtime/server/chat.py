@@ -10,14 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_runtime.server.completions import api_finish_reason, usage_of
+from moe_runtime.server.errors import APIError
 from moe_runtime.server.generation import ChoiceEvent, Generation
 from moe_runtime.server.logprobs import TokenNamer, chat_logprobs
 from moe_runtime.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                          ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, DeltaMessage)
 from moe_runtime.server.chat_reading import ChatReading, ChoiceReader
-from moe_runtime.server.harmony_output import HarmonyFormat
-from moe_runtime.server.reasoning.parser import ReasoningParser
-from moe_runtime.server.tool_calls.plan import ToolCallReader
 
 
 def chat_finish_reason(reason: str | None, called_tools: bool) -> str | None:
@@ -34,16 +32,14 @@ class ChatFormatter:
     want_logprobs: bool
     include_usage: bool = False
     continuous_usage: bool = False            # usage so far in every chunk (vLLM's continuous_usage_stats)
-    tool_calls: ToolCallReader | None = None
-    reasoning: ReasoningParser | None = None   # --reasoning-parser (a <think> family)
-    harmony: HarmonyFormat | None = None       # the model answers in harmony channels (gpt-oss)
+    reading: ChatReading = ChatReading()       # tool calls, reasoning split or harmony channels (`chat_reading`)
     _logprobs: dict[int, list[ChatTokenLogprob]] = field(default_factory=dict)
     _readers: dict[int, ChoiceReader] = field(default_factory=dict)
 
     def _reader(self, index: int) -> ChoiceReader:
         reader = self._readers.get(index)
         if reader is None:
-            reader = self._readers[index] = ChatReading(self.tool_calls, self.reasoning, self.harmony).choice()
+            reader = self._readers[index] = self.reading.choice()
         return reader
 
     def _chunk(self, choices: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:
@@ -76,6 +72,12 @@ class ChatFormatter:
 
     def closing(self) -> list[ChatCompletionChunk]:
         return [self._chunk([], usage_of(self.generation))] if self.include_usage else []
+
+    def failure(self, error: APIError) -> list[dict]:
+        return [error.body()]
+
+    def error_body(self, error: APIError) -> dict:
+        return error.body()
 
     # whole response
     def add(self, event: ChoiceEvent) -> None:

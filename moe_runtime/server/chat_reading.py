@@ -22,6 +22,7 @@ from moe_runtime.server.deltas import ChoiceDelta
 from moe_runtime.server.harmony_output import HarmonyFormat
 from moe_runtime.server.protocol import AssistantMessage
 from moe_runtime.server.reasoning.parser import ReasoningParser, ReasoningStream, split_whole
+from moe_runtime.server.reasoning.prompt_state import PromptReasoning
 from moe_runtime.server.tool_calls.plan import ToolCallReader
 from moe_runtime.server.tool_calls.stream import StreamPiece, ToolCallStream
 
@@ -45,12 +46,13 @@ class ChoiceReader(Protocol):
 class TextChoiceReader:
     tool_calls: ToolCallReader | None = None
     reasoning: ReasoningParser | None = None
+    prompt: PromptReasoning = PromptReasoning.UNSAID
     _text: str = ""
     _reasoning_stream: ReasoningStream | None = None
     _tool_stream: ToolCallStream | None = None
 
     def __post_init__(self) -> None:
-        self._reasoning_stream = self.reasoning.stream() if self.reasoning is not None else None
+        self._reasoning_stream = self.reasoning.stream(self.prompt) if self.reasoning is not None else None
         self._tool_stream = self.tool_calls.stream() if self.tool_calls is not None else None
 
     @property
@@ -85,7 +87,7 @@ class TextChoiceReader:
     def message(self) -> AssistantMessage:
         reasoning, content = None, self._text
         if self.reasoning is not None:
-            split = split_whole(self.reasoning, self._text)
+            split = split_whole(self.reasoning, self._text, self.prompt)
             reasoning, content = split.reasoning or None, split.content or None
         if self.tool_calls is None:
             return AssistantMessage(content=content, reasoning_content=reasoning, reasoning=reasoning)
@@ -101,9 +103,10 @@ class ChatReading:
     tool_calls: ToolCallReader | None = None     # the request offered tools (None: plain content)
     reasoning: ReasoningParser | None = None     # --reasoning-parser, a <think> family
     harmony: HarmonyFormat | None = None         # the model answers in harmony channels
+    prompt: PromptReasoning = PromptReasoning.UNSAID   # where the prompt left the reasoning block
 
     def choice(self) -> ChoiceReader:
         forced = self.tool_calls is not None and self.tool_calls.forced
-        if self.harmony is not None and not forced:
-            return self.harmony.reader()
-        return TextChoiceReader(self.tool_calls, None if forced else self.reasoning)
+        if self.harmony is not None and not forced:   # harmony's calls pass the request's tool check too
+            return self.harmony.reader(self.tool_calls.check) if self.tool_calls is not None else self.harmony.reader()
+        return TextChoiceReader(self.tool_calls, None if forced else self.reasoning, self.prompt)

@@ -212,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(30 by default) by a few seconds. 0: stop at once. Ctrl-C and a second SIGTERM stop at once")
     g.add_argument("--max-request-bytes", type=parse_size, default=s.max_request_bytes,
                    help="largest request body accepted, e.g. 4M; larger ones get HTTP 413")
+    g.add_argument("--response-store-bytes", type=parse_size, default=s.response_store_bytes, metavar="SIZE",
+                   help="memory for the Responses API's stored answers (previous_response_id, GET "
+                        "/v1/responses/{id}), all API keys together, e.g. 256M; the oldest go first")
+    g.add_argument("--response-ttl", dest="response_ttl_s", type=non_negative_int, default=s.response_ttl_s,
+                   metavar="SECONDS", help="how long a stored Responses answer is kept")
     g.add_argument("--log-level", default=s.log_level, choices=["debug", "info", "warning", "error"],
                    help="server and engine log verbosity; info logs one line per finished request, "
                         "debug also uvicorn's access log")

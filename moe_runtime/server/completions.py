@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe_runtime.server.errors import APIError
 from moe_runtime.server.generation import ChoiceEvent, ChoiceSpec, Generation
 from moe_runtime.server.logprobs import TokenNamer, completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
 from moe_runtime.server.protocol import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
@@ -96,6 +97,12 @@ class CompletionFormatter:
                                    usage=usage_of(self.generation))]
 
     # whole response
+    def failure(self, error: APIError) -> list[dict]:
+        return [error.body()]
+
+    def error_body(self, error: APIError) -> dict:
+        return error.body()
+
     def add(self, event: ChoiceEvent) -> None:
         part = self._part(event)
         if self.want_logprobs:

@@ -1,4 +1,8 @@
-"""OpenAI-style error bodies (`{"error": {"message", "type", "param", "code"}}`) and the app's handlers.
+"""Error bodies and the app's handlers: OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`) on
+every path but the Messages API's, which answer in Anthropic's (`{"type": "error", "error": {"type", "message"}}`,
+`speaks_anthropic`), so each API's client reads its own errors: the official `anthropic` client raises by
+status and reads `error.type` and `error.message`. Whoever answers an error (a handler, a middleware, a stream's
+error event) picks the shape by the request's path (`APIError.response(path)`).
 
 What a client is told is meant for the client: a 4xx names the parameter at fault; a 5xx says only
 what failed (the engine is unavailable, it failed this request, an internal error). Internal details
@@ -25,6 +29,12 @@ INTERNAL_ERROR_MESSAGE = "internal error (see the server log)"
 ENGINE_UNAVAILABLE_MESSAGE = "the engine is unavailable"
 REQUEST_FAILED_MESSAGE = "the engine failed this request"
 MAX_ECHOED_CHARS = 120   # a client's own value quoted back in a 400, shortened beyond this
+ANTHROPIC_PATH = "/v1/messages"   # the Messages API's routes (and any path below): errors in Anthropic's shape
+# Anthropic's error types by HTTP status; any other 4xx is an invalid request, any other 5xx an api_error. A 503
+# (starting, draining, engine gone) is Anthropic's "overloaded": try again later, perhaps elsewhere.
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 503: "overloaded_error"}
 
 
 @dataclass
@@ -44,9 +54,34 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape: its error type follows from the status (`ANTHROPIC_ERROR_TYPES`). It has no `param`:
+        the message names the parameter at fault (led by it, where the message alone does not)."""
+        message = self.message
+        if self.param is not None and self.param not in message:
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": anthropic_error_type(self.status), "message": message}}
+
+    def body_for(self, path: str | None) -> dict:
+        """The body in the shape of the API that `path` belongs to (None: OpenAI's)."""
+        return self.anthropic_body() if speaks_anthropic(path) else self.body()
+
+    def response(self, path: str | None = None) -> JSONResponse:
+        """The error response to a request for `path` (its API's shape; None: OpenAI's)."""
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body_for(path), status_code=self.status, headers=headers)
+
+
+def speaks_anthropic(path: str | None) -> bool:
+    """Whether `path` is one of the Messages API's (`/v1/messages`, `/v1/messages/count_tokens`, ...)."""
+    return path is not None and (path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"))
+
+
+def anthropic_error_type(status: int) -> str:
+    known = ANTHROPIC_ERROR_TYPES.get(status)
+    if known is not None:
+        return known
+    return "api_error" if status >= 500 else "invalid_request_error"
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -111,19 +146,21 @@ def short_repr(value: object) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Every error a route raises, answered in its API's shape (by the request's path: `APIError.response`)."""
+
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.scope["path"])
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response(request.scope["path"])
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), kind, None, None).response()
+        return APIError(exc.status_code, str(exc.detail), kind, None, None).response(request.scope["path"])
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return as_api_error(exc).response()
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return as_api_error(exc).response(request.scope["path"])

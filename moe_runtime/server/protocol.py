@@ -201,6 +201,16 @@ MAX_TOOLS = 128                               # OpenAI's limit on tools per requ
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"   # OpenAI's letters, digits, _ and - (plus . and :), 1-64
 
 
+def schema_with_bounded_depth(schema: dict | None) -> dict | None:
+    """A tool's parameter schema, refused when nested deeper than structured output's bound: chat templates and
+    the tool-call checks walk it recursively (every API's tools: chat's, the Responses and Messages APIs')."""
+    depth = object_nesting_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the schema is nested {depth} levels deep (objects and arrays); at most "
+                         f"{MAX_SCHEMA_DEPTH} are accepted")
+    return schema
+
+
 class FunctionDefinition(RequestModel):
     name: str = Field(pattern=FUNCTION_NAME_PATTERN)
     description: str | None = None
@@ -210,12 +220,7 @@ class FunctionDefinition(RequestModel):
     @field_validator("parameters")
     @classmethod
     def schema_depth_is_bounded(cls, parameters: dict | None) -> dict | None:
-        """Chat templates and the tool-call checks walk a schema recursively: bounded as structured output's."""
-        depth = object_nesting_depth(parameters)
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"the schema is nested {depth} levels deep (objects and arrays); at most "
-                             f"{MAX_SCHEMA_DEPTH} are accepted")
-        return parameters
+        return schema_with_bounded_depth(parameters)
 
 
 class ToolDefinition(RequestModel):
@@ -245,6 +250,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | NamedToolChoice | None = None    # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None             # vLLM's: extra variables for the chat template
+    continue_final_message: bool = False                 # vLLM's: the answer continues the last (assistant) message
     reasoning_effort: str | None = None                  # gpt-oss (harmony): low, medium, high
     echo: bool = False                                   # vLLM's extension: not implemented (a 400)
     prompt_logprobs: int | None = None                   # vLLM's extension: /v1/completions only (a 400 here)

@@ -21,9 +21,13 @@ from moe_runtime.sampling.structured_output.spec import FIELD, StructuredOutputS
 from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
 from moe_runtime.server.errors import APIError, bad_request
 from moe_runtime.server.generation import ChoiceSpec
+from moe_runtime.server.chat_reading import ChatReading
 from moe_runtime.server.harmony_output import HarmonyFormat
 from moe_runtime.server.kv_transfer_request import with_kv_transfer
 from moe_runtime.server.prompt_size import PromptSizeBound
+from moe_runtime.server.reasoning.prompt_state import PromptReasoning, prompt_reasoning
+from moe_runtime.server.reasoning.request_options import thinking_variables
+from moe_runtime.server.reasoning.selection import ReasoningChoice
 from moe_runtime.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, digit_keys
 from moe_runtime.server.request_work import (chat_logprob_views, check_choices, check_logprobs, check_prompt_tokens,
                                              completion_logprob_views)
@@ -94,8 +98,15 @@ def completion_prompts(request: CompletionRequest, model: ModelInfo) -> list[lis
 
 
 def chat_prompt(request: ChatCompletionRequest, model: ModelInfo, tools: list[dict] | None = None) -> list[int]:
-    """The conversation rendered with the tokenizer's chat template, ending in the assistant header."""
-    return render_chat(request.messages, model, tools, request=request)
+    """The conversation rendered with the tokenizer's chat template, ending in the assistant header; with
+    `continue_final_message`, inside the last message instead, the assistant's, which the answer continues (a
+    prefill: the Messages API's final assistant turn)."""
+    prefill = request.continue_final_message
+    if prefill and (request.messages[-1].role != "assistant" or model.harmony is not None):
+        raise bad_request("continue_final_message continues the last message, which must be the assistant's (and "
+                          "a harmony model's answer cannot continue one)", "continue_final_message")
+    return render_chat(request.messages, model, tools, add_generation_prompt=not prefill,
+                       continue_final_message=prefill, request=request)
 
 
 def render_chat(messages: list[ChatMessage], model: ModelInfo, tools: list[dict] | None = None,
@@ -139,14 +150,16 @@ def template_variables(request: ChatCompletionRequest | None, chat_template: obj
     """A request's `chat_template_kwargs` (e.g. Qwen3's `enable_thinking`) that the template reads (vLLM passes
     only those too: a variable another model's template would read must not break this one), less the names
     `apply_chat_template` itself takes: the request's tools go through `tool_choice`'s plan, never around it."""
-    given = (request.chat_template_kwargs or {}) if request is not None else {}
+    given = {}
+    if request is not None:   # reasoning_effort ("none": thinking off) as the families' variables, the kwargs winning
+        given = {**thinking_variables(None, request.reasoning_effort), **(request.chat_template_kwargs or {})}
     template = chat_template if isinstance(chat_template, str) else ""
     return {key: value for key, value in given.items()
             if isinstance(key, str) and key not in TEMPLATE_ARGUMENTS and key in template}
 
 
 def template_message(message: ChatMessage) -> dict:
-    """A message as chat templates take it: text content, plus the tool-call fields it carries."""
+    """A message as chat templates take it: text content, plus the tool-call and reasoning fields it carries."""
     rendered = {"role": message.role, "content": message.text()}
     if message.name is not None:
         rendered["name"] = message.name
@@ -154,6 +167,9 @@ def template_message(message: ChatMessage) -> dict:
         rendered["tool_call_id"] = message.tool_call_id
     if message.tool_calls is not None:
         rendered["tool_calls"] = [with_parsed_arguments(call) for call in message.tool_calls]
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning:   # templates that keep the last turns' reasoning (Qwen3, DeepSeek-V3.1, GLM) read it so
+        rendered["reasoning_content"] = reasoning
     return rendered
 
 
@@ -291,6 +307,11 @@ def completion_choices(request: CompletionRequest, model: ModelInfo) -> list[Cho
 class ChatConversion:
     choices: list[ChoiceSpec]
     tool_calls: ToolCallReader | None   # reads each choice's tool calls (None: plain content)
+    prompt_reasoning: PromptReasoning = PromptReasoning.UNSAID   # where the prompt left the reasoning block
+
+    def reading(self, reasoning: ReasoningChoice, harmony: HarmonyFormat | None) -> ChatReading:
+        """How each choice's text is read: its tool calls, and its reasoning by the served model's parser."""
+        return ChatReading(self.tool_calls, reasoning.parser, harmony, self.prompt_reasoning)
 
 
 def chat_choices(request: ChatCompletionRequest, model: ModelInfo) -> ChatConversion:
@@ -329,4 +350,5 @@ def chat_choices(request: ChatCompletionRequest, model: ModelInfo) -> ChatConver
             raise bad_request(f"the tools' parameter schemas cannot force the call: {why}", "tools") from exc
         specs = [dataclasses.replace(spec, params=dataclasses.replace(spec.params, structured_output=forced))
                  for spec in specs]
-    return ChatConversion(with_kv_transfer(request, specs), tool_use.reader)
+    return ChatConversion(with_kv_transfer(request, specs), tool_use.reader,
+                          prompt_reasoning(model.tokenizer, prompt))

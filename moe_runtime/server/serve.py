@@ -17,6 +17,7 @@ import uvicorn
 
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.server.app import build_app
+from moe_runtime.server.responses.store import ResponseStore
 from moe_runtime.server.dashboard import dashboard_router
 from moe_runtime.server.engine_launch import EngineLaunch
 from moe_runtime.server.exposure import warn_if_exposed
@@ -72,6 +73,8 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
                             extra_routers=[dashboard_router(api_key, served_engine_config=launch.engine,
                                                             admin_key=admin_key)],
                             max_request_bytes=server_config.max_request_bytes,
+                            response_store=ResponseStore(server_config.response_store_bytes,
+                                                         server_config.response_ttl_s),
                             tool_call_parser=server_config.tool_call_parser,
                             reasoning_parser=server_config.reasoning_parser,
                             model_type=checkpoint_model_type(launch.model_path)))

@@ -16,6 +16,8 @@ class ServerConfigError(MoERuntimeError):
 
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20   # the HTTP request-size limit unless --max-request-bytes says otherwise
+DEFAULT_RESPONSE_STORE_BYTES = 256 * 2**20   # the Responses API's stored answers (`server.responses.store`)
+DEFAULT_RESPONSE_TTL_S = 3600                # ... each kept an hour
 
 @dataclass
 class ResolvedModel:
@@ -32,6 +34,8 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()        # --api-key, repeatable: one per tenant (empty: no key)
     admin_key: str | None = None          # --admin-key: the routes acting on every tenant (server.admin_routes)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES   # larger request bodies get HTTP 413
+    response_store_bytes: int = DEFAULT_RESPONSE_STORE_BYTES   # the Responses API's stored answers, all keys
+    response_ttl_s: int = DEFAULT_RESPONSE_TTL_S               # ... each kept this long
     max_queue: int = 512                  # requests waiting for their first token; more get HTTP 429
     shutdown_timeout_s: int = 20          # SIGTERM: seconds the running requests may take to finish (0: none)
     log_level: str = "info"

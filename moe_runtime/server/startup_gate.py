@@ -41,4 +41,4 @@ def starting_response(path: str, method: str) -> Response:
             return Response(status_code=503)
         return JSONResponse({"status": "starting"}, status_code=503)
     return APIError(503, "the server is starting: the engine is not ready yet", "service_unavailable", None,
-                    "starting", retry_after_s=STARTING_RETRY_AFTER_S).response()
+                    "starting", retry_after_s=STARTING_RETRY_AFTER_S).response(path)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from moe_runtime.server.reasoning.prompt_state import PromptReasoning
+
 
 @dataclass
 class ReasoningPiece:
@@ -36,14 +38,15 @@ class ReasoningStream(Protocol):
 class ReasoningParser(Protocol):
     name: str   # as `--reasoning-parser` names it
 
-    def stream(self) -> ReasoningStream:
-        """A fresh split of one choice's text (parsers keep no state: one parser serves every request)."""
+    def stream(self, prompt: PromptReasoning = PromptReasoning.UNSAID) -> ReasoningStream:
+        """A fresh split of one choice's text (parsers keep no state: one parser serves every request), starting
+        where the prompt left the reasoning block (`server.reasoning.prompt_state`)."""
         ...
 
 
-def split_whole(parser: ReasoningParser, text: str) -> ReasoningPiece:
+def split_whole(parser: ReasoningParser, text: str, prompt: PromptReasoning = PromptReasoning.UNSAID) -> ReasoningPiece:
     """A complete text's reasoning and content, through the same stream a streamed answer uses."""
-    stream = parser.stream()
+    stream = parser.stream(prompt)
     piece = stream.feed(text)
     piece.extend(stream.finish())
     return piece

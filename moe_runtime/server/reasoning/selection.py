@@ -19,6 +19,11 @@ HARMONY = "gpt_oss"
 HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
 THINK_PARSERS = MappingProxyType({
     "deepseek_r1": ThinkTagParser("deepseek_r1", implicit_start=True),
+    # DeepSeek-V3.1+ (V3.2, V4): its template opens <think> when `thinking` is on and closes it when off, so the
+    # prompt's end decides (`prompt_state`); a prompt that says nothing has no reasoning
+    "deepseek_v3": ThinkTagParser("deepseek_v3", implicit_start=False),
+    # Kimi-K2-Thinking (and K2.5) write <think>...</think> themselves
+    "kimi_k2": ThinkTagParser("kimi_k2", implicit_start=False),
     "minimax_m2": ThinkTagParser("minimax_m2", implicit_start=True),
     "qwen3": ThinkTagParser("qwen3", implicit_start=False),
     "glm45": ThinkTagParser("glm45", implicit_start=False),

@@ -1,6 +1,8 @@
 """The `<think>...</think>` families: DeepSeek-R1, Qwen3, GLM-4.5, MiniMax-M2.
 
-They differ in one thing: whether the chat template already opened the block (`implicit_start`). DeepSeek-R1's
+They differ in one thing: whether the chat template already opened the block (`implicit_start`), the default
+when the rendered prompt's end does not say (`server.reasoning.prompt_state`: a prompt that ends in `<think>`
+or `</think>` decides). DeepSeek-R1's
 and MiniMax-M2's templates end the prompt with `<think>`, so the answer starts inside the reasoning and
 only `</think>` shows where it ends (vLLM's `deepseek_r1` and `minimax_m2` read it so); an answer that never
 closes the block is all reasoning. Qwen3 and GLM-4.5 write `<think>` themselves, and an answer that does
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from moe_runtime.front.output_processor import held_back_suffix
 from moe_runtime.server.reasoning.parser import ReasoningPiece
+from moe_runtime.server.reasoning.prompt_state import PromptReasoning
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -72,8 +75,12 @@ class ThinkTagParser:
     name: str
     implicit_start: bool   # the chat template opened the block: the answer starts in the reasoning
 
-    def stream(self) -> ThinkTagStream:
-        return ThinkTagStream(self.implicit_start)
+    def stream(self, prompt: PromptReasoning = PromptReasoning.UNSAID) -> ThinkTagStream:
+        """The prompt's end overrides the family's default: an open block starts the answer in its reasoning, a
+        closed one (thinking off) in its content, unless the answer opens a block itself."""
+        if prompt is PromptReasoning.UNSAID:
+            return ThinkTagStream(self.implicit_start)
+        return ThinkTagStream(implicit_start=prompt is PromptReasoning.OPEN)
 
 
 @dataclass
@@ -95,5 +102,5 @@ class AppendThinkParser:
 
     name: str
 
-    def stream(self) -> AppendThinkStream:
-        return AppendThinkStream()
+    def stream(self, prompt: PromptReasoning = PromptReasoning.UNSAID) -> AppendThinkStream:
+        return AppendThinkStream(_started=prompt is PromptReasoning.CLOSED)   # no block to put back after </think>
