@@ -14,6 +14,7 @@ from typing import Annotated
 import threading
 import time
 
+import agents
 import anthropic
 import httpx
 import openai
@@ -216,7 +217,6 @@ def test_an_agents_sdk_loop_calls_two_tools_then_answers(server):
     through tool_choice (first get_weather, then get_time, then none), the SDK runs each tool and sends its
     output back, and the loop ends in a structured answer. Lengths are bounded in the schemas so that the grammar
     ends every turn before max_tokens (the SDK treats a cut answer as a failure, as it should)."""
-    agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     called: list[tuple[str, str]] = []
     City = Annotated[str, pydantic.Field(max_length=8)]

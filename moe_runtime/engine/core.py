@@ -363,8 +363,7 @@ class EngineCore:
             deltas.append(TokenDelta(seq.request_id, tokens, logprobs if seq.params.logprobs is not None else None,
                                      reason.value if reason else None, None, seq.num_preemptions,
                                      prompt_logprobs=scored_prompts.get(seq.request_id), kv_export=export,
-                                     cached_prompt_tokens=None if seq.queue_reported else seq.prefix_hit_tokens,
-                                     queue_seconds=self._queue_seconds_once(seq)))
+                                     **self._first_delta_fields(seq)))
         Speculation.after_step(self.speculation, self.runner.last_hidden, sampling)   # a model drafter drafts (MTP)
         if self.exports is not None:
             self.exports.note_drafts()   # ... parked requests' too: their handles carry them
@@ -373,12 +372,12 @@ class EngineCore:
         return deltas
 
     @staticmethod
-    def _queue_seconds_once(seq: Sequence) -> float | None:
-        """The request's queue time, in its first delta only."""
+    def _first_delta_fields(seq: Sequence) -> dict:
+        """What a request's first delta alone carries: its queue time and the prompt tokens its prefix cache held."""
         if seq.queue_reported or seq.queue_seconds is None:
-            return None
+            return {}
         seq.queue_reported = True
-        return seq.queue_seconds
+        return {"queue_seconds": seq.queue_seconds, "cached_prompt_tokens": seq.prefix_hit_tokens}
 
     def _finish_prompt_only(self, seq: Sequence, prompt_logprobs: PromptLogprobs | None) -> TokenDelta:
         """End a request that only scores its prompt (max_tokens 0) after its prefill: the token sampled for

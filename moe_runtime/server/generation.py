@@ -68,18 +68,20 @@ class Generation:
     @property
     def prompt_tokens(self) -> int:
         """Each distinct prompt counts once, however many choices it has (as OpenAI counts)."""
-        seen = {spec.prompt_index: len(spec.prompt_token_ids) for spec in self.choices}
-        return sum(seen.values())
+        return self._per_prompt(lambda spec: len(spec.prompt_token_ids))
 
     @property
     def cached_prompt_tokens(self) -> int:
         """Prompt tokens the prefix cache held, each distinct prompt counted once (its first choice's count)."""
-        seen: dict[int, int] = {}
+        return self._per_prompt(lambda spec: self.trackers[spec.index].cached_prompt_tokens
+                                if spec.index in self.trackers else 0)
+
+    def _per_prompt(self, count) -> int:
+        """The sum of `count(spec)` over the distinct prompts, each taken from its first choice."""
+        first: dict[int, int] = {}
         for spec in self.choices:
-            tracker = self.trackers.get(spec.index)
-            if tracker is not None:
-                seen.setdefault(spec.prompt_index, tracker.cached_prompt_tokens)
-        return sum(seen.values())
+            first.setdefault(spec.prompt_index, count(spec))
+        return sum(first.values())
 
     @property
     def completion_tokens(self) -> int:
