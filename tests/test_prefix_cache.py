@@ -128,7 +128,7 @@ def test_cache_events_are_the_net_change_and_a_reset_clears_everything():
     cache = PrefixCache()
     cache.store(0, 111)
     cache.park(0)
-    assert cache.evict_lru() == 0
+    assert cache.evict_lru() == (0, 111), "the block and the hash it held (which a KV tier keeps)"
     cache.store(1, 222)
     events = cache.take_events()
     assert events.stored == [222] and events.evicted == [111] and not events.cleared

@@ -36,6 +36,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096   # tokens one step computes (prefill tokens of a step, chunked or not)
     enable_chunked_prefill: bool = True   # decodes and prefill chunks share each step, under that token budget
     enable_prefix_caching: bool = True    # full KV blocks are reused by requests sharing a prefix
+    # KV tiers below the device pool (moe_runtime/kv_tiers): blocks the pool evicts are kept in host memory and/or
+    # on disk, and a prefix found there is loaded back instead of computed again. Sizes are per rank (each keeps its
+    # own layers and heads), like kv_cache_memory.
+    kv_host_memory: int = 0               # bytes of host memory for evicted KV (0: no host tier)
+    kv_disk_dir: str | None = None        # directory of the disk tier (None: none); kept across restarts
+    kv_disk_size: int = 0                 # bytes the disk tier may hold (needed with kv_disk_dir)
     cache_aware_routing: bool = True      # with prefix caching and dp_attn > 1: route to where a prefix is cached
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     kernels: str = "auto"                # "auto" | "torch" | "triton" | "cpu" (compiled CPU experts) | "reference"
@@ -106,6 +112,7 @@ class EngineConfig:
         `ParallelLayout.validate`.
         """
         self.validate_options()
+        self.validate_kv_tiers()
         if self.node_rank >= self.nnodes:
             raise EngineConfigError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
         if self.ep % self.dp_attn:
@@ -136,6 +143,18 @@ class EngineConfig:
             if not self.kv_transfer_timeout_s > 0:
                 raise EngineConfigError(f"--kv-transfer-timeout {self.kv_transfer_timeout_s}: must be > 0")
             TransferKey.shared(self.kv_transfer_key_file)  # the same: no instance of a P/D set runs without it
+
+    def validate_kv_tiers(self) -> None:
+        if self.kv_host_memory < 0 or self.kv_disk_size < 0:
+            raise EngineConfigError("--kv-host-memory and --kv-disk-size must be >= 0")
+        if self.kv_disk_dir is not None and self.kv_disk_size <= 0:
+            raise EngineConfigError(f"--kv-disk-dir {self.kv_disk_dir}: give the tier's bound with --kv-disk-size "
+                                    "(e.g. 500GiB)")
+        if self.kv_disk_size and self.kv_disk_dir is None:
+            raise EngineConfigError("--kv-disk-size needs --kv-disk-dir (where the tier's files go)")
+        if (self.kv_host_memory or self.kv_disk_dir is not None) and not self.enable_prefix_caching:
+            raise EngineConfigError("--kv-host-memory / --kv-disk-dir keep prefix-cache blocks below the device "
+                                    "pool: they need --enable-prefix-caching")
 
     def validate_options(self) -> None:
         """The checks of options the parallel layout's own validation (`ParallelLayout.validate`, which

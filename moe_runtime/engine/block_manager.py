@@ -16,17 +16,51 @@ A model with linear-attention layers (`state_slots`) gives each admitted sequenc
 full-block boundaries (moe_runtime/engine/state_snapshots.py) under the full blocks' hashes: a cached prefix is
 reused only as far as a snapshot of its end is kept, and each scheduled step asks for snapshots of the block
 boundaries it computes (`seq.state_captures`).
+
+With KV tiers below the device pool (`attach_tiers`, moe_runtime/kv_tiers/engine_tiers.py) a cached block or snapshot
+the pool reuses is recorded (`take_evictions`: its bytes go down before the step overwrites them), and a prefix is
+looked up past the device's blocks in the tiers too: the full group's blocks, each windowed group's window and the
+state snapshot at its end may each come from either. What comes from a tier gets fresh blocks (its slot, for the
+snapshot) and a `TierLoad` each (`seq.tier_loads`): the scheduler holds the request until they are back.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Protocol
+
 from moe_runtime.engine.block_pool import BlockPool
 from moe_runtime.engine.prefix_cache import PrefixCacheCounters, PrefixCacheEvents
-from moe_runtime.engine.prefix_hash import chain_root, extend_block_hashes
+from moe_runtime.engine.prefix_hash import BlockHash, chain_root, extend_block_hashes
 from moe_runtime.engine.sequence import Sequence
 from moe_runtime.engine.state_slots import StateSlots
 from moe_runtime.engine.state_snapshots import SnapshotPoolSize, StateSnapshots
 from moe_runtime.engine.window_blocks import WindowBlocks
+from moe_runtime.kv_tiers.tier_key import FULL_GROUP, STATE_SNAPSHOT, TierKey
+from moe_runtime.kv_tiers.tier_moves import TierLoad, TierSave
 from moe_runtime.layers.attention_span import AttentionSpan
+
+
+class TierLookup(Protocol):
+    def holds(self, key: TierKey) -> bool:
+        """Whether a tier below the device pool holds `key`'s entry."""
+
+
+@dataclass
+class CachedPrefix:
+    """What a waiting sequence can reuse: `blocks` on the device, then `tier_hashes` (the full group's blocks after
+    them) from the tiers; each windowed group's table (FROM_TIER entries from the tiers); the state snapshot's row
+    (-1: none, or `state_from_tier`)."""
+
+    blocks: list[int] = field(default_factory=list)
+    tier_hashes: list[BlockHash] = field(default_factory=list)
+    window_tables: list[list[int]] = field(default_factory=list)
+    restore: int = -1
+    state_from_tier: bool = False
+    hashes: list[BlockHash] = field(default_factory=list)    # the sequence's hashes, at least up to the prefix's end
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.tier_hashes)
 
 
 class BlockManager:
@@ -44,6 +78,28 @@ class BlockManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.prefix_cache = self.pool.prefix_cache
         self.windows = [WindowBlocks(span, blocks, block_size, enable_prefix_caching) for span, blocks in windows]
+        self.tiers: TierLookup | None = None
+        self.tier_hit_tokens = 0    # prompt tokens admissions found in the tiers (not on the device), cumulative
+
+    def attach_tiers(self, tiers: TierLookup) -> None:
+        """Look prefixes up in `tiers` too, and record every cached block or snapshot the device pool reuses."""
+        if self.prefix_cache is None:
+            return
+        self.tiers = tiers
+        self.pool.evictions = []
+        for window in self.windows:
+            window.pool.evictions = []
+        if self.snapshots is not None:
+            self.snapshots.evictions = []
+
+    def take_evictions(self) -> list[TierSave]:
+        """The cached blocks and snapshots reused since the last call: their bytes must go down now."""
+        saves = [TierSave(TierKey(FULL_GROUP, h), block) for block, h in self.pool.take_evictions()]
+        for group, window in enumerate(self.windows, start=1):
+            saves += [TierSave(TierKey(group, h), block) for block, h in window.pool.take_evictions()]
+        if self.snapshots is not None:
+            saves += [TierSave(TierKey(STATE_SNAPSHOT, h), row) for row, h in self.snapshots.take_evictions()]
+        return saves
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,50 +137,73 @@ class BlockManager:
         if seq.block_table:
             raise RuntimeError(f"request {seq.request_id} is admitted while holding KV blocks")
         reuse = read_cache and self.prefix_cache is not None
-        hits, window_tables, restore = self._cached_prefix(seq) if reuse else ([], [[] for _ in self.windows], -1)
+        prefix = self._cached_prefix(seq) if reuse else CachedPrefix(window_tables=[[] for _ in self.windows])
+        hits = prefix.blocks
         needed = self.blocks_needed(seq.num_tokens) - len(hits)
         idle_hits = sum(1 for block in hits if self.pool.is_idle(block))
         if needed > self.num_free_blocks - idle_hits or (self.states is not None and self.states.num_free == 0):
             return False
         if self.states is not None:
             seq.state_slot = self.states.take()
-        if restore >= 0:
-            self.snapshots.use(restore)
-        seq.state_restore = restore
+        if prefix.restore >= 0:
+            self.snapshots.use(prefix.restore)
+        seq.state_restore = prefix.restore
         for block in hits:
             self.pool.reference(block)
-        for window, table in zip(self.windows, window_tables):
-            window.adopt(table)
         seq.block_table = hits + [self.pool.take() for _ in range(needed)]
-        seq.window_tables = window_tables
-        seq.num_cached_tokens = len(hits) * self.block_size
-        seq.num_registered_blocks = len(hits)
+        loads = [TierLoad(TierKey(FULL_GROUP, block_hash), seq.block_table[len(hits) + i])
+                 for i, block_hash in enumerate(prefix.tier_hashes)]
+        for group, (window, table) in enumerate(zip(self.windows, prefix.window_tables), start=1):
+            loads += [TierLoad(TierKey(group, prefix.hashes[index]), table[index]) for index in window.adopt(table)]
+        if prefix.state_from_tier:
+            loads.append(TierLoad(TierKey(STATE_SNAPSHOT, prefix.hashes[prefix.num_blocks - 1]), seq.state_slot))
+        seq.tier_loads = loads
+        seq.window_tables = prefix.window_tables
+        seq.num_cached_tokens = prefix.num_blocks * self.block_size
+        seq.num_registered_blocks = len(hits)   # blocks loaded from a tier are offered once they are back
         if not seq.output_token_ids:   # its first admission: a preempted request's recompute is not a cache hit
             seq.prefix_hit_tokens = seq.num_cached_tokens
         if reuse:
             self.prefix_cache.counters.queries += seq.num_tokens
             self.prefix_cache.counters.hits += seq.num_cached_tokens
+            self.tier_hit_tokens += len(prefix.tier_hashes) * self.block_size
         return True
 
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[list[int]], int]:
-        """Blocks of `seq`'s longest cached prefix, leaving at least its last token to compute (its logits), each
-        windowed group's table of the window after it, and the state snapshot row of its end (-1: no state
-        layers): the longest prefix whose windows are all cached and whose linear layers' states are kept."""
+    def _cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """`seq`'s longest reusable prefix, leaving at least its last token to compute (its logits): its full
+        group's blocks on the device then in the tiers, each windowed group's window after it, and the state
+        snapshot of its end (device or tier), all present."""
         usable = (seq.num_tokens - 1) // self.block_size
-        no_windows = [[] for _ in self.windows]
+        none = CachedPrefix(window_tables=[[] for _ in self.windows])
         if usable == 0:
-            return [], no_windows, -1
+            return none
         hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, usable,
                                      root=chain_root(seq.params.cache_salt))
         hits = self.pool.lookup(hashes[:usable])
-        for length in range(len(hits), 0, -1):
-            restore = -1 if self.snapshots is None else self.snapshots.lookup(hashes[length - 1])
-            if restore is None:
-                continue
-            tables = [window.cached_window(hashes, length) for window in self.windows]
+        deepest = len(hits)
+        if self.tiers is not None:
+            while deepest < usable and self.tiers.holds(TierKey(FULL_GROUP, hashes[deepest])):
+                deepest += 1
+        for length in range(deepest, 0, -1):
+            restore, state_from_tier = -1, False
+            if self.snapshots is not None:
+                restore = self.snapshots.lookup(hashes[length - 1])
+                if restore is None:
+                    if self.tiers is None or not self.tiers.holds(TierKey(STATE_SNAPSHOT, hashes[length - 1])):
+                        continue
+                    restore, state_from_tier = -1, True
+            tables = [window.cached_window(hashes, length, self._in_tier(group))
+                      for group, window in enumerate(self.windows, start=1)]
             if all(table is not None for table in tables):
-                return hits[:length], tables, restore
-        return [], no_windows, -1
+                device = hits[:length]
+                return CachedPrefix(device, hashes[len(device):length], tables, restore, state_from_tier, hashes)
+        return none
+
+    def _in_tier(self, group: int):
+        """Whether windowed group `group`'s block of a hash is in a tier (None: no tiers)."""
+        if self.tiers is None:
+            return None
+        return lambda block_hash: self.tiers.holds(TierKey(group, block_hash))
 
     def can_append(self, seq: Sequence, drafts: int = 0) -> bool:
         """Room for its next token (a decode step), and `drafts` more after it (speculation)?"""
@@ -214,6 +293,8 @@ class BlockManager:
         seq.state_restore = -1
         seq.state_rollback = -1
         seq.state_captures = []
+        seq.tier_loads = []
+        seq.blocks_ready = False
         seq.block_table = []
         seq.draft_token_ids = []
         seq.window_tables = []

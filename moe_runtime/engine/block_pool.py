@@ -17,6 +17,9 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))     # blocks holding nothing anyone may reuse
         self._refs = [0] * num_blocks                          # requests whose block table holds the block
         self.prefix_cache = PrefixCache(record_events) if enable_prefix_caching else None
+        # with KV tiers below the pool: the cached blocks reused since the last `take_evictions` (block, hash),
+        # whose bytes go down before anything overwrites them (None: nobody keeps them)
+        self.evictions: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -29,9 +32,15 @@ class BlockPool:
 
     def take(self) -> int:
         """A block for new K/V, with one reference."""
-        block = self._free.popleft() if self._free else self.prefix_cache.evict_lru()
-        if block is None:
-            raise RuntimeError(f"no free KV block of {self.num_blocks}")
+        if self._free:
+            block = self._free.popleft()
+        else:
+            evicted = self.prefix_cache.evict_lru() if self.prefix_cache else None
+            if evicted is None:
+                raise RuntimeError(f"no free KV block of {self.num_blocks}")
+            block = evicted[0]
+            if self.evictions is not None:
+                self.evictions.append(evicted)
         self._refs[block] = 1
         return block
 
@@ -70,6 +79,14 @@ class BlockPool:
         released = self.prefix_cache.reset()
         self._free.extend(released)
         return len(released)
+
+    def take_evictions(self) -> list[tuple[int, BlockHash]]:
+        """The cached blocks reused since the last call, (block, hash), oldest first (recorded only once
+        `self.evictions` is a list)."""
+        if not self.evictions:
+            return []
+        taken, self.evictions = self.evictions, []
+        return taken
 
     def take_events(self) -> PrefixCacheEvents | None:
         return self.prefix_cache.take_events() if self.prefix_cache else None

@@ -97,8 +97,8 @@ class PrefixCache:
         self._idle[block] = None
         return True
 
-    def evict_lru(self) -> int | None:
-        """Forget the least recently used idle block and return it for reuse (None: no idle block)."""
+    def evict_lru(self) -> tuple[int, BlockHash] | None:
+        """Forget the least recently used idle block: (it, for reuse, and the hash it held); None: no idle block."""
         if not self._idle:
             return None
         block, _ = self._idle.popitem(last=False)
@@ -106,7 +106,7 @@ class PrefixCache:
         del self._block_of[block_hash]
         if self.record_events:
             self._changes[block_hash] = False
-        return block
+        return block, block_hash
 
     def reset(self) -> list[int]:
         """Forget every hash; returns the idle blocks, now plain free memory. Blocks in use stay with their

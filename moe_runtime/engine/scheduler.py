@@ -26,6 +26,12 @@ after it in one step (1 + d tokens; blocks for all of them), when blocks and the
 When a decode finds no free block, the most recently admitted request is preempted: its blocks are
 freed (cached ones stay cached) and it goes back to the front of the queue, to be recomputed from
 its prompt plus the tokens it already produced.
+
+With KV tiers, a request whose admission found part of its prefix in a tier (`seq.tier_loads`) holds its blocks in
+`loading`, scheduled nowhere, while the engine brings the entries back (moe_runtime/kv_tiers/engine_tiers.py); then
+it returns to the front of the queue holding them (`loaded`) and is admitted as any other, its prefix computed.
+The others keep stepping meanwhile. A load that failed on some rank gives its blocks back (`load_failed`) and the
+request is admitted afresh. Loading requests count against `max_num_seqs`.
 """
 from __future__ import annotations
 
@@ -87,12 +93,41 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.landed: deque[Sequence] = deque()    # a decode instance's imports, holding their blocks, waiting for
         self.num_preemptions = 0                  # room under max_num_seqs (`add_running`)
+        self.loading: list[Sequence] = []         # admitted from the KV tiers, holding blocks, waiting for the loads
+        self._started_loading: list[Sequence] = []   # ... of which admitted since `take_started_loading`
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.landed)
+        return bool(self.waiting or self.running or self.landed or self.loading)
+
+    @property
+    def num_admitted(self) -> int:
+        """Requests holding a place under max_num_seqs: running ones, and those loading from the tiers."""
+        return len(self.running) + len(self.loading)
+
+    def take_started_loading(self) -> list[Sequence]:
+        """The requests admitted from the tiers since the last call (their loads are to start)."""
+        started, self._started_loading = self._started_loading, []
+        return started
+
+    def loaded(self, seqs: list[Sequence]) -> None:
+        """Their loads are back on every rank: to the front of the queue, in arrival order, holding their blocks."""
+        for seq in sorted(seqs, key=lambda s: s.arrival, reverse=True):
+            self.loading.remove(seq)
+            seq.tier_loads = []
+            seq.blocks_ready = True
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def load_failed(self, seq: Sequence) -> None:
+        """Its load failed on some rank: its blocks go back and it is admitted afresh (the failed entries are
+        forgotten, so a shorter prefix, or none, is found)."""
+        self.loading.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -104,7 +139,7 @@ class Scheduler:
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
         """End a request before the engine would (client gone, or the front saw a stop string); frees its blocks."""
-        for queue in (self.waiting, self.running, self.landed):
+        for queue in (self.waiting, self.running, self.landed, self.loading):
             for seq in list(queue):
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -113,7 +148,7 @@ class Scheduler:
         return None
 
     def schedule(self) -> ScheduledBatch | None:
-        while self.landed and len(self.running) < self.config.max_num_seqs:
+        while self.landed and self.num_admitted < self.config.max_num_seqs:
             self.running.append(self.landed.popleft())
         if self.config.enable_chunked_prefill:
             return self._schedule_mixed()
@@ -137,26 +172,30 @@ class Scheduler:
             if seq.status == SequenceStatus.RUNNING and not seq.is_decoding:
                 budget -= self._schedule_tokens(seq, min(seq.tokens_to_compute(), budget))
                 scheduled.append(seq)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_admitted < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self._admit(seq):
+            admitted = self._admit(seq)
+            if admitted is None:
                 break
-            budget -= self._schedule_tokens(seq, min(seq.tokens_to_compute(), budget))
-            scheduled.append(seq)
+            if admitted:
+                budget -= self._schedule_tokens(seq, min(seq.tokens_to_compute(), budget))
+                scheduled.append(seq)
         return ScheduledBatch(scheduled) if scheduled else None
 
     # ---- alternating prefill and decode steps ---------------------------------------------------------
     def _schedule_prefill(self) -> ScheduledBatch | None:
         admitted: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and self.num_admitted < self.config.max_num_seqs:
             seq = self.waiting[0]
             if admitted and seq.num_tokens > budget:   # counted whole: a cache hit only makes it cheaper
                 break
-            if not self._admit(seq):
+            outcome = self._admit(seq)
+            if outcome is None:
                 break
-            budget -= self._schedule_tokens(seq, seq.tokens_to_compute())
-            admitted.append(seq)
+            if outcome:
+                budget -= self._schedule_tokens(seq, seq.tokens_to_compute())
+                admitted.append(seq)
         return ScheduledBatch(admitted) if admitted else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
@@ -201,15 +240,23 @@ class Scheduler:
         return len(drafts)
 
     # ---- admission, preemption, the end ---------------------------------------------------------------
-    def _admit(self, seq: Sequence) -> bool:
-        """Blocks for `seq` (its cached prefix reused unless it wants its prompt scored); into the running set.
+    def _admit(self, seq: Sequence) -> bool | None:
+        """Blocks for `seq` (its cached prefix reused unless it wants its prompt scored); into the running set
+        (True), or into `loading` when part of its prefix comes from the KV tiers (False); None: no room.
         A prompt is scored before the first token is sampled; that test reads the same on every rank (only
         the last pipeline stage scores, so only it knows `prompt_logprobs_done`)."""
-        wants_prompt_scored = seq.params.prompt_logprobs is not None and not seq.output_token_ids
-        if not self.block_manager.admit(seq, read_cache=not wants_prompt_scored):
-            return False
+        if seq.blocks_ready:   # back from the tiers, holding its blocks
+            seq.blocks_ready = False
+        else:
+            wants_prompt_scored = seq.params.prompt_logprobs is not None and not seq.output_token_ids
+            if not self.block_manager.admit(seq, read_cache=not wants_prompt_scored):
+                return None
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING
+        if seq.tier_loads:
+            self.loading.append(seq)
+            self._started_loading.append(seq)
+            return False
         self.running.append(seq)
         return True
 

@@ -53,6 +53,9 @@ class StateSnapshots:
         self._hash_of: dict[int, BlockHash] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()   # written snapshots, least recently used first
         self._pending: dict[int, PendingSnapshot] = {}       # row -> being written by its owner's scheduled step
+        # with KV tiers: written snapshots whose rows were reused since the last `take_evictions` (row, hash), read
+        # down before the step overwrites them (None: nobody keeps them)
+        self.evictions: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_cached(self) -> int:
@@ -77,7 +80,10 @@ class StateSnapshots:
             row = self._free.popleft()
         elif self._idle:
             row, _ = self._idle.popitem(last=False)
-            del self._row_of[self._hash_of.pop(row)]
+            evicted_hash = self._hash_of.pop(row)
+            del self._row_of[evicted_hash]
+            if self.evictions is not None:
+                self.evictions.append((row, evicted_hash))
         else:
             return None
         self._row_of[block_hash] = row
@@ -92,6 +98,13 @@ class StateSnapshots:
         for row in sorted(done, key=lambda r: -self._pending[r].position):
             del self._pending[row]
             self._idle[row] = None
+
+    def take_evictions(self) -> list[tuple[int, BlockHash]]:
+        """The written snapshots whose rows were reused since the last call, (row, hash)."""
+        if not self.evictions:
+            return []
+        taken, self.evictions = self.evictions, []
+        return taken
 
     def forget_pending(self, seq: Sequence) -> None:
         """`seq` leaves (finished, preempted): what its steps wrote is kept, what no step wrote is dropped."""

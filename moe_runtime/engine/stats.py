@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_runtime.disaggregation.kv_transfer.stats import TransferStats
+from moe_runtime.kv_tiers.connector import TierCounters
 
 
 @dataclass
@@ -22,6 +23,9 @@ class WorkerStats:
     compute_seconds: float = 0.0    # ... of which running this rank's layers (pipeline: the rest is bubble)
     prefix_cache_queries: int = 0   # tokens looked up in the prefix cache at admissions (readmissions too), cumulative
     prefix_cache_hits: int = 0      # ... of which found cached (not computed again)
+    loading: int = 0                # requests waiting for their prefix to come back from the KV tiers
+    kv_tier_hit_tokens: int = 0     # ... prompt tokens admissions found in the KV tiers, cumulative
+    kv_tiers: list[TierCounters] = field(default_factory=list)   # each tier below the device pool, fastest first
     # With EngineConfig.debug_host_reads: decode steps counted, the host reads in them (forward + sampling, the
     # step's one result copy excluded), and those reads by "operation at file:line"
     spec_draft_tokens: int = 0      # speculative decoding: draft tokens verified, cumulative

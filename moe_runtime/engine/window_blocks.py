@@ -9,11 +9,14 @@ sharing the prefix finds the window its first query reads (`cached_window`).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from moe_runtime.engine.block_pool import BlockPool
 from moe_runtime.engine.prefix_hash import BlockHash
 from moe_runtime.layers.attention_span import AttentionSpan
 
 FREED = -1
+FROM_TIER = -2   # `cached_window`: a block of the window a KV tier holds (the admission loads it into a fresh block)
 
 
 class WindowBlocks:
@@ -58,20 +61,32 @@ class WindowBlocks:
                                        "is sized for the worst step, so a sequence holds more than its window")
                 table[index] = self.pool.take()
 
-    def cached_window(self, hashes: list[BlockHash], num_blocks: int) -> list[int] | None:
+    def cached_window(self, hashes: list[BlockHash], num_blocks: int,
+                      in_tier: Callable[[BlockHash], bool] | None = None) -> list[int] | None:
         """The cached blocks a query at position num_blocks * block_size reads, as the start of a table
-        (FREED before them); None when one of them is not cached."""
+        (FREED before them; FROM_TIER for one a KV tier holds, with `in_tier`); None when one of them is in neither."""
         first = self.first_block_read(num_blocks * self.block_size)
-        window = [self.pool.cached(hashes[index]) for index in range(first, num_blocks)]
-        if any(block is None for block in window):
-            return None
+        window = []
+        for index in range(first, num_blocks):
+            block = self.pool.cached(hashes[index])
+            if block is None and in_tier is not None and in_tier(hashes[index]):
+                block = FROM_TIER
+            if block is None:
+                return None
+            window.append(block)
         return [FREED] * first + window
 
-    def adopt(self, table: list[int]) -> None:
-        """A sequence starts with these cached blocks (from `cached_window`): hold a reference to each."""
+    def adopt(self, table: list[int]) -> list[int]:
+        """A sequence starts with these cached blocks (from `cached_window`): hold a reference to each, and give a
+        fresh block to each FROM_TIER entry (after the references: a fresh block never evicts one of the window's);
+        the indices of those, for their loads."""
         for block in table:
-            if block != FREED:
+            if block >= 0:
                 self.pool.reference(block)
+        from_tier = [index for index, block in enumerate(table) if block == FROM_TIER]
+        for index in from_tier:
+            table[index] = self.pool.take()
+        return from_tier
 
     def register(self, table: list[int], hashes: list[BlockHash], registered: int, full: int) -> None:
         """Offer the table's held blocks [registered, full) (full blocks computed, or computed this step)."""

@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory", type=parse_size, default=e.kv_cache_memory,
                    help="KV cache per DP worker: bytes or a size such as 512M, 2G")
     g.add_argument("--block-size", type=positive_int, default=e.block_size, help="tokens per KV cache block")
+    g.add_argument("--kv-host-memory", type=parse_size, default=e.kv_host_memory,
+                   help="host memory per rank for KV blocks the device pool evicts (e.g. 32GiB): a prefix found "
+                        "there is loaded back instead of computed again (SGLang's HiCache, vLLM's KV offloading)")
+    g.add_argument("--kv-disk-dir", default=e.kv_disk_dir,
+                   help="a directory for a disk tier below host memory: evicted KV blocks are written there (0600, "
+                        "hash-checked) and found again after a restart of moe-serve")
+    g.add_argument("--kv-disk-size", type=parse_size, default=e.kv_disk_size,
+                   help="bytes the disk tier may hold per rank (e.g. 500GiB; needed with --kv-disk-dir)")
     g.add_argument("--grammar-compile-timeout", dest="grammar_compile_timeout_s", type=float,
                    default=e.grammar_compile_timeout_s,
                    help="seconds a structured-output grammar may take to compile (off the stepping loop; the "
