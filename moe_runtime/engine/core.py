@@ -470,6 +470,7 @@ class EngineCore:
             prefix_cache_hits=self.block_manager.counters.hits,
             loading=len(self.scheduler.loading),
             kv_tier_hit_tokens=self.block_manager.tier_hit_tokens,
+            kv_tier_failed_loads=self.tiers.counters.failed if self.tiers is not None else 0,
             kv_tiers=self.tiers.tier_counters() if self.tiers is not None else [],
             **CaptureStats.worker_fields(self.runner.capture), **DecodeHostReads.stats(self.decode_host_reads),
             **Speculation.stats(self.speculation),

@@ -76,6 +76,7 @@ class StateSnapshots:
         has a snapshot already, or no row is free or idle)."""
         if block_hash in self._row_of:
             return None
+        self._settle()   # rows an earlier step wrote are idle now: reusable (a chunked prefill's later boundaries)
         if self._free:
             row = self._free.popleft()
         elif self._idle:

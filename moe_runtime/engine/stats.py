@@ -25,6 +25,7 @@ class WorkerStats:
     prefix_cache_hits: int = 0      # ... of which found cached (not computed again)
     loading: int = 0                # requests waiting for their prefix to come back from the KV tiers
     kv_tier_hit_tokens: int = 0     # ... prompt tokens admissions found in the KV tiers, cumulative
+    kv_tier_failed_loads: int = 0   # admissions whose tier loads failed on some rank of the worker (recomputed)
     kv_tiers: list[TierCounters] = field(default_factory=list)   # each tier below the device pool, fastest first
     # With EngineConfig.debug_host_reads: decode steps counted, the host reads in them (forward + sampling, the
     # step's one result copy excluded), and those reads by "operation at file:line"

@@ -126,6 +126,8 @@ class DiskTier:
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every job asked so far ran (tests, shutdown)."""
+        if not self._thread.is_alive():
+            return
         done = threading.Event()
         self._jobs.put(("flush", None, done))
         done.wait(timeout)

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -69,6 +69,7 @@ class TierLoadCounters:
     failed: int = 0                     # ... of which failed on some rank of the worker (recomputed)
     seconds: float = 0.0                # loader-thread time writing entries back into the device pool
     blocked_seconds: float = 0.0        # stepping-thread time waiting for loads not done by the next step
+    loaded_by_kind: dict[int, int] = field(default_factory=dict)   # entries written back, by TierKey.kind
 
 
 class EngineTiers:
@@ -206,6 +207,9 @@ class EngineTiers:
                 except ValueError as exc:
                     logger.warning("KV tiers: entry %s does not fit this rank's cache (%s); a miss", load.key, exc)
                     return index
+                with self._lock:
+                    kinds = self.counters.loaded_by_kind
+                    kinds[load.key.kind] = kinds.get(load.key.kind, 0) + 1
             if any(t.is_cuda for kind in self.contents.kinds.values() for t in kind.tensors):
                 torch.cuda.current_stream().synchronize()
             return len(loads)
