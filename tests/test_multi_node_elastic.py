@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV
+from moe_runtime.attention_dp.control_plane import HEARTBEAT_TIMEOUT_ENV
 from network_namespaces import TwoNodes, packet_loss_unavailable, unavailable
 from moe_runtime.processes.distributed import free_ports
 
@@ -24,6 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(NAMESPACES_REFUSED is not Non
 
 DRIVER = Path(__file__).with_name("multi_node_driver.py")
 WAIT_S = 240
+# Both nodes find the other's silence after 4 s instead of the default 20 (heartbeats go every 2 s; 5% packet loss,
+# which TCP resends within a second, is still ridden through).
+HEARTBEAT_TIMEOUT_S = "4"
 
 
 @pytest.fixture
@@ -36,6 +40,7 @@ def two_nodes():
 def _env(interface: str) -> dict:
     tests = str(Path(__file__).parent)
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=interface)
+    env[HEARTBEAT_TIMEOUT_ENV] = HEARTBEAT_TIMEOUT_S
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), tests, env.get("PYTHONPATH")]))
     return env
 

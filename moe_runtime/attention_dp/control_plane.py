@@ -17,13 +17,17 @@ arrives instead of taking the front's descriptors, and is logged once.
 Liveness: the front watches its socket's events: a rank whose connection (known by its file
 descriptor, taken from its Hello) closes is reported as disconnected, and heartbeats close
 connections to a peer that stopped answering (a node that lost power sends no FIN). A rank
-watches its connection the same way and exits when the front is gone.
+watches its connection the same way and exits when the front is gone. How long a silent peer is waited for is
+the job's heartbeat timeout: 20 s, or $MOE_RUNTIME_CONTROL_HEARTBEAT_TIMEOUT seconds where the front, a node's
+launcher or a torchrun rank starts (`heartbeat_timeout_from_env`); it travels with the `ControlAddress`.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
+import math
 import os
 import queue
 import time
@@ -38,12 +42,14 @@ from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 from moe_runtime.attention_dp.control_key import ControlKey
 from moe_runtime.attention_dp.messages import Hello, Message, MessageCodec, WorkerSetup
 from moe_runtime.attention_dp.pending_handshakes import HandshakeCaps, PendingHandshakes
+from moe_runtime.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_MS = 10_000    # a connection that has not completed CURVE by then is dropped
 HEARTBEAT_INTERVAL_MS = 2_000
-HEARTBEAT_TIMEOUT_MS = 20_000    # no traffic and no heartbeat answer for this long: the peer is gone
+HEARTBEAT_TIMEOUT_MS = 20_000    # no traffic and no heartbeat answer for this long: the peer is gone (default)
+HEARTBEAT_TIMEOUT_ENV = "MOE_RUNTIME_CONTROL_HEARTBEAT_TIMEOUT"   # seconds, overrides the default
 MAX_MESSAGE_BYTES = 256 * 2**20  # an authenticated peer still cannot make the front allocate more
 LAST_MESSAGE_GRACE_MS = 200       # after the front disconnects, how long a rank looks for what it sent last
 ZAP_DOMAIN = "moe-control"
@@ -59,14 +65,16 @@ class ControlAddress:
 
     endpoint: str
     key: ControlKey
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS   # both ends: a peer silent this long is gone
 
     @classmethod
-    def tcp(cls, host: str, port: int, key: ControlKey) -> "ControlAddress":
-        return cls(f"tcp://{f'[{host}]' if ':' in host else host}:{port}", key)
+    def tcp(cls, host: str, port: int, key: ControlKey,
+            heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> "ControlAddress":
+        return cls(f"tcp://{f'[{host}]' if ':' in host else host}:{port}", key, heartbeat_timeout_ms)
 
     @classmethod
-    def ipc(cls, path: str, key: ControlKey) -> "ControlAddress":
-        return cls(f"ipc://{path}", key)
+    def ipc(cls, path: str, key: ControlKey, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> "ControlAddress":
+        return cls(f"ipc://{path}", key, heartbeat_timeout_ms)
 
     @property
     def port(self) -> int | None:
@@ -77,8 +85,27 @@ class ControlAddress:
         """What ranks on the front's own machine connect to (a wildcard bind is reached on loopback)."""
         for wildcard in ("tcp://0.0.0.0:", "tcp://[::]:", "tcp://*:"):
             if self.endpoint.startswith(wildcard):
-                return ControlAddress(f"tcp://127.0.0.1:{self.port}", self.key)
+                return dataclasses.replace(self, endpoint=f"tcp://127.0.0.1:{self.port}")
         return self
+
+
+def heartbeat_timeout_from_env() -> int:
+    """The heartbeat timeout in ms: $MOE_RUNTIME_CONTROL_HEARTBEAT_TIMEOUT (seconds, > 0) or the 20 s default.
+
+    Shorter finds a node whose link was cut sooner; too short for the network or the load takes a slow peer for
+    a lost one (heartbeats go every 2 s, each end checks its own). Read where a job's control address is made:
+    the front, another node's launcher, a rank torchrun starts; ranks a launcher spawns get it with the address."""
+    raw = os.environ.get(HEARTBEAT_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return HEARTBEAT_TIMEOUT_MS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidRequestError(f"${HEARTBEAT_TIMEOUT_ENV}={raw!r}: give the control plane's heartbeat timeout in "
+                         f"seconds, > 0 (default {HEARTBEAT_TIMEOUT_MS / 1000:g})")
+    return max(1, round(seconds * 1000))
 
 
 @dataclass
@@ -139,7 +166,7 @@ class FrontControl:
         self._socket.curve_secretkey = front.secret
         self._socket.zap_domain = ZAP_DOMAIN.encode()
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)   # sending to a gone rank raises, never drops silently
-        apply_liveness(self._socket)
+        apply_liveness(self._socket, heartbeat_timeout_ms=bind.heartbeat_timeout_ms)
         watched = zmq.EVENT_DISCONNECTED | (zmq.EVENT_ACCEPTED if bind.endpoint.startswith("tcp://") else 0)
         self._monitor = self._socket.get_monitor_socket(watched)
         self._poller = zmq.Poller()
@@ -149,7 +176,7 @@ class FrontControl:
         self._async_monitor: zmq.asyncio.Socket | None = None
         if bind.port == 0:
             port = self._socket.bind_to_random_port(bind.endpoint.rsplit(":", 1)[0])
-            bind = ControlAddress(f"{bind.endpoint.rsplit(':', 1)[0]}:{port}", key)
+            bind = dataclasses.replace(bind, endpoint=f"{bind.endpoint.rsplit(':', 1)[0]}:{port}")
         else:
             self._socket.bind(bind.endpoint)
         self.address = bind
@@ -376,7 +403,7 @@ class WorkerControl:
         self._socket.curve_serverkey = address.key.front_pair().public
         self._socket.curve_publickey = rank.public
         self._socket.curve_secretkey = rank.secret
-        apply_liveness(self._socket)
+        apply_liveness(self._socket, heartbeat_timeout_ms=address.heartbeat_timeout_ms)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._socket.connect(address.endpoint)  # retried by libzmq until the front listens
         self._wake_read, self._wake_write = os.pipe()

@@ -20,7 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from moe_runtime.attention_dp.control_key import ControlKey
-from moe_runtime.attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected
+from moe_runtime.attention_dp.control_plane import (ControlAddress, FrontControl, RankDisconnected,
+                                                    heartbeat_timeout_from_env)
 from moe_runtime.attention_dp.messages import WorkerFailed, WorkerReady, WorkerSetup
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
@@ -157,6 +158,7 @@ def launch_job(config: EngineConfig, world: int, transfer_key: TransferKey | Non
     if world % nnodes:
         raise InvalidRequestError(f"nnodes={nnodes} must divide the {world} ranks of this layout")
     local_ranks = world // nnodes if config.launch_workers else 0  # the front's node starts [0, local)
+    heartbeat_timeout = heartbeat_timeout_from_env()   # travels to the ranks spawned here with the address
     rendezvous_dir: str | None = None
     if nnodes == 1 and config.launch_workers:
         # every rank is our child: a fresh secret, and nothing of the job listens beyond loopback
@@ -164,11 +166,11 @@ def launch_job(config: EngineConfig, world: int, transfer_key: TransferKey | Non
         key = ControlKey.generate()
         rendezvous_dir = tempfile.mkdtemp(prefix="moe-rendezvous-")  # mode 0700
         rendezvous, master_port = f"file://{rendezvous_dir}/store", 0
-        address = ControlAddress.ipc(f"{rendezvous_dir}/control", key)
+        address = ControlAddress.ipc(f"{rendezvous_dir}/control", key, heartbeat_timeout)
     else:  # other nodes' or torchrun's ranks connect to master_addr:control_port with the shared key
         key = ControlKey.shared(config.control_key_file)
         rendezvous, master_port = "env://", config.master_port or free_port(config.master_addr)
-        address = ControlAddress.tcp(config.master_addr, config.control_port or master_port + 1, key)
+        address = ControlAddress.tcp(config.master_addr, config.control_port or master_port + 1, key, heartbeat_timeout)
     setup = WorkerSetup(config=config, world_size=world, rendezvous=rendezvous, master_addr=config.master_addr,
                         master_port=master_port,
                         num_threads=max(1, (os.cpu_count() or 1) // max(local_ranks, world // nnodes)),

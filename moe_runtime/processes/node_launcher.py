@@ -11,7 +11,7 @@ import multiprocessing as mp
 import time
 
 from moe_runtime.attention_dp.control_key import ControlKey
-from moe_runtime.attention_dp.control_plane import ControlAddress
+from moe_runtime.attention_dp.control_plane import ControlAddress, heartbeat_timeout_from_env
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.processes.launcher import main_module_hidden, worker_context
 from moe_runtime.processes.worker import worker_main
@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 def run_worker_node(config: EngineConfig) -> int:
     """Start this node's ranks of `config`'s layout and wait for them; 0 once all exited cleanly."""
     control_port = config.control_port or config.master_port + 1   # as the front picks it (multi-node)
-    address = ControlAddress.tcp(config.master_addr, control_port, ControlKey.shared(config.control_key_file))
+    address = ControlAddress.tcp(config.master_addr, control_port, ControlKey.shared(config.control_key_file),
+                                 heartbeat_timeout_from_env())
     ranks_per_node = config.world_size // config.nnodes
     first = config.node_rank * ranks_per_node
     context = worker_context()

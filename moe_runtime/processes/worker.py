@@ -13,12 +13,13 @@ import traceback
 
 import torch
 
-from moe_runtime.attention_dp.control_key import ControlKey, ControlKeyError
-from moe_runtime.attention_dp.control_plane import ControlAddress, WorkerControl
+from moe_runtime.attention_dp.control_key import ControlKey
+from moe_runtime.attention_dp.control_plane import ControlAddress, WorkerControl, heartbeat_timeout_from_env
 from moe_runtime.attention_dp.lockstep import LockstepLoop, ReformRequested
 from moe_runtime.attention_dp.messages import Hello, WorkerFailed, WorkerReady
 from moe_runtime.load_balancer.live_rebalancer import LiveRebalancer, RebalanceGroups, RebalancePolicy
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.errors import InvalidRequestError
 from moe_runtime.processes.collective_interrupt import CollectiveInterrupt, block_interrupt_signal
 from moe_runtime.processes.reform import ShutdownWhileWaiting, await_reform, can_reform, leave_process_groups, reform_core
 
@@ -163,10 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         key = ControlKey.shared(args.control_key_file)
-    except ControlKeyError as exc:
+        heartbeat_timeout_ms = heartbeat_timeout_from_env()
+    except InvalidRequestError as exc:
         parser.exit(2, f"moe_runtime.processes.worker: error: {exc}\n")
     rank = int(os.environ["RANK"])
-    worker_main(ControlAddress.tcp(args.control_addr, args.control_port, key), rank)
+    worker_main(ControlAddress.tcp(args.control_addr, args.control_port, key, heartbeat_timeout_ms), rank)
 
 
 if __name__ == "__main__":
