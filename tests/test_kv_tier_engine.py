@@ -42,8 +42,8 @@ def options_for(arch: str, path: Path, blocks: int = POOL_BLOCKS, **layout) -> d
     common = dict(device="cpu", dtype="float32", block_size=block_size_of(arch), max_num_seqs=2,
                   max_num_batched_tokens=32, **layout)
     probe_budget = 8 << 20
-    with LLM(str(path), kv_cache_memory=probe_budget, **{k: v for k, v in common.items() if k not in ("ep", "dp_attn",
-                                                                                                   "pp")}) as probe:
+    one_rank = {k: v for k, v in common.items() if k not in layout}
+    with LLM(str(path), kv_cache_memory=probe_budget, **one_rank) as probe:
         core = probe.engine.core
         per_block = BlockContents(core.runner.caches, [], 0).entry_bytes()[FULL_GROUP]
         probe_blocks = core.block_manager.num_blocks
@@ -192,7 +192,8 @@ def test_tier_settings_are_checked_and_name_the_flag(tiny_checkpoint_factory, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(ep=2, dp_attn=2), dict(pp=2)], ids=["ep2_dp2", "pp2"])
+@pytest.mark.parametrize("layout", [dict(ep=2, dp_attn=2), dict(pp=2), dict(ep=2, dp_attn=1, cp=2)],
+                         ids=["ep2_dp2", "pp2", "ep2_cp2"])
 def test_several_ranks_keep_their_own_tiers_with_the_same_tokens(layout, tiny_checkpoint_factory, greedy_oracle):
     arch = "qwen3_moe"
     path = tiny_checkpoint_factory(arch)

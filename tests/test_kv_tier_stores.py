@@ -190,3 +190,39 @@ def test_one_rank_agrees_with_itself():
     agreement = WorkerAgreement(ParallelContext.single())
     assert agreement.alone and agreement.minimum([3, 0, 5]) == [3, 0, 5]
     assert agreement.common_keys([key(1), key(2)]) == {key(1), key(2)}
+
+
+class FakeTiers:
+    """What `held_anywhere` asks of a worker's tiers."""
+
+    def __init__(self, held: set[int], dropped: list[int], restored: list[int]):
+        self.held, self.dropped, self.restored = held, dropped, restored
+
+    def holds(self, k: TierKey) -> bool:
+        return k.kind == FULL_GROUP and k.block_hash in self.held
+
+    def take_dropped(self) -> list[int]:
+        return self.dropped
+
+    def take_restored(self) -> list[int]:
+        return self.restored
+
+
+def test_the_router_hears_of_a_block_held_in_a_tier_as_held_by_its_worker():
+    from moe_runtime.attention_dp.prefix_index import PrefixCacheIndex
+    from moe_runtime.engine.block_pool import BlockPool
+    from moe_runtime.engine.prefix_cache import PrefixCacheEvents
+    from moe_runtime.kv_tiers.router_view import held_anywhere
+
+    pool = BlockPool(4, enable_prefix_caching=True)
+    block = pool.take()
+    pool.store(block, 50)                                   # 50 is on the device
+    tiers = FakeTiers(held={10, 11}, dropped=[12, 50, 13], restored=[20])
+    device = PrefixCacheEvents(stored=[50, 13], evicted=[10, 11, 14])
+    events = held_anywhere(device, tiers, pool)
+    assert events.stored == [50, 13, 20], "a disk tier's blocks from a previous run are held"
+    assert events.evicted == [14, 12], "evicted only where no tier keeps it and the device does not hold it"
+    index = PrefixCacheIndex(2)
+    index.apply(0, PrefixCacheEvents(stored=[10, 11, 12, 14]))
+    index.apply(0, events)
+    assert index.cached_blocks(0, [10, 11, 50]) == 3 and index.cached_blocks(1, [10]) == 0
