@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from moe_runtime.load_balancer import ExpertLoadSnapshot, RebalanceEvent
 from moe_runtime.engine.stats import EngineStats, RecoveryStats, WorkerStats
 from moe_runtime.disaggregation.kv_transfer.stats import LatencyHistogram, TransferStats
+from moe_runtime.server.kv_tier_metrics import kv_tier_families
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class EngineCollector:
     def collect(self) -> Iterator[Metric]:
         yield from self._engine_families()
         yield from self._worker_families(self.reading.stats.workers)
+        yield from kv_tier_families(self.prefix, self.reading.stats.workers)
         if self.reading.expert_load is not None:
             yield from self._expert_load_families(self.reading.expert_load)
         if self.reading.rebalance_events:
