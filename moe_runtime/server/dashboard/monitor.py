@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.server.dashboard.interval_trace import IntervalTrace
 from moe_runtime.server.dashboard.load_view import load_view
+from moe_runtime.server.dashboard.tier_view import worker_tier_fields
 from moe_runtime.server.dashboard.timeline import Timeline
 from moe_runtime.server.errors import APIError, engine_unavailable
 
@@ -74,7 +75,7 @@ class DashboardMonitor:
             "workers": [dict(dp_rank=w.dp_rank, running=w.running, waiting=w.waiting, kv_usage=w.kv_usage,
                              kv_blocks_total=w.kv_blocks_total, kv_blocks_free=w.kv_blocks_free,
                              num_preemptions=w.num_preemptions, prefix_cache_queries=w.prefix_cache_queries,
-                             prefix_cache_hits=w.prefix_cache_hits) for w in stats.workers],
+                             prefix_cache_hits=w.prefix_cache_hits, **worker_tier_fields(w)) for w in stats.workers],
             "tokens": {"prompt": stats.prompt_tokens, "generation": stats.generation_tokens},
             "timeline": self.timeline.to_dict(),
             "rebalance": self.rebalance_state(snapshot is not None),

@@ -96,6 +96,7 @@
       renderPlacement(load);
     }
     renderTimeline(state);
+    renderTiers(state.workers);
     renderRebalanceControls(state.rebalance);
     dashboard.renders += 1;
   }
@@ -271,6 +272,59 @@
       uirevision: "timeline",
     };
     Plotly.react("timeline", traces, layout, PLOT_CONFIG);
+  }
+
+  function bytes(n) {
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let value = Number(n) || 0, unit = 0;
+    while (value >= 1024 && unit < units.length - 1) { value /= 1024; unit += 1; }
+    return `${value.toFixed(unit === 0 ? 0 : 1)} ${units[unit]}`;
+  }
+
+  function cell(tag, text) {
+    const el = document.createElement(tag);
+    el.textContent = text;
+    return el;
+  }
+
+  // One block per DP worker with tiers: requests loading, tokens found in the tiers, and per tier (fastest first)
+  // an occupancy bar, entries, hits, loaded bytes and errors. Hidden while no worker has a tier.
+  function renderTiers(workers) {
+    const withTiers = workers.filter((w) => (w.kv_tiers || []).length > 0);
+    $("kv-tiers").hidden = withTiers.length === 0;
+    const blocks = withTiers.map((w) => {
+      const block = document.createElement("div");
+      block.className = "tier-worker";
+      block.dataset.dpRank = String(w.dp_rank);
+      const head = cell("div", `dp${w.dp_rank} · ${w.loading} request(s) loading · ` +
+                        `${w.kv_tier_hit_tokens} prompt tokens found in the tiers`);
+      head.className = "tier-summary";
+      const table = document.createElement("table");
+      const header = document.createElement("tr");
+      for (const title of ["tier", "occupancy", "used / capacity", "entries", "hits", "loaded", "errors"]) {
+        header.append(cell("th", title));
+      }
+      table.append(header);
+      for (const t of w.kv_tiers) {
+        const row = document.createElement("tr");
+        row.dataset.tier = t.name;
+        const bar = document.createElement("span");
+        bar.className = "occupancy";
+        bar.title = `${fmt(100 * t.occupancy, 1)}% full`;
+        const fill = document.createElement("span");
+        fill.style.width = `${Math.min(100, 100 * t.occupancy).toFixed(1)}%`;
+        bar.append(fill);
+        const barCell = document.createElement("td");
+        barCell.append(bar, ` ${fmt(100 * t.occupancy, 1)}%`);
+        row.append(cell("td", t.name), barCell, cell("td", `${bytes(t.used_bytes)} / ${bytes(t.capacity_bytes)}`),
+                   cell("td", String(t.entries)), cell("td", String(t.hits)), cell("td", bytes(t.loaded_bytes)),
+                   cell("td", String(t.errors)));
+        table.append(row);
+      }
+      block.append(head, table);
+      return block;
+    });
+    $("kv-tiers-workers").replaceChildren(...blocks);
   }
 
   function renderRebalanceControls(rebalance) {
