@@ -39,9 +39,7 @@ from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.disaggregation.kv_transfer.transport import open_sink
 from moe_runtime.config.model_config import architecture_of, load_hf_config
 from moe_runtime.execution.model_runner import ModelRunner, kv_blocks_for_budget
-from moe_runtime.kv_tiers.block_contents import BlockContents
-from moe_runtime.kv_tiers.engine_tiers import EngineTiers, TierSettings, cache_fingerprint
-from moe_runtime.kv_tiers.router_view import held_anywhere
+from moe_runtime.kv_tiers.tier_steps import TierSteps
 from moe_runtime.models.decoder import BuildContext
 from moe_runtime.models.attention_spans import attention_spans
 from moe_runtime.models.registry import build_model
@@ -126,7 +124,11 @@ class EngineCore:
         self.imports: DecodeImports | None = None    # --disaggregation-mode decode: KV pulled from prefill ranks
         self.wake = None                             # called (from another thread) when a pull or compile ended
         self._open_kv_transfer(config, transfer_key)
-        self.tiers = self._open_kv_tiers(config)
+        drafter = self.speculation.local_model_drafter() if self.speculation is not None else None
+        self.tier_steps = TierSteps.open(config, self.parallel, self.runner,   # KV tiers below the pool, if asked
+                                         ([drafter.cache] if drafter else []) + self.runner.drafter_state_caches,
+                                         self.scheduler, self.block_manager, self.checkpoint_dir, self.dtype)
+        self.tiers = self.tier_steps.tiers
         self._arrivals = 0
         self._sequences: dict[str, Sequence] = {}
         self._prompt_tokens = 0
@@ -164,24 +166,6 @@ class EngineCore:
             sink = open_sink(layers.caches, shard, key, on_landed=self._wake_loop)
             self.imports = DecodeImports(shard, sink, self.block_manager, self.parallel.worker_rank,
                                          config.kv_transfer_timeout_s, ImportGrammars(self.grammar_waits))
-
-    def _open_kv_tiers(self, config: EngineConfig) -> EngineTiers | None:
-        """Host-memory and disk tiers below the device pool, if asked for (every rank of the job builds them at once:
-        their entry sizes are agreed over the job)."""
-        settings = TierSettings(config.kv_host_memory, config.kv_disk_dir, config.kv_disk_size)
-        if not settings.enabled:
-            return None
-        drafter = self.speculation.local_model_drafter() if self.speculation is not None else None
-        drafter_caches = ([drafter.cache] if drafter is not None else []) + self.runner.drafter_state_caches
-        contents = BlockContents(self.runner.caches, drafter_caches, snapshot_base=self.runner.state_slots + 1,
-                                 pin_memory=self.device.type == "cuda")
-        layout = (f"tp{self.parallel.attn_tp_size}-cp{self.parallel.cp_size}-pp{self.parallel.pp_size}-"
-                  f"{self.parallel.stage_layers}-{config.speculative_config}")
-        fingerprint = cache_fingerprint(self.checkpoint_dir, self.dtype, config.block_size, layout,
-                                        contents.entry_bytes())
-        tiers = EngineTiers.for_engine(settings, self.parallel, contents, fingerprint)
-        self.block_manager.attach_tiers(tiers)
-        return tiers
 
     def _wake_loop(self) -> None:
         """From another thread: a KV pull or a grammar compile ended, or a compile's deadline passed."""
@@ -256,6 +240,7 @@ class EngineCore:
         self._sequences[spec.request_id] = seq
         self._prompt_tokens += len(spec.prompt_token_ids)
         self.imports.add(seq, spec)
+        self.tier_steps.save_evicted()
 
     def take_landed_imports(self) -> list[PullResult]:
         """Imports whose pull ended on this rank since the last call (ok or with an error), each once; one with
@@ -280,13 +265,13 @@ class EngineCore:
 
     def abort(self, request_id: str, reason: str = FinishReason.ABORT.value) -> bool:
         """End a request early; `reason` ("abort", or "stop"/"error" when the front ended it) is its finish reason."""
-        if self.tiers is not None:
-            self.tiers.wait_for(request_id)   # a load stops writing into its blocks before they are freed
+        self.tier_steps.abort(request_id)
         seq = self.scheduler.abort(request_id, FinishReason(reason))
         if seq is None and self.imports is not None:
             seq = self.imports.abort(request_id)
             if seq is not None:
                 self.imports.allocate()   # its blocks may admit an import waiting for them
+                self.tier_steps.save_evicted()
         if seq is None:
             seq = self.grammar_waits.abort(request_id)
         parked = self.release_export(request_id)
@@ -347,32 +332,10 @@ class EngineCore:
             return SampleResult.failed(error_message(exc))
 
     def schedule(self) -> ScheduledBatch | None:
-        if self.tiers is None:
-            return self.scheduler.schedule()
-        self._settle_tier_loads()
+        self.tier_steps.before_schedule()
         batch = self.scheduler.schedule()
-        self._move_tier_entries()
+        self.tier_steps.after_schedule()
         return batch
-
-    def _settle_tier_loads(self) -> None:
-        """The loads started before the last step are back (or failed somewhere): their requests queue again."""
-        loaded = []
-        for seq, succeeded in self.tiers.finish():
-            if succeeded == len(seq.tier_loads):
-                loaded.append(seq)
-            else:
-                logger.info("request %s: %d of its %d KV tier entries could not be loaded on every rank; "
-                            "it is admitted again", seq.request_id, len(seq.tier_loads) - succeeded,
-                            len(seq.tier_loads))
-                self.scheduler.load_failed(seq)
-        self.scheduler.loaded(loaded)
-
-    def _move_tier_entries(self) -> None:
-        """What the block manager just decided: reused cached blocks go down (before anything overwrites them),
-        then the loads of requests admitted from the tiers start."""
-        self.tiers.save_evicted(self.block_manager.take_evictions())
-        for seq in self.scheduler.take_started_loading():
-            self.tiers.start(seq.request_id, seq, seq.tier_loads)
 
     def execute(self, batch: ScheduledBatch | None, phase: str | None = None) -> list[TokenDelta]:
         """Run `batch` through the model; None runs an empty batch (0 tokens) through every layer, so a
@@ -418,8 +381,7 @@ class EngineCore:
             self.exports.note_drafts()   # ... parked requests' too: their handles carry them
         if self.imports is not None:
             self.imports.allocate()   # finished requests freed blocks an import may be waiting for
-        if self.tiers is not None:    # ... which may have reused cached blocks: down before a pull writes them
-            self.tiers.save_evicted(self.block_manager.take_evictions())
+            self.tier_steps.save_evicted()
         return deltas
 
     @staticmethod
@@ -468,10 +430,7 @@ class EngineCore:
             compute_seconds=self._compute_seconds if self.parallel.pp_size > 1 else self._step_seconds,
             prefix_cache_queries=self.block_manager.counters.queries,
             prefix_cache_hits=self.block_manager.counters.hits,
-            loading=len(self.scheduler.loading),
-            kv_tier_hit_tokens=self.block_manager.tier_hit_tokens,
-            kv_tier_failed_loads=self.tiers.counters.failed if self.tiers is not None else 0,
-            kv_tiers=self.tiers.tier_counters() if self.tiers is not None else [],
+            **self.tier_steps.stats_fields(),
             **CaptureStats.worker_fields(self.runner.capture), **DecodeHostReads.stats(self.decode_host_reads),
             **Speculation.stats(self.speculation),
         )
@@ -479,18 +438,14 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block (those in use stay with their requests), in the tiers too; the idle blocks
         freed."""
-        if self.tiers is not None:
-            self.tiers.clear()
+        self.tier_steps.clear()
         return self.block_manager.reset_prefix_cache()
 
     def take_prefix_cache_events(self) -> PrefixCacheEvents | None:
         """What this worker's prefix cache stored, evicted or cleared since the last call (None: caching off). With
         KV tiers a block is held while the device or a tier holds it: the front's router counts a prefix in host
         memory or on disk as this worker's."""
-        events = self.block_manager.take_cache_events()
-        if self.tiers is None or events is None:
-            return events
-        return held_anywhere(events, self.tiers, self.block_manager.pool)
+        return self.tier_steps.router_events(self.block_manager.take_cache_events())
 
     def stats(self) -> EngineStats:
         return EngineStats([self.worker_stats()], self._prompt_tokens, self._generation_tokens)
@@ -516,8 +471,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._sequences.clear()
-        if self.tiers is not None:
-            self.tiers.close()
+        self.tier_steps.close()
         self.grammar_waits.close()
         for transfer in (self.exports, self.imports):
             if transfer is not None:
