@@ -21,6 +21,7 @@ class Launch:
     max_num_seqs: int
     gpus_per_node: int
     block_size: int = 16
+    kv_host_memory: int = 0
 
     def flags(self) -> list[str]:
         lo, p = self.layout, self.precision
@@ -34,6 +35,8 @@ class Launch:
         if self.block_size != 16:
             flags += ["--block-size", str(self.block_size)]
         flags += ["--kv-cache-memory", size_flag(self.kv_cache_memory), "--max-num-seqs", str(self.max_num_seqs)]
+        if self.kv_host_memory:
+            flags += ["--kv-host-memory", size_flag(self.kv_host_memory)]
         return flags
 
     @property
@@ -59,7 +62,8 @@ def disaggregated_command(launch: Launch, prefill: int, decode: int) -> str:
 
 
 def size_flag(nbytes: int) -> str:
-    """A --kv-cache-memory value the flag parser reads back to the same bytes (whole MiB or GiB)."""
+    """A --kv-cache-memory (or --kv-host-memory) value the flag parser reads back to the same bytes (whole MiB or
+    GiB)."""
     if nbytes % 2**30 == 0:
         return f"{nbytes // 2**30}G"
     if nbytes % MIB == 0:

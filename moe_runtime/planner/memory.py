@@ -201,3 +201,13 @@ def kv_capacity(memory: RankMemory, layout: ParallelLayout, budget: int, block_s
                 request_tokens: int) -> KVCapacity:
     blocks = memory.kv_blocks(budget, block_size)
     return KVCapacity(blocks, block_size, layout.dp_size, max(-(-request_tokens // block_size), 1))
+
+
+def host_tier_tokens(host_bytes: int, kv_bytes_per_token: int, block_size: int) -> int:
+    """Tokens of evicted prefixes one rank's host tier (--kv-host-memory, per rank) keeps: whole blocks of the
+    rank's shard of the full layers, each counted at the largest shard of any rank of the job (as the tier counts
+    its entries: moe_runtime/kv_tiers/entry_sizes.py, so a worker's ranks keep the same tokens). A hybrid model's
+    state snapshots and windowed layers' blocks share the tier and are not counted: an upper bound for them."""
+    if host_bytes <= 0 or kv_bytes_per_token <= 0:
+        return 0
+    return host_bytes // (kv_bytes_per_token * block_size) * block_size

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from moe_runtime.planner.command import Launch, disaggregated_command
 from moe_runtime.planner.hardware import Hardware
 from moe_runtime.planner.layouts import Candidate, enumerate_layouts, hybrid_kv_groups
-from moe_runtime.planner.memory import Precision, kv_capacity, rank_memory
+from moe_runtime.planner.memory import Precision, host_tier_tokens, kv_capacity, rank_memory
 from moe_runtime.planner.model_shape import ModelShape
 from moe_runtime.planner.roofline import StepModel, Topology
 from moe_runtime.planner.serving import (Estimate, InstanceModel, Workload, colocated_at_concurrency,
@@ -35,6 +35,7 @@ class PlanRequest:
     precision: Precision
     block_size: int = 16
     kv_cache_memory: int | None = None   # per rank; None: what the GPU's memory leaves after the weights
+    kv_host_memory: int = 0              # per rank: the host tier below the device pool (0: none)
 
     @property
     def total_gpus(self) -> int:
@@ -58,6 +59,8 @@ class PlanRow:
     kv_cache_memory: int = 0             # --kv-cache-memory
     kv_tokens: int = 0                   # one instance's
     kv_requests: int = 0                 # concurrent requests of prompt+output tokens, one instance
+    host_kv_tokens_per_rank: int = 0     # tokens of evicted prefixes one rank's host tier keeps (--kv-host-memory)
+    host_kv_tokens: int = 0              # ... one instance's (every DP worker's; a worker's ranks keep the same ones)
     ttft_ms: float = math.inf
     itl_ms: float = math.inf
     tok_s_per_gpu: float = 0.0
@@ -141,6 +144,8 @@ def _colocated_row(request: PlanRequest, candidate: Candidate) -> tuple[PlanRow,
     capacity = kv_capacity(memory, lo, budget, block_size, request.request_tokens)
     row.kv_bytes_per_token, row.kv_cache_memory = memory.kv_bytes_per_token, budget
     row.kv_tokens, row.kv_requests = capacity.tokens, capacity.requests
+    row.host_kv_tokens_per_rank = host_tier_tokens(request.kv_host_memory, memory.kv_bytes_per_token, block_size)
+    row.host_kv_tokens = row.host_kv_tokens_per_rank * lo.dp_size
     if capacity.requests_per_worker < 1:
         row.reason = (f"KV: {budget / GB:.2f} GB per rank holds {capacity.tokens_per_worker} tokens per worker, "
                       f"< one request's {request.request_tokens}")
@@ -149,7 +154,7 @@ def _colocated_row(request: PlanRequest, candidate: Candidate) -> tuple[PlanRow,
     step = StepModel(request.shape, lo, request.precision, hw, Topology(request.gpus_per_node))
     model = InstanceModel(step, w, max_num_seqs)
     launch = Launch(request.model, hw.device, request.precision, lo, budget, max_num_seqs, request.gpus_per_node,
-                    block_size)
+                    block_size, request.kv_host_memory)
     replicas_max = request.total_gpus // lo.world_size
     if w.qps is not None:
         estimate = colocated_at_qps(model, w.qps, max(replicas_max, 1) * 64)
@@ -177,11 +182,13 @@ def _disaggregated_row(request: PlanRequest, candidate: Candidate, model: Instan
     row = PlanRow(f"P/D {colocated.name}", estimate.gpus, lo.world_size, True, layout=asdict(lo),
                   weights_gb_per_rank=colocated.weights_gb_per_rank, kv_bytes_per_token=colocated.kv_bytes_per_token,
                   kv_cache_memory=colocated.kv_cache_memory, kv_tokens=colocated.kv_tokens,
-                  kv_requests=colocated.kv_requests)
+                  kv_requests=colocated.kv_requests, host_kv_tokens_per_rank=colocated.host_kv_tokens_per_rank,
+                  host_kv_tokens=colocated.host_kv_tokens)
     _fill(row, request, estimate, model)
     p, d = (int(x) for x in estimate.note.split()[0:4:3])
     launch = Launch(request.model, request.hardware.device, request.precision, lo, colocated.kv_cache_memory,
-                    model.cap_per_worker, request.gpus_per_node, request.shape.block_size_for(request.block_size))
+                    model.cap_per_worker, request.gpus_per_node, request.shape.block_size_for(request.block_size),
+                    request.kv_host_memory)
     row.command = disaggregated_command(launch, p, d)
     return row
 

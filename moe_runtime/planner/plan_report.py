@@ -8,6 +8,7 @@ from moe_runtime.planner.plan import GB, Plan, PlanRow
 
 COLUMNS = ("#", "layout", "GPUs", "W GB/rank", "KV tok/inst", "KV req", "TTFT ms", "ITL ms", "tok/s/GPU", "bound",
            "note")
+HOST_COLUMN = "host tok/inst"   # beside "KV tok/inst" with --kv-host-memory: the evicted prefixes host memory keeps
 
 
 def table(plan: Plan, top: int) -> str:
@@ -21,8 +22,11 @@ def table(plan: Plan, top: int) -> str:
     running = [row for row in plan.rows if row.runs][:top]
     refused = [row for row in plan.rows if not row.runs]
     lines = [head, footprint_line(ModelFootprint.of(r.shape, r.precision), r.precision.dtype), ""]
-    cells = [COLUMNS] + [_cells(i + 1, row) for i, row in enumerate(running)]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS) - 1)]
+    columns, cells = _with_host_column(r.kv_host_memory > 0, COLUMNS,
+                                       [_cells(i + 1, row) for i, row in enumerate(running)],
+                                       [row.host_kv_tokens for row in running])
+    cells = [columns] + cells
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns) - 1)]
     for c in cells:
         lines.append("  ".join(v.ljust(widths[i]) for i, v in enumerate(c[:-1])) + "  " + c[-1])
     lines.append("")
@@ -48,6 +52,16 @@ def _cells(rank: int, row: PlanRow) -> tuple[str, ...]:
             flag + row.reason)
 
 
+def _with_host_column(shown: bool, columns: tuple[str, ...], cells: list[tuple[str, ...]],
+                      host_tokens: list[int]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """The table with the host tier's tokens per instance after the device's (only with --kv-host-memory)."""
+    if not shown:
+        return columns, cells
+    at = columns.index("KV tok/inst") + 1
+    return ((*columns[:at], HOST_COLUMN, *columns[at:]),
+            [(*c[:at], f"{tokens:,}", *c[at:]) for c, tokens in zip(cells, host_tokens)])
+
+
 def footprint_line(footprint: ModelFootprint, dtype: str) -> str:
     """The numbers the question starts from: the whole model's weights and its KV bytes per token."""
     windowed = (f" (+ {footprint.windowed_kv_bytes_per_token / 1024:.1f} KiB in windowed layers, up to their window)"
@@ -70,6 +84,7 @@ def explain(plan: Plan) -> str:
         f"Weights are {win.weights_gb_per_rank:.1f} GB per rank, leaving {win.kv_cache_memory / GB:.1f} GB of KV "
         f"cache per rank: {win.kv_tokens:,} tokens per instance at {win.kv_bytes_per_token / 1024:.1f} KiB per token "
         f"per rank, {win.kv_requests} requests of {w.prompt_len}+{w.output_len} tokens at once.",
+        *([_host_tier_sentence(r.kv_host_memory, win)] if r.kv_host_memory > 0 else []),
         f"Decode at {win.batch_per_worker:.0f} running requests per DP worker is {win.decode_bound}-bound "
         f"(per step: compute {parts['compute']:.2f} ms, memory {parts['memory']:.2f} ms, communication "
         f"{parts['communication']:.2f} ms{f', bubble {win.bubble:.0%}' if win.bubble else ''}): ITL "
@@ -87,3 +102,10 @@ def explain(plan: Plan) -> str:
                      + (best.reason if best.reason else f"ITL {best.itl_ms:.1f} ms, "
                         f"{best.tok_s_per_gpu:.0f} tok/s per GPU") + ".")
     return "\n".join(lines)
+
+
+def _host_tier_sentence(host_bytes: int, row: PlanRow) -> str:
+    ratio = f", {row.host_kv_tokens / row.kv_tokens:.1f}x the device's" if row.kv_tokens else ""
+    return (f"Host tier: {host_bytes / GB:.1f} GB per rank keeps {row.host_kv_tokens_per_rank:,} tokens of evicted "
+            f"prefixes per rank, {row.host_kv_tokens:,} per instance{ratio} (loaded back instead of recomputed; a "
+            "hybrid model's state snapshots share it and are not counted).")

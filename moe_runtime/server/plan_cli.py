@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q])
     p.add_argument("--kv-cache-memory", type=parse_size,
                    help="KV cache per rank; default: the GPU's memory less weights and a 10%% reserve")
+    p.add_argument("--kv-host-memory", type=parse_size, default=0,
+                   help="host memory per rank for KV evicted from the device (moe-serve's tier 1): the plan shows the "
+                        "tokens of evicted prefixes it keeps beside the device's KV tokens")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
     p.add_argument("--top", type=positive_int, default=15, help="rows of the table (--json has them all)")
     p.add_argument("--json", action="store_true", help="the whole ranking as JSON")
@@ -66,7 +69,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     workload = Workload(args.prompt_len, args.output_len, args.qps, args.concurrency, args.ttft_ms, args.itl_ms,
                         args.max_num_batched_tokens)
     return PlanRequest(args.model, shape, resolve_hardware(args.gpu, cpu_hardware), args.gpus_per_node, args.nodes, workload,
-                       resolve_precision(shape, args.dtype, args.quantization), kv_cache_memory=args.kv_cache_memory)
+                       resolve_precision(shape, args.dtype, args.quantization), kv_cache_memory=args.kv_cache_memory,
+                       kv_host_memory=args.kv_host_memory)
 
 
 def plan_json(plan: Plan) -> dict:
@@ -76,7 +80,7 @@ def plan_json(plan: Plan) -> dict:
             "weight_bytes": footprint.weight_bytes, "kv_bytes_per_token": footprint.kv_bytes_per_token,
             "windowed_kv_bytes_per_token": footprint.windowed_kv_bytes_per_token,
             "gpus": r.total_gpus, "workload": vars(r.workload), "dtype": r.precision.dtype,
-            "quantization": r.precision.quantization,
+            "quantization": r.precision.quantization, "kv_host_memory": r.kv_host_memory,
             "params_b": r.shape.total_params / 1e9, "active_params_b": r.shape.active_params / 1e9,
             "explanation": explain(plan), "rows": [row.as_json() for row in plan.rows]}
 
