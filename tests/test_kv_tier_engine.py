@@ -21,7 +21,7 @@ from moe_runtime.kv_tiers.block_contents import BlockContents
 from moe_runtime.kv_tiers.tier_file import HEADER
 from moe_runtime.kv_tiers.tier_key import FULL_GROUP, STATE_SNAPSHOT
 
-NEW_TOKENS = 4
+NEW_TOKENS = 3
 POOL_BLOCKS = 12
 HOST = dict(kv_host_memory=64 << 20)
 
@@ -30,7 +30,7 @@ def block_size_of(arch: str) -> int:
     return 16 if arch == "deepseek_v4" else 8   # V4 pages whole compression blocks (rates 4 and 16)
 
 
-def prompts_for(arch: str, count: int = 4, salt: int = 0) -> list[list[int]]:
+def prompts_for(arch: str, count: int = 3, salt: int = 0) -> list[list[int]]:
     """`count` prompts of 9 blocks and 6 tokens sharing nothing (longer than every window, chunk and compression
     block of the tiny models)."""
     length = 9 * block_size_of(arch) + 6
@@ -113,7 +113,7 @@ def test_the_disk_tier_serves_after_a_restart_and_a_corrupted_file_is_a_recomput
     prompts = prompts_for("llama")
     disk = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_size=64 << 20)
     want = greedy_oracle("llama", prompts, NEW_TOKENS)
-    with LLM(str(path), **options, **disk) as llm:
+    with LLM(str(path), **options, **disk) as llm:      # the later prompts evict the first (tail first) to the disk
         assert [llm.generate([p], greedy(NEW_TOKENS))[0].token_ids for p in prompts] == want
     files = sorted((tmp_path / "kv").rglob("*.kv"))
     assert files and all(f.stat().st_mode & 0o777 == 0o600 for f in files)
@@ -126,17 +126,19 @@ def test_the_disk_tier_serves_after_a_restart_and_a_corrupted_file_is_a_recomput
         data[-1] ^= 0x5A
         f.write_bytes(bytes(data))
     with LLM(str(path), **options, **disk) as llm:
-        assert llm.generate([prompts[1]], greedy(NEW_TOKENS))[0].token_ids == want[1]
+        assert llm.generate([prompts[0]], greedy(NEW_TOKENS))[0].token_ids == want[0]
         worker = tier_stats(llm)
-        assert worker.kv_tiers[0].misses >= 1 and llm.engine.core.tiers.counters.failed == 1
+        assert worker.kv_tiers[0].misses >= 1 and worker.kv_tier_failed_loads == 1
 
 
 def test_another_disk_layout_or_model_reads_none_of_the_files(llama_options, tiny_checkpoint_factory, tmp_path):
     path, options = llama_options
     disk = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_size=64 << 20)
-    prompts = prompts_for("llama")
+    prompts = prompts_for("llama", 2)
     with LLM(str(path), **options, **disk) as llm:
-        run_twice(llm, prompts)
+        for prompt in prompts:
+            llm.generate([prompt], greedy(NEW_TOKENS))
+        assert tier_stats(llm).kv_tiers[0].entries > 0
     with LLM(str(path), **dict(options, block_size=16, kv_cache_memory=options["kv_cache_memory"]), **disk) as llm:
         llm.generate([prompts[0]], greedy(NEW_TOKENS))
         assert tier_stats(llm).kv_tiers[0].entries == 0, "another block size: another directory"
@@ -172,6 +174,7 @@ def test_a_request_aborted_while_loading_frees_its_blocks_and_the_others_go_on(l
         core.add_request("other", second[:20], greedy(NEW_TOKENS))
         core.step()
         assert [seq.request_id for seq in core.scheduler.loading] == ["again"]
+        assert [seq.request_id for seq in core.scheduler.running] == ["other"], "the others step while it loads"
         assert core.abort("again")
         assert not core.scheduler.loading and core.tiers.wait_for("again") is False
         while core.has_unfinished():
@@ -212,7 +215,7 @@ def test_the_ranks_of_a_worker_agree_when_one_ranks_file_is_damaged(tiny_checkpo
     arch = "qwen3_moe"
     path = tiny_checkpoint_factory(arch)
     prompts = prompts_for(arch)
-    options = options_for(arch, path, ep=2, dp_attn=1)
+    options = options_for(arch, path, blocks=POOL_BLOCKS // 2, ep=2, dp_attn=1)   # each rank keeps half the heads
     disk = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_size=64 << 20)
     want = greedy_oracle(arch, prompts, NEW_TOKENS)
     with LLM(str(path), **options, **disk) as llm:
@@ -224,7 +227,7 @@ def test_the_ranks_of_a_worker_agree_when_one_ranks_file_is_damaged(tiny_checkpo
         data[HEADER.size + 3] ^= 0x01
         f.write_bytes(bytes(data))
     with LLM(str(path), **options, **disk) as llm:
-        assert [llm.generate([p], greedy(NEW_TOKENS))[0].token_ids for p in prompts[:2]] == want[:2]
+        assert [llm.generate([p], greedy(NEW_TOKENS))[0].token_ids for p in prompts[:1]] == want[:1]
         [worker] = llm.engine.stats().workers      # reported by rank 0, whose own files were intact
         assert worker.kv_tier_failed_loads >= 1, "rank 0 followed rank 1's failed load"
 
