@@ -171,7 +171,7 @@ def test_a_request_aborted_while_loading_frees_its_blocks_and_the_others_go_on(l
             while core.has_unfinished():
                 core.step()
         core.add_request("again", first, greedy(NEW_TOKENS))     # its prefix is in the host tier now
-        core.add_request("other", second[:20], greedy(NEW_TOKENS))
+        core.add_request("other", second[:12], greedy(NEW_TOKENS))   # fits beside it (2 blocks)
         core.step()
         assert [seq.request_id for seq in core.scheduler.loading] == ["again"]
         assert [seq.request_id for seq in core.scheduler.running] == ["other"], "the others step while it loads"
