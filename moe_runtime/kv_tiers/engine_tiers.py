@@ -85,6 +85,9 @@ class EngineTiers:
         self._dropped: list[int] = []          # full-group hashes no tier holds any more (the router's evictions)
         self._restored: list[int] = []         # full-group hashes a disk tier found at start (the router's stores)
         self._lock = threading.Lock()
+        on_gpu = any(t.is_cuda for kind in contents.kinds.values() for t in kind.tensors)
+        # loads copy on a stream of their own, so they overlap the step's kernels (they write blocks no kernel reads)
+        self._load_stream = torch.cuda.Stream() if on_gpu else None
         if disk is not None:
             common = agreement.common_keys(disk.keys())
             disk.retain(common)
@@ -196,6 +199,14 @@ class EngineTiers:
 
     # ---- the loader thread ---------------------------------------------------------------------------------
     def _load(self, loads: list[TierLoad], futures: list[Future]) -> int:
+        if self._load_stream is None:
+            return self._write_back(loads, futures)
+        with torch.cuda.stream(self._load_stream):
+            written = self._write_back(loads, futures)
+        self._load_stream.synchronize()
+        return written
+
+    def _write_back(self, loads: list[TierLoad], futures: list[Future]) -> int:
         started = time.perf_counter()
         try:
             for index, (load, future) in enumerate(zip(loads, futures)):
@@ -210,8 +221,6 @@ class EngineTiers:
                 with self._lock:
                     kinds = self.counters.loaded_by_kind
                     kinds[load.key.kind] = kinds.get(load.key.kind, 0) + 1
-            if any(t.is_cuda for kind in self.contents.kinds.values() for t in kind.tensors):
-                torch.cuda.current_stream().synchronize()
             return len(loads)
         finally:
             with self._lock:
