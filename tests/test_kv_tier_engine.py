@@ -121,6 +121,9 @@ def test_the_disk_tier_serves_after_a_restart_and_a_corrupted_file_is_a_recomput
         assert llm.generate([prompts[0]], greedy(NEW_TOKENS))[0].token_ids == want[0]
         worker = tier_stats(llm)
         assert worker.kv_tier_hit_tokens == 9 * 8 and worker.kv_tiers[0].hits >= 9
+        # the last prompt was on the device at shutdown: written down then, it is found too
+        assert llm.generate([prompts[-1]], greedy(NEW_TOKENS))[0].token_ids == want[-1]
+        assert tier_stats(llm).kv_tier_hit_tokens == 2 * 9 * 8
     for f in sorted((tmp_path / "kv").rglob("g0-*.kv")):      # every full-group block damaged
         data = bytearray(f.read_bytes())
         data[-1] ^= 0x5A

@@ -92,6 +92,17 @@ class BlockManager:
         if self.snapshots is not None:
             self.snapshots.evictions = []
 
+    def cached_entries(self) -> list[TierSave]:
+        """Every cached block and snapshot as a save, least recently used first (what a disk tier keeps at shutdown)."""
+        if self.prefix_cache is None:
+            return []
+        saves = [TierSave(TierKey(FULL_GROUP, h), block) for block, h in self.prefix_cache.cached_blocks()]
+        for group, window in enumerate(self.windows, start=1):
+            saves += [TierSave(TierKey(group, h), block) for block, h in window.pool.prefix_cache.cached_blocks()]
+        if self.snapshots is not None:
+            saves += [TierSave(TierKey(STATE_SNAPSHOT, h), row) for row, h in self.snapshots.cached_rows()]
+        return saves
+
     def take_evictions(self) -> list[TierSave]:
         """The cached blocks and snapshots reused since the last call: their bytes must go down now."""
         saves = [TierSave(TierKey(FULL_GROUP, h), block) for block, h in self.pool.take_evictions()]

@@ -100,6 +100,11 @@ class StateSnapshots:
             del self._pending[row]
             self._idle[row] = None
 
+    def cached_rows(self) -> list[tuple[int, BlockHash]]:
+        """Every written snapshot and its hash, least recently used first."""
+        self._settle()
+        return [(row, self._hash_of[row]) for row in self._idle]
+
     def take_evictions(self) -> list[tuple[int, BlockHash]]:
         """The written snapshots whose rows were reused since the last call, (row, hash)."""
         if not self.evictions:

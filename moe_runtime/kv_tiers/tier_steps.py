@@ -98,5 +98,12 @@ class TierSteps:
         return held_anywhere(events, self.tiers, self.block_manager.pool)
 
     def close(self) -> None:
-        if self.tiers is not None:
-            self.tiers.close()
+        """With a disk tier, the device's cached blocks go down to it first (written through the host tier): a restart
+        finds the most recent prefixes too, not only what was evicted before."""
+        if self.tiers is None:
+            return
+        if self.tiers.disk is not None:
+            saves = [save for save in self.block_manager.cached_entries() if not self.tiers.holds(save.key)]
+            self.tiers.save_evicted(saves)
+            logger.info("KV tiers: %d cached entries written down at shutdown", len(saves))
+        self.tiers.close()
