@@ -35,7 +35,7 @@ def key(block_hash: int, kind: int = FULL_GROUP) -> TierKey:
 def test_tier_file_names_round_trip_and_junk_is_not_a_key():
     for k in (key(0), key(2**63 - 1, STATE_SNAPSHOT), key(12345, 3)):
         assert TierKey.from_file_name(k.file_name) == k
-    for junk in ("x.kv", "g0-12.kv", "g0-zzzzzzzzzzzzzzzz.kv", "q1-0000000000000001.kv", "g0-0000000000000001",
+    for junk in ("x.kv", "g0-12.kv", "g0-000000000000_001.kv", "g0-+00000000000001.kv", "G0-0000000000000001.kv", "g0-zzzzzzzzzzzzzzzz.kv", "q1-0000000000000001.kv", "g0-0000000000000001",
                  "g-2-0000000000000001.kv", "g0-ffffffffffffffff.kv"):
         assert TierKey.from_file_name(junk) is None, junk
 
@@ -189,7 +189,7 @@ def test_the_store_writes_through_and_drops_only_what_no_tier_holds(disk):
 def test_one_rank_agrees_with_itself():
     agreement = WorkerAgreement(ParallelContext.single())
     assert agreement.alone and agreement.minimum([3, 0, 5]) == [3, 0, 5]
-    assert agreement.common_keys([key(1), key(2)]) == {key(1), key(2)}
+    assert agreement.common_keys([key(2), key(1)]) == [key(2), key(1)], "in the order given"
 
 
 class FakeTiers:
@@ -226,3 +226,16 @@ def test_the_router_hears_of_a_block_held_in_a_tier_as_held_by_its_worker():
     index.apply(0, PrefixCacheEvents(stored=[10, 11, 12, 14]))
     index.apply(0, events)
     assert index.cached_blocks(0, [10, 11, 50]) == 3 and index.cached_blocks(1, [10]) == 0
+
+
+def test_a_tier_directory_others_could_write_or_swap_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(disk_module.UnsafeTierDirectory, match="not writable by others"):
+        DiskTier(shared / "fingerprint" / "rank", 8 * ENTRY, SIZES)
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(disk_module.UnsafeTierDirectory, match="not a plain directory"):
+        DiskTier(tmp_path / "link", 8 * ENTRY, SIZES)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 
 from moe_runtime.engine.block_manager import BlockManager
@@ -57,6 +58,9 @@ class DecodeImports:
         self.grammars = grammars            # imports' grammars compiling: their reports wait for them
         self._waiting: deque[Import] = deque()      # no blocks yet, in arrival order
         self._imports: dict[str, Import] = {}
+        # called once an import has its blocks, before its pull writes them: cached blocks the allocation reused go
+        # down to the KV tiers first (moe_runtime/kv_tiers/tier_steps.py; nothing without tiers)
+        self.before_pull: Callable[[], None] = lambda: None
 
     def add(self, seq: Sequence, spec: ImportSpec, error: str | None = None) -> None:
         """Take in an import (at a lock-step boundary); it gets blocks as soon as enough are free. With `error`
@@ -77,6 +81,7 @@ class DecodeImports:
             if not self.block_manager.admit(entry.seq, read_cache=False):
                 return
             self._waiting.popleft()
+            self.before_pull()
             if entry.error is None:
                 try:
                     sources = plan_pulls(self.local, entry.spec.shards, self.spread)

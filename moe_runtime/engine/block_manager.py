@@ -93,12 +93,13 @@ class BlockManager:
             self.snapshots.evictions = []
 
     def cached_entries(self) -> list[TierSave]:
-        """Every cached block and snapshot as a save, least recently used first (what a disk tier keeps at shutdown)."""
+        """Every idle cached block and written snapshot as a save, least recently used first (what a disk tier keeps at
+        shutdown)."""
         if self.prefix_cache is None:
             return []
-        saves = [TierSave(TierKey(FULL_GROUP, h), block) for block, h in self.prefix_cache.cached_blocks()]
+        saves = [TierSave(TierKey(FULL_GROUP, h), block) for block, h in self.prefix_cache.idle_blocks()]
         for group, window in enumerate(self.windows, start=1):
-            saves += [TierSave(TierKey(group, h), block) for block, h in window.pool.prefix_cache.cached_blocks()]
+            saves += [TierSave(TierKey(group, h), block) for block, h in window.pool.prefix_cache.idle_blocks()]
         if self.snapshots is not None:
             saves += [TierSave(TierKey(STATE_SNAPSHOT, h), row) for row, h in self.snapshots.cached_rows()]
         return saves
@@ -305,7 +306,6 @@ class BlockManager:
         seq.state_rollback = -1
         seq.state_captures = []
         seq.tier_loads = []
-        seq.blocks_ready = False
         seq.block_table = []
         seq.draft_token_ids = []
         seq.window_tables = []

@@ -129,6 +129,8 @@ class EngineCore:
                                          ([drafter.cache] if drafter else []) + self.runner.drafter_state_caches,
                                          self.scheduler, self.block_manager, self.checkpoint_dir, self.dtype)
         self.tiers = self.tier_steps.tiers
+        if self.imports is not None:
+            self.imports.before_pull = self.tier_steps.save_evicted
         self._arrivals = 0
         self._sequences: dict[str, Sequence] = {}
         self._prompt_tokens = 0
@@ -240,7 +242,6 @@ class EngineCore:
         self._sequences[spec.request_id] = seq
         self._prompt_tokens += len(spec.prompt_token_ids)
         self.imports.add(seq, spec)
-        self.tier_steps.save_evicted()
 
     def take_landed_imports(self) -> list[PullResult]:
         """Imports whose pull ended on this rank since the last call (ok or with an error), each once; one with
@@ -271,7 +272,6 @@ class EngineCore:
             seq = self.imports.abort(request_id)
             if seq is not None:
                 self.imports.allocate()   # its blocks may admit an import waiting for them
-                self.tier_steps.save_evicted()
         if seq is None:
             seq = self.grammar_waits.abort(request_id)
         parked = self.release_export(request_id)
@@ -381,7 +381,6 @@ class EngineCore:
             self.exports.note_drafts()   # ... parked requests' too: their handles carry them
         if self.imports is not None:
             self.imports.allocate()   # finished requests freed blocks an import may be waiting for
-            self.tier_steps.save_evicted()
         return deltas
 
     @staticmethod

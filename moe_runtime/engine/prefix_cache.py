@@ -108,10 +108,10 @@ class PrefixCache:
             self._changes[block_hash] = False
         return block, block_hash
 
-    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
-        """Every cached block and its hash: idle ones least recently used first, then those in use."""
-        idle = [(block, self._hash_of[block]) for block in self._idle]
-        return idle + [(block, h) for block, h in self._hash_of.items() if block not in self._idle]
+    def idle_blocks(self) -> list[tuple[int, BlockHash]]:
+        """The idle cached blocks and their hashes, least recently used first (computed: a block in use may belong to
+        a step that has not run)."""
+        return [(block, self._hash_of[block]) for block in self._idle]
 
     def reset(self) -> list[int]:
         """Forget every hash; returns the idle blocks, now plain free memory. Blocks in use stay with their

@@ -29,9 +29,10 @@ its prompt plus the tokens it already produced.
 
 With KV tiers, a request whose admission found part of its prefix in a tier (`seq.tier_loads`) holds its blocks in
 `loading`, scheduled nowhere, while the engine brings the entries back (moe_runtime/kv_tiers/engine_tiers.py); then
-it returns to the front of the queue holding them (`loaded`) and is admitted as any other, its prefix computed.
+it is `ready` (`loaded`), holding its blocks, and starts computing the rest of its prompt at the next prefill
+scheduling, ahead of the waiting queue (which might otherwise hold a request that cannot fit beside it, forever).
 The others keep stepping meanwhile. A load that failed on some rank gives its blocks back (`load_failed`) and the
-request is admitted afresh. Loading requests count against `max_num_seqs`.
+request is admitted afresh. Loading and ready requests count against `max_num_seqs`.
 """
 from __future__ import annotations
 
@@ -94,18 +95,19 @@ class Scheduler:
         self.landed: deque[Sequence] = deque()    # a decode instance's imports, holding their blocks, waiting for
         self.num_preemptions = 0                  # room under max_num_seqs (`add_running`)
         self.loading: list[Sequence] = []         # admitted from the KV tiers, holding blocks, waiting for the loads
+        self.ready: deque[Sequence] = deque()     # ... loaded, holding blocks, to start at the next prefill scheduling
         self._started_loading: list[Sequence] = []   # ... of which admitted since `take_started_loading`
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.landed or self.loading)
+        return bool(self.waiting or self.running or self.landed or self.loading or self.ready)
 
     @property
     def num_admitted(self) -> int:
-        """Requests holding a place under max_num_seqs: running ones, and those loading from the tiers."""
-        return len(self.running) + len(self.loading)
+        """Requests holding a place under max_num_seqs: running ones, and those loading from the tiers or loaded."""
+        return len(self.running) + len(self.loading) + len(self.ready)
 
     def take_started_loading(self) -> list[Sequence]:
         """The requests admitted from the tiers since the last call (their loads are to start)."""
@@ -113,13 +115,11 @@ class Scheduler:
         return started
 
     def loaded(self, seqs: list[Sequence]) -> None:
-        """Their loads are back on every rank: to the front of the queue, in arrival order, holding their blocks."""
-        for seq in sorted(seqs, key=lambda s: s.arrival, reverse=True):
+        """Their loads are back on every rank: ready, in arrival order, holding their blocks."""
+        for seq in sorted(seqs, key=lambda s: s.arrival):
             self.loading.remove(seq)
             seq.tier_loads = []
-            seq.blocks_ready = True
-            seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
+            self.ready.append(seq)
 
     def load_failed(self, seq: Sequence) -> None:
         """Its load failed on some rank: its blocks go back and it is admitted afresh (the failed entries are
@@ -139,7 +139,7 @@ class Scheduler:
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
         """End a request before the engine would (client gone, or the front saw a stop string); frees its blocks."""
-        for queue in (self.waiting, self.running, self.landed, self.loading):
+        for queue in (self.waiting, self.running, self.landed, self.loading, self.ready):
             for seq in list(queue):
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -163,6 +163,8 @@ class Scheduler:
 
     # ---- chunked prefill: decodes, prefills in progress, new requests, under one token budget -----------
     def _schedule_mixed(self) -> ScheduledBatch | None:
+        self.running.extend(self.ready)   # back from the tiers: they compute the rest of their prompts as prefills
+        self.ready.clear()
         self.running.sort(key=lambda s: s.arrival)
         scheduled = self._schedule_decodes([seq for seq in self.running if seq.is_decoding])
         budget = self.config.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in scheduled)
@@ -186,6 +188,14 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduledBatch | None:
         admitted: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
+        while self.ready:   # back from the tiers, holding their blocks: first, whatever waits
+            seq = self.ready[0]
+            if admitted and seq.num_tokens > budget:
+                break
+            self.ready.popleft()
+            self.running.append(seq)
+            budget -= self._schedule_tokens(seq, seq.tokens_to_compute())
+            admitted.append(seq)
         while self.waiting and self.num_admitted < self.config.max_num_seqs:
             seq = self.waiting[0]
             if admitted and seq.num_tokens > budget:   # counted whole: a cache hit only makes it cheaper
@@ -245,12 +255,9 @@ class Scheduler:
         (True), or into `loading` when part of its prefix comes from the KV tiers (False); None: no room.
         A prompt is scored before the first token is sampled; that test reads the same on every rank (only
         the last pipeline stage scores, so only it knows `prompt_logprobs_done`)."""
-        if seq.blocks_ready:   # back from the tiers, holding its blocks
-            seq.blocks_ready = False
-        else:
-            wants_prompt_scored = seq.params.prompt_logprobs is not None and not seq.output_token_ids
-            if not self.block_manager.admit(seq, read_cache=not wants_prompt_scored):
-                return None
+        wants_prompt_scored = seq.params.prompt_logprobs is not None and not seq.output_token_ids
+        if not self.block_manager.admit(seq, read_cache=not wants_prompt_scored):
+            return None
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING
         if seq.tier_loads:

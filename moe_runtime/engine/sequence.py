@@ -58,7 +58,6 @@ class Sequence:
     queue_reported: bool = False                   # ... and handed out in a delta
     prefix_hit_tokens: int = 0                     # prompt tokens its first admission found in the prefix cache
     tier_loads: list = field(default_factory=list)  # its admission's `TierLoad`s: entries of a KV tier it waits for
-    blocks_ready: bool = False                     # back in the queue holding its blocks, loaded from the tiers
 
     def __post_init__(self) -> None:
         if self.sampling_seed < 0:

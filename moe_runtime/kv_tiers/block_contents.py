@@ -63,20 +63,29 @@ class BlockContents:
         return {kind: tensors.entry_bytes for kind, tensors in self.kinds.items()}
 
     def read(self, kind: int, indices: list[int]) -> list[torch.Tensor]:
-        """One flat uint8 CPU tensor per block id (per snapshot row for `STATE_SNAPSHOT`) of `indices`."""
+        """One flat uint8 CPU tensor per block id (per snapshot row for `STATE_SNAPSHOT`) of `indices`, each its own
+        allocation (a tier keeps entries one by one: none holds another's memory alive)."""
         tensors = self.kinds.get(kind)
         if tensors is None or not indices:
             return [torch.empty(0, dtype=torch.uint8) for _ in indices]
         rows = [index + self.snapshot_base if kind == STATE_SNAPSHOT else index for index in indices]
-        out = torch.empty(len(rows), tensors.entry_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        entries = [torch.empty(tensors.entry_bytes, dtype=torch.uint8, pin_memory=self.pin_memory) for _ in rows]
         at = 0
         for tensor, width in zip(tensors.tensors, tensors.row_bytes):
             picked = tensor.index_select(0, torch.tensor(rows, dtype=torch.long, device=tensor.device))
-            out[:, at : at + width].copy_(picked.reshape(len(rows), -1).view(torch.uint8), non_blocking=True)
+            picked = picked.reshape(len(rows), -1).view(torch.uint8)                      # [N, width]
+            for entry, row in zip(entries, picked):
+                entry[at : at + width].copy_(row, non_blocking=True)
             at += width
-        if out.device.type == "cpu" and any(t.is_cuda for t in tensors.tensors):
+        if any(t.is_cuda for t in tensors.tensors):
             torch.cuda.current_stream().synchronize()
-        return list(out.unbind(0))
+        return entries
+
+    def restore_row(self, row: int, slot: int) -> None:
+        """Copy snapshot row `row` into state slot `slot` on the device (a request admitted with a device snapshot
+        while it waits for tier loads: the row may be reused before its first step)."""
+        for tensor in self.kinds.get(STATE_SNAPSHOT, CacheTensors(())).tensors:
+            tensor[slot].copy_(tensor[self.snapshot_base + row])
 
     def write(self, kind: int, index: int, data: torch.Tensor) -> None:
         """Store `read`'s bytes of one entry into block `index` (for `STATE_SNAPSHOT`: into state slot `index`).

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -33,6 +34,24 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 
 
+class UnsafeTierDirectory(OSError):
+    """A tier directory another user could write into or swap (its files would be trusted on load)."""
+
+
+def private_directory(directory: Path, levels: int = 3) -> None:
+    """Create `directory` (and missing parents) 0700, then refuse it, or any of its `levels - 1` parents (the tier's
+    own levels: `<kv-disk-dir>/<fingerprint>/<rank>`), that is a symbolic link, another user's, or writable by others."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for path in [directory, *directory.parents][:levels]:
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+            raise UnsafeTierDirectory(f"KV disk tier: {path} is not a plain directory")
+        if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise UnsafeTierDirectory(f"KV disk tier: {path} must be this user's and not writable by others "
+                                      f"(owner {info.st_uid}, mode {stat.S_IMODE(info.st_mode):o})")
+    os.chmod(directory, 0o700)
+
+
 class DiskTier:
     name = "disk"
 
@@ -42,8 +61,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.sizes = sizes
         self.max_pending_bytes = max_pending_bytes
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.directory, 0o700)
+        private_directory(self.directory)
         self._index: OrderedDict[TierKey, None] = OrderedDict()   # least recently used first
         self._used = 0
         self._pending: dict[TierKey, torch.Tensor] = {}           # saved, not written yet
@@ -109,10 +127,13 @@ class DiskTier:
             self._used -= self.sizes.of(key)
             self._jobs.put(("delete", key, None))
 
-    def retain(self, keys: set[TierKey]) -> None:
-        """Forget every entry but `keys` (what every rank of the DP worker found on its disk at start)."""
-        for key in [key for key in self._index if key not in keys]:
+    def retain(self, keys: list[TierKey]) -> None:
+        """Keep exactly `keys`, least recently used first (what every rank of the DP worker found on its disk at
+        start, in the order they agreed): the rest is forgotten and its files removed."""
+        kept = set(keys)
+        for key in [key for key in self._index if key not in kept]:
             self.evict(key)
+        self._index = OrderedDict((key, None) for key in keys if key in self._index)
 
     def clear(self) -> None:
         for key in list(self._index):
@@ -176,14 +197,19 @@ class DiskTier:
             job, key, extra = self._jobs.get()
             if job == "stop":
                 return
-            if job == "flush":
-                extra.set()
-            elif job == "write":
-                self._write(key, extra)
-            elif job == "read":
-                extra.set_result(self._read(key))
-            elif job == "delete":
-                self._delete(key)
+            try:
+                if job == "flush":
+                    extra.set()
+                elif job == "write":
+                    self._write(key, extra)
+                elif job == "read":
+                    extra.set_result(self._read(key))
+                elif job == "delete":
+                    self._delete(key)
+            except Exception as exc:  # noqa: BLE001 - the thread outlives any one job: a read that fails is a miss
+                logger.warning("KV disk tier: %s of %s failed (%s)", job, key.file_name if key else "-", exc)
+                if job == "read" and not extra.done():
+                    extra.set_result(None)
 
     def _write(self, key: TierKey, data: torch.Tensor) -> None:
         started = time.perf_counter()

@@ -88,9 +88,8 @@ class EngineTiers:
         on_gpu = any(t.is_cuda for kind in contents.kinds.values() for t in kind.tensors)
         # loads copy on a stream of their own, so they overlap the step's kernels (they write blocks no kernel reads)
         self._load_stream = torch.cuda.Stream() if on_gpu else None
-        if disk is not None:
-            common = agreement.common_keys(disk.keys())
-            disk.retain(common)
+        if disk is not None:   # the entries every rank of the worker found, in one order: their LRU order is alike
+            disk.retain(agreement.common_keys(disk.keys()))
             self._restored = [key.block_hash for key in disk.keys() if key.kind == FULL_GROUP]
 
     @classmethod
@@ -129,11 +128,19 @@ class EngineTiers:
                     if old.kind == FULL_GROUP:
                         self._dropped.append(old.block_hash)
 
-    def start(self, request_id: str, request, loads: list[TierLoad]) -> None:
-        """Bring `loads` back into the request's blocks and slot on the loader thread, while the step runs."""
-        futures = [self.store.load_async(load.key) for load in loads]   # here: a later eviction takes nothing away
+    def fetch(self, loads: list[TierLoad]) -> list[Future]:
+        """Ask the tiers for `loads`' bytes now, before this step's saves can push any of them out of a tier."""
+        return [self.store.load_async(load.key) for load in loads]
+
+    def start(self, request_id: str, request, loads: list[TierLoad], fetched: list[Future]) -> None:
+        """Write `fetched` (`fetch(loads)`) into the request's blocks and slot on the loader thread, while the step
+        runs (after this step's saves read the reused blocks: a fresh block may be one of them)."""
         self.counters.requests += 1
-        outcome = self._loader.submit(self._load, loads, futures)
+        ready = None
+        if self._load_stream is not None:   # a fresh block may still be written by kernels queued before
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        outcome = self._loader.submit(self._load, loads, fetched, ready)
         self._in_flight[request_id] = LoadInFlight(request, loads, outcome)
 
     def finish(self) -> list[tuple[object, int]]:
@@ -167,6 +174,10 @@ class EngineTiers:
         flight.outcome.result()
         return True
 
+    def use_parallel(self, parallel: ParallelContext) -> None:
+        """The job re-formed (a lost rank): agree over the new groups from now on."""
+        self.agreement = WorkerAgreement(parallel)
+
     def wait_all(self) -> None:
         for request_id in list(self._in_flight):
             self.wait_for(request_id)
@@ -198,9 +209,10 @@ class EngineTiers:
         self.store.close()
 
     # ---- the loader thread ---------------------------------------------------------------------------------
-    def _load(self, loads: list[TierLoad], futures: list[Future]) -> int:
+    def _load(self, loads: list[TierLoad], futures: list[Future], ready) -> int:
         if self._load_stream is None:
             return self._write_back(loads, futures)
+        self._load_stream.wait_event(ready)
         with torch.cuda.stream(self._load_stream):
             written = self._write_back(loads, futures)
         self._load_stream.synchronize()
@@ -210,13 +222,13 @@ class EngineTiers:
         started = time.perf_counter()
         try:
             for index, (load, future) in enumerate(zip(loads, futures)):
-                data = future.result()
-                if data is None:
-                    return index
                 try:
+                    data = future.result()
+                    if data is None:
+                        return index
                     self.contents.write(load.key.kind, load.target, data)
-                except ValueError as exc:
-                    logger.warning("KV tiers: entry %s does not fit this rank's cache (%s); a miss", load.key, exc)
+                except Exception as exc:  # noqa: BLE001 - any failure here is a miss the worker agrees on, not a crash
+                    logger.warning("KV tiers: entry %s could not be written back (%s); a miss", load.key, exc)
                     return index
                 with self._lock:
                     kinds = self.counters.loaded_by_kind

@@ -34,6 +34,7 @@ class TierKey:
             kind = STATE_SNAPSHOT if kind_text == "s" else int(kind_text[1:]) if kind_text[:1] == "g" else None
         except ValueError:
             return None
-        if kind is None or len(hash_text) != 16 or not 0 <= block_hash < 2**63 or kind < STATE_SNAPSHOT:
+        if kind is None or not 0 <= block_hash < 2**63 or kind < STATE_SNAPSHOT:
             return None
-        return cls(kind, block_hash)
+        key = cls(kind, block_hash)
+        return key if key.file_name == name else None   # one spelling per key: two files never count as one

@@ -22,6 +22,8 @@ from moe_runtime.kv_tiers.router_view import held_anywhere
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_CHUNK = 256   # entries read down per flush of the disk tier at shutdown
+
 
 class TierSteps:
     def __init__(self, tiers: EngineTiers | None, scheduler: Scheduler, block_manager: BlockManager):
@@ -43,7 +45,7 @@ class TierSteps:
         contents = BlockContents(runner.caches, drafter_caches, snapshot_base=runner.state_slots + 1,
                                  pin_memory=runner.device.type == "cuda")
         layout = (f"tp{parallel.attn_tp_size}-cp{parallel.cp_size}-pp{parallel.pp_size}-{parallel.stage_layers}-"
-                  f"{config.speculative_config}")
+                  f"{config.speculative_config}-{config.quantization}-{config.kernels}")
         fingerprint = cache_fingerprint(checkpoint_dir, dtype, config.block_size, layout, contents.entry_bytes())
         return cls(EngineTiers.for_engine(settings, parallel, contents, fingerprint), scheduler, block_manager)
 
@@ -62,13 +64,20 @@ class TierSteps:
         self.scheduler.loaded(loaded)
 
     def after_schedule(self) -> None:
-        """What the block manager just decided: reused cached blocks go down (before anything overwrites them), then
-        the loads of requests admitted from the tiers start."""
+        """What the block manager just decided: the new loads take their bytes from the tiers first (this step's saves
+        could push them out), reused cached blocks go down (before anything overwrites them), then the loads start
+        writing. A request that also resumes a device snapshot gets it copied into its slot now: the row is not held
+        for it and may be reused before its first step."""
         if self.tiers is None:
             return
+        started = self.scheduler.take_started_loading()
+        fetched = [self.tiers.fetch(seq.tier_loads) for seq in started]
         self.save_evicted()
-        for seq in self.scheduler.take_started_loading():
-            self.tiers.start(seq.request_id, seq, seq.tier_loads)
+        for seq, futures in zip(started, fetched):
+            if seq.state_restore >= 0:
+                self.tiers.contents.restore_row(seq.state_restore, seq.state_slot)
+                seq.state_restore = -1
+            self.tiers.start(seq.request_id, seq, seq.tier_loads, futures)
 
     def save_evicted(self) -> None:
         """Cached blocks reused outside a schedule (a P/D import's allocation) go down before a pull writes them."""
@@ -104,6 +113,13 @@ class TierSteps:
             return
         if self.tiers.disk is not None:
             saves = [save for save in self.block_manager.cached_entries() if not self.tiers.holds(save.key)]
-            self.tiers.save_evicted(saves)
+            for first in range(0, len(saves), SHUTDOWN_CHUNK):   # a bounded amount of bytes waits for the disk
+                self.tiers.save_evicted(saves[first : first + SHUTDOWN_CHUNK])
+                self.tiers.disk.flush()
             logger.info("KV tiers: %d cached entries written down at shutdown", len(saves))
         self.tiers.close()
+
+    def use_parallel(self, parallel: ParallelContext) -> None:
+        """The job re-formed: the worker's groups are new."""
+        if self.tiers is not None:
+            self.tiers.use_parallel(parallel)

@@ -40,11 +40,12 @@ class WorkerAgreement:
             result = moved.cpu()
         return result.tolist()
 
-    def common_keys(self, keys: list[TierKey]) -> set[TierKey]:
-        """The keys every rank of the worker has (a disk tier's files after a restart)."""
-        mine = set(keys)
+    def common_keys(self, keys: list[TierKey]) -> list[TierKey]:
+        """The keys every rank of the worker has (a disk tier's files after a restart), in the order the worker's first
+        rank lists them (its files' ages: the ranks' own clocks may order ties apart)."""
+        order = list(keys)
         for group, device in self.groups:
-            encoded = torch.tensor([[key.kind, key.block_hash] for key in sorted(mine)], dtype=torch.int64,
+            encoded = torch.tensor([[key.kind, key.block_hash] for key in order], dtype=torch.int64,
                                    device=device).reshape(-1, 2)
             size = torch.tensor([len(encoded)], dtype=torch.int64, device=device)
             sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
@@ -54,6 +55,8 @@ class WorkerAgreement:
             padded[: len(encoded)] = encoded
             gathered = [torch.empty_like(padded) for _ in sizes]
             dist.all_gather(gathered, padded, group=group)
-            for rows, count in zip(gathered, sizes):
-                mine &= {TierKey(int(kind), int(block_hash)) for kind, block_hash in rows[: int(count.item())].tolist()}
-        return mine
+            lists = [[TierKey(int(kind), int(block_hash)) for kind, block_hash in rows[: int(count.item())].tolist()]
+                     for rows, count in zip(gathered, sizes)]
+            everywhere = set.intersection(*(set(listed) for listed in lists))
+            order = [key for key in lists[0] if key in everywhere]
+        return order

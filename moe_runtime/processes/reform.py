@@ -21,6 +21,7 @@ import torch.distributed as dist
 from moe_runtime.attention_dp.messages import Reform, Shutdown
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.parallel_context import ParallelContext, agree_on_minimum
+from moe_runtime.kv_tiers.engine_tiers import agreed_entry_sizes
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.processes.collective_interrupt import CollectiveInterrupt, shut_tcp_connections
 from moe_runtime.processes.distributed import build_parallel_context, init_distributed
@@ -79,6 +80,8 @@ def mirror_engine_start(core, parallel: ParallelContext) -> None:
     if blocks != core.block_manager.num_blocks:
         raise RuntimeError(f"a replacement rank holds {blocks} KV blocks, this rank {core.block_manager.num_blocks}: "
                            "the workers of one job schedule alike")
+    if core.tiers is not None:   # the KV tiers' entry sizes, agreed over the job
+        agreed_entry_sizes(core.tiers.contents.entry_bytes(), parallel)
 
 
 def reform_core(core, setup, reform: Reform, rank: int, interrupt: CollectiveInterrupt) -> None:
@@ -98,6 +101,7 @@ def reform_core(core, setup, reform: Reform, rank: int, interrupt: CollectiveInt
         mirror_engine_start(core, parallel)
     core.config = config
     core.parallel = parallel
+    core.tier_steps.use_parallel(parallel)
     core.model.parallel = parallel
     reloads = core.executor.reform(parallel, config.a2a_backend)
     logger.warning("re-formed as rank %d of %d (generation %d); %d experts reloaded from the checkpoint job-wide",
