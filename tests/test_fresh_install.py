@@ -27,6 +27,9 @@ from server_harness import REPO_ROOT, InstalledMoeServe, ServerProcess
 pytestmark = pytest.mark.slow
 
 PIP_TIMEOUT_S = 600
+# No byte-compiling of everything installed (half of the install's time, mostly transformers' thousands of
+# files): what a server or a script imports is compiled as it is imported, as in any venv.
+PIP_INSTALL = ("--quiet", "--no-compile")
 
 # Run inside the scratch venv: the packages it resolved, and where each import name comes from.
 ENVIRONMENT_REPORT = """
@@ -103,7 +106,7 @@ def scratch(tmp_path_factory):
     root = tmp_path_factory.mktemp("fresh_install")
     venv = root / "venv"
     run([sys.executable, "-m", "venv", str(venv)], root, 120)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", *PIP_INSTALL]
     link_torch(venv)   # the CPU build this suite runs on
     checkout = copy_checkout(root / "checkout")
     run([str(venv / "bin" / "python"), "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(root / "wheels"),
@@ -129,7 +132,7 @@ def test_the_wheel_serves_beside_hf_kernels_and_transformers_still_runs(scratch)
 
 def test_an_editable_install_serves_from_another_directory(scratch):
     venv, checkout, outside = scratch
-    run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(checkout)], outside)
+    run([str(venv / "bin" / "python"), "-m", "pip", "install", *PIP_INSTALL, "--no-deps", "-e", str(checkout)], outside)
     report = json.loads(run([str(venv / "bin" / "python"), "-c", ENVIRONMENT_REPORT], outside, 120))
     assert Path(report["our_kernels_file"]).resolve() == (checkout / "moe_runtime" / "kernels" / "__init__.py").resolve(), report
     assert report["hub_has_get_kernel"], report
