@@ -23,7 +23,8 @@ def tiny_checkpoint_factory(tmp_path_factory, tiny_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def greedy_oracle(tiny_checkpoint_factory):
-    """`oracle(arch, prompts, max_new_tokens)`: transformers' greedy tokens, each prompt computed once per session."""
+    """`oracle(arch, prompts, max_new_tokens)`: transformers' greedy tokens, each prompt asked once per session
+    (and computed once across runs: oracle_cache.py)."""
     return GreedyOracle(tiny_checkpoint_factory)
 
 

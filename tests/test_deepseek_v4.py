@@ -70,10 +70,10 @@ def expected(greedy_oracle):
     return get
 
 
-def test_the_compressed_entries_really_matter(hf_oracles):
+def test_the_compressed_entries_really_matter(tiny_checkpoint_factory):
     """transformers' own model with its indexer keeping every CSA entry, or with its HCA layer's compressor taken out,
     scores the prompt otherwise: the top-k choice and the compressed entries are what the parity tests hold."""
-    oracle = hf_oracles(ARCH)
+    oracle = HFOracle(tiny_checkpoint_factory(ARCH))   # its own: the model it hands out is changed (and its cache off)
     attentions = [layer.self_attn for layer in oracle.model.model.layers]
     indexer, hca = attentions[0].compressor.indexer, attentions[1].compressor
     reference = oracle.prefill_logits(PROMPTS[0])
@@ -228,13 +228,13 @@ def _context() -> SimpleNamespace:
 ])
 def test_layouts_not_built_are_refused_by_name(layout, match, hf_oracles):
     with pytest.raises(InvalidRequestError, match=match):
-        ParallelLayout(**layout).validate(hf_oracles(ARCH).model.config)
+        ParallelLayout(**layout).validate(hf_oracles(ARCH).config)
     for built in (dict(ep=2, dp_attn=2), dict(ep=2, dp_attn=1), dict(pp=2)):
-        ParallelLayout(**built).validate(hf_oracles(ARCH).model.config)
+        ParallelLayout(**built).validate(hf_oracles(ARCH).config)
 
 
 def test_deepseeks_fp8_checkpoints_are_refused_by_name(hf_oracles):
-    cfg = SimpleNamespace(**{**vars(hf_oracles(ARCH).model.config).copy(),
+    cfg = SimpleNamespace(**{**vars(hf_oracles(ARCH).config).copy(),
                              "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(UnsupportedArchitectureError, match=r"DeepSeek-V4 checkpoint with quantization_config"):
         refuse_unsupported(cfg, _context())

@@ -72,7 +72,7 @@ def expected(greedy_oracle) -> list[list[int]]:
 
 def test_the_config_declares_what_the_model_builds(oracle):
     """Chunked spans on the rotary layers, full on the NoPE one; the temperature changes within a prompt."""
-    cfg = oracle.model.config
+    cfg = oracle.config
     assert list(cfg.no_rope_layers) == [1, 1, 1, 0] and list(cfg.moe_layers) == [1, 3]
     assert attention_spans(cfg) == [AttentionSpan(CHUNKED, CHUNK)] * 3 + [AttentionSpan()]
     scales = QueryTemperature(cfg.attn_scale, cfg.floor_scale).scales(torch.arange(40))
@@ -151,6 +151,6 @@ def test_two_pipeline_stages_match(engines, expected):
 
 def test_top_k_above_one_is_refused_by_name(oracle):
     """transformers scales each chosen expert's input by its own score; only top-1 is implemented."""
-    cfg = oracle.model.config.__class__(**{**oracle.model.config.to_dict(), "num_experts_per_tok": 2})
+    cfg = oracle.config.__class__(**{**oracle.config.to_dict(), "num_experts_per_tok": 2})
     with pytest.raises(UnsupportedArchitectureError, match="num_experts_per_tok=2"):
         llama4_routing(cfg)

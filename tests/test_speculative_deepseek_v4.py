@@ -168,7 +168,7 @@ def test_an_eagle3_head_is_refused_by_name(hf_oracles):
                              block_size=16)
     context = SimpleNamespace(quant=None, engine=engine, parallel=SimpleNamespace(pp_size=1))
     with pytest.raises(InvalidRequestError, match=r"method 'eagle3' with DeepSeek-V4: not implemented"):
-        refuse_unsupported(hf_oracles(ARCH).model.config, context)
+        refuse_unsupported(hf_oracles(ARCH).config, context)
 
 
 def test_the_mtp_layers_cache_is_paid_from_the_kv_budget():

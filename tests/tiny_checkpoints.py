@@ -127,15 +127,40 @@ class TinyCheckpointFactory:
 
 
 class HFOracle:
-    """A checkpoint loaded once in transformers (fp32, eval): the reference the runtime must match."""
+    """A checkpoint in transformers (fp32, eval): the reference the runtime must match.
 
-    def __init__(self, path: str | Path):
-        from transformers import AutoModelForCausalLM
+    Its answers are kept on disk across runs (`oracle_cache.py`; `cache=False` or $MOE_RUNTIME_TEST_ORACLE_CACHE=off:
+    always computed), so the model is loaded only when an answer is missing. A caller that takes `model` may change
+    it (dequantize it, patch a layer): from then on this oracle computes every answer and stores none. `config`
+    reads the model's config without that.
+    """
+
+    def __init__(self, path: str | Path, cache: bool = True):
+        from oracle_cache import OracleCache, cache_dir
 
         self.path = Path(path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch.float32, local_files_only=True
-        ).eval()
+        root = cache_dir() if cache else None
+        self._cache = OracleCache(root, self.path) if root is not None else None
+        self._model = None
+
+    def _loaded(self):
+        if self._model is None:
+            from transformers import AutoModelForCausalLM
+
+            self._model = AutoModelForCausalLM.from_pretrained(
+                str(self.path), dtype=torch.float32, local_files_only=True
+            ).eval()
+        return self._model
+
+    @property
+    def model(self):
+        """The transformers model, for a caller that may change it: this oracle's cache is off from now on."""
+        self._cache = None
+        return self._loaded()
+
+    @property
+    def config(self):
+        return self._loaded().config
 
     def greedy(self, prompts_token_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy continuation (new tokens only) of each prompt, eos ignored.
@@ -143,42 +168,59 @@ class HFOracle:
         Each prompt runs alone (no padding) and no stop token is set, so every result has exactly
         `max_new_tokens` ids: the exact oracle for a runtime run with ignore_eos.
         """
+        for index, ids in enumerate(prompts_token_ids):
+            if len(ids) == 0:
+                raise ValueError(f"prompts_token_ids[{index}] is empty")
+        results: list[list[int]] = []
+        for ids in prompts_token_ids:
+            tokens = self._cache.get_greedy(list(ids), max_new_tokens) if self._cache is not None else None
+            if tokens is None:
+                tokens = self._generate(list(ids), max_new_tokens)
+                if self._cache is not None:
+                    self._cache.put_greedy(list(ids), max_new_tokens, tokens)
+            results.append(tokens)
+        return results
+
+    def _generate(self, ids: list[int], max_new_tokens: int) -> list[int]:
         from transformers import GenerationConfig
 
+        model = self._loaded()
         generation_config = GenerationConfig(
             do_sample=False,
             max_new_tokens=max_new_tokens,
             eos_token_id=None,
-            pad_token_id=self.model.config.pad_token_id,
-            bos_token_id=self.model.config.bos_token_id,
+            pad_token_id=model.config.pad_token_id,
+            bos_token_id=model.config.bos_token_id,
         )
-        results: list[list[int]] = []
         with torch.no_grad():
-            for index, ids in enumerate(prompts_token_ids):
-                if len(ids) == 0:
-                    raise ValueError(f"prompts_token_ids[{index}] is empty")
-                input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, T]
-                out = self.model.generate(
-                    input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
-                )  # [1, T + max_new_tokens]
-                new_tokens = out[0, input_ids.shape[1] :].tolist()
-                if len(new_tokens) != max_new_tokens:
-                    raise RuntimeError(f"transformers generated {len(new_tokens)} tokens, wanted {max_new_tokens}")
-                results.append(new_tokens)
-        return results
+            input_ids = torch.tensor([ids], dtype=torch.long)  # [1, T]
+            out = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
+            )  # [1, T + max_new_tokens]
+        new_tokens = out[0, input_ids.shape[1] :].tolist()
+        if len(new_tokens) != max_new_tokens:
+            raise RuntimeError(f"transformers generated {len(new_tokens)} tokens, wanted {max_new_tokens}")
+        return new_tokens
 
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits `[T, V]` at every position of one prompt, one forward without cache."""
         if len(token_ids) == 0:
             raise ValueError("token_ids is empty")
-        with torch.no_grad():
-            input_ids = torch.tensor([list(token_ids)], dtype=torch.long)  # [1, T]
-            logits = self.model(input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False).logits
-        return logits[0].float()  # [T, V]
+        ids = list(token_ids)
+        logits = self._cache.get_logits(ids) if self._cache is not None else None
+        if logits is None:
+            with torch.no_grad():
+                input_ids = torch.tensor([ids], dtype=torch.long)  # [1, T]
+                out = self._loaded()(input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False).logits
+            logits = out[0].float()  # [T, V]
+            if self._cache is not None:
+                self._cache.put_logits(ids, logits)
+        return logits
 
 
 class GreedyOracle:
-    """transformers' greedy continuations of tiny checkpoints, each (arch, prompt) computed once per session.
+    """transformers' greedy continuations of tiny checkpoints, each (arch, prompt) asked of `HFOracle` once per
+    session (which keeps them on disk across runs).
 
     Greedy decoding with eos ignored is deterministic, so the first n tokens of a longer continuation
     are the n-token continuation: a test asking for fewer tokens is answered from a longer run.
