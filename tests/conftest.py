@@ -2,8 +2,10 @@
 per run, whatever the number of pytest-xdist workers: shared_builds.py)."""
 
 import pytest
+import torch
 from shared_builds import build_once, shared_root
 from tiny_checkpoints import GreedyOracle, HFOracle, TinyCheckpointFactory, tiny_tokenizer
+from triton_interpreter_child import MARKER, SharedInterpreterRun, marked_case_files
 
 from moe_runtime.demo.demo_model import ensure_demo_model
 from moe_runtime.demo.tokenizer_training import save_tokenizer
@@ -46,3 +48,17 @@ def demo_model(tmp_path_factory):
     into a private cache: the servers that need a real chat template share it."""
     cache = build_once(shared_root(tmp_path_factory), "demo_cache", lambda path: None)
     return ensure_demo_model(cache)   # racing builders are safe (test_demo.py)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{MARKER}(*case_files): the test holds these Triton case files to the run's "
+                                       "one interpreter child (triton_interpreter_child.py)")
+
+
+def pytest_collection_finish(session):
+    """The Triton interpreter child starts as soon as the run's tests are known, in the background: by the time a
+    test that reads it runs, it has mostly finished."""
+    cases = marked_case_files(session.items)
+    if cases and not torch.cuda.is_available():   # with CUDA the cases run compiled, in the suite's processes
+        SharedInterpreterRun(shared_root(session.config._tmp_path_factory)).start(cases)
+

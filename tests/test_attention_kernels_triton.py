@@ -19,5 +19,6 @@ if torch.cuda.is_available():
     from attention_triton_cases import *  # noqa: F401,F403  (collected here, compiled on the GPU)
 else:
     @pytest.mark.slow
-    def test_attention_kernels_in_interpreter_child():
-        assert_cases_pass_in_interpreter([CASES])
+    @pytest.mark.triton_interpreter_cases(CASES)
+    def test_attention_kernels_in_interpreter_child(request):
+        assert_cases_pass_in_interpreter(request, [CASES])

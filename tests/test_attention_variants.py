@@ -159,6 +159,7 @@ TRITON_CASES = Path(__file__).with_name("attention_variant_triton_cases.py")
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the Triton cases run compiled (collect them directly)")
-def test_triton_kernels_in_interpreter_child():
+@pytest.mark.triton_interpreter_cases(TRITON_CASES)
+def test_triton_kernels_in_interpreter_child(request):
     pytest.importorskip("triton")
-    assert_cases_pass_in_interpreter([TRITON_CASES])
+    assert_cases_pass_in_interpreter(request, [TRITON_CASES])

@@ -207,6 +207,7 @@ if torch.cuda.is_available():
     from expert_epilogue_triton_cases import *  # noqa: F401,F403  (compiled on the GPU)
 else:
     @pytest.mark.slow
-    def test_expert_epilogue_and_mxfp4_triton_cases_in_interpreter_child():
+    @pytest.mark.triton_interpreter_cases(*TRITON_CASES)
+    def test_expert_epilogue_and_mxfp4_triton_cases_in_interpreter_child(request):
         pytest.importorskip("triton")
-        assert_cases_pass_in_interpreter(TRITON_CASES)
+        assert_cases_pass_in_interpreter(request, TRITON_CASES)

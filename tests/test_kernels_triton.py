@@ -4,8 +4,8 @@ FP8 weights, fp8_block_triton_cases.py and fp8_activation_triton_cases.py).
 With CUDA the cases run here, compiled. Without it they run in the Triton interpreter, which must be
 switched on before triton is first imported, and importing transformers' model files (as other test
 modules do) already imports triton: so on CPU one test runs the cases in a child pytest process with
-TRITON_INTERPRET=1 (all case files in one child: its start-up, torch and triton imports, is a
-third of its time), and another checks that asking for Triton kernels on a plain CPU is a clear error.
+TRITON_INTERPRET=1 (the run's one child, which every module's interpreter cases share:
+triton_interpreter_child.py), and another checks that asking for Triton kernels on a plain CPU is a clear error.
 """
 import os
 import subprocess
@@ -25,8 +25,9 @@ if torch.cuda.is_available():
     from triton_kernel_cases import *  # noqa: F401,F403  (collected here, compiled on the GPU)
 else:
     @pytest.mark.slow
-    def test_triton_kernels_in_interpreter_child():
-        assert_cases_pass_in_interpreter(CASES)
+    @pytest.mark.triton_interpreter_cases(*CASES)
+    def test_triton_kernels_in_interpreter_child(request):
+        assert_cases_pass_in_interpreter(request, CASES)
 
     def test_triton_without_cuda_or_interpreter_is_a_clear_error():
         code = ("from moe_runtime import kernels\n"

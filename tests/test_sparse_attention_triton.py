@@ -15,5 +15,6 @@ if torch.cuda.is_available():
     from sparse_attention_triton_cases import *  # noqa: F401,F403  (collected here, compiled on the GPU)
 else:
     @pytest.mark.slow
-    def test_sparse_attention_kernel_in_interpreter_child():
-        assert_cases_pass_in_interpreter([CASES])
+    @pytest.mark.triton_interpreter_cases(CASES)
+    def test_sparse_attention_kernel_in_interpreter_child(request):
+        assert_cases_pass_in_interpreter(request, [CASES])
