@@ -18,6 +18,7 @@ from moe_runtime.attention_dp.control_plane import (HEARTBEAT_INTERVAL_MS, HEART
 from moe_runtime.attention_dp.messages import Hello, WorkerSetup
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.server.cli import build_parser, engine_config_from_args
 
 
 class SilencingRelay:
@@ -114,3 +115,18 @@ def test_a_heartbeat_timeout_that_is_no_positive_number_is_refused_naming_the_va
     monkeypatch.setenv(HEARTBEAT_TIMEOUT_ENV, value)
     with pytest.raises(InvalidRequestError, match=HEARTBEAT_TIMEOUT_ENV):
         heartbeat_timeout_from_env()
+
+
+def test_the_flag_overrides_the_environment_and_is_refused_unless_positive(monkeypatch):
+    monkeypatch.setenv(HEARTBEAT_TIMEOUT_ENV, "7")
+    assert EngineConfig(model="m").control_heartbeat_timeout_ms(heartbeat_timeout_from_env) == 7000
+    assert EngineConfig(model="m", control_heartbeat_timeout_s=2.5).control_heartbeat_timeout_ms(
+        heartbeat_timeout_from_env) == 2500
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(InvalidRequestError, match="--control-heartbeat-timeout"):
+            EngineConfig(model="m", control_heartbeat_timeout_s=bad).validate()
+
+
+def test_moe_serve_takes_the_flag():
+    args = build_parser().parse_args(["--control-heartbeat-timeout", "4"])
+    assert engine_config_from_args(args).control_heartbeat_timeout_s == 4.0

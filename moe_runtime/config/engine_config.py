@@ -87,6 +87,8 @@ class EngineConfig:
     control_key_file: str | None = None  # shared control secret of multi-node / external-worker jobs
                                          # (default: $MOE_RUNTIME_CONTROL_KEY); one node: a fresh one per launch
     worker_timeout_s: float = 600.0      # a collective stuck this long is a dead job
+    control_heartbeat_timeout_s: float | None = None   # a silent control-plane peer (a node, a rank) is lost after
+                                         # this (None: $MOE_RUNTIME_CONTROL_HEARTBEAT_TIMEOUT, else 20 s)
     max_rank_restarts: int = 3           # a lost rank: restart the job's ranks and resume its requests, at most this
                                          # often in 10 minutes (0: a lost rank ends the engine, for a supervisor)
     # Prefill/decode disaggregation (docs/design.md): this instance's role, and how KV blocks move between instances.
@@ -113,6 +115,8 @@ class EngineConfig:
         """
         self.validate_options()
         self.validate_kv_tiers()
+        if self.control_heartbeat_timeout_s is not None and not self.control_heartbeat_timeout_s > 0:
+            raise EngineConfigError(f"--control-heartbeat-timeout {self.control_heartbeat_timeout_s}: must be > 0")
         if self.node_rank >= self.nnodes:
             raise EngineConfigError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
         if self.ep % self.dp_attn:
@@ -234,6 +238,12 @@ class EngineConfig:
             return self.max_num_seqs
         return min(self.max_num_seqs * (1 + speculative.num_speculative_tokens),
                    max(self.max_num_batched_tokens, self.max_num_seqs))
+
+    def control_heartbeat_timeout_ms(self, from_env) -> int:
+        """The control plane's heartbeat timeout in ms: the setting, else `from_env()` (the environment or 20 s)."""
+        if self.control_heartbeat_timeout_s is not None:
+            return max(1, round(self.control_heartbeat_timeout_s * 1000))
+        return from_env()
 
     @property
     def ranks_start_elsewhere(self) -> bool:

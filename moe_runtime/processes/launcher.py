@@ -158,7 +158,7 @@ def launch_job(config: EngineConfig, world: int, transfer_key: TransferKey | Non
     if world % nnodes:
         raise InvalidRequestError(f"nnodes={nnodes} must divide the {world} ranks of this layout")
     local_ranks = world // nnodes if config.launch_workers else 0  # the front's node starts [0, local)
-    heartbeat_timeout = heartbeat_timeout_from_env()   # travels to the ranks spawned here with the address
+    heartbeat_timeout = config.control_heartbeat_timeout_ms(heartbeat_timeout_from_env)   # travels with the address
     rendezvous_dir: str | None = None
     if nnodes == 1 and config.launch_workers:
         # every rank is our child: a fresh secret, and nothing of the job listens beyond loopback

@@ -23,7 +23,7 @@ def run_worker_node(config: EngineConfig) -> int:
     """Start this node's ranks of `config`'s layout and wait for them; 0 once all exited cleanly."""
     control_port = config.control_port or config.master_port + 1   # as the front picks it (multi-node)
     address = ControlAddress.tcp(config.master_addr, control_port, ControlKey.shared(config.control_key_file),
-                                 heartbeat_timeout_from_env())
+                                 config.control_heartbeat_timeout_ms(heartbeat_timeout_from_env))
     ranks_per_node = config.world_size // config.nnodes
     first = config.node_rank * ranks_per_node
     context = worker_context()
