@@ -176,13 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no worker here: every rank is started elsewhere, by torchrun running "
                         "'python -m moe_runtime.processes.worker --control-addr A --control-port C' with this job's "
                         "--master-addr A --master-port P and --control-port C, and the shared key")
-    g.add_argument("--control-heartbeat-timeout", dest="control_heartbeat_timeout_s", type=float,
-                   default=e.control_heartbeat_timeout_s,
-                   help="seconds a silent node or rank counts as lost on the control plane (default: "
-                        "$MOE_RUNTIME_CONTROL_HEARTBEAT_TIMEOUT, else 20); shorter finds a cut node sooner")
     g.add_argument("--control-key-file", default=e.control_key_file,
                    help="file holding the secret that ranks of a multi-node or --external-workers job share "
                         f"(default: ${CONTROL_KEY_ENV}; one node: a fresh secret per launch)")
+    g.add_argument("--control-heartbeat-timeout", dest="control_heartbeat_timeout_s", type=float,
+                   default=e.control_heartbeat_timeout_s,
+                   help="seconds a silent node or rank counts as lost on the control plane (unset: "
+                        "$MOE_RUNTIME_CONTROL_HEARTBEAT_TIMEOUT, else 20); shorter finds a cut node sooner")
 
     g = p.add_argument_group("prefill/decode disaggregation (docs/design.md; the router: `moe-serve router --help`)")
     g.add_argument("--disaggregation-mode", default=e.disaggregation_mode, choices=list(DISAGGREGATION_MODES),
