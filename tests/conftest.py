@@ -62,3 +62,23 @@ def pytest_collection_finish(session):
     if cases and not torch.cuda.is_available():   # with CUDA the cases run compiled, in the suite's processes
         SharedInterpreterRun(shared_root(session.config._tmp_path_factory)).start(cases)
 
+
+
+# The modules whose few tests take longest (server and rank start-ups, a venv's install, a two-node re-form), longest
+# first. pytest-xdist's loadfile hands out modules in collection order once reordering by test count is off
+# (`--no-loadscope-reorder`, pyproject.toml): by default these few-test modules went last and the run ended with one
+# worker on them while the other sat idle.
+LONGEST_MODULES = ("test_multi_node_elastic.py", "test_fresh_install.py", "test_server_expert_parallel.py",
+                   "test_server_rank_death.py", "test_dashboard_browser.py", "test_server_drain.py",
+                   "test_gpu_check_dry_run.py", "test_capture_safe.py", "test_captured_ep_verify.py",
+                   "test_multi_node.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The longest modules first, then the others by their number of tests (most first, as xdist's own reordering),
+    each module's tests in their own order."""
+    sizes: dict[str, int] = {}
+    for item in items:
+        sizes[item.path.name] = sizes.get(item.path.name, 0) + 1
+    first = {name: rank for rank, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: (first.get(item.path.name, len(first)), -sizes[item.path.name], str(item.path)))
