@@ -13,7 +13,7 @@ FULL_GROUP = 0        # the full KV group's block
 STATE_SNAPSHOT = -1   # the states after the prefix (linear-attention layers, DeepSeek-V4's rings)
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class TierKey:
     kind: int           # FULL_GROUP, a windowed group's index (1, 2, ...), or STATE_SNAPSHOT
     block_hash: int     # the prefix hash (63-bit, non-negative)
