@@ -20,6 +20,7 @@ def torch_kernels() -> KernelSet:
     from .expert_mlp import expert_mlp, masked_expert_mlp
     from .fp8_block_weights import fp8_expert_mlp, fp8_linear, fp8_masked_expert_mlp
     from .fused_moe import fused_moe
+    from .int4_weights import int4_expert_mlp, int4_linear, int4_masked_expert_mlp
     from .int8_weights import int8_expert_mlp, int8_linear, int8_masked_expert_mlp
     from .mxfp4_weights import mxfp4_expert_mlp, mxfp4_linear, mxfp4_masked_expert_mlp
     from .pair_experts import pair_expert_mlp
@@ -34,7 +35,9 @@ def torch_kernels() -> KernelSet:
                      unpermute_reduce, linear_rows, fused_moe, rms_norm, fused_add_rms_norm, paged_decode_attention,
                      fp8_linear, fp8_expert_mlp, fp8_masked_expert_mlp,
                      int8_linear, int8_expert_mlp, int8_masked_expert_mlp,
-                     mxfp4_linear, mxfp4_expert_mlp, mxfp4_masked_expert_mlp)
+                     mxfp4_linear, mxfp4_expert_mlp, mxfp4_masked_expert_mlp,
+                     int4_linear=int4_linear, int4_expert_mlp=int4_expert_mlp,
+                     int4_masked_expert_mlp=int4_masked_expert_mlp)
 
 
 def cpu_kernels() -> KernelSet:
@@ -68,7 +71,9 @@ def reference_kernels() -> KernelSet:
                      reference.rms_norm, reference.fused_add_rms_norm, reference.paged_decode_attention,
                      reference.fp8_linear, reference.fp8_expert_mlp, reference.fp8_masked_expert_mlp,
                      reference.int8_linear, reference.int8_expert_mlp, reference.int8_masked_expert_mlp,
-                     reference.mxfp4_linear, reference.mxfp4_expert_mlp, reference.mxfp4_masked_expert_mlp)
+                     reference.mxfp4_linear, reference.mxfp4_expert_mlp, reference.mxfp4_masked_expert_mlp,
+                     int4_linear=reference.int4_linear, int4_expert_mlp=reference.int4_expert_mlp,
+                     int4_masked_expert_mlp=reference.int4_masked_expert_mlp)
 
 
 def triton_kernels() -> KernelSet:

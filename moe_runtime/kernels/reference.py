@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from .expert_activation import ExpertActivation
 from .expert_mlp import check_expert_weights
 from .fp8_block_weights import check_fp8_weight
+from .int4_layout import Int4Layout, dequantize_int4
 from .int8_weights import check_int8_weight
 from .mxfp4_weights import E8M0_BIAS, MXFP4_BLOCK, check_mxfp4_weight, e2m1_table
 from .permute import PermutePlan, offsets_from_counts
@@ -123,6 +124,25 @@ def mxfp4_masked_expert_mlp(x, counts, w13, w13_scale, w2, w2_scale, **epilogue)
     hidden, intermediate = x.shape[-1], w13.shape[1] // 2
     return masked_expert_mlp(x, counts, dequantize_mxfp4(w13, w13_scale, hidden),
                              dequantize_mxfp4(w2, w2_scale, intermediate), **epilogue)
+
+
+def int4_linear(x, values, scales, layout: Int4Layout, bias=None, column_groups=None) -> torch.Tensor:
+    weight = dequantize_int4(layout, values, scales, x.shape[-1], column_groups)
+    return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+
+
+def int4_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale, *, layout: Int4Layout, w13_groups=None,
+                    w2_groups=None) -> torch.Tensor:
+    hidden, intermediate = x_sorted.shape[-1], w13.shape[1] // 2
+    return expert_mlp(x_sorted, counts, dequantize_int4(layout, w13, w13_scale, hidden, w13_groups),
+                      dequantize_int4(layout, w2, w2_scale, intermediate, w2_groups))
+
+
+def int4_masked_expert_mlp(x, counts, w13, w13_scale, w2, w2_scale, *, layout: Int4Layout, w13_groups=None,
+                           w2_groups=None) -> torch.Tensor:
+    hidden, intermediate = x.shape[-1], w13.shape[1] // 2
+    return masked_expert_mlp(x, counts, dequantize_int4(layout, w13, w13_scale, hidden, w13_groups),
+                             dequantize_int4(layout, w2, w2_scale, intermediate, w2_groups))
 
 
 def unpermute_reduce(out_sorted, plan: PermutePlan, weights, num_tokens: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import int4_weights   # no Triton int4 kernel yet: the torch family's (see moe_runtime/kernels/int4_weights.py)
 from .. import int8_weights   # no Triton int8 kernel yet: the torch family's (see moe_runtime/kernels/int8_weights.py)
 from ..pair_experts import pair_expert_mlp   # a captured step's experts: inductor writes the Triton kernel
 from ..skinny_matmul import linear_rows
@@ -44,4 +45,7 @@ def triton_kernel_set(fp8_scheme: Fp8Scheme | None = None) -> KernelSet:
         mxfp4_linear=mxfp4_weights.mxfp4_linear,
         mxfp4_expert_mlp=mxfp4_weights.mxfp4_expert_mlp,
         mxfp4_masked_expert_mlp=mxfp4_weights.mxfp4_masked_expert_mlp,
+        int4_linear=int4_weights.int4_linear,
+        int4_expert_mlp=int4_weights.int4_expert_mlp,
+        int4_masked_expert_mlp=int4_weights.int4_masked_expert_mlp,
     )
