@@ -42,20 +42,23 @@ def torch_kernels() -> KernelSet:
 
 def cpu_kernels() -> KernelSet:
     """The torch family with the compiled CPU kernels (moe_runtime/kernels/cpu_native/): routed experts (float32, bfloat16,
-    int8 and FP8 weights; in a captured step the unquantized ones), unquantized, int8 and FP8 projections at decode
-    row counts. Builds the kernels here, before any step is traced, so a captured step knows whether it can call
-    them; without a build the torch kernels serve (the grouped entries check again per call)."""
+    int8, FP8 and int4 weights; in a captured step the unquantized ones), unquantized, int8, FP8 and int4
+    projections at decode row counts. Builds the kernels here, before any step is traced, so a captured step knows
+    whether it can call them; without a build the torch kernels serve (the grouped entries check again per call)."""
     from dataclasses import replace
 
     from .cpu_native.dense_gemv import cpu_linear_rows
     from .cpu_native.expert_kernel import (compiled_kernels_built, cpu_expert_mlp, cpu_fp8_expert_mlp,
-                                           cpu_fp8_linear, cpu_int8_expert_mlp, cpu_int8_linear,
+                                           cpu_fp8_linear, cpu_int4_expert_mlp, cpu_int4_linear,
+                                           cpu_int4_masked_expert_mlp, cpu_int8_expert_mlp, cpu_int8_linear,
                                            cpu_pair_expert_mlp)
 
     torch_family = torch_kernels()
     built = compiled_kernels_built()
     return replace(torch_family, name="cpu", expert_mlp=cpu_expert_mlp, int8_expert_mlp=cpu_int8_expert_mlp,
                    int8_linear=cpu_int8_linear, fp8_expert_mlp=cpu_fp8_expert_mlp, fp8_linear=cpu_fp8_linear,
+                   int4_expert_mlp=cpu_int4_expert_mlp, int4_masked_expert_mlp=cpu_int4_masked_expert_mlp,
+                   int4_linear=cpu_int4_linear,
                    pair_expert_mlp=cpu_pair_expert_mlp if built else torch_family.pair_expert_mlp,
                    linear_rows=cpu_linear_rows if built else torch_family.linear_rows)
 

@@ -20,7 +20,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("expert_mlp.cpp")
-HEADERS = (Path(__file__).with_name("weight_dots.h"),)   # included by SOURCE: copied beside it, hashed with it
+HEADERS = (Path(__file__).with_name("weight_dots.h"),   # included by SOURCE: copied beside it, hashed with it
+           Path(__file__).with_name("int4_dots.h"))
 CACHE = Path.home() / ".cache" / "moe-runtime" / "cpu_native"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
 
@@ -69,13 +70,15 @@ WEIGHT_TYPES = ("float", "c10::BFloat16", "int8_t", "c10::Float8_e4m3fn")   # th
 
 def compile_errors(march: str) -> str:
     """The compiler's errors for the vector code built for another CPU (`-march=x86-64-v4`: AVX-512), checked without
-    code generation: how the paths this machine's CPU does not run are kept compiling ("" when none). The header
-    alone, its dots instantiated for every weight type: a few seconds, not the whole extension's torch headers."""
+    code generation: how the paths this machine's CPU does not run are kept compiling ("" when none). The headers
+    alone, their dots instantiated for every weight type: a few seconds, not the whole extension's torch headers."""
     from torch.utils.cpp_extension import include_paths
 
-    unit = "".join([f'#include "{HEADERS[0].name}"\n'] + [
+    unit = "".join([f'#include "{header.name}"\n' for header in HEADERS] + [
         f"template void moe_cpu::dot_some<{w}>(const {w}*, const float*, int64_t, int64_t, int64_t, float*);\n"
-        for w in WEIGHT_TYPES])
+        for w in WEIGHT_TYPES] + [
+        f"template void moe_cpu::int4_dot_rows<{rows}>(const moe_cpu::Int4Row&, const float*, int64_t, int64_t, "
+        f"float*);\n" for rows in (1, 2, 3, 4)])
     includes = [f"-I{path}" for path in (HEADERS[0].parent, *include_paths())]
     command = ["g++", "-std=c++20", "-fsyntax-only", f"-march={march}", *includes, "-x", "c++", "-"]
     result = subprocess.run(command, input=unit, capture_output=True, text=True, check=False)

@@ -2,11 +2,13 @@
 apply, the torch ones elsewhere.
 
 They apply on the CPU when the kernel could be built (`build.native_experts`): SwiGLU experts without biases,
-float32 / bfloat16 / int8 (per-row scales) / FP8 e4m3fn (row-expanded block scales) weights, float32 or bfloat16
+float32 / bfloat16 / int8 (per-row scales) / FP8 e4m3fn (row-expanded block scales) / int4 (kept packed, groups
+of a multiple of 8 consecutive columns or one a row: `native_int4_suits`) weights, float32 or bfloat16
 activations; an int8 or FP8 projection at up to `LINEAR_MAX_ROWS` rows (decode). FP8 codes are decoded in
 registers (exact, subnormals included); NaN codes, which no checkpoint holds, would read as +-480 there where the
-torch twin gives NaN, so a weight its load plan found NaN codes in (`bit_decode_suits=False`) takes the twin. gpt-oss's clamped activation, expert biases, other dtypes and devices, and
-larger row counts take the torch kernels (`moe_runtime/kernels/expert_mlp.py`, `moe_runtime/kernels/int8_weights.py`), which stay the
+torch twin gives NaN, so a weight its load plan found NaN codes in (`bit_decode_suits=False`) takes the twin. gpt-oss's clamped activation, expert biases, other dtypes and devices, int4
+with act order's column groups (GPTQ desc_act) or other group sizes, and larger row counts take the torch kernels
+(`moe_runtime/kernels/expert_mlp.py`, `moe_runtime/kernels/int8_weights.py`, `moe_runtime/kernels/int4_weights.py`), which stay the
 twins these are tested against. The grouped-layout entries run
 outside a captured step (their counts are read on the host); a captured step calls `cpu_pair_expert_mlp`, the
 router's layout as one operator (`torch.ops.moe_cpu.routed_expert_mlp`, custom_ops.py), whose twin is
@@ -21,14 +23,19 @@ import torch
 from moe_runtime.kernels.cpu_native import custom_ops
 from moe_runtime.kernels.cpu_native.build import native_experts
 from moe_runtime.kernels.expert_activation import ExpertActivation
-from moe_runtime.kernels.expert_mlp import check_expert_biases, check_expert_weights, check_sorted_counts, expert_mlp
+from moe_runtime.kernels.expert_mlp import (check_expert_biases, check_expert_weights, check_masked_counts,
+                                            check_sorted_counts, expert_mlp)
 from moe_runtime.kernels.fp8_block_weights import (check_fp8_expert_weights, check_fp8_linear, fp8_expert_mlp,
                                                    fp8_linear_prechecked)
+from moe_runtime.kernels.int4_layout import Int4Layout, check_int4_weight
+from moe_runtime.kernels.int4_weights import (check_int4_expert_weights, int4_expert_mlp, int4_linear,
+                                              int4_masked_expert_mlp)
 from moe_runtime.kernels.int8_weights import check_int8_expert_weights, check_int8_weight, int8_expert_mlp, int8_linear
 from moe_runtime.kernels.pair_experts import pair_expert_mlp
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 LINEAR_MAX_ROWS = 16   # more rows: the torch GEMM's blocking wins over one pass per weight row
+INT4_GROUP_MULTIPLE = 8   # the compiled int4 dots load 8 codes (4 whole bytes) at a time within one group
 
 
 def compiled_kernels_built() -> bool:
@@ -133,6 +140,65 @@ def cpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     if bias is not None:
         out.add_(bias)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def native_int4_suits(layout: Int4Layout) -> bool:
+    """Whether the compiled kernel takes int4 weights of this layout: groups of consecutive columns, a multiple of
+    INT4_GROUP_MULTIPLE wide, or one group a row. Act order's column groups (a gather per column) and other group
+    sizes take the torch kernels (moe_runtime/kernels/int4_weights.py)."""
+    return not layout.column_groups and (layout.group_size is None or layout.group_size % INT4_GROUP_MULTIPLE == 0)
+
+
+def _native_group_size(layout: Int4Layout) -> int:
+    return 0 if layout.group_size is None else layout.group_size   # the kernel's 0: one group a row
+
+
+def cpu_int4_expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                        w2: torch.Tensor, w2_scale: torch.Tensor, *, layout: Int4Layout,
+                        w13_groups: torch.Tensor | None = None,
+                        w2_groups: torch.Tensor | None = None) -> torch.Tensor:   # see int4_expert_mlp
+    native = native_experts() if _on_cpu(x_sorted) and native_int4_suits(layout) else None
+    if native is None:
+        return int4_expert_mlp(x_sorted, counts, w13, w13_scale, w2, w2_scale, layout=layout, w13_groups=w13_groups,
+                               w2_groups=w2_groups)
+    check_int4_expert_weights(x_sorted.shape[-1], w13, w13_scale, w2, w2_scale, layout, w13_groups, w2_groups)
+    check_sorted_counts(x_sorted, counts, w13.shape[0])
+    return native.silu_int4_expert_mlp(x_sorted.contiguous(), _host_counts(counts), w13.contiguous(),
+                                       w13_scale.contiguous(), w2.contiguous(), w2_scale.contiguous(),
+                                       _native_group_size(layout))
+
+
+def cpu_int4_masked_expert_mlp(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                               w2: torch.Tensor, w2_scale: torch.Tensor, *, layout: Int4Layout,
+                               w13_groups: torch.Tensor | None = None,
+                               w2_groups: torch.Tensor | None = None) -> torch.Tensor:   # see int4_masked_expert_mlp
+    native = native_experts() if _on_cpu(x) and native_int4_suits(layout) else None
+    if native is None:
+        return int4_masked_expert_mlp(x, counts, w13, w13_scale, w2, w2_scale, layout=layout, w13_groups=w13_groups,
+                                      w2_groups=w2_groups)
+    check_int4_expert_weights(x.shape[-1], w13, w13_scale, w2, w2_scale, layout, w13_groups, w2_groups)
+    check_masked_counts(x, counts, w13.shape[0])
+    return native.silu_int4_masked_expert_mlp(x.contiguous(), _host_counts(counts), w13.contiguous(),
+                                              w13_scale.contiguous(), w2.contiguous(), w2_scale.contiguous(),
+                                              _native_group_size(layout))
+
+
+def cpu_int4_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, layout: Int4Layout,
+                    bias: torch.Tensor | None = None,
+                    column_groups: torch.Tensor | None = None) -> torch.Tensor:   # see int4_linear
+    rows = math.prod(x.shape[:-1])
+    suits = _on_cpu(x) and rows <= LINEAR_MAX_ROWS and native_int4_suits(layout)
+    native = native_experts() if suits else None
+    if native is None:
+        return int4_linear(x, values, scales, layout, bias, column_groups)
+    check_int4_weight(layout, values, scales, x.shape[-1], column_groups)
+    if values.dim() != 2:
+        raise ValueError(f"int4_linear: values must be [N, ceil(K/2)], got {tuple(values.shape)}")
+    out = native.int4_rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), values.contiguous(),
+                                  scales.contiguous(), _native_group_size(layout))   # [T, N]
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*x.shape[:-1], values.shape[0])
 
 
 def _on_cpu(x: torch.Tensor) -> bool:

@@ -3,7 +3,8 @@
 // are in cache, then the down rows), SwiGLU fused between the two, float32 accumulation. Weights are float32,
 // bfloat16 (widened in registers), int8 with a float32 scale per row, or FP8 (e4m3fn) with a float32 scale per row
 // and block of block_k columns (DeepSeek's block-scaled layout, row-expanded: kernels/fp8_block_weights.py); the
-// codes are converted in registers and each scale multiplies its block's partial dot product. Activations float32
+// codes are converted in registers and each scale multiplies its block's partial dot product; or int4 kept packed
+// (two codes a byte, a float32 scale and zero point per group of columns: int4_dots.h). Activations float32
 // or bfloat16 (widened once per segment). Threads split
 // the experts' output rows (at::parallel_for), so one busy expert still uses every core. Two layouts: rows already
 // grouped by expert (silu_expert_mlp, the eager step's) and the router's (token, expert) pairs grouped here
@@ -27,6 +28,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "int4_dots.h"
 #include "weight_dots.h"
 
 namespace {
@@ -88,30 +90,60 @@ struct RowScales {
   int64_t columns(int64_t k) const { return block_k > 0 ? block_k : k; }
 };
 
-// results[row of the expert][j] = dot(weights[e][j], row) for every busy expert's rows, j < outputs, each column
-// block's partial dot times its scale; tasks are (expert, output) pairs split over the threads.
-template <typename W, typename Store>
-void project(const Activations& a, const int64_t* counts, const int64_t* busy, int64_t num_busy, const W* weights,
-             const RowScales& scales, int64_t outputs, Store store) {
-  const int64_t n = a.width, block = scales.columns(n);
+// A stack of float32 / bfloat16 / int8 / FP8 weights [E, N, K] (row e * N + j: expert e's output j) and, quantized,
+// their scales: each column block's partial dot times its scale.
+template <typename W>
+struct DenseStack {
+  const W* data;
+  RowScales scales;
+
+  // out[q] = dot(weight row `row`, row q of x) for `count` rows (1 to 4) of n columns, n apart.
+  void dots(int64_t row, const float* x, int64_t n, int64_t count, float* out) const {
+    const int64_t block = scales.columns(n);
+    const W* w_row = data + row * n;
+    const float* row_scales = scales.data != nullptr ? scales.data + row * scales.blocks : nullptr;
+    float part[4];
+    for (int64_t q = 0; q < count; ++q) out[q] = 0.f;
+    for (int64_t k0 = 0, blk = 0; k0 < n; k0 += block, ++blk) {
+      dot_some(w_row + k0, x + k0, std::min(block, n - k0), n, count, part);
+      const float scale = row_scales != nullptr ? row_scales[blk] : 1.f;
+      for (int64_t q = 0; q < count; ++q) out[q] += part[q] * scale;
+    }
+  }
+};
+
+// A stack of int4 weights kept packed, uint8 [E, N, ceil(K / 2)], with their groups' float32 scales [E, N, G] or
+// (scale, zero point) pairs [E, N, G, 2] (moe_runtime/kernels/int4_layout.py; the dots in int4_dots.h).
+struct Int4Stack {
+  const uint8_t* values;
+  const float* scales;
+  int64_t groups;   // per row
+  int64_t group;    // columns per group (a multiple of 8, or K: one group a row)
+  int step;         // floats per group: 1 (zero point 8) or 2 (with its zero point)
+
+  void dots(int64_t row, const float* x, int64_t n, int64_t count, float* out) const {
+    const moe_cpu::Int4Row w{values + row * ((n + 1) / 2), scales + row * groups * step, group, step};
+    moe_cpu::int4_dot_some(w, x, n, n, count, out);
+  }
+};
+
+// results[row of the expert][j] = dot(weights[e][j], row) for every busy expert's rows, j < outputs; tasks are
+// (expert, output) pairs split over the threads.
+template <typename Stack, typename Store>
+void project(const Activations& a, const int64_t* counts, const int64_t* busy, int64_t num_busy, const Stack& weights,
+             int64_t outputs, Store store) {
+  const int64_t n = a.width;
   at::parallel_for(0, num_busy * outputs, 16, [&](int64_t begin, int64_t end) {
 #ifdef __AVX2__
     const DenormalsKept denormals;
 #endif
-    float part[4];
+    float acc[4];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / outputs, j = task % outputs, e = busy[b], c = counts[e];
-      const W* w_row = weights + (e * outputs + j) * n;
-      const float* row_scales = scales.data != nullptr ? scales.data + (e * outputs + j) * scales.blocks : nullptr;
       const float* rows = a.data.data() + a.at[b];
       for (int64_t r = 0; r < c; r += 4) {   // four rows at a time, the last 1 to 4 together
         const int64_t count = std::min<int64_t>(4, c - r);
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int64_t k0 = 0, blk = 0; k0 < n; k0 += block, ++blk) {
-          dot_some(w_row + k0, rows + r * n + k0, std::min(block, n - k0), n, count, part);
-          const float scale = row_scales != nullptr ? row_scales[blk] : 1.f;
-          for (int64_t q = 0; q < count; ++q) acc[q] += part[q] * scale;
-        }
+        weights.dots(e * outputs + j, rows + r * n, n, count, acc);
         for (int64_t q = 0; q < count; ++q) store(b, r + q, j, acc[q]);
       }
     }
@@ -120,14 +152,13 @@ void project(const Activations& a, const int64_t* counts, const int64_t* busy, i
 
 // Gate/up, SwiGLU and down of every busy expert over its packed rows: store(b, r, h, v) receives row r of busy
 // expert b's output h (float32, unweighted).
-template <typename W, typename Store>
+template <typename Stack, typename Store>
 void experts_over(const Activations& xs, const int64_t* counts, const int64_t* busy, int64_t num_busy,
-                  const W* w13, const RowScales& w13_scale, const W* w2, const RowScales& w2_scale, int64_t hidden,
-                  int64_t inter, Store store) {
+                  const Stack& w13, const Stack& w2, int64_t hidden, int64_t inter, Store store) {
   std::vector<int64_t> first(num_busy + 1, 0);   // each busy expert's first row among all busy rows
   for (int64_t b = 0; b < num_busy; ++b) first[b + 1] = first[b] + counts[busy[b]];
   std::vector<float> gate_up(first[num_busy] * 2 * inter);
-  project(xs, counts, busy, num_busy, w13, w13_scale, 2 * inter,
+  project(xs, counts, busy, num_busy, w13, 2 * inter,
           [&](int64_t b, int64_t r, int64_t j, float v) { gate_up[(first[b] + r) * 2 * inter + j] = v; });
   std::vector<float> act(first[num_busy] * inter);
   for (int64_t row = 0; row < first[num_busy]; ++row) {
@@ -136,17 +167,18 @@ void experts_over(const Activations& xs, const int64_t* counts, const int64_t* b
   }
   // the activations packed as the gate/up inputs were (float32 already)
   const Activations acts = Activations::pack(act.data(), first.data(), counts, busy, num_busy, inter);
-  project(acts, counts, busy, num_busy, w2, w2_scale, hidden, store);
+  project(acts, counts, busy, num_busy, w2, hidden, store);
 }
 
-template <typename W, typename X>
+// Rows of busy expert b at x's rows starts[busy[b]] .., its outputs at the same rows of out (the grouped layout's
+// segments, or the masked layout's [E, M, H] with starts[e] = e * M).
+template <typename Stack, typename X>
 void run_experts(const X* x, const int64_t* starts, const int64_t* counts, const int64_t* busy, int64_t num_busy,
-                 const W* w13, const RowScales& w13_scale, const W* w2, const RowScales& w2_scale, X* out,
-                 int64_t hidden, int64_t inter) {
+                 const Stack& w13, const Stack& w2, X* out, int64_t hidden, int64_t inter) {
   std::vector<int64_t> x_start(num_busy);
   for (int64_t b = 0; b < num_busy; ++b) x_start[b] = starts[busy[b]];
   const Activations xs = Activations::pack(x, x_start.data(), counts, busy, num_busy, hidden);
-  experts_over(xs, counts, busy, num_busy, w13, w13_scale, w2, w2_scale, hidden, inter,
+  experts_over(xs, counts, busy, num_busy, w13, w2, hidden, inter,
                [&](int64_t b, int64_t r, int64_t h, float v) {
                  out[(starts[busy[b]] + r) * hidden + h] = static_cast<X>(v);
                });
@@ -181,14 +213,13 @@ struct PairGroups {
   }
 };
 
-template <typename W, typename X>
+template <typename Stack, typename X>
 void run_routed(const X* x, const PairGroups& g, const float* pair_weights, int64_t num_tokens, int64_t top_k,
-                const W* w13, const RowScales& w13_scale, const W* w2, const RowScales& w2_scale, X* out,
-                int64_t hidden, int64_t inter) {
+                const Stack& w13, const Stack& w2, X* out, int64_t hidden, int64_t inter) {
   const int64_t nb = static_cast<int64_t>(g.busy.size());
   const Activations xs = Activations::gather(x, g.tokens, g.first, hidden);
   std::vector<float> down(g.tokens.size() * hidden);   // [P, H] by grouped row
-  experts_over(xs, g.counts.data(), g.busy.data(), nb, w13, w13_scale, w2, w2_scale, hidden, inter,
+  experts_over(xs, g.counts.data(), g.busy.data(), nb, w13, w2, hidden, inter,
                [&](int64_t b, int64_t r, int64_t h, float v) { down[(g.first[b] + r) * hidden + h] = v; });
   at::parallel_for(0, num_tokens, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sum(hidden);
@@ -294,8 +325,9 @@ torch::Tensor silu_expert_mlp(torch::Tensor x_sorted, torch::Tensor counts, torc
   const int64_t* count = counts.data_ptr<int64_t>();
 #define RUN(W, X)                                                                                                 \
   {                                                                                                               \
-    run_experts<W, X>(x_sorted.data_ptr<X>(), seg.starts.data(), count, seg.busy.data(), nb, w13.data_ptr<W>(),   \
-                      st.s13, w2.data_ptr<W>(), st.s2, out.data_ptr<X>(), st.hidden, st.inter);                   \
+    run_experts<DenseStack<W>, X>(x_sorted.data_ptr<X>(), seg.starts.data(), count, seg.busy.data(), nb,          \
+                                  DenseStack<W>{w13.data_ptr<W>(), st.s13}, DenseStack<W>{w2.data_ptr<W>(), st.s2}, \
+                                  out.data_ptr<X>(), st.hidden, st.inter);                                        \
   }
   DISPATCH_WEIGHTS_AND_ROWS(w13, x_sorted)
 #undef RUN
@@ -319,8 +351,9 @@ torch::Tensor routed_expert_mlp(torch::Tensor x, torch::Tensor slot_ids, torch::
   const float* pair_weights = weights.data_ptr<float>();
 #define RUN(W, X)                                                                                                 \
   {                                                                                                               \
-    run_routed<W, X>(x.data_ptr<X>(), groups, pair_weights, num_tokens, top_k, w13.data_ptr<W>(), st.s13,         \
-                     w2.data_ptr<W>(), st.s2, out.data_ptr<X>(), st.hidden, st.inter);                            \
+    run_routed<DenseStack<W>, X>(x.data_ptr<X>(), groups, pair_weights, num_tokens, top_k,                        \
+                                 DenseStack<W>{w13.data_ptr<W>(), st.s13}, DenseStack<W>{w2.data_ptr<W>(), st.s2},  \
+                                 out.data_ptr<X>(), st.hidden, st.inter);                                         \
   }
   DISPATCH_WEIGHTS_AND_ROWS(w13, x)
 #undef RUN
@@ -344,10 +377,129 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   {                                                                                                         \
     const Activations a = Activations::pack(x.data_ptr<X>(), start, counts, busy, 1, x.size(1));           \
     X* o = out.data_ptr<X>();                                                                               \
-    project(a, counts, busy, 1, w.data_ptr<W>(), scales, n_out,                                             \
+    project(a, counts, busy, 1, DenseStack<W>{w.data_ptr<W>(), scales}, n_out,                              \
             [&](int64_t, int64_t r, int64_t j, float v) { o[r * n_out + j] = static_cast<X>(v); });         \
   }
   DISPATCH_WEIGHTS_AND_ROWS(w, x)
+#undef RUN
+  return out;
+}
+
+// An int4 weight stack uint8 [E, N, ceil(K / 2)] and its scales [E, N, G] (zero point 8) or [E, N, G, 2] (with zero
+// points), G = ceil(K / group_size), or 1 where group_size is 0 (one group a row), checked against E, N and K.
+Int4Stack int4_stack_of(const torch::Tensor& values, const torch::Tensor& scale, int64_t experts, int64_t outputs,
+                        int64_t columns, int64_t group_size, const char* name) {
+  TORCH_CHECK(group_size >= 0 && group_size % 8 == 0, name, ": int4 group size a multiple of 8 (0: one group a row), "
+              "got ", group_size);
+  const int64_t packed = (columns + 1) / 2, groups = group_size > 0 ? (columns + group_size - 1) / group_size : 1;
+  TORCH_CHECK(values.scalar_type() == torch::kUInt8 && values.is_contiguous() && values.dim() == 3 &&
+              values.size(0) == experts && values.size(1) == outputs && values.size(2) == packed, name,
+              ": contiguous uint8 [", experts, ", ", outputs, ", ", packed, "] (int4 codes of ", columns,
+              " columns, two a byte), got ", values.sizes());
+  const bool zero_points = scale.dim() == 4;
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
+              (scale.dim() == 3 || (zero_points && scale.size(3) == 2)) && scale.size(0) == experts &&
+              scale.size(1) == outputs && scale.size(2) == groups, name, "_scale: contiguous float32 [", experts, ", ",
+              outputs, ", ", groups, "] or [", experts, ", ", outputs, ", ", groups, ", 2] (with zero points), got ",
+              scale.sizes());
+  return Int4Stack{values.data_ptr<uint8_t>(), scale.data_ptr<float>(), groups, group_size > 0 ? group_size : columns,
+                   zero_points ? 2 : 1};
+}
+
+// The int4 expert stacks w13 [E, 2I, ceil(H / 2)] and w2 [E, H, ceil(I / 2)] with their scales, for x [..., H].
+struct Int4Experts {
+  int64_t num_experts, hidden, inter;
+  Int4Stack s13, s2;
+
+  static Int4Experts of(const torch::Tensor& x, const torch::Tensor& w13, const torch::Tensor& w13_scale,
+                        const torch::Tensor& w2, const torch::Tensor& w2_scale, int64_t group_size) {
+    TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+                "int4 expert_mlp: contiguous float32 or bfloat16 activations");
+    TORCH_CHECK(w13.dim() == 3 && w13.size(1) % 2 == 0, "int4 expert_mlp: w13 [E, 2I, ceil(H / 2)]");
+    const int64_t experts = w13.size(0), hidden = x.size(-1), inter = w13.size(1) / 2;
+    return Int4Experts{experts, hidden, inter,
+                       int4_stack_of(w13, w13_scale, experts, 2 * inter, hidden, group_size, "int4 expert_mlp w13"),
+                       int4_stack_of(w2, w2_scale, experts, hidden, inter, group_size, "int4 expert_mlp w2")};
+  }
+};
+
+// Calls RUN(X) with the activations' element type (float32 or bfloat16, checked before).
+#define DISPATCH_ROWS(x)                                                      \
+  {                                                                           \
+    if ((x).scalar_type() == torch::kFloat32) RUN(float) else RUN(c10::BFloat16) \
+  }
+
+// silu_expert_mlp with int4 weights kept packed: x_sorted [N, H] grouped by expert, counts [E] int64 (on the host),
+// w13 uint8 [E, 2I, ceil(H / 2)], w2 uint8 [E, H, ceil(I / 2)], their scales as int4_stack_of has them -> [N, H].
+torch::Tensor silu_int4_expert_mlp(torch::Tensor x_sorted, torch::Tensor counts, torch::Tensor w13,
+                                   torch::Tensor w13_scale, torch::Tensor w2, torch::Tensor w2_scale,
+                                   int64_t group_size) {
+  TORCH_CHECK(x_sorted.dim() == 2, "int4 expert_mlp: x_sorted [N, H]");
+  const Int4Experts st = Int4Experts::of(x_sorted, w13, w13_scale, w2, w2_scale, group_size);
+  TORCH_CHECK(counts.numel() == st.num_experts, "int4 expert_mlp: one count per expert");
+  const Segments seg = segments_of(counts, x_sorted.size(0));
+  auto out = torch::empty_like(x_sorted);
+  const int64_t* count = counts.data_ptr<int64_t>();
+#define RUN(X)                                                                                                    \
+  {                                                                                                               \
+    run_experts<Int4Stack, X>(x_sorted.data_ptr<X>(), seg.starts.data(), count, seg.busy.data(),                  \
+                              static_cast<int64_t>(seg.busy.size()), st.s13, st.s2, out.data_ptr<X>(), st.hidden, \
+                              st.inter);                                                                          \
+  }
+  DISPATCH_ROWS(x_sorted)
+#undef RUN
+  return out;
+}
+
+// The masked layout: x [E, M, H], expert e's first counts[e] rows valid (the rest never read) -> [E, M, H], rows
+// past counts[e] zero.
+torch::Tensor silu_int4_masked_expert_mlp(torch::Tensor x, torch::Tensor counts, torch::Tensor w13,
+                                          torch::Tensor w13_scale, torch::Tensor w2, torch::Tensor w2_scale,
+                                          int64_t group_size) {
+  TORCH_CHECK(x.dim() == 3, "int4 masked_expert_mlp: x [E, M, H]");
+  const Int4Experts st = Int4Experts::of(x, w13, w13_scale, w2, w2_scale, group_size);
+  TORCH_CHECK(x.size(0) == st.num_experts && counts.numel() == st.num_experts && counts.is_contiguous() &&
+              counts.scalar_type() == torch::kInt64, "int4 masked_expert_mlp: x [E, M, H] and counts int64 [E] for ",
+              st.num_experts, " experts");
+  const int64_t rows = x.size(1);
+  const int64_t* count = counts.data_ptr<int64_t>();
+  std::vector<int64_t> starts(st.num_experts), busy;
+  for (int64_t e = 0; e < st.num_experts; ++e) {
+    TORCH_CHECK(count[e] >= 0 && count[e] <= rows, "int4 masked_expert_mlp: counts[", e, "] = ", count[e],
+                " is not within the ", rows, " rows of x");
+    starts[e] = e * rows;
+    if (count[e] > 0) busy.push_back(e);
+  }
+  auto out = torch::zeros_like(x);
+#define RUN(X)                                                                                                    \
+  {                                                                                                               \
+    run_experts<Int4Stack, X>(x.data_ptr<X>(), starts.data(), count, busy.data(), static_cast<int64_t>(busy.size()), \
+                              st.s13, st.s2, out.data_ptr<X>(), st.hidden, st.inter);                             \
+  }
+  DISPATCH_ROWS(x)
+#undef RUN
+  return out;
+}
+
+// x [M, K] @ the int4 weight [N, K].T (values uint8 [N, ceil(K / 2)], scales [N, G] or [N, G, 2]) -> [M, N] in x's
+// dtype: rows_linear with int4 weights.
+torch::Tensor int4_rows_linear(torch::Tensor x, torch::Tensor values, torch::Tensor scale, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == torch::kFloat32 ||
+              x.scalar_type() == torch::kBFloat16), "int4 rows_linear: contiguous float32 or bfloat16 x [M, K]");
+  TORCH_CHECK(values.dim() == 2 && scale.dim() >= 2, "int4 rows_linear: values [N, ceil(K / 2)], scale [N, G(, 2)]");
+  const int64_t m = x.size(0), n_out = values.size(0);
+  const Int4Stack w = int4_stack_of(values.unsqueeze(0), scale.unsqueeze(0), 1, n_out, x.size(1), group_size,
+                                    "int4 rows_linear");
+  auto out = torch::empty({m, n_out}, x.options());
+  const int64_t counts[1] = {m}, busy[1] = {0}, start[1] = {0};
+#define RUN(X)                                                                                              \
+  {                                                                                                         \
+    const Activations a = Activations::pack(x.data_ptr<X>(), start, counts, busy, 1, x.size(1));           \
+    X* o = out.data_ptr<X>();                                                                               \
+    project(a, counts, busy, 1, w, n_out,                                                                   \
+            [&](int64_t, int64_t r, int64_t j, float v) { o[r * n_out + j] = static_cast<X>(v); });         \
+  }
+  DISPATCH_ROWS(x)
 #undef RUN
   return out;
 }
@@ -387,4 +539,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear, "x [M, K] @ w[N, K].T at few rows (int8 / FP8 weights with their scales)",
         py::arg("x"), py::arg("w"), py::arg("scale") = py::none(), py::arg("block_k") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("silu_int4_expert_mlp", &silu_int4_expert_mlp,
+        "silu_expert_mlp with int4 weights kept packed (group_size 0: one group a row)", py::arg("x_sorted"),
+        py::arg("counts"), py::arg("w13"), py::arg("w13_scale"), py::arg("w2"), py::arg("w2_scale"),
+        py::arg("group_size"), py::call_guard<py::gil_scoped_release>());
+  m.def("silu_int4_masked_expert_mlp", &silu_int4_masked_expert_mlp,
+        "int4 experts over the masked layout x [E, M, H] (rows past counts[e] zero)", py::arg("x"), py::arg("counts"),
+        py::arg("w13"), py::arg("w13_scale"), py::arg("w2"), py::arg("w2_scale"), py::arg("group_size"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int4_rows_linear", &int4_rows_linear, "x [M, K] @ the int4 weight [N, K].T at few rows", py::arg("x"),
+        py::arg("values"), py::arg("scale"), py::arg("group_size"), py::call_guard<py::gil_scoped_release>());
 }
