@@ -195,8 +195,8 @@ def test_fp8_dispatch_on_two_ep_ranks_stays_within_fp8_error(qwen3_moe_logprobs)
 
 
 def test_an_unknown_quantization_is_refused_by_its_flag():
-    with pytest.raises(ValueError, match="--quantization int4 is not supported"):
-        LLM("unused", device="cpu", quantization="int4")
+    with pytest.raises(ValueError, match="--quantization int3 is not supported"):
+        LLM("unused", device="cpu", quantization="int3")
     with pytest.raises(ValueError, match="--dispatch-fp8 needs --ep > 1"):
         LLM("unused", device="cpu", dispatch_fp8=True)
 

@@ -240,8 +240,8 @@ def test_int8_engine_computes_the_dequantized_weights_in_a_quarter_of_the_bytes(
 def test_int8_is_a_quantization_choice_of_the_cli_and_of_llm():
     assert engine_config_from_args(build_parser().parse_args(["--quantization", "int8"])).quantization == "int8"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--quantization", "int4"])
-    refusal = "--quantization int4 is not supported; choose one of ['fp8', 'int8', 'mxfp4']"
+        build_parser().parse_args(["--quantization", "int3"])
+    refusal = "--quantization int3 is not supported; choose one of ['fp8', 'int8', 'mxfp4', 'int4']"
     with pytest.raises(ValueError, match=re.escape(refusal)):
-        LLM("unused", device="cpu", quantization="int4")
+        LLM("unused", device="cpu", quantization="int3")
 

@@ -3,7 +3,7 @@
 before any weight loads. The pairs that run are run by the architectures' own tests (captured decode:
 test_captured_decode.py, test_attention_variants.py; host experts: test_cpu_native_experts.py,
 test_cpu_experts_offload.py; two-batch overlap: test_two_batch_overlap*.py; fp8/int8/mxfp4: test_fp8*.py,
-test_int8_weights.py, test_gpt_oss.py)."""
+test_int8_weights.py, test_int4_weights.py, test_gpt_oss.py)."""
 from __future__ import annotations
 
 import re
@@ -25,6 +25,7 @@ OPTIONS = {   # the rule's option -> the LLM keywords that ask for it
     "--quantization mxfp4": dict(quantization="mxfp4"),
     "--quantization fp8": dict(quantization="fp8"),
     "--quantization int8": dict(quantization="int8"),
+    "--quantization int4": dict(quantization="int4"),
 }
 
 

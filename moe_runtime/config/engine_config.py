@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 DISAGGREGATION_MODES = ("none", "prefill", "decode")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
-QUANTIZATIONS = (None, "fp8", "int8", "mxfp4")    # --quantization choices (None = weights in the compute dtype)
+QUANTIZATIONS = (None, "fp8", "int8", "mxfp4", "int4")    # --quantization choices (None = weights in the compute dtype)
 HOST_EXPERT_QUANTIZATIONS = (None, "int8", "fp8")   # what --cpu-experts' host kernels run (moe_runtime/kernels/cpu_native)
 
 
@@ -47,7 +47,9 @@ class EngineConfig:
     kernels: str = "auto"                # "auto" | "torch" | "triton" | "cpu" (compiled CPU experts) | "reference"
     quantization: str | None = None      # "fp8": projections and experts stay FP8 in memory (an FP8 checkpoint's
                                          # blocks as stored; others quantized at load); "int8": int8 with one
-                                         # scale per output row, quantized at load; None: dequantize to dtype
+                                         # scale per output row, quantized at load; "int4": routed experts as
+                                         # packed int4 with group scales (an int4 checkpoint's as stored, others
+                                         # quantized at load); None: dequantize to dtype
     # Parallel layout: world = ep ranks; dp_attn DP attention workers of ep // dp_attn ranks each.
     ep: int = 1
     dp_attn: int = 1

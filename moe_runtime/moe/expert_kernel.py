@@ -5,9 +5,10 @@ grouped by local expert ([N, H] with `tokens_per_local_expert` rows each), or ma
 ([E_local, M, H], the first `tokens_per_local_expert[e]` rows of expert e valid). An expert kernel
 takes one layout and returns UNWEIGHTED outputs in the same layout; the dispatcher's combine
 applies the routing weights. The kernel family (torch, Triton, reference) is the `KernelSet`'s;
-experts kept quantized (`ExpertWeights.quant`, FP8, int8 or MXFP4) run through that format's twin of the
+experts kept quantized (`ExpertWeights.quant`, FP8, int8, MXFP4 or int4) run through that format's twin of the
 same kernel, from the engine's kernel family (the one the format was built with). The experts' biases and
-activation (`ExpertWeights.epilogue()`, gpt-oss) travel as keyword arguments, and only when there are any.
+activation (`ExpertWeights.epilogue()`, gpt-oss) and int4 act order's column groups
+(`ExpertWeights.column_group_arguments()`) travel as keyword arguments, and only when there are any.
 """
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ class LayoutExpertKernel:
     def __call__(self, recv_x: torch.Tensor, tokens_per_local_expert: torch.Tensor,
                  experts: ExpertWeights) -> torch.Tensor:
         epilogue = experts.epilogue()
-        if experts.quant is not None:   # the format's twin: fp8_, int8_ or mxfp4_(masked_)expert_mlp
+        if experts.quant is not None:   # the format's twin: fp8_, int8_, mxfp4_ or int4_(masked_)expert_mlp
             return experts.quant.expert_mlp(self.layout == LAYOUT_MASKED, recv_x, tokens_per_local_expert,
-                                            experts.w13, experts.w13_scale, experts.w2, experts.w2_scale, **epilogue)
+                                            experts.w13, experts.w13_scale, experts.w2, experts.w2_scale, **epilogue,
+                                            **experts.column_group_arguments())
         return self.mlp(recv_x, tokens_per_local_expert, experts.w13, experts.w2, **epilogue)
 
 

@@ -8,8 +8,12 @@ With `quant` (`--quantization fp8 | int8 | mxfp4`, a `WeightQuantization`) w13 a
 the format's values dtype and shape with the format's scales: FP8's row-expanded block scales
 (`w13_scale` [E_local, 2I, ceil(H/bk)], `w2_scale` [E_local, H, ceil(I/bk)]), int8's one scale per
 row ([E_local, 2I], [E_local, H]), or MXFP4's packed codes (w13 [E_local, 2I, ceil(H/32)*16]) with
-e8m0 exponents ([E_local, 2I, ceil(H/32)], uint8). A slot's weights then travel as their bytes,
-scales included, so migration and replication move them unchanged, whatever the format.
+e8m0 exponents ([E_local, 2I, ceil(H/32)], uint8), or int4's packed codes (w13 [E_local, 2I, ceil(H/2)], uint8)
+with float32 group scales ([E_local, 2I, G] or, with zero points, [E_local, 2I, G, 2]). An int4 layout with act
+order (`quant.column_groups`) adds each expert's columns' groups, `w13_groups` [E_local, H] and `w2_groups`
+[E_local, I] int32 (gate and up rows of one expert share theirs: both quantize the same input). A slot's weights
+then travel as their bytes, scales and groups included, so migration and replication move them unchanged,
+whatever the format.
 
 gpt-oss's experts add a bias after each projection (`bias=True`: b13 [E_local, 2I] in w13's row
 order, b2 [E_local, H], in the compute dtype, part of the slot's bytes) and their own activation
@@ -26,10 +30,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moe_runtime.errors import CheckpointError
 from moe_runtime.kernels.expert_activation import ExpertActivation
 from moe_runtime.moe.gpt_oss_expert_stacks import load_gpt_oss_expert
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
+from moe_runtime.weights.quantization.int4_in_memory import Int4Rows
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows, WeightQuantization
 from moe_runtime.weights.loading import copy_checked
 
@@ -101,6 +107,10 @@ class ExpertWeights(nn.Module):
                                    param_dtype=quant.scales_dtype)
             self.w2_scale = param(num_local, *quant.scale_shape(hidden_size, intermediate_size),
                                   param_dtype=quant.scales_dtype)
+        self.w13_groups = self.w2_groups = None
+        if quant is not None and quant.column_groups:   # int4 act order: each expert's columns' groups
+            self.w13_groups = param(num_local, hidden_size, param_dtype=torch.int32)        # [E_local, H]
+            self.w2_groups = param(num_local, intermediate_size, param_dtype=torch.int32)   # [E_local, I]
         self.b13 = param(num_local, 2 * intermediate_size) if bias else None    # [E_local, 2I]
         self.b2 = param(num_local, hidden_size) if bias else None                # [E_local, H]
         self._staged: list[StagedSlot] = []
@@ -113,13 +123,21 @@ class ExpertWeights(nn.Module):
             return {}
         return {"b13": self.b13, "b2": self.b2, "activation": self.activation}
 
+    def column_group_arguments(self) -> dict:
+        """The quantized expert kernels' keyword arguments for act order's column groups ({} without them)."""
+        if self.w13_groups is None:
+            return {}
+        return {"w13_groups": self.w13_groups, "w2_groups": self.w2_groups}
+
     @property
     def num_local_experts(self) -> int:
         return len(self.expert_ids)
 
     def slot_tensors(self) -> list[torch.Tensor]:
-        """Every tensor with one row per local slot: the weights, and their scales when kept quantized."""
-        return [t for t in (self.w13, self.w13_scale, self.w2, self.w2_scale, self.b13, self.b2) if t is not None]
+        """Every tensor with one row per local slot: the weights, and their scales (and column groups) when kept
+        quantized."""
+        return [t for t in (self.w13, self.w13_scale, self.w2, self.w2_scale, self.b13, self.b2, self.w13_groups,
+                            self.w2_groups) if t is not None]
 
     def resident_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.slot_tensors())
@@ -132,7 +150,8 @@ class ExpertWeights(nn.Module):
         for local, expert in enumerate(self.expert_ids):
             self._load_slot(reader, prefix, local, expert)
         scales = {"w13_scale", "w2_scale"} if self.quant else set()
-        return {"w13", "w2"} | scales | ({"b13", "b2"} if self.b13 is not None else set())
+        groups = {"w13_groups", "w2_groups"} if self.w13_groups is not None else set()
+        return {"w13", "w2"} | scales | groups | ({"b13", "b2"} if self.b13 is not None else set())
 
     def reload_slot(self, local: int, expert: int) -> None:
         """Load logical `expert` from the checkpoint these experts were loaded from into slot `local` (a slot
@@ -184,8 +203,27 @@ class ExpertWeights(nn.Module):
         if isinstance(tensor, QuantizedRows):
             copy_checked(weight[local, rows], tensor.values, name, reader.directory)
             copy_checked(scale[local, rows], tensor.scales, name + "_scale_inv", reader.directory)
+            if self.w13_groups is not None:
+                self._fill_groups(local, w13_rows, tensor, name, reader)
         else:
             copy_checked(weight[local, rows], tensor, name, reader.directory)
+
+    def _fill_groups(self, local: int, w13_rows: slice | None, tensor: QuantizedRows, name: str,
+                     reader: CheckpointReader) -> None:
+        """Act order: the tensor's columns' groups into the slot's; w13's first rows (the gate) set them, its later
+        rows (the up projection) must name the same groups."""
+        found = tensor.column_groups if isinstance(tensor, Int4Rows) else None
+        if found is None:
+            raise CheckpointError(f"tensor {name!r} in {reader.directory} carries no column groups; the experts' "
+                                  f"int4 layout has act order ({self.quant.name})")
+        groups = self.w2_groups if w13_rows is None else self.w13_groups
+        if w13_rows is not None and (w13_rows.start or 0) > 0:
+            if not torch.equal(groups[local].cpu(), found.to(groups.dtype).cpu()):
+                raise CheckpointError(f"tensor {name!r} in {reader.directory}: its column groups (g_idx) differ from "
+                                      f"its expert's gate projection's; the experts' kernels quantize both from one "
+                                      f"input and keep one column order per expert")
+            return
+        copy_checked(groups[local], found, name + "_groups", reader.directory)
 
     # ---- load_balancer.ExpertStore: a slot travels as the bytes of its tensors, in `slot_tensors` order ----
     def read_slot(self, local_slot: int) -> torch.Tensor:  # -> [slot_bytes] uint8, a copy

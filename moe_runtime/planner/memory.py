@@ -19,13 +19,14 @@ from moe_runtime.config.parallel_layout import ParallelLayout
 from moe_runtime.planner.model_shape import FULL, LINEAR, LayerShape, ModelShape
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
-QUANT_BYTES = {"fp8": 1 + 4 / 128, "int8": 1 + 4 / 1024, "mxfp4": 0.5 + 1 / 32}   # per weight, scales included
+# per weight, scales included (int4: a float32 scale per 128 columns, the layout quantized at load)
+QUANT_BYTES = {"fp8": 1 + 4 / 128, "int8": 1 + 4 / 1024, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 4 / 128}
 
 
 @dataclass(frozen=True)
 class Precision:
     """--dtype and --quantization as bytes: fp8 and int8 keep projections and experts quantized (dequantized
-    per matmul tile, so the math runs at the compute dtype's rate), mxfp4 only the routed experts."""
+    per matmul tile, so the math runs at the compute dtype's rate), mxfp4 and int4 only the routed experts."""
 
     dtype: str
     quantization: str | None = None

@@ -57,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: keep linear and expert weights in FP8 with block scales (an FP8 checkpoint as "
                         "stored, any other quantized at load), dequantized per matmul tile; int8: keep them int8 "
                         "with one scale per output row, quantized at load (weight-only: activations stay in "
-                        "--dtype); unset: weights in --dtype (FP8 checkpoints are dequantized at load)")
+                        "--dtype); mxfp4: keep the routed experts in MXFP4 (gpt-oss's as stored); int4: keep the "
+                        "routed experts as packed int4 with group scales, an int4 checkpoint's (compressed-tensors, "
+                        "AWQ, GPTQ) as stored, any other's rounded at load to groups of 128 (lossy); unset: "
+                        "weights in --dtype (FP8 checkpoints are dequantized at load)")
     g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "cpu", "reference"],
                    help="MoE/attention kernel implementation (auto: triton on CUDA where it imports, else torch; "
                         "cpu: the torch family with the routed experts and the few-row projections in C++ kernels "

@@ -15,6 +15,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -25,6 +26,9 @@ from moe_runtime.weights.quantization.compressed_tensors_format import Compresse
 from moe_runtime.weights.quantization.fp8_block import SCALE_SUFFIX, Fp8BlockFormat
 from moe_runtime.weights.quantization.fp8_in_memory import Fp8Rows, expand_block_scales, quantize_rows
 from moe_runtime.weights.quantization.mxfp4_format import BLOCKS_SUFFIX, SCALES_SUFFIX, PackedMxfp4
+
+if TYPE_CHECKING:
+    from moe_runtime.kernels.int4_layout import Int4Weight
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +192,12 @@ class CheckpointReader:
         tensor = view[start:stop] if dim == 0 else view[:, start:stop]
         self._count(name, tensor)
         return tensor
+
+    def read_int4(self, name: str) -> "Int4Weight | None":
+        """`name` as stored in int4, in the checkpoint's int4 layout (moe_runtime/kernels/int4_layout.py); None where it
+        is not stored so. The int4 checkpoint formats (compressed-tensors pack-quantized, AWQ, GPTQ) fill this in;
+        until then no tensor is stored in int4."""
+        return None
 
     def read_fp8_rows(self, name: str, block_k: int) -> Fp8Rows:
         """`name` as FP8 values [N, K] with row-expanded scales [N, ceil(K/block_k)].

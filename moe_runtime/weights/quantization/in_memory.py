@@ -2,17 +2,22 @@
 from __future__ import annotations
 
 from moe_runtime.kernels import KernelSet
+from moe_runtime.kernels.int4_layout import Int4Layout
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.fp8_in_memory import Fp8InMemory
+from moe_runtime.weights.quantization.int4_in_memory import DEFAULT_INT4_LAYOUT, Int4InMemory
 from moe_runtime.weights.quantization.int8_in_memory import Int8InMemory
 from moe_runtime.weights.quantization.mxfp4_in_memory import Mxfp4InMemory
 from moe_runtime.weights.quantization.weight_quantization import WeightQuantization
 
 
 def weights_in_memory(quantization: str | None, checkpoint_fp8: Fp8BlockFormat | None,
-                      kernels: KernelSet) -> WeightQuantization | None:
+                      kernels: KernelSet, checkpoint_int4: Int4Layout | None = None) -> WeightQuantization | None:
     """`checkpoint_fp8`: the checkpoint's own FP8 block format (fp8 keeps its blocks; int8 reads them dequantized).
-    mxfp4 keeps an MXFP4 checkpoint's expert bytes as stored and quantizes any other checkpoint's experts."""
+    mxfp4 keeps an MXFP4 checkpoint's expert bytes as stored and quantizes any other checkpoint's experts.
+    `checkpoint_int4`: the layout an int4 checkpoint's routed experts are stored in (`CheckpointReader.
+    int4_experts_layout`), which int4 keeps as stored; None: int4 quantizes the experts at load in
+    `DEFAULT_INT4_LAYOUT`."""
     if quantization is None:
         return None
     if quantization == "fp8":
@@ -21,4 +26,6 @@ def weights_in_memory(quantization: str | None, checkpoint_fp8: Fp8BlockFormat |
         return Int8InMemory(kernels)
     if quantization == "mxfp4":
         return Mxfp4InMemory(kernels)
+    if quantization == "int4":
+        return Int4InMemory(kernels, checkpoint_int4 or DEFAULT_INT4_LAYOUT)
     raise ValueError(f"no in-memory weight format for quantization {quantization!r}")

@@ -38,6 +38,7 @@ class Mxfp4InMemory:
     scales_dtype: ClassVar[torch.dtype] = torch.uint8
     experts_only: ClassVar[bool] = True
     expert_epilogue: ClassVar[bool] = True
+    column_groups: ClassVar[bool] = False      # no per-column groups (int4 act order's)
 
     def values_shape(self, rows: int, columns: int) -> tuple[int, ...]:
         return (rows, packed_columns(columns))

@@ -10,6 +10,9 @@ satisfy the Protocol:
   quantized at load from whatever the checkpoint holds.
 - `Mxfp4InMemory` (quantization/mxfp4_in_memory.py): packed e2m1 values uint8 [N, ceil(K/32)*16] with
   e8m0 scales uint8 [N, ceil(K/32)]; experts only (`experts_only`), as gpt-oss's checkpoints store them.
+- `Int4InMemory` (quantization/int4_in_memory.py): packed int4 codes uint8 [N, ceil(K/2)] with float32 group
+  scales [N, G(, 2)] in one `Int4Layout` (an int4 checkpoint's own, as stored); experts only. With act order
+  (`column_groups`) each weight also names its columns' groups, int32 [K], which expert stacks keep per slot.
 
 Every weight is then a pair (`QuantizedRows`): values and float32 scales whose leading dims are the
 weight's rows, so a row cut (`rows`) and an expert slot's bytes (`ExpertWeights.read_slot`) are the
@@ -18,9 +21,12 @@ same for both formats.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from moe_runtime.kernels.int4_layout import Int4Weight
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,11 @@ class TensorSource(Protocol):
         """FP8 values [N, K] with row-expanded scales [N, ceil(K/block_k)]."""
         ...
 
+    def read_int4(self, name: str) -> "Int4Weight | None":
+        """`name` as stored in an int4 checkpoint, in the checkpoint's `Int4Layout` (moe_runtime/kernels/int4_layout.py);
+        None where the checkpoint does not store it as int4."""
+        ...
+
 
 class WeightQuantization(Protocol):
     """How this engine keeps linear and expert weights quantized, and the kernel family that multiplies them."""
@@ -56,6 +67,8 @@ class WeightQuantization(Protocol):
     scales_dtype: torch.dtype    # dtype of the stored scales (float32; MXFP4's e8m0 exponents: uint8)
     experts_only: bool           # True: only expert stacks take this format (`linear_quantization`)
     expert_epilogue: bool        # whether its expert kernels take expert biases and a non-SiLU activation
+    column_groups: bool          # weights carry their columns' groups int32 [K] (int4 act order): expert stacks keep
+                                 # them per slot and pass them to `expert_mlp` as w13_groups / w2_groups
 
     def values_shape(self, rows: int, columns: int) -> tuple[int, ...]:
         """Shape of the stored values of a [rows, columns] weight ([rows, columns] but for packed formats)."""
@@ -95,7 +108,7 @@ class WeightQuantization(Protocol):
                    w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, **epilogue) -> torch.Tensor:
         """The kernel family's expert MLP for these weights: contiguous ([N, H] grouped by expert) or masked
         ([E, M, H]) layout, unweighted outputs in the same layout. `epilogue` (b13, b2, activation) only where
-        `expert_epilogue`."""
+        `expert_epilogue`; w13_groups [E, H] / w2_groups [E, I] only where `column_groups`."""
         ...
 
 
