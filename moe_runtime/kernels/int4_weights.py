@@ -10,7 +10,7 @@ at most CHUNK_BYTES of fp32 and has `decode_int4_into` write each chunk's dequan
 buffer: nibbles converted (exact), the zero point subtracted (an exact small integer) and one multiply by the
 group's scale, which is `dequantize_int4`'s rule, so the product is the dequantized weight's up to fp32 summation
 order. Contiguous groups decode through a reshape to [rows, groups, group_size] and a broadcast of the scales (the
-last, partial group apart); column groups (GPTQ act order) gather each column's scale and zero point. The weight is
+last, partial group apart); column groups (GPTQ act order) select each column's scale and zero point. The weight is
 never widened whole.
 
 Decode-sized batches on most experts (`expert_mlp.padded_layout_wins`) run the padded all-experts form, as int8
@@ -65,9 +65,13 @@ def decode_int4_into(out: torch.Tensor, values: torch.Tensor, scales: torch.Tens
     out[..., 0::2] = values & 0x0F                                          # low nibbles, then high: exact in fp32
     out[..., 1::2] = values[..., :columns // 2] >> 4
     scale, zero = (scales[..., 0], scales[..., 1]) if layout.zero_points else (scales, None)   # [..., R, G]
-    if column_groups is not None:                                           # act order: each column's group
-        index = column_groups.long().unsqueeze(-2).expand(out.shape)        # [..., R, K]
-        scale_and_shift(out, torch.gather(scale, -1, index), None if zero is None else torch.gather(zero, -1, index))
+    if column_groups is not None and column_groups.dim() > 1:               # one weight's groups at a time
+        for index in range(out.shape[0]):
+            decode_int4_into(out[index], values[index], scales[index], layout, column_groups[index])
+        return
+    if column_groups is not None:    # act order: each column's group (index_select: 3x faster than a gather here)
+        index = column_groups.long()                                        # [K]
+        scale_and_shift(out, scale.index_select(-1, index), None if zero is None else zero.index_select(-1, index))
         return
     size = columns if layout.group_size is None else layout.group_size
     whole = columns // size                                                 # groups of `size` columns
