@@ -169,7 +169,7 @@ def test_kernels_refuse_weights_outside_the_layout():
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match=r"weight must be uint8 \[..., N, 31\] \(int4 codes of 62 columns"):
         TORCH.int4_linear(torch.randn(2, 62), values, scales, layout)
-    with pytest.raises(ValueError, match=r"weight_scale must be float32 \(8, 2, 2\) \(group size 32, zero points True\)"):
+    with pytest.raises(ValueError, match=r"weight_scale must be float32 \(8, 2, 2\) \(group size 32, zero points"):
         TORCH.int4_linear(x, values, scales, LAYOUTS["zero_points"])
     with pytest.raises(ValueError, match="column groups exactly with a layout that has them"):
         TORCH.int4_linear(x, values, scales, layout, None, torch.zeros(64, dtype=torch.int32))

@@ -37,9 +37,9 @@ class KernelSet:
     mxfp4_linear: Callable             # (x [T, K], values [N, Kp], scales [N, G], bias=None) -> [T, N]
     mxfp4_expert_mlp: Callable         # (x_sorted [N, H], counts [E], w13, w13_scale, w2, w2_scale, *, ...) -> [N, H]
     mxfp4_masked_expert_mlp: Callable  # (x [E, M, H], counts [E], w13, w13_scale, w2, w2_scale, *, ...) -> [E, M, H]
-    # Int4 weight-only (moe_runtime/kernels/int4_layout.py, int4_weights.py): values uint8 [..., N, ceil(K/2)] with float32
-    # group scales [..., N, G(, 2)] in the engine's `Int4Layout`, passed by keyword with act order's column groups.
-    int4_linear: Callable             # (x [T, K], values [N, Kp], scales, layout, bias=None, column_groups=None) -> [T, N]
+    # Int4 weight-only (moe_runtime/kernels/int4_layout.py, int4_weights.py): values uint8 [..., N, ceil(K/2)] with
+    # float32 group scales [..., N, G(, 2)] in the engine's `Int4Layout`; act order's column groups by keyword.
+    int4_linear: Callable             # (x [T, K], values, scales, layout, bias=None, column_groups=None) -> [T, N]
     int4_expert_mlp: Callable         # (x_sorted [N, H], counts [E], w13, w13_scale, w2, w2_scale, *, layout,
                                       #  w13_groups=None, w2_groups=None) -> [N, H]
-    int4_masked_expert_mlp: Callable  # (x [E, M, H], counts [E], w13, w13_scale, w2, w2_scale, *, layout, ...) -> [E, M, H]
+    int4_masked_expert_mlp: Callable  # (x [E, M, H], counts [E], w13, w13_scale, w2, w2_scale, *, ...) -> [E, M, H]

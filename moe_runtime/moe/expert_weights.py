@@ -4,7 +4,7 @@ Row i of both tensors is this rank's local slot i; `expert_ids[i]` is the logica
 (the placement in force says the same). The stack is also the layer's `ExpertStore`: live
 rebalancing reads, stages and commits slots through it and never touches the parameters itself.
 
-With `quant` (`--quantization fp8 | int8 | mxfp4`, a `WeightQuantization`) w13 and w2 are kept in
+With `quant` (`--quantization fp8 | int8 | mxfp4 | int4`, a `WeightQuantization`) w13 and w2 are kept in
 the format's values dtype and shape with the format's scales: FP8's row-expanded block scales
 (`w13_scale` [E_local, 2I, ceil(H/bk)], `w2_scale` [E_local, H, ceil(I/bk)]), int8's one scale per
 row ([E_local, 2I], [E_local, H]), or MXFP4's packed codes (w13 [E_local, 2I, ceil(H/32)*16]) with

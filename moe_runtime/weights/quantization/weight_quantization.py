@@ -1,7 +1,7 @@
-"""What a layer needs to know about weights kept quantized in memory (`--quantization fp8 | int8`).
+"""What a layer needs to know about weights kept quantized in memory (`--quantization fp8 | int8 | mxfp4 | int4`).
 
 One object per engine (`BuildContext.quant`) says how linear and expert weights are kept; `Linear`,
-`ExpertWeights` and `DenseMLP` take it as `quant=` and never ask which format it is. Two formats
+`ExpertWeights` and `DenseMLP` take it as `quant=` and never ask which format it is. These formats
 satisfy the Protocol:
 
 - `Fp8InMemory` (quantization/fp8_in_memory.py): float8_e4m3fn values [N, K] with row-expanded block
@@ -54,8 +54,8 @@ class TensorSource(Protocol):
         ...
 
     def read_int4(self, name: str) -> "Int4Weight | None":
-        """`name` as stored in an int4 checkpoint, in the checkpoint's `Int4Layout` (moe_runtime/kernels/int4_layout.py);
-        None where the checkpoint does not store it as int4."""
+        """`name` as stored in an int4 checkpoint, in the checkpoint's `Int4Layout` (kernels/int4_layout.py); None
+        where the checkpoint does not store it as int4."""
         ...
 
 
