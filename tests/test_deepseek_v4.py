@@ -9,13 +9,12 @@ the indexer's choice and the compressed entries change the tokens.
 Greedy tokens and prompt logprobs equal transformers' on one rank, with prefills cut into 5-token chunks, with a
 cached prefix resumed from a state snapshot, with n-gram speculative decoding, in DeepSeek's published checkpoint
 names, and (slow) with EP + DP attention, two-batch overlap, attention TP and two pipeline stages (P/D:
-tests/test_pd_deepseek_v4.py). The paged cache per token is measured against a full MLA cache's; the layouts and
+tests/test_pd_deepseek_v4.py; DeepSeek's FP8 / FP4 release format: tests/test_deepseek_v4_release.py). The paged cache per token is measured against a full MLA cache's; the layouts and
 options not built are refused by name.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,9 +26,8 @@ from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from tiny_checkpoints import HFOracle
 from moe_runtime import LLM
 from moe_runtime.config.parallel_layout import ParallelLayout
-from moe_runtime.errors import InvalidRequestError, UnsupportedArchitectureError
+from moe_runtime.errors import InvalidRequestError
 from moe_runtime.layers.compressed_cache import CompressedAttentionSpec, LayerCompressedCache
-from moe_runtime.models.deepseek_v4_support import refuse_unsupported
 from moe_runtime.planner.model_shape import model_shape_of
 
 ARCH = "deepseek_v4"
@@ -218,10 +216,6 @@ def test_the_planner_reads_deepseek_v4_flash():
     assert csa.kv_dim == (512 + 128) // 4
 
 
-def _context() -> SimpleNamespace:
-    return SimpleNamespace(quant=None, engine=None)
-
-
 @pytest.mark.parametrize("layout, match", [
     (dict(ep=4, dp_attn=1), r"attention TP = 4 with DeepSeek-V4's 2 output groups .* divides 2"),
     (dict(ep=2, dp_attn=1, cp=2), r"cp=2 with DeepSeek-V4: not implemented"),
@@ -231,13 +225,6 @@ def test_layouts_not_built_are_refused_by_name(layout, match, hf_oracles):
         ParallelLayout(**layout).validate(hf_oracles(ARCH).config)
     for built in (dict(ep=2, dp_attn=2), dict(ep=2, dp_attn=1), dict(pp=2)):
         ParallelLayout(**built).validate(hf_oracles(ARCH).config)
-
-
-def test_deepseeks_fp8_checkpoints_are_refused_by_name(hf_oracles):
-    cfg = SimpleNamespace(**{**vars(hf_oracles(ARCH).config).copy(),
-                             "quantization_config": {"quant_method": "fp8"}})
-    with pytest.raises(UnsupportedArchitectureError, match=r"DeepSeek-V4 checkpoint with quantization_config"):
-        refuse_unsupported(cfg, _context())
 
 
 @pytest.mark.parametrize("options, match", [

@@ -68,8 +68,6 @@ def _dense(what: str) -> Callable[[ModelTraits], str | None]:
 
 
 def _mxfp4_refusal(model: ModelTraits) -> str | None:
-    if model.architecture == DEEPSEEK_V4:
-        return "not implemented for its compressed attention"
     return _dense("hold in MXFP4")(model)
 def _int4_refusal(model: ModelTraits) -> str | None:
     if model.architecture == GPT_OSS:
@@ -88,7 +86,7 @@ def _weight_quantization_refusal(model: ModelTraits) -> str | None:
         return "its routed experts ship in MXFP4, and its attention sinks and biased projections have no FP8/int8 " \
                "kernels here; serve it as shipped (or --quantization mxfp4)"
     if model.architecture == DEEPSEEK_V4:
-        return "not implemented for its compressed attention"
+        return "not implemented for its compressed attention (its experts can be kept in FP4: --quantization mxfp4)"
     return None
 
 

@@ -15,7 +15,9 @@
 
 Checkpoints: the names DeepSeek publishes (`layers.N.attn.wq_a.weight`, `embed.weight`, `head.weight`,
 `hc_head_fn`, ...), with or without transformers' `model.` prefix (`checkpoint_name` maps them to this module
-tree). DeepSeek's FP8 / FP4 weight formats are refused by name (`refuse_unsupported`).
+tree). As released: FP8 block linears (`<linear>.scale`, e8m0 block scales) and FP4 routed experts
+(moe_runtime/weights/quantization/deepseek_fp4_format.py), dequantized at load; `--quantization mxfp4` keeps the
+experts' FP4 bytes, which are MXFP4's layout.
 """
 from __future__ import annotations
 
@@ -172,6 +174,7 @@ class V4CausalLM(CausalLM):
 
 
 _LEAF_RENAMES = (   # DeepSeek's published names (and transformers' saved ones) -> this module tree's
+    (r"\.scale$", ".weight_scale_inv"),   # a released linear's block scales (`hc_*_scale` are parameters, not these)
     (r"^(model\.)?embed(_tokens)?\.weight$", "model.embed_tokens.weight"),
     (r"^(lm_)?head\.weight$", "lm_head.weight"),
     (r"^(model\.)?norm\.weight$", "model.norm.weight"),

@@ -6,8 +6,10 @@ two-batch overlap, chunked prefill, prefix caching (the per-sequence state snaps
 shard.py), n-gram speculative decoding (the state rings keep room for a verify step's drafts), MTP drafting with the
 checkpoint's `mtp.0.*` layer (moe_runtime/models/deepseek_v4_mtp.py: its state in a slot of its own; one rank, EP
 with DP attention or attention TP, pipeline stages), every expert kernel family (its clamped SiLU in each; the
-attention itself is torch code). Refused here: captured decode steps, EAGLE-3 heads, weights kept quantized, and
-DeepSeek's FP8 / FP4 checkpoint formats; context parallelism and attention TP that would cut an output group are
+attention itself is torch code), DeepSeek's release format (FP8 block linears, FP4 experts: moe_runtime/weights/
+quantization/deepseek_fp4_format.py) dequantized at load, or its experts kept in FP4 with `--quantization mxfp4`.
+Refused here: captured decode steps, EAGLE-3 heads, linears kept quantized (`--quantization fp8 / int8`), and an
+`expert_dtype` other than fp4 / fp8; context parallelism and attention TP that would cut an output group are
 refused by ParallelLayout.validate (moe_runtime/config/parallel_layout.py), which the planner asks too.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 
 from moe_runtime.errors import InvalidRequestError, UnsupportedArchitectureError
+from moe_runtime.weights.quantization.deepseek_fp4_format import EXPERT_DTYPES, declared_expert_dtype
 
 SUPPORTED_ATTENTION = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -22,12 +25,10 @@ SUPPORTED_ATTENTION = ("sliding_attention", "compressed_sparse_attention", "heav
 def refuse_unsupported(cfg, ctx) -> None:
     """InvalidRequestError naming the first layout or option a DeepSeek-V4 engine cannot run; checkpoint formats and
     config values it does not implement as UnsupportedArchitectureError."""
-    quantization = getattr(cfg, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise UnsupportedArchitectureError(
-            f"DeepSeek-V4 checkpoint with quantization_config (quant_method={method!r}, DeepSeek's FP8 weights and FP4 "
-            "experts): not implemented; convert the checkpoint to bfloat16 first")
+    expert_dtype = declared_expert_dtype(cfg)
+    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
+        raise UnsupportedArchitectureError(f"DeepSeek-V4 checkpoint with expert_dtype={expert_dtype!r}: not "
+                                           f"implemented (implemented: {EXPERT_DTYPES})")
     unknown = sorted(set(cfg.layer_types) - set(SUPPORTED_ATTENTION))
     if unknown:
         raise UnsupportedArchitectureError(f"DeepSeek-V4 layer_types {unknown}: not implemented "
@@ -35,8 +36,9 @@ def refuse_unsupported(cfg, ctx) -> None:
     if cfg.num_key_value_heads != 1:
         raise UnsupportedArchitectureError(f"DeepSeek-V4 with num_key_value_heads={cfg.num_key_value_heads}: its "
                                            "attention is shared-KV MQA (one KV head), nothing else is implemented")
-    if ctx.quant is not None:
-        raise InvalidRequestError(f"--quantization {ctx.quant.name} with DeepSeek-V4: not implemented")
+    if ctx.quant is not None and ctx.quant.name != "mxfp4":   # mxfp4 keeps the experts only, as the release does
+        raise InvalidRequestError(f"--quantization {ctx.quant.name} with DeepSeek-V4: not implemented (its experts "
+                                  "can be kept in FP4: --quantization mxfp4)")
     engine = ctx.engine
     if engine is None:
         return

@@ -8,6 +8,8 @@ or as FP8 values with row-expanded scales for `--quantization fp8` (`read_fp8_ro
 MXFP4 expert stacks (gpt-oss: `<name>_blocks` / `<name>_scales`, quantization/mxfp4_format.py) are read
 under their logical name `<name>`, dequantized exactly to transformers' parameter layout, or as their
 stored bytes (`read_mxfp4_rows`) for `--quantization mxfp4`.
+DeepSeek-V4's FP4 experts (an int8 `weight` with e8m0 block scales: quantization/deepseek_fp4_format.py) are read
+dequantized exactly, or as their stored bytes (`read_fp4`), which are MXFP4's layout.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from safetensors import safe_open
 from moe_runtime.config.multimodal_wrappers import wrapper_of
 from moe_runtime.errors import CheckpointError
 from moe_runtime.weights.quantization.compressed_tensors_format import CompressedTensorsFormat
+from moe_runtime.weights.quantization.deepseek_fp4_format import PackedFp4, block_scales_as_float
 from moe_runtime.weights.quantization.fp8_block import SCALE_SUFFIX, Fp8BlockFormat
 from moe_runtime.weights.quantization.fp8_in_memory import Fp8Rows, expand_block_scales, quantize_rows
 from moe_runtime.weights.quantization.mxfp4_format import BLOCKS_SUFFIX, SCALES_SUFFIX, PackedMxfp4
@@ -167,6 +170,8 @@ class CheckpointReader:
             return tensor
         if self.is_mxfp4(name):
             return self.read_mxfp4_rows(name).dequantized()
+        if self.is_fp4(name):
+            return self.read_fp4(name).dequantized()
         handle = self._handle(name)
         tensor = handle.get_tensor(self._stored(name))
         self._count(name, tensor)
@@ -184,8 +189,8 @@ class CheckpointReader:
             if dim == 0:
                 return self.read_mxfp4_rows(name, start, stop).dequantized()
             return self.read(name)[:, start:stop]
-        if self._compressed_module(name) is not None or self.is_fp8(name):  # scales cover groups or blocks:
-            # dequantize the whole tensor, then cut
+        if self._compressed_module(name) is not None or self.is_fp8(name) or self.is_fp4(name):
+            # scales cover groups or blocks: dequantize the whole tensor, then cut
             whole = self.read(name)
             return whole[start:stop] if dim == 0 else whole[:, start:stop]
         view = self._handle(name).get_slice(self._stored(name))
@@ -221,6 +226,19 @@ class CheckpointReader:
             return False
         return self._handle(name).get_slice(self._stored(name)).get_dtype() == "F8_E4M3"
 
+    def is_fp4(self, name: str) -> bool:
+        """Stored as DeepSeek-V4's packed FP4: an int8 weight with block scales in an FP8 checkpoint (transformers
+        reads the pair so too, whatever expert_dtype says)."""
+        if self.fp8 is None or name not in self.tensor_to_file or not self.has(name + SCALE_SUFFIX):
+            return False
+        return self._handle(name).get_slice(self._stored(name)).get_dtype() == "I8"
+
+    def read_fp4(self, name: str) -> PackedFp4:
+        """An FP4 weight as stored: values uint8 [N, K/2], e8m0 scales uint8 [N, K/32] (MXFP4's layout)."""
+        values = self._handle(name).get_tensor(self._stored(name))
+        self._count(name, values)
+        return PackedFp4.from_stored(values, self._stored_scales(name), name + SCALE_SUFFIX)
+
     def _dequantized(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         scale_inv = self._scales_of(name)   # first: it names what is missing when the checkpoint is not FP8-ready
         return self.fp8.dequantize(tensor, scale_inv, name)
@@ -234,6 +252,10 @@ class CheckpointReader:
         if not self.has(scale_name):
             raise CheckpointError(f"tensor {name!r} in {self.directory} is float8_e4m3fn without its scales "
                                   f"{scale_name!r}")
+        return block_scales_as_float(self._stored_scales(name))   # float32, or e8m0 exponents decoded exactly
+
+    def _stored_scales(self, name: str) -> torch.Tensor:
+        scale_name = name + SCALE_SUFFIX
         scale = self._handle(scale_name).get_tensor(self._stored(scale_name))
         self._count(scale_name, scale)
         return scale

@@ -6,10 +6,10 @@ row and migration moves it like any other (`ExpertWeights.read_slot`): 4.25 bits
 16 (bf16).
 
 What it keeps: an MXFP4 checkpoint's expert stacks exactly as stored (gpt-oss, `read` through the
-reader's `read_mxfp4_rows`); weights of any other checkpoint are quantized at load (OCP's rule: the
-block's largest magnitude within e2m1's 6, nearest code), which is lossy. The published format
-quantizes experts only, and so does this one (`experts_only`): model files give it to their expert
-stacks and keep attention, routers, dense MLPs and the LM head in the compute dtype
+reader's `read_mxfp4_rows`; DeepSeek-V4's FP4 experts through `read_fp4`, the same bytes); weights of any
+other checkpoint are quantized at load (OCP's rule: the block's largest magnitude within e2m1's 6, nearest
+code), which is lossy. The published formats quantize experts only, and so does this one (`experts_only`):
+model files give it to their expert stacks and keep attention, routers, dense MLPs and the LM head in the compute dtype
 (`weight_quantization.linear_quantization`). `linear` exists all the same (a layer handed this format
 still computes right), through the family's `mxfp4_linear`.
 
@@ -55,7 +55,10 @@ class Mxfp4InMemory:
         return QuantizedRows(values, scales)
 
     def read(self, reader: TensorSource, name: str) -> QuantizedRows:
-        """A whole weight [N, K]: quantized at load (the published format stores no 2D MXFP4 weight)."""
+        """A whole weight [N, K]: DeepSeek-V4's FP4 experts kept as stored (MXFP4's layout byte for byte), any other
+        quantized at load."""
+        if reader.is_fp4(name):
+            return reader.read_fp4(name).as_mxfp4()
         return self.quantize(reader.read(name))
 
     def read_slice(self, reader: TensorSource, name: str, dim: int, start: int, stop: int) -> QuantizedRows:

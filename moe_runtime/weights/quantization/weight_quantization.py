@@ -53,6 +53,14 @@ class TensorSource(Protocol):
         """FP8 values [N, K] with row-expanded scales [N, ceil(K/block_k)]."""
         ...
 
+    def is_fp4(self, name: str) -> bool:
+        """Whether `name` is stored as DeepSeek-V4's packed FP4 (quantization/deepseek_fp4_format.py)."""
+        ...
+
+    def read_fp4(self, name: str):
+        """That FP4 weight as stored (`PackedFp4`: values uint8 [N, K/2], e8m0 scales uint8 [N, K/32])."""
+        ...
+
     def read_int4(self, name: str) -> "Int4Weight | None":
         """`name` as stored in an int4 checkpoint, in the checkpoint's `Int4Layout` (kernels/int4_layout.py); None
         where the checkpoint does not store it as int4."""
