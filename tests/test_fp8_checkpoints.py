@@ -102,7 +102,7 @@ def test_fp8_weights_without_quantization_config_are_refused(fp8_checkpoints, tm
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"quant_method": "awq"}, "quant_method='awq'"),
+    ({"quant_method": "hqq"}, "quant_method='hqq'"),   # awq, gptq: int4 formats (test_int4_checkpoints.py)
     ({"fmt": "e5m2"}, "fmt='e5m2'"),
     ({"activation_scheme": "static"}, "activation_scheme='static'"),
     ({"weight_block_size": None}, "weight_block_size=None"),

@@ -29,7 +29,7 @@ from moe_runtime.disaggregation.draft_layer import TransferredLayers
 from moe_runtime.disaggregation.import_grammars import ImportGrammars
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
-from moe_runtime.weights.quantization.in_memory import weights_in_memory
+from moe_runtime.weights.quantization.in_memory import kept_quantization, weights_in_memory
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
@@ -80,9 +80,11 @@ class EngineCore:
         self.executor = MoEExecutor.for_engine(config, self.parallel, self.kernels, self.hf_config.hidden_size,
                                                self.dtype)
         checkpoint_fp8 = Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir))
-        quant = weights_in_memory(config.quantization, checkpoint_fp8, self.kernels)
-        ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant, config)
         reader = CheckpointReader.open(self.checkpoint_dir, checkpoint_fp8, self.hf_config)
+        checkpoint_int4 = reader.int4_experts_layout()   # an int4 release's experts stay int4 unless told otherwise
+        quant = weights_in_memory(kept_quantization(config, checkpoint_int4), checkpoint_fp8, self.kernels,
+                                  checkpoint_int4)
+        ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant, config)
         self.model = build_model(self.architecture, self.hf_config, ctx)
         self.executor.finish_registration()  # every MoE layer registered itself while the model was built
         load_model_weights(self.model, reader, SkippedTensors.for_config(self.hf_config),

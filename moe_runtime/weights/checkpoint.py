@@ -8,8 +8,8 @@ or as FP8 values with row-expanded scales for `--quantization fp8` (`read_fp8_ro
 MXFP4 expert stacks (gpt-oss: `<name>_blocks` / `<name>_scales`, quantization/mxfp4_format.py) are read
 under their logical name `<name>`, dequantized exactly to transformers' parameter layout, or as their
 stored bytes (`read_mxfp4_rows`) for `--quantization mxfp4`.
-DeepSeek-V4's FP4 experts (an int8 `weight` with e8m0 block scales: quantization/deepseek_fp4_format.py) are read
-dequantized exactly, or as their stored bytes (`read_fp4`), which are MXFP4's layout.
+int4 linears (compressed-tensors pack-quantized, AWQ, GPTQ: quantization/int4_checkpoint.py) are read under
+`<module>.weight` too: as `Int4Weight` (`read_int4`, what int4 experts are kept in), or dequantized (`read`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -25,13 +24,11 @@ from safetensors import safe_open
 from moe_runtime.config.multimodal_wrappers import wrapper_of
 from moe_runtime.errors import CheckpointError
 from moe_runtime.weights.quantization.compressed_tensors_format import CompressedTensorsFormat
-from moe_runtime.weights.quantization.deepseek_fp4_format import PackedFp4, block_scales_as_float
 from moe_runtime.weights.quantization.fp8_block import SCALE_SUFFIX, Fp8BlockFormat
 from moe_runtime.weights.quantization.fp8_in_memory import Fp8Rows, expand_block_scales, quantize_rows
+from moe_runtime.weights.quantization.int4_checkpoint import Int4Checkpoint
+from moe_runtime.kernels.int4_layout import Int4Weight
 from moe_runtime.weights.quantization.mxfp4_format import BLOCKS_SUFFIX, SCALES_SUFFIX, PackedMxfp4
-
-if TYPE_CHECKING:
-    from moe_runtime.kernels.int4_layout import Int4Weight
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +53,8 @@ class CheckpointReader:
     # listing no longer shows (their files: `_parameter_files`)
     compressed: CompressedTensorsFormat | None = None
     _parameter_files: dict[str, str] = field(default_factory=dict, repr=False)
+    int4: Int4Checkpoint | None = None         # the checkpoint's int4 modules (any of the three formats)
+    hf_config: object = field(default=None, repr=False)   # what it was opened with (a slot reload opens it again)
 
     @classmethod
     def open(cls, directory: str | Path, fp8: Fp8BlockFormat | None = None, hf_config=None) -> "CheckpointReader":
@@ -63,26 +62,47 @@ class CheckpointReader:
         text model under its wrapper's prefix: read under the text model's names)."""
         reader = cls._open(Path(directory))
         reader.fp8 = fp8
+        reader.hf_config = hf_config
         wrapper = wrapper_of(hf_config) if hf_config is not None else None
         if wrapper is not None:
             reader.renamed(wrapper.rename)
         compressed = CompressedTensorsFormat.of(hf_config, reader.names(), str(directory)) if hf_config else None
         if compressed is not None:
-            reader._read_compressed(compressed)
+            reader.compressed = compressed
+            reader._list_as_weights({module.weight_name: list(module.params.values())
+                                     for module in compressed.modules.values()})
+        reader.int4 = Int4Checkpoint.of(hf_config, reader.names(), compressed, str(directory)) if hf_config else None
+        if reader.int4 is not None and reader.int4.hides_parameters:
+            reader._list_as_weights(reader.int4.stored_parameters())
         return reader
 
-    def _read_compressed(self, compressed: CompressedTensorsFormat) -> None:
-        """List each compressed module's `weight` (read through its compressor) instead of its parameters."""
-        self.compressed = compressed
-        parameters = compressed.stored_names()
-        self._parameter_files = {name: self.tensor_to_file[name] for name in parameters}
-        weights = {module.weight_name: self.tensor_to_file[next(iter(module.params.values()))]
-                   for module in compressed.modules.values()}
+    def _list_as_weights(self, modules: dict[str, list[str]]) -> None:
+        """List each packed module's `weight` (made from its stored parameters) instead of those parameters."""
+        parameters = {stored for params in modules.values() for stored in params}
+        self._parameter_files.update({name: self.tensor_to_file[name] for name in parameters})
+        weights = {weight: self.tensor_to_file[params[0]] for weight, params in modules.items()}
         self.tensor_to_file = {name: file for name, file in self.tensor_to_file.items() if name not in parameters}
         self.tensor_to_file.update(weights)
 
     def _compressed_module(self, name: str):
         return self.compressed.modules.get(name) if self.compressed is not None else None
+
+    def _int4_module(self, name: str):
+        return self.int4.modules.get(name) if self.int4 is not None else None
+
+    def int4_experts_layout(self):
+        """The int4 layout the checkpoint's routed experts are stored in (None: they are not int4)."""
+        return self.int4.experts_layout(str(self.directory)) if self.int4 is not None else None
+
+    def read_int4(self, name: str) -> Int4Weight | None:
+        """`<module>.weight` as stored in int4, unpacked into the int4 layout [N, K] (None: not stored in int4)."""
+        module = self._int4_module(name)
+        if module is None:
+            return None
+        weight = module.read(self._read_parameter)
+        self.tensors_read += 1
+        self.consumed.add(name)
+        return weight
 
     def _parameter_handle(self, name: str):
         """The open file of a compressed module's stored parameter (not listed: the module's weight is)."""
@@ -155,6 +175,10 @@ class CheckpointReader:
         if module is not None:
             return module.shape(self._read_parameter, lambda stored: tuple(
                 self._parameter_handle(stored).get_slice(self._stored(stored)).get_shape()))
+        int4 = self._int4_module(name)
+        if int4 is not None:
+            return int4.shape(self._read_parameter, lambda stored: tuple(
+                self._parameter_handle(stored).get_slice(self._stored(stored)).get_shape()))
         if self.is_mxfp4(name):   # the dequantized parameter layout [..., K, N]
             *lead, rows, groups, _ = self._handle(name + BLOCKS_SUFFIX).get_slice(self._stored(name + BLOCKS_SUFFIX)).get_shape()
             return (*lead, groups * 32, rows)
@@ -168,10 +192,11 @@ class CheckpointReader:
             self.tensors_read += 1
             self.consumed.add(name)
             return tensor
+        int4 = self._int4_module(name)
+        if int4 is not None:   # AWQ / GPTQ: dequantized by the int4 layout's rule
+            return self.read_int4(name).dequantized(int4.layout)
         if self.is_mxfp4(name):
             return self.read_mxfp4_rows(name).dequantized()
-        if self.is_fp4(name):
-            return self.read_fp4(name).dequantized()
         handle = self._handle(name)
         tensor = handle.get_tensor(self._stored(name))
         self._count(name, tensor)
@@ -189,20 +214,15 @@ class CheckpointReader:
             if dim == 0:
                 return self.read_mxfp4_rows(name, start, stop).dequantized()
             return self.read(name)[:, start:stop]
-        if self._compressed_module(name) is not None or self.is_fp8(name) or self.is_fp4(name):
-            # scales cover groups or blocks: dequantize the whole tensor, then cut
+        if self._compressed_module(name) is not None or self._int4_module(name) is not None or self.is_fp8(name):
+            # scales cover groups or blocks:
+            # dequantize the whole tensor, then cut
             whole = self.read(name)
             return whole[start:stop] if dim == 0 else whole[:, start:stop]
         view = self._handle(name).get_slice(self._stored(name))
         tensor = view[start:stop] if dim == 0 else view[:, start:stop]
         self._count(name, tensor)
         return tensor
-
-    def read_int4(self, name: str) -> "Int4Weight | None":
-        """`name` as stored in int4, in the checkpoint's int4 layout (moe_runtime/kernels/int4_layout.py); None where it
-        is not stored so. The int4 checkpoint formats (compressed-tensors pack-quantized, AWQ, GPTQ) fill this in;
-        until then no tensor is stored in int4."""
-        return None
 
     def read_fp8_rows(self, name: str, block_k: int) -> Fp8Rows:
         """`name` as FP8 values [N, K] with row-expanded scales [N, ceil(K/block_k)].
@@ -222,22 +242,9 @@ class CheckpointReader:
 
     def is_fp8(self, name: str) -> bool:
         """Stored as DeepSeek-style FP8 blocks (a compressed-tensors module is read through its compressor)."""
-        if self._compressed_module(name) is not None:
+        if self._compressed_module(name) is not None or self._int4_module(name) is not None:
             return False
         return self._handle(name).get_slice(self._stored(name)).get_dtype() == "F8_E4M3"
-
-    def is_fp4(self, name: str) -> bool:
-        """Stored as DeepSeek-V4's packed FP4: an int8 weight with block scales in an FP8 checkpoint (transformers
-        reads the pair so too, whatever expert_dtype says)."""
-        if self.fp8 is None or name not in self.tensor_to_file or not self.has(name + SCALE_SUFFIX):
-            return False
-        return self._handle(name).get_slice(self._stored(name)).get_dtype() == "I8"
-
-    def read_fp4(self, name: str) -> PackedFp4:
-        """An FP4 weight as stored: values uint8 [N, K/2], e8m0 scales uint8 [N, K/32] (MXFP4's layout)."""
-        values = self._handle(name).get_tensor(self._stored(name))
-        self._count(name, values)
-        return PackedFp4.from_stored(values, self._stored_scales(name), name + SCALE_SUFFIX)
 
     def _dequantized(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         scale_inv = self._scales_of(name)   # first: it names what is missing when the checkpoint is not FP8-ready
@@ -252,10 +259,6 @@ class CheckpointReader:
         if not self.has(scale_name):
             raise CheckpointError(f"tensor {name!r} in {self.directory} is float8_e4m3fn without its scales "
                                   f"{scale_name!r}")
-        return block_scales_as_float(self._stored_scales(name))   # float32, or e8m0 exponents decoded exactly
-
-    def _stored_scales(self, name: str) -> torch.Tensor:
-        scale_name = name + SCALE_SUFFIX
         scale = self._handle(scale_name).get_tensor(self._stored(scale_name))
         self._count(scale_name, scale)
         return scale

@@ -6,9 +6,9 @@ values times that tile's scale (edge tiles are partial). The config says so with
 `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [bn, bk],
 activation_scheme: dynamic}`. MXFP4 checkpoints (`quant_method: mxfp4`, gpt-oss) are no FP8 format:
 their `*_blocks` / `*_scales` tensors say what they are by name and the reader dequantizes them
-(mxfp4_format.py), so for them this returns None. Any other quantization_config changes what the
-stored numbers mean in a way this runtime does not implement, so it is refused by name instead of
-loaded wrong.
+(mxfp4_format.py), so for them this returns None, as for AWQ and GPTQ (int4: awq_format.py, gptq_format.py).
+Any other quantization_config changes what the stored numbers mean in a way this runtime does not
+implement, so it is refused by name instead of loaded wrong.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import torch
 from moe_runtime.errors import CheckpointError
 from moe_runtime.weights.quantization.compressed_tensors_format import QUANT_METHOD as COMPRESSED_TENSORS
 from moe_runtime.weights.quantization.mxfp4_format import QUANT_METHOD as MXFP4_METHOD
+from moe_runtime.weights.quantization.awq_format import QUANT_METHOD as AWQ_METHOD
+from moe_runtime.weights.quantization.gptq_format import QUANT_METHOD as GPTQ_METHOD
 
 SCALE_SUFFIX = "_scale_inv"        # `x.weight` is scaled by `x.weight_scale_inv`
 FP8_MAX = 448.0                    # the largest finite float8_e4m3fn
@@ -39,12 +41,12 @@ class Fp8BlockFormat:
         if not isinstance(quant, dict):
             quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
         method = quant.get("quant_method")
-        if method in (MXFP4_METHOD, COMPRESSED_TENSORS):   # read by name, or through the library's compressors
+        if method in (MXFP4_METHOD, COMPRESSED_TENSORS, AWQ_METHOD, GPTQ_METHOD):   # read by name or by their formats
             return None
         if method != "fp8":
             raise CheckpointError(f"{where}: quantization_config.quant_method={method!r} is not supported (only "
-                                  f"'fp8' block-quantized and 'mxfp4' checkpoints load; dequantize the checkpoint "
-                                  f"first)")
+                                  f"'fp8' block-quantized, 'mxfp4', 'compressed-tensors', 'awq' and 'gptq' checkpoints "
+                                  f"load; dequantize the checkpoint first)")
         if quant.get("fmt", "e4m3") not in E4M3_NAMES:
             raise CheckpointError(f"{where}: quantization_config.fmt={quant.get('fmt')!r} is not supported (only "
                                   f"e4m3: {', '.join(sorted(E4M3_NAMES))})")

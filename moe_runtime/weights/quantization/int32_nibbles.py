@@ -1,0 +1,31 @@
+"""int4 codes packed eight to an int32 word: the storage AWQ, GPTQ and compressed-tensors share, each along its own
+dimension and AWQ in its own order. Nibble i of a word is its bits 4i..4i+3 (the low nibble first)."""
+from __future__ import annotations
+
+import torch
+
+NIBBLES_PER_WORD = 8
+NIBBLE_BITS = 4
+
+
+def unpack_words(words: torch.Tensor, dim: int, positions: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 words -> uint8 codes 0..15 with `dim` eight times longer: word j along `dim` holds codes 8j..8j+7.
+
+    `positions[i]`: where among its word's eight codes nibble i belongs (AWQ's interleaved order); None: at i."""
+    if words.dtype != torch.int32:
+        raise ValueError(f"packed int4 words must be int32, got {words.dtype}")
+    dim = dim % words.dim()
+    shifts = torch.arange(0, 32, NIBBLE_BITS, dtype=torch.int32, device=words.device)     # [8]
+    nibbles = (words.unsqueeze(-1) >> shifts) & 0xF                                      # [..., 8]: nibble i
+    if positions is not None:
+        nibbles = nibbles[..., inverse_positions(positions)]                             # [..., 8]: code i
+    nibbles = nibbles.movedim(-1, dim + 1)                                               # [..., W, 8, ...]
+    return nibbles.flatten(dim, dim + 1).to(torch.uint8)                                 # [..., 8W, ...]
+
+
+def inverse_positions(positions: tuple[int, ...]) -> list[int]:
+    """The nibble holding each code: the inverse permutation of `positions`."""
+    inverse = [0] * len(positions)
+    for nibble, position in enumerate(positions):
+        inverse[position] = nibble
+    return inverse

@@ -1,0 +1,189 @@
+"""int4 releases load as they ship and keep their routed experts packed: compressed-tensors pack-quantized (W4A16
+symmetric group 32, Kimi K2 Thinking / K2.5's experts' scheme, and W4A16_ASYM), AWQ gemm, GPTQ without and with
+act order. Each tiny checkpoint is written in the format's documented layout (compressed-tensors by the library
+itself, AWQ and GPTQ by tests/int4_checkpoints.py's own packer) beside its exactly dequantized twin; the reader
+unpacks it into the int4 layout exactly, and the engine, asked for no quantization, keeps the experts in int4 as
+stored and gives transformers' greedy tokens on the twin, on one rank and under expert parallelism."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from compressed_tensors_checkpoints import write_compressed_checkpoint
+from engine_helpers import greedy
+from int4_checkpoints import AWQ_ORDER, write_int4_checkpoint
+from tiny_checkpoints import hf_greedy
+from moe_runtime import LLM
+from moe_runtime.errors import CheckpointError
+from moe_runtime.kernels.int4_layout import Int4Layout, packed_int4_columns
+from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.kernels import get_kernels
+from moe_runtime.moe.expert_weights import MIXTRAL_NAMING, ExpertWeights
+from moe_runtime.weights.quantization.in_memory import kept_quantization
+from moe_runtime.weights.quantization.int4_in_memory import Int4InMemory
+from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.weights.quantization.fp8_checkpoint_writer import read_all_tensors
+from moe_runtime.weights.quantization.int32_nibbles import unpack_words
+from moe_runtime.config.model_config import load_hf_config
+
+ARCH = "mixtral"
+PROMPTS = [[(7 * i + 3) % 400 + 5 for i in range(13)], [(11 * i + 1) % 380 + 9 for i in range(6)]]
+NEW_TOKENS = 6
+GROUP = 32
+TORCH = get_kernels("cpu", "torch")
+FORMATS = {   # name -> (writer, the experts' layout the reader must find)
+    "compressed_w4a16": (lambda src, dst, twin: write_compressed_checkpoint(src, dst, twin, "W4A16"),
+                         Int4Layout(GROUP, zero_points=False)),
+    "compressed_w4a16_asym": (lambda src, dst, twin: write_compressed_checkpoint(src, dst, twin, "W4A16_ASYM"),
+                              Int4Layout(GROUP, zero_points=True)),
+    "awq": (lambda src, dst, twin: write_int4_checkpoint(src, dst, twin, "awq"), Int4Layout(GROUP, True)),
+    "gptq": (lambda src, dst, twin: write_int4_checkpoint(src, dst, twin, "gptq"), Int4Layout(GROUP, False)),
+    "gptq_desc_act": (lambda src, dst, twin: write_int4_checkpoint(src, dst, twin, "gptq", desc_act=True),
+                      Int4Layout(GROUP, True, column_groups=True)),
+}
+ENGINE_FORMATS = [name for name in FORMATS if name != "compressed_w4a16_asym"]   # test_compressed_tensors.py runs
+# W4A16_ASYM's engine against its twin (kept int4 by itself as well); its experts' unpacking is checked here
+EXPERT = "model.layers.1.block_sparse_moe.experts.3.w1.weight"
+ATTENTION = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_checkpoint_factory, tmp_path_factory):
+    """`get(format) -> (packed, twin)`, each written once per module."""
+    source = tiny_checkpoint_factory(ARCH)
+    root = tmp_path_factory.mktemp("int4_checkpoints")
+    written: dict[str, tuple[Path, Path]] = {}
+
+    def get(name: str) -> tuple[Path, Path]:
+        if name not in written:
+            writer, _ = FORMATS[name]
+            written[name] = writer(source, root / name, root / f"{name}_twin")
+        return written[name]
+    return get
+
+
+def open_reader(path: Path) -> CheckpointReader:
+    return CheckpointReader.open(path, None, load_hf_config(path))
+
+
+def test_awq_packs_its_nibbles_in_interleaved_order_and_gptq_in_plain_order():
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)   # nibble i holds i
+    assert unpack_words(word, 1, AWQ_ORDER).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    assert unpack_words(word, 1).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert unpack_words(word, 0).flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    negative = torch.tensor([[-0x1]], dtype=torch.int32)      # the sign bit is the last nibble's high bit
+    assert unpack_words(negative, 1).tolist() == [[15] * 8]
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_reader_unpacks_every_weight_exactly(checkpoints, name):
+    packed, twin = checkpoints(name)
+    reader, dense = open_reader(packed), read_all_tensors(twin)
+    layout = FORMATS[name][1]
+    assert reader.int4_experts_layout() == layout
+    weight = reader.read_int4(EXPERT)
+    rows, columns = dense[EXPERT].shape
+    assert weight.values.dtype == torch.uint8 and weight.values.shape == (rows, packed_int4_columns(columns))
+    assert torch.equal(weight.dequantized(layout), dense[EXPERT])
+    assert reader.read_int4("model.layers.0.block_sparse_moe.gate.weight") is None   # the router stays float
+    assert reader.shape(ATTENTION) == tuple(dense[ATTENTION].shape)
+    for tensor_name in reader.names():   # attention and the rest: dequantized exactly, as the twin holds them
+        assert torch.equal(reader.read(tensor_name).to(dense[tensor_name].dtype), dense[tensor_name]), tensor_name
+    assert torch.equal(reader.read_slice(ATTENTION, 0, 8, 24), dense[ATTENTION][8:24])
+    if name.startswith("compressed"):   # the library's own decompress on the stored tensors gives the same weight
+        module = reader.compressed.modules[EXPERT]
+        library = module.compressor.decompress(
+            {local: reader._read_parameter(stored) for local, stored in module.params.items()}, module.scheme)
+        assert torch.equal(weight.dequantized(layout, library["weight"].dtype), library["weight"])
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(checkpoints):
+    """`run(format, **llm_options) -> (tokens, experts of layer 0)` and the twin's oracle tokens."""
+    def run(name: str, **options):
+        packed, twin = checkpoints(name)
+        with LLM(str(packed), device="cpu", dtype="float32", **options) as llm:
+            tokens = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
+            experts = (None if options.get("ep", 1) > 1 else
+                       [m for m in llm.engine.core.model.modules() if isinstance(m, ExpertWeights)])
+        return tokens, experts, hf_greedy(twin, PROMPTS, NEW_TOKENS)
+    return run
+
+
+@pytest.mark.parametrize("name", ENGINE_FORMATS)
+def test_an_int4_release_keeps_its_experts_packed_and_gives_the_twins_tokens(greedy_runs, name):
+    tokens, experts, oracle = greedy_runs(name)
+    assert tokens == oracle
+    layout = FORMATS[name][1]
+    for stack in experts:
+        assert stack.quant.name == "int4" and stack.quant.layout == layout
+        assert stack.w13.dtype == torch.uint8 and stack.w2.dtype == torch.uint8
+        e, hidden, inter = stack.num_local_experts, stack.hidden_size, stack.intermediate_size
+        packed_bytes = e * (2 * inter * packed_int4_columns(hidden) + hidden * packed_int4_columns(inter))
+        scale_bytes = 4 * e * (2 * inter * layout.groups(hidden) + hidden * layout.groups(inter))
+        scale_bytes *= 2 if layout.zero_points else 1
+        group_bytes = 4 * e * (hidden + inter) if layout.column_groups else 0
+        assert stack.resident_bytes() == packed_bytes + scale_bytes + group_bytes
+        assert stack.resident_bytes() < e * 3 * hidden * inter * 2 / 2   # under half of bf16's bytes
+
+
+def test_an_int4_release_under_expert_parallelism_with_dp_attention(greedy_runs):
+    tokens, _, oracle = greedy_runs("gptq_desc_act", ep=2, dp_attn=2)
+    assert tokens == oracle
+
+
+def test_an_explicit_quantization_wins_over_the_checkpoints_int4():
+    layout = Int4Layout(GROUP, zero_points=True)
+    assert kept_quantization(EngineConfig(model="m"), layout) == "int4"
+    assert kept_quantization(EngineConfig(model="m"), None) is None
+    assert kept_quantization(EngineConfig(model="m", quantization="int8"), layout) == "int8"
+    assert kept_quantization(EngineConfig(model="m", cpu_experts=True), layout) is None   # no host int4 kernels
+
+
+def _rewritten(path: Path, target: Path, quantization: dict | None = None) -> Path:
+    shutil.copytree(path, target)
+    if quantization is not None:
+        config = json.loads((target / "config.json").read_text())
+        config["quantization_config"].update(quantization)
+        (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("name, change, named", [
+    ("awq", {"bits": 8}, "AWQ quantization_config.bits 8"),
+    ("awq", {"version": "gemv"}, "AWQ quantization_config.version 'gemv'"),
+    ("gptq", {"bits": 3}, "GPTQ quantization_config.bits 3"),
+    ("gptq", {"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+])
+def test_an_int4_config_the_reader_cannot_read_is_refused_by_name(checkpoints, tmp_path, name, change, named):
+    path = _rewritten(checkpoints(name)[0], tmp_path / "changed", change)
+    with pytest.raises(CheckpointError, match=named):
+        open_reader(path)
+
+
+def test_gptq_act_order_with_gate_and_up_grouped_apart_is_refused_by_name(checkpoints, tmp_path):
+    path = _rewritten(checkpoints("gptq_desc_act")[0], tmp_path / "apart")
+    up = "model.layers.0.block_sparse_moe.experts.2.w3.g_idx"
+    for shard in path.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        if up in tensors:
+            tensors[up] = tensors[up].roll(1)
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    reader = open_reader(path)
+    experts = ExpertWeights([1, 2], 128, 96, MIXTRAL_NAMING, quant=Int4InMemory(TORCH, reader.int4_experts_layout()))
+    with pytest.raises(CheckpointError, match=r"experts\.2\.w3\.weight.*column groups \(g_idx\) differ"):
+        experts.load_weights(reader, "model.layers.0.block_sparse_moe.experts.")
+
+
+def test_expert_weights_of_two_int4_layouts_are_refused_by_name(checkpoints):
+    reader = open_reader(checkpoints("awq")[0])
+    other = reader.int4.modules[EXPERT]
+    mixed = dict(reader.int4.modules)
+    mixed[EXPERT] = type(other)(EXPERT, other.params, type(other.format)(Int4Layout(64, True)))
+    with pytest.raises(CheckpointError, match=r"expert weights mix int4 layouts .*experts\.3\.w1\.weight"):
+        type(reader.int4)(reader.int4.method, mixed, True).experts_layout("here")
