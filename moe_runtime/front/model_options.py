@@ -69,6 +69,8 @@ def _dense(what: str) -> Callable[[ModelTraits], str | None]:
 
 def _mxfp4_refusal(model: ModelTraits) -> str | None:
     return _dense("hold in MXFP4")(model)
+
+
 def _int4_refusal(model: ModelTraits) -> str | None:
     if model.architecture == GPT_OSS:
         return "its routed experts add biases and a clamped SwiGLU, which the int4 expert kernels (bias-free SiLU) " \
@@ -77,8 +79,6 @@ def _int4_refusal(model: ModelTraits) -> str | None:
         return "its routed experts' clamped SiLU is not in the int4 expert kernels (bias-free SiLU); they ship in " \
                "FP4, which --quantization mxfp4 keeps as stored"
     return _dense("hold in int4")(model)
-
-
 
 
 def _weight_quantization_refusal(model: ModelTraits) -> str | None:
@@ -96,9 +96,9 @@ OPTION_RULES = (
     OptionRule("--enable-two-batch-overlap", lambda c: c.enable_two_batch_overlap,
                _dense("dispatch, so there is no communication to overlap")),
     OptionRule("--quantization mxfp4", lambda c: c.quantization == "mxfp4", _mxfp4_refusal),
-    OptionRule("--quantization int4", lambda c: c.quantization == "int4", _int4_refusal),
     OptionRule("--quantization fp8", lambda c: c.quantization == "fp8", _weight_quantization_refusal),
     OptionRule("--quantization int8", lambda c: c.quantization == "int8", _weight_quantization_refusal),
+    OptionRule("--quantization int4", lambda c: c.quantization == "int4", _int4_refusal),
 )
 
 

@@ -54,8 +54,8 @@ class Fp8InMemory:
     scales_dtype: ClassVar[torch.dtype] = torch.float32
     experts_only: ClassVar[bool] = False
     expert_epilogue: ClassVar[bool] = False     # its expert kernels are bias-free SiLU
-
     column_groups: ClassVar[bool] = False      # no per-column groups (int4 act order's)
+
     def values_shape(self, rows: int, columns: int) -> tuple[int, ...]:
         return (rows, columns)
     linear_kernel: Callable = field(init=False, repr=False, compare=False)   # the family's, without per-call checks
