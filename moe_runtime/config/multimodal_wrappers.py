@@ -1,7 +1,9 @@
 """Multimodal releases served as their text model: the wrapper's config and tensor names, read as the text model's.
 
-Qwen3.5-MoE and Llama 4 ship as `...ForConditionalGeneration`: the decoder's config under `text_config`, its
-tensors under a prefix (`model.language_model.` / `language_model.model.`), beside a vision tower and projector.
+Qwen3.5-MoE, Llama 4 and Kimi K2.5 ship as `...ForConditionalGeneration`: the decoder's config under `text_config`,
+its tensors under a prefix (`model.language_model.` / `language_model.model.`), beside a vision tower and projector.
+Kimi K2.5's wrapper (`model_type: kimi_k25`) and text model (`kimi_k2`) are types only its remote code defines:
+moe_runtime/config/model_config.py reads them as DeepSeek-V3's, without running that code.
 `text_model_config` turns such a config into the text model's (architecture, dtype and quantization carried
 over from the top level), which is all the rest of the runtime sees; `MultimodalWrapper.rename` gives the
 loader the text model's tensor names, and the vision tensors are skipped unread (`vision_prefixes`). Images are
@@ -39,6 +41,9 @@ WRAPPERS = {wrapper.name: wrapper for wrapper in (
     MultimodalWrapper("Llama4ForConditionalGeneration", "Llama4ForCausalLM",
                       (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
                       ("vision_model.", "multi_modal_projector.")),
+    MultimodalWrapper("KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM",
+                      (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+                      ("vision_tower.", "mm_projector.")),
 )}
 
 

@@ -1,0 +1,82 @@
+"""Kimi K2.5 loads as it ships and serves its text model: `KimiK25ForConditionalGeneration` (`model_type: kimi_k25`,
+remote code only) with its decoder's config under `text_config` (`model_type: kimi_k2`: DeepSeek-V3), the decoder's
+tensors under `language_model.`, and a vision tower (`vision_tower.`) and projector (`mm_projector.`) beside it. A
+tiny wrapper in that layout, holding the tiny DeepSeek-V3 checkpoint's weights, gives transformers' tokens for the
+text checkpoint; the vision tensors are skipped unread (and said to be). Its experts ship as compressed-tensors int4
+(tests/test_compressed_tensors.py, tests/test_int4_checkpoints.py); here they are float32."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine_helpers import greedy
+from moe_runtime import LLM
+from moe_runtime.config.model_config import load_hf_config
+from moe_runtime.errors import UnsupportedArchitectureError
+
+PROMPTS = [[(7 * i + 3) % 400 + 5 for i in range(21)], [(11 * i + 1) % 380 + 9 for i in range(9)]]
+NEW_TOKENS = 8
+REMOTE_CODE = {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+               "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+               "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"}
+TEXT_REMOTE_CODE = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                    "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                    "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+VISION = {   # a few tensors of each part, never read
+    "vision_tower.patch_embed.proj.weight": (32, 3, 14, 14),
+    "vision_tower.encoder.blocks.0.wqkv.weight": (96, 32),
+    "mm_projector.pre_norm.weight": (32,),
+    "mm_projector.proj.0.weight": (64, 128),
+}
+
+
+def write_kimi_k25(text_checkpoint, target):
+    """The release's layout around a DeepSeek-V3 text checkpoint (transformers' names under `model.` / `lm_head.`)."""
+    target.mkdir()
+    for file in text_checkpoint.iterdir():
+        if file.is_file() and file.suffix != ".safetensors":
+            shutil.copyfile(file, target / file.name)
+    text = json.loads((text_checkpoint / "config.json").read_text())
+    text.update(model_type="kimi_k2", auto_map=TEXT_REMOTE_CODE)
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "auto_map": REMOTE_CODE,
+              "dtype": text.pop("dtype", "float32"), "media_placeholder_token_id": 3, "pad_token_id": text["pad_token_id"],
+              "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"], "text_config": text,
+              "vision_config": {"patch_size": 14, "vt_hidden_size": 32, "vt_num_hidden_layers": 1,
+                                "mm_hidden_size": text["hidden_size"]}}
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {"language_model." + name: t for name, t in load_file(str(text_checkpoint / "model.safetensors")).items()}
+    generator = torch.Generator().manual_seed(0)
+    tensors.update({name: torch.randn(shape, generator=generator) for name, shape in VISION.items()})
+    save_file(tensors, str(target / "model.safetensors"))
+    return target
+
+
+@pytest.fixture(scope="module")
+def kimi(tiny_checkpoint_factory, tmp_path_factory):
+    return write_kimi_k25(tiny_checkpoint_factory("deepseek_v3"), tmp_path_factory.mktemp("kimi_k25") / "release")
+
+
+def test_kimi_k25_serves_its_text_model_with_transformers_tokens(kimi, greedy_oracle, caplog):
+    config = load_hf_config(kimi)
+    assert config.architectures == ["DeepseekV3ForCausalLM"] and config.model_type == "deepseek_v3"
+    assert {"language_model.lm_head.weight", "language_model.model.embed_tokens.weight"} <= set(
+        load_file(str(kimi / "model.safetensors")))
+    with caplog.at_level("INFO"), LLM(str(kimi), device="cpu", dtype="float32") as llm:
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
+    assert tokens == greedy_oracle("deepseek_v3", PROMPTS, NEW_TOKENS)
+    assert any("KimiK25ForConditionalGeneration's vision tower and projector" in record.getMessage()
+               for record in caplog.records)   # skipped, said
+
+
+def test_a_kimi_k25_text_config_of_an_unknown_type_is_refused_by_name(kimi, tmp_path):
+    shutil.copytree(kimi, tmp_path / "other")
+    config = json.loads((tmp_path / "other" / "config.json").read_text())
+    config["text_config"]["model_type"] = "kimi_k3"
+    (tmp_path / "other" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match=r"'kimi_k25' needs a text_config .* got model_type "
+                                                           r"'kimi_k3'"):
+        load_hf_config(tmp_path / "other")
