@@ -187,3 +187,17 @@ def test_expert_weights_of_two_int4_layouts_are_refused_by_name(checkpoints):
     mixed[EXPERT] = type(other)(EXPERT, other.params, type(other.format)(Int4Layout(64, True)))
     with pytest.raises(CheckpointError, match=r"expert weights mix int4 layouts .*experts\.3\.w1\.weight"):
         type(reader.int4)(reader.int4.method, mixed, True).experts_layout("here")
+
+
+def test_a_reclaimed_slot_reloads_its_int4_expert_as_stored(checkpoints):
+    """A slot whose rank was lost reloads its expert from the checkpoint, opened again as the engine opened it (its
+    int4 format included)."""
+    reader = open_reader(checkpoints("gptq_desc_act")[0])
+    prefix = "model.layers.1.block_sparse_moe.experts."
+    experts = ExpertWeights([3, 5], 128, 96, MIXTRAL_NAMING, quant=Int4InMemory(TORCH, reader.int4_experts_layout()))
+    experts.load_weights(reader, prefix)
+    held = [t[0].clone() for t in experts.slot_tensors()]
+    experts.reload_slot(1, 3)
+    assert experts.expert_ids == [3, 3]
+    for tensor, stored in zip(experts.slot_tensors(), held):
+        assert torch.equal(tensor[1], stored)

@@ -49,7 +49,8 @@ class EngineConfig:
                                          # blocks as stored; others quantized at load); "int8": int8 with one
                                          # scale per output row, quantized at load; "int4": routed experts as
                                          # packed int4 with group scales (an int4 checkpoint's as stored, others
-                                         # quantized at load); None: dequantize to dtype
+                                         # quantized at load); None: dequantize to dtype (but an int4
+                                         # checkpoint's experts stay int4 as stored: in_memory.kept_quantization)
     # Parallel layout: world = ep ranks; dp_attn DP attention workers of ep // dp_attn ranks each.
     ep: int = 1
     dp_attn: int = 1

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--dtype); mxfp4: keep the routed experts in MXFP4 (gpt-oss's as stored); int4: keep the "
                         "routed experts as packed int4 with group scales, an int4 checkpoint's (compressed-tensors, "
                         "AWQ, GPTQ) as stored, any other's rounded at load to groups of 128 (lossy); unset: "
-                        "weights in --dtype (FP8 checkpoints are dequantized at load)")
+                        "weights in --dtype (FP8 checkpoints are dequantized at load), but an int4 checkpoint keeps "
+                        "its routed experts int4 as stored (int4 chosen by itself)")
     g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "cpu", "reference"],
                    help="MoE/attention kernel implementation (auto: triton on CUDA where it imports, else torch; "
                         "cpu: the torch family with the routed experts and the few-row projections in C++ kernels "
