@@ -82,7 +82,8 @@ class EngineCore:
         checkpoint_fp8 = Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir))
         reader = CheckpointReader.open(self.checkpoint_dir, checkpoint_fp8, self.hf_config)
         checkpoint_int4 = reader.int4_experts_layout()   # an int4 release's experts stay int4 unless told otherwise
-        quant = weights_in_memory(kept_quantization(config, checkpoint_int4), checkpoint_fp8, self.kernels,
+        quant = weights_in_memory(kept_quantization(config, checkpoint_int4),   # FP8 kept in the stored blocks
+                                  Fp8BlockFormat.stored_blocks(self.hf_config, str(self.checkpoint_dir)), self.kernels,
                                   checkpoint_int4)
         ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant, config)
         self.model = build_model(self.architecture, self.hf_config, ctx)

@@ -171,10 +171,7 @@ class ExpertWeights(nn.Module):
         fused_gate_up = f"{prefix}gate_up_proj"
         inter = self.intermediate_size
         if reader.has(fused_gate_up):
-            gate_up = reader.read_rows(fused_gate_up, expert, expert + 1)[0]
-            down = reader.read_rows(f"{prefix}down_proj", expert, expert + 1)[0]
-            if self.naming.transposed_stacks:   # stored input-major (x @ w): [H, 2I], [I, H]
-                gate_up, down = gate_up.transpose(0, 1).contiguous(), down.transpose(0, 1).contiguous()
+            gate_up, down = (self._read_stacked(reader, name, expert) for name in (fused_gate_up, f"{prefix}down_proj"))
             self._fill(local, slice(None), gate_up, fused_gate_up, reader)
             self._fill(local, None, down, f"{prefix}down_proj", reader)
             return
@@ -184,6 +181,17 @@ class ExpertWeights(nn.Module):
             self._fill(local, rows, self._read(reader, full), full, reader)
         full = f"{base}{self.naming.down}.weight"
         self._fill(local, None, self._read(reader, full), full, reader)
+
+    def _read_stacked(self, reader: CheckpointReader, name: str, expert: int) -> torch.Tensor | QuantizedRows:
+        """Expert `expert` of a fused stack as [rows, columns]: kept as stored where an FP8 stack (fbgemm's, Llama 4
+        Maverick's) meets --quantization fp8, else read in a float dtype (Llama 4's input-major stacks transposed)."""
+        if (self.quant is not None and self.quant.name == "fp8" and self.naming.transposed_stacks
+                and reader.fbgemm is not None and reader.is_fp8(name)):
+            return self.quant.checked(reader.read_fp8_expert(name, expert, self.quant.block_k), name)
+        stack = reader.read_rows(name, expert, expert + 1)[0]
+        if self.naming.transposed_stacks:   # stored input-major (x @ w): [H, 2I], [I, H]
+            return stack.transpose(0, 1).contiguous()
+        return stack
 
     def _read(self, reader: CheckpointReader, full: str) -> torch.Tensor | QuantizedRows:
         return self.quant.read(reader, full) if self.quant else reader.read(full)

@@ -4,10 +4,14 @@ Only the tensors a rank asks for are read: expert parallelism asks for a subset 
 The reader records every tensor it hands out (`consumed`), so the loader can tell a tensor no
 rank used (a layer the model does not know, a format it does not read) from one it did.
 FP8 block-quantized weights come out dequantized to float32 with their `weight_scale_inv` (`read`),
-or as FP8 values with row-expanded scales for `--quantization fp8` (`read_fp8_rows`).
+or as FP8 values with row-expanded scales for `--quantization fp8` (`read_fp8_rows`); so do compressed-tensors'
+float-quantized modules and fbgemm's row-wise FP8 (Llama 4 Maverick: quantization/fbgemm_fp8_format.py, whose
+expert stacks `read_fp8_expert` reads one expert at a time).
 MXFP4 expert stacks (gpt-oss: `<name>_blocks` / `<name>_scales`, quantization/mxfp4_format.py) are read
 under their logical name `<name>`, dequantized exactly to transformers' parameter layout, or as their
 stored bytes (`read_mxfp4_rows`) for `--quantization mxfp4`.
+DeepSeek-V4's FP4 experts (an int8 `weight` with e8m0 block scales: quantization/deepseek_fp4_format.py) are read
+dequantized exactly, or as their stored bytes (`read_fp4`), which are MXFP4's layout.
 int4 linears (compressed-tensors pack-quantized, AWQ, GPTQ: quantization/int4_checkpoint.py) are read under
 `<module>.weight` too: as `Int4Weight` (`read_int4`, what int4 experts are kept in), or dequantized (`read`).
 """
@@ -23,9 +27,12 @@ from safetensors import safe_open
 
 from moe_runtime.config.multimodal_wrappers import wrapper_of
 from moe_runtime.errors import CheckpointError
-from moe_runtime.weights.quantization.compressed_tensors_format import CompressedTensorsFormat
+from moe_runtime.weights.quantization.compressed_tensors_format import CompressedTensorsFormat, quantization_config_dict
+from moe_runtime.weights.quantization.fbgemm_fp8_format import FbgemmFp8Format
+from moe_runtime.weights.quantization.deepseek_fp4_format import PackedFp4, block_scales_as_float
 from moe_runtime.weights.quantization.fp8_block import SCALE_SUFFIX, Fp8BlockFormat
-from moe_runtime.weights.quantization.fp8_in_memory import Fp8Rows, expand_block_scales, quantize_rows
+from moe_runtime.weights.quantization.fp8_in_memory import (Fp8Rows, expand_block_scales, quantize_rows,
+                                                             row_expanded_scales)
 from moe_runtime.weights.quantization.int4_checkpoint import Int4Checkpoint
 from moe_runtime.kernels.int4_layout import Int4Weight
 from moe_runtime.weights.quantization.mxfp4_format import BLOCKS_SUFFIX, SCALES_SUFFIX, PackedMxfp4
@@ -55,6 +62,7 @@ class CheckpointReader:
     _parameter_files: dict[str, str] = field(default_factory=dict, repr=False)
     int4: Int4Checkpoint | None = None         # the checkpoint's int4 modules (any of the three formats)
     hf_config: object = field(default=None, repr=False)   # what it was opened with (a slot reload opens it again)
+    fbgemm: FbgemmFp8Format | None = None      # fbgemm row-wise FP8 (Llama 4 Maverick): `<name>` beside `<name>_scale`
 
     @classmethod
     def open(cls, directory: str | Path, fp8: Fp8BlockFormat | None = None, hf_config=None) -> "CheckpointReader":
@@ -63,6 +71,7 @@ class CheckpointReader:
         reader = cls._open(Path(directory))
         reader.fp8 = fp8
         reader.hf_config = hf_config
+        reader.fbgemm = FbgemmFp8Format.of(quantization_config_dict(hf_config), str(directory)) if hf_config else None
         wrapper = wrapper_of(hf_config) if hf_config is not None else None
         if wrapper is not None:
             reader.renamed(wrapper.rename)
@@ -197,6 +206,8 @@ class CheckpointReader:
             return self.read_int4(name).dequantized(int4.layout)
         if self.is_mxfp4(name):
             return self.read_mxfp4_rows(name).dequantized()
+        if self.is_fp4(name):
+            return self.read_fp4(name).dequantized()
         handle = self._handle(name)
         tensor = handle.get_tensor(self._stored(name))
         self._count(name, tensor)
@@ -214,9 +225,11 @@ class CheckpointReader:
             if dim == 0:
                 return self.read_mxfp4_rows(name, start, stop).dequantized()
             return self.read(name)[:, start:stop]
-        if self._compressed_module(name) is not None or self._int4_module(name) is not None or self.is_fp8(name):
-            # scales cover groups or blocks:
-            # dequantize the whole tensor, then cut
+        if dim == 0 and self.fbgemm is not None and self.is_fp8(name):   # one scale per row: only these rows
+            return self.fbgemm.dequantize(*self._fbgemm_stored(name, start, stop), name)
+        if (self._compressed_module(name) is not None or self._int4_module(name) is not None or self.is_fp8(name)
+                or self.is_fp4(name)):
+            # scales cover groups or blocks: dequantize the whole tensor, then cut
             whole = self.read(name)
             return whole[start:stop] if dim == 0 else whole[:, start:stop]
         view = self._handle(name).get_slice(self._stored(name))
@@ -227,8 +240,21 @@ class CheckpointReader:
     def read_fp8_rows(self, name: str, block_k: int) -> Fp8Rows:
         """`name` as FP8 values [N, K] with row-expanded scales [N, ceil(K/block_k)].
 
-        A tensor stored in FP8 keeps its values and scales exactly; any other is quantized here.
+        A tensor stored in FP8 keeps its values and scales exactly (DeepSeek-style blocks, compressed-tensors'
+        float-quantized per tensor / channel / block, fbgemm's row-wise linears); any other is quantized here.
         """
+        module = self._compressed_module(name)
+        if module is not None and module.stores_fp8():
+            values, scale = (self._read_parameter(module.params[local]) for local in ("weight", "weight_scale"))
+            self.tensors_read += 1
+            self.consumed.add(name)
+            return Fp8Rows(values, row_expanded_scales(scale, *values.shape, block_k, name, module.scale_block()))
+        if self.fbgemm is not None and self.is_fp8(name):
+            values, scales = self.fbgemm.output_major(*self._fbgemm_stored(name), name)
+            if values.dim() != 2:
+                raise CheckpointError(f"tensor {name!r} is an FP8 expert stack: read it one expert at a time "
+                                      f"(read_fp8_expert)")
+            return Fp8Rows(values, row_expanded_scales(scales, *values.shape, block_k, name))
         if not self.is_fp8(name):
             return quantize_rows(self.read(name), block_k)
         values = self._handle(name).get_tensor(self._stored(name))
@@ -240,13 +266,55 @@ class CheckpointReader:
         self.fp8.check_scale_shape(values, scale_inv, name)
         return Fp8Rows(values, expand_block_scales(scale_inv, values.shape[0], self.fp8.block_rows))
 
+    def read_fp8_expert(self, name: str, expert: int, block_k: int) -> Fp8Rows:
+        """Expert `expert` of an fbgemm FP8 expert stack (Llama 4's input-major `gate_up_proj` / `down_proj`) as
+        stored, output-major: values [N, K] with row-expanded scales [N, ceil(K/block_k)]; only its rows are read."""
+        if self.fbgemm is None or not self.is_fp8(name):
+            raise CheckpointError(f"tensor {name!r} in {self.directory} is no fbgemm FP8 expert stack")
+        values, scales = self.fbgemm.output_major(*self._fbgemm_stored(name, expert, expert + 1), name)
+        return Fp8Rows(values[0], row_expanded_scales(scales[0], *values.shape[1:], block_k, name))
+
+    def _fbgemm_stored(self, name: str, start: int | None = None, stop: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An fbgemm FP8 tensor and its `_scale` as stored (rows [start, stop) of dim 0 of both, if given)."""
+        scale = self._fbgemm_scale(name, start, stop)   # first: it names what is missing
+        return self._stored_rows(name, start, stop), scale
+
+    def _fbgemm_scale(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        scale_name = self.fbgemm.scale_name(name)
+        if not self.has(scale_name):
+            raise CheckpointError(f"tensor {name!r} in {self.directory} is float8_e4m3fn without its scales "
+                                  f"{scale_name!r}")
+        return self._stored_rows(scale_name, start, stop)
+
+    def _stored_rows(self, name: str, start: int | None, stop: int | None) -> torch.Tensor:
+        view = self._handle(name).get_slice(self._stored(name))
+        tensor = view[:] if start is None else view[start:stop]
+        self._count(name, tensor)
+        return tensor
+
     def is_fp8(self, name: str) -> bool:
         """Stored as DeepSeek-style FP8 blocks (a compressed-tensors module is read through its compressor)."""
         if self._compressed_module(name) is not None or self._int4_module(name) is not None:
             return False
         return self._handle(name).get_slice(self._stored(name)).get_dtype() == "F8_E4M3"
 
+    def is_fp4(self, name: str) -> bool:
+        """Stored as DeepSeek-V4's packed FP4: an int8 weight with block scales in an FP8 checkpoint (transformers
+        reads the pair so too, whatever expert_dtype says)."""
+        if self.fp8 is None or name not in self.tensor_to_file or not self.has(name + SCALE_SUFFIX):
+            return False
+        return self._handle(name).get_slice(self._stored(name)).get_dtype() == "I8"
+
+    def read_fp4(self, name: str) -> PackedFp4:
+        """An FP4 weight as stored: values uint8 [N, K/2], e8m0 scales uint8 [N, K/32] (MXFP4's layout)."""
+        values = self._handle(name).get_tensor(self._stored(name))
+        self._count(name, values)
+        return PackedFp4.from_stored(values, self._stored_scales(name), name + SCALE_SUFFIX)
+
     def _dequantized(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.fbgemm is not None:   # row-wise: `<name>_scale`, one scale per output channel
+            return self.fbgemm.dequantize(tensor, self._fbgemm_scale(name), name)
         scale_inv = self._scales_of(name)   # first: it names what is missing when the checkpoint is not FP8-ready
         return self.fp8.dequantize(tensor, scale_inv, name)
 
@@ -259,6 +327,10 @@ class CheckpointReader:
         if not self.has(scale_name):
             raise CheckpointError(f"tensor {name!r} in {self.directory} is float8_e4m3fn without its scales "
                                   f"{scale_name!r}")
+        return block_scales_as_float(self._stored_scales(name))   # float32, or e8m0 exponents decoded exactly
+
+    def _stored_scales(self, name: str) -> torch.Tensor:
+        scale_name = name + SCALE_SUFFIX
         scale = self._handle(scale_name).get_tensor(self._stored(scale_name))
         self._count(scale_name, scale)
         return scale

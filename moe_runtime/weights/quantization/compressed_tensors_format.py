@@ -11,11 +11,13 @@ library's compressor for the module's scheme (`BaseCompressor.get_value_from_reg
 turns them back into the dense weight, so every packing order and scale layout is the library's, not ours.
 
 The weights are dequantized at load into `--dtype` (and `--quantization fp8|int8` keeps them quantized in
-our own formats from there). Activation scales (`input_scale`, static W8A8) and KV-cache scales are read by
+our own formats from there), but for FP8: `--quantization fp8` keeps a `float-quantized` module's stored values
+and scales as they are (`stores_fp8`, `scale_block`; the engine takes its column block from `fp8_block_structure`). Activation scales (`input_scale`, static W8A8) and KV-cache scales are read by
 nothing: activations run in `--dtype` (`SKIPPED_SCALES`, said in the log).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,7 +25,7 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.config import CompressionFormat
-from compressed_tensors.quantization import QuantizationConfig
+from compressed_tensors.quantization import QuantizationConfig, QuantizationStrategy, QuantizationType
 from compressed_tensors.utils.match import match_quantizable_tensors
 
 from moe_runtime.errors import CheckpointError
@@ -44,6 +46,23 @@ class CompressedModule:
     def dequantize(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         state = {local: read(stored) for local, stored in self.params.items()}
         return self.compressor.decompress(state, self.scheme)["weight"]
+
+    def stores_fp8(self) -> bool:
+        """Whether the module's `weight` is stored as float8_e4m3fn values beside its `weight_scale` (`float-quantized`
+        8-bit floats, symmetric: per tensor, channel, group or block), which `--quantization fp8` keeps as stored."""
+        weights = self.scheme.weights
+        return (weights is not None and weights.type == QuantizationType.FLOAT and weights.num_bits == 8
+                and weights.symmetric and set(self.params) == {"weight", "weight_scale"})
+
+    def scale_block(self) -> tuple[int, int] | None:
+        """(rows, columns) each `weight_scale` element covers for block and group strategies; None for one scale per
+        tensor or per row (channel), which need no block size to place."""
+        weights = self.scheme.weights
+        if weights.strategy == QuantizationStrategy.BLOCK:
+            return tuple(int(b) for b in weights.block_structure)
+        if weights.strategy == QuantizationStrategy.GROUP:
+            return 1, int(weights.group_size)
+        return None
 
     def shape(self, read: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple[int, ...]]) -> tuple[int, ...]:
         if "weight_shape" in self.params:   # packed: the original shape is stored beside the values
@@ -92,6 +111,20 @@ class CompressedTensorsFormat:
 
     def stored_names(self) -> set[str]:
         return {stored for module in self.modules.values() for stored in module.params.values()}
+
+
+def fp8_block_structure(quant: dict | None) -> tuple[int, int] | None:
+    """[bn, bk] of a compressed-tensors config's FP8 `block` schemes (their common divisor when groups differ);
+    None when no FP8 weight is cut in blocks (per tensor or channel scales cover whole rows)."""
+    if quant is None or quant.get("quant_method") != QUANT_METHOD:
+        return None
+    blocks = [scheme.get("weights", {}).get("block_structure") for scheme in (quant.get("config_groups") or {}).values()
+              if isinstance(scheme, dict) and (scheme.get("weights") or {}).get("type") == QuantizationType.FLOAT.value
+              and (scheme.get("weights") or {}).get("strategy") == QuantizationStrategy.BLOCK.value]
+    blocks = [block for block in blocks if block]
+    if not blocks:
+        return None
+    return math.gcd(*(int(b[0]) for b in blocks)), math.gcd(*(int(b[1]) for b in blocks))
 
 
 def quantization_config_dict(hf_config) -> dict | None:

@@ -6,7 +6,9 @@ values times that tile's scale (edge tiles are partial). The config says so with
 `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [bn, bk],
 activation_scheme: dynamic}`. MXFP4 checkpoints (`quant_method: mxfp4`, gpt-oss) are no FP8 format:
 their `*_blocks` / `*_scales` tensors say what they are by name and the reader dequantizes them
-(mxfp4_format.py), so for them this returns None, as for AWQ and GPTQ (int4: awq_format.py, gptq_format.py).
+(mxfp4_format.py), so for them this returns None, as for AWQ and GPTQ (int4: awq_format.py, gptq_format.py)
+and for compressed-tensors' and fbgemm's row-wise FP8 (compressed_tensors_format.py, fbgemm_fp8_format.py;
+`stored_blocks` says which column block keeps those as stored).
 Any other quantization_config changes what the stored numbers mean in a way this runtime does not
 implement, so it is refused by name instead of loaded wrong.
 """
@@ -17,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_runtime.errors import CheckpointError
-from moe_runtime.weights.quantization.compressed_tensors_format import QUANT_METHOD as COMPRESSED_TENSORS
+from moe_runtime.weights.quantization.compressed_tensors_format import (QUANT_METHOD as COMPRESSED_TENSORS,
+                                                                        fp8_block_structure, quantization_config_dict)
+from moe_runtime.weights.quantization.fbgemm_fp8_format import QUANT_METHOD as FBGEMM_FP8
 from moe_runtime.weights.quantization.mxfp4_format import QUANT_METHOD as MXFP4_METHOD
 from moe_runtime.weights.quantization.awq_format import QUANT_METHOD as AWQ_METHOD
 from moe_runtime.weights.quantization.gptq_format import QUANT_METHOD as GPTQ_METHOD
@@ -41,12 +45,12 @@ class Fp8BlockFormat:
         if not isinstance(quant, dict):
             quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
         method = quant.get("quant_method")
-        if method in (MXFP4_METHOD, COMPRESSED_TENSORS, AWQ_METHOD, GPTQ_METHOD):   # read by name or by their formats
-            return None
+        if method in (MXFP4_METHOD, COMPRESSED_TENSORS, AWQ_METHOD, GPTQ_METHOD, FBGEMM_FP8):   # read by name or
+            return None                                                                       # by their formats
         if method != "fp8":
             raise CheckpointError(f"{where}: quantization_config.quant_method={method!r} is not supported (only "
-                                  f"'fp8' block-quantized, 'mxfp4', 'compressed-tensors', 'awq' and 'gptq' checkpoints "
-                                  f"load; dequantize the checkpoint first)")
+                                  f"'fp8' block-quantized, 'mxfp4', 'compressed-tensors', 'awq', 'gptq' and "
+                                  f"'fbgemm_fp8' checkpoints load; dequantize the checkpoint first)")
         if quant.get("fmt", "e4m3") not in E4M3_NAMES:
             raise CheckpointError(f"{where}: quantization_config.fmt={quant.get('fmt')!r} is not supported (only "
                                   f"e4m3: {', '.join(sorted(E4M3_NAMES))})")
@@ -59,6 +63,18 @@ class Fp8BlockFormat:
             raise CheckpointError(f"{where}: quantization_config.weight_block_size={block!r} must be two positive "
                                   f"integers (per-tensor and per-channel FP8 are not supported)")
         return cls(block[0], block[1])
+
+    @classmethod
+    def stored_blocks(cls, hf_config, where: str) -> "Fp8BlockFormat | None":
+        """The blocks a checkpoint's FP8 weights are cut in, whatever its format: what `--quantization fp8` must
+        keep (its column block becomes the engine's) for them to stay as stored. DeepSeek-style blocks
+        (`from_hf_config`) or compressed-tensors' `block` strategy; None where every FP8 scale covers whole rows
+        (per tensor, per channel, fbgemm's row-wise: any column block keeps them) or nothing is FP8."""
+        fmt = cls.from_hf_config(hf_config, where)
+        if fmt is not None:
+            return fmt
+        block = fp8_block_structure(quantization_config_dict(hf_config))
+        return cls(*block) if block else None
 
     def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
         rows, cols = weight_shape

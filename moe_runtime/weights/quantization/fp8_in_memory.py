@@ -27,6 +27,7 @@ from typing import Callable, ClassVar
 import torch
 
 import moe_runtime.kernels.fp8_block_weights as torch_fp8
+from moe_runtime.errors import CheckpointError
 from moe_runtime.kernels import KernelSet
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows, TensorSource
@@ -124,6 +125,32 @@ def prechecked_fp8_linear(kernels: KernelSet) -> Callable:
 def expand_block_scales(scale_inv: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
     """Checkpoint block scales [ceil(N/bn), Kb] -> row-expanded [N, Kb] (float32)."""
     return scale_inv.float().repeat_interleave(block_rows, 0)[:rows].contiguous()
+
+
+def row_expanded_scales(scale: torch.Tensor, rows: int, columns: int, block_k: int, name: str,
+                        block: tuple[int, int] | None = None) -> torch.Tensor:
+    """A stored FP8 scale grid -> row-expanded [rows, ceil(columns / block_k)] float32, nothing rounded.
+
+    The grid is one scale (per tensor: [] or [1]), one per row ([rows, 1]: per channel, fbgemm's row-wise), or, with
+    `block` = (bn, bk), one per bn x bk block ([ceil(rows / bn), ceil(columns / bk)]; groups are blocks with bn = 1).
+    Each of this format's block_k-column blocks must lie inside one stored column block: bk a multiple of block_k.
+    """
+    grid = scale.float().reshape(1, 1) if scale.numel() == 1 else scale.float()
+    if block is None:   # one scale, or one per row
+        if grid.dim() != 2 or grid.shape[1] != 1 or grid.shape[0] not in (1, rows):
+            raise CheckpointError(f"{name}: FP8 scales of shape {tuple(scale.shape)} are neither one scale nor one "
+                                  f"per row of a [{rows}, {columns}] weight, and no block size was given")
+        block = (rows // grid.shape[0], columns)
+    block_rows, block_columns = block
+    if tuple(grid.shape) != (-(-rows // block_rows), -(-columns // block_columns)):
+        raise CheckpointError(f"{name}: FP8 scales of shape {tuple(scale.shape)} are not one per {block_rows}x"
+                              f"{block_columns} block of a [{rows}, {columns}] weight")
+    if block_columns < columns and block_columns % block_k:
+        raise CheckpointError(f"{name}: FP8 scales of {block_columns}-column blocks cannot be kept as blocks of "
+                              f"{block_k} columns")
+    per_row = grid.repeat_interleave(block_rows, 0)[:rows]                             # [rows, grid columns]
+    stored_block = torch.arange(-(-columns // block_k)) * block_k // block_columns   # of each block_k block
+    return per_row[:, stored_block].contiguous()                                      # [rows, ceil(K / block_k)]
 
 
 def quantize_rows(weight: torch.Tensor, block_k: int) -> Fp8Rows:
