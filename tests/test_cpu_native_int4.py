@@ -12,7 +12,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from engine_helpers import PROMPTS, greedy
+from safetensors.torch import save_file
+from tiny_checkpoints import hf_greedy
 
+from moe_runtime import LLM
 from moe_runtime.kernels.cpu_native import build, expert_kernel
 from moe_runtime.kernels.cpu_native.build import native_experts
 from moe_runtime.kernels.cpu_native.expert_kernel import (cpu_int4_expert_mlp, cpu_int4_linear,
@@ -21,8 +25,11 @@ from moe_runtime.kernels.expert_mlp import expert_mlp
 from moe_runtime.kernels.int4_layout import Int4Layout, dequantize_int4, pack_int4
 from moe_runtime.kernels.int4_weights import int4_expert_mlp, int4_linear, int4_masked_expert_mlp
 from moe_runtime.kernels.kernel_set import get_kernels
+from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, read_all_tensors
+from moe_runtime.weights.quantization.int4_in_memory import DEFAULT_INT4_LAYOUT, quantize_int4
 
 E, H, I = 7, 200, 85
+MIXTRAL_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")   # the routed experts' weights
 TOLERANCE = 1e-5   # of the largest output: float32 summation order over 200 columns, a few ulps
 
 LAYOUTS = {"sym-g32": Int4Layout(32, False), "zp-g128": Int4Layout(128, True), "sym-channel": Int4Layout(None, False),
@@ -176,6 +183,35 @@ def test_the_kernel_refuses_group_sizes_it_cannot_load(native, stacks):
     experts = stacks["sym-g32"]
     with pytest.raises(RuntimeError, match="multiple of 8"):
         native.silu_int4_expert_mlp(torch.zeros(1, H), torch.tensor([1, 0, 0, 0, 0, 0, 0]), *experts.weights(), 12)
+
+
+class _Recording:
+    """The compiled module, recording which of its entries are called."""
+
+    def __init__(self, module):
+        self.module, self.called = module, set()
+
+    def __getattr__(self, name):
+        self.called.add(name)
+        return getattr(self.module, name)
+
+
+def test_int4_engine_with_the_cpu_family_gives_the_twins_tokens(native, tiny_checkpoint_factory, tmp_path,
+                                                                 monkeypatch):
+    """--quantization int4 --kernels cpu on a tiny mixtral: the routed experts run the compiled int4 kernel and the
+    greedy tokens are transformers' on its twin, whose experts are their int4 rounding (the load's own layout)."""
+    source = tiny_checkpoint_factory("mixtral")
+    copy_side_files(source, tmp_path)
+    tensors = read_all_tensors(source)
+    rounded = {name: quantize_int4(t, DEFAULT_INT4_LAYOUT).dequantized(DEFAULT_INT4_LAYOUT)
+               for name, t in tensors.items() if MIXTRAL_EXPERT.search(name)}
+    save_file({**tensors, **rounded}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    recording = _Recording(native)
+    monkeypatch.setattr(expert_kernel, "native_experts", lambda: recording)
+    with LLM(str(source), device="cpu", dtype="float32", quantization="int4", kernels="cpu") as llm:
+        tokens = [out.token_ids for out in llm.generate(PROMPTS[:2], greedy(6))]
+    assert recording.called & {"silu_int4_expert_mlp", "silu_int4_masked_expert_mlp"}, recording.called
+    assert tokens == hf_greedy(tmp_path, PROMPTS[:2], 6)
 
 
 def test_the_cpu_family_hands_out_the_int4_kernels():
