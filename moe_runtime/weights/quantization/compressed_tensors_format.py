@@ -12,8 +12,9 @@ turns them back into the dense weight, so every packing order and scale layout i
 
 The weights are dequantized at load into `--dtype` (and `--quantization fp8|int8` keeps them quantized in
 our own formats from there), but for FP8: `--quantization fp8` keeps a `float-quantized` module's stored values
-and scales as they are (`stores_fp8`, `scale_block`; the engine takes its column block from `fp8_block_structure`). Activation scales (`input_scale`, static W8A8) and KV-cache scales are read by
-nothing: activations run in `--dtype` (`SKIPPED_SCALES`, said in the log).
+and scales as they are (`stores_fp8`, `scale_block`; the engine takes its column block from
+`fp8_block_structure`). Activation scales (`input_scale`, static W8A8) and KV-cache scales are read by nothing:
+activations run in `--dtype` (`SKIPPED_SCALES`, said in the log).
 """
 from __future__ import annotations
 
