@@ -2,8 +2,9 @@
 remote code only) with its decoder's config under `text_config` (`model_type: kimi_k2`: DeepSeek-V3), the decoder's
 tensors under `language_model.`, and a vision tower (`vision_tower.`) and projector (`mm_projector.`) beside it. A
 tiny wrapper in that layout, holding the tiny DeepSeek-V3 checkpoint's weights, gives transformers' tokens for the
-text checkpoint; the vision tensors are skipped unread (and said to be). Its experts ship as compressed-tensors int4
-(tests/test_compressed_tensors.py, tests/test_int4_checkpoints.py); here they are float32."""
+text checkpoint; the vision tensors are skipped unread (and said to be). As K2.5 ships them, its projections are
+compressed-tensors int4 (W4A16, written by the library: tests/compressed_tensors_checkpoints.py) with the
+quantization_config inside text_config; transformers' tokens on the dequantized twin are the oracle."""
 from __future__ import annotations
 
 import json
@@ -13,10 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from compressed_tensors_checkpoints import write_compressed_checkpoint
 from engine_helpers import greedy
+from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
 from moe_runtime.config.model_config import load_hf_config
 from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.weights.quantization.fp8_checkpoint_writer import read_all_tensors
 
 PROMPTS = [[(7 * i + 3) % 400 + 5 for i in range(21)], [(11 * i + 1) % 380 + 9 for i in range(9)]]
 NEW_TOKENS = 8
@@ -35,10 +39,11 @@ VISION = {   # a few tensors of each part, never read
 
 
 def write_kimi_k25(text_checkpoint, target):
-    """The release's layout around a DeepSeek-V3 text checkpoint (transformers' names under `model.` / `lm_head.`)."""
+    """The release's layout around a DeepSeek-V3 text checkpoint (transformers' names under `model.` / `lm_head.`;
+    its quantization_config, if any, stays inside text_config as K2.5's does)."""
     target.mkdir()
     for file in text_checkpoint.iterdir():
-        if file.is_file() and file.suffix != ".safetensors":
+        if file.is_file() and file.suffix != ".safetensors" and file.name != "model.safetensors.index.json":
             shutil.copyfile(file, target / file.name)
     text = json.loads((text_checkpoint / "config.json").read_text())
     text.update(model_type="kimi_k2", auto_map=TEXT_REMOTE_CODE)
@@ -48,7 +53,7 @@ def write_kimi_k25(text_checkpoint, target):
               "vision_config": {"patch_size": 14, "vt_hidden_size": 32, "vt_num_hidden_layers": 1,
                                 "mm_hidden_size": text["hidden_size"]}}
     (target / "config.json").write_text(json.dumps(config, indent=2))
-    tensors = {"language_model." + name: t for name, t in load_file(str(text_checkpoint / "model.safetensors")).items()}
+    tensors = {"language_model." + name: t for name, t in read_all_tensors(text_checkpoint).items()}
     generator = torch.Generator().manual_seed(0)
     tensors.update({name: torch.randn(shape, generator=generator) for name, shape in VISION.items()})
     save_file(tensors, str(target / "model.safetensors"))
@@ -56,18 +61,30 @@ def write_kimi_k25(text_checkpoint, target):
 
 
 @pytest.fixture(scope="module")
-def kimi(tiny_checkpoint_factory, tmp_path_factory):
-    return write_kimi_k25(tiny_checkpoint_factory("deepseek_v3"), tmp_path_factory.mktemp("kimi_k25") / "release")
+def checkpoints(tiny_checkpoint_factory, tmp_path_factory):
+    """(K2.5 release, the dequantized twin of its text model)."""
+    root = tmp_path_factory.mktemp("kimi_k25")
+    text, twin = write_compressed_checkpoint(tiny_checkpoint_factory("deepseek_v3"), root / "text", root / "twin",
+                                             "W4A16")
+    return write_kimi_k25(text, root / "release"), twin
 
 
-def test_kimi_k25_serves_its_text_model_with_transformers_tokens(kimi, greedy_oracle, caplog):
+@pytest.fixture(scope="module")
+def kimi(checkpoints):
+    return checkpoints[0]
+
+
+def test_kimi_k25_serves_its_text_model_with_transformers_tokens(checkpoints, caplog):
+    kimi, twin = checkpoints
     config = load_hf_config(kimi)
     assert config.architectures == ["DeepseekV3ForCausalLM"] and config.model_type == "deepseek_v3"
-    assert {"language_model.lm_head.weight", "language_model.model.embed_tokens.weight"} <= set(
-        load_file(str(kimi / "model.safetensors")))
+    assert config.quantization_config["quant_method"] == "compressed-tensors"
+    stored = set(load_file(str(kimi / "model.safetensors")))
+    assert {"language_model.lm_head.weight", "language_model.model.embed_tokens.weight"} <= stored
+    assert "language_model.model.layers.1.mlp.experts.0.gate_proj.weight_packed" in stored
     with caplog.at_level("INFO"), LLM(str(kimi), device="cpu", dtype="float32") as llm:
         tokens = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
-    assert tokens == greedy_oracle("deepseek_v3", PROMPTS, NEW_TOKENS)
+    assert tokens == hf_greedy(twin, PROMPTS, NEW_TOKENS)
     assert any("KimiK25ForConditionalGeneration's vision tower and projector" in record.getMessage()
                for record in caplog.records)   # skipped, said
 
