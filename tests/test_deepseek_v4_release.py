@@ -17,10 +17,11 @@ from lazy_engines import lazy_engines
 from tiny_checkpoints import hf_greedy
 from v4_release_checkpoints import write_v4_release
 from moe_runtime.config.model_config import load_hf_config
-from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.errors import CheckpointError, UnsupportedArchitectureError
 from moe_runtime.models.deepseek_v4 import checkpoint_name
 from moe_runtime.models.deepseek_v4_support import refuse_unsupported
 from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.weights.quantization.deepseek_fp4_format import PackedFp4, block_scales_as_float
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 
 NEW_TOKENS = 8
@@ -72,9 +73,7 @@ def test_the_release_reads_back_as_its_twin(checkpoints):
     reader = CheckpointReader.open(release_dir, Fp8BlockFormat.from_hf_config(config, str(release_dir)), config)
     reader.renamed(checkpoint_name)
     for name, tensor in twin.items():
-        ours = reader.read(checkpoint_name(name))
-        assert ours.dtype == tensor.dtype or ours.is_floating_point(), name
-        assert torch.equal(ours.to(tensor.dtype), tensor), name
+        assert torch.equal(reader.read(checkpoint_name(name)).to(tensor.dtype), tensor), name
     assert reader.is_fp4(checkpoint_name("model." + expert + ".weight"))
     assert set(reader.consumed) == set(reader.names())   # every scale read with its weight
 
@@ -103,6 +102,19 @@ def test_mxfp4_keeps_the_released_fp4_bytes(engines, checkpoints):
 def test_expert_parallel_with_dp_attention_keeps_fp4_experts(engines, expected):
     """Each EP rank keeps its own experts' FP4 bytes; each DP worker its sequences' compressed state."""
     assert [o.token_ids for o in engines("ep2_dp2_mxfp4").generate(PROMPTS, greedy(NEW_TOKENS))] == expected
+
+
+def test_fp4_scales_read_alike_as_e8m0_uint8_or_float32_powers_of_two():
+    """transformers writes e8m0 scales as float8_e8m0fnu, MXFP8-style checkpoints as uint8 bytes, a `float` scale_fmt
+    as float32: the same powers of two decode alike; a float32 scale that is none is refused by name."""
+    values = torch.randint(-128, 128, (4, 32), dtype=torch.int8)                     # [N, K/2]: K = 64
+    exponents = torch.randint(120, 135, (4, 2), dtype=torch.uint8)                    # [N, K/32]
+    stored = [exponents.view(torch.float8_e8m0fnu), exponents, block_scales_as_float(exponents)]
+    decoded = [PackedFp4.from_stored(values, scale, "w").dequantized() for scale in stored]
+    assert all(torch.equal(d, decoded[0]) for d in decoded) and decoded[0].abs().max() > 0
+    assert torch.equal(block_scales_as_float(exponents), exponents.view(torch.float8_e8m0fnu).float())
+    with pytest.raises(CheckpointError, match=r"w: FP4 scales of dtype torch.float32 that are not all powers of two"):
+        PackedFp4.from_stored(values, stored[2] * 1.5, "w")
 
 
 def test_an_unknown_expert_dtype_is_refused_by_name():
