@@ -6,9 +6,11 @@ block scale repeated over the row's blocks; a block scale sets the engine's colu
 transformers' greedy tokens on the dequantized twin, on one rank and under expert parallelism with DP attention."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import Llama4TextConfig
 from transformers.integrations.fbgemm_fp8 import FbgemmFp8Linear, FbgemmFp8Llama4TextExperts
 
@@ -145,3 +147,15 @@ def test_row_expanded_scales_repeat_stored_scales_exactly_or_refuse():
         row_expanded_scales(grid, 3, 100, 128, "w", (2, 64))
     with pytest.raises(CheckpointError, match="no block size was given"):
         row_expanded_scales(grid, 3, 100, 32, "w")
+
+
+def test_an_fbgemm_fp8_tensor_without_its_scale_or_with_a_wrong_one_is_refused_by_name(tmp_path):
+    values = torch.ones(4, 8).to(torch.float8_e4m3fn)
+    save_file({"a.weight": values, "b.weight": values.clone(), "b.weight_scale": torch.ones(1, 4)},
+              str(tmp_path / "model.safetensors"))
+    config = SimpleNamespace(quantization_config={"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0})
+    reader = CheckpointReader.open(tmp_path, None, config)
+    with pytest.raises(CheckpointError, match=r"'a.weight' .* without its scales 'a.weight_scale'"):
+        reader.read("a.weight")
+    with pytest.raises(CheckpointError, match=r"b.weight: .* one scale per row \(4, 1\), got \(1, 4\)"):
+        reader.read_fp8_rows("b.weight", 128)
