@@ -24,6 +24,8 @@ from moe_runtime.kernels.int4_layout import Int4Layout, packed_int4_columns
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.kernels import get_kernels
 from moe_runtime.moe.expert_weights import MIXTRAL_NAMING, ExpertWeights
+from moe_runtime.planner.memory import resolve_precision
+from moe_runtime.planner.model_shape import load_model_shape
 from moe_runtime.weights.quantization.in_memory import kept_quantization
 from moe_runtime.weights.quantization.int4_in_memory import Int4InMemory
 from moe_runtime.weights.checkpoint import CheckpointReader
@@ -201,3 +203,11 @@ def test_a_reclaimed_slot_reloads_its_int4_expert_as_stored(checkpoints):
     assert experts.expert_ids == [3, 3]
     for tensor, stored in zip(experts.slot_tensors(), held):
         assert torch.equal(tensor[1], stored)
+
+
+def test_the_planner_counts_an_int4_releases_experts_in_int4(checkpoints):
+    awq, twin = checkpoints("awq")
+    assert resolve_precision(load_model_shape(awq), "float32", None).quantization == "int4"
+    assert resolve_precision(load_model_shape(awq), "float32", "int8").quantization == "int8"
+    assert resolve_precision(load_model_shape(twin), "float32", None).quantization is None
+    assert resolve_precision(load_model_shape(checkpoints("compressed_w4a16")[0]), "float32", None).quantization == "int4"

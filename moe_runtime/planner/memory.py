@@ -48,9 +48,12 @@ class Precision:
 
 
 def resolve_precision(shape: ModelShape, dtype: str, quantization: str | None) -> Precision:
-    """`--dtype auto` is the checkpoint's dtype, float32 when unset (EngineConfig.resolved_dtype's rule)."""
+    """`--dtype auto` is the checkpoint's dtype, float32 when unset (EngineConfig.resolved_dtype's rule); no
+    --quantization on an int4 checkpoint is int4 (weights/quantization/in_memory.kept_quantization's rule)."""
     if dtype == "auto":
         dtype = shape.checkpoint_dtype if shape.checkpoint_dtype in DTYPE_BYTES else "float32"
+    if quantization is None and shape.is_moe and shape.int4_weights:   # its experts stay int4, as the engine keeps them
+        quantization = "int4"
     return Precision(dtype, quantization)
 
 

@@ -21,6 +21,8 @@ from moe_runtime.config.multimodal_wrappers import WRAPPERS
 from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.planner.config_checks import ConfigError, check_config, read_config, text_config_of
 
+INT4_METHODS = ("awq", "gptq")   # int4 quant_methods (weights/quantization/{awq,gptq}_format.py; no torch here)
+
 FULL, SLIDING, CHUNKED, LINEAR = "full", "sliding", "chunked", "linear"
 
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -84,6 +86,21 @@ class ModelShape:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 1
+
+    @property
+    def int4_weights(self) -> bool:
+        """Whether config.json declares int4 weights (AWQ, GPTQ, compressed-tensors pack-quantized int4): the engine
+        then keeps the routed experts int4 unless told otherwise (weights/quantization/in_memory.kept_quantization)."""
+        quant = self.config.get("quantization_config")
+        if not isinstance(quant, dict):
+            return False
+        if quant.get("quant_method") in INT4_METHODS:
+            return quant.get("bits", 4) == 4
+        groups = quant.get("config_groups") if quant.get("quant_method") == "compressed-tensors" else None
+        return isinstance(groups, dict) and any(
+            isinstance(group, dict) and isinstance(group.get("weights"), dict)
+            and group["weights"].get("num_bits") == 4 and group["weights"].get("type", "int") == "int"
+            for group in groups.values())
 
     @property
     def total_params(self) -> int:
