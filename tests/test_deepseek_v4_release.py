@@ -82,20 +82,28 @@ def test_one_rank_tokens_equal_transformers_on_the_twin(engines, expected):
     assert [o.token_ids for o in engines("one_rank").generate(PROMPTS, greedy(NEW_TOKENS))] == expected
 
 
+def assert_slot_holds_the_release(experts, slot: int, expert: int, release: dict) -> None:
+    stored = {w: (release[f"layers.1.ffn.experts.{expert}.{w}.weight"].view(torch.uint8),
+                  release[f"layers.1.ffn.experts.{expert}.{w}.scale"].view(torch.uint8)) for w in ("w1", "w2", "w3")}
+    assert torch.equal(experts.w13[slot], torch.cat([stored["w1"][0], stored["w3"][0]]))
+    assert torch.equal(experts.w13_scale[slot], torch.cat([stored["w1"][1], stored["w3"][1]]))
+    assert torch.equal(experts.w2[slot], stored["w2"][0]) and torch.equal(experts.w2_scale[slot], stored["w2"][1])
+
+
 def test_mxfp4_keeps_the_released_fp4_bytes(engines, checkpoints):
     """Each expert slot holds w1 then w3 (w13) and w2 as the release stores them, e8m0 scales as bytes (their
-    tokens: the EP test below); the shared experts stay in the compute dtype."""
+    tokens: the EP test below); the shared experts stay in the compute dtype. A slot reloaded from the checkpoint
+    (a lost rank's expert) reads it under the same DeepSeek names."""
     model = engines("one_rank_mxfp4").engine.core.model
     release = load_file(str(checkpoints[1] / "model.safetensors"))
     ffn = model.model.layers[1].ffn
     experts = ffn.experts
     assert experts.w13.dtype == torch.uint8 and ffn.shared_experts.w13.dtype == torch.float32
     for slot, expert in enumerate(experts.expert_ids):
-        stored = {w: (release[f"layers.1.ffn.experts.{expert}.{w}.weight"].view(torch.uint8),
-                      release[f"layers.1.ffn.experts.{expert}.{w}.scale"].view(torch.uint8)) for w in ("w1", "w2", "w3")}
-        assert torch.equal(experts.w13[slot], torch.cat([stored["w1"][0], stored["w3"][0]]))
-        assert torch.equal(experts.w13_scale[slot], torch.cat([stored["w1"][1], stored["w3"][1]]))
-        assert torch.equal(experts.w2[slot], stored["w2"][0]) and torch.equal(experts.w2_scale[slot], stored["w2"][1])
+        assert_slot_holds_the_release(experts, slot, expert, release)
+    experts.reload_slot(0, 5)
+    assert experts.expert_ids[0] == 5
+    assert_slot_holds_the_release(experts, 0, 5, release)
 
 
 @pytest.mark.slow

@@ -64,6 +64,7 @@ class ExpertSource:
     fp8: Fp8BlockFormat | None
     prefix: str
     hf_config: object = None   # the served model's config the reader was opened with (its renames, quantized formats)
+    renames: tuple = ()        # the reader's renames, those `open` applies and then the model's (DeepSeek-V4's names)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class ExpertWeights(nn.Module):
         """Per-expert tensors (`<prefix><e>.gate_proj.weight`, the HF layout) or fused 3D ones."""
         if self.b13 is not None and not self.naming.gpt_oss_stacks:
             raise ValueError("expert biases are read from gpt-oss's stacks only (ExpertNaming.gpt_oss_stacks)")
-        self._source = ExpertSource(reader.directory, reader.fp8, prefix, reader.hf_config)
+        self._source = ExpertSource(reader.directory, reader.fp8, prefix, reader.hf_config, tuple(reader.renames))
         for local, expert in enumerate(self.expert_ids):
             self._load_slot(reader, prefix, local, expert)
         scales = {"w13_scale", "w2_scale"} if self.quant else set()
@@ -160,6 +161,8 @@ class ExpertWeights(nn.Module):
         if self._source is None:
             raise RuntimeError("these experts were not loaded from a checkpoint: nothing to reload a slot from")
         reader = CheckpointReader.open(self._source.directory, self._source.fp8, self._source.hf_config)
+        for rename in self._source.renames[len(reader.renames):]:   # the model's, after those `open` applied
+            reader.renamed(rename)
         with torch.no_grad():
             self._load_slot(reader, self._source.prefix, local, expert)
         self.expert_ids[local] = expert

@@ -56,6 +56,7 @@ class CheckpointReader:
     consumed: set[str] = field(default_factory=set, repr=False)
     # a checkpoint read under other names than stored (DeepSeek-V4's published names): name -> stored name
     stored_names: dict[str, str] = field(default_factory=dict, repr=False)
+    renames: list = field(default_factory=list, repr=False)   # each `renamed` applied, in order (a slot reload too)
     # compressed-tensors: each quantized module's `weight` made from its stored parameters, which the
     # listing no longer shows (their files: `_parameter_files`)
     compressed: CompressedTensorsFormat | None = None
@@ -149,9 +150,11 @@ class CheckpointReader:
     def renamed(self, rename) -> None:
         """Read every tensor under `rename(stored name)` from now on (a model whose checkpoints come in another
         naming: each name the model reads, and each the loader reports unread, is the renamed one)."""
-        stored = {rename(name): name for name in self.tensor_to_file}
-        self.tensor_to_file = {name: self.tensor_to_file[original] for name, original in stored.items()}
+        current = {rename(name): name for name in self.tensor_to_file}
+        stored = {name: self._stored(old) for name, old in current.items()}   # through any earlier renames
+        self.tensor_to_file = {name: self.tensor_to_file[old] for name, old in current.items()}
         self.stored_names = {name: original for name, original in stored.items() if name != original}
+        self.renames.append(rename)
 
     def _stored(self, name: str) -> str:
         return self.stored_names.get(name, name)
