@@ -3,7 +3,7 @@
 before any weight loads. The pairs that run are run by the architectures' own tests (captured decode:
 test_captured_decode.py, test_attention_variants.py; host experts: test_cpu_native_experts.py,
 test_cpu_experts_offload.py; two-batch overlap: test_two_batch_overlap*.py; fp8/int8/mxfp4: test_fp8*.py,
-test_int8_weights.py, test_int4_weights.py, test_gpt_oss.py)."""
+test_int8_weights.py, test_int4_weights.py, test_gpt_oss.py, test_deepseek_v4_release.py)."""
 from __future__ import annotations
 
 import re
