@@ -75,6 +75,7 @@ def test_the_release_reads_back_as_its_twin(checkpoints):
     for name, tensor in twin.items():
         assert torch.equal(reader.read(checkpoint_name(name)).to(tensor.dtype), tensor), name
     assert reader.is_fp4(checkpoint_name("model." + expert + ".weight"))
+    assert reader.shape(checkpoint_name("model." + expert + ".weight")) == (128, 64)
     assert set(reader.consumed) == set(reader.names())   # every scale read with its weight
 
 

@@ -194,6 +194,9 @@ class CheckpointReader:
         if self.is_mxfp4(name):   # the dequantized parameter layout [..., K, N]
             *lead, rows, groups, _ = self._handle(name + BLOCKS_SUFFIX).get_slice(self._stored(name + BLOCKS_SUFFIX)).get_shape()
             return (*lead, groups * 32, rows)
+        if self.is_fp4(name):   # the dequantized [N, K]: two codes a byte
+            rows, packed = self._handle(name).get_slice(self._stored(name)).get_shape()
+            return (rows, packed * 2)
         handle = self._handle(name)
         return tuple(handle.get_slice(self._stored(name)).get_shape())
 
