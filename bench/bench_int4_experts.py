@@ -9,7 +9,7 @@ chunk of 64 tokens, uniform routing, a different routing every call (8 of them, 
 reads are mostly not the ones the last call left in the caches (the layer's int4 experts are 52 MB against a
 32 MB L3; its float32 ones 400 MB).
 
-Reported per case: microseconds per layer, the weight bytes the call must read (codes and scales of the experts
+Reported per case: microseconds per layer (the best of 5 passes over the routings, 3 for prefill), the weight bytes the call must read (codes and scales of the experts
 the batch touches), the GB/s that makes, and that over the machine's read bandwidth measured in the same run (the
 best of 5 sums of a 512 MiB float32 tensor: what streaming weights once can reach). Writes
 bench/results/int4_experts.json.
@@ -117,7 +117,8 @@ def kernels(stack: ExpertStack) -> dict[str, Callable]:
 
 
 def time_per_call(fn: Callable, calls: list, rounds: int) -> float:
-    """The median over `rounds` passes through every routing, per call (one pass of warm-up first)."""
+    """The best of `rounds` passes through every routing, per call (one pass of warm-up first): the least disturbed
+    by other jobs on a shared machine."""
     for args in calls:
         fn(*args)
     samples = []
@@ -126,7 +127,7 @@ def time_per_call(fn: Callable, calls: list, rounds: int) -> float:
         for args in calls:
             fn(*args)
         samples.append((time.perf_counter() - started) / len(calls))
-    return statistics.median(samples)
+    return min(samples)
 
 
 def main() -> int:

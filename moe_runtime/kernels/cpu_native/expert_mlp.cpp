@@ -121,11 +121,27 @@ struct Int4Stack {
   int64_t group;    // columns per group (a multiple of 8, or K: one group a row)
   int step;         // floats per group: 1 (zero point 8) or 2 (with its zero point)
 
-  void dots(int64_t row, const float* x, int64_t n, int64_t count, float* out) const {
+  // The rows of x with their columns in the order the dots read them (moe_cpu::int4_order_columns).
+  Activations ordered(const Activations& a) const {
+    Activations out{std::vector<float>(a.data.size()), a.at, a.width};
+    for (size_t at = 0; at < a.data.size(); at += a.width)
+      moe_cpu::int4_order_columns(a.data.data() + at, out.data.data() + at, a.width, group);
+    return out;
+  }
+
+  void dots(int64_t row, const float* x, int64_t n, int64_t count, float* out) const {   // x: ordered rows
     const moe_cpu::Int4Row w{values + row * ((n + 1) / 2), scales + row * groups * step, group, step};
     moe_cpu::int4_dot_some(w, x, n, n, count, out);
   }
 };
+
+// The rows as a stack's dots read them: as they are, or for int4 weights reordered (a copy the size of x).
+template <typename W>
+const Activations& rows_for(const DenseStack<W>&, const Activations& a, Activations&) { return a; }
+inline const Activations& rows_for(const Int4Stack& weights, const Activations& a, Activations& scratch) {
+  scratch = weights.ordered(a);
+  return scratch;
+}
 
 // results[row of the expert][j] = dot(weights[e][j], row) for every busy expert's rows, j < outputs; tasks are
 // (expert, output) pairs split over the threads.
@@ -133,6 +149,8 @@ template <typename Stack, typename Store>
 void project(const Activations& a, const int64_t* counts, const int64_t* busy, int64_t num_busy, const Stack& weights,
              int64_t outputs, Store store) {
   const int64_t n = a.width;
+  Activations scratch{};
+  const Activations& read = rows_for(weights, a, scratch);
   at::parallel_for(0, num_busy * outputs, 16, [&](int64_t begin, int64_t end) {
 #ifdef __AVX2__
     const DenormalsKept denormals;
@@ -140,7 +158,7 @@ void project(const Activations& a, const int64_t* counts, const int64_t* busy, i
     float acc[4];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / outputs, j = task % outputs, e = busy[b], c = counts[e];
-      const float* rows = a.data.data() + a.at[b];
+      const float* rows = read.data.data() + read.at[b];
       for (int64_t r = 0; r < c; r += 4) {   // four rows at a time, the last 1 to 4 together
         const int64_t count = std::min<int64_t>(4, c - r);
         weights.dots(e * outputs + j, rows + r * n, n, count, acc);

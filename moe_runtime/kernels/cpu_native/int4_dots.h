@@ -9,10 +9,12 @@
 // than each weight. Groups must start on a multiple of 8 columns (group sizes a multiple of 8, or one group for
 // the whole row) so 8 columns are 4 whole bytes.
 //
-// AVX2: codes 8 at a time from one 32-bit word, column c of them at bits 4c of the little-endian word, spread over
-// the lanes by a variable shift (load8_int4), or, for 2 to 4 rows, 32 at a time from 16 bytes (load32_int4). A
-// build for AVX-512 takes the same AVX2 code (its CPUs have AVX2); plain loops elsewhere. Included by
-// expert_mlp.cpp; build.py copies it beside it and hashes it.
+// AVX2: x's columns reordered once (int4_order_columns) so 8 bytes widen to the 8 even columns' codes (low nibbles)
+// and the 8 odd ones' (high nibbles) without shuffles (load16_int4); measured on the AVX2 dev machine against codes
+// spread in column order by a variable shift (load8_int4, which serves a group's last 8 columns) or by nibble
+// interleaving, it is 12-33% faster at one row, up to 30% at two. A build for AVX-512 takes the same AVX2 code (its
+// CPUs have AVX2); plain loops elsewhere, on x reordered alike. Included by expert_mlp.cpp; build.py copies it
+// beside it and hashes it.
 #pragma once
 
 #include "weight_dots.h"
@@ -37,8 +39,37 @@ struct Int4Row {
   int code(int64_t k) const { return (codes[k >> 1] >> ((k & 1) * 4)) & 0xF; }
 };
 
+// x as the dots read it (`ordered`, n floats from x's n): with AVX2, in each run of 16 columns that a group holds
+// whole, its 8 even columns, then its 8 odd ones, the order 8 bytes' low nibbles and then their high nibbles come
+// in (load16_int4); the columns after a group's last whole run stay in place, as every column does without AVX2.
+// One pass over a row of x serves every weight row it is dotted with.
+inline void int4_order_columns(const float* __restrict x, float* __restrict ordered, int64_t n, int64_t group) {
+  for (int64_t k0 = 0; k0 < n; k0 += group) {
+    const int64_t end = std::min(n, k0 + group);
+    int64_t k = k0;
 #ifdef __AVX2__
-// Columns k .. k + 7 (k a multiple of 8) minus the zero point, as float32.
+    for (; k + 16 <= end; k += 16) {
+      for (int i = 0; i < 8; ++i) {
+        ordered[k + i] = x[k + 2 * i];
+        ordered[k + 8 + i] = x[k + 2 * i + 1];
+      }
+    }
+#endif
+    for (; k < end; ++k) ordered[k] = x[k];
+  }
+}
+
+#ifdef __AVX2__
+// Columns k .. k + 15 (8 bytes, k a multiple of 8) minus the zero point, as float32: the even columns (low nibbles)
+// in `even`, the odd ones (high nibbles) in `odd`, as int4_order_columns has ordered x.
+inline void load16_int4(const uint8_t* codes, int64_t k, __m256 zero, __m256& even, __m256& odd) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k / 2)));
+  even = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF))), zero);
+  odd = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), zero);
+}
+
+// Columns k .. k + 7 (4 bytes, k a multiple of 8: a group's last 8 to 15 columns) minus the zero point, as float32
+// in column order: column c of them at bits 4c of the little-endian word, spread over the lanes by a variable shift.
 inline __m256 load8_int4(const uint8_t* codes, int64_t k, __m256 zero) {
   uint32_t word;
   std::memcpy(&word, codes + k / 2, sizeof(word));
@@ -47,64 +78,11 @@ inline __m256 load8_int4(const uint8_t* codes, int64_t k, __m256 zero) {
                                            _mm256_set1_epi32(0xF));
   return _mm256_sub_ps(_mm256_cvtepi32_ps(nibbles), zero);
 }
-
-// Columns k .. k + 31 (k a multiple of 8) minus the zero point, as float32 in four registers: 16 bytes split into
-// their low nibbles (even columns) and high ones (odd columns), interleaved back into column order, widened 8 at a
-// time.
-inline void load32_int4(const uint8_t* codes, int64_t k, __m256 zero, __m256 (&out)[4]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k / 2));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i even = _mm_and_si128(bytes, mask), odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  const __m128i low = _mm_unpacklo_epi8(even, odd), high = _mm_unpackhi_epi8(even, odd);   // columns 0-15, 16-31
-  const __m128i eights[4] = {low, _mm_unpackhi_epi64(low, low), high, _mm_unpackhi_epi64(high, high)};
-  for (int q = 0; q < 4; ++q) out[q] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eights[q])), zero);
-}
-
-// The lane-wise sums over columns [k, end) of a group (k advanced past its last multiple of 8) of (code - zero) * x
-// for one row: two FMA chains, the codes 8 at a time (measured on the AVX2 dev machine, one row is fastest so; a
-// 32-column step, more chains or load32_int4 were 10-45% slower).
-inline __m256 int4_group_one(const uint8_t* codes, const float* __restrict x, int64_t& k, int64_t end, __m256 zero) {
-  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-  for (; k + 16 <= end; k += 16) {
-    a = _mm256_fmadd_ps(load8_int4(codes, k, zero), _mm256_loadu_ps(x + k), a);
-    b = _mm256_fmadd_ps(load8_int4(codes, k + 8, zero), _mm256_loadu_ps(x + k + 8), b);
-  }
-  if (k + 8 <= end) {
-    a = _mm256_fmadd_ps(load8_int4(codes, k, zero), _mm256_loadu_ps(x + k), a);
-    k += 8;
-  }
-  return _mm256_add_ps(a, b);
-}
-
-// The same for R rows `stride` apart (2 to 4): 32 codes converted at a time (load32_int4) for all R rows, A FMA
-// chains a row (as many as the 16 registers hold beside them; 10-20% faster than int4_group_one's form here).
-template <int R>
-inline void int4_group_rows(const uint8_t* codes, const float* __restrict x, int64_t stride, int64_t& k, int64_t end,
-                            __m256 zero, __m256 (&sums)[R]) {
-  constexpr int A = R == 2 ? 4 : 2;
-  __m256 a[A][R];
-  for (int i = 0; i < A; ++i)
-    for (int r = 0; r < R; ++r) a[i][r] = _mm256_setzero_ps();
-  for (; k + 32 <= end; k += 32) {
-    __m256 weights[4];
-    load32_int4(codes, k, zero, weights);
-    for (int q = 0; q < 4; ++q)
-      for (int r = 0; r < R; ++r)
-        a[q % A][r] = _mm256_fmadd_ps(weights[q], _mm256_loadu_ps(x + r * stride + k + 8 * q), a[q % A][r]);
-  }
-  for (; k + 8 <= end; k += 8) {   // a group's last 8 to 24 columns
-    const __m256 weights = load8_int4(codes, k, zero);
-    for (int r = 0; r < R; ++r) a[0][r] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + r * stride + k), a[0][r]);
-  }
-  for (int r = 0; r < R; ++r) {
-    sums[r] = a[0][r];
-    for (int i = 1; i < A; ++i) sums[r] = _mm256_add_ps(sums[r], a[i][r]);
-  }
-}
 #endif
 
-// out[r] = dot(row w, row r of x) for R rows `stride` apart (R <= 4), over n columns: each code is converted once
-// for all R rows, each group's sum times its scale added into a lane-wise total.
+// out[r] = dot(row w, row r of x) for R rows `stride` apart (R <= 4) of n columns, x ordered by int4_order_columns:
+// each code is converted once for all R rows, two FMA chains a row (even and odd columns), each group's sum times
+// its scale added into a lane-wise total.
 template <int R>
 inline void int4_dot_rows(const Int4Row& w, const float* __restrict x, int64_t n, int64_t stride,
                           float* __restrict out) {
@@ -119,16 +97,26 @@ inline void int4_dot_rows(const Int4Row& w, const float* __restrict x, int64_t n
     const float scale = w.scale(g);
     int64_t k = k0;
 #ifdef __AVX2__
-    const __m256 zero = _mm256_set1_ps(w.zero(g)), scales = _mm256_set1_ps(scale);
-    if constexpr (R == 1) {
-      total[0] = _mm256_fmadd_ps(int4_group_one(w.codes, x, k, end, zero), scales, total[0]);
-    } else {
-      __m256 sums[R];
-      int4_group_rows<R>(w.codes, x, stride, k, end, zero, sums);
-      for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(sums[r], scales, total[r]);
+    const __m256 zero = _mm256_set1_ps(w.zero(g));
+    __m256 a[R], b[R];
+    for (int r = 0; r < R; ++r) a[r] = b[r] = _mm256_setzero_ps();
+    for (; k + 16 <= end; k += 16) {
+      __m256 even, odd;
+      load16_int4(w.codes, k, zero, even, odd);
+      for (int r = 0; r < R; ++r) {
+        a[r] = _mm256_fmadd_ps(even, _mm256_loadu_ps(x + r * stride + k), a[r]);
+        b[r] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(x + r * stride + k + 8), b[r]);
+      }
     }
+    if (k + 8 <= end) {
+      const __m256 weights = load8_int4(w.codes, k, zero);
+      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + r * stride + k), a[r]);
+      k += 8;
+    }
+    const __m256 scales = _mm256_set1_ps(scale);
+    for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(_mm256_add_ps(a[r], b[r]), scales, total[r]);
 #endif
-    if (k < end) {   // the columns past the last 8 (of a row's last group), or every column without AVX2
+    if (k < end) {   // the columns past the last 8 (of a row's last group), in place; every column without AVX2
       float part[R] = {};
       for (; k < end; ++k) {
         const float c = static_cast<float>(w.code(k)) - w.zero(g);
