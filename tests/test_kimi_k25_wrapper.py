@@ -20,6 +20,7 @@ from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
 from moe_runtime.config.model_config import load_hf_config
 from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.planner.model_shape import load_model_shape
 from moe_runtime.weights.quantization.fp8_checkpoint_writer import read_all_tensors
 
 PROMPTS = [[(7 * i + 3) % 400 + 5 for i in range(21)], [(11 * i + 1) % 380 + 9 for i in range(9)]]
@@ -85,6 +86,8 @@ def test_kimi_k25_serves_its_text_model_with_transformers_tokens(checkpoints, ca
     with caplog.at_level("INFO"), LLM(str(kimi), device="cpu", dtype="float32") as llm:
         tokens = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
     assert tokens == hf_greedy(twin, PROMPTS, NEW_TOKENS)
+    shape = load_model_shape(kimi)   # the planner reads it alike (its quantization_config inside text_config)
+    assert shape.architecture == "DeepseekV3ForCausalLM" and shape.checkpoint_quantization == "compressed-tensors"
     assert any("KimiK25ForConditionalGeneration's vision tower and projector" in record.getMessage()
                for record in caplog.records)   # skipped, said
 

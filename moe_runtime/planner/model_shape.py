@@ -141,7 +141,7 @@ def model_shape_of(config: dict) -> ModelShape:
     if text_config is not None:   # a multimodal checkpoint: the decoder's fields sit there
         config = {**text_config, "architectures": [architecture],
                   "torch_dtype": config.get("torch_dtype", text_config.get("torch_dtype")),
-                  "quantization_config": config.get("quantization_config")}
+                  "quantization_config": config.get("quantization_config") or text_config.get("quantization_config")}
     if architecture not in PLANNED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} (config.json 'architectures') is not one the runtime serves; "
