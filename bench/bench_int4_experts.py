@@ -9,10 +9,10 @@ chunk of 64 tokens, uniform routing, a different routing every call (8 of them, 
 reads are mostly not the ones the last call left in the caches (the layer's int4 experts are 52 MB against a
 32 MB L3; its float32 ones 400 MB).
 
-Reported per case: microseconds per layer (the best of 5 passes over the routings, 3 for prefill), the weight bytes the call must read (codes and scales of the experts
-the batch touches), the GB/s that makes, and that over the machine's read bandwidth measured in the same run (the
-best of 5 sums of a 512 MiB float32 tensor: what streaming weights once can reach). Writes
-bench/results/int4_experts.json.
+Reported per case: microseconds per layer (the best of 5 passes over the routings, 3 for prefill), the weight
+bytes the call must read (codes and scales of the experts the batch touches), the GB/s that makes, and that over
+the machine's read bandwidth measured in the same run (the best of 5 sums of a 512 MiB float32 tensor: what
+streaming weights once can reach). Writes bench/results/int4_experts.json.
 
     python bench/bench_int4_experts.py
 """
@@ -154,11 +154,13 @@ def main() -> int:
                       f"{read / 1e6:6.1f} MB read, {cases[-1].gbs:5.1f} GB/s "
                       f"({cases[-1].share_of_read_bandwidth:.0%} of the read bandwidth)", flush=True)
     by_key = {(c.weights, c.kernel, c.batch): c.layer_us for c in cases}
-    ratios = [dict(batch=batch, phase=phase,
-                   native_int4_over_torch_int4=by_key["int4-g128-zp", "torch", batch] / by_key["int4-g128-zp", "native", batch],
-                   native_int4_over_native_bf16=by_key["bfloat16", "native", batch] / by_key["int4-g128-zp", "native", batch],
-                   native_int4_over_native_fp32=by_key["float32", "native", batch] / by_key["int4-g128-zp", "native", batch])
-              for batch, phase in BATCHES.items()]
+    ratios = []
+    for batch, phase in BATCHES.items():
+        native_int4 = by_key["int4-g128-zp", "native", batch]
+        ratios.append(dict(batch=batch, phase=phase,
+                           native_int4_over_torch_int4=by_key["int4-g128-zp", "torch", batch] / native_int4,
+                           native_int4_over_native_bf16=by_key["bfloat16", "native", batch] / native_int4,
+                           native_int4_over_native_fp32=by_key["float32", "native", batch] / native_int4))
     for row in ratios:
         print(f"batch {row['batch']:3d}: native int4 {row['native_int4_over_torch_int4']:.2f}x torch int4, "
               f"{row['native_int4_over_native_bf16']:.2f}x native bf16, {row['native_int4_over_native_fp32']:.2f}x "

@@ -84,7 +84,7 @@ def _experts(layout: Int4Layout, seed: int = 0) -> Int4Experts:
 @pytest.fixture(scope="module")
 def native():
     module = native_experts()
-    assert module is not None, "the CPU kernel did not build (see the log line of moe_runtime/kernels/cpu_native/build.py)"
+    assert module is not None, "the CPU kernel did not build (see the log line of kernels/cpu_native/build.py)"
     return module
 
 

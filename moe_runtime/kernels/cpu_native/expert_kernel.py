@@ -8,8 +8,8 @@ activations; an int8 or FP8 projection at up to `LINEAR_MAX_ROWS` rows (decode).
 registers (exact, subnormals included); NaN codes, which no checkpoint holds, would read as +-480 there where the
 torch twin gives NaN, so a weight its load plan found NaN codes in (`bit_decode_suits=False`) takes the twin. gpt-oss's clamped activation, expert biases, other dtypes and devices, int4
 with act order's column groups (GPTQ desc_act) or other group sizes, and larger row counts take the torch kernels
-(`moe_runtime/kernels/expert_mlp.py`, `moe_runtime/kernels/int8_weights.py`, `moe_runtime/kernels/int4_weights.py`), which stay the
-twins these are tested against. The grouped-layout entries run
+(`moe_runtime/kernels/expert_mlp.py`, `int8_weights.py`, `int4_weights.py`), which stay the twins these are tested
+against. The grouped-layout entries run
 outside a captured step (their counts are read on the host); a captured step calls `cpu_pair_expert_mlp`, the
 router's layout as one operator (`torch.ops.moe_cpu.routed_expert_mlp`, custom_ops.py), whose twin is
 `moe_runtime/kernels/pair_experts.py`.
