@@ -43,19 +43,15 @@ class Int4Codes:
 def round_to_int4(weight: torch.Tensor, groups: torch.Tensor, symmetric: bool) -> Int4Codes:
     """Min/max rounding per group of columns (`groups` [K]): symmetric with zero point 8, or asymmetric."""
     weight = weight.float()
-    scales, zeros = [], []
-    for group in range(int(groups.max()) + 1):
-        part = weight[:, groups == group]                                          # [N, columns of the group]
-        if symmetric:
-            scale = (part.abs().amax(1) / 7).clamp(min=1e-4).half()
-            zero = torch.full_like(scale, 8, dtype=torch.int64)
-        else:
-            low, high = part.amin(1).clamp(max=0), part.amax(1).clamp(min=0)
-            scale = ((high - low) / 15).clamp(min=1e-4).half()
-            zero = (-low / scale.float()).round().clamp(1, 15).long()   # v1 GPTQ cannot store a zero point of 0
-        scales.append(scale)
-        zeros.append(zero)
-    scales, zeros = torch.stack(scales, 1), torch.stack(zeros, 1)                 # [N, G]
+    index = groups.expand_as(weight)                                               # [N, K]
+    start = weight.new_zeros(weight.shape[0], int(groups.max()) + 1)               # [N, G]: 0 joins each min and max
+    if symmetric:
+        scales = (start.scatter_reduce(1, index, weight.abs(), "amax") / 7).clamp(min=1e-4).half()
+        zeros = torch.full(scales.shape, 8, dtype=torch.int64)
+    else:
+        low, high = start.scatter_reduce(1, index, weight, "amin"), start.scatter_reduce(1, index, weight, "amax")
+        scales = ((high - low) / 15).clamp(min=1e-4).half()
+        zeros = (-low / scales.float()).round().clamp(1, 15).long()   # v1 GPTQ cannot store a zero point of 0
     codes = (weight / scales.float()[:, groups]).round().long() + zeros[:, groups]
     return Int4Codes(codes.clamp(0, 15), scales, zeros, groups)
 

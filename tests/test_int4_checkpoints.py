@@ -210,4 +210,5 @@ def test_the_planner_counts_an_int4_releases_experts_in_int4(checkpoints):
     assert resolve_precision(load_model_shape(awq), "float32", None).quantization == "int4"
     assert resolve_precision(load_model_shape(awq), "float32", "int8").quantization == "int8"
     assert resolve_precision(load_model_shape(twin), "float32", None).quantization is None
-    assert resolve_precision(load_model_shape(checkpoints("compressed_w4a16")[0]), "float32", None).quantization == "int4"
+    kimi_scheme = load_model_shape(checkpoints("compressed_w4a16")[0])
+    assert resolve_precision(kimi_scheme, "float32", None).quantization == "int4"

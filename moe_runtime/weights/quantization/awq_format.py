@@ -53,7 +53,7 @@ class AwqFormat:
                                   f"(AutoAWQ's gemm) is read")
         return cls(Int4Layout(group_size=None if group_size in (-1, None) else int(group_size), zero_points=True))
 
-    def shape(self, shape_of: Callable[[str], tuple[int, ...]]) -> tuple[int, int]:
+    def shape(self, read: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple[int, ...]]) -> tuple[int, int]:
         """[N, K] from the stored shapes (scales [G, N], qweight [K, N/8])."""
         return shape_of("scales")[1], shape_of("qweight")[0]
 

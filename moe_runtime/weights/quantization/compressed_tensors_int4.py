@@ -51,7 +51,8 @@ class CompressedTensorsInt4Format:
         group_size = weights.group_size if weights.strategy == QuantizationStrategy.GROUP.value else None
         return cls(Int4Layout(group_size=group_size, zero_points=not weights.symmetric))
 
-    def shape(self, read: Callable[[str], torch.Tensor]) -> tuple[int, int]:
+    def shape(self, read: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple[int, ...]]) -> tuple[int, int]:
+        """[N, K]: the stored `weight_shape`."""
         rows, columns = (int(d) for d in read("weight_shape").tolist())
         return rows, columns
 
@@ -62,8 +63,8 @@ class CompressedTensorsInt4Format:
         if (packed.dtype != torch.int32 or tuple(packed.shape) != (rows, -(-columns // 8))
                 or tuple(scale.shape) != (rows, groups)):
             raise CheckpointError(f"compressed-tensors int4 weight {name!r} of shape ({rows}, {columns}): expected "
-                                  f"weight_packed int32 [{rows}, {-(-columns // 8)}] and weight_scale [{rows}, {groups}], "
-                                  f"got {packed.dtype} {tuple(packed.shape)} and {tuple(scale.shape)}")
+                                  f"weight_packed int32 [{rows}, {-(-columns // 8)}] and weight_scale [{rows}, "
+                                  f"{groups}], got {packed.dtype} {tuple(packed.shape)} and {tuple(scale.shape)}")
         scales = scale.float()                                                          # [N, G]
         if self.layout.zero_points:
             zero_point = stored["weight_zero_point"]

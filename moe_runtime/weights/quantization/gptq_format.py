@@ -56,7 +56,7 @@ class GptqFormat:
                             zero_points=not quant.get("sym", True), column_groups=bool(quant.get("desc_act", False)))
         return cls(layout, ZERO_OFFSETS[checkpoint_format])
 
-    def shape(self, shape_of: Callable[[str], tuple[int, ...]]) -> tuple[int, int]:
+    def shape(self, read: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple[int, ...]]) -> tuple[int, int]:
         """[N, K] from the stored shapes (qweight [K/8, N])."""
         words, rows = shape_of("qweight")
         return rows, words * NIBBLES_PER_WORD

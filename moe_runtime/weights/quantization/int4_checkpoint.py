@@ -43,6 +43,10 @@ class Int4Format(Protocol):
         """The module's stored tensors by local name -> its weight [N, K] in the int4 layout."""
         ...
 
+    def shape(self, read: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple[int, ...]]) -> tuple[int, int]:
+        """[N, K] without unpacking: `read` / `shape_of` a stored tensor by local name."""
+        ...
+
 
 @dataclass(frozen=True)
 class Int4Module:
@@ -62,9 +66,7 @@ class Int4Module:
     def shape(self, read: Callable[[str], torch.Tensor],
               shape_of: Callable[[str], tuple[int, ...]]) -> tuple[int, int]:
         """[N, K] without reading the packed values."""
-        if isinstance(self.format, CompressedTensorsInt4Format):
-            return self.format.shape(lambda local: read(self.params[local]))
-        return self.format.shape(lambda local: shape_of(self.params[local]))
+        return self.format.shape(lambda local: read(self.params[local]), lambda local: shape_of(self.params[local]))
 
 
 @dataclass(frozen=True)
