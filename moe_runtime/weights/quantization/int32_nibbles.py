@@ -16,11 +16,10 @@ def unpack_words(words: torch.Tensor, dim: int, positions: tuple[int, ...] | Non
         raise ValueError(f"packed int4 words must be int32, got {words.dtype}")
     dim = dim % words.dim()
     shifts = torch.arange(0, 32, NIBBLE_BITS, dtype=torch.int32, device=words.device)     # [8]
-    nibbles = (words.unsqueeze(-1) >> shifts) & 0xF                                      # [..., 8]: nibble i
+    nibbles = ((words.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)                   # [..., 8]: nibble i
     if positions is not None:
         nibbles = nibbles[..., inverse_positions(positions)]                             # [..., 8]: code i
-    nibbles = nibbles.movedim(-1, dim + 1)                                               # [..., W, 8, ...]
-    return nibbles.flatten(dim, dim + 1).to(torch.uint8)                                 # [..., 8W, ...]
+    return nibbles.movedim(-1, dim + 1).flatten(dim, dim + 1)                            # [..., 8W, ...]
 
 
 def inverse_positions(positions: tuple[int, ...]) -> list[int]:
