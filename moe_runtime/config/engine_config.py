@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from moe_runtime.attention_dp.control_key import ControlKey
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.sampling.logprobs_mode import LOGPROBS_MODES
 from moe_runtime.speculative.config import SpeculativeConfig
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 
@@ -108,6 +109,9 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     structured_output_any_whitespace: bool = False   # JSON output may hold whitespace between elements (else
                                                      # compact; a request's disable_any_whitespace decides for it)
+    # What a sampled token's logprobs are (vLLM's --logprobs-mode): "raw_logprobs" (the model's), "processed_logprobs"
+    # (of the distribution it was drawn from: an RL trainer's old-policy logprob), "raw_logits", "processed_logits"
+    logprobs_mode: str = "raw_logprobs"
 
     def validate(self) -> None:
         """Refuse a configuration that cannot run before anything is loaded or started.
@@ -172,6 +176,8 @@ class EngineConfig:
             raise EngineConfigError(f"--quantization {self.quantization} is not supported; choose one of "
                                     f"{[q for q in QUANTIZATIONS if q]} (or leave it unset to run in --dtype)")
         SpeculativeConfig.parse(self.speculative_config)   # refuses unknown keys and methods not built, by name
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise EngineConfigError(f"--logprobs-mode {self.logprobs_mode!r}: choose one of {', '.join(LOGPROBS_MODES)}")
         if self.ep == 1 and self.dispatch_fp8:
             raise EngineConfigError("--dispatch-fp8 needs --ep > 1 (one rank dispatches nothing over a wire)")
         if self.enable_torch_compile:

@@ -69,8 +69,8 @@ class SampleResult:
 
 @dataclass
 class TopLogprobs:
-    """The model's logprobs of the rows that asked (`rows`), on the device: each chosen token's and the
-    `max(ns)` likeliest, of which row j keeps its own `ns[j]`."""
+    """The logprobs (or logits: `LogprobsMode`) of the rows that asked (`rows`), on the device: each chosen
+    token's and the `max(ns)` likeliest, of which row j keeps its own `ns[j]`."""
 
     rows: list[int]                  # [W] rows of the batch
     ns: list[int]                    # [W] alternatives each asked for
@@ -80,13 +80,17 @@ class TopLogprobs:
     too_many: list[bool]             # [W] asked more alternatives than the vocabulary has
 
     @classmethod
-    def of(cls, raw: torch.Tensor, token_ids: torch.Tensor, rows: list[int], ns: list[int]) -> "TopLogprobs | None":
-        """raw logits [B, V] (before any processor, as vLLM reports logprobs), the batch's tokens [B]."""
+    def of(cls, scores: torch.Tensor, token_ids: torch.Tensor, rows: list[int], ns: list[int],
+           normalize: bool = True) -> "TopLogprobs | None":
+        """`scores`: logits [B, V] (the raw ones by default, as vLLM reports logprobs; `Sampler.asked_logprobs`
+        picks them), log-softmaxed when `normalize`; the batch's tokens [B]."""
         if not rows:
             return None
-        vocab = raw.shape[-1]
-        index = torch.tensor(rows, dtype=torch.int64, device=raw.device)                        # [W]
-        logp = raw[index].log_softmax(dim=-1)                                                    # [W, V]
+        vocab = scores.shape[-1]
+        index = torch.tensor(rows, dtype=torch.int64, device=scores.device)                     # [W]
+        logp = scores[index]                                                                     # [W, V]
+        if normalize:
+            logp = logp.log_softmax(dim=-1)
         chosen = logp.gather(1, token_ids[index].clamp(min=0).unsqueeze(1)).squeeze(1)           # [W]
         top_values, top_ids = logp.topk(min(max(ns), vocab), dim=-1)                             # [W, N]
         return cls(rows, ns, chosen, top_values, top_ids, [n > vocab for n in ns])

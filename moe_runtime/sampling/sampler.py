@@ -12,8 +12,9 @@ changes any request's state: grammar matchers advance in the engine core, after 
 raises the caller can sample each request on its own (`EngineCore`) and seeded requests still draw
 exactly what they would have drawn in any other batch.
 
-Logprobs are the model's own (log-softmax of the raw logits, before any processor), as vLLM reports
-them by default.
+Logprobs are the model's own (log-softmax of the raw logits, before any processor) by default, as vLLM
+reports them; the engine's `logprobs_mode` may ask for those of the distribution each token was drawn from
+instead, or for logits (moe_runtime/sampling/logprobs_mode.py).
 
 Nothing here reads the device before the end: `draw` leaves the tokens, each row's verdict (`DrawStatus`)
 and the asked logprobs on the device, and `DeviceDraw.to_host` brings them back in one copy, the step's
@@ -29,6 +30,7 @@ import torch
 from moe_runtime.execution.host_reads import step_result_transfer
 from moe_runtime.sampling.counter_noise import exponential_race
 from moe_runtime.sampling.device_draw import DeviceDraw, DrawStatus, SampleResult, TopLogprobs
+from moe_runtime.sampling.logprobs_mode import LogprobsMode
 from moe_runtime.sampling.logits_processors import (add_logit_bias, apply_min_p, apply_penalties,
                                            ban_stop_tokens_below_min_tokens)
 from moe_runtime.engine.sequence import Sequence
@@ -68,7 +70,8 @@ class SampledRows:
     """The rows of a batch drawn at random (not greedy, not failed on the host), on the logits' device."""
 
     index: torch.Tensor              # [S] int64 rows of the batch
-    probs: torch.Tensor              # [S, V] float32 after temperature, min-p, top-k, top-p (non-finite: 0)
+    logits: torch.Tensor             # [S, V] float32 after temperature, min-p, top-k, top-p (dropped: -inf)
+    probs: torch.Tensor              # [S, V] float32 their softmax (non-finite: 0)
     usable: torch.Tensor             # [S] bool: the probabilities were finite and had mass
     seeds: torch.Tensor              # [S] int64 what keys each row's draws
     positions: torch.Tensor          # [S] int64 the position each row samples
@@ -78,10 +81,11 @@ class SampledRows:
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy and processed.errors[i] is None]
         if not rows:
             return None
-        probs = Sampler.sampling_probs(processed.logits, seqs, rows)                       # [S, V]
+        logits = Sampler.sampling_logits(processed.logits, seqs, rows)                     # [S, V]
+        probs = logits.softmax(dim=-1)                                                     # [S, V]
         device = probs.device
         usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)               # [S]
-        return cls(torch.tensor(rows, dtype=torch.int64, device=device), probs.nan_to_num(0.0), usable,
+        return cls(torch.tensor(rows, dtype=torch.int64, device=device), logits, probs.nan_to_num(0.0), usable,
                    torch.tensor([seqs[row].sampling_seed for row in rows], dtype=torch.int64, device=device),
                    torch.tensor([seqs[row].num_tokens for row in rows], dtype=torch.int64, device=device))
 
@@ -94,11 +98,14 @@ class SampledRows:
 
 class Sampler:
     """`eos_token_ids`: the engine's EOS ids, which min_tokens holds back; `grammar_threads`: xgrammar's
-    threads for filling the bitmasks of large batches (`GrammarBitmask`)."""
+    threads for filling the bitmasks of large batches (`GrammarBitmask`); `logprobs_mode`: what the asked
+    logprobs are (`LogprobsMode`)."""
 
-    def __init__(self, eos_token_ids: Iterable[int] = (), grammar_threads: int = 1):
+    def __init__(self, eos_token_ids: Iterable[int] = (), grammar_threads: int = 1,
+                 logprobs_mode: LogprobsMode | str = LogprobsMode.RAW_LOGPROBS):
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))   # what min_tokens holds back (unless ignore_eos)
         self.grammar_bitmask = GrammarBitmask(grammar_threads)
+        self.logprobs_mode = LogprobsMode.parse(logprobs_mode)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:  # logits [B, V]
         drawn = self.draw(logits, seqs)
@@ -116,13 +123,24 @@ class Sampler:
             token_ids = token_ids.index_copy(0, sampled.index,
                                              exponential_race(sampled.probs, sampled.seeds, sampled.positions))
             status = sampled.flag_unusable(status)
-        return DeviceDraw(token_ids, status, processed.errors, self.asked_logprobs(raw, token_ids, seqs))
+        return DeviceDraw(token_ids, status, processed.errors,
+                          self.asked_logprobs(raw, processed, sampled, token_ids, seqs))
 
-    @staticmethod
-    def asked_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence]) -> TopLogprobs | None:
-        """The logprobs the rows that asked for them want: raw logits [B, V], the rows' tokens [B]."""
+    def asked_logprobs(self, raw: torch.Tensor, processed: DeviceProcessedLogits, sampled: SampledRows | None,
+                       token_ids: torch.Tensor, seqs: list[Sequence]) -> TopLogprobs | None:
+        """The logprobs the rows that asked for them want, as `logprobs_mode` says: from the raw logits [B, V],
+        or from what each row's token was chosen from (`processed`, and `sampled`'s rows after temperature,
+        min-p, top-k and top-p); the rows' tokens [B]."""
         wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        return TopLogprobs.of(raw, token_ids, wanted, [seqs[row].params.logprobs for row in wanted])
+        if not wanted:
+            return None
+        scores = raw                                                                       # [B, V]
+        if self.logprobs_mode.processed:
+            scores = processed.logits
+            if sampled is not None:
+                scores = scores.index_copy(0, sampled.index, sampled.logits)
+        return TopLogprobs.of(scores, token_ids, wanted, [seqs[row].params.logprobs for row in wanted],
+                              normalize=self.logprobs_mode.normalized)
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> ProcessedLogits:
         """The batch's logits [B, V] after structured output, min_tokens, logit_bias and the penalties, in
@@ -157,6 +175,11 @@ class Sampler:
     @staticmethod
     def sampling_probs(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
         """Probabilities [S, V] of the sampled rows after temperature, min-p, top-k and top-p."""
+        return Sampler.sampling_logits(logits, seqs, rows).softmax(dim=-1)
+
+    @staticmethod
+    def sampling_logits(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+        """Logits [S, V] of the sampled rows after temperature, min-p, top-k and top-p (dropped tokens: -inf)."""
         vocab = logits.shape[-1]
         device = logits.device
         params = [seqs[i].params for i in rows]
@@ -168,4 +191,4 @@ class Sampler:
         scaled = logits[index] / temperature[:, None]                                        # [S, V]
         if any(p.min_p > 0 for p in params):                                                 # decided on the host
             scaled = apply_min_p(scaled, min_p)
-        return apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+        return apply_top_k_top_p(scaled, top_k, top_p)

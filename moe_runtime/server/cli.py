@@ -22,6 +22,7 @@ import sys
 from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV
 from moe_runtime.dispatch.backends import BACKENDS
 from moe_runtime.config.engine_config import DISAGGREGATION_MODES, DTYPES, QUANTIZATIONS, EngineConfig
+from moe_runtime.sampling.logprobs_mode import LOGPROBS_MODES
 from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
 from moe_runtime.errors import MoERuntimeError
 from moe_runtime.server.flag_help import DefaultsHelpFormatter
@@ -122,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "between elements (at most 16 characters in a row); by default it is compact, as with "
                         "vLLM's disable-any-whitespace. A request decides for itself with "
                         "structured_outputs.disable_any_whitespace")
+    g.add_argument("--logprobs-mode", default=e.logprobs_mode, choices=LOGPROBS_MODES,
+                   help="what a sampled token's logprobs are (vLLM's): raw_logprobs, the model's own; "
+                        "processed_logprobs, those of the distribution the token was drawn from (after penalties, "
+                        "logit_bias, grammars, temperature, min-p, top-k, top-p: an RL trainer's old-policy "
+                        "logprobs); raw_logits and processed_logits, the same before the log-softmax")
     g.add_argument("--speculative-config", type=json_object, default=e.speculative_config,
                    help='speculative decoding, as JSON with vLLM\'s names: {"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4} drafts by '

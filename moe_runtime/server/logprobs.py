@@ -5,6 +5,8 @@ from __future__ import annotations
 from moe_runtime.sampling.logprobs import PromptTokenLogprob, TokenLogprob
 from moe_runtime.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 
+LOWEST_SHOWN_LOGPROB = -9999.0   # JSON has no -inf: what a token the processed distribution drops shows (vLLM's)
+
 
 class TokenNamer:
     """Token id -> the text OpenAI shows for it (the token decoded alone; `token_id:N` without a tokenizer)."""
@@ -25,13 +27,21 @@ class TokenNamer:
         return name
 
 
+def json_safe(entry: TokenLogprob) -> TokenLogprob:
+    """`entry` with its -inf values (tokens `--logprobs-mode processed_*` reports as dropped by top-k, top-p,
+    min-p or a grammar) raised to `LOWEST_SHOWN_LOGPROB`, which JSON can carry."""
+    def shown(value: float) -> float:
+        return max(value, LOWEST_SHOWN_LOGPROB)
+    return TokenLogprob(entry.token_id, shown(entry.logprob), {t: shown(v) for t, v in entry.top.items()})
+
+
 def completion_logprobs(entries: list[TokenLogprob], namer: TokenNamer, text_offset: int) -> CompletionLogprobs:
     """`text_offset` is where the first of these tokens starts in the choice's text. Each position's
     `top_logprobs` holds the sampled token too, as OpenAI's do (so up to logprobs + 1 entries, and the
     sampled token alone with `logprobs: 0`)."""
     result = CompletionLogprobs()
     offset = text_offset
-    for entry in entries:
+    for entry in map(json_safe, entries):
         token = namer(entry.token_id)
         result.tokens.append(token)
         result.token_logprobs.append(entry.logprob)
@@ -108,7 +118,7 @@ def vllm_prompt_logprobs(entries: list[PromptTokenLogprob | None], namer: TokenN
 
 def chat_logprobs(entries: list[TokenLogprob], namer: TokenNamer) -> ChatLogprobs:
     content = []
-    for entry in entries:
+    for entry in map(json_safe, entries):
         token = namer(entry.token_id)
         top = sorted(entry.top.items(), key=lambda item: -item[1])
         content.append(ChatTokenLogprob(

@@ -80,7 +80,7 @@ class VerifyingSampler:
                         torch.tensor(layout.row_seq, dtype=torch.int64, device=device),
                         torch.tensor(layout.seq_starts, dtype=torch.int64, device=device))
         drawn = DeviceDraw(emission.tokens, status, processed.errors,
-                           self.sampler.asked_logprobs(raw, emission.tokens, rows))
+                           self.sampler.asked_logprobs(raw, processed, sampled, emission.tokens, rows))
         with step_result_transfer():
             result, emitted = drawn.to_host_beside(emission.emitted)
         return SampleResult.concat([self._accept(seq, result, emitted, first)
