@@ -48,11 +48,14 @@ from moe_runtime.engine.outputs import TokenDelta, error_message
 from moe_runtime.config.parallel_context import ParallelContext, agree_on_minimum
 from moe_runtime.disaggregation.prefill_exports import PrefillExports
 from moe_runtime.engine.request_limits import RequestLimits
+from moe_runtime.engine.routing_replay import RankRouting, model_top_k
 from moe_runtime.execution.pipeline import broadcast_step_result, run_pipeline_step
 from moe_runtime.engine.prefix_cache import PrefixCacheEvents
 from moe_runtime.sampling.sampler import SampleResult, Sampler
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from moe_runtime.engine.sleep_mode import SleepMode
+from moe_runtime.engine.weight_updates import WeightUpdater
 from moe_runtime.engine.sequence import FinishReason, Sequence
 from moe_runtime.sampling.structured_output.compiler import build_grammar_compiler
 from moe_runtime.speculative.draft_source import DraftSource
@@ -88,6 +91,8 @@ class EngineCore:
         ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant, config)
         self.model = build_model(self.architecture, self.hf_config, ctx)
         self.executor.finish_registration()  # every MoE layer registered itself while the model was built
+        self.routing = RankRouting.for_engine(self.executor.num_moe_layers, model_top_k(self.model),
+                                              self.executor.num_experts or 0, self.parallel)   # routing replay
         load_model_weights(self.model, reader, SkippedTensors.for_config(self.hf_config),
                            self.parallel.world_control_group if self.parallel.world_size > 1 else None)
         self.model.eval()
@@ -135,6 +140,8 @@ class EngineCore:
         self.tiers = self.tier_steps.tiers
         if self.imports is not None:
             self.imports.before_pull = self.tier_steps.save_evicted
+        self.sleep_mode = SleepMode(self)                                 # sleep / wake_up (engine/sleep_mode.py)
+        self.weight_updater = WeightUpdater(self, self.sleep_mode)        # weights without a restart
         self._arrivals = 0
         self._sequences: dict[str, Sequence] = {}
         self._prompt_tokens = 0
@@ -191,7 +198,7 @@ class EngineCore:
     def limits(self) -> RequestLimits:
         """What a request must fit; the front checks it once at admission, and this core trusts it."""
         return RequestLimits(self.vocab_size, self.max_model_len, self.kv_capacity_tokens,
-                             self.tokenizer is not None)
+                             self.tokenizer is not None, routing=self.routing.shape)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     export_kv: bool = False, resumed_token_ids: list[int] = ()) -> None:
@@ -203,7 +210,7 @@ class EngineCore:
             raise InvalidRequestError("export_kv: this engine is not a prefill instance (--disaggregation-mode prefill)")
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival=self._arrivals, export_kv=export_kv,
                        queued_at=time.perf_counter(), output_token_ids=list(resumed_token_ids),
-                       prompt_logprobs_done=bool(resumed_token_ids))
+                       prompt_logprobs_done=bool(resumed_token_ids), routing=self.routing.for_request(params))
         self._arrivals += 1
         self._sequences[request_id] = seq
         if params.structured_output is None:
@@ -370,8 +377,9 @@ class EngineCore:
                 deltas.append(self._fail(seq, error))
                 continue
             tokens, logprobs, reason = emit_tokens(seq, [*accepted, (token, logprob)], self._advance, self.block_manager)
-            export = None
+            export = routed = None
             if reason is not None:
+                routed = self.routing.finished(seq)
                 park = reason == FinishReason.LENGTH and seq.export_kv
                 self.scheduler.finish(seq, reason, keep_blocks=park)
                 self._sequences.pop(seq.request_id, None)
@@ -379,7 +387,7 @@ class EngineCore:
             deltas.append(TokenDelta(seq.request_id, tokens, logprobs if seq.params.logprobs is not None else None,
                                      reason.value if reason else None, None, seq.num_preemptions,
                                      prompt_logprobs=scored_prompts.get(seq.request_id), kv_export=export,
-                                     **self._first_delta_fields(seq)))
+                                     routed_experts=routed, **self._first_delta_fields(seq)))
         Speculation.after_step(self.speculation, self.runner.last_hidden, sampling)   # a model drafter drafts (MTP)
         if self.exports is not None:
             self.exports.note_drafts()   # ... parked requests' too: their handles carry them

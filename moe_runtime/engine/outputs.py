@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
+from moe_runtime.moe.routed_experts import RoutedExpertsArray
 from moe_runtime.sampling.logprobs import PromptLogprobs, PromptTokenLogprob, TokenLogprob
 
 
@@ -36,6 +39,7 @@ class TokenDelta:
     queue_seconds: float | None = None        # arrival on the ranks to its first scheduled step (once, when known)
     cached_prompt_tokens: int | None = None   # prompt tokens the prefix cache held, in its first delta (usage's
                                               # cached_tokens)
+    routed_experts: RoutedExpertsArray | None = None  # in its last delta, when it asked (return_routed_experts)
 
 
 @dataclass
@@ -65,6 +69,9 @@ class RequestOutput:
     kv_handle: KVHandle | None = None         # prefill instance: where its parked KV blocks are, for a decode one
     cached_prompt_tokens: int = 0             # prompt tokens served from the prefix cache (OpenAI's cached_tokens)
     stop_string: str | None = None            # the stop string that ended it (finish_reason "stop"), if one did
+    # return_routed_experts: [prompt + generated - 1, moe_layers, top_k] logical expert ids (the last token was
+    # never fed through the model), in the finished output only (moe/routed_experts.py)
+    routed_experts: np.ndarray | None = None
 
 
 def error_message(exc: BaseException, limit: int = 200) -> str:

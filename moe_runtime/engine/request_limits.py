@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.moe.routed_experts import RoutingShape, check_routed_experts
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
 
@@ -47,6 +48,7 @@ class RequestLimits:
     max_model_len: int
     kv_capacity_tokens: int       # one DP worker's KV cache
     has_tokenizer: bool = True
+    routing: RoutingShape | None = None   # the model's MoE routing (routing replay's arrays); None: not known
     structured_output: StructuredOutputValidator = field(default_factory=StructuredOutputValidator, compare=False,
                                                          repr=False)
 
@@ -58,6 +60,7 @@ class RequestLimits:
             bad = next(t for t in prompt_token_ids if not 0 <= t < self.vocab_size)
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         check_context_length(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        self._check_routing(params, len(prompt_token_ids) + params.max_tokens)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.kv_capacity_tokens:
             raise InvalidRequestError(
@@ -85,3 +88,13 @@ class RequestLimits:
                 raise InvalidRequestError("SamplingParams.structured_output: needs a tokenizer (a grammar is matched "
                                           "against token text), and the checkpoint has none")
             self.structured_output.check(params.structured_output)
+
+    def _check_routing(self, params: SamplingParams, max_positions: int) -> None:
+        """Routing replay needs an MoE model; a forced array must fit it (`check_routed_experts`)."""
+        if not params.return_routed_experts and params.forced_routed_experts is None:
+            return
+        if self.routing is None or self.routing.num_moe_layers == 0:
+            name = "return_routed_experts" if params.return_routed_experts else "forced_routed_experts"
+            raise InvalidRequestError(f"SamplingParams.{name}: this model has no MoE layers to route")
+        if params.forced_routed_experts is not None:
+            check_routed_experts(params.forced_routed_experts, self.routing, max_positions)

@@ -256,7 +256,8 @@ class Scheduler:
         A prompt is scored before the first token is sampled; that test reads the same on every rank (only
         the last pipeline stage scores, so only it knows `prompt_logprobs_done`)."""
         wants_prompt_scored = seq.params.prompt_logprobs is not None and not seq.output_token_ids
-        if not self.block_manager.admit(seq, read_cache=not wants_prompt_scored):
+        # routing replay records (or forces) every position's routing: a cached prefix was not routed by it
+        if not self.block_manager.admit(seq, read_cache=not wants_prompt_scored and seq.routing is None):
             return None
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING

@@ -5,6 +5,7 @@ import enum
 import secrets
 from dataclasses import dataclass, field
 
+from moe_runtime.moe.routing_record import SequenceRouting
 from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.sampling.structured_output.grammar_state import GrammarState
@@ -58,6 +59,8 @@ class Sequence:
     queue_reported: bool = False                   # ... and handed out in a delta
     prefix_hit_tokens: int = 0                     # prompt tokens its first admission found in the prefix cache
     tier_loads: list = field(default_factory=list)  # its admission's `TierLoad`s: entries of a KV tier it waits for
+    routing: SequenceRouting | None = None         # routing replay: its record / forced ids (return_routed_experts,
+                                                   # forced_routed_experts), on this rank's MoE layers
 
     def __post_init__(self) -> None:
         if self.sampling_seed < 0:

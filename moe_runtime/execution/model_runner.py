@@ -19,6 +19,7 @@ from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.layers.state_cache import LayerStateCache, StateSpec
 from moe_runtime.sampling.prompt_logprobs import chunk_tokens_for, join_prompt_logprobs, prompt_logprobs_due, score_prompt
 from moe_runtime.engine.sequence import Sequence
+from moe_runtime.moe.routing_record import StepRouting
 from moe_runtime.speculative.state_rollback import DraftCheckpoints
 
 logger = logging.getLogger(__name__)
@@ -217,19 +218,34 @@ class ModelRunner:
         order, `seq.logit_rows` rows each (one; 1 + drafts when it verifies drafts); marks every sequence's
         scheduled tokens as cached."""
         inputs = self.prepare(seqs)
-        captured = None if self.capture is None else self.capture.run(seqs, inputs)   # None: not captured
+        routing = self.arm_routing(seqs, inputs)   # routing replay: such a step runs eagerly
+        captured = None if self.capture is None or routing is not None else self.capture.run(seqs, inputs)
         if captured is not None:
             self.last_hidden = self._kept(seqs, inputs, captured.hidden) if self.keep_hidden else None
             for seq in seqs:
                 seq.commit_scheduled_tokens()
             return captured.logits
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
+        self.disarm_routing(routing, seqs, inputs)
         if self.keep_hidden:   # the final hidden states, or the aux layers' inputs where an EAGLE-3 head asks
             self.last_hidden = self._kept(seqs, inputs, self.model.drafter_hidden(hidden))
         self.score_prompts(seqs, inputs, hidden)
         for seq in seqs:
             seq.commit_scheduled_tokens()
         return self.model.logits(hidden[inputs.last_token_index])
+
+    def arm_routing(self, seqs: list[Sequence], inputs: StepInputs) -> StepRouting | None:
+        """Arm routing replay on the model's MoE executor for this forward when a sequence of it records or
+        forces its routing (moe/routing_record.py); None otherwise."""
+        routing = StepRouting.for_forward(seqs, inputs.batch.query_start, self.device)
+        self.model.executor.routing = routing
+        return routing
+
+    def disarm_routing(self, routing: StepRouting | None, seqs: list[Sequence], inputs: StepInputs) -> None:
+        """After the forward, before its tokens are committed: each recording sequence takes its rows."""
+        self.model.executor.routing = None
+        if routing is not None:
+            routing.hand_out(seqs, inputs.batch.query_start)
 
     @staticmethod
     def _kept(seqs: list[Sequence], inputs: StepInputs, hidden: torch.Tensor) -> TargetHidden:  # hidden [T, H']

@@ -82,7 +82,9 @@ def run_pipeline_step(runner, seqs: list[Sequence], parallel, num_micro_batches:
         elif not parallel.is_first_stage:
             hidden = torch.empty(0, hidden_size, dtype=runner.dtype, device=runner.device)
         started = time.perf_counter()
+        routing = runner.arm_routing(group, inputs)   # routing replay: this stage's MoE layers
         out = model(inputs.input_ids, inputs.positions, inputs.batch, runner.caches, hidden)
+        runner.disarm_routing(routing, group, inputs)
         compute += time.perf_counter() - started
         if not parallel.is_last_stage:
             if num_tokens:

@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 from moe_runtime.attention_dp.messages import Message
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.engine.stats import EngineHealth
+from moe_runtime.moe.routed_experts import RoutingShape
 from moe_runtime.front.rank_reform import ReformOutcome
 
 
@@ -31,6 +32,7 @@ class CoreShape:
     pp_size: int
     worker_ranks: dict[int, list[int]]       # DP worker -> its ranks (every stage), in rank order
     kv_shards: dict[int, KVShard | None]     # rank -> its share of the KV cache (P/D instances), else None
+    routing: RoutingShape | None = None      # the model's MoE routing (routing replay's arrays)
 
     @property
     def dp_size(self) -> int:

@@ -76,7 +76,7 @@ class Front:
         self.block_size = shape.block_size
         self.num_kv_blocks = shape.num_kv_blocks
         self.limits = RequestLimits(shape.vocab_size, shape.max_model_len, shape.kv_capacity_tokens,
-                                    self.tokenizer is not None)
+                                    self.tokenizer is not None, routing=shape.routing)
         cache_aware = config.enable_prefix_caching and config.cache_aware_routing and shape.dp_size > 1
         self.router = DPRouter.for_workers(shape.dp_size, shape.num_kv_blocks, cache_aware, shape.block_size)
         self.outputs = OutputProcessor(self.tokenizer)   # the requests in flight, as the front sees them

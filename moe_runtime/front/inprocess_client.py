@@ -40,7 +40,7 @@ class InProcessClient:
         self.tokenizer = core.tokenizer
         self.shape = CoreShape(block_size=core.block_manager.block_size, num_kv_blocks=core.block_manager.num_blocks,
                                max_model_len=core.max_model_len, vocab_size=core.vocab_size, pp_size=1,
-                               worker_ranks={0: [0]}, kv_shards={0: core.kv_shard()})
+                               worker_ranks={0: [0]}, kv_shards={0: core.kv_shard()}, routing=core.routing.shape)
         self._outbox: list[Message] = []
         self._applier = CoreCommands(core, RankRole.single(), self._outbox.append)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()   # attached: commands (and wakes) for the core thread

@@ -53,6 +53,7 @@ class RequestState:
     prompt_logprobs: list[PromptTokenLogprob | None] | None = None   # from the first delta, when asked for
     cached_prompt_tokens: int = 0     # from the first delta: prompt tokens the prefix cache held
     stop_string: str | None = None    # the stop string that ended it
+    routed_experts: object = None     # from the last delta (return_routed_experts): a numpy array
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -110,6 +111,8 @@ class OutputProcessor:
             state.prompt_logprobs = delta.prompt_logprobs.entries()
         if delta.cached_prompt_tokens is not None:
             state.cached_prompt_tokens = delta.cached_prompt_tokens
+        if delta.routed_experts is not None:
+            state.routed_experts = delta.routed_experts.to_numpy()
         new_tokens: list[int] = []
         new_logprobs: list[TokenLogprob] = []
         for index, token in enumerate(delta.new_token_ids):
@@ -153,6 +156,7 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs,
             cached_prompt_tokens=state.cached_prompt_tokens,
             stop_string=state.stop_string,
+            routed_experts=state.routed_experts if finished else None,
         )
 
     @staticmethod

@@ -105,6 +105,13 @@ def select_experts(
     if config.num_groups > 1:
         choice = choice.masked_fill(~group_mask(choice, config), float("-inf"))
     ids = choice.topk(config.top_k, dim=-1, sorted=False).indices        # [T, K]
+    return TopK(weights=chosen_weights(scores, ids, config), ids=ids)
+
+
+def chosen_weights(scores: torch.Tensor, ids: torch.Tensor, config: RoutingConfig) -> torch.Tensor:
+    """The gating weights [T, K] of experts `ids` [T, K] from their scores [T, E] (`expert_scores`): gathered,
+    renormalized and scaled as the family does; the correction bias and the groups only choose, never weigh
+    (routing replay weighs forced ids with this: moe/routing_record.py)."""
     weights = scores.gather(1, ids)                                      # [T, K]
     if config.renormalize:
         denominator = weights.sum(dim=-1, keepdim=True)
@@ -113,4 +120,4 @@ def select_experts(
         weights = weights / denominator
     if config.routed_scaling_factor != 1.0:
         weights = weights * config.routed_scaling_factor
-    return TopK(weights=weights, ids=ids)
+    return weights

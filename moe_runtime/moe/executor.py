@@ -42,6 +42,7 @@ from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.comm_timeline import CommTimeline
 from moe_runtime.moe.expert_weights import ExpertWeights
 from moe_runtime.moe.modular_moe import ModularMoE
+from moe_runtime.moe.routing_record import StepRouting
 from moe_runtime.moe.stages import Staged, run_to_end
 from moe_runtime.moe.token_share import TokenShare
 from moe_runtime.config.parallel_context import ParallelContext
@@ -87,6 +88,8 @@ class MoEExecutor:
         self._share = TokenShare(parallel.attn_tp_size, parallel.attn_tp_rank, parallel.attn_tp_group)
         self._registration_open = True
         self._phase_agreement: bool | None = None   # needs_phase_agreement's answer, once asked
+        # routing replay: armed by the runner for one forward when a sequence of it records or forces routing
+        self.routing: StepRouting | None = None
 
     @classmethod
     def for_engine(cls, config: EngineConfig, parallel: ParallelContext, kernels: KernelSet, hidden_size: int,
@@ -307,7 +310,7 @@ class MoEExecutor:
         return self.two_batch_overlap and bool(self._experts)
 
     def run(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> torch.Tensor:  # [T, H] -> [T, H]
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():   # a captured step never runs with routing armed (ModelRunner.execute)
             return self._captured_run(moe_layer, x, topk)
         return run_to_end(self.stages(moe_layer, x, topk))
 
@@ -330,6 +333,8 @@ class MoEExecutor:
 
     def stages(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> Staged[torch.Tensor]:  # [T, H] -> [T, H]
         """`run` as a staged computation: it yields while this layer's dispatch and combine are in flight."""
+        if self.routing is not None:   # the logical ids, before replicas: every rank of an attention-TP group alike
+            self.routing.record(moe_layer, topk.ids)
         rows = self._share.rows(x.shape[0])
         ids, weights = topk.ids[rows], topk.weights[rows]                        # [T', K]
         slots = choose_replicas(ids, self._tables[moe_layer])                    # [T', K]

@@ -98,7 +98,9 @@ class SparseMoE(nn.Module):
     def _route(self, x: torch.Tensor) -> TopK:   # [T, H] -> top-k [T, K]
         router = getattr(self, self.router_name)
         logits = router(x)                                                          # [T, E]
-        return self._kernels.select_experts(logits, self.routing, router.e_score_correction_bias)
+        topk = self._kernels.select_experts(logits, self.routing, router.e_score_correction_bias)
+        replay = self._executor.routing   # routing replay: a request's forced ids (moe/routing_record.py)
+        return topk if replay is None else replay.force(self.moe_layer, logits, topk, self.routing)
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:   # routed out [T, H] -> [T, H]
         shared = self._shared(x)

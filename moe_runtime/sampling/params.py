@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.moe.routed_experts import RoutedExpertsArray
 from moe_runtime.sampling import bounds
 from moe_runtime.sampling.bounds import BOUND, is_int
 from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
@@ -50,6 +51,11 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     structured_output: StructuredOutputSpec | None = None        # the output must match it (xgrammar)
     cache_salt: str | None = None     # vLLM's: a prefix-cache partition; blocks are shared only under the same salt
+    # routing replay (moe/routed_experts.py): return each position's logical expert ids (RequestOutput.
+    # routed_experts, [prompt + generated - 1, moe_layers, top_k]); force those of the first positions (an array
+    # of the same form; a numpy array or tensor is taken as one), weighted by the model's own gating
+    return_routed_experts: bool = False
+    forced_routed_experts: RoutedExpertsArray | None = None
 
     # the table's values under their old names (`bounds` states them)
     SEED_LIMIT: ClassVar[int] = bounds.SEED_LIMIT
@@ -80,6 +86,11 @@ class SamplingParams:
             self.logit_bias = {}
         elif isinstance(self.logit_bias, Mapping) and not isinstance(self.logit_bias, dict):
             self.logit_bias = dict(self.logit_bias)
+        if self.forced_routed_experts is not None and not isinstance(self.forced_routed_experts, RoutedExpertsArray):
+            try:
+                self.forced_routed_experts = RoutedExpertsArray.of(self.forced_routed_experts)
+            except (TypeError, ValueError):
+                pass   # validate names it
         if is_int(self.top_k) and self.top_k > self.MAX_TOP_K:
             self.top_k = self.MAX_TOP_K  # the same meaning (every token), small enough for torch and any wire
 
@@ -100,6 +111,10 @@ class SamplingParams:
                                                 and 0 < len(self.cache_salt) <= self.MAX_CACHE_SALT_CHARS):
             raise self._bad("cache_salt", f"must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} "
                                           "characters (or None)")
+        if not isinstance(self.return_routed_experts, bool):
+            raise self._bad("return_routed_experts", "must be true or false")
+        if self.forced_routed_experts is not None and not isinstance(self.forced_routed_experts, RoutedExpertsArray):
+            raise self._bad("forced_routed_experts", "must be an integer array [tokens, moe_layers, top_k] (or None)")
 
     def _bad(self, name: str, why: str) -> InvalidRequestError:
         return InvalidRequestError(f"SamplingParams.{name}={_shown(getattr(self, name))}: {why}")
