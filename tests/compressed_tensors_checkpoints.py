@@ -18,6 +18,7 @@ from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.config import CompressionFormat
 from compressed_tensors.quantization import QuantizationConfig, QuantizationStrategy, preset_name_to_scheme
 from compressed_tensors.quantization.utils import calculate_qparams
+from compressed_tensors.utils.match import match_name
 
 from moe_runtime.weights.quantization.fp8_checkpoint_writer import copy_side_files, read_all_tensors, write_two_shards
 
@@ -59,24 +60,27 @@ def is_projection(name: str, tensor: torch.Tensor) -> bool:
             and not name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")))
 
 
-def write_compressed_checkpoint(source: Path, target: Path, twin: Path, preset: str) -> tuple[Path, Path]:
+def write_compressed_checkpoint(source: Path, target: Path, twin: Path, preset: str,
+                                ignore: tuple[str, ...] = ("lm_head",)) -> tuple[Path, Path]:
+    """`ignore`: the config's ignore list (module names, or "re:" patterns as the library matches them); those
+    projections stay full precision, e.g. Kimi K2 Thinking's attention, shared experts and dense MLP."""
     config = json.loads((source / "config.json").read_text())
     tensors = read_all_tensors(source)
     scheme = scheme_of(preset)
     compressor = BaseCompressor.get_value_from_registry(scheme.format)
     compressed, dense = {}, {}
     for name, tensor in tensors.items():
-        if not is_projection(name, tensor):
+        module = name.removesuffix(".weight")
+        if not is_projection(name, tensor) or any(match_name(module, pattern) for pattern in ignore):
             compressed[name] = dense[name] = tensor
             continue
-        module = name[: -len(".weight")]
         weight = tensor.float()
         scale, zero_point = calculate_qparams(*extremes(weight, scheme.weights), scheme.weights)
         state = compressor.compress({"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point},
                                     scheme)
         compressed.update({f"{module}.{key}": value for key, value in state.items()})
         dense[name] = compressor.decompress(dict(state), scheme)["weight"].to(tensor.dtype)
-    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore),
                                       format=scheme.format.value, quantization_status="compressed")
     for path, written in ((target, compressed), (twin, dense)):
         copy_side_files(source, path)
