@@ -21,9 +21,10 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def is_quantized_in_fp8_layout(name: str, tensor: torch.Tensor) -> bool:
-    """DeepSeek-V3 quantizes the decoder layers' linear weights; embeddings, lm_head, norms and the router stay."""
+    """DeepSeek-V3 quantizes the decoder layers' linear weights; embeddings, lm_head, norms and the router stay (as
+    MiniMax-M2's `block_sparse_moe.gate` does)."""
     return (name.startswith("model.layers.") and name.endswith(".weight") and tensor.dim() == 2
-            and not name.endswith("mlp.gate.weight"))
+            and not name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")))
 
 
 @dataclass
