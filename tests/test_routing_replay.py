@@ -1,12 +1,16 @@
 """Routing replay (issue 54): `return_routed_experts` gives each position's logical expert ids, equal to transformers'
 router top-k and the same under every layout; `forced_routed_experts` routes the positions it covers."""
+import base64
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from engine_helpers import greedy
 from lazy_engines import tiny_engine_pool
-from moe_runtime import SamplingParams
+from server_harness import serve_in_process
+from moe_runtime import LLM, SamplingParams
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.moe.routed_experts import RoutedExpertsArray
 
@@ -50,3 +54,118 @@ def test_returned_routing_is_transformers_router_top_k(arch, engines, hf_oracles
         assert array.shape == (len(prompt) + NEW_TOKENS - 1, layers, model.config.num_experts_per_tok)
         expected = hf_router_ids(model, prompt + output.token_ids[:-1])
         np.testing.assert_array_equal(np.sort(array, axis=-1), expected)
+
+
+def hf_forced_greedy(model, prompt: list[int], forced: np.ndarray, max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens with its routers patched: positions [0, len(forced)) take the forced ids, weighed
+    by the family's own gating at them (softmax or sigmoid scores, normalized, scaled), the others its own top-k."""
+    config = model.config
+    scaling = getattr(config, "routed_scaling_factor", 1.0)
+    layer_of = {module: layer for layer, module in enumerate(m for name, m in model.named_modules()
+                                                             if name.endswith("mlp.gate"))}
+
+    def patched(module, _inputs, out):
+        logits, weights, ids = out                                                   # [T, E], [T, K], [T, K]
+        rows = min(len(forced), ids.shape[0])
+        ids = ids.clone()
+        ids[:rows] = torch.from_numpy(forced[:rows, layer_of[module]].astype(np.int64))
+        scores = logits.float().sigmoid() if config.model_type == "deepseek_v3" else logits.float().softmax(-1)
+        chosen = scores.gather(1, ids)
+        if config.norm_topk_prob:
+            chosen = chosen / (chosen.sum(-1, keepdim=True) + (1e-20 if config.model_type == "deepseek_v3" else 0))
+        weights = weights.clone()
+        weights[:rows] = (chosen * scaling)[:rows].to(weights.dtype)
+        return logits, weights, ids
+
+    hooks = [module.register_forward_hook(patched) for module in layer_of]
+    tokens = list(prompt)
+    try:
+        with torch.no_grad():
+            for _ in range(max_new_tokens):   # no KV cache: every position is routed again in each forward
+                tokens.append(int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_forced_routing_replays_and_reroutes(arch, engines, hf_oracles):
+    """Forcing the returned routing gives the same tokens and array; forcing another (every id shifted by one, over
+    the prompt and the first generated positions) gives transformers' tokens with its routers so patched."""
+    llm = engines(arch, "one")
+    prompt = PROMPTS[0]
+    first = llm.generate([prompt], routed())[0]
+    again = llm.generate([prompt], routed(forced_routed_experts=first.routed_experts))[0]
+    assert again.token_ids == first.token_ids
+    np.testing.assert_array_equal(again.routed_experts, first.routed_experts)
+
+    num_experts = llm.engine.limits.routing.num_experts
+    other = ((first.routed_experts[: len(prompt) + 2].astype(np.int64) + 1) % num_experts).astype(np.uint8)
+    rerouted = llm.generate([prompt], routed(forced_routed_experts=other))[0]
+    np.testing.assert_array_equal(rerouted.routed_experts[: len(other)], other)
+    assert rerouted.token_ids != first.token_ids, "the forced routing changed nothing: the test proves nothing"
+    assert rerouted.token_ids == hf_forced_greedy(hf_oracles(arch).model, prompt, other, NEW_TOKENS)
+
+
+def test_invalid_forced_routing_is_refused_naming_the_field(engines):
+    llm = engines("qwen3_moe", "one")
+    shape = llm.engine.limits.routing
+    good = np.zeros((3, shape.num_moe_layers, shape.top_k), dtype=np.uint8)
+    good[..., :] = np.arange(shape.top_k, dtype=np.uint8)
+    duplicate = good.copy()
+    duplicate[1, 0, 1] = duplicate[1, 0, 0]
+    out_of_range = good.copy()
+    out_of_range[2, 1, 0] = shape.num_experts
+    cases = {
+        "tokens, ": np.zeros((3, shape.num_moe_layers + 1, shape.top_k), dtype=np.uint8),
+        "names an expert twice": duplicate,
+        "expert ids must be in": out_of_range,
+        "it covers 1 to": np.tile(good[:1], (len(PROMPTS[0]) + NEW_TOKENS + 1, 1, 1)),
+        "dtype 'float32'": good.astype(np.float32),
+        "bytes of data": RoutedExpertsArray((3, shape.num_moe_layers, shape.top_k), "uint8", b"\0"),
+    }
+    for words, forced in cases.items():
+        with pytest.raises(InvalidRequestError, match="forced_routed_experts") as refused:
+            llm.generate([PROMPTS[0]], routed(forced_routed_experts=forced))
+        assert words in str(refused.value), (words, str(refused.value))
+
+
+def decoded(field: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(field["data"]), dtype=field["dtype"]).reshape(field["shape"])
+
+
+def test_http_routed_experts_round_trip(tiny_checkpoint_factory):
+    """Completions return each choice's array as base64 with its shape and dtype; the same object forced back
+    reproduces it; a streamed chat call carries the array in its final chunk; bad input is a 400 naming the field."""
+    llm = LLM(str(tiny_checkpoint_factory("qwen3_moe")), device="cpu", dtype="float32")
+    prompt = PROMPTS[0]
+    expected = llm.generate([prompt], routed())[0]
+    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_routed_experts": True}
+
+    async def scenario(client, _):
+        first = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+        forced = await client.post("/v1/completions", json={**body, "forced_routed_experts": first["routed_experts"]})
+        chat = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "stream": True,
+            "return_routed_experts": True})
+        not_base64 = await client.post("/v1/completions", json={
+            **body, "forced_routed_experts": {**first["routed_experts"], "data": "%%%"}})
+        twice = decoded(first["routed_experts"]).copy()
+        twice[0, 0, 1] = twice[0, 0, 0]
+        duplicate = await client.post("/v1/completions", json={
+            **body, "forced_routed_experts": {**first["routed_experts"], "data": base64.b64encode(twice).decode()}})
+        return first, forced.json()["choices"][0], chat.text, not_base64, duplicate
+
+    first, forced, chat, not_base64, duplicate = serve_in_process(llm.engine, scenario)
+    assert first["routed_experts"]["dtype"] == "uint8"
+    np.testing.assert_array_equal(decoded(first["routed_experts"]), expected.routed_experts)
+    assert forced["text"] == first["text"] and forced["routed_experts"] == first["routed_experts"]
+    chunks = [json.loads(line[len("data: "):]) for line in chat.splitlines() if line.startswith("data: {")]
+    carrying = [chunk["choices"][0] for chunk in chunks if chunk["choices"][0].get("routed_experts")]
+    assert len(carrying) == 1 and carrying[0]["finish_reason"] == "length"
+    assert decoded(carrying[0]["routed_experts"]).shape[1:] == expected.routed_experts.shape[1:]
+    for refused in (not_base64, duplicate):
+        assert refused.status_code == 400, refused.text
+        assert "forced_routed_experts" in refused.json()["error"]["message"]

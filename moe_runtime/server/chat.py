@@ -16,6 +16,7 @@ from moe_runtime.server.logprobs import TokenNamer, chat_logprobs
 from moe_runtime.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                          ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, DeltaMessage)
 from moe_runtime.server.chat_reading import ChatReading, ChoiceReader
+from moe_runtime.server.routed_experts import RoutedExpertsJSON
 
 
 def chat_finish_reason(reason: str | None, called_tools: bool) -> str | None:
@@ -67,7 +68,8 @@ class ChatFormatter:
         message = DeltaMessage(content=piece.content or None, tool_calls=piece.tool_calls or None,
                                reasoning_content=reasoning, reasoning=reasoning)
         choice = ChatChunkChoice(index=event.index, delta=message, logprobs=logprobs,
-                                 finish_reason=chat_finish_reason(delta.finish_reason, reader.called))
+                                 finish_reason=chat_finish_reason(delta.finish_reason, reader.called),
+                                 routed_experts=RoutedExpertsJSON.of(delta.routed_experts))
         return [self._chunk([choice])]
 
     def closing(self) -> list[ChatCompletionChunk]:
@@ -92,6 +94,7 @@ class ChatFormatter:
             logprobs = ChatLogprobs(content=self._logprobs.get(spec.index, [])) if self.want_logprobs else None
             message = self._reader(spec.index).message()
             choices.append(ChatChoice(index=spec.index, message=message, logprobs=logprobs,
-                                      finish_reason=chat_finish_reason(tracker.finish_reason, bool(message.tool_calls))))
+                                      finish_reason=chat_finish_reason(tracker.finish_reason, bool(message.tool_calls)),
+                                      routed_experts=RoutedExpertsJSON.of(tracker.routed_experts)))
         return ChatCompletionResponse(id=self.generation.request_id, model=self.model_name, choices=choices,
                                       usage=usage_of(self.generation))

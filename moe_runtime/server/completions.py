@@ -7,6 +7,7 @@ from moe_runtime.server.errors import APIError
 from moe_runtime.server.generation import ChoiceEvent, ChoiceSpec, Generation
 from moe_runtime.server.logprobs import TokenNamer, completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
 from moe_runtime.server.protocol import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
+from moe_runtime.server.routed_experts import RoutedExpertsJSON
 
 
 def api_finish_reason(reason: str | None) -> str | None:
@@ -75,7 +76,8 @@ class CompletionFormatter:
         text = echoed_text + delta.text
         self._texts[event.index] = before + text
         return CompletionChoice(index=event.index, text=text, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                finish_reason=api_finish_reason(delta.finish_reason))
+                                finish_reason=api_finish_reason(delta.finish_reason),
+                                routed_experts=RoutedExpertsJSON.of(delta.routed_experts))
 
     # streaming
     def opening(self) -> list:
@@ -118,6 +120,7 @@ class CompletionFormatter:
                 logprobs=self._logprobs.get(spec.index, CompletionLogprobs()) if self.want_logprobs else None,
                 finish_reason=api_finish_reason(tracker.finish_reason),
                 prompt_logprobs=self._prompt_logprobs.get(spec.index),
+                routed_experts=RoutedExpertsJSON.of(tracker.routed_experts),
             ))
         return CompletionResponse(id=self.generation.request_id, model=self.model_name, choices=choices,
                                   usage=usage_of(self.generation))

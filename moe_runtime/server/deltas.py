@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from moe_runtime.sampling.logprobs import PromptTokenLogprob, TokenLogprob
 from moe_runtime.engine.outputs import RequestOutput
 
@@ -20,6 +22,7 @@ class ChoiceDelta:
     finish_reason: str | None          # set on the last delta: "stop" | "length" | "abort" | "error"
     first: bool = False                # the choice's first delta (an echoed prompt leads it)
     prompt_logprobs: list[PromptTokenLogprob | None] | None = None   # on the first delta, when asked for
+    routed_experts: np.ndarray | None = None   # on the last delta, when asked for (return_routed_experts)
 
 
 @dataclass
@@ -32,6 +35,7 @@ class ChoiceTracker:
     kv_handle: object | None = None    # prefill instance: its parked KV's `KVHandle`, on the last output
     cached_prompt_tokens: int = 0      # prompt tokens the prefix cache held (usage's cached_tokens)
     stop_string: str | None = None     # the stop string that ended it, if one did
+    routed_experts: np.ndarray | None = None   # return_routed_experts: the finished choice's array
 
     def advance(self, output: RequestOutput) -> ChoiceDelta:
         self.num_tokens = len(output.token_ids)
@@ -40,7 +44,9 @@ class ChoiceTracker:
         if output.finished:
             self.finish_reason = output.finish_reason
             self.kv_handle = output.kv_handle
+            self.routed_experts = output.routed_experts
         first, self.started = not self.started, True
         return ChoiceDelta(output.new_text, output.new_token_ids, output.new_logprobs or [],
                            output.finish_reason if output.finished else None, first,
-                           output.prompt_logprobs if first else None)
+                           output.prompt_logprobs if first else None,
+                           output.routed_experts if output.finished else None)

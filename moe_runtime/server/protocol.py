@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from moe_runtime.sampling.bounds import BOUND, TOKEN_ID_DIGITS, refusal
 from moe_runtime.sampling.params import SamplingParams
+from moe_runtime.server.routed_experts import RoutedExpertsJSON
 from moe_runtime.sampling.structured_output.schema_bounds import MAX_SCHEMA_DEPTH, object_nesting_depth
 
 TokenIds = list[int]
@@ -122,6 +123,10 @@ class SamplingFields(RequestModel):
     # vLLM's: the prompt's KV blocks are shared only with requests of the same salt (and, with several API
     # keys, of the same key: `server.tenant_salt`), so no one learns another's prompt from a cache hit's speed
     cache_salt: str | None = Field(None, min_length=1, max_length=SamplingParams.MAX_CACHE_SALT_CHARS)
+    # routing replay (issue 54): each choice's logical expert ids per position and MoE layer (its
+    # `routed_experts`), and the ids to force for the first positions (server/routed_experts.py)
+    return_routed_experts: bool = False
+    forced_routed_experts: RoutedExpertsJSON | None = None
 
     @field_validator("stop", "stop_token_ids", "logit_bias")
     @classmethod
@@ -307,6 +312,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None    # vLLM's extension, when asked for
+    routed_experts: RoutedExpertsJSON | None = None   # return_routed_experts: on the choice's final part
 
 
 def _now() -> int:
@@ -372,6 +378,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    routed_experts: RoutedExpertsJSON | None = None   # return_routed_experts
 
 
 class ChatCompletionResponse(BaseModel):
@@ -417,6 +424,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    routed_experts: RoutedExpertsJSON | None = None   # return_routed_experts: in the choice's final chunk
 
 
 class ChatCompletionChunk(BaseModel):

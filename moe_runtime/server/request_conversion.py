@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from moe_runtime.engine.request_limits import ContextLengthError, check_context_length
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.moe.routed_experts import RoutedExpertsArray
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.sampling.structured_output.spec import FIELD, StructuredOutputSpec
 from moe_runtime.sampling.structured_output.validator import StructuredOutputValidator
@@ -226,7 +227,19 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
         logit_bias=digit_keys(request.logit_bias or {}),
         structured_output=structured_output,
         cache_salt=request.cache_salt,   # the app's tenant salt (`server.tenant_salt`) already applied
+        return_routed_experts=request.return_routed_experts,
+        forced_routed_experts=forced_routing(request),
     )
+
+
+def forced_routing(request: SamplingFields) -> RoutedExpertsArray | None:
+    """The request's `forced_routed_experts` in the engine's form (admission checks its shape and ids)."""
+    if request.forced_routed_experts is None:
+        return None
+    try:
+        return request.forced_routed_experts.to_array()
+    except ValueError as exc:
+        raise bad_request(f"forced_routed_experts: {exc}", "forced_routed_experts") from None
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:
