@@ -1,0 +1,242 @@
+"""New weights into a running engine core, without a restart: from a checkpoint directory or from tensors.
+
+Every source reaches the model through the loaders that read checkpoints at start-up (`CheckpointReader`, an
+in-memory one for tensors: `weights/memory_tensors.py`), so each rank keeps only its shard and its experts (the
+slots of its placement, replicas included), and a weight kept FP8, int8 or int4 is quantized again as it loads.
+
+Nothing is written before everything is checked: each tensor must be one of the served model's (its checkpoint's
+names, as transformers names them) with the same shape, a checkpoint directory must carry them all, and an update
+of a few tensors must carry every tensor of each module it touches (a module loads its tensors together: an
+attention's projections, a layer's experts). Under several ranks they agree on the check before any writes (one
+refusal refuses everywhere). A failure after that point is reported as leaving the engine in a mixed state: a
+full update (or a restart) must follow.
+
+After an update the prefix cache is flushed (and the KV tiers': `EngineCore.reset_prefix_cache`): cached blocks
+were computed with the old weights.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_runtime.engine.weight_update_group import GroupAddress, TensorSpec, WeightUpdateGroup
+from moe_runtime.errors import CheckpointError, InvalidRequestError
+from moe_runtime.moe.expert_weights import ExpertWeights
+from moe_runtime.weights.checkpoint import CheckpointReader
+from moe_runtime.weights.loading import SkippedTensors, copy_checked, load_model_weights
+from moe_runtime.weights.memory_tensors import memory_reader
+from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
+
+logger = logging.getLogger(__name__)
+
+SHOWN_NAMES = 8
+
+
+class WeightUpdateRefused(InvalidRequestError):
+    """The update does not fit the served model; nothing was written."""
+
+
+class WeightUpdateBroken(RuntimeError):
+    """The update failed while writing: some weights are new, some old (a full update or restart must follow)."""
+
+
+@dataclass(frozen=True)
+class SlotChecksum:
+    """A routed-expert slot's weights summarized (a trainer, or a test, checks a rank holds what it sent):
+    sums of the values and of their squares, of w13 and w2, in float64."""
+
+    layer: int
+    slot: int
+    expert: int
+    sums: tuple[float, float, float, float]
+
+
+def _shown(names) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
+    return ", ".join(repr(n) for n in names[:SHOWN_NAMES]) + more
+
+
+class WeightUpdater:
+    """One core's weight updates. `core`: an `EngineCore`; `sleep`: its `SleepMode` (dropped weights)."""
+
+    def __init__(self, core, sleep):
+        self.core = core
+        self.sleep = sleep
+        self.directory = Path(core.checkpoint_dir)   # the checkpoint the weights last came from whole
+        self._reference: CheckpointReader | None = None
+        self.group: WeightUpdateGroup | None = None   # the trainer's, once joined
+
+    # ---- the served model's tensors -------------------------------------------------------------------
+    def _open(self, directory: Path) -> CheckpointReader:
+        core = self.core
+        reader = CheckpointReader.open(directory, Fp8BlockFormat.from_hf_config(core.hf_config, str(directory)),
+                                       core.hf_config)
+        self._rename_as_model(reader)
+        return reader
+
+    def _rename_as_model(self, reader: CheckpointReader) -> None:
+        if hasattr(self.core.model, "checkpoint_name"):   # DeepSeek-V4: the model reads other names
+            reader.renamed(self.core.model.checkpoint_name)
+
+    def reference(self) -> CheckpointReader:
+        """The start-up checkpoint's names and shapes: what every update is checked against."""
+        if self._reference is None:
+            self._reference = self._open(Path(self.core.checkpoint_dir))
+        return self._reference
+
+    # ---- the sources ----------------------------------------------------------------------------------
+    def from_directory(self, path: str, partial: bool = False) -> int:
+        """Load a checkpoint directory (`partial`: only the tensors it has, e.g. tensors written for the ranks by a
+        multi-rank front); the number of tensors loaded."""
+        directory = Path(path)
+        reader, error = None, None
+        try:
+            reader = self._open(directory)
+        except (CheckpointError, OSError, ValueError) as exc:   # still agreed on below: the other ranks wait for it
+            error = f"path: {exc}"
+        loaded = self._apply(reader, partial, label=str(directory), keep_sources=partial, error=error)
+        if not partial:
+            self.directory = directory
+        return loaded
+
+    def from_tensors(self, tensors: dict[str, torch.Tensor], partial: bool = True) -> int:
+        reader = memory_reader(tensors, self.core.hf_config)
+        self._rename_as_model(reader)
+        return self._apply(reader, partial, label="the update's tensors", keep_sources=True)
+
+    def join_group(self, address: GroupAddress) -> None:
+        """Join the trainer's weight-update group as group rank `rank_offset` + this rank."""
+        self.group = WeightUpdateGroup(address, self.core.parallel.rank, self.core.device)
+
+    def from_distributed(self, specs: list[TensorSpec]) -> int:
+        """Receive the trainer's broadcast of `specs` (every tensor whole) and load what this rank holds of them."""
+        if self.group is None:
+            raise WeightUpdateRefused("update_weights_from_distributed: no weight-update group; call "
+                                      "init_weights_update_group first")
+        return self.from_tensors(self.group.receive(specs))
+
+    def reload_checkpoint(self) -> None:
+        """The whole checkpoint the weights last came from, loaded as at start-up (a wake-up from sleep level 2)."""
+        core = self.core
+        load_model_weights(core.model, self._open(self.directory), SkippedTensors.for_config(core.hf_config),
+                           self._group())
+
+    # ---- check, agree, write --------------------------------------------------------------------------
+    def _group(self):
+        parallel = self.core.parallel
+        return parallel.world_control_group if parallel.world_size > 1 else None
+
+    def _apply(self, reader: CheckpointReader | None, partial: bool, label: str, keep_sources: bool,
+               error: str | None = None) -> int:
+        started = time.perf_counter()
+        if error is None:
+            try:
+                error = self._check(reader, partial)
+            except (CheckpointError, InvalidRequestError, OSError, ValueError, KeyError) as exc:
+                error = f"{label}: {exc}"
+        error = self._agree(error)
+        if error is not None:
+            raise WeightUpdateRefused(error)
+        if self.sleep.weights_dropped:
+            self.sleep.restore_weight_storage()   # a full update brings dropped weights back
+        try:
+            with torch.no_grad():
+                loaded = self._load(reader, keep_sources)
+        except Exception as exc:   # noqa: BLE001 - checked first: this is a fault, and the weights are mixed now
+            raise WeightUpdateBroken(f"writing {label} failed after some weights were replaced ({exc}); the engine "
+                                     "holds a mix of old and new weights: update it from a full checkpoint, or "
+                                     "restart it") from exc
+        self.core.reset_prefix_cache()   # blocks cached under the old weights
+        logger.info("weights updated from %s: %d tensors (%.1f MiB read) in %.2fs", label, loaded,
+                    reader.bytes_read / 2**20, time.perf_counter() - started)
+        return loaded
+
+    def _check(self, reader: CheckpointReader, partial: bool) -> str | None:
+        """What refuses the update (naming the tensors), or None."""
+        reference = self.reference()
+        given = set(reader.names())
+        expected = set(reference.names())
+        if not given:
+            return "the update carries no tensor"
+        unknown = given - expected
+        if unknown:
+            return f"tensor(s) {_shown(unknown)} are not the served model's ({self.core.architecture})"
+        if self.sleep.weights_dropped and partial:
+            return ("the weights were dropped (sleep level 2): only a full checkpoint brings them back "
+                    "(update_weights(path) or wake_up(reload=True))")
+        skipped = SkippedTensors.for_config(self.core.hf_config)
+        missing = {n for n in expected - given if skipped.rule_for(n) is None}
+        if not partial and missing:
+            return f"the checkpoint lacks tensor(s) {_shown(missing)} of the served model"
+        for name in sorted(given):
+            shape, wanted = reader.shape(name), reference.shape(name)
+            if tuple(shape) != tuple(wanted):
+                return f"tensor {name!r} has shape {tuple(shape)}, the served model's is {tuple(wanted)}"
+        if partial:
+            for prefix in self._module_prefixes():
+                mine = {n for n in given if n.startswith(prefix)}
+                lacking = {n for n in expected if n.startswith(prefix)} - given if mine else set()
+                lacking = {n for n in lacking if skipped.rule_for(n) is None}
+                if lacking:
+                    return (f"module {prefix.rstrip('.')!r} loads its tensors together: the update has "
+                            f"{_shown(mine)} but lacks {_shown(lacking)}")
+        return None
+
+    def _agree(self, error: str | None) -> str | None:
+        """Every rank refuses if one does (each sees the same tensors, but a rank may fail to read its files)."""
+        group = self._group()
+        if group is None:
+            return error
+        flag = torch.tensor([int(error is not None)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() and error is None:
+            return "another rank refused the update (its error is in its log)"
+        return error
+
+    def _custom_modules(self) -> list[tuple[str, object]]:
+        model = self.core.model
+        return [(f"{name}." if name else "", module) for name, module in model.named_modules()
+                if hasattr(module, "load_weights") and module is not model]
+
+    def _module_prefixes(self) -> list[str]:
+        return [prefix for prefix, _ in self._custom_modules()]
+
+    def _load(self, reader: CheckpointReader, keep_sources: bool) -> int:
+        """Load the tensors `reader` has: each module whose tensors are among them, then the plain parameters.
+        `keep_sources`: expert slots keep the checkpoint they reload from when a rank is lost (the tensors come
+        from memory or from a directory that goes away)."""
+        given = set(reader.names())
+        experts = [m for _, m in self._custom_modules() if isinstance(m, ExpertWeights)]
+        sources = [m._source for m in experts]   # a lost expert slot reloads from its checkpoint, not from memory
+        loaded: set[str] = set()
+        for prefix, module in self._custom_modules():
+            if any(name.startswith(prefix) for name in given):
+                loaded.update(prefix + relative for relative in module.load_weights(reader, prefix))
+        params = dict(self.core.model.named_parameters())
+        for name in sorted(given):
+            if name in params and name not in loaded:
+                copy_checked(params[name], reader.read(name), name, reader.directory)
+                loaded.add(name)
+        if keep_sources:
+            for module, source in zip(experts, sources):
+                module._source = source
+        return len(reader.consumed)
+
+    # ---- what a trainer checks ------------------------------------------------------------------------
+    def slot_checksums(self) -> list[SlotChecksum]:
+        """Every routed-expert slot of this rank, summarized (`SlotChecksum`)."""
+        sums = []
+        executor = self.core.executor
+        for layer in range(executor.num_moe_layers):
+            experts = executor.expert_store(layer)
+            for slot, expert in enumerate(experts.expert_ids):
+                w13, w2 = experts.w13[slot].double(), experts.w2[slot].double()
+                sums.append(SlotChecksum(layer, slot, expert, (float(w13.sum()), float((w13 * w13).sum()),
+                                                               float(w2.sum()), float((w2 * w2).sum()))))
+        return sums
