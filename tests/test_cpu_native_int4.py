@@ -21,7 +21,7 @@ from moe_runtime.kernels.cpu_native import build, expert_kernel
 from moe_runtime.kernels.cpu_native.build import native_experts
 from moe_runtime.kernels.cpu_native.expert_kernel import (cpu_int4_expert_mlp, cpu_int4_linear,
                                                           cpu_int4_masked_expert_mlp, native_int4_suits)
-from moe_runtime.kernels.expert_mlp import expert_mlp
+from moe_runtime.kernels.expert_mlp import check_masked_counts, check_sorted_counts, expert_mlp
 from moe_runtime.kernels.int4_layout import Int4Layout, dequantize_int4, pack_int4
 from moe_runtime.kernels.int4_weights import int4_expert_mlp, int4_linear, int4_masked_expert_mlp
 from moe_runtime.kernels.kernel_set import get_kernels
@@ -226,3 +226,20 @@ def test_the_build_hashes_every_header_the_kernel_includes():
     sources = (build.SOURCE, *build.HEADERS)
     included = {name for path in sources for name in re.findall(r'#include "([^"]+)"', path.read_text())}
     assert included == {header.name for header in build.HEADERS}
+
+
+def test_negative_counts_are_refused_before_any_row_is_touched(native, stacks):
+    """Counts [6, -4, 2, 0, ...] sum to a 4-row x: accepted on their sum alone, expert 0 read and wrote 6 rows (review
+    of issue 52, #3). The compiled ops, float and int4, and the python checks every format's kernels call refuse."""
+    experts = stacks["sym-g32"]
+    counts = torch.tensor([6, -4, 2, 0, 0, 0, 0])
+    x = torch.zeros(4, H)
+    with pytest.raises(RuntimeError, match=r"counts\[1\] = -4 is negative"):
+        native.silu_int4_expert_mlp(x, counts, *experts.weights(), 32)
+    w13, w2 = experts.dequantized()
+    with pytest.raises(RuntimeError, match=r"counts\[1\] = -4 is negative"):
+        native.silu_expert_mlp(x, counts, w13, w2)
+    with pytest.raises(ValueError, match=r"counts\[1\]=-4 is negative"):
+        check_sorted_counts(x, counts, E)
+    with pytest.raises(ValueError, match=r"counts\[1\]=-4 is negative"):
+        check_masked_counts(torch.zeros(E, 4, H), counts, E)

@@ -52,6 +52,9 @@ def check_sorted_counts(x_sorted: torch.Tensor, counts: torch.Tensor, num_expert
     """Validate counts [E] against x_sorted [N, H]; return the segments' ends (cumsum of counts) [E]."""
     if counts.shape != (num_experts,):
         raise ValueError(f"counts must be [E={num_experts}], got shape {tuple(counts.shape)}")
+    if counts.numel() and int(counts.min()) < 0:   # a negative count would shift every later segment
+        expert = int(torch.argmin(counts))
+        raise ValueError(f"counts[{expert}]={int(counts[expert])} is negative")
     ends = torch.cumsum(counts, dim=0)                                     # [E]
     total = int(ends[-1]) if ends.numel() else 0
     if total != x_sorted.shape[0]:
@@ -63,6 +66,9 @@ def check_masked_counts(x: torch.Tensor, counts: torch.Tensor, num_experts: int)
     """Validate the masked layout x [E, M, H] and counts [E]; return the largest count."""
     if x.dim() != 3 or x.shape[0] != num_experts:
         raise ValueError(f"x must be [E={num_experts}, M, H], got shape {tuple(x.shape)}")
+    if counts.numel() and int(counts.min()) < 0:
+        expert = int(torch.argmin(counts))
+        raise ValueError(f"counts[{expert}]={int(counts[expert])} is negative")
     max_count = int(counts.max()) if counts.numel() else 0
     if max_count > x.shape[1]:
         expert = int(torch.argmax(counts))

@@ -263,6 +263,7 @@ Segments segments_of(const torch::Tensor& counts, int64_t rows) {
   Segments s{std::vector<int64_t>(counts.numel()), {}};
   int64_t start = 0;
   for (int64_t e = 0; e < counts.numel(); ++e) {
+    TORCH_CHECK(count[e] >= 0, "expert_mlp: counts[", e, "] = ", count[e], " is negative");
     s.starts[e] = start;
     start += count[e];
     if (count[e] > 0) s.busy.push_back(e);
