@@ -3,10 +3,12 @@ int4 kernel multiplies: weight-only 4-bit codes with a float32 scale per group o
 
 A weight [..., N, K] is kept as
 - `values` uint8 [..., N, ceil(K / 2)]: byte j of a row holds column 2j in its low nibble and column 2j + 1 in its
-  high nibble (an odd K leaves the last high nibble zero); codes are unsigned 0..15.
+  high nibble (an odd K leaves a last high nibble that no reader or kernel looks at; `pack_int4` writes it
+  zero); codes are unsigned 0..15.
 - `scales` float32: [..., N, G] for a symmetric format (the code's zero point is 8: compressed-tensors' signed int4
   stored with +8, as its packer does), or [..., N, G, 2] with zero points (`[..., 0]` the scale, `[..., 1]` the zero
-  point, an integer 0..15 held as float32: AWQ, GPTQ, compressed-tensors asymmetric).
+  point, an integer held as float32: 0..15 for AWQ, GPTQ v2 and compressed-tensors asymmetric, 1..16 for GPTQ v1,
+  which stores it minus one).
 - G groups of `group_size` consecutive columns (G = ceil(K / group_size)); `group_size` None is one group per row
   (compressed-tensors' channel strategy).
 - optionally `column_groups` int32 [..., K]: the group of each input column, where groups are not runs of
@@ -33,6 +35,12 @@ class Int4Layout:
     group_size: int | None      # consecutive input columns per scale; None: one scale per row (channel)
     zero_points: bool           # scales carry a zero point beside each scale ([..., G, 2])
     column_groups: bool = False  # weights carry `column_groups` [..., K] (GPTQ act order)
+
+    def __post_init__(self) -> None:
+        size = self.group_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"Int4Layout.group_size must be a positive integer or None (one group a row), got "
+                             f"{size!r}")
 
     def groups(self, columns: int) -> int:
         return 1 if self.group_size is None else -(-columns // self.group_size)

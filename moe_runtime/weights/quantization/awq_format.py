@@ -22,6 +22,7 @@ import torch
 from moe_runtime.errors import CheckpointError
 from moe_runtime.kernels.int4_layout import Int4Layout, Int4Weight, pack_int4
 from moe_runtime.weights.quantization.int32_nibbles import unpack_words
+from moe_runtime.weights.quantization.int4_config_fields import int4_bits, int4_group_size
 
 QUANT_METHOD = "awq"
 NIBBLE_COLUMNS = (0, 2, 4, 6, 1, 3, 5, 7)   # the output column (within its word's eight) of nibble i
@@ -40,25 +41,30 @@ class AwqFormat:
     @classmethod
     def of(cls, quant: dict, where: str) -> "AwqFormat":
         """From config.json's `quantization_config`, refused by the field it cannot read."""
-        bits = quant.get("bits", 4)
+        int4_bits(quant, "AWQ", where)
         version = str(quant.get("version", quant.get("format", "gemm"))).lower()
-        group_size = quant.get("group_size", 128)
-        if bits != 4:
-            raise CheckpointError(f"{where}: AWQ quantization_config.bits {bits}: only 4-bit AWQ is read")
+        group_size = int4_group_size(quant, "AWQ", where)
         if version not in READ_VERSIONS:
             raise CheckpointError(f"{where}: AWQ quantization_config.version {version!r}: only {READ_VERSIONS} "
                                   f"packing is read")
         if not quant.get("zero_point", True):
             raise CheckpointError(f"{where}: AWQ quantization_config.zero_point false: only AWQ with zero points "
                                   f"(AutoAWQ's gemm) is read")
-        return cls(Int4Layout(group_size=None if group_size in (-1, None) else int(group_size), zero_points=True))
+        return cls(Int4Layout(group_size=group_size, zero_points=True))
 
     def shape(self, read: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple[int, ...]]) -> tuple[int, int]:
         """[N, K] from the stored shapes (scales [G, N], qweight [K, N/8])."""
-        return shape_of("scales")[1], shape_of("qweight")[0]
+        scales, qweight = shape_of("scales"), shape_of("qweight")
+        if len(scales) != 2 or len(qweight) != 2:
+            raise CheckpointError(f"AWQ scales [G, N] and qweight [K, N/8] must be 2-D, got shapes {tuple(scales)} "
+                                  f"and {tuple(qweight)}")
+        return scales[1], qweight[0]
 
     def unpack(self, stored: dict[str, torch.Tensor], name: str) -> Int4Weight:
         qweight, qzeros, scales = stored["qweight"], stored["qzeros"], stored["scales"]
+        for local, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+            if tensor.dim() != 2:
+                raise CheckpointError(f"AWQ weight {name!r}: {local} must be 2-D, got shape {tuple(tensor.shape)}")
         columns, words = qweight.shape
         rows = scales.shape[-1]
         groups = self.layout.groups(columns)

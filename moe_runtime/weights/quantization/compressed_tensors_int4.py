@@ -53,14 +53,13 @@ class CompressedTensorsInt4Format:
 
     def shape(self, read: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple[int, ...]]) -> tuple[int, int]:
         """[N, K]: the stored `weight_shape`."""
-        rows, columns = (int(d) for d in read("weight_shape").tolist())
-        return rows, columns
+        return weight_shape_of(read("weight_shape"), "weight_shape")
 
     def unpack(self, stored: dict[str, torch.Tensor], name: str) -> Int4Weight:
         packed, scale = stored["weight_packed"], stored["weight_scale"]
-        rows, columns = (int(d) for d in stored["weight_shape"].tolist())
+        rows, columns = weight_shape_of(stored["weight_shape"], name)
         groups = self.layout.groups(columns)
-        if (packed.dtype != torch.int32 or tuple(packed.shape) != (rows, -(-columns // 8))
+        if (packed.dtype != torch.int32 or scale.dim() != 2 or tuple(packed.shape) != (rows, -(-columns // 8))
                 or tuple(scale.shape) != (rows, groups)):
             raise CheckpointError(f"compressed-tensors int4 weight {name!r} of shape ({rows}, {columns}): expected "
                                   f"weight_packed int32 [{rows}, {-(-columns // 8)}] and weight_scale [{rows}, "
@@ -82,3 +81,13 @@ def packed_values(packed: torch.Tensor, columns: int) -> torch.Tensor:
     if sys.byteorder == "little":
         return packed.contiguous().view(torch.uint8)[:, :packed_int4_columns(columns)].contiguous()
     return pack_int4(unpack_words(packed, 1)[:, :columns])
+
+
+def weight_shape_of(weight_shape: torch.Tensor, name: str) -> tuple[int, int]:
+    """A stored `weight_shape`: two non-negative integers (N, K), else refused naming the weight."""
+    if (weight_shape.dtype.is_floating_point or weight_shape.dtype.is_complex or weight_shape.numel() != 2
+            or bool((weight_shape < 0).any())):
+        raise CheckpointError(f"compressed-tensors int4 weight {name!r}: weight_shape must be two non-negative "
+                              f"integers (N, K), got {weight_shape.dtype} {weight_shape.tolist()}")
+    rows, columns = (int(d) for d in weight_shape.tolist())
+    return rows, columns

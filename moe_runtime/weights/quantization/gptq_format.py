@@ -24,9 +24,11 @@ import torch
 from moe_runtime.errors import CheckpointError
 from moe_runtime.kernels.int4_layout import SYMMETRIC_ZERO, Int4Layout, Int4Weight, pack_int4
 from moe_runtime.weights.quantization.int32_nibbles import NIBBLES_PER_WORD, unpack_words
+from moe_runtime.weights.quantization.int4_config_fields import int4_bits, int4_group_size
 
 QUANT_METHOD = "gptq"
 ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}   # what a checkpoint format's stored zero points lack
+INDEX_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -42,27 +44,30 @@ class GptqFormat:
     @classmethod
     def of(cls, quant: dict, where: str) -> "GptqFormat":
         """From config.json's `quantization_config`, refused by the field it cannot read."""
-        bits = quant.get("bits", 4)
+        int4_bits(quant, "GPTQ", where)
         checkpoint_format = str(quant.get("checkpoint_format") or quant.get("format") or "gptq").lower()
-        group_size = quant.get("group_size", 128)
-        if bits != 4:
-            raise CheckpointError(f"{where}: GPTQ quantization_config.bits {bits}: only 4-bit GPTQ is read")
+        group_size = int4_group_size(quant, "GPTQ", where)
         if checkpoint_format not in ZERO_OFFSETS:
             raise CheckpointError(f"{where}: GPTQ quantization_config.checkpoint_format {checkpoint_format!r}: only "
                                   f"{tuple(ZERO_OFFSETS)} packing is read")
         if quant.get("dynamic"):
             raise CheckpointError(f"{where}: GPTQ quantization_config.dynamic (per-module overrides) is not read")
-        layout = Int4Layout(group_size=None if group_size in (-1, None) else int(group_size),
-                            zero_points=not quant.get("sym", True), column_groups=bool(quant.get("desc_act", False)))
+        layout = Int4Layout(group_size=group_size, zero_points=not quant.get("sym", True), column_groups=bool(quant.get("desc_act", False)))
         return cls(layout, ZERO_OFFSETS[checkpoint_format])
 
     def shape(self, read: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple[int, ...]]) -> tuple[int, int]:
         """[N, K] from the stored shapes (qweight [K/8, N])."""
-        words, rows = shape_of("qweight")
+        stored = shape_of("qweight")
+        if len(stored) != 2:
+            raise CheckpointError(f"GPTQ qweight must be int32 [K/8, N], got shape {tuple(stored)}")
+        words, rows = stored
         return rows, words * NIBBLES_PER_WORD
 
     def unpack(self, stored: dict[str, torch.Tensor], name: str) -> Int4Weight:
         qweight, qzeros, scales = stored["qweight"], stored["qzeros"], stored["scales"]
+        for local, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+            if tensor.dim() != 2:
+                raise CheckpointError(f"GPTQ weight {name!r}: {local} must be 2-D, got shape {tuple(tensor.shape)}")
         words, rows = qweight.shape
         columns = words * NIBBLES_PER_WORD
         groups = scales.shape[0]
@@ -92,10 +97,13 @@ class GptqFormat:
                 raise CheckpointError(f"GPTQ weight {name!r}: quantization_config.desc_act is true but "
                                       f"{name.removesuffix('.weight')}.g_idx is missing")
             return None
-        g_idx = g_idx.to(torch.int32)
-        if tuple(g_idx.shape) != (columns,) or bool((g_idx < 0).any()) or bool((g_idx >= groups).any()):
+        if g_idx.dtype not in INDEX_DTYPES:   # a float group would truncate into another group's scales
+            raise CheckpointError(f"GPTQ weight {name!r}: g_idx must hold integers, got {g_idx.dtype}")
+        if (tuple(g_idx.shape) != (columns,) or bool((g_idx < 0).any())   # checked before narrowing to int32
+                or bool((g_idx >= groups).any())):
             raise CheckpointError(f"GPTQ weight {name!r}: g_idx must be [{columns}] groups in 0..{groups - 1}, got "
                                   f"{tuple(g_idx.shape)} ranging {int(g_idx.min())}..{int(g_idx.max())}")
+        g_idx = g_idx.to(torch.int32)
         if self.layout.column_groups:
             return g_idx.contiguous()
         if not torch.equal(g_idx, self.layout.column_groups_of(columns)):

@@ -2,10 +2,13 @@
 dimension and AWQ in its own order. Nibble i of a word is its bits 4i..4i+3 (the low nibble first)."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 NIBBLES_PER_WORD = 8
 NIBBLE_BITS = 4
+BYTES_PER_WORD = 4
 
 
 def unpack_words(words: torch.Tensor, dim: int, positions: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -15,11 +18,21 @@ def unpack_words(words: torch.Tensor, dim: int, positions: tuple[int, ...] | Non
     if words.dtype != torch.int32:
         raise ValueError(f"packed int4 words must be int32, got {words.dtype}")
     dim = dim % words.dim()
-    shifts = torch.arange(0, 32, NIBBLE_BITS, dtype=torch.int32, device=words.device)     # [8]
-    nibbles = ((words.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)                   # [..., 8]: nibble i
+    nibbles = word_nibbles(words)                                                        # [..., 8]: nibble i
     if positions is not None:
         nibbles = nibbles[..., inverse_positions(positions)]                             # [..., 8]: code i
     return nibbles.movedim(-1, dim + 1).flatten(dim, dim + 1)                            # [..., 8W, ...]
+
+
+def word_nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [...] -> uint8 [..., 8], nibble i of each word at i. On a little-endian host a word's bytes are its
+    nibbles two by two (byte b: nibbles 2b low, 2b + 1 high), so only uint8 temporaries are made (a few bytes a
+    word; shifting the int32 words made two int32 [..., 8] ones, 32 bytes a word each)."""
+    if sys.byteorder == "little":
+        data = words.contiguous().view(torch.uint8).unflatten(-1, (-1, BYTES_PER_WORD))   # [..., 4]: byte b
+        return torch.stack((data & 0xF, data >> NIBBLE_BITS), dim=-1).flatten(-2)         # [..., 8]
+    shifts = torch.arange(0, 32, NIBBLE_BITS, dtype=torch.int32, device=words.device)     # [8]
+    return ((words.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)
 
 
 def inverse_positions(positions: tuple[int, ...]) -> list[int]:
