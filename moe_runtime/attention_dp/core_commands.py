@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 from moe_runtime.attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, AdmittedElsewhere, ExpertLoadReport,
                                                ExpertLoadTables, ImportRequest, KVImported, RebalanceNow, RebalanceReport,
                                                ReleaseExport, ResetPrefixCache, SnapshotExpertLoad, StepOutputs)
+from moe_runtime.attention_dp.admin_commands import ADMIN_COMMANDS, apply_admin_command
 from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 
 
@@ -92,6 +93,9 @@ class CoreCommands:
                         error="nothing to rebalance: one expert-parallel rank (start with ep > 1)")))
             else:
                 self.rebalancer.start("manual", command.fail_on_rank)
+        elif isinstance(command, ADMIN_COMMANDS):   # weight updates, sleep, wake: every rank answers
+            self.report(apply_admin_command(core, command, role.rank))
+            self.report_step([], always=True)   # an update flushed the prefix cache: the front's router forgets it
         elif isinstance(command, SnapshotExpertLoad):
             # summed over the stage's EP group; each pipeline stage's first rank reports its layers
             snapshot = core.expert_load(group=self.ep_group)

@@ -23,6 +23,9 @@ from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.engine.outputs import TokenDelta
 from moe_runtime.engine.prefix_cache import PrefixCacheEvents
 from moe_runtime.sampling.params import SamplingParams
+from moe_runtime.engine.sleep_mode import ResidentMemory
+from moe_runtime.engine.weight_update_group import GroupAddress, TensorSpec as WeightTensorSpec
+from moe_runtime.engine.weight_updates import SlotChecksum
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):
@@ -109,6 +112,37 @@ class ResetPrefixCache(Message):
     """Every DP worker forgets its cached KV blocks (blocks in use stay with their requests)."""
 
 
+class UpdateWeights(Message):
+    """New weights, applied by every rank at one step boundary (moe_runtime/engine/weight_updates.py): from the
+    checkpoint directory `path` (`partial`: only the tensors it has), or, `specs` given, from the trainer's
+    broadcast over the weight-update group. Tensors never travel here: only their names, dtypes and shapes."""
+
+    update_id: int
+    path: str = ""
+    partial: bool = False
+    specs: list[WeightTensorSpec] = []
+    checksums: bool = False   # each rank reports its expert slots' checksums
+
+
+class InitWeightUpdateGroup(Message):
+    """Every rank joins the trainer's weight-update group (engine/weight_update_group.py)."""
+
+    update_id: int
+    address: GroupAddress
+
+
+class SleepEngine(Message):
+    """Free the KV pool (level 1: weights to host memory; level 2: dropped) (engine/sleep_mode.py)."""
+
+    update_id: int
+    level: int
+
+
+class WakeUpEngine(Message):
+    update_id: int
+    reload: bool = False   # after level 2: load the checkpoint again
+
+
 class Shutdown(Message):
     pass
 
@@ -128,7 +162,8 @@ class Reform(Message):
 
 
 Command = Union[AddRequest, AbortRequest, SnapshotExpertLoad, RebalanceNow, ResetPrefixCache, Shutdown,
-                ImportRequest, ActivateImport, ReleaseExport, AdmittedElsewhere, Reform]
+                ImportRequest, ActivateImport, ReleaseExport, AdmittedElsewhere, Reform, UpdateWeights,
+                InitWeightUpdateGroup, SleepEngine, WakeUpEngine]
 
 
 # ---- worker -> front -----------------------------------------------------------------------------
@@ -193,6 +228,18 @@ class RebalanceReport(Message):
     event: RebalanceEvent      # merged over the pipeline stages; its index counts the rebalances before it
 
 
+class AdminDone(Message):
+    """One rank's answer to UpdateWeights, InitWeightUpdateGroup, SleepEngine or WakeUpEngine (every rank sends one)."""
+
+    rank: int
+    update_id: int
+    error: str | None = None
+    broken: bool = False                 # failed while writing: the weights are mixed (engine/weight_updates.py)
+    tensors: int = 0                     # tensors this rank loaded
+    memory: ResidentMemory | None = None
+    checksums: list[SlotChecksum] = []
+
+
 class WorkerFailed(Message):
     rank: int
     error: str
@@ -201,7 +248,7 @@ class WorkerFailed(Message):
     awaiting_reform: bool = False   # alive, out of its process groups, waiting for Reform or Shutdown
 
 
-Report = Union[WorkerReady, StepOutputs, ExpertLoadReport, RebalanceReport, WorkerFailed, KVImported]
+Report = Union[WorkerReady, StepOutputs, ExpertLoadReport, RebalanceReport, WorkerFailed, KVImported, AdminDone]
 
 
 class MessageCodec:

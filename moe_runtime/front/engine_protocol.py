@@ -42,6 +42,10 @@ class Engine(Protocol):
     def expert_load(self) -> concurrent.futures.Future: ...      # of load_balancer.ExpertLoadSnapshot | None
     def rebalance_now(self) -> concurrent.futures.Future: ...    # of a RebalanceEvent (EP with > 1 rank)
     def rebalance_events(self) -> list[RebalanceEvent]: ...
+    # weight updates, sleep and wake (front/weight_sync.py): one command to every rank, a future of their answers
+    def admin_command(self, make: Callable[[int], object], after=None) -> concurrent.futures.Future: ...
+    def abort_all(self) -> int: ...          # every request in flight ends now, finish_reason "abort"
+    def finish_running(self) -> None: ...    # blocking driver: step until nothing is in flight
     def shutdown(self) -> None: ...
 
     # the blocking driver

@@ -21,6 +21,7 @@ import random
 import time
 from typing import Callable
 
+from moe_runtime.attention_dp.messages import Message
 from moe_runtime.attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, ImportRequest, KVImported,
                                                ReleaseExport, ResetPrefixCache, StepOutputs)
 from moe_runtime.attention_dp.router import DPRouter
@@ -43,6 +44,7 @@ from moe_runtime.front.core_client import EngineCoreClient
 from moe_runtime.front.deadline_timer import DeadlineTimer
 from moe_runtime.front.output_processor import OutputProcessor, ProcessedStep
 from moe_runtime.front.rank_recovery import RankRecovery, resume_command
+from moe_runtime.front.weight_sync import AdminRequests
 from moe_runtime.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ class Front:
         self._undelivered: list[RequestOutput] = []     # outputs for the next step() (blocking driver)
         self._worker_stats: dict[int, WorkerStats] = {}
         self.balancing = BalancingRequests(shape.pp_size)
+        self.admin = AdminRequests()   # weight updates, sleep, wake (front/weight_sync.py)
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._seeds = random.Random()
@@ -123,6 +126,7 @@ class Front:
 
         An `import_kv` handle is claimed first (signed, unexpired, never used: else refused, nothing
         connected to); if the request is then refused, its prefill instance frees the parked KV at once."""
+        self.admin.check_admission()   # asleep: refused
         if import_kv is not None:
             if self.decode is None:
                 raise InvalidRequestError("kv_transfer_params: this instance is not --disaggregation-mode decode")
@@ -240,7 +244,8 @@ class Front:
                 outcome = self.decode.landed(message.rank, message.request_id, message.error, message.num_bytes,
                                              message.seconds, message.recomputable)
             return self._settle(outcome) if outcome is not None else []
-        self.balancing.take(message)
+        if not self.admin.take(message):
+            self.balancing.take(message)
         return []
 
     def _apply_step(self, batch: StepOutputs) -> list[RequestOutput]:
@@ -475,6 +480,42 @@ class Front:
 
     def _fail_futures(self, reason: str | None = None) -> None:
         self.balancing.fail(reason or self._dead or "the engine stopped")
+        self.admin.fail(reason or self._dead or "the engine stopped")
+
+    # ---- weight updates, sleep and wake (front/weight_sync.py) ---------------------------------------
+    def admin_command(self, make: Callable[[int], Message], after=None) -> concurrent.futures.Future:
+        """Send the command `make(update_id)` to every rank: a future of their `AdminResult` (`after(result)` runs
+        first, on success). One at a time: the drivers serialize them."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._recovering():
+            raise InvalidRequestError("the engine is restarting after a lost rank; retry once it is back")
+        if self.admin.busy:
+            raise InvalidRequestError("another weight update, sleep or wake_up is in progress")
+        return self.admin.send(make(self.admin.next_id()), self.client.send, self.shape.world_size, after)
+
+    def abort_all(self) -> int:
+        """End every request in flight now (finish_reason "abort", delivered as any output); how many."""
+        request_ids = list(self.outputs.requests)
+        outputs = []
+        for request_id in request_ids:
+            self.client.send(AbortRequest(request_id=request_id))
+            output = self.outputs.abort(request_id)
+            self.router.release(request_id)
+            if self.decode is not None:
+                self.decode.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        self._emit(outputs)
+        return len(request_ids)
+
+    def finish_running(self) -> None:
+        """Blocking driver: step until every request in flight has finished (their outputs kept for step())."""
+        while self.outputs.requests:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            self._undelivered.extend(self._service_transfers())
+            self._undelivered.extend(self._take_messages(STEP_WAIT_S))
 
     # ---- state and tear-down ------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -10,6 +10,9 @@ from moe_runtime.front.engine_factory import make_engine
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.sampling.params import SamplingParams
+from moe_runtime.engine.weight_update_group import GroupAddress
+from moe_runtime.front.weight_sync import (ADMIN_TIMEOUT_S, AdminResult, check_policy, disk_update, distributed_update,
+                                           group_join, remove_written, sleep_command, wake_command, write_tensors)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,61 @@ class LLM:
         `fail_on_rank` injects a migration failure on that rank (fault-injection tests): the event then
         reports ok=False and the previous placement stays in force."""
         return self._engine.wait(self._engine.rebalance_now(fail_on_rank))
+
+    # ---- weight sync and sleep (issue 54; front/weight_sync.py) -------------------------------------------
+    def update_weights(self, path: str, policy: str = "drain", checksums: bool = False) -> AdminResult:
+        """Load new weights from the checkpoint directory `path` (the served model's tensors, names and shapes,
+        all of them), on every rank; the prefix cache is flushed. `policy` for the requests in flight: "drain"
+        (finish on the old weights first), "abort" (end now, finish_reason "abort") or "pause" (go on, with their
+        KV, on the new weights). A refusal (a tensor missing, unknown, of another shape) changes nothing.
+        `checksums`: each rank reports its expert slots' `SlotChecksum`s."""
+        return self._admin(disk_update(path, checksums), policy)
+
+    def update_weights_from_tensors(self, named_tensors, policy: str = "drain", checksums: bool = False
+                                    ) -> AdminResult:
+        """Load `named_tensors` ({name: tensor} or (name, tensor) pairs, transformers' names, plain dtypes: kept
+        quantized weights are quantized again) from this process; only those tensors change (a module's tensors
+        come together). They reach the ranks as a safetensors file in shared memory (no pickle)."""
+        directory = write_tensors(named_tensors)
+        try:
+            return self._admin(disk_update(directory, checksums, partial=True), policy)
+        finally:
+            remove_written(directory)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update", backend: str = "gloo") -> AdminResult:
+        """Join the trainer's weight-update group (the trainer is rank 0 and hosts its store, e.g.
+        `engine.weight_update_group.TrainerWeightSender`; engine rank r is rank_offset + r). Blocks until every
+        member has joined: the trainer joins concurrently."""
+        address = GroupAddress(str(master_address), int(master_port), int(rank_offset), int(world_size),
+                               str(group_name), str(backend))
+        return self._admin(group_join(address, self._engine.shape.world_size), "pause")
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        policy: str = "drain", checksums: bool = False) -> AdminResult:
+        """Receive these tensors from the trainer's broadcast (it sends them, in this order, concurrently) and load
+        what each rank holds of them (its shard, its experts, replicas included)."""
+        return self._admin(distributed_update(names, dtypes, shapes, checksums), policy)
+
+    def sleep(self, level: int = 1) -> AdminResult:
+        """Free the KV pool (the prefix cache is flushed) and move the weights to host memory (level 1), or drop
+        them (level 2: `wake_up(reload=True)` or a full `update_weights` brings them back). Running requests finish
+        first; new ones are refused (`EngineAsleepError`) until `wake_up`. Each rank's memory after it."""
+        make = sleep_command(level)
+        return self._admin(make, "drain", after=lambda result: setattr(self._engine.admin, "sleep_level", level))
+
+    def wake_up(self, reload: bool = False) -> AdminResult:
+        """Restore the KV pool and the weights (`reload`: load the checkpoint again after sleep level 2)."""
+        return self._admin(wake_command(reload), "pause",
+                           after=lambda result: setattr(self._engine.admin, "sleep_level", 0))
+
+    def _admin(self, make, policy: str, after=None) -> AdminResult:
+        check_policy(policy)
+        if policy == "drain":
+            self._engine.finish_running()
+        elif policy == "abort":
+            self._engine.abort_all()
+        return self._engine.wait(self._engine.admin_command(make, after), timeout_s=ADMIN_TIMEOUT_S)
 
     def shutdown(self) -> None:
         if self._engine is not None:

@@ -1,11 +1,11 @@
 """Routes that act on the whole server, not on the caller's requests: who may call them.
 
-`POST /reset_prefix_cache` drops every tenant's cached blocks and `POST /dashboard/rebalance` moves every
-tenant's experts (later: weight updates, sleep, profiling). With one API key the server has one tenant, whose
-key opens them as before. With several tenants' keys, one tenant's key must not act on the others (red team
-round 3: any tenant flushed every tenant's prefix cache), so an admin route then needs `--admin-key`, and
-without one it is refused to everyone. Given `--admin-key`, the admin routes take that key and no other;
-the admin key also opens every other route, as the operator's own (it belongs to no tenant).
+`POST /reset_prefix_cache` drops every tenant's cached blocks and `POST /dashboard/rebalance` moves every tenant's
+experts, and the weight updates, sleep and wake act on every tenant's model (later: profiling). With one API key
+the server has one tenant, whose key opens them as before. With several tenants' keys, one tenant's key must not
+act on the others (red team round 3: any tenant flushed every tenant's prefix cache), so an admin route then needs
+`--admin-key`, and without one it is refused to everyone. Given `--admin-key`, the admin routes take that key and
+no other; the admin key also opens every other route, as the operator's own (it belongs to no tenant).
 """
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 from moe_runtime.server.errors import APIError
 
-ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/dashboard/rebalance"})
+ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/dashboard/rebalance",
+                         # weight updates, the trainer's group, sleep, wake (server/weight_update_routes.py)
+                         "/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
+                         "/sleep", "/wake_up"})
 
 
 def admin_only() -> APIError:

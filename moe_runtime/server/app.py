@@ -30,6 +30,7 @@ from moe_runtime.server.chat import ChatFormatter
 from moe_runtime.server.completions import CompletionFormatter
 from moe_runtime.server.conversion_threads import ConversionThreads, declared_length
 from moe_runtime.server.errors import APIError, as_api_error, install_error_handlers
+from moe_runtime.server.weight_update_routes import weight_update_router
 from moe_runtime.server.generation import Generation
 from moe_runtime.server.head_requests import HeadAsGet
 from moe_runtime.server.json_body import documented_body, install_body_schemas, json_body
@@ -199,6 +200,7 @@ def build_app(
         return JSONResponse(snapshot.to_dict())
 
     app.include_router(v1)
+    app.include_router(weight_update_router(async_engine))   # admin: weight updates, sleep, wake
     app.include_router(responses_router(app.state.serving, response_store or ResponseStore()))
     app.include_router(messages_router(app.state.serving))
     for router in extra_routers:

@@ -1,0 +1,45 @@
+"""The front's admin commands applied to one rank's core: weight updates, the trainer's group, sleep and wake.
+
+Every rank applies each at the same lock-step boundary and answers `AdminDone` (with its resident memory), so
+the front knows when all are done and what each holds. What a command does is the core's (`WeightUpdater`,
+`SleepMode`); here it is only turned into the answer, a refusal included (the ranks agree on refusals of
+updates before any writes: `engine/weight_updates.py`).
+"""
+from __future__ import annotations
+
+import logging
+
+from moe_runtime.attention_dp.messages import AdminDone, InitWeightUpdateGroup, SleepEngine, UpdateWeights, WakeUpEngine
+from moe_runtime.engine.weight_updates import WeightUpdateBroken
+from moe_runtime.errors import MoERuntimeError
+
+logger = logging.getLogger(__name__)
+
+ADMIN_COMMANDS = (UpdateWeights, InitWeightUpdateGroup, SleepEngine, WakeUpEngine)
+
+
+def apply_admin_command(core, command, rank: int) -> AdminDone:
+    """Apply `command` (one of ADMIN_COMMANDS) to `core`; this rank's answer."""
+    updater, tensors, checksums = core.weight_updater, 0, []
+    try:
+        if isinstance(command, UpdateWeights):
+            if command.specs:
+                tensors = updater.from_distributed(list(command.specs))
+            else:
+                tensors = updater.from_directory(command.path, command.partial)
+            checksums = updater.slot_checksums() if command.checksums else []
+        elif isinstance(command, InitWeightUpdateGroup):
+            updater.join_group(command.address)
+        elif isinstance(command, SleepEngine):
+            core.sleep_mode.sleep(command.level)
+        elif isinstance(command, WakeUpEngine):
+            core.sleep_mode.wake_up(updater.reload_checkpoint if command.reload else None)
+    except WeightUpdateBroken as exc:
+        logger.error("rank %d: %s", rank, exc)
+        return AdminDone(rank=rank, update_id=command.update_id, error=str(exc), broken=True,
+                         memory=core.sleep_mode.memory(rank))
+    except (MoERuntimeError, ValueError, RuntimeError, OSError) as exc:
+        logger.warning("rank %d: %s refused: %s", rank, type(command).__name__, exc)
+        return AdminDone(rank=rank, update_id=command.update_id, error=str(exc), memory=core.sleep_mode.memory(rank))
+    return AdminDone(rank=rank, update_id=command.update_id, tensors=tensors, memory=core.sleep_mode.memory(rank),
+                     checksums=checksums)

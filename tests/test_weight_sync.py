@@ -1,0 +1,232 @@
+"""Weight sync without a restart (issue 54 item 2): from a checkpoint directory, from tensors in this process and
+from a trainer's gloo group; the requests in flight drained, aborted or paused; the prefix cache flushed.
+
+Two tiny Mixtral checkpoints of different seeds are the old and the new weights: after an update the engine's
+greedy tokens are transformers' on the new checkpoint. Under --ep 2 --dp-attn 2 with replicas, each rank's expert
+slots hold exactly the new weights of the experts its placement gives it.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_checkpoints import HFOracle, hf_greedy
+
+from moe_runtime import LLM, SamplingParams
+from moe_runtime.engine.weight_update_group import TrainerWeightSender
+from moe_runtime.errors import InvalidRequestError
+
+PROMPT = list(range(3, 3 + 19))   # more than a block: a stale prefix cache would serve old KV
+TOKENS = 6
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_checkpoint_factory):
+    """(old, new): the same tiny Mixtral shape, different seeds."""
+    return tiny_checkpoint_factory("mixtral"), tiny_checkpoint_factory("mixtral", seed=1)
+
+
+@pytest.fixture(scope="module")
+def answers(checkpoints):
+    """transformers' greedy tokens for PROMPT on each checkpoint (disk-cached)."""
+    return [hf_greedy(path, [PROMPT], TOKENS)[0] for path in checkpoints]
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    with LLM(str(checkpoints[0]), device="cpu", dtype="float32", block_size=8) as engine:
+        yield engine
+
+
+def tensors_of(path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def greedy(llm) -> list[int]:
+    return llm.generate([PROMPT], GREEDY)[0].token_ids
+
+
+def test_update_from_disk_and_tensors(llm, checkpoints, answers):
+    old, new = checkpoints
+    llm.update_weights(str(old))
+    assert greedy(llm) == answers[0]
+    assert greedy(llm) == answers[0]   # ... its prompt cached now
+    result = llm.update_weights(str(new))
+    assert result.tensors[0] > 0 and result.memory[0].weight_bytes > 0
+    output = llm.generate([PROMPT], GREEDY)[0]
+    assert output.token_ids == answers[1]
+    assert output.cached_prompt_tokens == 0   # the prefix cache was flushed
+    llm.update_weights_from_tensors(tensors_of(old))
+    assert greedy(llm) == answers[0]
+
+
+def test_refusals_change_nothing(llm, checkpoints, answers):
+    old, new = checkpoints
+    llm.update_weights(str(old))
+    new_tensors = tensors_of(new)
+    with pytest.raises(InvalidRequestError, match="'model.layers.0.self_attn.bogus.weight' are not the served"):
+        llm.update_weights_from_tensors({"model.layers.0.self_attn.bogus.weight": torch.zeros(2)})
+    name = "model.layers.1.self_attn.q_proj.weight"
+    with pytest.raises(InvalidRequestError, match=f"tensor '{name}' has shape"):
+        llm.update_weights_from_tensors({name: new_tensors[name][:-1]})
+    experts = {n: t for n, t in new_tensors.items() if n.startswith("model.layers.0.block_sparse_moe.experts.0.")}
+    with pytest.raises(InvalidRequestError, match="loads its tensors together.*lacks 'model.layers.0.block_sparse_moe.experts.1"):
+        llm.update_weights_from_tensors(experts)   # one expert of a layer whose experts load together
+    with pytest.raises(InvalidRequestError, match="policy"):
+        llm.update_weights(str(new), policy="later")
+    assert greedy(llm) == answers[0]
+
+
+def test_update_from_distributed_one_rank(llm, checkpoints, answers):
+    old, new = checkpoints
+    llm.update_weights(str(old))
+    port = free_port()
+    trainer: dict = {}
+    joined = threading.Thread(target=lambda: trainer.setdefault(
+        "sender", TrainerWeightSender("127.0.0.1", port, world_size=2)))
+    joined.start()
+    llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2)
+    joined.join(timeout=60)
+    named = sorted(tensors_of(new).items())
+    sending = threading.Thread(target=trainer["sender"].send, args=(named,))
+    sending.start()
+    specs = TrainerWeightSender.specs(named)
+    llm.update_weights_from_distributed([s.name for s in specs], [s.dtype for s in specs],
+                                        [list(s.shape) for s in specs])
+    sending.join(timeout=60)
+    assert greedy(llm) == answers[1]
+
+
+def paused_oracle(old, new, prompt: list[int], before: list[int], total: int) -> list[int]:
+    """transformers' tokens of a request paused after `before` tokens: the KV of prompt + before[:-1] computed by
+    the old model, the rest by the new one."""
+    old_model, new_model = HFOracle(old, cache=False).model, HFOracle(new, cache=False).model
+    with torch.no_grad():
+        cache = old_model(torch.tensor([prompt + before[:-1]]), use_cache=True).cache
+        tokens, last = list(before), before[-1]
+        while len(tokens) < total:
+            out = new_model(torch.tensor([[last]]), cache=cache, use_cache=True)
+            cache, last = out.cache, int(out.logits[0, -1].argmax())
+            tokens.append(last)
+    return tokens
+
+
+def run_with_update(llm, update) -> tuple[list[int], object]:
+    """A request that has generated two tokens when `update()` runs; (tokens before it, its final output)."""
+    llm.engine.add_request("in-flight", PROMPT, GREEDY)
+    tokens: list[int] = []
+    while len(tokens) < 2:
+        for output in llm.engine.step():
+            tokens = list(output.token_ids)
+    update()
+    final = None
+    while final is None:
+        final = next((o for o in llm.engine.step() if o.request_id == "in-flight" and o.finished), None)
+    return tokens, final
+
+
+def test_policies(llm, checkpoints, answers):
+    old, new = checkpoints
+    llm.update_weights(str(old))
+    _, drained = run_with_update(llm, lambda: llm.update_weights(str(new), policy="drain"))
+    assert drained.token_ids == answers[0]            # finished on the old weights
+    assert greedy(llm) == answers[1]                  # then the new ones
+    llm.update_weights(str(old))
+    _, aborted = run_with_update(llm, lambda: llm.update_weights(str(new), policy="abort"))
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) < TOKENS
+    llm.update_weights(str(old))
+    before, paused = run_with_update(llm, lambda: llm.update_weights(str(new), policy="pause"))
+    assert before == answers[0][:len(before)]
+    assert paused.finish_reason == "length"
+    assert paused.token_ids == paused_oracle(old, new, PROMPT, before, TOKENS)
+
+
+def expected_sums(tensors: dict[str, torch.Tensor], layer: int, expert: int) -> list[float]:
+    prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+    w13 = torch.cat([tensors[prefix + "w1.weight"], tensors[prefix + "w3.weight"]]).double()
+    w2 = tensors[prefix + "w2.weight"].double()
+    return [float(w13.sum()), float((w13 * w13).sum()), float(w2.sum()), float((w2 * w2).sum())]
+
+
+def test_distributed_update_under_expert_parallelism(checkpoints, answers):
+    """ep=2 dp_attn=2 with two redundant slots: the trainer (a gloo group member in this process) broadcasts every
+    tensor; each rank keeps its experts, replicas included, and the tokens are the new checkpoint's."""
+    old, new = checkpoints
+    new_tensors = tensors_of(new)
+    with LLM(str(old), device="cpu", dtype="float32", block_size=8, ep=2, dp_attn=2, num_redundant_experts=2) as llm:
+        port = free_port()
+        trainer: dict = {}
+        joining = threading.Thread(target=lambda: trainer.setdefault(
+            "sender", TrainerWeightSender("127.0.0.1", port, world_size=3)))
+        joining.start()
+        llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=3)
+        joining.join(timeout=60)
+        named = sorted(new_tensors.items())
+        sending = threading.Thread(target=trainer["sender"].send, args=(named,))
+        sending.start()
+        specs = TrainerWeightSender.specs(named)
+        result = llm.update_weights_from_distributed([s.name for s in specs], [s.dtype for s in specs],
+                                                     [list(s.shape) for s in specs], checksums=True)
+        sending.join(timeout=60)
+        assert sorted(result.checksums) == [0, 1]
+        held = [slot.expert for slots in result.checksums.values() for slot in slots if slot.layer == 0]
+        assert len(held) == 8 + 2 and len(set(held)) == 8   # every expert somewhere, two of them twice
+        for slots in result.checksums.values():
+            assert len(slots) == 2 * 5   # two MoE layers of five slots on each rank: its own, not the others'
+            for slot in slots:
+                assert slot.sums == pytest.approx(expected_sums(new_tensors, slot.layer, slot.expert), rel=1e-9)
+        assert greedy(llm) == answers[1]
+
+
+def test_admin_http_routes(checkpoints, answers):
+    """The routes need the admin key, refuse bad bodies naming the field, and update the weights and sleep."""
+    from server_harness import serve_in_process
+
+    from moe_runtime.config.engine_config import EngineConfig
+    from moe_runtime.front.engine_factory import make_engine
+
+    old, new = checkpoints
+    admin, tenant = {"Authorization": "Bearer operator"}, {"Authorization": "Bearer tenant"}
+
+    async def scenario(client, _):
+        async def tokens():
+            reply = await client.post("/v1/completions", headers=admin, json={
+                "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True})
+            return reply.json()["choices"][0]["text"]
+        seen = {"before": await tokens()}
+        seen["tenant"] = (await client.post("/update_weights_from_disk", headers=tenant,
+                                            json={"model_path": str(new)})).status_code
+        for body in ({"model_path": str(new), "policy": "soon"}, {"model_path": str(new), "force": True}, {}):
+            reply = await client.post("/update_weights_from_disk", headers=admin, json=body)
+            seen.setdefault("bad", []).append((reply.status_code, reply.json()["error"]["message"]))
+        reply = await client.post("/update_weights_from_disk", headers=admin, json={"model_path": str(new)})
+        seen["update"] = (reply.status_code, reply.json())
+        seen["after"] = await tokens()
+        seen["sleep"] = (await client.post("/sleep", headers=admin, json={"level": 3})).status_code
+        reply = await client.post("/sleep", headers=admin, json={"level": 1})
+        seen["asleep"] = reply.json()["ranks"][0]["kv_cache_bytes"]
+        seen["refused"] = (await client.post("/v1/completions", headers=admin, json={"prompt": PROMPT})).status_code
+        seen["woken"] = (await client.post("/wake_up", headers=admin, json={})).status_code
+        seen["again"] = await tokens()
+        return seen
+
+    engine = make_engine(EngineConfig(model=str(old), device="cpu", dtype="float32", block_size=8))
+    tokenizer = engine.tokenizer
+    seen = serve_in_process(engine, scenario, api_key=["tenant", "other-tenant"], admin_key="operator")
+    assert seen["before"] == tokenizer.decode(answers[0], skip_special_tokens=True)
+    assert seen["tenant"] == 403
+    assert [status for status, _ in seen["bad"]] == [400, 400, 400]
+    assert "policy" in seen["bad"][0][1] and "force" in seen["bad"][1][1] and "model_path" in seen["bad"][2][1]
+    assert seen["update"][0] == 200 and seen["update"][1]["ranks"][0]["tensors"] > 0
+    assert seen["after"] == seen["again"] == tokenizer.decode(answers[1], skip_special_tokens=True)
+    assert seen["sleep"] == 400 and seen["asleep"] == 0 and seen["refused"] == 400 and seen["woken"] == 200
