@@ -112,6 +112,9 @@ class EngineConfig:
     # What a sampled token's logprobs are (vLLM's --logprobs-mode): "raw_logprobs" (the model's), "processed_logprobs"
     # (of the distribution it was drawn from: an RL trainer's old-policy logprob), "raw_logits", "processed_logits"
     logprobs_mode: str = "raw_logprobs"
+    # Batch-invariant output (moe_runtime/config/deterministic.py): a request's tokens and logprobs bitwise the same
+    # whatever else is batched with it, however its prompt is chunked, on whichever DP worker
+    deterministic: bool = False
 
     def validate(self) -> None:
         """Refuse a configuration that cannot run before anything is loaded or started.
@@ -183,6 +186,10 @@ class EngineConfig:
         if self.enable_torch_compile:
             self.validate_torch_compile()
         self.validate_cpu_experts()
+        if self.deterministic:
+            from moe_runtime.config.deterministic import validate_deterministic   # imports torch: only when asked
+
+            validate_deterministic(self)
         if self.cp > 1 and self.enable_two_batch_overlap:
             raise EngineConfigError(f"--cp {self.cp} with --enable-two-batch-overlap: a context-parallel step "
                                     "exchanges every layer's new K/V over the whole step, which two micro-batches "

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from moe_runtime.kernels.batch_invariant import BATCH_INVARIANT, invariant_prefill_attention
 from moe_runtime.kernels.flashinfer_attention import FlashInferAttention, import_flashinfer
 from moe_runtime.kernels.index_scores import index_scores as torch_index_scores
 from moe_runtime.kernels.kernel_set_type import KernelSet
@@ -101,6 +102,8 @@ def _requested() -> str:
 def attention_kernels(kernels: KernelSet, device_type: str, device_index: int | None = None) -> AttentionKernels:
     """The attention kernels for a kernel family on a device (one instance per pair: FlashInfer's workspace
     and plans are shared by all layers)."""
+    if kernels.name == BATCH_INVARIANT:   # --deterministic: prefill rows reduce in the decode kernel's fixed order
+        return AttentionKernels(kernels.name, kernels.paged_decode_attention, invariant_prefill_attention)
     choice = _requested()
     torch_path = AttentionKernels("torch", kernels.paged_decode_attention, None)
     if choice == "torch" or kernels.name != "triton":

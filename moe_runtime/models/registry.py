@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.kernels.batch_invariant import BATCH_INVARIANT
 from moe_runtime.layers.linear import Linear
 from moe_runtime.models.decoder import BuildContext, CausalLM
+from moe_runtime.moe.router import Router
 
 
 def _builders():
@@ -48,6 +50,6 @@ def build_model(architecture: str, hf_config, ctx: BuildContext) -> CausalLM:
         )
     model = builders[architecture](hf_config, ctx)
     for module in model.modules():   # every unquantized projection multiplies with the kernel family's few-row matmul
-        if isinstance(module, Linear):
-            module.matmul = ctx.kernels.linear_rows
+        if isinstance(module, Linear) or (isinstance(module, Router) and ctx.kernels.name == BATCH_INVARIANT):
+            module.matmul = ctx.kernels.linear_rows   # routers too under --deterministic (else torch's, as always)
     return model

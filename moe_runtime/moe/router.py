@@ -26,6 +26,7 @@ class Router(nn.Module):
             nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device), requires_grad=False)
             if correction_bias else None
         )
+        self.matmul = linear_rows   # the kernel family's, bound when the model is built (registry.py)
 
     def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
         copy_checked(self.weight, reader.read(f"{prefix}weight"), f"{prefix}weight", reader.directory)
@@ -40,4 +41,4 @@ class Router(nn.Module):
         return loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] fp32
-        return linear_rows(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        return self.matmul(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())

@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--debug-host-reads", action=argparse.BooleanOptionalAction, default=e.debug_host_reads,
                    help="count each decode step's host reads (device values read on the host: each stalls a GPU "
                         "and breaks graph capture) per DP worker, by file and line; slows every step")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=e.deterministic,
+                   help="batch-invariant output: a request's tokens and logprobs are bitwise the same whatever else "
+                        "is batched with it, however its prompt is chunked or cached, on whichever DP worker "
+                        "(fixed-order CPU kernels, slower; refuses --quantization, --enable-torch-compile, "
+                        "--cpu-experts, --cp, speculative decoding and GPU kernels)")
     g.add_argument("--enable-two-batch-overlap", action=argparse.BooleanOptionalAction,
                    default=e.enable_two_batch_overlap,
                    help="two-batch overlap: split each step's batch by requests into two micro-batches whose MoE "
