@@ -121,6 +121,8 @@ class SleepMode:
         self.level = max(self.level, level)
         if self.core.device.type == "cuda":
             torch.cuda.empty_cache()
+        elif self._dropped:
+            _return_freed_heap()
 
     def _free_kv(self, tensor: torch.Tensor) -> None:
         if tensor.device.type == "cpu":
@@ -182,6 +184,15 @@ class SleepMode:
                 tensor.set_(fresh.untyped_storage(), 0, kept.shape, kept.stride)
         self._host_weights, self._freed_kv = [], {}
         self.level = 0
+
+
+def _return_freed_heap() -> None:
+    """glibc keeps freed heap memory for reuse (a tensor below its mmap threshold, which grows as large blocks are
+    freed): `malloc_trim` hands it back, so the dropped weights leave the resident set."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc
+        pass
 
 
 def _discard_host_pages(tensor: torch.Tensor) -> None:
