@@ -126,6 +126,7 @@ class WeightUpdater:
         core = self.core
         load_model_weights(core.model, self._open(self.directory), SkippedTensors.for_config(core.hf_config),
                            self._group())
+        core.executor.weights_changed()
 
     # ---- check, agree, write --------------------------------------------------------------------------
     def _group(self):
@@ -226,6 +227,7 @@ class WeightUpdater:
         if keep_sources:
             for module, source in zip(experts, sources):
                 module._source = source
+        self.core.executor.weights_changed()
         return len(reader.consumed)
 
     # ---- what a trainer checks ------------------------------------------------------------------------

@@ -260,6 +260,12 @@ class MoEExecutor:
     def expert_store(self, moe_layer: int) -> ExpertWeights:
         return self._experts[moe_layer]
 
+    def weights_changed(self) -> None:
+        """The experts' weights were replaced in place (a weight update, a reload after sleep): device-resident
+        copies (`--device-resident-experts`) are taken again before the next step."""
+        for copies in self._resident:
+            copies.stale = True
+
     # ---- steps ------------------------------------------------------------------------------------------
     def begin_step(self, phase: str) -> None:
         """Every rank must use the same backend in a step: the engine passes the agreed phase."""
