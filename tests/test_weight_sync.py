@@ -7,6 +7,7 @@ slots hold exactly the new weights of the experts its placement gives it.
 """
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 
@@ -188,6 +189,23 @@ def test_distributed_update_under_expert_parallelism(checkpoints, answers):
         assert greedy(llm) == answers[1]
 
 
+async def async_drain(async_engine, path) -> dict:
+    """The async engine's "drain": a running request finishes on the weights it began with; one submitted while
+    the update drains waits, then runs on the new weights."""
+    async def run(request_id, params):
+        return [output async for output in async_engine.generate(request_id, PROMPT, params)][-1]
+    running = asyncio.create_task(run("running", SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)))
+    while async_engine.num_in_flight == 0:
+        await asyncio.sleep(0.001)
+    update = asyncio.create_task(async_engine.update_weights(str(path)))
+    while async_engine._admission_resumes is None and not update.done():
+        await asyncio.sleep(0.001)
+    held = async_engine._admission_resumes is not None and not running.done()
+    waiting = asyncio.create_task(run("waiting", GREEDY))
+    await update
+    return {"held": held, "running": (await running).token_ids[:TOKENS], "waiting": (await waiting).token_ids}
+
+
 def test_admin_http_routes(checkpoints, answers):
     """The routes need the admin key, refuse bad bodies naming the field, and update the weights and sleep."""
     from server_harness import serve_in_process
@@ -198,7 +216,7 @@ def test_admin_http_routes(checkpoints, answers):
     old, new = checkpoints
     admin, tenant = {"Authorization": "Bearer operator"}, {"Authorization": "Bearer tenant"}
 
-    async def scenario(client, _):
+    async def scenario(client, async_engine):
         async def tokens():
             reply = await client.post("/v1/completions", headers=admin, json={
                 "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True})
@@ -218,6 +236,7 @@ def test_admin_http_routes(checkpoints, answers):
         seen["refused"] = (await client.post("/v1/completions", headers=admin, json={"prompt": PROMPT})).status_code
         seen["woken"] = (await client.post("/wake_up", headers=admin, json={})).status_code
         seen["again"] = await tokens()
+        seen.update(await async_drain(async_engine, old))
         return seen
 
     engine = make_engine(EngineConfig(model=str(old), device="cpu", dtype="float32", block_size=8))
@@ -230,3 +249,4 @@ def test_admin_http_routes(checkpoints, answers):
     assert seen["update"][0] == 200 and seen["update"][1]["ranks"][0]["tensors"] > 0
     assert seen["after"] == seen["again"] == tokenizer.decode(answers[1], skip_special_tokens=True)
     assert seen["sleep"] == 400 and seen["asleep"] == 0 and seen["refused"] == 400 and seen["woken"] == 200
+    assert seen["held"] and seen["running"] == answers[1] and seen["waiting"] == answers[0]
