@@ -21,6 +21,7 @@ from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.engine.outputs import TokenDelta
+from moe_runtime.moe.routed_experts import RoutingShape
 from moe_runtime.engine.prefix_cache import PrefixCacheEvents
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.engine.sleep_mode import ResidentMemory
@@ -179,6 +180,7 @@ class WorkerReady(Message):
     pp_rank: int = 0
     kv_shard: KVShard | None = None   # P/D instances: its share of the KV cache (and, prefill, its block server)
     generation: int = 0        # the job's re-formations so far (Reform.generation)
+    routing: RoutingShape | None = None   # the whole model's MoE routing (every stage's layers): routing replay
 
 
 class StepOutputs(Message):

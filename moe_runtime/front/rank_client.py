@@ -64,7 +64,7 @@ class RankClient:
         return CoreShape(block_size=first.block_size, num_kv_blocks=min(r.num_kv_blocks for r in ready.values()),
                          max_model_len=first.max_model_len, vocab_size=self.vocab_size,
                          pp_size=max(r.pp_rank for r in ready.values()) + 1, worker_ranks=self.job.worker_ranks,
-                         kv_shards={rank: r.kv_shard for rank, r in ready.items()})
+                         kv_shards={rank: r.kv_shard for rank, r in ready.items()}, routing=first.routing)
 
     def reform(self) -> ReformOutcome:
         """Absorb the lost ranks: the others re-form without them (or, on one node, with fresh processes in their
