@@ -250,3 +250,15 @@ def test_admin_http_routes(checkpoints, answers):
     assert seen["after"] == seen["again"] == tokenizer.decode(answers[1], skip_special_tokens=True)
     assert seen["sleep"] == 400 and seen["asleep"] == 0 and seen["refused"] == 400 and seen["woken"] == 200
     assert seen["held"] and seen["running"] == answers[1] and seen["waiting"] == answers[0]
+
+
+def test_int8_kept_weights_quantized_again(checkpoints):
+    """An engine keeping int8 experts and projections takes float tensors and quantizes them on the rank as it
+    does at start-up: the slots and tokens after an update from tensors equal those after loading the checkpoint."""
+    old, new = checkpoints
+    with LLM(str(old), device="cpu", dtype="float32", quantization="int8") as llm:
+        from_tensors = llm.update_weights_from_tensors(tensors_of(new), checksums=True).checksums[0]
+        tokens = greedy(llm)
+        from_disk = llm.update_weights(str(new), checksums=True).checksums[0]
+        assert from_tensors == from_disk and greedy(llm) == tokens
+        assert llm.engine.core.executor.expert_store(0).w13.dtype == torch.int8

@@ -115,8 +115,9 @@ class ResetPrefixCache(Message):
 
 class UpdateWeights(Message):
     """New weights, applied by every rank at one step boundary (moe_runtime/engine/weight_updates.py): from the
-    checkpoint directory `path` (`partial`: only the tensors it has), or, `specs` given, from the trainer's
-    broadcast over the weight-update group. Tensors never travel here: only their names, dtypes and shapes."""
+    checkpoint directory `path` (`partial`: plain tensors an update from tensors wrote there, some of the model's),
+    or, `specs` given, from the trainer's broadcast over the weight-update group. Tensors never travel here: only
+    their names, dtypes and shapes."""
 
     update_id: int
     path: str = ""

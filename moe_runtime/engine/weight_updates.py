@@ -29,7 +29,7 @@ from moe_runtime.errors import CheckpointError, InvalidRequestError
 from moe_runtime.moe.expert_weights import ExpertWeights
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.loading import SkippedTensors, copy_checked, load_model_weights
-from moe_runtime.weights.memory_tensors import memory_reader
+from moe_runtime.weights.memory_tensors import memory_reader, plain_reader
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 
 logger = logging.getLogger(__name__)
@@ -73,10 +73,14 @@ class WeightUpdater:
         self.group: WeightUpdateGroup | None = None   # the trainer's, once joined
 
     # ---- the served model's tensors -------------------------------------------------------------------
-    def _open(self, directory: Path) -> CheckpointReader:
+    def _open(self, directory: Path, plain: bool = False) -> CheckpointReader:
+        """`plain`: tensors an update from tensors wrote (not a checkpoint: no quantization config applies)."""
         core = self.core
-        reader = CheckpointReader.open(directory, Fp8BlockFormat.from_hf_config(core.hf_config, str(directory)),
-                                       core.hf_config)
+        if plain:
+            reader = plain_reader(directory, core.hf_config)
+        else:
+            reader = CheckpointReader.open(directory, Fp8BlockFormat.from_hf_config(core.hf_config, str(directory)),
+                                           core.hf_config)
         self._rename_as_model(reader)
         return reader
 
@@ -92,12 +96,12 @@ class WeightUpdater:
 
     # ---- the sources ----------------------------------------------------------------------------------
     def from_directory(self, path: str, partial: bool = False) -> int:
-        """Load a checkpoint directory (`partial`: only the tensors it has, e.g. tensors written for the ranks by a
-        multi-rank front); the number of tensors loaded."""
+        """Load a checkpoint directory, or (`partial`) the plain tensors an update from tensors wrote for the ranks
+        (some of the model's); the number of tensors loaded."""
         directory = Path(path)
         reader, error = None, None
         try:
-            reader = self._open(directory)
+            reader = self._open(directory, plain=partial)
         except (CheckpointError, OSError, ValueError) as exc:   # still agreed on below: the other ranks wait for it
             error = f"path: {exc}"
         loaded = self._apply(reader, partial, label=str(directory), keep_sources=partial, error=error)

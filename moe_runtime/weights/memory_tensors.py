@@ -60,6 +60,16 @@ def memory_reader(tensors: dict[str, torch.Tensor], hf_config, label: str = "the
     tensors are taken as plain (dequantized) weights: a module kept quantized quantizes them as it loads."""
     reader = CheckpointReader(Path(label), {name: MEMORY_FILE for name in tensors})
     reader._handles[MEMORY_FILE] = MemoryTensors(tensors)
+    return as_plain_tensors(reader, hf_config)
+
+
+def plain_reader(directory: Path, hf_config) -> CheckpointReader:
+    """A safetensors directory of plain tensors (those an update from tensors wrote for the ranks), read lazily as
+    `memory_reader` reads tensors: the served model's quantization config is not applied to them."""
+    return as_plain_tensors(CheckpointReader.open(directory), hf_config)
+
+
+def as_plain_tensors(reader: CheckpointReader, hf_config) -> CheckpointReader:
     reader.hf_config = hf_config
     wrapper = wrapper_of(hf_config) if hf_config is not None else None
     if wrapper is not None:
