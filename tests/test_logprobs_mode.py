@@ -24,6 +24,7 @@ from moe_runtime.sampling.logprobs_mode import LOGPROBS_MODES, LogprobsMode
 from moe_runtime.sampling.sampler import Sampler
 from moe_runtime.server.cli import build_parser, engine_config_from_args
 from moe_runtime.server.logprobs import LOWEST_SHOWN_LOGPROB, TokenNamer, chat_logprobs, completion_logprobs
+from moe_runtime.speculative.verification import VerifyingSampler
 
 VOCAB = 48
 NUM_TOP = 3     # alternatives asked: fewer than every row's surviving tokens, so no -inf ties among them
@@ -166,3 +167,28 @@ def test_dropped_alternatives_cross_http_as_vllms_floor():
     assert completion.top_logprobs[0]["token_id:2"] == LOWEST_SHOWN_LOGPROB == -9999.0
     assert chat.content[0].top_logprobs[-1].logprob == LOWEST_SHOWN_LOGPROB
     json.dumps([completion.model_dump(mode="json"), chat.model_dump(mode="json")], allow_nan=False)
+
+
+def test_verified_drafts_report_the_processed_logprobs_of_their_rows():
+    """Speculative decoding: each accepted draft's and the emitted token's value is read from its own logits row,
+    processed as the sequence stands there (the drafts before it in its output: the penalties see them)."""
+    drafts = [9, 4]
+    logits = torch.randn(2 * (1 + len(drafts)), VOCAB, generator=torch.Generator().manual_seed(2))   # [R, V]
+    for row, draft in enumerate(drafts * 2):
+        logits[row + row // len(drafts), draft] += 12.0                   # each draft far ahead in its row
+    seqs = []
+    for i, params in enumerate([dict(temperature=0.0, presence_penalty=1.5),
+                                dict(temperature=0.8, top_k=6, frequency_penalty=0.7, seed=5)]):
+        seq = Sequence(f"d{i}", [5, 9, 3], SamplingParams(max_tokens=8, logprobs=NUM_TOP, **params), arrival=i)
+        seq.output_token_ids, seq.draft_token_ids = [4, 11], list(drafts)
+        seqs.append(seq)
+    result = VerifyingSampler(Sampler(logprobs_mode="processed_logprobs"), None)(logits, seqs)
+    for i, (seq, accepted, token, logprob) in enumerate(zip(seqs, result.accepted_rows(), result.token_ids,
+                                                           result.logprobs)):
+        assert [t for t, _ in accepted] == drafts, "the drafts were meant to be accepted"
+        for j, (emitted, entry) in enumerate([*accepted, (token, logprob)]):
+            view = Sequence("view", seq.prompt_token_ids, seq.params, arrival=0)
+            view.output_token_ids = seq.output_token_ids + drafts[:j]
+            expected = reference_scores(logits[i * (1 + len(drafts)) + j], view, LogprobsMode.PROCESSED_LOGPROBS)
+            assert entry.token_id == emitted
+            assert_logprobs_match(entry, expected, f"sequence {i}, emitted {j}")
