@@ -7,6 +7,7 @@ stored and gives transformers' greedy tokens on the twin, on one rank and under 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -25,8 +26,9 @@ from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.kernels import get_kernels
 from moe_runtime.moe.expert_weights import MIXTRAL_NAMING, ExpertWeights
 from moe_runtime.planner.memory import resolve_precision
-from moe_runtime.planner.model_shape import load_model_shape
-from moe_runtime.weights.quantization.in_memory import kept_quantization
+from moe_runtime.planner.model_shape import load_model_shape, model_shape_of
+from moe_runtime.config.quantization_choice import kept_quantization
+from moe_runtime.weights.quantization.in_memory import engine_quantization, weights_in_memory
 from moe_runtime.weights.quantization.int4_in_memory import Int4InMemory
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.quantization.fp8_checkpoint_writer import read_all_tensors
@@ -140,11 +142,61 @@ def test_an_int4_release_under_expert_parallelism_with_dp_attention(greedy_runs)
 
 
 def test_an_explicit_quantization_wins_over_the_checkpoints_int4():
-    layout = Int4Layout(GROUP, zero_points=True)
-    assert kept_quantization(EngineConfig(model="m"), layout) == "int4"
-    assert kept_quantization(EngineConfig(model="m"), None) is None
-    assert kept_quantization(EngineConfig(model="m", quantization="int8"), layout) == "int8"
-    assert kept_quantization(EngineConfig(model="m", cpu_experts=True), layout) is None   # no host int4 kernels
+    def kept(stored_int4: bool, **options):
+        choice = kept_quantization(EngineConfig(model="m", **options), stored_int4)
+        return choice.quantization, choice.automatic
+    assert kept(True) == ("int4", True)
+    assert kept(False) == (None, False)
+    assert kept(True, quantization="int8") == ("int8", False)
+    assert kept(True, quantization="int4") == ("int4", False)   # asked for: rounds a float expert weight
+    assert kept(True, quantization="none") == (None, False)     # every weight in --dtype
+    assert kept(True, cpu_experts=True) == (None, False)        # no host int4 kernels
+
+
+def test_quantization_none_serves_an_int4_release_dequantized_in_dtype(greedy_runs):
+    """--quantization none (review of issue 52, #6): the release's experts dequantized at load, as the twin holds
+    them, where unset keeps them packed."""
+    tokens, experts, oracle = greedy_runs("awq", quantization="none")
+    assert tokens == oracle
+    assert all(stack.quant is None and stack.w13.dtype == torch.float32 for stack in experts)
+
+
+def _with_one_expert_module_in_float(packed: Path, twin: Path, target: Path) -> Path:
+    """The release with one routed-expert module shipped unquantized (an `ignore` / `modules_to_not_convert`
+    entry): its twin's float weight in place of its qweight, qzeros and scales."""
+    shutil.copytree(packed, target)
+    module = EXPERT.removesuffix(".weight")
+    index_path = target / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    file = target / index["weight_map"][f"{module}.qweight"]
+    tensors = load_file(file)
+    for local in ("qweight", "qzeros", "scales"):
+        del tensors[f"{module}.{local}"]
+        del index["weight_map"][f"{module}.{local}"]
+    tensors[EXPERT] = read_all_tensors(twin)[EXPERT]
+    index["weight_map"][EXPERT] = file.name
+    save_file(tensors, file, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    return target
+
+
+def test_int4_kept_by_itself_refuses_an_expert_weight_shipped_in_float(checkpoints, tmp_path):
+    """Review of issue 52, #2: unset --quantization rounded the float module to int4 behind the user's back; it is
+    refused by name, and an asked-for --quantization int4 rounds it."""
+    reader = open_reader(_with_one_expert_module_in_float(*checkpoints("awq"), tmp_path / "partial"))
+    layout = reader.int4_experts_layout()
+    for options, automatic in (({}, True), ({"quantization": "int4"}, False)):
+        kept = engine_quantization(EngineConfig(model="m", **options), layout)
+        assert kept.automatic == automatic
+        quant = weights_in_memory(kept.quantization, None, TORCH, layout, rounds_float_experts=not kept.automatic)
+        if automatic:
+            with pytest.raises(CheckpointError, match=re.escape(EXPERT) + ".*stored unquantized.*--quantization int4 "
+                                                      "to round it.*--quantization none"):
+                quant.read(reader, EXPERT)
+            with pytest.raises(CheckpointError, match=re.escape(EXPERT)):
+                quant.read_slice(reader, EXPERT, 0, 0, 8)
+        else:
+            assert quant.read(reader, EXPERT).values.dtype == torch.uint8
 
 
 def _rewritten(path: Path, target: Path, quantization: dict | None = None) -> Path:
@@ -212,3 +264,34 @@ def test_the_planner_counts_an_int4_releases_experts_in_int4(checkpoints):
     assert resolve_precision(load_model_shape(twin), "float32", None).quantization is None
     kimi_scheme = load_model_shape(checkpoints("compressed_w4a16")[0])
     assert resolve_precision(kimi_scheme, "float32", None).quantization == "int4"
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_planner_prices_int4_experts_in_the_releases_own_layout(checkpoints, name):
+    """Review of issue 52, #1: every release was priced at group 128 without zero points (Kimi's group 32: 17.6%
+    under what the engine keeps). The price is the kept stack's bytes (codes, float32 scales and zero points, act
+    order's column groups) per weight, by the layout's own shapes; and it is int4 only where the engine keeps int4."""
+    shape = load_model_shape(checkpoints(name)[0])
+    hidden, inter = shape.hidden_size, shape.expert_intermediate
+    quant = Int4InMemory(TORCH, FORMATS[name][1])
+    kept = sum(torch.Size(quant.values_shape(rows, columns)).numel() + 4 * torch.Size(quant.scale_shape(rows, columns)).numel()
+               + (4 * columns if quant.column_groups else 0) for rows, columns in ((2 * inter, hidden), (hidden, inter)))
+    for asked in (None, "int4"):   # an asked-for int4 keeps the release's layout too
+        assert resolve_precision(shape, "float32", asked).expert_bytes == pytest.approx(kept / (3 * hidden * inter))
+    assert resolve_precision(shape, "float32", None, cpu_experts=True).quantization is None   # the engine's rule
+    assert resolve_precision(shape, "float32", "none").expert_bytes == 4
+
+
+@pytest.mark.parametrize("quant", [
+    {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"attention": {
+        "targets": ["re:.*self_attn.*"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                                                     "symmetric": True}}}},
+    {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["re:.*experts.*"], "config_groups": {
+        "all": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}}},
+    {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "modules_to_not_convert": ["experts"]},
+], ids=["int4-attention-only", "experts-ignored", "awq-experts-not-converted"])
+def test_the_planner_prices_experts_the_release_keeps_in_float_in_dtype(checkpoints, quant):
+    config = json.loads((checkpoints("awq")[0] / "config.json").read_text())
+    shape = model_shape_of({**config, "quantization_config": quant})
+    assert shape.int4_experts is None
+    assert resolve_precision(shape, "float32", None).quantization is None

@@ -6,6 +6,7 @@ test_cpu_experts_offload.py; two-batch overlap: test_two_batch_overlap*.py; fp8/
 test_int8_weights.py, test_int4_weights.py, test_gpt_oss.py, test_deepseek_v4_release.py)."""
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -76,3 +77,19 @@ def test_the_start_up_log_and_the_stats_say_which_steps_are_captured(tiny_checkp
         captured = llm.engine.stats().workers[0].captured_decode_steps
     assert "captured decode: pure decode steps of up to 32 rows" in caplog.text
     assert captured == 5   # every decode step after the prefill
+
+
+@pytest.mark.parametrize("architecture, refused", [("GptOssForCausalLM", True), ("MixtralForCausalLM", False)])
+def test_int4_kept_by_itself_answers_to_the_int4_rule_without_naming_a_flag_not_given(configs, architecture, refused):
+    """Review of issue 52, #9: an int4 release with --quantization unset skipped the option table, and was refused
+    later naming --quantization int4, which the user never passed."""
+    hf_config = copy.deepcopy(configs[architecture])
+    hf_config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}
+    if not refused:
+        check_options_for_model(EngineConfig(model="unused"), hf_config)
+        return
+    with pytest.raises(EngineConfigError, match=f"{architecture} release with its routed experts stored in int4.*"
+                                                "--quantization none to serve them dequantized") as refusal:
+        check_options_for_model(EngineConfig(model="unused"), hf_config)
+    assert "--quantization int4" not in str(refusal.value)
+    check_options_for_model(EngineConfig(model="unused", quantization="none"), hf_config)   # served in --dtype

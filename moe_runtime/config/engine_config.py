@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 DISAGGREGATION_MODES = ("none", "prefill", "decode")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
-QUANTIZATIONS = (None, "fp8", "int8", "mxfp4", "int4")    # --quantization choices (None = weights in the compute dtype)
-HOST_EXPERT_QUANTIZATIONS = (None, "int8", "fp8")   # what --cpu-experts' host kernels run (moe_runtime/kernels/cpu_native)
+# --quantization choices (None, unset: as the checkpoint ships; "none": every weight in the compute dtype)
+QUANTIZATIONS = (None, "none", "fp8", "int8", "mxfp4", "int4")
+HOST_EXPERT_QUANTIZATIONS = (None, "none", "int8", "fp8")   # what --cpu-experts' host kernels run (kernels/cpu_native)
 
 
 @dataclass
@@ -50,8 +51,10 @@ class EngineConfig:
                                          # blocks as stored; others quantized at load); "int8": int8 with one
                                          # scale per output row, quantized at load; "int4": routed experts as
                                          # packed int4 with group scales (an int4 checkpoint's as stored, others
-                                         # quantized at load); None: dequantize to dtype (but an int4
-                                         # checkpoint's experts stay int4 as stored: in_memory.kept_quantization)
+                                         # quantized at load); "none": every weight in dtype, an int4 or FP8
+                                         # checkpoint's dequantized at load; None (unset): as the checkpoint
+                                         # ships: in dtype, but an int4 checkpoint's routed experts stay int4
+                                         # as stored (config/quantization_choice.py)
     # Parallel layout: world = ep ranks; dp_attn DP attention workers of ep // dp_attn ranks each.
     ep: int = 1
     dp_attn: int = 1
@@ -177,7 +180,7 @@ class EngineConfig:
             raise EngineConfigError(f"--grammar-compile-timeout {self.grammar_compile_timeout_s}: must be > 0")
         if self.quantization not in QUANTIZATIONS:
             raise EngineConfigError(f"--quantization {self.quantization} is not supported; choose one of "
-                                    f"{[q for q in QUANTIZATIONS if q]} (or leave it unset to run in --dtype)")
+                                    f"{[q for q in QUANTIZATIONS if q]} (or leave it unset: as the checkpoint ships)")
         SpeculativeConfig.parse(self.speculative_config)   # refuses unknown keys and methods not built, by name
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise EngineConfigError(f"--logprobs-mode {self.logprobs_mode!r}: choose one of {', '.join(LOGPROBS_MODES)}")
@@ -233,7 +236,7 @@ class EngineConfig:
             raise EngineConfigError(f"--enable-torch-compile with {', '.join(blocking)}: the captured decode step is "
                                     "one rank's forward; steps that exchange tokens or K/V between ranks are not "
                                     "captured yet (run without --enable-torch-compile)")
-        if self.quantization is not None:
+        if self.quantization not in (None, "none"):
             raise EngineConfigError(f"--enable-torch-compile with --quantization {self.quantization}: quantized "
                                     "weights run through their own grouped kernels, which the capture cannot fuse "
                                     "(as opaque calls inside the graph int8 decoded slower than without it, "

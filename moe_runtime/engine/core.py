@@ -29,7 +29,7 @@ from moe_runtime.disaggregation.draft_layer import TransferredLayers
 from moe_runtime.disaggregation.import_grammars import ImportGrammars
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
-from moe_runtime.weights.quantization.in_memory import kept_quantization, weights_in_memory
+from moe_runtime.weights.quantization.in_memory import engine_quantization, weights_in_memory
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
@@ -85,9 +85,10 @@ class EngineCore:
         checkpoint_fp8 = Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir))
         reader = CheckpointReader.open(self.checkpoint_dir, checkpoint_fp8, self.hf_config)
         checkpoint_int4 = reader.int4_experts_layout()   # an int4 release's experts stay int4 unless told otherwise
-        quant = weights_in_memory(kept_quantization(config, checkpoint_int4),   # FP8 kept in the stored blocks
+        kept = engine_quantization(config, checkpoint_int4)
+        quant = weights_in_memory(kept.quantization,   # FP8 kept in the stored blocks
                                   Fp8BlockFormat.stored_blocks(self.hf_config, str(self.checkpoint_dir)), self.kernels,
-                                  checkpoint_int4)
+                                  checkpoint_int4, rounds_float_experts=not kept.automatic)
         ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant, config)
         self.model = build_model(self.architecture, self.hf_config, ctx)
         self.executor.finish_registration()  # every MoE layer registered itself while the model was built

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
+from moe_runtime.config.quantization_choice import kept_quantization
 from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.planner.int4_experts import COMPRESSED_TENSORS, INT4_METHODS
 from moe_runtime.planner.model_shape import FULL, LINEAR, ModelShape, model_shape_of
 
 GPT_OSS = "GptOssForCausalLM"
@@ -100,22 +102,43 @@ OPTION_RULES = (
     OptionRule("--quantization int8", lambda c: c.quantization == "int8", _weight_quantization_refusal),
     OptionRule("--quantization int4", lambda c: c.quantization == "int4", _int4_refusal),
 )
+INT4_RULE = OPTION_RULES[-1]
 
 
 def check_options_for_model(config: EngineConfig, hf_config) -> None:
-    """EngineConfigError naming the first option asked for that the model cannot run, and why. An architecture
-    the runtime does not serve is left to the model registry to refuse, in its own words."""
+    """EngineConfigError naming the first option asked for that the model cannot run, and why; int4 kept by itself
+    (an int4 release's experts, `--quantization` unset: config/quantization_choice.py) answers to the same rule as
+    an asked-for `--quantization int4`, in words that name the release, not a flag. An architecture the runtime
+    does not serve is left to the model registry to refuse, in its own words."""
     asked = [rule for rule in OPTION_RULES if rule.asked(config)]
-    if not asked:
+    automatic_int4 = config.quantization is None and int4_experts_declared(hf_config)
+    if not asked and not automatic_int4:
         return
     try:
-        model = ModelTraits.of_config(hf_config)
+        shape = model_shape_of(hf_config.to_dict())
     except UnsupportedArchitectureError:
         return
+    model = ModelTraits.of_shape(shape)
     for rule in asked:
         why = rule.refusal(model)
         if why is not None:
             raise EngineConfigError(f"{rule.option} with {model.architecture}: {why}")
+    if kept_quantization(config, shape.int4_experts is not None).automatic:
+        why = INT4_RULE.refusal(model)
+        if why is not None:
+            raise EngineConfigError(f"{model.architecture} release with its routed experts stored in int4, which "
+                                    f"the engine keeps packed unless told otherwise: {why}; or pass --quantization "
+                                    f"none to serve them dequantized in --dtype")
+
+
+def int4_experts_declared(hf_config) -> bool:
+    """A cheap look before the model's shape is read: config.json declares int4 weights of some kind."""
+    quant = getattr(hf_config, "quantization_config", None)
+    text = getattr(hf_config, "text_config", None)
+    quant = quant or getattr(text, "quantization_config", None)
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else None
+    return isinstance(quant, dict) and quant.get("quant_method") in (*INT4_METHODS, COMPRESSED_TENSORS)
 
 
 def option_table(models: list[ModelTraits]) -> str:

@@ -16,10 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_runtime.config.parallel_layout import ParallelLayout
+from moe_runtime.config.quantization_choice import INT4, AskedQuantization, kept_quantization
 from moe_runtime.planner.model_shape import FULL, LINEAR, LayerShape, ModelShape
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
-# per weight, scales included (int4: a float32 scale per 128 columns, the layout quantized at load)
+# per weight, scales included (int4: a float32 scale per 128 columns, the layout a float release is quantized to at
+# load; an int4 release's experts are priced in their own layout: `Precision.int4_expert_bytes`)
 QUANT_BYTES = {"fp8": 1 + 4 / 128, "int8": 1 + 4 / 1024, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 4 / 128}
 
 
@@ -30,6 +32,7 @@ class Precision:
 
     dtype: str
     quantization: str | None = None
+    int4_expert_bytes: float | None = None   # int4 kept in an int4 release's own layout (None: QUANT_BYTES')
 
     @property
     def compute_bytes(self) -> int:
@@ -44,17 +47,24 @@ class Precision:
 
     @property
     def expert_bytes(self) -> float:
+        if self.quantization == INT4 and self.int4_expert_bytes is not None:
+            return self.int4_expert_bytes
         return QUANT_BYTES[self.quantization] if self.quantization else self.compute_bytes
 
 
-def resolve_precision(shape: ModelShape, dtype: str, quantization: str | None) -> Precision:
-    """`--dtype auto` is the checkpoint's dtype, float32 when unset (EngineConfig.resolved_dtype's rule); no
-    --quantization on an int4 checkpoint is int4 (weights/quantization/in_memory.kept_quantization's rule)."""
+def resolve_precision(shape: ModelShape, dtype: str, quantization: str | None, cpu_experts: bool = False,
+                      enable_torch_compile: bool = False, deterministic: bool = False) -> Precision:
+    """`--dtype auto` is the checkpoint's dtype, float32 when unset (EngineConfig.resolved_dtype's rule); the
+    --quantization kept is the engine's own rule's (config/quantization_choice.py) on what config.json declares:
+    an int4 release's experts, unless told otherwise, stay int4 in the layout they ship in."""
     if dtype == "auto":
         dtype = shape.checkpoint_dtype if shape.checkpoint_dtype in DTYPE_BYTES else "float32"
-    if quantization is None and shape.is_moe and shape.int4_weights:   # its experts stay int4, as the engine keeps them
-        quantization = "int4"
-    return Precision(dtype, quantization)
+    stored = shape.int4_experts
+    asked = AskedQuantization(quantization, dtype, cpu_experts, enable_torch_compile, deterministic)
+    kept = kept_quantization(asked, stored is not None).quantization
+    if kept == INT4 and stored is not None:   # --quantization int4 keeps a release's own layout too
+        return Precision(dtype, kept, stored.bytes_per_weight(shape.hidden_size, shape.expert_intermediate))
+    return Precision(dtype, kept)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 from moe_runtime.config.multimodal_wrappers import WRAPPERS
 from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.planner.config_checks import ConfigError, check_config, read_config, text_config_of
+from moe_runtime.planner.int4_experts import Int4Experts, int4_experts_of
 
-INT4_METHODS = ("awq", "gptq")   # int4 quant_methods (weights/quantization/{awq,gptq}_format.py; no torch here)
 
 FULL, SLIDING, CHUNKED, LINEAR = "full", "sliding", "chunked", "linear"
 
@@ -88,19 +88,18 @@ class ModelShape:
         return self.num_experts > 1
 
     @property
-    def int4_weights(self) -> bool:
-        """Whether config.json declares int4 weights (AWQ, GPTQ, compressed-tensors pack-quantized int4): the engine
-        then keeps the routed experts int4 unless told otherwise (weights/quantization/in_memory.kept_quantization)."""
-        quant = self.config.get("quantization_config")
-        if not isinstance(quant, dict):
-            return False
-        if quant.get("quant_method") in INT4_METHODS:
-            return quant.get("bits", 4) == 4
-        groups = quant.get("config_groups") if quant.get("quant_method") == "compressed-tensors" else None
-        return isinstance(groups, dict) and any(
-            isinstance(group, dict) and isinstance(group.get("weights"), dict)
-            and group["weights"].get("num_bits") == 4 and group["weights"].get("type", "int") == "int"
-            for group in groups.values())
+    def int4_experts(self) -> Int4Experts | None:
+        """The routed experts' int4 grouping where config.json declares them int4 (AWQ, GPTQ, compressed-tensors
+        pack-quantized int4 schemes that take them): the engine then keeps them so unless told otherwise
+        (config/quantization_choice.py)."""
+        if not self.is_moe:
+            return None
+        return int4_experts_of(self.config.get("quantization_config"), self.architecture)
+
+    @property
+    def expert_intermediate(self) -> int:
+        """A routed expert's intermediate size (0: dense)."""
+        return next((layer.expert_params // (3 * self.hidden_size) for layer in self.layers if layer.moe), 0)
 
     @property
     def total_params(self) -> int:

@@ -60,9 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "with one scale per output row, quantized at load (weight-only: activations stay in "
                         "--dtype); mxfp4: keep the routed experts in MXFP4 (gpt-oss's as stored); int4: keep the "
                         "routed experts as packed int4 with group scales, an int4 checkpoint's (compressed-tensors, "
-                        "AWQ, GPTQ) as stored, any other's rounded at load to groups of 128 (lossy); unset: "
-                        "weights in --dtype (FP8 checkpoints are dequantized at load), but an int4 checkpoint keeps "
-                        "its routed experts int4 as stored (int4 chosen by itself)")
+                        "AWQ, GPTQ) as stored, any other's rounded at load to groups of 128 (lossy); none: every weight "
+                        "in --dtype, an int4 or FP8 checkpoint's dequantized at load; unset: as the checkpoint "
+                        "ships: weights in --dtype (FP8 checkpoints are dequantized at load), but an int4 "
+                        "checkpoint keeps its routed experts int4 as stored (int4 chosen by itself; an expert weight "
+                        "it stores in float is refused by name)")
     g.add_argument("--kernels", default=e.kernels, choices=["auto", "torch", "triton", "cpu", "reference"],
                    help="MoE/attention kernel implementation (auto: triton on CUDA where it imports, else torch; "
                         "cpu: the torch family with the routed experts and the few-row projections in C++ kernels "

@@ -79,7 +79,8 @@ def served_plan(config, query: PlanQuery, max_model_len: int,
                         config.max_num_batched_tokens)
     shape = load_model_shape(config.model)
     request = PlanRequest(config.model, shape, hardware, per_node, query.nodes, workload,
-                          resolve_precision(shape, config.dtype, config.quantization), config.block_size,
+                          resolve_precision(shape, config.dtype, config.quantization, config.cpu_experts,
+                                            config.enable_torch_compile, config.deterministic), config.block_size,
                           kv_host_memory=config.kv_host_memory)
     answer = plan_json(make_plan(request))
     served = asdict(config.layout())

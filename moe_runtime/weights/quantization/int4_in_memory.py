@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from moe_runtime.errors import CheckpointError
 from moe_runtime.kernels import KernelSet
 from moe_runtime.kernels.int4_layout import (INT4_CODES, SYMMETRIC_ZERO, Int4Layout, Int4Weight, check_int4_weight,
                                              pack_int4, packed_int4_columns)
@@ -84,6 +85,9 @@ class Int4InMemory:
 
     kernels: KernelSet    # int4_linear, int4_expert_mlp, int4_masked_expert_mlp
     layout: Int4Layout = DEFAULT_INT4_LAYOUT
+    # False where int4 was not asked for but kept as an int4 release ships its experts (quantization_choice.py):
+    # an expert weight the release stores in float is then refused by name, not rounded (lossy) behind its back
+    rounds_float_weights: bool = True
     name: ClassVar[str] = "int4"
     values_dtype: ClassVar[torch.dtype] = torch.uint8
     scales_dtype: ClassVar[torch.dtype] = torch.float32
@@ -117,7 +121,7 @@ class Int4InMemory:
         """A whole weight [N, K]: an int4 checkpoint's as stored (`read_int4`), any other quantized at load."""
         stored = reader.read_int4(name)
         if stored is None:
-            return self.quantize(reader.read(name))
+            return self.quantize(self._float_weight(reader, name).read(name))
         check_int4_weight(self.layout, stored.values, stored.scales, stored.columns, stored.column_groups, name)
         return int4_rows(stored)
 
@@ -125,13 +129,22 @@ class Int4InMemory:
         if dim == 0:
             stored = reader.read_int4(name)
             if stored is None:                  # rows are quantized independently: only these rows need reading
-                return self.quantize(reader.read_slice(name, 0, start, stop))
+                return self.quantize(self._float_weight(reader, name).read_slice(name, 0, start, stop))
             return self.read(reader, name).rows(start, stop)
         whole = self.read(reader, name)         # whole groups of columns (`fits_columns`)
         first_group = 0 if self.layout.group_size is None else start // self.layout.group_size
         last_group = 1 if self.layout.group_size is None else self.layout.groups(stop)
         return Int4Rows(whole.values[:, start // 2:packed_int4_columns(stop)],
                         whole.scales[:, first_group:last_group])
+
+    def _float_weight(self, reader: TensorSource, name: str) -> TensorSource:
+        """`reader`, where a weight stored in float may be rounded to int4 here."""
+        if not self.rounds_float_weights:
+            raise CheckpointError(f"{name}: this routed-expert weight is stored unquantized while the release's other "
+                                  f"routed experts are int4 (kept packed as stored, --quantization unset); pass "
+                                  f"--quantization int4 to round it to int4, or --quantization none to serve every "
+                                  f"expert in --dtype")
+        return reader
 
     def plan(self, values, scales) -> None:
         """Nothing to decide per weight."""
