@@ -4,6 +4,7 @@ rank: the engine's tensor bytes (KV pool, weights) and the process's resident se
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.front.weight_sync import EngineAsleepError
@@ -56,4 +57,15 @@ def test_sleep_level_2_drops_the_weights(llm):
         llm.sleep(level=3)
     woken = llm.wake_up(reload=True).memory[0]
     assert woken.weight_bytes == before.weight_bytes
+    assert llm.generate([PROMPT], GREEDY)[0].token_ids == before_tokens
+
+
+def test_a_full_update_brings_dropped_weights_back(llm):
+    before_tokens = llm.generate([PROMPT], GREEDY)[0].token_ids
+    llm.sleep(level=2)
+    with pytest.raises(InvalidRequestError, match="only a full checkpoint brings them back"):
+        llm.update_weights_from_tensors({"lm_head.weight": torch.zeros(1)})
+    restored = llm.update_weights(llm.config.model).memory[0]
+    assert restored.weight_bytes > 0 and restored.kv_cache_bytes == 0   # the weights are back, the pool not yet
+    llm.wake_up()
     assert llm.generate([PROMPT], GREEDY)[0].token_ids == before_tokens

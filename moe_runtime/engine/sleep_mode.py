@@ -72,6 +72,11 @@ class SleepMode:
     def weights_dropped(self) -> bool:
         return bool(self._dropped)
 
+    @property
+    def weights_on_host(self) -> bool:
+        """Level 1 on a device: the parameters' storages are empty, their values in pinned host copies."""
+        return bool(self._host_weights)
+
     # ---- what is held -------------------------------------------------------------------------------
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the KV pool (paged KV, recurrent and compressed states), each once."""

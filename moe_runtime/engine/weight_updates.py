@@ -172,6 +172,9 @@ class WeightUpdater:
         unknown = given - expected
         if unknown:
             return f"tensor(s) {_shown(unknown)} are not the served model's ({self.core.architecture})"
+        if self.sleep.weights_on_host:
+            return ("the engine sleeps at level 1 with its weights in host memory: wake_up first, or sleep at level 2 "
+                    "and update from a full checkpoint")
         if self.sleep.weights_dropped and partial:
             return ("the weights were dropped (sleep level 2): only a full checkpoint brings them back "
                     "(update_weights(path) or wake_up(reload=True))")
