@@ -40,7 +40,7 @@ from moe_runtime import LLM, SamplingParams
 
 @dataclass(frozen=True)
 class GrpoConfig:
-    prompts: tuple[tuple[int, ...], ...] = ((3, 5, 4, 6), (6, 2, 5, 3))   # token ids, all of one length
+    prompts: tuple[tuple[int, ...], ...] = ((3, 5, 4, 6), (6, 4, 5, 3))   # token ids (no special ones), of one length
     group_size: int = 8                  # completions per prompt (GRPO's group)
     max_tokens: int = 6
     target_token: int = 7                # the reward: the fraction of completion tokens equal to it
