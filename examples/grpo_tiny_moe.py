@@ -20,7 +20,9 @@ than those that produced them (`IterationReport.routing_flips`), so the ratio wo
 computations, not two policies.
 
 Run: `python examples/grpo_tiny_moe.py` (a few seconds); docs/rl_rollouts.md explains each step and the
-multi-process form (`init_weights_update_group` + `update_weights_from_distributed`).
+multi-process form (`init_weights_update_group` + `update_weights_from_distributed`). It needs transformers 5 (the
+pinned 5.25): the replay patches its Qwen3-MoE router module (`Qwen3MoeTopKRouter`), and its fused in-memory experts
+go back to the checkpoint's names through its own `revert_weight_conversion`.
 """
 from __future__ import annotations
 
