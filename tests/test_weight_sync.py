@@ -81,7 +81,8 @@ def test_refusals_change_nothing(llm, checkpoints, answers):
     with pytest.raises(InvalidRequestError, match=f"tensor '{name}' has shape"):
         llm.update_weights_from_tensors({name: new_tensors[name][:-1]})
     experts = {n: t for n, t in new_tensors.items() if n.startswith("model.layers.0.block_sparse_moe.experts.0.")}
-    with pytest.raises(InvalidRequestError, match="loads its tensors together.*lacks 'model.layers.0.block_sparse_moe.experts.1"):
+    lacking = "loads its tensors together.*lacks 'model.layers.0.block_sparse_moe.experts.1"
+    with pytest.raises(InvalidRequestError, match=lacking):
         llm.update_weights_from_tensors(experts)   # one expert of a layer whose experts load together
     with pytest.raises(InvalidRequestError, match="policy"):
         llm.update_weights(str(new), policy="later")
