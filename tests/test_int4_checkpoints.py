@@ -25,6 +25,8 @@ from moe_runtime.kernels.int4_layout import Int4Layout, packed_int4_columns
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.kernels import get_kernels
 from moe_runtime.moe.expert_weights import MIXTRAL_NAMING, ExpertWeights
+from moe_runtime.config.parallel_layout import ParallelLayout
+from moe_runtime.planner.command import Launch
 from moe_runtime.planner.memory import resolve_precision
 from moe_runtime.planner.model_shape import load_model_shape, model_shape_of
 from moe_runtime.config.quantization_choice import kept_quantization
@@ -151,6 +153,8 @@ def test_an_explicit_quantization_wins_over_the_checkpoints_int4():
     assert kept(True, quantization="int4") == ("int4", False)   # asked for: rounds a float expert weight
     assert kept(True, quantization="none") == (None, False)     # every weight in --dtype
     assert kept(True, cpu_experts=True) == (None, False)        # no host int4 kernels
+    for option in ("cpu_experts", "enable_torch_compile", "deterministic"):   # options that run weights in --dtype
+        EngineConfig(model="m", quantization="none", **{option: True}).validate_options()
 
 
 def test_quantization_none_serves_an_int4_release_dequantized_in_dtype(greedy_runs):
@@ -280,6 +284,10 @@ def test_the_planner_prices_int4_experts_in_the_releases_own_layout(checkpoints,
         assert resolve_precision(shape, "float32", asked).expert_bytes == pytest.approx(kept / (3 * hidden * inter))
     assert resolve_precision(shape, "float32", None, cpu_experts=True).quantization is None   # the engine's rule
     assert resolve_precision(shape, "float32", "none").expert_bytes == 4
+    def flags(asked):   # the planned command asks for what the plan priced
+        return Launch("m", "cpu", resolve_precision(shape, "float32", asked), ParallelLayout(), 1, 1, 1).flags()
+    assert "--quantization" not in flags(None)   # unset keeps them int4 by itself
+    assert " ".join(flags("none")).count("--quantization none") == 1
 
 
 @pytest.mark.parametrize("quant", [

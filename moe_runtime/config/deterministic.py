@@ -26,7 +26,7 @@ def deterministic_refusals(config: EngineConfig) -> list[str]:
                         "Triton / FlashInfer kernels split reductions by batch shape")
     if config.kernels not in ("auto", "torch"):
         refusals.append(f"--kernels {config.kernels}: the batch-invariant family replaces the torch one")
-    if config.quantization is not None:
+    if config.quantization not in (None, "none"):   # "none": every weight in --dtype, as the float kernels take
         refusals.append(f"--quantization {config.quantization}: the quantized projections and experts have no "
                         "fixed-order kernels yet")
     if config.enable_torch_compile:

@@ -26,7 +26,7 @@ class Launch:
     def flags(self) -> list[str]:
         lo, p = self.layout, self.precision
         flags = ["--model", self.model, "--device", self.device, "--dtype", p.dtype]
-        if p.quantization:
+        if p.quantization and not p.automatic:   # unset keeps an int4 release's experts int4 by itself
             flags += ["--quantization", p.quantization]
         for name, value in (("--ep", lo.ep), ("--dp-attn", lo.dp_attn), ("--tp", lo.tp), ("--pp", lo.pp),
                             ("--cp", lo.cp), ("--num-redundant-experts", lo.num_redundant_experts)):

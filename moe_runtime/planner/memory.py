@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_runtime.config.parallel_layout import ParallelLayout
-from moe_runtime.config.quantization_choice import INT4, AskedQuantization, kept_quantization
+from moe_runtime.config.quantization_choice import INT4, NO_QUANTIZATION, AskedQuantization, kept_quantization
 from moe_runtime.planner.model_shape import FULL, LINEAR, LayerShape, ModelShape
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
@@ -28,11 +28,13 @@ QUANT_BYTES = {"fp8": 1 + 4 / 128, "int8": 1 + 4 / 1024, "mxfp4": 0.5 + 1 / 32, 
 @dataclass(frozen=True)
 class Precision:
     """--dtype and --quantization as bytes: fp8 and int8 keep projections and experts quantized (dequantized
-    per matmul tile, so the math runs at the compute dtype's rate), mxfp4 and int4 only the routed experts."""
+    per matmul tile, so the math runs at the compute dtype's rate), mxfp4 and int4 only the routed experts; "none"
+    (and None) every weight in the compute dtype."""
 
     dtype: str
     quantization: str | None = None
     int4_expert_bytes: float | None = None   # int4 kept in an int4 release's own layout (None: QUANT_BYTES')
+    automatic: bool = False   # int4 kept by itself (an int4 release, --quantization unset): no flag asks for it
 
     @property
     def compute_bytes(self) -> int:
@@ -49,7 +51,7 @@ class Precision:
     def expert_bytes(self) -> float:
         if self.quantization == INT4 and self.int4_expert_bytes is not None:
             return self.int4_expert_bytes
-        return QUANT_BYTES[self.quantization] if self.quantization else self.compute_bytes
+        return QUANT_BYTES[self.quantization] if self.quantization in QUANT_BYTES else self.compute_bytes
 
 
 def resolve_precision(shape: ModelShape, dtype: str, quantization: str | None, cpu_experts: bool = False,
@@ -61,10 +63,11 @@ def resolve_precision(shape: ModelShape, dtype: str, quantization: str | None, c
         dtype = shape.checkpoint_dtype if shape.checkpoint_dtype in DTYPE_BYTES else "float32"
     stored = shape.int4_experts
     asked = AskedQuantization(quantization, dtype, cpu_experts, enable_torch_compile, deterministic)
-    kept = kept_quantization(asked, stored is not None).quantization
-    if kept == INT4 and stored is not None:   # --quantization int4 keeps a release's own layout too
-        return Precision(dtype, kept, stored.bytes_per_weight(shape.hidden_size, shape.expert_intermediate))
-    return Precision(dtype, kept)
+    kept = kept_quantization(asked, stored is not None)
+    if kept.quantization == INT4 and stored is not None:   # --quantization int4 keeps a release's own layout too
+        return Precision(dtype, INT4, stored.bytes_per_weight(shape.hidden_size, shape.expert_intermediate),
+                         kept.automatic)
+    return Precision(dtype, quantization if quantization == NO_QUANTIZATION else kept.quantization)
 
 
 @dataclass(frozen=True)

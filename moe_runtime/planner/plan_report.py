@@ -17,7 +17,7 @@ def table(plan: Plan, top: int) -> str:
     load = f"{w.qps:g} req/s" if w.qps is not None else f"{w.concurrency} concurrent"
     slo = "".join([f", TTFT <= {w.ttft_ms:g} ms" if w.ttft_ms else "", f", ITL <= {w.itl_ms:g} ms" if w.itl_ms else ""])
     head = (f"{r.shape.architecture}: {r.shape.total_params / 1e9:.1f}B params ({r.shape.active_params / 1e9:.1f}B "
-            f"active), {r.precision.dtype}{' + ' + r.precision.quantization if r.precision.quantization else ''}; "
+            f"active), {r.precision.dtype}{' + ' + r.precision.quantization if r.precision.quantization not in (None, 'none') else ''}; "
             f"{r.nodes} x {r.gpus_per_node} {r.hardware.name}; {w.prompt_len} + {w.output_len} tokens, {load}{slo}")
     running = [row for row in plan.rows if row.runs][:top]
     refused = [row for row in plan.rows if not row.runs]
