@@ -188,6 +188,10 @@ def test_distributed_update_under_expert_parallelism(checkpoints, answers):
             for slot in slots:
                 assert slot.sums == pytest.approx(expected_sums(new_tensors, slot.layer, slot.expert), rel=1e-9)
         assert greedy(llm) == answers[1]
+        asleep = llm.sleep(level=1).memory   # every rank frees its KV pool, and wakes to the same tokens
+        assert sorted(asleep) == [0, 1] and all(m.kv_cache_bytes == 0 and m.sleep_level == 1 for m in asleep.values())
+        assert all(m.kv_cache_bytes > 0 for m in llm.wake_up().memory.values())
+        assert greedy(llm) == answers[1]
 
 
 async def async_drain(async_engine, path) -> dict:
