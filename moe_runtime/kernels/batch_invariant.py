@@ -35,7 +35,7 @@ from dataclasses import replace
 import torch
 
 from .expert_activation import ExpertActivation, add_bias_
-from .expert_mlp import busy_segments, check_expert_biases, check_expert_weights, check_masked_layout, check_sorted_counts
+from .expert_mlp import check_expert_biases, check_expert_weights, check_masked_layout, check_sorted_counts
 from .paged_attention import check_paged_inputs
 from .paged_prefill_attention import PagedPrefillBatch
 from .kernel_set_type import KernelSet
@@ -86,44 +86,70 @@ def vector_only(op, *inputs: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces)[:, :width]
 
 
-def invariant_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
-                     b2: torch.Tensor | None, activation: ExpertActivation) -> torch.Tensor:
-    """One expert's w2 @ act(w13 @ x + b13) + b2 for rows x [n, H] -> [n, H], row by row the same."""
-    gate_up = add_bias_(invariant_linear(x, w13), b13)                 # [n, 2I]
-    intermediate = gate_up.shape[1] // 2
-    activated = vector_only(activation.apply, gate_up[:, :intermediate], gate_up[:, intermediate:])   # [n, I]
-    return add_bias_(invariant_linear(activated, w2), b2)
+def tiled_rows(counts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Where each row of a layout grouped by expert (`counts` [E] rows each) goes when every expert's rows are
+    padded to whole ROW_TILE tiles: positions [N], and the padded starts [E] on the host."""
+    padded_counts = (counts + ROW_TILE - 1) // ROW_TILE * ROW_TILE                      # [E]
+    padded_starts = torch.cumsum(padded_counts, 0) - padded_counts                      # [E]
+    expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)   # [N]
+    slot_of_row = torch.arange(expert_of_row.shape[0], device=counts.device) - (torch.cumsum(counts, 0)
+                                                                                - counts)[expert_of_row]
+    return padded_starts[expert_of_row] + slot_of_row, padded_starts.tolist()
+
+
+def tiled_expert_swiglu(x_tiles: torch.Tensor, segments: list[tuple[int, int, int]], w13: torch.Tensor,
+                        w2: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None,
+                        activation: ExpertActivation) -> torch.Tensor:
+    """Every expert's w2 @ act(w13 @ x + b13) + b2 on its rows of x_tiles [Np, H] (each expert's rows whole
+    ROW_TILE tiles: `segments` (expert, start, padded rows)), every GEMM [ROW_TILE, K] -> [Np, H]."""
+    intermediate = w13.shape[1] // 2
+    gate_up = x_tiles.new_empty(x_tiles.shape[0], 2 * intermediate)                     # [Np, 2I]
+    for expert, start, rows in segments:
+        weight = w13[expert].t()
+        for tile in range(start, start + rows, ROW_TILE):
+            torch.mm(x_tiles[tile : tile + ROW_TILE], weight, out=gate_up[tile : tile + ROW_TILE])
+        if b13 is not None:
+            gate_up[start : start + rows] += b13[expert].to(gate_up.dtype)
+    activated = vector_only(activation.apply, gate_up[:, :intermediate], gate_up[:, intermediate:])   # [Np, I]
+    down = x_tiles.new_empty(x_tiles.shape[0], w2.shape[1])                              # [Np, H]
+    for expert, start, rows in segments:
+        weight = w2[expert].t()
+        for tile in range(start, start + rows, ROW_TILE):
+            torch.mm(activated[tile : tile + ROW_TILE], weight, out=down[tile : tile + ROW_TILE])
+        if b2 is not None:
+            down[start : start + rows] += b2[expert].to(down.dtype)
+    return down
 
 
 def invariant_expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                          b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                          activation: ExpertActivation = ExpertActivation()) -> torch.Tensor:   # [N, H]
-    """`expert_mlp`'s contract (rows grouped by expert, unweighted outputs), each busy expert's rows through
-    `invariant_swiglu`: never the padded all-experts form, whose row count is the busiest expert's."""
+    """`expert_mlp`'s contract (rows grouped by expert, unweighted outputs): each busy expert's rows padded to
+    whole ROW_TILE tiles, so a row's GEMMs never depend on how many rows its expert got (never the padded
+    all-experts form either, whose row count is the busiest expert's)."""
     check_expert_weights(x_sorted.shape[-1], w13, w2)
     check_expert_biases(w13, w2, b13, b2)
-    ends = check_sorted_counts(x_sorted, counts, w13.shape[0])
-    out = x_sorted.new_empty(x_sorted.shape[0], w2.shape[1])
-    for seg in busy_segments(counts, ends):
-        e = seg.expert
-        out[seg.start : seg.end] = invariant_swiglu(x_sorted[seg.start : seg.end], w13[e], w2[e],
-                                                    None if b13 is None else b13[e], None if b2 is None else b2[e],
-                                                    activation)
-    return out
+    check_sorted_counts(x_sorted, counts, w13.shape[0])
+    if x_sorted.shape[0] == 0:
+        return x_sorted.new_empty(0, w2.shape[1])
+    positions, starts = tiled_rows(counts)
+    padded_counts = ((counts + ROW_TILE - 1) // ROW_TILE * ROW_TILE).tolist()
+    segments = [(e, starts[e], rows) for e, rows in enumerate(padded_counts) if rows]
+    x_tiles = x_sorted.new_zeros(sum(padded_counts), x_sorted.shape[1])                  # [Np, H]
+    x_tiles[positions] = x_sorted
+    return tiled_expert_swiglu(x_tiles, segments, w13, w2, b13, b2, activation)[positions]
 
 
 def invariant_masked_expert_mlp(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                                 activation: ExpertActivation = ExpertActivation()) -> torch.Tensor:  # [E, M, H]
-    """The masked layout [E, M, H]: expert e's first counts[e] rows through `invariant_swiglu`, zeros past them."""
-    check_expert_weights(x.shape[-1], w13, w2)
-    check_expert_biases(w13, w2, b13, b2)
+    """The masked layout [E, M, H]: expert e's first counts[e] rows as `invariant_expert_mlp` computes them,
+    zeros past them."""
     check_masked_layout(x, counts, w13.shape[0])
+    valid = torch.arange(x.shape[1], device=x.device) < counts.unsqueeze(1)              # [E, M]
+    rows = invariant_expert_mlp(x[valid], counts, w13, w2, b13=b13, b2=b2, activation=activation)   # [N, H]
     out = torch.zeros(x.shape[0], x.shape[1], w2.shape[1], dtype=x.dtype, device=x.device)
-    for e, count in enumerate(counts.tolist()):
-        if count:
-            out[e, :count] = invariant_swiglu(x[e, :count], w13[e], w2[e], None if b13 is None else b13[e],
-                                              None if b2 is None else b2[e], activation)
+    out[valid] = rows
     return out
 
 
