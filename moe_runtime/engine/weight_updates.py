@@ -175,11 +175,11 @@ class WeightUpdater:
         if self.sleep.weights_on_host:
             return ("the engine sleeps at level 1 with its weights in host memory: wake_up first, or sleep at level 2 "
                     "and update from a full checkpoint")
-        if self.sleep.weights_dropped and partial:
-            return ("the weights were dropped (sleep level 2): only a full checkpoint brings them back "
-                    "(update_weights(path) or wake_up(reload=True))")
         skipped = SkippedTensors.for_config(self.core.hf_config)
         missing = {n for n in expected - given if skipped.rule_for(n) is None}
+        if self.sleep.weights_dropped and missing:
+            return ("the weights were dropped (sleep level 2): only a full checkpoint brings them back "
+                    "(every tensor of the model, from any source, or wake_up(reload=True))")
         if not partial and missing:
             return f"the checkpoint lacks tensor(s) {_shown(missing)} of the served model"
         for name in sorted(given):
