@@ -95,3 +95,19 @@ def test_options_without_invariant_kernels_are_refused_by_name():
                          (dict(cp=2, ep=2), "--cp 2")):
         with pytest.raises(EngineConfigError, match=flag):
             EngineConfig(model="unused", deterministic=True, **option).validate_options()
+
+
+def test_models_without_fixed_order_attention_are_refused(tiny_checkpoint_factory):
+    with pytest.raises(EngineConfigError, match="DeepseekV3ForCausalLM: its MultiHeadLatentAttention layers"):
+        LLM(str(tiny_checkpoint_factory("deepseek_v3")), device="cpu", dtype="float32", deterministic=True).generate(
+            [[1, 2, 3]], greedy(1))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
+def test_other_families_alone_and_batched_are_bitwise_equal(arch, tiny_checkpoint_factory, greedy_oracle):
+    """qwen2_moe: shared expert behind a sigmoid gate, a dense layer; gpt_oss: sliding-window layers, sinks, expert
+    biases and the clamped SwiGLU. Each: transformers' tokens, and the same bits beside 16 prompts."""
+    with LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", deterministic=True) as llm:
+        alone = answer(llm, [])
+        assert list(alone[0]) == greedy_oracle(arch, [TARGET], NEW_TOKENS)[0]
+        assert answer(llm, OTHERS, first=False) == alone

@@ -41,6 +41,7 @@ from .paged_prefill_attention import PagedPrefillBatch
 from .kernel_set_type import KernelSet
 from .permute import PermutePlan
 from .rms_norm import NormOutput
+from .routing import RoutingConfig, TopK, chosen_weights, expert_scores, group_mask
 
 ROW_TILE = 16               # rows of every projection's GEMM: the one M the BLAS sees
 VECTOR_WIDTH = 64           # elements an elementwise op's row is padded to a multiple of: two AVX-512 vectors of
@@ -151,6 +152,33 @@ def invariant_masked_expert_mlp(x: torch.Tensor, counts: torch.Tensor, w13: torc
     out = torch.zeros(x.shape[0], x.shape[1], w2.shape[1], dtype=x.dtype, device=x.device)
     out[valid] = rows
     return out
+
+
+def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid of x [T, N] (a gate: Qwen2-MoE's shared expert), every element from torch's vector body."""
+    return vector_only(torch.sigmoid, x)
+
+
+def invariant_select_experts(router_logits: torch.Tensor, config: RoutingConfig,
+                             correction_bias: torch.Tensor | None = None) -> TopK:
+    """`select_experts` with the elementwise scorings (sigmoid, sqrt-softplus) in the vector body; softmax is
+    one row at a time in torch already. Choosing (bias, groups, top-k) and weighing are exact per row."""
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
+    num_experts = router_logits.shape[1]
+    config.validate_for(num_experts)
+    if correction_bias is not None and correction_bias.shape != (num_experts,):
+        raise ValueError(f"correction_bias must be [{num_experts}], got shape {tuple(correction_bias.shape)}")
+    logits = router_logits.float()
+    if config.scoring == "softmax":
+        scores = expert_scores(logits, config.scoring)                                    # [T, E]
+    else:
+        scores = vector_only(lambda rows: expert_scores(rows, config.scoring), logits)    # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if config.num_groups > 1:
+        choice = choice.masked_fill(~group_mask(choice, config), float("-inf"))
+    ids = choice.topk(config.top_k, dim=-1, sorted=False).indices                         # [T, K]
+    return TopK(weights=chosen_weights(scores, ids, config), ids=ids)
 
 
 def invariant_unpermute_reduce(out_sorted: torch.Tensor, plan: PermutePlan, weights: torch.Tensor,
@@ -308,15 +336,15 @@ def not_batch_invariant(kernel: str):
 
 
 def batch_invariant_kernels(base: KernelSet) -> KernelSet:
-    """The torch family with every reduction a row goes through in a fixed order: projections, the router and
-    the LM head (`linear_rows`), expert MLPs, RMSNorm, the top-k combine and decode attention (the attention
+    """The torch family with every reduction a row goes through in a fixed order: projections, the router (its
+    logits and scores) and the LM head (`linear_rows`), expert MLPs, RMSNorm, the top-k combine and decode attention (the attention
     backend pairs it with `invariant_prefill_attention` for this family). The quantized, captured-step and fused
     entries refuse."""
     refused = {name: not_batch_invariant(name) for name in (
         "pair_expert_mlp", "fused_moe", "fp8_linear", "fp8_expert_mlp", "fp8_masked_expert_mlp", "int8_linear",
         "int8_expert_mlp", "int8_masked_expert_mlp", "mxfp4_linear", "mxfp4_expert_mlp", "mxfp4_masked_expert_mlp",
         "int4_linear", "int4_expert_mlp", "int4_masked_expert_mlp")}
-    return replace(base, name=BATCH_INVARIANT, expert_mlp=invariant_expert_mlp,
+    return replace(base, name=BATCH_INVARIANT, select_experts=invariant_select_experts, expert_mlp=invariant_expert_mlp,
                    masked_expert_mlp=invariant_masked_expert_mlp, unpermute_reduce=invariant_unpermute_reduce,
                    linear_rows=invariant_linear, rms_norm=invariant_rms_norm,
                    fused_add_rms_norm=invariant_fused_add_rms_norm,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from moe_runtime.dispatch.base import LAYOUT_CONTIGUOUS
 from moe_runtime.kernels import KernelSet
+from moe_runtime.kernels.batch_invariant import BATCH_INVARIANT
 from moe_runtime.kernels.expert_activation import ExpertActivation
 from moe_runtime.kernels.expert_mlp import swiglu
 from moe_runtime.weights.checkpoint import CheckpointReader
@@ -37,6 +38,7 @@ class DenseMLP(ExpertWeights):
         self.shard_start = start
         self.tp_size, self.tp_group = tp_size, tp_group
         self._kernel = expert_kernel_for(LAYOUT_CONTIGUOUS, kernels)
+        self._plain_matmuls = kernels.name != BATCH_INVARIANT   # --deterministic: the family's fixed-order kernel
 
     def load_weights(self, reader: CheckpointReader, prefix: str) -> set[str]:
         """`<prefix>gate_proj.weight` etc. (no expert index), this rank's shard of each."""
@@ -58,7 +60,7 @@ class DenseMLP(ExpertWeights):
         return self.quant.read_slice(reader, full, dim, start, stop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        if self.quant is None:
+        if self.quant is None and self._plain_matmuls:
             # the one expert on all rows as two plain matmuls: the grouped kernel would read its segment sizes off
             # the device (a stall on a GPU, a break in a captured step) and has nothing to group
             out = swiglu(x, self.w13[0], self.w2[0], activation=self.activation)   # [T, H]

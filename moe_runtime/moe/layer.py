@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from moe_runtime.kernels import KernelSet, RoutingConfig, TopK
+from moe_runtime.kernels.batch_invariant import BATCH_INVARIANT, invariant_sigmoid
 from moe_runtime.kernels.expert_activation import ExpertActivation
 from moe_runtime.layers.linear import Linear
 from moe_runtime.moe.dense_mlp import DenseMLP
@@ -60,6 +61,8 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Linear(shape.hidden_size, 1, False, dtype, device) if shape.shared_expert_gate else None
         self._executor = executor
         self._kernels = kernels
+        # --deterministic: the gate's sigmoid in torch's vector body whatever the row count (kernels/batch_invariant.py)
+        self._gate_sigmoid = invariant_sigmoid if kernels.name == BATCH_INVARIANT else torch.sigmoid
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         """The block in one go: one batch's forward, and what a captured decode step traces."""
@@ -92,7 +95,7 @@ class SparseMoE(nn.Module):
             return None
         shared = getattr(self, self.shared_name)(x)
         if self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            shared = self._gate_sigmoid(self.shared_expert_gate(x)) * shared
         return shared
 
     def _route(self, x: torch.Tensor) -> TopK:   # [T, H] -> top-k [T, K]
