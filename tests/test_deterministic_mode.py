@@ -2,16 +2,17 @@
 
 One target prompt (66 tokens: past one 64-key attention block, over several KV blocks) is generated alone, then
 beside 1 and 16 other prompts of other lengths, then chunked (a step budget of 8 tokens), then as a prefix-cache
-hit; the token ids and every logprob (the sampled token's and its top alternatives) must be equal as floats, not
-close. The same on `ep=2, dp_attn=2` with two-batch overlap, the target served once by each DP worker. And
-without the mode the same comparison does differ on this CPU (the BLAS blocks a projection by its row count), so
-the equality above is the mode's doing, not the model's.
+hit (and a seeded sample alone vs batched); the token ids and every logprob (the sampled token's and its top
+alternatives) must be equal as floats, not close. Each family's tokens are transformers' greedy ones. The same on
+`ep=2, dp_attn=2` with two-batch overlap, the target served once by each DP worker. And without the mode the same
+comparison does differ on this CPU (the BLAS blocks a projection by its row count), so the equality above is the
+mode's doing, not the model's.
 """
 import pytest
 
 from engine_helpers import greedy
 from lazy_engines import engine_pool
-from moe_runtime import LLM
+from moe_runtime import LLM, SamplingParams
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 
 ARCH = "qwen3_moe"
@@ -35,12 +36,12 @@ def engines(tiny_checkpoint_factory):
         yield get
 
 
-def answer(llm: LLM, others: list[list[int]], first: bool = True) -> tuple:
+def answer(llm: LLM, others: list[list[int]], first: bool = True, params: SamplingParams | None = None) -> tuple:
     """The target's (token ids, logprobs with their top alternatives), generated beside `others` (after them
-    unless `first`), on an empty prefix cache."""
+    unless `first`), on an empty prefix cache; greedy unless `params`."""
     llm.engine.reset_prefix_cache()
     prompts = [TARGET] + others if first else others + [TARGET]
-    outputs = llm.generate(prompts, greedy(NEW_TOKENS, logprobs=TOP_LOGPROBS))
+    outputs = llm.generate(prompts, params or greedy(NEW_TOKENS, logprobs=TOP_LOGPROBS))
     target = outputs[0] if first else outputs[-1]
     return tuple(target.token_ids), tuple((lp.token_id, lp.logprob, tuple(sorted(lp.top.items())))
                                           for lp in target.logprobs)
@@ -58,6 +59,8 @@ def test_one_rank_alone_batched_chunked_and_cached_are_bitwise_equal(engines, gr
     assert len(alone[1]) == NEW_TOKENS
     assert answer(llm, OTHERS[:1]) == alone, "beside one other prompt"
     assert answer(llm, OTHERS, first=False) == alone, "after 16 other prompts"
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True, logprobs=2)
+    assert answer(llm, [], params=sampled) == answer(llm, OTHERS, first=False, params=sampled), "a seeded sample"
     assert answer(engines("one rank, chunked"), OTHERS[:3]) == alone, "chunked prefill (8-token steps)"
     llm.engine.reset_prefix_cache()
     llm.generate([SHARES_PREFIX], greedy(1))

@@ -21,9 +21,11 @@ MAX_RANKS_PER_SUM = 2
 def deterministic_refusals(config: EngineConfig) -> list[str]:
     """Each option set in `config` that `--deterministic` cannot run batch-invariantly yet, with why."""
     refusals = []
-    if config.device not in ("cpu", "auto"):
-        refusals.append(f"--device {config.device}: the batch-invariant kernels are the CPU torch family's; the "
-                        "Triton / FlashInfer kernels split reductions by batch shape")
+    device = config.resolved_device()
+    if device.type != "cpu":
+        refusals.append(f"--device {config.device} ({device.type}): the batch-invariant kernels are the CPU torch "
+                        "family's, checked on the CPU only (the Triton / FlashInfer kernels split reductions by "
+                        "batch shape)")
     if config.kernels not in ("auto", "torch"):
         refusals.append(f"--kernels {config.kernels}: the batch-invariant family replaces the torch one")
     if config.quantization not in (None, "none"):   # "none": every weight in --dtype, as the float kernels take
