@@ -222,6 +222,13 @@ def invariant_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight
     return NormOutput(out=invariant_rms_norm(summed, weight, eps), residual=summed)
 
 
+def last_dim_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(a * b).sum(-1) over broadcast operands, the product laid out contiguously first: each output is then one
+    serial reduction over a contiguous run of the last dim's length, whatever the other dims hold (a broadcast
+    product may otherwise take its inputs' memory order, and the sum another kernel)."""
+    return (a * b).contiguous().sum(-1)
+
+
 def fixed_order_attention(
     q: torch.Tensor,          # [G, n, Hq, D]: n query rows of each of G key sets
     keys: torch.Tensor,       # [G, S, Hkv, D]: the key set's positions 0..S-1, S a multiple of KEY_BLOCK
@@ -229,7 +236,7 @@ def fixed_order_attention(
     visible: torch.Tensor,    # [G, n, S] bool: which keys each row reads (its span, causally)
     scale: float,
     sinks: torch.Tensor | None = None,   # [Hq] fp32 sink logits
-) -> torch.Tensor:            # [G, n, Hq, Dv] in q's dtype
+) -> torch.Tensor:            # [G, n, Hq, Dv] fp32
     """Softmax attention with one reduction order for a row whatever else is computed: keys are zeroed where
     the key set holds nothing a row of it reads (a freed block may hold NaN), scores are inner products over D,
     and each row's denominator and value sum add KEY_BLOCK-position blocks in position order."""
@@ -246,7 +253,7 @@ def fixed_order_attention(
     scores = torch.empty(groups, kv_heads, group, rows, length, dtype=torch.float32, device=q.device)
     for b in range(blocks):                                                          # [G, Hkv, g, n, KB]
         key_block = keys[:, :, None, None, b * KEY_BLOCK : (b + 1) * KEY_BLOCK, :]    # [G, Hkv, 1, 1, KB, D]
-        scores[..., b * KEY_BLOCK : (b + 1) * KEY_BLOCK] = (q[:, :, :, :, None, :] * key_block).contiguous().sum(-1)
+        scores[..., b * KEY_BLOCK : (b + 1) * KEY_BLOCK] = last_dim_dot(q[:, :, :, :, None, :], key_block)
     scores.mul_(scale).masked_fill_(~visible[:, None, None, :, :], float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)                                          # [G, Hkv, g, n, 1]
     if sinks is not None:
@@ -255,12 +262,12 @@ def fixed_order_attention(
     top = torch.where(torch.isfinite(top), top, 0.0)                                 # a row with nothing to read
     probs = vector_only(torch.exp, (scores - top).view(-1, KEY_BLOCK)).view(scores.shape)   # masked: 0
     block_sums = probs.view(*probs.shape[:-1], blocks, KEY_BLOCK).sum(-1)             # [G, Hkv, g, n, blocks]
-    denominator = block_sums[..., 0]
-    numerator = (probs[..., None, :KEY_BLOCK] * values_t[:, :, None, None, :, :KEY_BLOCK]).contiguous().sum(-1)  # [.., n, Dv]
-    for b in range(1, blocks):
-        denominator = denominator + block_sums[..., b]
+    denominator, numerator = None, None
+    for b in range(blocks):                                                          # position order
         block = slice(b * KEY_BLOCK, (b + 1) * KEY_BLOCK)
-        numerator = numerator + (probs[..., None, block] * values_t[:, :, None, None, :, block]).contiguous().sum(-1)
+        block_out = last_dim_dot(probs[..., None, block], values_t[:, :, None, None, :, block])   # [G,Hkv,g,n,Dv]
+        denominator = block_sums[..., b] if b == 0 else denominator + block_sums[..., b]
+        numerator = block_out if b == 0 else numerator + block_out
     if sinks is not None:
         denominator = denominator + vector_only(torch.exp, (sink - top).reshape(-1, 1)).view(denominator.shape)
     out = numerator / torch.where(denominator > 0, denominator, 1.0)[..., None]       # [G, Hkv, g, n, Dv]
@@ -336,10 +343,10 @@ def not_batch_invariant(kernel: str):
 
 
 def batch_invariant_kernels(base: KernelSet) -> KernelSet:
-    """The torch family with every reduction a row goes through in a fixed order: projections, the router (its
-    logits and scores) and the LM head (`linear_rows`), expert MLPs, RMSNorm, the top-k combine and decode attention (the attention
-    backend pairs it with `invariant_prefill_attention` for this family). The quantized, captured-step and fused
-    entries refuse."""
+    """The torch family with every reduction a row goes through in a fixed order: projections, the router's logits
+    (`linear_rows`) and scores (`select_experts`), the LM head, expert MLPs, RMSNorm, the top-k combine and decode
+    attention (the attention backend pairs it with `invariant_prefill_attention` for this family). The quantized,
+    captured-step and fused entries refuse."""
     refused = {name: not_batch_invariant(name) for name in (
         "pair_expert_mlp", "fused_moe", "fp8_linear", "fp8_expert_mlp", "fp8_masked_expert_mlp", "int8_linear",
         "int8_expert_mlp", "int8_masked_expert_mlp", "mxfp4_linear", "mxfp4_expert_mlp", "mxfp4_masked_expert_mlp",
