@@ -14,6 +14,7 @@ from engine_helpers import greedy
 from lazy_engines import engine_pool
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
+from moe_runtime.server.cli import build_parser, engine_config_from_args
 
 ARCH = "qwen3_moe"
 NEW_TOKENS = 4
@@ -93,6 +94,8 @@ def test_expert_parallel_dp_workers_with_two_batch_overlap(engines):
 
 
 def test_options_without_invariant_kernels_are_refused_by_name():
+    args = build_parser().parse_args(["--model", "unused", "--deterministic"])
+    assert engine_config_from_args(args).deterministic
     for option, flag in ((dict(quantization="int8"), "--quantization int8"),
                          (dict(enable_torch_compile=True), "--enable-torch-compile"),
                          (dict(cp=2, ep=2), "--cp 2")):
