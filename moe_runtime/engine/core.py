@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from moe_runtime.kernels import get_kernels
+from moe_runtime.kernels.batch_invariant import batch_invariant_kernels
 from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
 from moe_runtime.engine.block_manager import BlockManager
@@ -30,6 +31,7 @@ from moe_runtime.disaggregation.import_grammars import ImportGrammars
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.in_memory import engine_quantization, weights_in_memory
+from moe_runtime.config.deterministic import check_deterministic_model
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import InvalidRequestError
@@ -80,6 +82,8 @@ class EngineCore:
         self.dtype = config.resolved_dtype(self.hf_config)
         self.parallel = parallel or ParallelContext.single(self.device)
         self.kernels = get_kernels(self.device, config.kernels)
+        if config.deterministic:   # every row's reductions in a fixed order (moe_runtime/config/deterministic.py)
+            self.kernels = batch_invariant_kernels(self.kernels)
         self.executor = MoEExecutor.for_engine(config, self.parallel, self.kernels, self.hf_config.hidden_size,
                                                self.dtype)
         checkpoint_fp8 = Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir))
@@ -91,6 +95,8 @@ class EngineCore:
                                   checkpoint_int4, rounds_float_experts=not kept.automatic)
         ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant, config)
         self.model = build_model(self.architecture, self.hf_config, ctx)
+        if config.deterministic:
+            check_deterministic_model(self.model, self.architecture)
         self.executor.finish_registration()  # every MoE layer registered itself while the model was built
         self.routing = RankRouting.for_engine(self.executor.num_moe_layers, model_top_k(self.model),
                                               self.executor.num_experts or 0, self.parallel)   # routing replay
