@@ -6,23 +6,52 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from engine_helpers import greedy
 from lazy_engines import tiny_engine_pool
 from server_harness import serve_in_process
 from moe_runtime import LLM, SamplingParams
+from moe_runtime.config.parallel_context import ParallelContext
+from moe_runtime.engine.request_limits import RequestLimits
+from moe_runtime.engine.routing_replay import RankRouting
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.moe.routed_experts import RoutedExpertsArray
+from moe_runtime.weights.mtp_checkpoint_writer import write_mtp_checkpoint
 
 PROMPTS = [[5, 17, 42, 99, 3, 8, 21], [77, 6]]
 NEW_TOKENS = 6
-LAYOUTS = {"one": {}}
+REPEATING = [5, 17, 42, 99, 3, 8] * 3   # n-gram drafts are proposed, some accepted, some rejected
+LAYOUT_TOKENS = 12
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+LAYOUTS = {
+    "one": {},
+    # pipeline stages of expert-parallel ranks with DP attention, replicas, live rebalances while requests decode,
+    # two-batch overlap (each DP worker's sequences in two micro-batches)
+    "ep_pp": dict(pp=2, ep=2, dp_attn=2, num_redundant_experts=2, eplb_interval=3, eplb_layers_per_step=1,
+                  eplb_window=4, enable_two_batch_overlap=True),
+    "ngram": dict(speculative_config=NGRAM),
+}
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint_factory):
     with tiny_engine_pool(tiny_checkpoint_factory, LAYOUTS) as get:
         yield get
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_checkpoint_factory):
+    """arch -> its transformers model (fp32), loaded once; the session's oracles keep their answer cache (their
+    `model` would turn it off for every other module)."""
+    loaded = {}
+
+    def get(arch: str):
+        if arch not in loaded:
+            loaded[arch] = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint_factory(arch)), dtype=torch.float32,
+                                                                local_files_only=True).eval()
+        return loaded[arch]
+    return get
 
 
 def routed(max_tokens: int = NEW_TOKENS, **kwargs) -> SamplingParams:
@@ -44,9 +73,9 @@ def hf_router_ids(model, token_ids: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_returned_routing_is_transformers_router_top_k(arch, engines, hf_oracles):
+def test_returned_routing_is_transformers_router_top_k(arch, engines, hf_models):
     outputs = engines(arch, "one").generate(PROMPTS, routed())
-    model = hf_oracles(arch).model
+    model = hf_models(arch)
     for prompt, output in zip(PROMPTS, outputs):
         array = output.routed_experts
         layers = sum(1 for name, _ in model.named_modules() if name.endswith("mlp.gate"))
@@ -90,7 +119,7 @@ def hf_forced_greedy(model, prompt: list[int], forced: np.ndarray, max_new_token
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_forced_routing_replays_and_reroutes(arch, engines, hf_oracles):
+def test_forced_routing_replays_and_reroutes(arch, engines, hf_models):
     """Forcing the returned routing gives the same tokens and array; forcing another (every id shifted by one, over
     the prompt and the first generated positions) gives transformers' tokens with its routers so patched."""
     llm = engines(arch, "one")
@@ -105,7 +134,7 @@ def test_forced_routing_replays_and_reroutes(arch, engines, hf_oracles):
     rerouted = llm.generate([prompt], routed(forced_routed_experts=other))[0]
     np.testing.assert_array_equal(rerouted.routed_experts[: len(other)], other)
     assert rerouted.token_ids != first.token_ids, "the forced routing changed nothing: the test proves nothing"
-    assert rerouted.token_ids == hf_forced_greedy(hf_oracles(arch).model, prompt, other, NEW_TOKENS)
+    assert rerouted.token_ids == hf_forced_greedy(hf_models(arch), prompt, other, NEW_TOKENS)
 
 
 def test_invalid_forced_routing_is_refused_naming_the_field(engines):
@@ -169,3 +198,83 @@ def test_http_routed_experts_round_trip(tiny_checkpoint_factory):
     for refused in (not_base64, duplicate):
         assert refused.status_code == 400, refused.text
         assert "forced_routed_experts" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("layout", ["ep_pp", "ngram"])
+def test_routing_is_the_same_under_every_layout(layout, engines):
+    """Expert parallelism with DP attention, replicas and rebalances mid-generation, two-batch overlap; pipeline
+    stages (each holds some MoE layers: gathered); n-gram speculation (only accepted tokens' rows): the one-rank
+    array."""
+    prompts = [PROMPTS[1], REPEATING, PROMPTS[0], [9, 4]]
+    expected = engines("qwen3_moe", "one").generate(prompts, routed(LAYOUT_TOKENS))
+    llm = engines("qwen3_moe", layout)
+    outputs = llm.generate(prompts, routed(LAYOUT_TOKENS))
+    for want, got in zip(expected, outputs):
+        assert got.token_ids == want.token_ids
+        np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
+    if layout == "ep_pp":
+        assert any(event.ok and event.experts_moved for event in llm.engine.rebalance_events()), \
+            "no rebalance moved an expert: the test proves nothing"
+    if layout == "ngram":
+        workers = llm.engine.stats().workers
+        accepted, drafted = sum(w.spec_accepted_tokens for w in workers), sum(w.spec_draft_tokens for w in workers)
+        assert 0 < accepted < drafted, (accepted, drafted)
+
+
+def test_chunked_prefill_preemption_prefix_cache_and_stop_strings(engines):
+    """Prompts prefilled in chunks of 6 tokens, requests preempted and recomputed, a prompt whose blocks the
+    prefix cache holds (not taken: every position is routed here), a request a stop string ends at the front:
+    the one-rank arrays, cut at the last token."""
+    one = engines("qwen3_moe", "one")
+    prompts = [REPEATING, PROMPTS[0], PROMPTS[1] * 4]
+    expected = one.generate(prompts, routed(LAYOUT_TOKENS))
+    core = one.engine.core
+    bytes_per_token = core.runner.cache_bytes() // core.kv_capacity_tokens
+    with LLM(str(core.checkpoint_dir), device="cpu", dtype="float32", block_size=4, enable_chunked_prefill=True,
+             max_num_batched_tokens=6, kv_cache_memory=bytes_per_token * 32, enable_prefix_caching=True) as tight:
+        outputs = tight.generate(prompts, routed(LAYOUT_TOKENS))
+        assert tight.engine.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+        tight.generate(prompts[:1], greedy(1))
+        assert tight.generate(prompts[:1], greedy(1))[0].cached_prompt_tokens > 0, "no prefix hit to refuse"
+        cached = tight.generate(prompts[:1], routed(LAYOUT_TOKENS))[0]
+        stop = tight.tokenizer.decode(expected[1].token_ids[3:5])
+        stopped = tight.generate(prompts[1:2], routed(LAYOUT_TOKENS, stop=[stop]))[0]
+    for want, got in zip(expected, outputs):
+        assert got.token_ids == want.token_ids
+        np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
+    np.testing.assert_array_equal(cached.routed_experts, expected[0].routed_experts)
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < LAYOUT_TOKENS
+    rows = len(prompts[1]) + len(stopped.token_ids) - 1
+    np.testing.assert_array_equal(stopped.routed_experts, expected[1].routed_experts[:rows])
+
+
+def test_layouts_without_routing_replay_refuse_it_at_admission():
+    """Context parallelism and P/D instances (each rank or instance computes part of a request), and a dense model."""
+    cp = RankRouting.for_engine(2, 2, 8, ParallelContext(cp_size=2))
+    pd = RankRouting.for_engine(2, 2, 8, ParallelContext.single(), disaggregated=True)
+    dense = RankRouting.for_engine(0, 0, 0, ParallelContext.single())
+    for routing, words in ((cp, "context parallelism"), (pd, "disaggregation-mode"), (dense, "no MoE layers")):
+        limits = RequestLimits(vocab_size=512, max_model_len=64, kv_capacity_tokens=64, routing=routing.shape)
+        with pytest.raises(InvalidRequestError, match="return_routed_experts") as refused:
+            limits.check([1, 2], routed())
+        assert words in str(refused.value)
+    RequestLimits(512, 64, 64, routing=RankRouting.for_engine(2, 2, 8, ParallelContext.single()).shape).check(
+        [1, 2], routed())
+
+
+def test_mtp_speculation_returns_the_target_models_routing(engines, tiny_checkpoint_factory, tmp_path):
+    """A DeepSeek-V3 with an MTP layer drafting (its MoE layer not a column) and verifying: the one-rank array. The
+    tiny random MTP layer's drafts are all rejected (n-gram's test has accepted ones): every verify step writes rows
+    of rejected drafts that must not come out."""
+    base = tiny_checkpoint_factory("deepseek_v3")
+    prompts = [REPEATING, PROMPTS[0]]
+    expected = engines("deepseek_v3", "one").generate(prompts, routed(LAYOUT_TOKENS))
+    with LLM(str(write_mtp_checkpoint(base, tmp_path / "mtp")), device="cpu", dtype="float32",
+             speculative_config={"method": "mtp", "num_speculative_tokens": 3}) as llm:
+        outputs = llm.generate(prompts, routed(LAYOUT_TOKENS))
+        workers = llm.engine.stats().workers
+    accepted, drafted = sum(w.spec_accepted_tokens for w in workers), sum(w.spec_draft_tokens for w in workers)
+    assert drafted > accepted, (accepted, drafted)
+    for want, got in zip(expected, outputs):
+        assert got.token_ids == want.token_ids
+        np.testing.assert_array_equal(got.routed_experts, want.routed_experts)

@@ -99,7 +99,8 @@ class EngineCore:
             check_deterministic_model(self.model, self.architecture)
         self.executor.finish_registration()  # every MoE layer registered itself while the model was built
         self.routing = RankRouting.for_engine(self.executor.num_moe_layers, model_top_k(self.model),
-                                              self.executor.num_experts or 0, self.parallel)   # routing replay
+                                              self.executor.num_experts or 0, self.parallel,   # routing replay
+                                              config.disaggregation_mode != "none")
         load_model_weights(self.model, reader, SkippedTensors.for_config(self.hf_config),
                            self.parallel.world_control_group if self.parallel.world_size > 1 else None)
         self.model.eval()
@@ -384,9 +385,9 @@ class EngineCore:
                 deltas.append(self._fail(seq, error))
                 continue
             tokens, logprobs, reason = emit_tokens(seq, [*accepted, (token, logprob)], self._advance, self.block_manager)
-            export = routed = None
+            export = None
+            routed = self.routing.new_rows(seq)   # routing replay: the rows final since its last delta
             if reason is not None:
-                routed = self.routing.finished(seq)
                 park = reason == FinishReason.LENGTH and seq.export_kv
                 self.scheduler.finish(seq, reason, keep_blocks=park)
                 self._sequences.pop(seq.request_id, None)

@@ -39,7 +39,7 @@ class TokenDelta:
     queue_seconds: float | None = None        # arrival on the ranks to its first scheduled step (once, when known)
     cached_prompt_tokens: int | None = None   # prompt tokens the prefix cache held, in its first delta (usage's
                                               # cached_tokens)
-    routed_experts: RoutedExpertsArray | None = None  # in its last delta, when it asked (return_routed_experts)
+    routed_experts: RoutedExpertsArray | None = None  # return_routed_experts: rows final since its last delta
 
 
 @dataclass

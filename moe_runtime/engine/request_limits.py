@@ -93,8 +93,10 @@ class RequestLimits:
         """Routing replay needs an MoE model; a forced array must fit it (`check_routed_experts`)."""
         if not params.return_routed_experts and params.forced_routed_experts is None:
             return
+        name = "return_routed_experts" if params.return_routed_experts else "forced_routed_experts"
         if self.routing is None or self.routing.num_moe_layers == 0:
-            name = "return_routed_experts" if params.return_routed_experts else "forced_routed_experts"
             raise InvalidRequestError(f"SamplingParams.{name}: this model has no MoE layers to route")
+        if self.routing.refusal is not None:
+            raise InvalidRequestError(f"SamplingParams.{name}: {self.routing.refusal}")
         if params.forced_routed_experts is not None:
             check_routed_experts(params.forced_routed_experts, self.routing, max_positions)

@@ -2,11 +2,13 @@
 
 A request asking for its routing (`SamplingParams.return_routed_experts`) or forcing one
 (`forced_routed_experts`) gets a `SequenceRouting` over this rank's MoE layers; the runner fills it forward
-by forward (moe/routing_record.py). When the request finishes, its array of rows [0, prompt + generated - 1)
-goes to the front in its last `TokenDelta`, once (the whole array: bounded by the context, a few hundred
-bytes a token). Pipeline stages hold different MoE layers: every stage finishes the same requests in the
-same step, so each such request's rows are gathered, stage by stage in layer order, to the last stage, the
-one whose deltas the front reads.
+by forward (moe/routing_record.py). Each of its `TokenDelta`s carries the rows that became final since the
+previous one (`new_rows`): those of the positions [0, min(cached, tokens - 1)) not sent yet, a position being
+final once its token is accepted (a verify step's rejected drafts are rolled back first), so the bytes per
+step do not grow with the output and the front holds every row when it ends a request itself (a stop
+string). The front joins them (front/output_processor.py). Pipeline stages hold different MoE layers: every
+stage advances the same requests alike, so each delta's rows are gathered, stage by stage in layer order,
+to the last stage, the one whose deltas the front reads.
 
 Such a request never takes a prefix-cache hit for its prompt (`Scheduler._admit`): a cached prefix was not
 routed by this request, so every position is computed and recorded (or forced) here.
@@ -44,9 +46,12 @@ class RankRouting:
     is_last_stage: bool = True
 
     @classmethod
-    def for_engine(cls, num_local_layers: int, top_k: int, num_experts: int, parallel) -> "RankRouting":
+    def for_engine(cls, num_local_layers: int, top_k: int, num_experts: int, parallel,
+                   disaggregated: bool = False) -> "RankRouting":
         """Every stage's MoE layer count (one collective over the pipeline's stages, at startup; a stage without
-        MoE layers knows no top-k or expert count: 0, the others' win)."""
+        MoE layers knows no top-k or expert count: 0, the others' win). Context parallelism (a rank routes part
+        of a prompt) and a P/D instance (a request's positions are computed on two instances) refuse routing
+        replay at admission."""
         counts = [num_local_layers]
         if parallel.pp_size > 1:
             mine = torch.tensor([num_local_layers, top_k, num_experts], dtype=torch.int64)
@@ -55,7 +60,12 @@ class RankRouting:
             counts = [int(part[0]) for part in gathered]
             top_k, num_experts = (int(value) for value in torch.stack(gathered).max(dim=0).values[1:])
         offset = sum(counts[: parallel.pp_rank]) if parallel.pp_size > 1 else 0
-        return cls(RoutingShape(sum(counts), top_k, num_experts), num_local_layers, offset, tuple(counts),
+        refusal = None
+        if parallel.cp_size > 1:
+            refusal = "not under context parallelism (--cp), whose ranks each route a part of a prompt"
+        elif disaggregated:
+            refusal = "not on a prefill or decode instance (--disaggregation-mode), which computes part of a request"
+        return cls(RoutingShape(sum(counts), top_k, num_experts, refusal), num_local_layers, offset, tuple(counts),
                    parallel.pp_control_group if parallel.pp_size > 1 else None, parallel.is_last_stage)
 
     def for_request(self, params: SamplingParams) -> SequenceRouting | None:
@@ -65,12 +75,13 @@ class RankRouting:
         return SequenceRouting(self.num_local_layers, self.shape.top_k, bool(params.return_routed_experts), forced,
                                self.layer_offset)
 
-    def finished(self, seq: Sequence) -> RoutedExpertsArray | None:
-        """The array of a request that just finished (every stage calls this for the same requests, in the same
-        order); None where it did not ask, and on a stage other than the last."""
+    def new_rows(self, seq: Sequence) -> RoutedExpertsArray | None:
+        """The rows of `seq` final since its previous delta, after this step's tokens were emitted (every stage
+        calls this for the same requests, in the same order); None where it did not ask, and on a stage other
+        than the last."""
         if seq.routing is None or not seq.routing.record:
             return None
-        rows = seq.routing.rows(max(seq.num_tokens - 1, 0))                        # [T, L_stage, K]
+        rows = seq.routing.take(min(seq.num_cached_tokens, seq.num_tokens - 1))   # [n, L_stage, K]
         if self.pp_group is not None:
             rows = self._gathered(rows)
         return RoutedExpertsArray.of_ids(rows, self.shape.num_experts) if self.is_last_stage else None

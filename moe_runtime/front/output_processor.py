@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from moe_runtime.sampling.logprobs import PromptTokenLogprob, TokenLogprob
 from moe_runtime.front.detokenizer import DecodeState, Detokenizer, cut_at_stop
 from moe_runtime.engine.outputs import RequestOutput, TokenDelta, error_message
@@ -53,7 +55,7 @@ class RequestState:
     prompt_logprobs: list[PromptTokenLogprob | None] | None = None   # from the first delta, when asked for
     cached_prompt_tokens: int = 0     # from the first delta: prompt tokens the prefix cache held
     stop_string: str | None = None    # the stop string that ended it
-    routed_experts: object = None     # from the last delta (return_routed_experts): a numpy array
+    routed_rows: list = field(default_factory=list)   # return_routed_experts: each delta's rows (numpy arrays)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -112,7 +114,7 @@ class OutputProcessor:
         if delta.cached_prompt_tokens is not None:
             state.cached_prompt_tokens = delta.cached_prompt_tokens
         if delta.routed_experts is not None:
-            state.routed_experts = delta.routed_experts.to_numpy()
+            state.routed_rows.append(delta.routed_experts.to_numpy())
         new_tokens: list[int] = []
         new_logprobs: list[TokenLogprob] = []
         for index, token in enumerate(delta.new_token_ids):
@@ -156,8 +158,18 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs,
             cached_prompt_tokens=state.cached_prompt_tokens,
             stop_string=state.stop_string,
-            routed_experts=state.routed_experts if finished else None,
+            routed_experts=self._routed_experts(state) if finished else None,
         )
+
+    @staticmethod
+    def _routed_experts(state: RequestState):
+        """return_routed_experts: rows [0, prompt + generated - 1) joined (the last token was never fed through the
+        model; a request a stop string ended here may have rows past its last token: cut); None when not asked or
+        when it ended before any row (an abort)."""
+        if not state.routed_rows:
+            return None
+        rows = np.concatenate(state.routed_rows) if len(state.routed_rows) > 1 else state.routed_rows[0]
+        return rows[: len(state.prompt_token_ids) + len(state.token_ids) - 1]
 
     @staticmethod
     def _new_text(state: RequestState, finished: bool) -> str:

@@ -40,6 +40,7 @@ class RoutingShape:
     num_moe_layers: int
     top_k: int
     num_experts: int
+    refusal: str | None = None   # why this engine cannot record or force routing (None: it can)
 
 
 @dataclass

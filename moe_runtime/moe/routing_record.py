@@ -10,10 +10,11 @@ those ids (`kernels.routing.chosen_weights`: the family's scores, normalization 
 group-limited choice and its correction bias play no part, as they play none in its weights).
 
 `SequenceRouting` is one request's record: row p holds position p's ids at this stage's MoE layers, written
-by every forward that computes p. A preempted request's recompute, a chunked prefill and a verify step's
-rejected drafts only (over)write rows that a later forward writes again before they are final: a request's
-rows [0, prompt + generated - 1) are those of the forwards that made its tokens, and the last sampled token,
-never fed through the model, has none (SGLang's `seqlen - 1`).
+by every forward that computes p. A verify step's rejected drafts only write rows that a later forward
+writes again before they are final; rows are handed to the front once final (engine/routing_replay.py), so
+a preempted request's recompute does not change what was sent: a request's rows [0, prompt + generated - 1)
+are those of the forwards that made its tokens, and the last sampled token, never fed through the model, has
+none (SGLang's `seqlen - 1`).
 """
 from __future__ import annotations
 
@@ -27,28 +28,40 @@ from moe_runtime.kernels.routing import RoutingConfig, TopK, chosen_weights, exp
 
 @dataclass
 class SequenceRouting:
-    """One request's routing on this rank's MoE layers: `ids[p]` for position p, grown as positions come."""
+    """One request's routing on this rank's MoE layers not handed out yet: `pending[p - sent]` for position p.
+    Rows leave once final (`take`), so it holds a prefill chunk's or a verify step's rows, never the context's."""
 
     num_layers: int
     top_k: int
     record: bool                                  # return_routed_experts
     forced: np.ndarray | None = None              # [N, L_all, K] the ids to force at positions [0, N)
     layer_offset: int = 0                         # this stage's first MoE layer in the model's order
-    ids: torch.Tensor = field(init=False)         # [capacity, L, K] int32 (CPU)
+    sent: int = 0                                 # rows [0, sent) went to the front (final: never rewritten)
+    pending: torch.Tensor = field(init=False)     # [n, L, K] int32 (CPU): positions [sent, sent + n)
 
     def __post_init__(self) -> None:
-        self.ids = torch.zeros(0, self.num_layers, self.top_k, dtype=torch.int32)
+        self.pending = torch.zeros(0, self.num_layers, self.top_k, dtype=torch.int32)
 
     def write(self, start: int, rows: torch.Tensor) -> None:   # rows [n, L, K] for positions [start, start + n)
-        stop = start + rows.shape[0]
-        if stop > self.ids.shape[0]:
-            grown = torch.zeros(max(stop, 2 * self.ids.shape[0]), self.num_layers, self.top_k, dtype=torch.int32)
-            grown[: self.ids.shape[0]] = self.ids
-            self.ids = grown
-        self.ids[start:stop] = rows
+        """A forward's rows; those of positions already sent (a preempted request's recompute) are dropped."""
+        skip = max(self.sent - start, 0)
+        rows, start = rows[skip:], start + skip
+        first, stop = start - self.sent, start - self.sent + rows.shape[0]
+        if stop > self.pending.shape[0]:
+            grown = torch.zeros(stop, self.num_layers, self.top_k, dtype=torch.int32)
+            grown[: self.pending.shape[0]] = self.pending
+            self.pending = grown
+        self.pending[first:stop] = rows
 
-    def rows(self, num_positions: int) -> torch.Tensor:   # [num_positions, L, K]
-        return self.ids[:num_positions]
+    def take(self, final: int) -> torch.Tensor:   # [final - sent, L, K]
+        """The rows of positions [sent, final), final now: handed out once."""
+        count = max(final - self.sent, 0)
+        if count > self.pending.shape[0]:
+            raise RuntimeError(f"routing record: positions {self.sent}..{final - 1} are final, only "
+                               f"{self.pending.shape[0]} of them were routed")
+        taken, self.pending = self.pending[:count], self.pending[count:]
+        self.sent += count
+        return taken
 
     def forced_rows(self, start: int, count: int) -> tuple[np.ndarray, int] | None:
         """The forced ids of positions [start, start + count) on this stage's layers, and how many of them the
