@@ -241,7 +241,9 @@ def test_int8_is_a_quantization_choice_of_the_cli_and_of_llm():
     assert engine_config_from_args(build_parser().parse_args(["--quantization", "int8"])).quantization == "int8"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--quantization", "int3"])
-    refusal = "--quantization int3 is not supported; choose one of ['fp8', 'int8', 'mxfp4', 'int4']"
+    # the field, every choice (`none` too: served in --dtype) and what leaving it unset means
+    refusal = ("--quantization int3 is not supported; choose one of ['none', 'fp8', 'int8', 'mxfp4', 'int4'] "
+               "(or leave it unset: as the checkpoint ships)")
     with pytest.raises(ValueError, match=re.escape(refusal)):
         LLM("unused", device="cpu", quantization="int3")
 
