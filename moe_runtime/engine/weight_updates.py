@@ -207,10 +207,21 @@ class WeightUpdater:
             return "another rank refused the update (its error is in its log)"
         return error
 
+    def _targets(self) -> list[tuple[torch.nn.Module, object]]:
+        """What an update loads into, under the checkpoint's names, each with its MoE executor: the model, and
+        the MTP drafter's layer (its tensors are the checkpoint's too: left old, its drafts would silently
+        stop being accepted)."""
+        core = self.core
+        targets = [(core.model, core.executor)]
+        drafter = core.speculation.local_model_drafter() if core.speculation is not None else None
+        view = getattr(drafter, "checkpoint_view", None)   # an EAGLE-3 head has none: its own checkpoint
+        if view is not None:
+            targets.append((view, drafter.executor))
+        return targets
+
     def _custom_modules(self) -> list[tuple[str, object]]:
-        model = self.core.model
-        return [(f"{name}." if name else "", module) for name, module in model.named_modules()
-                if hasattr(module, "load_weights") and module is not model]
+        return [(f"{name}." if name else "", module) for target, _ in self._targets()
+                for name, module in target.named_modules() if hasattr(module, "load_weights") and module is not target]
 
     def _module_prefixes(self) -> list[str]:
         return [prefix for prefix, _ in self._custom_modules()]
@@ -226,7 +237,7 @@ class WeightUpdater:
         for prefix, module in self._custom_modules():
             if any(name.startswith(prefix) for name in given):
                 loaded.update(prefix + relative for relative in module.load_weights(reader, prefix))
-        params = dict(self.core.model.named_parameters())
+        params = {name: param for target, _ in self._targets() for name, param in target.named_parameters()}
         for name in sorted(given):
             if name in params and name not in loaded:
                 copy_checked(params[name], reader.read(name), name, reader.directory)
@@ -234,7 +245,9 @@ class WeightUpdater:
         if keep_sources:
             for module, source in zip(experts, sources):
                 module._source = source
-        self.core.executor.weights_changed()
+        for _, executor in self._targets():
+            if executor is not None:
+                executor.weights_changed()
         return len(reader.consumed)
 
     # ---- what a trainer checks ------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from moe_runtime.engine.sequence import Sequence
 from moe_runtime.execution.attention_batch import AttentionBatch
@@ -85,12 +86,15 @@ class MtpRows:
 class MtpDrafter:
     def __init__(self, layer: MtpModule, executor: MoEExecutor | None, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, k: int, lock_step: bool = False,
-                 cache: LayerCompressedCache | None = None):
+                 cache: LayerCompressedCache | None = None, checkpoint_view: nn.Module | None = None):
         """`lock_step`: the layer exchanges with other ranks (the MoE block's experts, attention heads), so every
         rank runs the pass and all k - 1 chain rows every step, with no rows where it has none. `executor`: the
         layer's MoE block's (None: it has none, an EAGLE-3 head). `cache`: a layer keeping per-sequence state
-        (DeepSeek-V4's) comes with its own, indexed by the sequences' state slots (None: one paged KV layer)."""
+        (DeepSeek-V4's) comes with its own, indexed by the sequences' state slots (None: one paged KV layer).
+        `checkpoint_view`: the layer under the target checkpoint's names (an MTP layer: a weight update of the
+        model loads its tensors too; None: its weights come from elsewhere, an EAGLE-3 head's own checkpoint)."""
         self.layer = layer
+        self.checkpoint_view = checkpoint_view
         self.executor = executor
         self.lock_step = lock_step
         self.block_size = block_size

@@ -96,4 +96,4 @@ def build_mtp_drafter(source: DraftSource, k: int) -> MtpDrafter:
     layer.eval()
     source.runner.keep_hidden = True
     return MtpDrafter(layer, executor, source.num_blocks, source.runner.block_size, source.ctx.dtype,
-                      source.ctx.device, k, lock_step=several, cache=cache)
+                      source.ctx.device, k, lock_step=several, cache=cache, checkpoint_view=view)

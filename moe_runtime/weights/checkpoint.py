@@ -64,6 +64,9 @@ class CheckpointReader:
     int4: Int4Checkpoint | None = None         # the checkpoint's int4 modules (any of the three formats)
     hf_config: object = field(default=None, repr=False)   # what it was opened with (a slot reload opens it again)
     fbgemm: FbgemmFp8Format | None = None      # fbgemm row-wise FP8 (Llama 4 Maverick): `<name>` beside `<name>_scale`
+    # an update's float tensors (weights/memory_tensors.py), not a release: a weight kept int4 rounds them as it
+    # loads even where int4 was kept by itself (a trainer pushes float experts to an int4 release)
+    plain_tensors: bool = False
 
     @classmethod
     def open(cls, directory: str | Path, fp8: Fp8BlockFormat | None = None, hf_config=None) -> "CheckpointReader":

@@ -71,6 +71,7 @@ def plain_reader(directory: Path, hf_config) -> CheckpointReader:
 
 def as_plain_tensors(reader: CheckpointReader, hf_config) -> CheckpointReader:
     reader.hf_config = hf_config
+    reader.plain_tensors = True
     wrapper = wrapper_of(hf_config) if hf_config is not None else None
     if wrapper is not None:
         reader.renamed(wrapper.rename)

@@ -138,8 +138,9 @@ class Int4InMemory:
                         whole.scales[:, first_group:last_group])
 
     def _float_weight(self, reader: TensorSource, name: str) -> TensorSource:
-        """`reader`, where a weight stored in float may be rounded to int4 here."""
-        if not self.rounds_float_weights:
+        """`reader`, where a weight stored in float may be rounded to int4 here: where int4 was asked for, and for
+        an update's float tensors (a trainer's, kept in the release's int4 layout as FP8 and int8 are kept)."""
+        if not self.rounds_float_weights and not reader.plain_tensors:
             raise CheckpointError(f"{name}: this routed-expert weight is stored unquantized while the release's other "
                                   f"routed experts are int4 (kept packed as stored, --quantization unset); pass "
                                   f"--quantization int4 to round it to int4, or --quantization none to serve every "

@@ -41,6 +41,8 @@ class QuantizedRows:
 class TensorSource(Protocol):
     """What a quantized format reads from a checkpoint (`weights.checkpoint.CheckpointReader` is one)."""
 
+    plain_tensors: bool   # an update's float tensors (not a release): a weight kept quantized rounds them
+
     def read(self, name: str) -> torch.Tensor:
         """A whole tensor in a float dtype (FP8 blocks dequantized)."""
         ...
