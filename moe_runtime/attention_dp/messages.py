@@ -5,8 +5,9 @@ not one of them is a `msgspec.DecodeError`/`ValidationError`, never an object of
 choosing (no pickle anywhere). Engine values that travel here (`EngineConfig`, `SamplingParams`,
 `TokenDelta`, `WorkerStats`, `PrefixCacheEvents`, `RebalanceEvent`, `ImportSpec`) are plain
 dataclasses of numbers, strings, lists and dicts (and nested plain dataclasses: a request's
-`StructuredOutputSpec`), which msgspec decodes field by field with their declared types. A request's
-values were checked once, at the front's admission; the ranks trust them. Tensors never travel
+`StructuredOutputSpec`), which msgspec decodes field by field with their declared types; an `AddRequest`'s
+`SamplingParams` travels as only the fields it sets (`AddRequestOnWire`, sampling_params_wire.py). A
+request's values were checked once, at the front's admission; the ranks trust them. Tensors never travel
 here: the expert-load report carries its tables as nested lists (`ExpertLoadTables`).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.engine.outputs import TokenDelta
 from moe_runtime.moe.routed_experts import RoutingShape
 from moe_runtime.engine.prefix_cache import PrefixCacheEvents
+from moe_runtime.attention_dp.sampling_params_wire import SamplingParamsWire, params_from_wire, params_to_wire
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.engine.sleep_mode import ResidentMemory
 from moe_runtime.engine.weight_update_group import GroupAddress, TensorSpec as WeightTensorSpec
@@ -65,6 +67,19 @@ class AddRequest(Message):
     dp_rank: int
     export_kv: bool = False        # prefill instance: park its KV blocks after its first token
     resumed_token_ids: list[int] = []   # tokens it generated on ranks since lost: recomputed, then continued
+
+
+class AddRequestOnWire(Message, tag="AddRequest", omit_defaults=True):
+    """`AddRequest` as the codec writes and reads it: its params in their wire form, only the fields the request
+    sets (attention_dp/sampling_params_wire.py), and its own fields at their defaults left out. Nothing else
+    sees this type."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParamsWire
+    dp_rank: int
+    export_kv: bool = False
+    resumed_token_ids: list[int] = []
 
 
 class ImportRequest(Message):
@@ -260,9 +275,12 @@ class MessageCodec:
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._to_front = msgspec.msgpack.Decoder(Union[Hello, Report])
-        self._to_rank = msgspec.msgpack.Decoder(Union[WorkerSetup, Command])
+        on_wire = tuple(AddRequestOnWire if command is AddRequest else command for command in Command.__args__)
+        self._to_rank = msgspec.msgpack.Decoder(Union[(WorkerSetup,) + on_wire])
 
     def encode(self, message: Message) -> bytes:
+        if isinstance(message, AddRequest):
+            message = AddRequestOnWire(**(msgspec.structs.asdict(message) | {"params": params_to_wire(message.params)}))
         return self._encoder.encode(message)
 
     def decode_to_front(self, payload: bytes) -> Message:
@@ -270,4 +288,7 @@ class MessageCodec:
         return self._to_front.decode(payload)
 
     def decode_to_rank(self, payload: bytes) -> Message:
-        return self._to_rank.decode(payload)
+        message = self._to_rank.decode(payload)
+        if isinstance(message, AddRequestOnWire):
+            message = AddRequest(**(msgspec.structs.asdict(message) | {"params": params_from_wire(message.params)}))
+        return message
