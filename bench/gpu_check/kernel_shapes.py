@@ -21,13 +21,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 
 from moe_runtime.kernels import KernelSet, RoutingConfig
+from moe_runtime.kernels.int4_layout import Int4Layout
 from moe_runtime.kernels.routing import group_mask
 from moe_runtime.weights.quantization.fp8_in_memory import ONLINE_BLOCK_K, quantize_rows
+from moe_runtime.weights.quantization.int4_in_memory import int4_rows, quantize_int4
 from moe_runtime.weights.quantization.int8_in_memory import quantize_int8_rows
 from moe_runtime.kernels.mxfp4_weights import quantize_mxfp4
 from moe_runtime.weights.quantization.weight_quantization import QuantizedRows
@@ -67,6 +70,9 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
     "mxfp4_expert_mlp": GEMM,     # MXFP4 weights: both sides decode the same nibbles with the same e8m0 scales
     "mxfp4_masked_expert_mlp": GEMM,
     "mxfp4_linear": GEMM,
+    "int4_expert_mlp": GEMM,      # int4 weights: both sides decode the same codes with the same scales and zeros
+    "int4_masked_expert_mlp": GEMM,
+    "int4_linear": GEMM,
     "unpermute_reduce": {"float32": Tolerance(1e-5, 1e-5), "float16": Tolerance(2e-3, 2e-3),
                          "bfloat16": Tolerance(1e-2, 1e-2)},   # one rounding of the fp32 sum
     "rms_norm": {"float32": Tolerance(1e-5, 1e-5), "float16": Tolerance(4e-3, 4e-3),
@@ -249,19 +255,28 @@ class QuantizedFormat:
     extra arguments its kernels take. Its kernels are the KernelSet fields `{name}_linear`,
     `{name}_expert_mlp` and `{name}_masked_expert_mlp`."""
 
-    name: str                                          # "fp8" | "int8" | "mxfp4"
+    name: str                                          # "fp8" | "int8" | "mxfp4" | "int4"
     quantize: Callable[[torch.Tensor], QuantizedRows]  # one expert's [N, K] -> values and scales
     kernel_args: tuple = ()                            # after the weights: FP8's block_k
     details: tuple = ()                                # (key, value) pairs the expert / linear reports add
+    kernel_kwargs: tuple = ()                          # (keyword, value) pairs every kernel takes: int4's layout
+    triton_kernel: bool = True                         # False: the Triton family runs the torch twin's kernels
 
     def kernel(self, kernel_set: KernelSet, kind: str) -> Callable:
-        """`kind`: "linear", "expert_mlp" or "masked_expert_mlp"."""
-        return getattr(kernel_set, f"{self.name}_{kind}")
+        """`kind`: "linear", "expert_mlp" or "masked_expert_mlp"; the format's keyword arguments bound."""
+        kernel = getattr(kernel_set, f"{self.name}_{kind}")
+        return partial(kernel, **dict(self.kernel_kwargs)) if self.kernel_kwargs else kernel
 
 
 FP8 = QuantizedFormat("fp8", lambda weight: quantize_rows(weight, ONLINE_BLOCK_K), (ONLINE_BLOCK_K,),
                       (("block_k", ONLINE_BLOCK_K),))   # row-expanded 128-column scales
-INT8 = QuantizedFormat("int8", quantize_int8_rows)     # one fp32 scale per row
+INT8 = QuantizedFormat("int8", quantize_int8_rows, triton_kernel=False)     # one fp32 scale per row
+# int4 with zero points (AWQ, GPTQ, asymmetric compressed-tensors) in groups of 32 (Kimi K2's size): the general
+# decode, several groups a row at every shape here; the Triton family runs the torch kernels (no Triton int4 yet)
+INT4_LAYOUT = Int4Layout(group_size=32, zero_points=True)
+INT4 = QuantizedFormat("int4", lambda weight: int4_rows(quantize_int4(weight, INT4_LAYOUT)),
+                       details=(("group_size", INT4_LAYOUT.group_size), ("zero_points", INT4_LAYOUT.zero_points)),
+                       kernel_kwargs=(("layout", INT4_LAYOUT),), triton_kernel=False)
 MXFP4 = QuantizedFormat("mxfp4", lambda weight: QuantizedRows(*quantize_mxfp4(weight)))   # e2m1, e8m0 per 32
 
 

@@ -34,9 +34,9 @@ from moe_runtime.kernels.triton_impl.fp8_scheme import Fp8Scheme
 from moe_runtime.kernels.triton_impl.kernel_set import triton_kernel_set
 from triton_kernel_cases import moe_inputs          # the edge-case suite's input generator
 
-from .kernel_shapes import (FP8, INT8, MXFP4, ROUTING_TIE_MARGIN, TOLERANCES, AttentionShape, ExpertWeights, KernelShapes,
-                            NormShape, QuantizedExpertWeights, QuantizedFormat, RoutingCase, best_ms, compare,
-                            distinct_logits, routing_margins, shapes_for)
+from .kernel_shapes import (FP8, INT4, INT8, MXFP4, ROUTING_TIE_MARGIN, TOLERANCES, AttentionShape, ExpertWeights,
+                            KernelShapes, NormShape, QuantizedExpertWeights, QuantizedFormat, RoutingCase, best_ms,
+                            compare, distinct_logits, routing_margins, shapes_for)
 from .report import Outcome, RunMode, judged
 
 EXTRA_KERNELS = ("align_block_size", "skinny_matmul")
@@ -86,9 +86,9 @@ class KernelsPart:
             checks[f"expert_mlp/dense_one_expert/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._dense(t, d)
             checks[f"unpermute_reduce/{e.name}/T{tokens}/{dtype}"] = lambda t=tokens, d=dtype: self._unpermute(t, d)
             checks[f"masked_expert_mlp/{s.masked.name}/{dtype}"] = lambda d=dtype: self._masked(d)
-            # int8: the Triton family runs the torch kernels (no Triton int8 kernel yet); FP8: both schemes;
-            # MXFP4: Triton decodes the fp4 tile in registers
-            for fmt, scheme in ((FP8, ""), (FP8, "/fp8_tiles"), (INT8, ""), (MXFP4, "")):
+            # int8 and int4: the Triton family runs the torch kernels (no Triton kernel for them yet); FP8: both
+            # schemes; MXFP4: Triton decodes the fp4 tile in registers
+            for fmt, scheme in ((FP8, ""), (FP8, "/fp8_tiles"), (INT8, ""), (MXFP4, ""), (INT4, "")):
                 checks[f"{fmt.name}_expert_mlp/{e.name}/T{tokens}/{dtype}{scheme}"] = (
                     lambda f=fmt, t=tokens, d=dtype, c=scheme: self._quantized_expert_mlp(f, t, d, c))
                 checks[f"{fmt.name}_masked_expert_mlp/{s.masked.name}/{dtype}{scheme}"] = (
@@ -348,7 +348,8 @@ class KernelsPart:
 
     def _quantized_expert_mlp(self, fmt: QuantizedFormat, tokens: int, dtype: str, scheme: str) -> Outcome:
         """Experts kept quantized: FP8's Triton grouped GEMM dequantizes per tile (or, `scheme` /fp8_tiles,
-        multiplies fp8 tiles), the twin per row chunk; int8 converts each row chunk and scales the output."""
+        multiplies fp8 tiles), the twin per row chunk; int8 converts each row chunk and scales the output; int4
+        decodes each row chunk's codes with its groups' scales and zero points."""
         e, q = self.shapes.experts, self._quantized_expert_weights(fmt, dtype)
         x = self._randn(tokens, e.hidden, dtype=dtype, seed=tokens)
         _, ids = self._routing(tokens)
@@ -380,8 +381,9 @@ class KernelsPart:
         args = (*q.first(m.local_experts), *fmt.kernel_args)
         triton = fmt.kernel(self.fp8_schemes[scheme], "masked_expert_mlp")
         twin = fmt.kernel(self.twin, "masked_expert_mlp")
-        # int8 has no Triton kernel: the Triton family's is the torch one, whose host reads are not watched here
-        got, problems = self._watched(lambda: triton(x, counts, *args), x.numel()) if fmt is not INT8 else (
+        # int8 and int4 have no Triton kernel: the Triton family's is the torch one, whose host reads are not
+        # watched here
+        got, problems = self._watched(lambda: triton(x, counts, *args), x.numel()) if fmt.triton_kernel else (
             triton(x, counts, *args), [])
         want, details = self._quantized_reference(fmt, scheme, fp8_reference.fp8_activation_masked_expert_mlp, twin,
                                                   x, counts, *args)
