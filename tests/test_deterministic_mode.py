@@ -3,7 +3,9 @@
 One target prompt (66 tokens: past one 64-key attention block, over several KV blocks) is generated alone, then
 beside 1 and 16 other prompts of other lengths, then chunked (a step budget of 8 tokens), then as a prefix-cache
 hit (and a seeded sample alone vs batched); the token ids and every logprob (the sampled token's and its top
-alternatives) must be equal as floats, not close. Each family's tokens are transformers' greedy ones. The same on
+alternatives) must be equal as floats, not close. Each family's tokens are transformers' greedy ones; the other
+families (shared experts, sinks and windows, DeepSeek-V3's multi-head latent attention) pass the same checks, and
+Kimi K2's model type gives DeepSeek-V3's bits. The same on
 `ep=2, dp_attn=2` with two-batch overlap, the target served once by each DP worker. And without the mode the same
 comparison does differ on this CPU (the BLAS blocks a projection by its row count), so the equality above is the
 mode's doing, not the model's.
@@ -11,10 +13,11 @@ mode's doing, not the model's.
 import pytest
 
 from engine_helpers import greedy
-from lazy_engines import engine_pool
+from lazy_engines import tiny_engine_pool
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.server.cli import build_parser, engine_config_from_args
+from test_renamed_architectures import as_kimi
 
 ARCH = "qwen3_moe"
 NEW_TOKENS = 4
@@ -32,8 +35,8 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint_factory):
-    path = str(tiny_checkpoint_factory(ARCH))
-    with engine_pool(lambda layout: LLM(path, device="cpu", dtype="float32", **LAYOUTS[layout])) as get:
+    """get(arch, layout) -> the tiny checkpoint's engine, built once per module."""
+    with tiny_engine_pool(tiny_checkpoint_factory, LAYOUTS) as get:
         yield get
 
 
@@ -48,40 +51,52 @@ def answer(llm: LLM, others: list[list[int]], first: bool = True, params: Sampli
                                           for lp in target.logprobs)
 
 
+def prefix_hit_answer(llm: LLM) -> tuple:
+    """`answer`'s for the target found in the prefix cache: three of its KV blocks cached by an earlier prompt."""
+    llm.engine.reset_prefix_cache()
+    llm.generate([SHARES_PREFIX], greedy(1))
+    hits = sum(w.prefix_cache_hits for w in llm.engine.stats().workers)
+    outputs = llm.generate([TARGET, OTHERS[4]], greedy(NEW_TOKENS, logprobs=TOP_LOGPROBS))
+    assert sum(w.prefix_cache_hits for w in llm.engine.stats().workers) - hits >= 48, "no prefix-cache hit"
+    return tuple(outputs[0].token_ids), tuple((lp.token_id, lp.logprob, tuple(sorted(lp.top.items())))
+                                              for lp in outputs[0].logprobs)
+
+
+def check_alone_batched_chunked_and_cached(engines, arch: str, greedy_oracle) -> tuple:
+    """The target alone gives transformers' tokens, and the same bits beside 1 and 16 others, in 8-token chunks
+    and as a prefix-cache hit; returns the alone answer."""
+    llm = engines(arch, "one rank")
+    alone = answer(llm, [])
+    assert list(alone[0]) == greedy_oracle(arch, [TARGET], NEW_TOKENS)[0]   # the fixed-order kernels are the model's
+    assert len(alone[1]) == NEW_TOKENS
+    assert answer(llm, OTHERS[:1]) == alone, "beside one other prompt"
+    assert answer(llm, OTHERS, first=False) == alone, "after 16 other prompts"
+    assert answer(engines(arch, "one rank, chunked"), OTHERS[:3]) == alone, "chunked prefill (8-token steps)"
+    assert prefix_hit_answer(llm) == alone, "a prefix-cache hit"
+    return alone
+
+
 def admitted_tokens(llm: LLM) -> list[int]:
     """Per DP worker, the prompt tokens it has admitted so far."""
     return [w.prefix_cache_queries for w in llm.engine.stats().workers]
 
 
 def test_one_rank_alone_batched_chunked_and_cached_are_bitwise_equal(engines, greedy_oracle):
-    llm = engines("one rank")
-    alone = answer(llm, [])
-    assert list(alone[0]) == greedy_oracle(ARCH, [TARGET], NEW_TOKENS)[0]   # the fixed-order kernels are the model's
-    assert len(alone[1]) == NEW_TOKENS
-    assert answer(llm, OTHERS[:1]) == alone, "beside one other prompt"
-    assert answer(llm, OTHERS, first=False) == alone, "after 16 other prompts"
+    check_alone_batched_chunked_and_cached(engines, ARCH, greedy_oracle)
+    llm = engines(ARCH, "one rank")
     sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True, logprobs=2)
     assert answer(llm, [], params=sampled) == answer(llm, OTHERS, first=False, params=sampled), "a seeded sample"
-    assert answer(engines("one rank, chunked"), OTHERS[:3]) == alone, "chunked prefill (8-token steps)"
-    llm.engine.reset_prefix_cache()
-    llm.generate([SHARES_PREFIX], greedy(1))
-    hits = sum(w.prefix_cache_hits for w in llm.engine.stats().workers)
-    outputs = llm.generate([TARGET, OTHERS[4]], greedy(NEW_TOKENS, logprobs=TOP_LOGPROBS))
-    cached = (tuple(outputs[0].token_ids), tuple((lp.token_id, lp.logprob, tuple(sorted(lp.top.items())))
-                                                 for lp in outputs[0].logprobs))
-    assert sum(w.prefix_cache_hits for w in llm.engine.stats().workers) - hits >= 48, "no prefix-cache hit"
-    assert cached == alone, "a prefix-cache hit"
 
 
 def test_without_the_mode_a_batch_changes_the_logprobs(engines):
     """The same comparison with the torch family: some logprob differs (else the test above proves nothing)."""
-    llm = engines("one rank, off")
+    llm = engines(ARCH, "one rank, off")
     alone = answer(llm, [])
     assert answer(llm, OTHERS) != alone
 
 
 def test_expert_parallel_dp_workers_with_two_batch_overlap(engines):
-    llm = engines("ep2 dp2 tbo")
+    llm = engines(ARCH, "ep2 dp2 tbo")
     before = admitted_tokens(llm)
     alone = answer(llm, [])
     after_alone = admitted_tokens(llm)
@@ -104,16 +119,22 @@ def test_options_without_invariant_kernels_are_refused_by_name():
 
 
 def test_models_without_fixed_order_attention_are_refused(tiny_checkpoint_factory):
-    with pytest.raises(EngineConfigError, match="DeepseekV3ForCausalLM: its MultiHeadLatentAttention layers"):
-        LLM(str(tiny_checkpoint_factory("deepseek_v3")), device="cpu", dtype="float32", deterministic=True).generate(
+    """DeepSeek-V3.2's sparse MLA (its indexer picks each row's keys) has no fixed-order path yet."""
+    with pytest.raises(EngineConfigError, match="DeepseekV32ForCausalLM: its SparseLatentAttention layers"):
+        LLM(str(tiny_checkpoint_factory("deepseek_v32")), device="cpu", dtype="float32", deterministic=True).generate(
             [[1, 2, 3]], greedy(1))
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
-def test_other_families_alone_and_batched_are_bitwise_equal(arch, tiny_checkpoint_factory, greedy_oracle):
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
+def test_other_families_alone_batched_chunked_and_cached_are_bitwise_equal(arch, engines, greedy_oracle):
     """qwen2_moe: shared expert behind a sigmoid gate, a dense layer; gpt_oss: sliding-window layers, sinks, expert
-    biases and the clamped SwiGLU. Each: transformers' tokens, and the same bits beside 16 prompts."""
-    with LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", deterministic=True) as llm:
-        alone = answer(llm, [])
-        assert list(alone[0]) == greedy_oracle(arch, [TARGET], NEW_TOKENS)[0]
-        assert answer(llm, OTHERS, first=False) == alone
+    biases and the clamped SwiGLU; deepseek_v3: multi-head latent attention (absorbed on every path: prefill,
+    chunks over their prefix, decode), grouped sigmoid routing, shared experts, a dense layer."""
+    check_alone_batched_chunked_and_cached(engines, arch, greedy_oracle)
+
+
+def test_kimi_k2_runs_as_deepseek_v3(engines, tiny_checkpoint_factory, tmp_path):
+    """Kimi K2 names its DeepSeek-V3 backbone `kimi_k2`: the same layers, so the same bits."""
+    kimi = as_kimi(tiny_checkpoint_factory("deepseek_v3"), tmp_path / "kimi")
+    with LLM(str(kimi), device="cpu", dtype="float32", deterministic=True) as llm:
+        assert answer(llm, OTHERS[:1]) == answer(engines("deepseek_v3", "one rank"), [])

@@ -7,7 +7,8 @@ hit, decode) computed it. On the CPU torch family three things break that, each 
 - **BLAS GEMM blocking depends on the row count.** `x @ w.T` gives row 0 different bits for 2..40 rows than
   for one (MKL picks gemv, small-M and blocked kernels by M). A GEMM of one fixed shape gives every row the
   same bits wherever it sits in the tile and whatever the other rows hold, so `invariant_linear` runs every
-  projection (attention, experts, router, LM head) as `[ROW_TILE, K] @ [K, N]` tiles, the last one padded.
+  projection (attention, experts, router, LM head) as `[ROW_TILE, K] @ [K, N]` tiles, the last one padded;
+  `invariant_head_linear` the per-head ones (MLA's absorbed W_UK / W_UV) as `[h, ROW_TILE, K]` batched tiles.
 - **Elementwise transcendentals differ between torch's vector body and its scalar tail** (silu and sigmoid: 75
   and 63 of 2000 values; exp and rsqrt agreed). Whether an element lands in the tail depends on where the
   tensor ends, so on the batch. `vector_only` pads a row to a multiple of `VECTOR_WIDTH` and runs the op in
@@ -15,7 +16,8 @@ hit, decode) computed it. On the CPU torch family three things break that, each 
 - **Attention takes different paths** (SDPA flash over a prefill, a prefix-cache merge, the paged decode bmm),
   each with its own reduction order. `fixed_order_attention` is the one path of all three: scores as inner
   dot products over the head dim, the softmax denominator and the value sums per key block of `KEY_BLOCK`
-  positions counted from position 0 (not from a chunk's start), blocks added in position order.
+  positions counted from position 0 (not from a chunk's start), blocks added in position order. MLA
+  (DeepSeek-V2/V3, Kimi K2) takes it absorbed on all three paths: the latent cache is one key-value head.
 
 Every remaining reduction is one torch runs per output over a contiguous run of fixed length (the head dim, a
 key block, the hidden size), below the size from which torch splits a single output's reduction across
@@ -68,6 +70,23 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         torch.mm(padded[start : start + ROW_TILE], weight_t, out=out[start : start + ROW_TILE])
     out = out[:rows]
     return out if bias is None else out + bias
+
+
+def invariant_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, h, K] times each head's own weight [h, K, N] -> [T, h, N] (MLA's absorbed W_UK and W_UV), every row
+    from a batched GEMM of the same [h, ROW_TILE, K] shape (an einsum's bmm blocks by T, as `x @ w.T` does)."""
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[1:] != weight.shape[:2]:
+        raise ValueError(f"invariant_head_linear: x [T, h, K] and weight [h, K, N] must agree, got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    rows, heads, width = x.shape
+    tiles = -(-rows // ROW_TILE)
+    padded = x.new_zeros(tiles * ROW_TILE, heads, width)                             # [Tp, h, K]
+    padded[:rows] = x
+    padded = padded.view(tiles, ROW_TILE, heads, width).transpose(1, 2).contiguous()  # [tiles, h, ROW_TILE, K]
+    out = x.new_empty(tiles, heads, ROW_TILE, weight.shape[2])                        # [tiles, h, ROW_TILE, N]
+    for tile in range(tiles):
+        torch.bmm(padded[tile], weight, out=out[tile])
+    return out.transpose(1, 2).reshape(tiles * ROW_TILE, heads, weight.shape[2])[:rows]   # [T, h, N]
 
 
 def vector_only(op, *inputs: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,10 @@ FlashInfer on a GPU) prefill is absorbed too: one launch over the paged latent c
 step, prefix included, with no expansion of the cached context (at 128 heads the expansion writes 64 KiB
 per context token and layer; the absorbed scores cost 576 + 512 instead of 192 + 128 multiply-adds per
 query, key and head, which a long fresh prompt pays and a chunk over a long prefix saves).
+
+Under `--deterministic` (the batch-invariant family) every path is absorbed: its attention backend has a varlen
+kernel, the fixed-order one decode also runs, and the per-head W_UK / W_UV products take fixed-shape tiles
+(`invariant_head_linear`), so a row's bits do not depend on the chunking, the prefix cache or the batch.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 from torch import nn
 
 from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.kernels.batch_invariant import BATCH_INVARIANT, invariant_head_linear
 from moe_runtime.layers.attention_backend import attention_kernels_for
 from moe_runtime.layers.attention_ops import paged_varlen_attention, split_attention, varlen_causal_attention
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
@@ -91,6 +96,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.rotary = rotary
         self.scale = scale
         self._attention = attention_kernels_for(kernels, torch.device(device if device is not None else "cpu"))
+        self._fixed_order = kernels.name == BATCH_INVARIANT   # per-head products in fixed tiles (--deterministic)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(1, self.shape.kv_lora_rank + self.shape.qk_rope_head_dim, None)
@@ -173,12 +179,17 @@ class MultiHeadLatentAttention(nn.Module):
     def _absorbed_queries(self, q_nope, q_pe) -> torch.Tensor:   # [T, h, nope], [T, h, rope] -> [T, h, L + rope]
         """The queries in the latent space: W_UK folded into their no-rope part."""
         w_uk, _ = self._kv_b_split()
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)                     # [T, h, L]
+        if self._fixed_order:
+            q_latent = invariant_head_linear(q_nope, w_uk)                        # [T, h, L]
+        else:
+            q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)                 # [T, h, L]
         return torch.cat([q_latent, q_pe], dim=-1)
 
     def _values_of_latent(self, out_latent: torch.Tensor) -> torch.Tensor:   # [T, h, L] -> [T, h, v]
         """Attention's output in the latent space mapped to the heads' values by W_UV."""
         _, w_uv = self._kv_b_split()
+        if self._fixed_order:
+            return invariant_head_linear(out_latent, w_uv.transpose(1, 2))       # [T, h, v]
         return torch.einsum("thl,hvl->thv", out_latent, w_uv)
 
     def _decode_absorbed(self, q_nope, q_pe, block_tables: torch.Tensor, context_lens: torch.Tensor,
