@@ -30,7 +30,8 @@ LAYOUTS = {
     # two-batch overlap (each DP worker's sequences in two micro-batches)
     "ep_pp": dict(pp=2, ep=2, dp_attn=2, num_redundant_experts=2, eplb_interval=3, eplb_layers_per_step=1,
                   eplb_window=4, enable_two_batch_overlap=True),
-    "ngram": dict(speculative_config=NGRAM),
+    # attention TP (ep=2, dp_attn=1: one DP worker over both ranks, experts split by EP) verifying n-gram drafts
+    "ngram_tp_attn": dict(ep=2, dp_attn=1, speculative_config=NGRAM),
 }
 
 
@@ -200,11 +201,11 @@ def test_http_routed_experts_round_trip(tiny_checkpoint_factory):
         assert "forced_routed_experts" in refused.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("layout", ["ep_pp", "ngram"])
+@pytest.mark.parametrize("layout", ["ep_pp", "ngram_tp_attn"])
 def test_routing_is_the_same_under_every_layout(layout, engines):
     """Expert parallelism with DP attention, replicas and rebalances mid-generation, two-batch overlap; pipeline
-    stages (each holds some MoE layers: gathered); n-gram speculation (only accepted tokens' rows): the one-rank
-    array."""
+    stages (each holds some MoE layers: gathered); n-gram speculation (only accepted tokens' rows) under attention
+    TP (each rank routes all its worker's rows, then dispatches its share of them): the one-rank array."""
     prompts = [PROMPTS[1], REPEATING, PROMPTS[0], [9, 4]]
     expected = engines("qwen3_moe", "one").generate(prompts, routed(LAYOUT_TOKENS))
     llm = engines("qwen3_moe", layout)
@@ -215,7 +216,7 @@ def test_routing_is_the_same_under_every_layout(layout, engines):
     if layout == "ep_pp":
         assert any(event.ok and event.experts_moved for event in llm.engine.rebalance_events()), \
             "no rebalance moved an expert: the test proves nothing"
-    if layout == "ngram":
+    if layout == "ngram_tp_attn":
         workers = llm.engine.stats().workers
         accepted, drafted = sum(w.spec_accepted_tokens for w in workers), sum(w.spec_draft_tokens for w in workers)
         assert 0 < accepted < drafted, (accepted, drafted)
