@@ -8,8 +8,11 @@ slots hold exactly the new weights of the experts its placement gives it.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from tiny_checkpoints import HFOracle, hf_greedy
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.weight_update_group import TrainerWeightSender
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.front.weight_sync import WeightsLostError
 
 PROMPT = list(range(3, 3 + 19))   # more than a block: a stale prefix cache would serve old KV
 TOKENS = 6
@@ -160,9 +164,52 @@ def expected_sums(tensors: dict[str, torch.Tensor], layer: int, expert: int) -> 
     return [float(w13.sum()), float((w13 * w13).sum()), float(w2.sum()), float((w2 * w2).sum())]
 
 
+def generate_killing_rank(llm, rank: int) -> object:
+    """PROMPT's greedy output while `rank` is SIGKILLed once the request has two tokens (the job re-forms with a
+    fresh process in its place, which loads the start-up checkpoint)."""
+    pid = llm.engine.client.processes[rank].pid
+
+    def kill_when_decoding():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(len(state.token_ids) >= 2 for state in list(llm.engine.outputs.requests.values())):
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.002)
+
+    killer = threading.Thread(target=kill_when_decoding, daemon=True)
+    killer.start()
+    output = llm.generate([PROMPT], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0]
+    killer.join(5)
+    return output
+
+
+def check_recovery_after_updates(llm, new, answers) -> None:
+    """After an update from memory no checkpoint describes the weights: a lost rank ends the request in flight
+    (finish_reason "abort", saying why) instead of resuming it on mixed weights, new requests are refused and
+    /health says so until an update carrying every tensor; after a full update_weights(path) the recovered ranks
+    load that path again and the request resumes with the tokens it would have had."""
+    lost = generate_killing_rank(llm, rank=1)
+    assert lost.finish_reason == "abort" and "update from memory" in lost.error, lost
+    assert llm.engine.stats().recovery.recoveries >= 1
+    with pytest.raises(WeightsLostError, match="update carrying every tensor"):
+        greedy(llm)
+    health = llm.engine.health()
+    assert not health.healthy and "update from memory" in health.detail
+    name = "model.layers.1.self_attn.q_proj.weight"
+    with pytest.raises(InvalidRequestError, match="only an update carrying every tensor"):
+        llm.update_weights_from_tensors({name: tensors_of(new)[name]})
+    llm.update_weights(str(new))   # restores service, and is reloadable
+    assert llm.engine.health().healthy and greedy(llm) == answers[1]
+    resumed = generate_killing_rank(llm, rank=1)
+    assert resumed.finish_reason == "length" and resumed.token_ids[:TOKENS] == answers[1]
+    assert llm.engine.stats().recovery.recoveries >= 2
+
+
 def test_distributed_update_under_expert_parallelism(checkpoints, answers):
     """ep=2 dp_attn=2 with two redundant slots: the trainer (a gloo group member in this process) broadcasts every
-    tensor; each rank keeps its experts, replicas included, and the tokens are the new checkpoint's."""
+    tensor; each rank keeps its experts, replicas included, and the tokens are the new checkpoint's. Then a rank is
+    lost (`check_recovery_after_updates`)."""
     old, new = checkpoints
     new_tensors = tensors_of(new)
     with LLM(str(old), device="cpu", dtype="float32", block_size=8, ep=2, dp_attn=2, num_redundant_experts=2) as llm:
@@ -192,6 +239,7 @@ def test_distributed_update_under_expert_parallelism(checkpoints, answers):
         assert sorted(asleep) == [0, 1] and all(m.kv_cache_bytes == 0 and m.sleep_level == 1 for m in asleep.values())
         assert all(m.kv_cache_bytes > 0 for m in llm.wake_up().memory.values())
         assert greedy(llm) == answers[1]
+        check_recovery_after_updates(llm, new, answers)
 
 
 async def async_drain(async_engine, path) -> dict:

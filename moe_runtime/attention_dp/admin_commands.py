@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from moe_runtime.attention_dp.messages import AdminDone, InitWeightUpdateGroup, SleepEngine, UpdateWeights, WakeUpEngine
-from moe_runtime.engine.weight_updates import WeightUpdateBroken
+from moe_runtime.engine.weight_updates import UpdateApplied, WeightUpdateBroken
 from moe_runtime.errors import MoERuntimeError
 
 logger = logging.getLogger(__name__)
@@ -20,13 +20,13 @@ ADMIN_COMMANDS = (UpdateWeights, InitWeightUpdateGroup, SleepEngine, WakeUpEngin
 
 def apply_admin_command(core, command, rank: int) -> AdminDone:
     """Apply `command` (one of ADMIN_COMMANDS) to `core`; this rank's answer."""
-    updater, tensors, checksums = core.weight_updater, 0, []
+    updater, applied, checksums = core.weight_updater, UpdateApplied(0, False), []
     try:
         if isinstance(command, UpdateWeights):
             if command.specs:
-                tensors = updater.from_distributed(list(command.specs))
+                applied = updater.from_distributed(list(command.specs), command.whole)
             else:
-                tensors = updater.from_directory(command.path, command.partial)
+                applied = updater.from_directory(command.path, command.partial, command.whole)
             checksums = updater.slot_checksums() if command.checksums else []
         elif isinstance(command, InitWeightUpdateGroup):
             updater.join_group(command.address)
@@ -41,5 +41,5 @@ def apply_admin_command(core, command, rank: int) -> AdminDone:
     except (MoERuntimeError, ValueError, RuntimeError, OSError) as exc:
         logger.warning("rank %d: %s refused: %s", rank, type(command).__name__, exc)
         return AdminDone(rank=rank, update_id=command.update_id, error=str(exc), memory=core.sleep_mode.memory(rank))
-    return AdminDone(rank=rank, update_id=command.update_id, tensors=tensors, memory=core.sleep_mode.memory(rank),
-                     checksums=checksums)
+    return AdminDone(rank=rank, update_id=command.update_id, tensors=applied.tensors, complete=applied.complete,
+                     memory=core.sleep_mode.memory(rank), checksums=checksums)

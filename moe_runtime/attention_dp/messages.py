@@ -139,6 +139,7 @@ class UpdateWeights(Message):
     partial: bool = False
     specs: list[WeightTensorSpec] = []
     checksums: bool = False   # each rank reports its expert slots' checksums
+    whole: bool = False       # refused unless it carries every tensor (the weights were lost: front/weight_sync.py)
 
 
 class InitWeightUpdateGroup(Message):
@@ -254,6 +255,7 @@ class AdminDone(Message):
     error: str | None = None
     broken: bool = False                 # failed while writing: the weights are mixed (engine/weight_updates.py)
     tensors: int = 0                     # tensors this rank loaded
+    complete: bool = False               # the update carried every tensor of the model: none is left from before
     memory: ResidentMemory | None = None
     checksums: list[SlotChecksum] = []
 

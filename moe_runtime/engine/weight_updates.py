@@ -12,7 +12,9 @@ refusal refuses everywhere). A failure after that point is reported as leaving t
 full update (or a restart) must follow.
 
 After an update the prefix cache is flushed (and the KV tiers': `EngineCore.reset_prefix_cache`): cached blocks
-were computed with the old weights.
+were computed with the old weights. Each rank says whether the update carried every tensor of the model
+(`UpdateApplied.complete`): the front keeps where the weights came from, which decides what a lost rank's recovery
+may read them from (front/weight_sync.py's `WeightOrigin`). The MTP drafter's layer is loaded with the model.
 """
 from __future__ import annotations
 
@@ -43,6 +45,15 @@ class WeightUpdateRefused(InvalidRequestError):
 
 class WeightUpdateBroken(RuntimeError):
     """The update failed while writing: some weights are new, some old (a full update or restart must follow)."""
+
+
+@dataclass(frozen=True)
+class UpdateApplied:
+    """What an update did on this rank: the tensors it loaded, and whether it carried every tensor of the model
+    (`complete`: no weight is left from before it, so the weights are exactly its source's)."""
+
+    tensors: int
+    complete: bool
 
 
 @dataclass(frozen=True)
@@ -95,35 +106,36 @@ class WeightUpdater:
         return self._reference
 
     # ---- the sources ----------------------------------------------------------------------------------
-    def from_directory(self, path: str, partial: bool = False) -> int:
+    def from_directory(self, path: str, partial: bool = False, whole: bool = False) -> UpdateApplied:
         """Load a checkpoint directory, or (`partial`) the plain tensors an update from tensors wrote for the ranks
-        (some of the model's); the number of tensors loaded."""
+        (some of the model's). `whole`: refused unless it carries every tensor (the front lost the weights)."""
         directory = Path(path)
         reader, error = None, None
         try:
             reader = self._open(directory, plain=partial)
         except (CheckpointError, OSError, ValueError) as exc:   # still agreed on below: the other ranks wait for it
             error = f"path: {exc}"
-        loaded = self._apply(reader, partial, label=str(directory), keep_sources=partial, error=error)
+        applied = self._apply(reader, partial, label=str(directory), keep_sources=partial, error=error, whole=whole)
         if not partial:
             self.directory = directory
-        return loaded
+        return applied
 
-    def from_tensors(self, tensors: dict[str, torch.Tensor], partial: bool = True) -> int:
+    def from_tensors(self, tensors: dict[str, torch.Tensor], partial: bool = True,
+                     whole: bool = False) -> UpdateApplied:
         reader = memory_reader(tensors, self.core.hf_config)
         self._rename_as_model(reader)
-        return self._apply(reader, partial, label="the update's tensors", keep_sources=True)
+        return self._apply(reader, partial, label="the update's tensors", keep_sources=True, whole=whole)
 
     def join_group(self, address: GroupAddress) -> None:
         """Join the trainer's weight-update group as group rank `rank_offset` + this rank."""
         self.group = WeightUpdateGroup(address, self.core.parallel.rank, self.core.device)
 
-    def from_distributed(self, specs: list[TensorSpec]) -> int:
+    def from_distributed(self, specs: list[TensorSpec], whole: bool = False) -> UpdateApplied:
         """Receive the trainer's broadcast of `specs` (every tensor whole) and load what this rank holds of them."""
         if self.group is None:
             raise WeightUpdateRefused("update_weights_from_distributed: no weight-update group; call "
                                       "init_weights_update_group first")
-        return self.from_tensors(self.group.receive(specs))
+        return self.from_tensors(self.group.receive(specs), whole=whole)
 
     def reload_checkpoint(self) -> None:
         """The whole checkpoint the weights last came from, loaded as at start-up (a wake-up from sleep level 2)."""
@@ -138,11 +150,13 @@ class WeightUpdater:
         return parallel.world_control_group if parallel.world_size > 1 else None
 
     def _apply(self, reader: CheckpointReader | None, partial: bool, label: str, keep_sources: bool,
-               error: str | None = None) -> int:
+               error: str | None = None, whole: bool = False) -> UpdateApplied:
         started = time.perf_counter()
+        complete = False
         if error is None:
             try:
-                error = self._check(reader, partial)
+                error = self._check(reader, partial, whole)
+                complete = not self._missing(reader)
             except (CheckpointError, InvalidRequestError, OSError, ValueError, KeyError) as exc:
                 error = f"{label}: {exc}"
         error = self._agree(error)
@@ -160,9 +174,14 @@ class WeightUpdater:
         self.core.reset_prefix_cache()   # blocks cached under the old weights
         logger.info("weights updated from %s: %d tensors (%.1f MiB read) in %.2fs", label, loaded,
                     reader.bytes_read / 2**20, time.perf_counter() - started)
-        return loaded
+        return UpdateApplied(loaded, complete)
 
-    def _check(self, reader: CheckpointReader, partial: bool) -> str | None:
+    def _missing(self, reader: CheckpointReader) -> set[str]:
+        """The served model's tensors `reader` lacks (the deliberately skipped ones aside)."""
+        skipped = SkippedTensors.for_config(self.core.hf_config)
+        return {n for n in set(self.reference().names()) - set(reader.names()) if skipped.rule_for(n) is None}
+
+    def _check(self, reader: CheckpointReader, partial: bool, whole: bool = False) -> str | None:
         """What refuses the update (naming the tensors), or None."""
         reference = self.reference()
         given = set(reader.names())
@@ -176,7 +195,10 @@ class WeightUpdater:
             return ("the engine sleeps at level 1 with its weights in host memory: wake_up first, or sleep at level 2 "
                     "and update from a full checkpoint")
         skipped = SkippedTensors.for_config(self.core.hf_config)
-        missing = {n for n in expected - given if skipped.rule_for(n) is None}
+        missing = self._missing(reader)
+        if whole and missing:
+            return ("the weights were lost with a rank after an update from memory: only an update carrying every "
+                    f"tensor of the model restores them (this one lacks {_shown(missing)})")
         if self.sleep.weights_dropped and missing:
             return ("the weights were dropped (sleep level 2): only a full checkpoint brings them back "
                     "(every tensor of the model, from any source, or wake_up(reload=True))")
@@ -233,6 +255,7 @@ class WeightUpdater:
         given = set(reader.names())
         experts = [m for _, m in self._custom_modules() if isinstance(m, ExpertWeights)]
         sources = [m._source for m in experts]   # a lost expert slot reloads from its checkpoint, not from memory
+        # (which then no longer describes it: the front ends the requests rather than resume them on a mix)
         loaded: set[str] = set()
         for prefix, module in self._custom_modules():
             if any(name.startswith(prefix) for name in given):

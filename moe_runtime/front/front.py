@@ -23,7 +23,7 @@ from typing import Callable
 
 from moe_runtime.attention_dp.messages import Message
 from moe_runtime.attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, ImportRequest, KVImported,
-                                               ReleaseExport, ResetPrefixCache, StepOutputs)
+                                               ReleaseExport, ResetPrefixCache, StepOutputs, UpdateWeights)
 from moe_runtime.attention_dp.router import DPRouter
 from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.config.engine_config import EngineConfig
@@ -90,7 +90,7 @@ class Front:
         self._undelivered: list[RequestOutput] = []     # outputs for the next step() (blocking driver)
         self._worker_stats: dict[int, WorkerStats] = {}
         self.balancing = BalancingRequests(shape.pp_size)
-        self.admin = AdminRequests()   # weight updates, sleep, wake (front/weight_sync.py)
+        self.admin = AdminRequests(config.model)   # weight updates, sleep, wake (front/weight_sync.py)
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._seeds = random.Random()
@@ -434,7 +434,46 @@ class Front:
             self.decode.abandon()        # imports in flight resume from their first token: their prompts run here
         if self.prefill is not None:
             self.prefill.forget_all()    # what the lost job parked is gone; its decode instances compute it instead
+        origin = self.admin.origin
+        if not origin.exact or self.admin.weights_lost is not None:   # no checkpoint describes the weights
+            reason = self.admin.weights_lost or self.admin.lose_weights(
+                "a rank was lost after a weight update from memory (tensors or a trainer's broadcast): the ranks "
+                f"recovered from {origin.checkpoint}, which no longer describes the weights")
+            self.router = self.recovery.resume(client, [], self.router)
+            self._emit(self._end_all(reason))
+            return
+        if origin.checkpoint != str(self.config.model):   # recovery read the start-up checkpoint: load the update's
+            reload = self.admin.send(UpdateWeights(update_id=self.admin.next_id(), path=origin.checkpoint),
+                                     client.send, client.shape.world_size)   # applied before the requests resume
+            reload.add_done_callback(self._reloaded)
         self.router = self.recovery.resume(client, list(self.outputs.requests.values()), self.router)
+
+    def _reloaded(self, reload: concurrent.futures.Future) -> None:
+        """The recovery's reload of the last full update's checkpoint failed: its requests cannot go on."""
+        if reload.cancelled() or reload.exception() is None or self._dead is not None:
+            return
+        if isinstance(reload.exception(), EngineDeadError):   # lost again: that recovery decides (the origin
+            return                                            # is not exact now: `AdminRequests.fail`)
+        reason = self.admin.lose_weights(f"after a lost rank, reloading the weights from "
+                                         f"{self.admin.origin.checkpoint} failed ({reload.exception()})")
+        try:
+            for request_id in list(self.outputs.requests):
+                self.client.send(AbortRequest(request_id=request_id))
+        except EngineDeadError:
+            return   # lost again: that recovery ends them
+        self._emit(self._end_all(reason))
+
+    def _end_all(self, reason: str) -> list[RequestOutput]:
+        """Every request in flight ends in the front (finish_reason "abort", `reason` as its error)."""
+        outputs = []
+        for request_id in list(self.outputs.requests):
+            output = self.outputs.abort(request_id, reason)
+            self.router.release(request_id)
+            if self.decode is not None:
+                self.decode.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def _recovering(self) -> bool:
         return self.recovery is not None and self.recovery.recovering
@@ -529,6 +568,8 @@ class Front:
     def health(self) -> EngineHealth:
         if self._dead is not None:
             return EngineHealth(False, self._dead)
+        if self.admin.weights_lost is not None and not self._recovering():
+            return EngineHealth(False, self.admin.weights_lost)
         health = EngineHealth(False, self.recovery.stats.recovering) if self._recovering() else self.client.health()
         return health if self.recovery is None else self.recovery.health(health, self.shape.world_size)
 

@@ -77,12 +77,13 @@ class OutputProcessor:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, export_kv: bool = False) -> None:
         self.requests[request_id] = RequestState(request_id, prompt_token_ids, params, export_kv=export_kv)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Forget the request; its final output (finish_reason "abort"), or None if it was not running."""
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """Forget the request; its final output (finish_reason "abort", with `error`: why the engine ended it), or
+        None if it was not running."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
-        return self._output(state, [], None, finished=True, finish_reason="abort", error=None)
+        return self._output(state, [], None, finished=True, finish_reason="abort", error=error)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests

@@ -7,10 +7,22 @@ What happens to the requests running when weights change is the caller's `policy
 on with the new weights. The drivers do the waiting (`LLM` steps, `AsyncEngine` awaits); this file keeps the
 futures, the sleeping state (a request is refused while asleep: `EngineAsleepError`), and writes tensors given
 in this process where every rank can read them (a private directory under /dev/shm: safetensors, no pickle).
+
+It also keeps where the weights came from (`WeightOrigin`), which a lost rank's recovery needs: every recovery
+path reads a checkpoint directory (a restarted job and a fresh rank the start-up checkpoint, the survivors'
+reloaded expert slots the one each module last loaded whole). After a full `update_weights(path)` the front has
+every rank load `path` again before the requests resume (`Front._resume`). After an update from memory
+(tensors, a trainer's broadcast: their file is gone, or never was) no directory describes the weights, so a
+recovery ends the requests in flight (finish_reason "abort", with the reason) instead of resuming them on a mix of
+old and new weights, and refuses new ones (`WeightsLostError`) until an update carrying every tensor of the model
+(from any source) restores them. Keeping each update's tensors as an overlay to re-apply was the alternative: it
+would hold a copy of every tensor pushed since the last directory (a whole model's worth across RL steps) for an
+event that may never come, where the trainer pushes a whole model next step anyway.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import shutil
 import tempfile
@@ -18,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import msgspec
 import torch
 from safetensors.torch import save_file
 
@@ -41,6 +54,21 @@ class WeightsBrokenError(MoERuntimeError):
     """An update failed while writing: the ranks hold a mix of old and new weights."""
 
 
+class WeightsLostError(InvalidRequestError):
+    """A request reached an engine whose weights a rank's loss left mixed (they came from memory since the last
+    checkpoint directory); an update carrying every tensor of the model restores service."""
+
+
+@dataclass(frozen=True)
+class WeightOrigin:
+    """Where the ranks' weights came from. `checkpoint`: the directory they last came from whole (the start-up
+    checkpoint, or the last full `update_weights(path)`); `exact`: nothing changed them since (no update from
+    memory, none that broke while writing), so a lost rank's weights can be read from `checkpoint` again."""
+
+    checkpoint: str
+    exact: bool = True
+
+
 def check_policy(policy: str) -> str:
     if policy not in UPDATE_POLICIES:
         raise InvalidRequestError(f"policy: {policy!r} is not one of {list(UPDATE_POLICIES)}")
@@ -62,6 +90,7 @@ class AdminResult:
     memory: dict[int, ResidentMemory]
     tensors: dict[int, int] = field(default_factory=dict)
     checksums: dict[int, list[SlotChecksum]] = field(default_factory=dict)
+    complete: bool = False   # an update that carried every tensor of the model (on every rank)
 
     @classmethod
     def of(cls, answers: list[AdminDone]) -> "AdminResult":
@@ -75,11 +104,12 @@ class AdminResult:
         if refused:
             raise InvalidRequestError(f"rank {refused[0].rank}: {refused[0].error}")
         return cls({a.rank: a.memory for a in answers}, {a.rank: a.tensors for a in answers},
-                   {a.rank: list(a.checksums) for a in answers if a.checksums})
+                   {a.rank: list(a.checksums) for a in answers if a.checksums}, all(a.complete for a in answers))
 
 
 @dataclass
 class _Pending:
+    command: Message
     future: concurrent.futures.Future
     expected: int
     answers: list[AdminDone]
@@ -87,13 +117,16 @@ class _Pending:
 
 
 class AdminRequests:
-    """The admin commands in flight (one at a time: `send` refuses a second while one is in flight) and whether
-    the engine sleeps."""
+    """The admin commands in flight (one at a time: `send` refuses a second while one is in flight), whether
+    the engine sleeps, where its weights came from, and whether a rank's loss lost them (`weights_lost`: why).
+    `checkpoint`: the start-up checkpoint."""
 
-    def __init__(self):
+    def __init__(self, checkpoint: str):
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self.sleep_level = 0
+        self.origin = WeightOrigin(str(checkpoint))
+        self.weights_lost: str | None = None
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -107,7 +140,9 @@ class AdminRequests:
         """Send `command` to every rank; a future of its `AdminResult` (or its error). `after(result)` runs on
         success before the future is settled."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._pending[command.update_id] = _Pending(future, world_size, [], after)
+        if isinstance(command, UpdateWeights) and self.weights_lost is not None:
+            command = msgspec.structs.replace(command, whole=True)   # only every tensor restores lost weights
+        self._pending[command.update_id] = _Pending(command, future, world_size, [], after)
         try:
             send(command)
         except BaseException:
@@ -118,6 +153,30 @@ class AdminRequests:
     def check_admission(self) -> None:
         if self.sleep_level:
             raise EngineAsleepError(f"the engine is asleep (sleep level {self.sleep_level}): wake_up first")
+        if self.weights_lost is not None:
+            raise WeightsLostError(self.weights_lost)
+
+    def lose_weights(self, why: str) -> str:
+        """A recovery cannot give the weights back (`why`): refuse requests until a full update; the reason."""
+        self.weights_lost = (f"{why}; requests are refused until an update carrying every tensor of the model "
+                             "(update_weights(path), or tensors / a trainer's broadcast of all of them)")
+        return self.weights_lost
+
+    def _note(self, command: Message, result: AdminResult | None, error: Exception | None) -> None:
+        """What a settled command tells of where the weights came from."""
+        if isinstance(command, UpdateWeights):
+            if error is not None:
+                if isinstance(error, WeightsBrokenError):
+                    self.origin = dataclasses.replace(self.origin, exact=False)
+                return
+            if command.path and not command.partial and not command.specs:   # a directory, whole
+                self.origin = WeightOrigin(command.path)
+            else:
+                self.origin = dataclasses.replace(self.origin, exact=False)
+            if result.complete:
+                self.weights_lost = None
+        elif isinstance(command, WakeUpEngine) and command.reload and error is None and self.weights_lost is None:
+            self.origin = dataclasses.replace(self.origin, exact=True)   # the checkpoint loaded whole again
 
     def take(self, message) -> bool:
         if not isinstance(message, AdminDone):
@@ -130,9 +189,11 @@ class AdminRequests:
             del self._pending[message.update_id]
             try:
                 result = AdminResult.of(pending.answers)
+                self._note(pending.command, result, None)
                 if pending.after is not None:
                     pending.after(result)
             except MoERuntimeError as exc:
+                self._note(pending.command, None, exc)
                 pending.future.set_exception(exc)
             else:
                 pending.future.set_result(result)
@@ -140,6 +201,8 @@ class AdminRequests:
 
     def fail(self, reason: str) -> None:
         for pending in self._pending.values():
+            if isinstance(pending.command, UpdateWeights):   # some ranks may have applied it
+                self.origin = dataclasses.replace(self.origin, exact=False)
             if not pending.future.done():
                 pending.future.set_exception(EngineDeadError(reason))
         self._pending.clear()
