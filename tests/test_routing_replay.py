@@ -2,10 +2,12 @@
 router top-k and the same under every layout; `forced_routed_experts` routes the positions it covers."""
 import base64
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine_helpers import greedy
@@ -136,6 +138,46 @@ def test_forced_routing_replays_and_reroutes(arch, engines, hf_models):
     np.testing.assert_array_equal(rerouted.routed_experts[: len(other)], other)
     assert rerouted.token_ids != first.token_ids, "the forced routing changed nothing: the test proves nothing"
     assert rerouted.token_ids == hf_forced_greedy(hf_models(arch), prompt, other, NEW_TOKENS)
+
+
+def with_hash_table(source: Path, directory: Path) -> Path:
+    """A copy of the tiny DeepSeek-V4 checkpoint whose hash layer's `tid2eid` names two different experts per token
+    (the tiny model's, as transformers initializes it, is all zeros: expert 0 twice for every token)."""
+    directory.mkdir()
+    for file in source.iterdir():
+        if file.is_file() and file.suffix != ".safetensors":
+            (directory / file.name).write_bytes(file.read_bytes())
+    tensors = {name: tensor for file in source.glob("*.safetensors") for name, tensor in load_file(str(file)).items()}
+    [name] = [name for name in tensors if name.endswith("tid2eid")]
+    experts = json.loads((source / "config.json").read_text())["n_routed_experts"]
+    assert tensors[name].shape[1] == 2, "the table below is a top-2 one"
+    token = torch.arange(tensors[name].shape[0])                          # [V]
+    step = 1 + token // experts % (experts - 1)                           # 1 .. experts - 1: never the same expert
+    tensors[name] = torch.stack([token % experts, (token + step) % experts], dim=1)   # [V, 2]
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_deepseek_v4_hash_layers_record_and_take_forced_routing(tiny_checkpoint_factory, tmp_path):
+    """DeepSeek-V4's hash layer (layer 0 of the tiny model: experts from a token-id table) records its table's ids, and
+    forcing replaces them as on any layer: its own array back gives the same tokens and bitwise logprobs (forced ids
+    weighed as the table's are), and ids the table would not pick come back as forced and change the tokens."""
+    checkpoint = with_hash_table(Path(tiny_checkpoint_factory("deepseek_v4")), tmp_path / "hashed")
+    table = next(tensor for name, tensor in load_file(str(checkpoint / "model.safetensors")).items()
+                 if name.endswith("tid2eid")).numpy()
+    prompt = [(7 * i + 3) % 500 + 5 for i in range(20)]
+    with LLM(str(checkpoint), device="cpu", dtype="float32") as llm:
+        first = llm.generate([prompt], routed(logprobs=1))[0]
+        again = llm.generate([prompt], routed(logprobs=1, forced_routed_experts=first.routed_experts))[0]
+        other = first.routed_experts[: len(prompt) + 2].copy()
+        other[:, 0] = (other[:, 0] + 1) % llm.engine.limits.routing.num_experts   # the hash layer only
+        rerouted = llm.generate([prompt], routed(forced_routed_experts=other))[0]
+    tokens = prompt + first.token_ids[:-1]
+    np.testing.assert_array_equal(np.sort(first.routed_experts[:, 0], axis=-1), np.sort(table[tokens], axis=-1))
+    assert again.token_ids == first.token_ids and again.logprobs == first.logprobs
+    np.testing.assert_array_equal(again.routed_experts, first.routed_experts)
+    np.testing.assert_array_equal(rerouted.routed_experts[: len(other), 0], other[:, 0])
+    assert rerouted.token_ids != first.token_ids, "the forced hash routing changed nothing: the test proves nothing"
 
 
 def test_invalid_forced_routing_is_refused_naming_the_field(engines):

@@ -28,7 +28,7 @@ from torch import nn
 
 from moe_runtime.kernels import RoutingConfig, TopK
 from moe_runtime.kernels.expert_activation import ExpertActivation
-from moe_runtime.kernels.routing import expert_scores
+from moe_runtime.kernels.routing import chosen_weights, expert_scores
 from moe_runtime.execution.micro_batches import MicroBatch
 from moe_runtime.layers.compressed_attention import CompressedAttention, V4AttentionShape
 from moe_runtime.layers.hyper_connections import HyperConnection, HyperHead
@@ -74,13 +74,16 @@ class V4MoE(SparseMoE):
         return self._add_shared(x, out)
 
     def _choose(self, x: torch.Tensor, input_ids: torch.Tensor) -> TopK:
+        """A hash layer's choice: the table's ids, weighed by the gate's scores at them (gathered, renormalised,
+        scaled: `chosen_weights`, the rule routing replay weighs forced ids by, so a forced row replaces the
+        table's ids as on any other layer)."""
         router = getattr(self, self.router_name)
         if not isinstance(router, HashRouter):
             return self._route(x)
+        logits = router(x)                                                                   # [T, E] fp32
         ids = router.tid2eid[input_ids]                                                      # [T, K]
-        weights = expert_scores(router(x), self.routing.scoring).gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return TopK(weights=weights * self.routing.routed_scaling_factor, ids=ids)
+        weights = chosen_weights(expert_scores(logits, self.routing.scoring), ids, self.routing)
+        return self._replayed(logits, TopK(weights=weights, ids=ids))
 
 
 class V4DecoderLayer(nn.Module):

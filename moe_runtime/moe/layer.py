@@ -102,7 +102,12 @@ class SparseMoE(nn.Module):
         router = getattr(self, self.router_name)
         logits = router(x)                                                          # [T, E]
         topk = self._kernels.select_experts(logits, self.routing, router.e_score_correction_bias)
-        replay = self._executor.routing   # routing replay: a request's forced ids (moe/routing_record.py)
+        return self._replayed(logits, topk)
+
+    def _replayed(self, logits: torch.Tensor, topk: TopK) -> TopK:   # logits [T, E] fp32, the layer's own choice
+        """Routing replay: the rows a request forces take its ids, weighed by this layer's gating at them
+        (moe/routing_record.py); every other row keeps `topk`."""
+        replay = self._executor.routing
         return topk if replay is None else replay.force(self.moe_layer, logits, topk, self.routing)
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:   # routed out [T, H] -> [T, H]

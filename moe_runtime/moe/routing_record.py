@@ -5,9 +5,10 @@ sequence of that forward asked: `wants_routing`). Every MoE layer hands it its l
 become physical slots (`record`), so replicas, placements and live migrations never show; with two-batch
 overlap a layer runs once per micro-batch, in the micro-batches' order, and a per-layer cursor puts each
 micro-batch's rows after the previous one's. A layer's router asks it for the forced choice of its rows
-(`force`): rows a request forces take the forced ids, their weights the model's own gating evaluated at
-those ids (`kernels.routing.chosen_weights`: the family's scores, normalization and scaling; DeepSeek's
-group-limited choice and its correction bias play no part, as they play none in its weights).
+(`force`; DeepSeek-V4's hash layers too, the forced ids replacing their token-id table's): rows a request
+forces take the forced ids, their weights the model's own gating evaluated at those ids
+(`kernels.routing.chosen_weights`: the family's scores, normalization and scaling; DeepSeek's group-limited
+choice and its correction bias play no part, as they play none in its weights).
 
 `SequenceRouting` is one request's record: row p holds position p's ids at this stage's MoE layers, written
 by every forward that computes p. A verify step's rejected drafts only write rows that a later forward
