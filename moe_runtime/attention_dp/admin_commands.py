@@ -11,7 +11,6 @@ import logging
 
 from moe_runtime.attention_dp.messages import AdminDone, InitWeightUpdateGroup, SleepEngine, UpdateWeights, WakeUpEngine
 from moe_runtime.engine.weight_updates import UpdateApplied, WeightUpdateBroken
-from moe_runtime.errors import MoERuntimeError
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +37,8 @@ def apply_admin_command(core, command, rank: int) -> AdminDone:
         logger.error("rank %d: %s", rank, exc)
         return AdminDone(rank=rank, update_id=command.update_id, error=str(exc), broken=True,
                          memory=core.sleep_mode.memory(rank))
-    except (MoERuntimeError, ValueError, RuntimeError, OSError) as exc:
+    except Exception as exc:   # noqa: BLE001 - refused before any write (a write's failure is WeightUpdateBroken):
+        # the rank stays in its loop and answers, whatever the error's type (safetensors', a backend's)
         logger.warning("rank %d: %s refused: %s", rank, type(command).__name__, exc)
         return AdminDone(rank=rank, update_id=command.update_id, error=str(exc), memory=core.sleep_mode.memory(rank))
     return AdminDone(rank=rank, update_id=command.update_id, tensors=applied.tensors, complete=applied.complete,

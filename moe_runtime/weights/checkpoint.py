@@ -145,9 +145,8 @@ class CheckpointReader:
             raise CheckpointError(f"no *.safetensors weights (nor {INDEX_FILE}) in {directory}")
         tensor_to_file: dict[str, str] = {}
         for path in files:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():
-                    tensor_to_file[name] = path.name
+            for name in _open_safetensors(path).keys():
+                tensor_to_file[name] = path.name
         return cls(directory, tensor_to_file)
 
     def renamed(self, rename) -> None:
@@ -362,7 +361,15 @@ class CheckpointReader:
             path = self.directory / file_name
             if not path.exists():
                 raise CheckpointError(f"weight file {path} is missing")
-            handle = safe_open(str(path), framework="pt")
+            handle = _open_safetensors(path)
             self._handles[file_name] = handle
         return handle
 
+
+def _open_safetensors(path: Path):
+    """`path` opened by safetensors; CheckpointError naming it when it is no safetensors file (a truncated or
+    half-written shard: safetensors raises its own error type, which a caller refusing bad checkpoints would miss)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:   # noqa: BLE001 - SafetensorError, and OSError for an unreadable file
+        raise CheckpointError(f"weight file {path} is not a readable safetensors file: {exc}") from exc
