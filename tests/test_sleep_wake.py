@@ -60,6 +60,23 @@ def test_sleep_level_2_drops_the_weights(llm):
     assert llm.generate([PROMPT], GREEDY)[0].token_ids == before_tokens
 
 
+def test_a_failed_reload_leaves_the_weights_dropped(llm, tmp_path, monkeypatch):
+    """wake_up(reload=True) whose checkpoint is gone for a moment is refused, and the weights stay dropped: a plain
+    wake_up is refused too (no uninitialized memory served), until a reload succeeds."""
+    before_tokens = llm.generate([PROMPT], GREEDY)[0].token_ids
+    llm.sleep(level=2)
+    updater = llm.engine.core.weight_updater
+    monkeypatch.setattr(updater, "directory", tmp_path / "moved")   # where the weights last came from, gone now
+    with pytest.raises(InvalidRequestError, match="moved does not exist"):
+        llm.wake_up(reload=True)
+    with pytest.raises(InvalidRequestError, match="wake_up\\(reload=True\\)"):
+        llm.wake_up()
+    assert llm.engine.core.sleep_mode.memory(0).weight_bytes == 0   # dropped again, not left allocated
+    monkeypatch.undo()
+    llm.wake_up(reload=True)
+    assert llm.generate([PROMPT], GREEDY)[0].token_ids == before_tokens
+
+
 def test_a_full_update_brings_dropped_weights_back(llm):
     before_tokens = llm.generate([PROMPT], GREEDY)[0].token_ids
     llm.sleep(level=2)

@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+from multirank import ranks  # noqa: F401  (pytest fixture)
 from safetensors.torch import load_file
 from tiny_checkpoints import HFOracle, hf_greedy
 
 from moe_runtime import LLM, SamplingParams
+from moe_runtime.attention_dp.lockstep import LockstepLoop
+from moe_runtime.attention_dp.messages import RebalanceNow, Shutdown, SleepEngine, UpdateWeights
 from moe_runtime.engine.weight_update_group import TrainerWeightSender
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.front.weight_sync import WeightsLostError
@@ -57,6 +64,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def half_written(checkpoint, directory):
+    """A copy of `checkpoint` whose shard is 64 zero bytes (a save cut short): no safetensors file."""
+    for file in checkpoint.iterdir():
+        if file.is_file():
+            (directory / file.name).write_bytes(b"\0" * 64 if file.suffix == ".safetensors" else file.read_bytes())
+    return directory
+
+
 def greedy(llm) -> list[int]:
     return llm.generate([PROMPT], GREEDY)[0].token_ids
 
@@ -75,7 +90,7 @@ def test_update_from_disk_and_tensors(llm, checkpoints, answers):
     assert greedy(llm) == answers[0]
 
 
-def test_refusals_change_nothing(llm, checkpoints, answers):
+def test_refusals_change_nothing(llm, checkpoints, answers, tmp_path):
     old, new = checkpoints
     llm.update_weights(str(old))
     new_tensors = tensors_of(new)
@@ -90,6 +105,8 @@ def test_refusals_change_nothing(llm, checkpoints, answers):
         llm.update_weights_from_tensors(experts)   # one expert of a layer whose experts load together
     with pytest.raises(InvalidRequestError, match="policy"):
         llm.update_weights(str(new), policy="later")
+    with pytest.raises(InvalidRequestError, match="model.safetensors is not a readable safetensors file"):
+        llm.update_weights(str(half_written(new, tmp_path)))
     assert greedy(llm) == answers[0]
 
 
@@ -206,7 +223,7 @@ def check_recovery_after_updates(llm, new, answers) -> None:
     assert llm.engine.stats().recovery.recoveries >= 2
 
 
-def test_distributed_update_under_expert_parallelism(checkpoints, answers):
+def test_distributed_update_under_expert_parallelism(checkpoints, answers, tmp_path):
     """ep=2 dp_attn=2 with two redundant slots: the trainer (a gloo group member in this process) broadcasts every
     tensor; each rank keeps its experts, replicas included, and the tokens are the new checkpoint's. Then a rank is
     lost (`check_recovery_after_updates`)."""
@@ -235,6 +252,9 @@ def test_distributed_update_under_expert_parallelism(checkpoints, answers):
             for slot in slots:
                 assert slot.sums == pytest.approx(expected_sums(new_tensors, slot.layer, slot.expert), rel=1e-9)
         assert greedy(llm) == answers[1]
+        with pytest.raises(InvalidRequestError, match="not a readable safetensors file"):   # refused on every rank
+            llm.update_weights(str(half_written(new, tmp_path)))
+        assert greedy(llm) == answers[1] and llm.engine.stats().recovery.recoveries == 0   # no rank was lost
         asleep = llm.sleep(level=1).memory   # every rank frees its KV pool, and wakes to the same tokens
         assert sorted(asleep) == [0, 1] and all(m.kv_cache_bytes == 0 and m.sleep_level == 1 for m in asleep.values())
         assert all(m.kv_cache_bytes > 0 for m in llm.wake_up().memory.values())
@@ -303,6 +323,99 @@ def test_admin_http_routes(checkpoints, answers):
     assert seen["after"] == seen["again"] == tokenizer.decode(answers[1], skip_special_tokens=True)
     assert seen["sleep"] == 400 and seen["asleep"] == 0 and seen["refused"] == 400 and seen["woken"] == 200
     assert seen["held"] and seen["running"] == answers[1] and seen["waiting"] == answers[0]
+
+
+@dataclass
+class _OneRankWorker:
+    """A rank that is its own DP worker, on a gloo group of the pool's ranks (what LockstepLoop reads of it)."""
+
+    rank: int
+    world_control_group: object
+    dp_rank: int
+    ep_rank: int = 0
+    pp_rank: int = 0
+    is_worker_leader: bool = True
+    is_last_stage: bool = True
+    ep_group: object = None
+
+
+class _MigrationOfSteps:
+    """A rebalancer whose migration, once started, takes `steps` lock steps (as --eplb-layers-per-step spreads one)."""
+
+    def __init__(self, steps: int, log: list[str]):
+        self.steps, self.left, self.log = steps, 0, log
+
+    @property
+    def in_progress(self) -> bool:
+        return self.left > 0
+
+    def start(self) -> None:
+        self.left = self.steps
+
+    def after_step(self, step: int) -> None:
+        if self.left:
+            self.left -= 1
+            self.log.append("migrated a layer")
+
+
+class _RecordingApplier:
+    """Stands in for CoreCommands: records each command applied; RebalanceNow starts the migration."""
+
+    def __init__(self, rebalancer: _MigrationOfSteps, log: list[str]):
+        self.rebalancer, self.log = rebalancer, log
+
+    def apply(self, command) -> None:
+        self.log.append(type(command).__name__)
+        if isinstance(command, RebalanceNow):
+            self.rebalancer.start()
+
+    def report_landed_imports(self) -> None:
+        pass
+
+    def report_step(self, deltas, always: bool) -> None:
+        pass
+
+
+class _IdleCore:
+    wake = None
+    waiting_for_grammars = False
+    executor = SimpleNamespace(needs_phase_agreement=lambda: False)
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def schedule(self):
+        return None
+
+    def execute(self, batch, phase: str) -> list:
+        return []
+
+
+class _Commands(queue.Queue):
+    def wake(self) -> None:
+        pass
+
+
+def _commands_applied_around_a_migration(_) -> list[str]:
+    """One rank's loop given a rebalance of 3 steps, an update and a sleep right behind it, then Shutdown."""
+    rank, log = dist.get_rank(), []
+    rebalancer = _MigrationOfSteps(3, log)
+    commands = _Commands()
+    for command in (RebalanceNow(), UpdateWeights(update_id=1, path="new"), SleepEngine(update_id=2, level=1),
+                    Shutdown()):
+        commands.put(command)
+    loop = LockstepLoop(_IdleCore(), commands, queue.Queue(),
+                        _OneRankWorker(rank, dist.new_group(backend="gloo"), dp_rank=rank), rebalancer)
+    loop.applier = _RecordingApplier(rebalancer, log)
+    loop.run()
+    return log
+
+
+def test_admin_commands_wait_for_a_migration_in_progress(ranks):
+    """A live rebalance stages the old weights of the layers it moves and commits them at its end: an update (or
+    sleep) applied meanwhile would be partly undone. Every rank applies them once it has committed."""
+    migration = ["RebalanceNow"] + ["migrated a layer"] * 3 + ["UpdateWeights", "SleepEngine"]
+    assert ranks(2).run(_commands_applied_around_a_migration, None) == [migration, migration]
 
 
 def test_int8_kept_weights_quantized_again(checkpoints):

@@ -6,7 +6,8 @@ boundary, and (b) whether any rank has work. If any has, every rank runs a forwa
 one when its own DP worker is idle), so no collective in the MoE layers ever waits on an idle
 rank. When nobody has work, ranks block on their command queue instead of spinning. A rebalance
 in progress is work too: every rank starts and finishes it at the same steps, pipeline stages
-included. These agreements are CPU tensors on the world's gloo control group.
+included; an admin command (a weight update, sleep) and the commands after it wait until it has
+committed or rolled back (its staged copies hold the old weights). These agreements are CPU tensors on the world's gloo control group.
 
 A request with structured output waits for its grammar, which compiles on a thread pool
 (`GrammarWaits`), and starts at the same step on every rank of its worker: while any rank has such
@@ -29,6 +30,7 @@ import queue
 import torch
 import torch.distributed as dist
 
+from moe_runtime.attention_dp.admin_commands import ADMIN_COMMANDS
 from moe_runtime.attention_dp.control_plane import Woken
 from moe_runtime.attention_dp.core_commands import CoreCommands, RankRole
 from moe_runtime.attention_dp.messages import RebalanceReport, Reform, Shutdown
@@ -79,19 +81,28 @@ class LockstepLoop:
             agreed, anyone_busy, grammars_waiting = self._agree()
             new = self._received[self._applied : agreed]
             self._applied = agreed
-            for command in new:
+            for index, command in enumerate(new):
                 if isinstance(command, Shutdown):
                     return
                 if isinstance(command, Reform):   # agreed: every rank leaves at this boundary, no collective in flight
                     raise ReformRequested(command)
+                if isinstance(command, ADMIN_COMMANDS) and self._migrating():
+                    # a multi-step rebalance has staged copies of the old weights (committed at its end): a weight
+                    # update or sleep waits for it to commit or roll back, and so does every command after it
+                    self._applied -= len(new) - index
+                    new = new[:index]
+                    break
                 self.applier.apply(command)
             if grammars_waiting:
                 self._start_grammars()   # their requests step from the next agreement on (anyone_busy)
-            rebalancing = self.rebalancer is not None and self.rebalancer.in_progress  # the same on every rank
-            busy = anyone_busy or rebalancing or any(CoreCommands.starts_work(c) for c in new)
+            busy = anyone_busy or self._migrating() or any(CoreCommands.starts_work(c) for c in new)
             if busy:
                 self._step()
             self.applier.report_landed_imports()
+
+    def _migrating(self) -> bool:
+        """A rebalance is in progress (the same on every rank: they start and finish it at the same steps)."""
+        return self.rebalancer is not None and self.rebalancer.in_progress
 
     def _next_command(self, timeout: float | None = None):
         """The front's next command; a KV pull that ends meanwhile wakes the wait and is reported at once

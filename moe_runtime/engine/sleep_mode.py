@@ -16,6 +16,7 @@ import ctypes
 import dataclasses
 import mmap
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -162,13 +163,26 @@ class SleepMode:
             self._dropped.append((param, kept))
 
     # ---- wake ---------------------------------------------------------------------------------------
-    def restore_weight_storage(self) -> None:
-        """Give dropped parameters their shapes back (uninitialized): a full weight load fills them next."""
+    @contextmanager
+    def weights_restored(self):
+        """Give dropped parameters their shapes back (uninitialized) for a full weight load to fill inside the
+        block. They count as dropped until it succeeds: if it fails they are dropped again, so a plain `wake_up`
+        stays refused and no uninitialized memory is ever served as weights."""
+        if not self._dropped:
+            yield
+            return
         device = self.core.device
         with torch.no_grad():
             for param, kept in self._dropped:
                 fresh = torch.empty_strided(kept.shape, kept.stride, dtype=param.dtype, device=device)
                 param.set_(fresh.untyped_storage(), 0, kept.shape, kept.stride)
+        try:
+            yield
+        except BaseException:
+            with torch.no_grad():
+                for param, _ in self._dropped:
+                    param.set_(torch.empty(0, dtype=param.dtype, device=device).untyped_storage(), 0, (0,), (1,))
+            raise
         self._dropped = []
 
     def wake_up(self, reload) -> None:
@@ -178,8 +192,8 @@ class SleepMode:
             if reload is None:
                 raise InvalidRequestError("wake_up: the weights were dropped (sleep level 2) and no update brought "
                                           "them back: wake_up(reload=True) reloads them from the checkpoint")
-            self.restore_weight_storage()
-            reload()
+            with self.weights_restored():
+                reload()
         with torch.no_grad():
             for param, host, kept in self._host_weights:
                 on_device = host.to(param.device if param.device.type != "meta" else self.core.device)

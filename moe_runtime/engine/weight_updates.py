@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from moe_runtime.engine.weight_update_group import GroupAddress, TensorSpec, WeightUpdateGroup
-from moe_runtime.errors import CheckpointError, InvalidRequestError
+from moe_runtime.errors import InvalidRequestError
 from moe_runtime.moe.expert_weights import ExpertWeights
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.loading import SkippedTensors, copy_checked, load_model_weights
@@ -113,7 +113,7 @@ class WeightUpdater:
         reader, error = None, None
         try:
             reader = self._open(directory, plain=partial)
-        except (CheckpointError, OSError, ValueError) as exc:   # still agreed on below: the other ranks wait for it
+        except Exception as exc:   # noqa: BLE001 - nothing written yet: a refusal, agreed on below (the others wait)
             error = f"path: {exc}"
         applied = self._apply(reader, partial, label=str(directory), keep_sources=partial, error=error, whole=whole)
         if not partial:
@@ -157,15 +157,13 @@ class WeightUpdater:
             try:
                 error = self._check(reader, partial, whole)
                 complete = not self._missing(reader)
-            except (CheckpointError, InvalidRequestError, OSError, ValueError, KeyError) as exc:
+            except Exception as exc:   # noqa: BLE001 - any failure before the writes is a refusal, on every rank alike
                 error = f"{label}: {exc}"
         error = self._agree(error)
         if error is not None:
             raise WeightUpdateRefused(error)
-        if self.sleep.weights_dropped:
-            self.sleep.restore_weight_storage()   # a full update brings dropped weights back
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.sleep.weights_restored():   # a full update brings dropped weights back
                 loaded = self._load(reader, keep_sources)
         except Exception as exc:   # noqa: BLE001 - checked first: this is a fault, and the weights are mixed now
             raise WeightUpdateBroken(f"writing {label} failed after some weights were replaced ({exc}); the engine "
