@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from engine_helpers import greedy
 from lazy_engines import tiny_engine_pool
 from server_harness import serve_in_process
+from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.config.parallel_context import ParallelContext
 from moe_runtime.engine.request_limits import RequestLimits
@@ -289,6 +290,22 @@ def test_chunked_prefill_preemption_prefix_cache_and_stop_strings(engines):
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) < LAYOUT_TOKENS
     rows = len(prompts[1]) + len(stopped.token_ids) - 1
     np.testing.assert_array_equal(stopped.routed_experts, expected[1].routed_experts[:rows])
+
+
+def test_a_forced_routing_never_feeds_the_prefix_cache(engines, tiny_checkpoint_factory):
+    """A request forcing its routing computes its KV under that routing from the second MoE layer on: its blocks are
+    not registered, so a plain request with the same prompt after it reuses none and gets the model's tokens."""
+    llm = engines("qwen3_moe", "one")
+    prompt = [(13 * i + 5) % 500 + 3 for i in range(34)]   # two full blocks, computed by no other test
+    shape = llm.engine.limits.routing
+    rng = np.random.default_rng(0)
+    forced = np.stack([[rng.choice(shape.num_experts, shape.top_k, replace=False) for _ in range(shape.num_moe_layers)]
+                       for _ in prompt]).astype(np.uint8)                                        # [T, L, K]
+    forced_tokens = llm.generate([prompt], greedy(NEW_TOKENS, forced_routed_experts=forced))[0].token_ids
+    plain = llm.generate([prompt], greedy(NEW_TOKENS))[0]
+    expected = hf_greedy(tiny_checkpoint_factory("qwen3_moe"), [prompt], NEW_TOKENS)[0]
+    assert forced_tokens != expected, "the forced routing changed nothing: the test proves nothing"
+    assert plain.cached_prompt_tokens == 0 and plain.token_ids == expected
 
 
 def test_layouts_without_routing_replay_refuse_it_at_admission():

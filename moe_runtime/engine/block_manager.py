@@ -252,9 +252,17 @@ class BlockManager:
         for window, table in zip(self.windows, seq.window_tables):
             window.prepare(table, first, first + num_tokens)
         computed = min(first + num_tokens, seq.num_tokens)   # drafts are not cached
+        if self._forces_routing(seq):
+            return   # its KV (and states) follow the forced routing, not the model's: no later prefix may reuse them
         self.cache_full_blocks(seq, computed)
         if self.snapshots is not None:   # boundaries of true tokens only: a state past a draft is no prefix's
             self._capture_states(seq, first, computed)
+
+    @staticmethod
+    def _forces_routing(seq: Sequence) -> bool:
+        """Whether `seq` forces its routing (`forced_routed_experts`): from the second MoE layer on its KV was
+        computed under that routing, so its blocks are never registered (nor reach the KV tiers), under any salt."""
+        return seq.routing is not None and seq.routing.forced is not None
 
     def _capture_states(self, seq: Sequence, first: int, stop: int) -> None:
         """Snapshot rows for the full-block boundaries in (first, stop] that the step computes (in order, while
@@ -274,7 +282,7 @@ class BlockManager:
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Register `seq`'s full blocks among its first `num_computed_tokens` (computed, or computed by the
         step being scheduled, whose cache writes precede every attention read in each layer)."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or self._forces_routing(seq):
             return
         full = min(num_computed_tokens // self.block_size, len(seq.block_table))
         if full <= seq.num_registered_blocks:
