@@ -202,6 +202,8 @@ def test_invalid_forced_routing_is_refused_naming_the_field(engines):
         with pytest.raises(InvalidRequestError, match="forced_routed_experts") as refused:
             llm.generate([PROMPTS[0]], routed(forced_routed_experts=forced))
         assert words in str(refused.value), (words, str(refused.value))
+    with pytest.raises(ValueError, match=f"needs {2**64}$"):   # the exact size, where int64 wraps around to 0
+        RoutedExpertsArray((2**62, 2, 2), "uint8", b"\0").to_numpy()
 
 
 def decoded(field: dict) -> np.ndarray:

@@ -27,7 +27,8 @@ from tiny_checkpoints import HFOracle, hf_greedy
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.attention_dp.lockstep import LockstepLoop
 from moe_runtime.attention_dp.messages import RebalanceNow, Shutdown, SleepEngine, UpdateWeights
-from moe_runtime.engine.weight_update_group import TrainerWeightSender
+from moe_runtime.engine import weight_updates
+from moe_runtime.engine.weight_update_group import EngineRefusedUpdate, TrainerWeightSender
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.front.weight_sync import WeightsLostError
 
@@ -110,24 +111,70 @@ def test_refusals_change_nothing(llm, checkpoints, answers, tmp_path):
     assert greedy(llm) == answers[0]
 
 
-def test_update_from_distributed_one_rank(llm, checkpoints, answers):
-    old, new = checkpoints
-    llm.update_weights(str(old))
+def join_trainer(llm, world_size: int = 2) -> TrainerWeightSender:
+    """The trainer's sender and the engine joined in a group at a free port."""
     port = free_port()
     trainer: dict = {}
-    joined = threading.Thread(target=lambda: trainer.setdefault(
-        "sender", TrainerWeightSender("127.0.0.1", port, world_size=2)))
-    joined.start()
-    llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2)
-    joined.join(timeout=60)
-    named = sorted(tensors_of(new).items())
-    sending = threading.Thread(target=trainer["sender"].send, args=(named,))
+    joining = threading.Thread(target=lambda: trainer.setdefault(
+        "sender", TrainerWeightSender("127.0.0.1", port, world_size=world_size)))
+    joining.start()
+    llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=world_size)
+    joining.join(timeout=60)
+    return trainer["sender"]
+
+
+def broadcast(llm, sender: TrainerWeightSender, named: list[tuple[str, torch.Tensor]],
+              raised: list[BaseException]) -> None:
+    """The trainer sends `named` while the engine receives them; what the trainer's send raises goes to `raised`."""
+    def send():
+        try:
+            sender.send(named)
+        except BaseException as exc:   # noqa: BLE001 - handed to the test
+            raised.append(exc)
+    sending = threading.Thread(target=send)
     sending.start()
     specs = TrainerWeightSender.specs(named)
-    llm.update_weights_from_distributed([s.name for s in specs], [s.dtype for s in specs],
-                                        [list(s.shape) for s in specs])
-    sending.join(timeout=60)
+    try:
+        llm.update_weights_from_distributed([s.name for s in specs], [s.dtype for s in specs],
+                                            [list(s.shape) for s in specs])
+    finally:
+        sending.join(timeout=60)
+
+
+def test_update_from_distributed_one_rank(llm, checkpoints, answers, monkeypatch):
+    """Nobody at the address: the join is refused after its timeout. A second join leaves the first group. Specs
+    the model lacks are refused before anything is received, and the trainer's send says so. The broadcast is
+    received and loaded a module at a time (the batch bound set to one byte)."""
+    old, new = checkpoints
+    llm.update_weights(str(old))
+    started = time.monotonic()
+    with pytest.raises(InvalidRequestError, match="rank 0"):
+        llm.init_weights_update_group("127.0.0.1", free_port(), rank_offset=1, world_size=2, timeout_s=0.5)
+    assert time.monotonic() - started < 20
+    updater = llm.engine.core.weight_updater
+    join_trainer(llm)
+    first = updater.group
+    sender = join_trainer(llm)
+    assert first._group is None and updater.group is not first   # the first group was left
+    raised: list[BaseException] = []
+    with pytest.raises(InvalidRequestError, match="'not.a.tensor.of.this.model' are not the served model's"):
+        broadcast(llm, sender, [("not.a.tensor.of.this.model", torch.zeros(2, 3))], raised)
+    assert len(raised) == 1 and isinstance(raised[0], EngineRefusedUpdate), raised   # told, nothing sent
+    raised.clear()
+    batches: list[set[str]] = []
+    receive = updater.group.receive
+
+    def recorded(*args):
+        for batch in receive(*args):
+            batches.append(set(batch))
+            yield batch
+    monkeypatch.setattr(updater.group, "receive", recorded)
+    monkeypatch.setattr(weight_updates, "RECEIVE_BATCH_BYTES", 1)
+    broadcast(llm, sender, sorted(tensors_of(new).items()), raised)
+    assert raised == []
     assert greedy(llm) == answers[1]
+    experts = [b for b in batches if any(".experts." in name for name in b)]
+    assert len(batches) > 10 and all(len({n.split(".experts.")[0] for n in b}) == 1 for b in experts), batches
 
 
 def paused_oracle(old, new, prompt: list[int], before: list[int], total: int) -> list[int]:

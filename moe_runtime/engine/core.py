@@ -490,6 +490,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._sequences.clear()
+        self.weight_updater.close()   # the trainer's group, if joined: its threads must not outlive the engine
         self.tier_steps.close()
         self.grammar_waits.close()
         for transfer in (self.exports, self.imports):

@@ -37,6 +37,7 @@ from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 logger = logging.getLogger(__name__)
 
 SHOWN_NAMES = 8
+RECEIVE_BATCH_BYTES = 256 * 2**20   # a trainer's broadcast is loaded module by module in batches about this size
 
 
 class WeightUpdateRefused(InvalidRequestError):
@@ -127,15 +128,60 @@ class WeightUpdater:
         return self._apply(reader, partial, label="the update's tensors", keep_sources=True, whole=whole)
 
     def join_group(self, address: GroupAddress) -> None:
-        """Join the trainer's weight-update group as group rank `rank_offset` + this rank."""
+        """Join the trainer's weight-update group as group rank `rank_offset` + this rank (leaving any earlier one)."""
+        self.close()
         self.group = WeightUpdateGroup(address, self.core.parallel.rank, self.core.device)
 
+    def close(self) -> None:
+        """Leave the trainer's group (on shutdown: its threads would otherwise outlive the engine)."""
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
     def from_distributed(self, specs: list[TensorSpec], whole: bool = False) -> UpdateApplied:
-        """Receive the trainer's broadcast of `specs` (every tensor whole) and load what this rank holds of them."""
-        if self.group is None:
+        """Check `specs` against the served model (names, shapes, dtypes) and agree on it with the other ranks and
+        the trainer (`WeightUpdateGroup.verdict`: its send raises on a refusal), then receive the trainer's
+        broadcast of them (every tensor whole) in batches of whole modules, loading what this rank holds of each
+        before receiving the next."""
+        group = self.group
+        if group is None:
             raise WeightUpdateRefused("update_weights_from_distributed: no weight-update group; call "
                                       "init_weights_update_group first")
-        return self.from_tensors(self.group.receive(specs), whole=whole)
+        hf_config = self.core.hf_config
+        outline = memory_reader({s.name: torch.empty(s.shape, dtype=s.torch_dtype(), device="meta") for s in specs},
+                                hf_config)   # names and shapes only: nothing received yet
+        self._rename_as_model(outline)
+        model_name = {original: name for name, original in outline.stored_names.items()}
+        module_of = self._module_of()
+
+        def batches():
+            for tensors in group.receive(specs, lambda name: module_of(model_name.get(name, name)), RECEIVE_BATCH_BYTES):
+                reader = memory_reader(tensors, hf_config)
+                self._rename_as_model(reader)
+                yield reader
+        return self._apply(outline, True, label="the trainer's broadcast", keep_sources=True, whole=whole,
+                           error=self._dtype_error(specs, model_name), announce=group.verdict, writes=batches)
+
+    def _dtype_error(self, specs: list[TensorSpec], model_name: dict[str, str]) -> str | None:
+        """A tensor sent in a dtype the model cannot take: weights are floating point (a module kept quantized
+        quantizes them as it loads); integers only where the served checkpoint stores integers itself."""
+        reference = self.reference()
+        for spec in specs:
+            dtype = spec.torch_dtype()
+            if dtype.is_floating_point:
+                continue
+            name = model_name.get(spec.name, spec.name)
+            stored = reference.stored_dtype(name) if reference.has(name) else None
+            if stored is None or not stored.startswith(("I", "U")) or dtype.is_complex or dtype == torch.bool:
+                return (f"dtypes: tensor {spec.name!r} is {spec.dtype}; the served model's weights take a floating-point "
+                        "dtype")
+        return None
+
+    def _module_of(self):
+        """name -> the module it loads with (the outermost custom module it is in: a module loads its tensors,
+        those of modules inside it included, together), or itself (a plain parameter loads alone)."""
+        prefixes = sorted(self._module_prefixes(), key=len)
+        return lambda name: next((prefix for prefix in prefixes if name.startswith(prefix)), name)
 
     def reload_checkpoint(self) -> None:
         """The whole checkpoint the weights last came from, loaded as at start-up (a wake-up from sleep level 2)."""
@@ -150,7 +196,10 @@ class WeightUpdater:
         return parallel.world_control_group if parallel.world_size > 1 else None
 
     def _apply(self, reader: CheckpointReader | None, partial: bool, label: str, keep_sources: bool,
-               error: str | None = None, whole: bool = False) -> UpdateApplied:
+               error: str | None = None, whole: bool = False, announce=None, writes=None) -> UpdateApplied:
+        """Check `reader` (its names and shapes), agree, then write. `announce(error)`: tells the sender the agreed
+        verdict before anything is written; `writes()`: the readers to load one after the other (default: `reader`
+        itself), read only once agreed."""
         started = time.perf_counter()
         complete = False
         if error is None:
@@ -160,18 +209,23 @@ class WeightUpdater:
             except Exception as exc:   # noqa: BLE001 - any failure before the writes is a refusal, on every rank alike
                 error = f"{label}: {exc}"
         error = self._agree(error)
+        if announce is not None:
+            announce(error)
         if error is not None:
             raise WeightUpdateRefused(error)
+        loaded, read = 0, 0
         try:
             with torch.no_grad(), self.sleep.weights_restored():   # a full update brings dropped weights back
-                loaded = self._load(reader, keep_sources)
+                for batch in (writes() if writes is not None else [reader]):
+                    loaded += self._load(batch, keep_sources)
+                    read += batch.bytes_read
         except Exception as exc:   # noqa: BLE001 - checked first: this is a fault, and the weights are mixed now
             raise WeightUpdateBroken(f"writing {label} failed after some weights were replaced ({exc}); the engine "
                                      "holds a mix of old and new weights: update it from a full checkpoint, or "
                                      "restart it") from exc
         self.core.reset_prefix_cache()   # blocks cached under the old weights
         logger.info("weights updated from %s: %d tensors (%.1f MiB read) in %.2fs", label, loaded,
-                    reader.bytes_read / 2**20, time.perf_counter() - started)
+                    read / 2**20, time.perf_counter() - started)
         return UpdateApplied(loaded, complete)
 
     def _missing(self, reader: CheckpointReader) -> set[str]:

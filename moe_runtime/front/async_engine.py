@@ -27,7 +27,7 @@ from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.engine.stats import EngineHealth, EngineStats
 from moe_runtime.errors import (EngineDeadError, MoERuntimeError, QueueFullError, RequestFailedError,
                                 ShuttingDownError)
-from moe_runtime.engine.weight_update_group import GroupAddress
+from moe_runtime.engine.weight_update_group import JOIN_TIMEOUT_S, GroupAddress
 from moe_runtime.front.engine_protocol import Engine
 from moe_runtime.front.weight_sync import (AdminResult, check_policy, disk_update, distributed_update, group_join,
                                            remove_written, sleep_command, wake_command, write_tensors)
@@ -330,9 +330,10 @@ class AsyncEngine:
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = "weight_update",
-                                        backend: str = "gloo") -> AdminResult:
+                                        backend: str = "gloo",
+                                        timeout_s: float = JOIN_TIMEOUT_S) -> AdminResult:
         address = GroupAddress(str(master_address), int(master_port), int(rank_offset), int(world_size),
-                               str(group_name), str(backend))
+                               str(group_name), str(backend), float(timeout_s))
         return await self._admin(group_join(address, self.engine.shape.world_size), "pause")
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],

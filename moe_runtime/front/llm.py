@@ -10,7 +10,7 @@ from moe_runtime.front.engine_factory import make_engine
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.sampling.params import SamplingParams
-from moe_runtime.engine.weight_update_group import GroupAddress
+from moe_runtime.engine.weight_update_group import JOIN_TIMEOUT_S, GroupAddress
 from moe_runtime.front.weight_sync import (ADMIN_TIMEOUT_S, AdminResult, check_policy, disk_update, distributed_update,
                                            group_join, remove_written, sleep_command, wake_command, write_tensors)
 
@@ -101,12 +101,15 @@ class LLM:
             remove_written(directory)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update", backend: str = "gloo") -> AdminResult:
+                                  group_name: str = "weight_update", backend: str = "gloo",
+                                  timeout_s: float = JOIN_TIMEOUT_S) -> AdminResult:
         """Join the trainer's weight-update group (the trainer is rank 0 and hosts its store, e.g.
         `engine.weight_update_group.TrainerWeightSender`; engine rank r is rank_offset + r). Blocks until every
-        member has joined: the trainer joins concurrently."""
+        member has joined: the trainer joins concurrently. `timeout_s`: how long the ranks wait for the trainer (to
+        join, and in each of its broadcasts) before the call is refused; no request steps meanwhile. A second join
+        leaves the earlier group first."""
         address = GroupAddress(str(master_address), int(master_port), int(rank_offset), int(world_size),
-                               str(group_name), str(backend))
+                               str(group_name), str(backend), float(timeout_s))
         return self._admin(group_join(address, self._engine.shape.world_size), "pause")
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],

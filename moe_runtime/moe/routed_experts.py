@@ -13,6 +13,7 @@ refusal naming the field.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,7 +76,7 @@ class RoutedExpertsArray:
         if len(self.shape) != 3 or any(not isinstance(n, int) or n < 0 for n in self.shape):
             raise ValueError(f"shape {list(self.shape)} is not [tokens, moe_layers, top_k] of sizes >= 0")
         dtype = np.dtype(self.dtype).newbyteorder("<")
-        expected = int(np.prod(self.shape)) * dtype.itemsize
+        expected = math.prod(self.shape) * dtype.itemsize   # exact: np.prod wraps around in int64 ("needs -2 bytes")
         if len(self.data) != expected:
             raise ValueError(f"{len(self.data)} bytes of data, shape {list(self.shape)} of {self.dtype} needs "
                              f"{expected}")

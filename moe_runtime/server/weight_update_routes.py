@@ -1,7 +1,7 @@
 """Admin HTTP routes for RL rollouts (issue 54): weight updates, the trainer's group, sleep and wake.
 
 SGLang's names and bodies: `POST /update_weights_from_disk` {"model_path", "policy"}, `/init_weights_update_group`
-{"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
+{"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s"},
 `/update_weights_from_distributed` {"names", "dtypes", "shapes", "policy"}, `/sleep` {"level"}, `/wake_up`
 {"reload"}. Each is an admin route (`admin_routes.ADMIN_PATHS`: the operator's key). Bodies are validated field by
 field (an unknown field is refused by name); tensors are never taken over HTTP (only from the trainer's process
@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from moe_runtime.engine.weight_update_group import JOIN_TIMEOUT_S
 from moe_runtime.errors import MoERuntimeError
 from moe_runtime.front.weight_sync import AdminResult, WeightsBrokenError
 from moe_runtime.server.errors import APIError, as_api_error
@@ -42,6 +43,7 @@ class InitGroupBody(AdminBody):
     world_size: int = Field(ge=2)
     group_name: str = Field("weight_update", min_length=1)
     backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = Field(JOIN_TIMEOUT_S, gt=0, le=3600)
 
 
 class UpdateFromDistributedBody(AdminBody):
@@ -89,7 +91,7 @@ def weight_update_router(async_engine) -> APIRouter:
     async def init_weights_update_group(body: InitGroupBody = Depends(json_body(InitGroupBody))):
         return await run(async_engine.init_weights_update_group(body.master_address, body.master_port,
                                                                 body.rank_offset, body.world_size,
-                                                                body.group_name, body.backend))
+                                                                body.group_name, body.backend, body.timeout_s))
 
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(

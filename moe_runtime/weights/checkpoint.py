@@ -202,6 +202,14 @@ class CheckpointReader:
         handle = self._handle(name)
         return tuple(handle.get_slice(self._stored(name)).get_shape())
 
+    def stored_dtype(self, name: str) -> str | None:
+        """The safetensors dtype name ("BF16", "I64", ...) `name` is stored in; None where it is made of other stored
+        tensors (quantized, packed) rather than stored as itself."""
+        if (self._compressed_module(name) is not None or self._int4_module(name) is not None
+                or name not in self.tensor_to_file):
+            return None
+        return self._handle(name).get_slice(self._stored(name)).get_dtype()
+
     def read(self, name: str) -> torch.Tensor:
         module = self._compressed_module(name)
         if module is not None:   # dequantized by the library's compressor for the module's scheme
