@@ -128,9 +128,18 @@ class WeightUpdater:
         return self._apply(reader, partial, label="the update's tensors", keep_sources=True, whole=whole)
 
     def join_group(self, address: GroupAddress) -> None:
-        """Join the trainer's weight-update group as group rank `rank_offset` + this rank (leaving any earlier one)."""
+        """Join the trainer's weight-update group as group rank `rank_offset` + this rank (leaving any earlier one).
+        The ranks agree on the outcome: all are in the group, or none (an update then finds the same on every rank)."""
         self.close()
-        self.group = WeightUpdateGroup(address, self.core.parallel.rank, self.core.device)
+        error = None
+        try:
+            self.group = WeightUpdateGroup(address, self.core.parallel.rank, self.core.device)
+        except Exception as exc:   # noqa: BLE001 - no trainer there (the store's timeout), a refused connection
+            error = f"joining the trainer's group at {address.master_address}:{address.master_port}: {exc}"
+        error = self._agree(error)
+        if error is not None:
+            self.close()
+            raise WeightUpdateRefused(error)
 
     def close(self) -> None:
         """Leave the trainer's group (on shutdown: its threads would otherwise outlive the engine)."""
@@ -159,8 +168,12 @@ class WeightUpdater:
                 reader = memory_reader(tensors, hf_config)
                 self._rename_as_model(reader)
                 yield reader
+        try:
+            error = self._dtype_error(specs, model_name)
+        except Exception as exc:   # noqa: BLE001 - still agreed on (the other ranks wait for this one's verdict)
+            error = f"the trainer's broadcast: {exc}"
         return self._apply(outline, True, label="the trainer's broadcast", keep_sources=True, whole=whole,
-                           error=self._dtype_error(specs, model_name), announce=group.verdict, writes=batches)
+                           error=error, announce=group.verdict, writes=batches)
 
     def _dtype_error(self, specs: list[TensorSpec], model_name: dict[str, str]) -> str | None:
         """A tensor sent in a dtype the model cannot take: weights are floating point (a module kept quantized
