@@ -36,14 +36,14 @@ from dataclasses import replace
 
 import torch
 
-from .expert_activation import ExpertActivation, add_bias_
+from .expert_activation import ExpertActivation
 from .expert_mlp import check_expert_biases, check_expert_weights, check_masked_layout, check_sorted_counts
 from .paged_attention import check_paged_inputs
 from .paged_prefill_attention import PagedPrefillBatch
 from .kernel_set_type import KernelSet
 from .permute import PermutePlan
 from .rms_norm import NormOutput
-from .routing import RoutingConfig, TopK, chosen_weights, expert_scores, group_mask
+from .routing import RoutingConfig, TopK, expert_scores, select_experts
 
 ROW_TILE = 16               # rows of every projection's GEMM: the one M the BLAS sees
 VECTOR_WIDTH = 64           # elements an elementwise op's row is padded to a multiple of: two AVX-512 vectors of
@@ -178,26 +178,18 @@ def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
     return vector_only(torch.sigmoid, x)
 
 
+def invariant_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:   # [T, E] fp32 -> [T, E]
+    """`expert_scores` with the elementwise scorings (sigmoid, sqrt-softplus) in the vector body; softmax is one row
+    at a time in torch already."""
+    if scoring == "softmax":
+        return expert_scores(logits, scoring)
+    return vector_only(lambda rows: expert_scores(rows, scoring), logits)
+
+
 def invariant_select_experts(router_logits: torch.Tensor, config: RoutingConfig,
                              correction_bias: torch.Tensor | None = None) -> TopK:
-    """`select_experts` with the elementwise scorings (sigmoid, sqrt-softplus) in the vector body; softmax is
-    one row at a time in torch already. Choosing (bias, groups, top-k) and weighing are exact per row."""
-    if router_logits.dim() != 2:
-        raise ValueError(f"router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
-    num_experts = router_logits.shape[1]
-    config.validate_for(num_experts)
-    if correction_bias is not None and correction_bias.shape != (num_experts,):
-        raise ValueError(f"correction_bias must be [{num_experts}], got shape {tuple(correction_bias.shape)}")
-    logits = router_logits.float()
-    if config.scoring == "softmax":
-        scores = expert_scores(logits, config.scoring)                                    # [T, E]
-    else:
-        scores = vector_only(lambda rows: expert_scores(rows, config.scoring), logits)    # [T, E]
-    choice = scores if correction_bias is None else scores + correction_bias.float()
-    if config.num_groups > 1:
-        choice = choice.masked_fill(~group_mask(choice, config), float("-inf"))
-    ids = choice.topk(config.top_k, dim=-1, sorted=False).indices                         # [T, K]
-    return TopK(weights=chosen_weights(scores, ids, config), ids=ids)
+    """`select_experts` with `invariant_scores`: choosing (bias, groups, top-k) and weighing are exact per row."""
+    return select_experts(router_logits, config, correction_bias, scores_of=invariant_scores)
 
 
 def invariant_unpermute_reduce(out_sorted: torch.Tensor, plan: PermutePlan, weights: torch.Tensor,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 
 _SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -92,7 +94,9 @@ def select_experts(
     router_logits: torch.Tensor,                  # [T, E]
     config: RoutingConfig,
     correction_bias: torch.Tensor | None = None,  # [E] fp32, added to the scores for the choice only
+    scores_of: Callable[[torch.Tensor, str], torch.Tensor] = expert_scores,   # (logits fp32, scoring) -> [T, E]
 ) -> TopK:
+    """`scores_of`: how the scores are computed (the batch-invariant family passes its vector-body version)."""
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
     num_experts = router_logits.shape[1]
@@ -100,7 +104,7 @@ def select_experts(
     if correction_bias is not None and correction_bias.shape != (num_experts,):
         raise ValueError(f"correction_bias must be [{num_experts}], got shape {tuple(correction_bias.shape)}")
 
-    scores = expert_scores(router_logits.float(), config.scoring)         # [T, E]
+    scores = scores_of(router_logits.float(), config.scoring)             # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if config.num_groups > 1:
         choice = choice.masked_fill(~group_mask(choice, config), float("-inf"))
