@@ -30,7 +30,7 @@ from moe_runtime.disaggregation.draft_layer import TransferredLayers
 from moe_runtime.disaggregation.import_grammars import ImportGrammars
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
-from moe_runtime.weights.quantization.in_memory import engine_quantization, weights_in_memory
+from moe_runtime.weights.quantization.in_memory import engine_weights_in_memory
 from moe_runtime.config.deterministic import check_deterministic_model
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
@@ -81,18 +81,13 @@ class EngineCore:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.hf_config)
         self.parallel = parallel or ParallelContext.single(self.device)
-        self.kernels = get_kernels(self.device, config.kernels)
-        if config.deterministic:   # every row's reductions in a fixed order (moe_runtime/config/deterministic.py)
-            self.kernels = batch_invariant_kernels(self.kernels)
+        kernels = get_kernels(self.device, config.kernels)   # --deterministic: fixed-order reductions in every row
+        self.kernels = batch_invariant_kernels(kernels) if config.deterministic else kernels
         self.executor = MoEExecutor.for_engine(config, self.parallel, self.kernels, self.hf_config.hidden_size,
                                                self.dtype)
         checkpoint_fp8 = Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir))
         reader = CheckpointReader.open(self.checkpoint_dir, checkpoint_fp8, self.hf_config)
-        checkpoint_int4 = reader.int4_experts_layout()   # an int4 release's experts stay int4 unless told otherwise
-        kept = engine_quantization(config, checkpoint_int4)
-        quant = weights_in_memory(kept.quantization,   # FP8 kept in the stored blocks
-                                  Fp8BlockFormat.stored_blocks(self.hf_config, str(self.checkpoint_dir)), self.kernels,
-                                  checkpoint_int4, rounds_float_experts=not kept.automatic)
+        quant = engine_weights_in_memory(config, self.hf_config, str(self.checkpoint_dir), reader, self.kernels)
         ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant, config)
         self.model = build_model(self.architecture, self.hf_config, ctx)
         if config.deterministic:
@@ -162,14 +157,7 @@ class EngineCore:
 
     @staticmethod
     def _capture_settings(config: EngineConfig, device: torch.device, max_model_len: int) -> CaptureSettings | None:
-        """The decode capture of `--enable-torch-compile` (None: off); the config refused layouts it cannot
-        capture (`EngineConfig.validate_torch_compile`). Its largest bucket stays within the decode bound (a padded
-        step's rows go through DeepEP's low-latency dispatch under expert parallelism)."""
-        if not config.enable_torch_compile:
-            return None
-        largest = min(config.torch_compile_max_bs, config.decode_max_tokens)
-        return CaptureSettings.for_device(device, max_batch=largest, backend=config.torch_compile_backend,
-                                          max_model_len=max_model_len, block_size=config.block_size)
+        return CaptureSettings.for_engine(config, device, max_model_len)
 
     def _open_kv_transfer(self, config: EngineConfig, key: TransferKey | None) -> None:
         """A prefill instance's rank serves its parked blocks; a decode instance's rank pulls into its own."""

@@ -57,6 +57,7 @@ from moe_runtime.engine.sequence import Sequence
 from moe_runtime.execution.step_inputs import StepInputs
 
 if TYPE_CHECKING:   # the runner owns the capture and hands it its prepared inputs
+    from moe_runtime.config.engine_config import EngineConfig
     from moe_runtime.models.decoder import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,17 @@ class CaptureSettings:
             return cls(max_batch=max_batch, backend=backend)
         width = max(-(-max_model_len // block_size), MIN_TABLE_WIDTH)
         return cls(max_batch=max_batch, backend=backend, table_width=width, cuda_graphs=backend == "inductor")
+
+    @classmethod
+    def for_engine(cls, config: "EngineConfig", device: torch.device, max_model_len: int) -> "CaptureSettings | None":
+        """The decode capture of `--enable-torch-compile` (None: off); the config refused layouts it cannot
+        capture (`EngineConfig.validate_torch_compile`). Its largest bucket stays within the decode bound (a padded
+        step's rows go through DeepEP's low-latency dispatch under expert parallelism)."""
+        if not config.enable_torch_compile:
+            return None
+        largest = min(config.torch_compile_max_bs, config.decode_max_tokens)
+        return cls.for_device(device, max_batch=largest, backend=config.torch_compile_backend,
+                              max_model_len=max_model_len, block_size=config.block_size)
 
     def compile_mode(self) -> str | None:
         """torch.compile's `mode` (only inductor takes one)."""

@@ -27,15 +27,11 @@ from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.engine.stats import EngineHealth, EngineStats
 from moe_runtime.errors import (EngineDeadError, MoERuntimeError, QueueFullError, RequestFailedError,
                                 ShuttingDownError)
-from moe_runtime.engine.weight_update_group import JOIN_TIMEOUT_S, GroupAddress
 from moe_runtime.front.engine_protocol import Engine
-from moe_runtime.front.weight_sync import (AdminResult, check_policy, disk_update, distributed_update, group_join,
-                                           remove_written, sleep_command, wake_command, write_tensors)
+from moe_runtime.front.async_admin import AsyncAdminCommands
 from moe_runtime.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-ADMIN_POLL_S = 0.01   # how often a draining weight update looks whether the running requests have finished
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -120,7 +116,7 @@ class RequestStream:
         self._items.put_nowait(item)
 
 
-class AsyncEngine:
+class AsyncEngine(AsyncAdminCommands):
     """An `Engine` (the front) behind an asyncio face. Call `start()` once, `shutdown()` at the end."""
 
     def __init__(self, engine: Engine, config: AsyncEngineConfig = AsyncEngineConfig()):
@@ -315,64 +311,6 @@ class AsyncEngine:
         """Every DP worker forgets its cached KV blocks (blocks in use stay with their requests)."""
         self._check_alive()
         self.engine.reset_prefix_cache()
-
-    # ---- weight sync and sleep (issue 54; front/weight_sync.py, as `LLM`'s methods) -------------------------
-    async def update_weights(self, path: str, policy: str = "drain", checksums: bool = False) -> AdminResult:
-        return await self._admin(disk_update(path, checksums), policy)
-
-    async def update_weights_from_tensors(self, named_tensors, policy: str = "drain",
-                                          checksums: bool = False) -> AdminResult:
-        directory = await asyncio.to_thread(write_tensors, named_tensors)
-        try:
-            return await self._admin(disk_update(directory, checksums, partial=True), policy)
-        finally:
-            remove_written(directory)
-
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update",
-                                        backend: str = "gloo",
-                                        timeout_s: float = JOIN_TIMEOUT_S) -> AdminResult:
-        address = GroupAddress(str(master_address), int(master_port), int(rank_offset), int(world_size),
-                               str(group_name), str(backend), float(timeout_s))
-        return await self._admin(group_join(address, self.engine.shape.world_size), "pause")
-
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              policy: str = "drain", checksums: bool = False) -> AdminResult:
-        return await self._admin(distributed_update(names, dtypes, shapes, checksums), policy)
-
-    async def sleep(self, level: int = 1) -> AdminResult:
-        return await self._admin(sleep_command(level), "drain",
-                                 after=lambda result: setattr(self.engine.admin, "sleep_level", level))
-
-    async def wake_up(self, reload: bool = False) -> AdminResult:
-        return await self._admin(wake_command(reload), "pause",
-                                 after=lambda result: setattr(self.engine.admin, "sleep_level", 0))
-
-    async def _admin(self, make, policy: str, after=None) -> AdminResult:
-        """One admin command at a time; "drain" holds new requests back (they wait, then go on) until the running
-        ones finished and the command is done; "abort" ends the running ones now."""
-        check_policy(policy)
-        self._attach_here()
-        self._check_alive()
-        if self._admin_lock is None:
-            self._admin_lock = asyncio.Lock()
-        async with self._admin_lock:
-            resumes = None
-            if policy == "drain":
-                resumes = self._admission_resumes = asyncio.Event()
-            try:
-                if policy == "drain":
-                    while self.engine.has_unfinished():
-                        self._check_alive()
-                        await asyncio.sleep(ADMIN_POLL_S)
-                elif policy == "abort":
-                    for request_id in list(self._streams):
-                        self.abort(request_id)
-                return await asyncio.wrap_future(self.engine.admin_command(make, after))
-            finally:
-                if resumes is not None:
-                    self._admission_resumes = None
-                    resumes.set()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()   # kept current on the loop as the core's messages arrive

@@ -21,13 +21,12 @@ import random
 import time
 from typing import Callable
 
-from moe_runtime.attention_dp.messages import Message
-from moe_runtime.attention_dp.messages import (AbortRequest, ActivateImport, AddRequest, ImportRequest, KVImported,
-                                               ReleaseExport, ResetPrefixCache, StepOutputs, UpdateWeights)
+from moe_runtime.attention_dp.messages import (AbortRequest, AddRequest, ImportRequest, KVImported,
+                                               ReleaseExport, ResetPrefixCache, StepOutputs)
 from moe_runtime.attention_dp.router import DPRouter
 from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.disaggregation.decode_front import DecodeFront, ImportOutcome
+from moe_runtime.disaggregation.decode_front import DecodeFront
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
@@ -43,13 +42,14 @@ from moe_runtime.front.balancing_requests import BalancingRequests
 from moe_runtime.front.core_client import EngineCoreClient
 from moe_runtime.front.deadline_timer import DeadlineTimer
 from moe_runtime.front.output_processor import OutputProcessor, ProcessedStep
-from moe_runtime.front.rank_recovery import RankRecovery, resume_command
+from moe_runtime.front.front_admin import STEP_WAIT_S, FrontAdminCommands
+from moe_runtime.front.front_transfers import FrontTransfers
+from moe_runtime.front.rank_recovery import RankRecovery
 from moe_runtime.front.weight_sync import AdminRequests
 from moe_runtime.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-STEP_WAIT_S = 0.05   # step() returns after this with no outputs, so a blocking caller can send commands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Admission:
     export_kv: bool = False
 
 
-class Front:
+class Front(FrontAdminCommands, FrontTransfers):
     def __init__(self, config: EngineConfig, client: EngineCoreClient,
                  relaunch: Callable[[], EngineCoreClient] | None = None):
         """`relaunch`: starts the same job again (a lost rank then restarts the ranks: `RankRecovery`)."""
@@ -271,38 +271,6 @@ class Front:
                          lambda request_id: self.client.send(ReleaseExport(request_id=request_id, dp_rank=dp_rank)))
         return processed.outputs
 
-    # ---- KV transfers (P/D instances) ---------------------------------------------------------------
-    def _service_transfers(self) -> list[RequestOutput]:
-        """Apply releases and transfer deadlines (the ranks' pull outcomes arrive as messages: `_take`)."""
-        if self._dead is not None or self._recovering():   # the job that held them is gone (`_resume`)
-            return []
-        if self.prefill is not None:
-            for parked in self.prefill.take_due():
-                self.client.send(ReleaseExport(request_id=parked.request_id, dp_rank=parked.dp_rank))
-        outputs: list[RequestOutput] = []
-        if self.decode is not None:
-            for outcome in self.decode.take_expired():
-                outputs.extend(self._settle(outcome))
-        return outputs
-
-    def _settle(self, outcome: ImportOutcome) -> list[RequestOutput]:
-        """Every rank of the worker has the import's KV: decode it. Its transfer failed: the worker drops the import
-        and computes the prompt itself, from the first token on (`ImportOutcome.recompute`). Else (its grammar
-        failed) it fails alone, on every rank."""
-        if outcome.error is None:
-            self.client.send(ActivateImport(request_id=outcome.request_id, dp_rank=outcome.dp_rank))
-            return []
-        state = self.outputs.requests.get(outcome.request_id)
-        if outcome.recompute and state is not None:
-            logger.warning("request %s: %s; its prompt runs here instead", outcome.request_id, outcome.error)
-            self.client.send(AbortRequest(request_id=outcome.request_id))
-            self.client.send(resume_command(state, outcome.dp_rank), only_worker=outcome.dp_rank)
-            return []
-        self.client.send(AbortRequest(request_id=outcome.request_id, finish_reason="error"))
-        self.router.release(outcome.request_id)
-        return self._outputs_of(self.outputs.process([TokenDelta(outcome.request_id, [], None, "error",
-                                                                 outcome.error)]))
-
     def _outputs_of(self, processed: ProcessedStep) -> list[RequestOutput]:
         """Outputs made in the front (an import's first token, its failure); requests they ended are aborted."""
         for request_id, reason in processed.ended.items():
@@ -333,16 +301,6 @@ class Front:
         if outputs or not self.outputs.requests:
             return outputs
         return outputs + self._take_messages(STEP_WAIT_S)
-
-    def _transfers_serviced(self) -> list[RequestOutput]:
-        """Blocking driver: `_service_transfers`, where a send may be the first to meet a lost rank (a release due
-        to the rank that was just killed): recovered as a loss a receive met."""
-        try:
-            return self._service_transfers()
-        except EngineDeadError as exc:
-            if self._restarted_after(str(exc)):
-                return []
-            raise EngineDeadError(self._dead) from exc
 
     def _take_messages(self, timeout: float) -> list[RequestOutput]:
         try:
@@ -444,63 +402,13 @@ class Front:
             self.decode.abandon()        # imports in flight resume from their first token: their prompts run here
         if self.prefill is not None:
             self.prefill.forget_all()    # what the lost job parked is gone; its decode instances compute it instead
-        origin = self.admin.origin
-        if not origin.exact or self.admin.weights_lost is not None:   # no checkpoint describes the weights
-            reason = self.admin.weights_lost or self.admin.lose_weights(
-                "a rank was lost after a weight update from memory (tensors or a trainer's broadcast): the ranks "
-                f"recovered from {origin.checkpoint}, which no longer describes the weights")
+        if not self._weights_restored(client):   # updated in memory since the checkpoint: the requests end
             self.router = self.recovery.resume(client, [], self.router)
-            self._emit(self._end_all(reason))
             return
-        if origin.checkpoint != str(self.config.model):   # recovery read the start-up checkpoint: load the update's
-            reload = self.admin.send(UpdateWeights(update_id=self.admin.next_id(), path=origin.checkpoint),
-                                     client.send, client.shape.world_size)   # applied before the requests resume
-            reload.add_done_callback(self._reloaded)
         self.router = self.recovery.resume(client, list(self.outputs.requests.values()), self.router)
-
-    def _reloaded(self, reload: concurrent.futures.Future) -> None:
-        """The recovery's reload of the last full update's checkpoint failed: its requests cannot go on."""
-        if reload.cancelled() or reload.exception() is None or self._dead is not None:
-            return
-        if isinstance(reload.exception(), EngineDeadError):   # lost again: that recovery decides (the origin
-            return                                            # is not exact now: `AdminRequests.fail`)
-        reason = self.admin.lose_weights(f"after a lost rank, reloading the weights from "
-                                         f"{self.admin.origin.checkpoint} failed ({reload.exception()})")
-        try:
-            for request_id in list(self.outputs.requests):
-                self.client.send(AbortRequest(request_id=request_id))
-        except EngineDeadError:
-            return   # lost again: that recovery ends them
-        self._emit(self._end_all(reason))
-
-    def _end_all(self, reason: str) -> list[RequestOutput]:
-        """Every request in flight ends in the front (finish_reason "abort", `reason` as its error)."""
-        outputs = []
-        for request_id in list(self.outputs.requests):
-            output = self.outputs.abort(request_id, reason)
-            self.router.release(request_id)
-            if self.decode is not None:
-                self.decode.abort(request_id)
-            if output is not None:
-                outputs.append(output)
-        return outputs
 
     def _recovering(self) -> bool:
         return self.recovery is not None and self.recovery.recovering
-
-    def _transfers_due(self) -> None:
-        """A release arrived or a transfer deadline passed: apply it now (on the loop)."""
-        try:
-            outputs = self._service_transfers()
-        except EngineDeadError:
-            return   # the client reports the loss
-        if outputs and self._on_outputs is not None:
-            self._on_outputs(outputs)
-        self._arm_transfer_timer()
-
-    def _arm_transfer_timer(self) -> None:
-        """One loop timer at the earliest transfer deadline (a parked export's, an import's), instead of a tick."""
-        self._transfer_timer.arm(front.next_deadline for front in (self.prefill, self.decode) if front is not None)
 
     def detach(self) -> None:
         """Stop taking messages on the loop (before shutting down)."""
@@ -530,41 +438,6 @@ class Front:
     def _fail_futures(self, reason: str | None = None) -> None:
         self.balancing.fail(reason or self._dead or "the engine stopped")
         self.admin.fail(reason or self._dead or "the engine stopped")
-
-    # ---- weight updates, sleep and wake (front/weight_sync.py) ---------------------------------------
-    def admin_command(self, make: Callable[[int], Message], after=None) -> concurrent.futures.Future:
-        """Send the command `make(update_id)` to every rank: a future of their `AdminResult` (`after(result)` runs
-        first, on success). One at a time: the drivers serialize them."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        if self._recovering():
-            raise InvalidRequestError("the engine is restarting after a lost rank; retry once it is back")
-        if self.admin.busy:
-            raise InvalidRequestError("another weight update, sleep or wake_up is in progress")
-        return self.admin.send(make(self.admin.next_id()), self.client.send, self.shape.world_size, after)
-
-    def abort_all(self) -> int:
-        """End every request in flight now (finish_reason "abort", delivered as any output); how many."""
-        request_ids = list(self.outputs.requests)
-        outputs = []
-        for request_id in request_ids:
-            self.client.send(AbortRequest(request_id=request_id))
-            output = self.outputs.abort(request_id)
-            self.router.release(request_id)
-            if self.decode is not None:
-                self.decode.abort(request_id)
-            if output is not None:
-                outputs.append(output)
-        self._emit(outputs)
-        return len(request_ids)
-
-    def finish_running(self) -> None:
-        """Blocking driver: step until every request in flight has finished (their outputs kept for step())."""
-        while self.outputs.requests:
-            if self._dead is not None:
-                raise EngineDeadError(self._dead)
-            self._undelivered.extend(self._transfers_serviced())
-            self._undelivered.extend(self._take_messages(STEP_WAIT_S))
 
     # ---- state and tear-down ------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -16,6 +16,7 @@ from moe_runtime.weights.quantization.weight_quantization import WeightQuantizat
 
 if TYPE_CHECKING:
     from moe_runtime.config.engine_config import EngineConfig
+    from moe_runtime.weights.checkpoint import CheckpointReader
 
 logger = logging.getLogger(__name__)
 
@@ -49,3 +50,13 @@ def weights_in_memory(quantization: str | None, checkpoint_fp8: Fp8BlockFormat |
     if quantization == "int4":
         return Int4InMemory(kernels, checkpoint_int4 or DEFAULT_INT4_LAYOUT, rounds_float_weights=rounds_float_experts)
     raise ValueError(f"no in-memory weight format for quantization {quantization!r}")
+
+
+def engine_weights_in_memory(config: "EngineConfig", hf_config, checkpoint_dir: str, reader: "CheckpointReader",
+                             kernels: KernelSet) -> WeightQuantization | None:
+    """The engine's `WeightQuantization` for its checkpoint: an int4 release's experts stay int4 unless
+    `--quantization` says otherwise; FP8 kept in the checkpoint's stored blocks."""
+    checkpoint_int4 = reader.int4_experts_layout()
+    kept = engine_quantization(config, checkpoint_int4)
+    return weights_in_memory(kept.quantization, Fp8BlockFormat.stored_blocks(hf_config, checkpoint_dir), kernels,
+                             checkpoint_int4, rounds_float_experts=not kept.automatic)
