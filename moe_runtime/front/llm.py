@@ -80,7 +80,7 @@ class LLM:
         reports ok=False and the previous placement stays in force."""
         return self._engine.wait(self._engine.rebalance_now(fail_on_rank))
 
-    # ---- weight sync and sleep (issue 54; front/weight_sync.py) -------------------------------------------
+    # ---- weight sync and sleep (front/weight_sync.py) -------------------------------------------------------
     def update_weights(self, path: str, policy: str = "drain", checksums: bool = False) -> AdminResult:
         """Load new weights from the checkpoint directory `path` (the served model's tensors, names and shapes,
         all of them), on every rank; the prefix cache is flushed. `policy` for the requests in flight: "drain"

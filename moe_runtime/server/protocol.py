@@ -123,7 +123,7 @@ class SamplingFields(RequestModel):
     # vLLM's: the prompt's KV blocks are shared only with requests of the same salt (and, with several API
     # keys, of the same key: `server.tenant_salt`), so no one learns another's prompt from a cache hit's speed
     cache_salt: str | None = Field(None, min_length=1, max_length=SamplingParams.MAX_CACHE_SALT_CHARS)
-    # routing replay (issue 54): each choice's logical expert ids per position and MoE layer (its
+    # routing replay: each choice's logical expert ids per position and MoE layer (its
     # `routed_experts`), and the ids to force for the first positions (server/routed_experts.py)
     return_routed_experts: bool = False
     forced_routed_experts: RoutedExpertsJSON | None = None

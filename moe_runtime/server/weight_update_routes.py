@@ -1,4 +1,4 @@
-"""Admin HTTP routes for RL rollouts (issue 54): weight updates, the trainer's group, sleep and wake.
+"""Admin HTTP routes for RL rollouts: weight updates, the trainer's group, sleep and wake.
 
 SGLang's names and bodies: `POST /update_weights_from_disk` {"model_path", "policy"}, `/init_weights_update_group`
 {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s"},
