@@ -123,22 +123,23 @@ def tiled_expert_swiglu(x_tiles: torch.Tensor, segments: list[tuple[int, int, in
     """Every expert's w2 @ act(w13 @ x + b13) + b2 on its rows of x_tiles [Np, H] (each expert's rows whole
     ROW_TILE tiles: `segments` (expert, start, padded rows)), every GEMM [ROW_TILE, K] -> [Np, H]."""
     intermediate = w13.shape[1] // 2
-    gate_up = x_tiles.new_empty(x_tiles.shape[0], 2 * intermediate)                     # [Np, 2I]
-    for expert, start, rows in segments:
-        weight = w13[expert].t()
-        for tile in range(start, start + rows, ROW_TILE):
-            torch.mm(x_tiles[tile : tile + ROW_TILE], weight, out=gate_up[tile : tile + ROW_TILE])
-        if b13 is not None:
-            gate_up[start : start + rows] += b13[expert].to(gate_up.dtype)
+    gate_up = tiled_expert_linear(x_tiles, segments, w13, b13)                                # [Np, 2I]
     activated = vector_only(activation.apply, gate_up[:, :intermediate], gate_up[:, intermediate:])   # [Np, I]
-    down = x_tiles.new_empty(x_tiles.shape[0], w2.shape[1])                              # [Np, H]
-    for expert, start, rows in segments:
-        weight = w2[expert].t()
-        for tile in range(start, start + rows, ROW_TILE):
-            torch.mm(activated[tile : tile + ROW_TILE], weight, out=down[tile : tile + ROW_TILE])
-        if b2 is not None:
-            down[start : start + rows] += b2[expert].to(down.dtype)
-    return down
+    return tiled_expert_linear(activated, segments, w2, b2)                                  # [Np, H]
+
+
+def tiled_expert_linear(rows: torch.Tensor, segments: list[tuple[int, int, int]], weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """Each expert's rows of `rows` [Np, K] times its weight [E, N, K].T (+ its bias [E, N]), one [ROW_TILE, K]
+    GEMM per tile -> [Np, N]."""
+    out = rows.new_empty(rows.shape[0], weight.shape[1])                                     # [Np, N]
+    for expert, start, count in segments:
+        transposed = weight[expert].t()
+        for tile in range(start, start + count, ROW_TILE):
+            torch.mm(rows[tile : tile + ROW_TILE], transposed, out=out[tile : tile + ROW_TILE])
+        if bias is not None:
+            out[start : start + count] += bias[expert].to(out.dtype)
+    return out
 
 
 def invariant_expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
