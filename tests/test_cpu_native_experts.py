@@ -119,14 +119,20 @@ def test_int8_experts_match_float64_of_their_dequantized_weights(native, counts)
     assert torch.allclose(got, int8_expert_mlp(x, counts_t, q13, s13, q2, s2), rtol=1e-4, atol=1e-5)   # the twin
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17], ids=["1-row", "5-rows", "16-rows", "17-rows-torch"])
-def test_int8_linear_at_decode_rows_matches_float64(native, rows):
+def _traced(function):
+    """`function` traced by dynamo with fullgraph=True (a graph break fails) and run without generated code."""
+    return torch.compile(function, backend="eager", fullgraph=True)
+
+
+@pytest.mark.parametrize("rows,traced", [(1, False), (5, False), (16, False), (17, False), (1, True), (16, True)],
+                         ids=["1-row", "5-rows", "16-rows", "17-rows-torch", "1-row-traced", "16-rows-traced"])
+def test_int8_linear_at_decode_rows_matches_float64(native, rows, traced):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(1, rows, 40, generator=generator)                       # [..., K]
     q, scale = _int8_rows(torch.randn(24, 40, generator=generator))          # [N, K]
     bias = torch.randn(24, generator=generator)
     want = x.double() @ (q.double() * scale.double()[:, None]).T + bias.double()
-    got = cpu_int8_linear(x, q, scale, bias)
+    got = (_traced(cpu_int8_linear) if traced else cpu_int8_linear)(x, q, scale, bias)
     assert got.shape == (1, rows, 24) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
     assert torch.allclose(got, int8_linear(x, q, scale, bias), rtol=1e-4, atol=1e-5)
 
@@ -181,16 +187,59 @@ def test_fp8_subnormal_codes_survive_a_thread_that_flushes_denormals(native):
     assert flushing and torch.allclose(got.double(), want, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 17], ids=["1-row", "7-rows", "17-rows-torch"])
-def test_fp8_linear_at_decode_rows_matches_float64(native, rows):
+@pytest.mark.parametrize("rows,traced", [(1, False), (7, False), (17, False), (1, True), (7, True)],
+                         ids=["1-row", "7-rows", "17-rows-torch", "1-row-traced", "7-rows-traced"])
+def test_fp8_linear_at_decode_rows_matches_float64(native, rows, traced):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(1, rows, 40, generator=generator)                        # [..., K]
     q, scale = _fp8_blocks(torch.randn(24, 40, generator=generator), 16)      # [N, K], [N, 3]
     bias = torch.randn(24, generator=generator)
     want = x.double() @ _fp8_dequantized(q, scale, 16).T + bias.double()
-    got = cpu_fp8_linear(x, q, scale, 16, bias)
+    got = (_traced(cpu_fp8_linear) if traced else cpu_fp8_linear)(x, q, scale, 16, bias)
     assert got.shape == (1, rows, 24) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
     assert torch.allclose(got, fp8_linear(x, q, scale, 16, bias), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_quantized_routed_pairs_as_a_traced_operator_match_float64(native, weights):
+    """`moe_cpu::routed_expert_mlp` with int8 / FP8 weights and their scales, traced with fullgraph=True: one
+    operator in the graph (its fake implementation gave dynamo the shape), the kernel's result at run time."""
+    x, _, w13, w2 = _case([5], torch.float32, seed=6)                            # x [5, H]
+    quantize = _int8_rows if weights == "int8" else lambda w: _fp8_blocks(w, 16)
+    (q13, s13), (q2, s2) = quantize(w13), quantize(w2)
+    block_k = 0 if weights == "int8" else 16
+    slot_ids = torch.tensor([[0, 3], [3, 5], [0, 7], [1, 3], [6, 6]])
+    pair_weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(6))
+    graphs = []
+
+    def count_graphs(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    step = torch.compile(lambda *args: torch.ops.moe_cpu.routed_expert_mlp(*args) * 2, backend=count_graphs,
+                         fullgraph=True)
+    got = step(x, slot_ids, pair_weights, q13, q2, s13, s2, block_k) / 2                  # [T, H]
+    dq13, dq2 = ((q13.double() * s13.double()[..., None], q2.double() * s2.double()[..., None]) if weights == "int8"
+                 else (_fp8_dequantized(q13, s13, 16), _fp8_dequantized(q2, s2, 16)))
+    want = pair_expert_mlp(x.double(), slot_ids, pair_weights.double(), dq13, dq2)
+    assert got.shape == (5, H) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    called = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert len(graphs) == 1 and torch.ops.moe_cpu.routed_expert_mlp in called
+
+
+def test_the_operators_fake_implementations_give_the_output_shapes(native):
+    """Traced with fake tensors (no data, no kernel run): the shapes and dtypes a captured step plans with."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(3, 40, dtype=torch.bfloat16)
+        assert torch.ops.moe_cpu.rows_linear(x, torch.empty(24, 40, dtype=torch.int8), torch.empty(24)).shape == (3, 24)
+        fp8 = torch.ops.moe_cpu.rows_linear(x, torch.empty(24, 40, dtype=torch.float8_e4m3fn), torch.empty(24, 3), 16)
+        int4 = torch.ops.moe_cpu.int4_rows_linear(x, torch.empty(24, 20, dtype=torch.uint8), torch.empty(24, 5), 8)
+        routed = torch.ops.moe_cpu.routed_expert_mlp(x, torch.empty(3, 2, dtype=torch.int64), torch.empty(3, 2),
+                                                     torch.empty(E, 2 * I, 40), torch.empty(E, 40, I))
+    assert fp8.shape == int4.shape == (3, 24) and fp8.dtype == int4.dtype == torch.bfloat16
+    assert routed.shape == (3, 40) and routed.dtype == torch.bfloat16
 
 
 def test_fp8_scales_of_the_wrong_shape_are_refused_by_name(native):

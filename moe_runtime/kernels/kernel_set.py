@@ -55,10 +55,12 @@ def cpu_kernels() -> KernelSet:
 
     torch_family = torch_kernels()
     built = compiled_kernels_built()
+    # the projections' entries call the operators inside a traced step: handed out only where they exist
     return replace(torch_family, name="cpu", expert_mlp=cpu_expert_mlp, int8_expert_mlp=cpu_int8_expert_mlp,
-                   int8_linear=cpu_int8_linear, fp8_expert_mlp=cpu_fp8_expert_mlp, fp8_linear=cpu_fp8_linear,
+                   int8_linear=cpu_int8_linear if built else torch_family.int8_linear,
+                   fp8_expert_mlp=cpu_fp8_expert_mlp, fp8_linear=cpu_fp8_linear if built else torch_family.fp8_linear,
                    int4_expert_mlp=cpu_int4_expert_mlp, int4_masked_expert_mlp=cpu_int4_masked_expert_mlp,
-                   int4_linear=cpu_int4_linear,
+                   int4_linear=cpu_int4_linear if built else torch_family.int4_linear,
                    pair_expert_mlp=cpu_pair_expert_mlp if built else torch_family.pair_expert_mlp,
                    linear_rows=cpu_linear_rows if built else torch_family.linear_rows)
 

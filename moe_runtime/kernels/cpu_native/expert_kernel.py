@@ -4,7 +4,8 @@ apply, the torch ones elsewhere.
 They apply on the CPU when the kernel could be built (`build.native_experts`): SwiGLU experts without biases,
 float32 / bfloat16 / int8 (per-row scales) / FP8 e4m3fn (row-expanded block scales) / int4 (kept packed, groups
 of a multiple of 8 consecutive columns or one a row: `native_int4_suits`) weights, float32 or bfloat16
-activations; an int8 or FP8 projection at up to `LINEAR_MAX_ROWS` rows (decode). FP8 codes are decoded in
+activations; an int8, FP8 or int4 projection at up to `LINEAR_MAX_ROWS` rows (decode), inside a traced step as
+its operator (custom_ops.py). FP8 codes are decoded in
 registers (exact, subnormals included); NaN codes, which no checkpoint holds, would read as +-480 there where the
 torch twin gives NaN, so a weight its load plan found NaN codes in (`bit_decode_suits=False`) takes the twin. gpt-oss's clamped activation, expert biases, other dtypes and devices, int4
 with act order's column groups (GPTQ desc_act) or other group sizes, and larger row counts take the torch kernels
@@ -100,15 +101,17 @@ def cpu_int8_expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch
 def cpu_int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:   # see int8_linear
     rows = math.prod(x.shape[:-1])
+    traced = _traced(x) and rows <= LINEAR_MAX_ROWS
     native = native_experts() if _on_cpu(x) and rows <= LINEAR_MAX_ROWS else None
-    if native is None:
+    if native is None and not traced:
         return int8_linear(x, weight, scale, bias)
     check_int8_weight(weight, scale)
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"int8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [..., K] and "
                          f"[N, K]")
-    out = native.rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous(),
-                             scale.float().reshape(-1).contiguous())   # [T, N]
+    rows_linear = torch.ops.moe_cpu.rows_linear if traced else native.rows_linear
+    out = rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous(),
+                      scale.float().reshape(-1).contiguous())   # [T, N]
     if bias is not None:
         out.add_(bias)
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -132,11 +135,14 @@ def cpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     rows = math.prod(x.shape[:-1])
     if bit_decode_suits is None:
         check_fp8_linear(x, weight, scale, block_k)
-    native = native_experts() if _on_cpu(x) and rows <= LINEAR_MAX_ROWS and bit_decode_suits is not False else None
-    if native is None:
+    suits = rows <= LINEAR_MAX_ROWS and bit_decode_suits is not False
+    traced = _traced(x) and suits
+    native = native_experts() if _on_cpu(x) and suits else None
+    if native is None and not traced:
         return fp8_linear_prechecked(x, weight, scale, block_k, bias, bit_decode_suits)
-    out = native.rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous(), scale.contiguous(),
-                             block_k)   # [T, N]
+    rows_linear = torch.ops.moe_cpu.rows_linear if traced else native.rows_linear
+    out = rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous(), scale.contiguous(),
+                      block_k)   # [T, N]
     if bias is not None:
         out.add_(bias)
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -187,15 +193,17 @@ def cpu_int4_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None = None,
                     column_groups: torch.Tensor | None = None) -> torch.Tensor:   # see int4_linear
     rows = math.prod(x.shape[:-1])
-    suits = _on_cpu(x) and rows <= LINEAR_MAX_ROWS and native_int4_suits(layout)
-    native = native_experts() if suits else None
-    if native is None:
+    suits = rows <= LINEAR_MAX_ROWS and native_int4_suits(layout)
+    traced = _traced(x) and suits
+    native = native_experts() if _on_cpu(x) and suits else None
+    if native is None and not traced:
         return int4_linear(x, values, scales, layout, bias, column_groups)
     check_int4_weight(layout, values, scales, x.shape[-1], column_groups)
     if values.dim() != 2:
         raise ValueError(f"int4_linear: values must be [N, ceil(K/2)], got {tuple(values.shape)}")
-    out = native.int4_rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), values.contiguous(),
-                                  scales.contiguous(), _native_group_size(layout))   # [T, N]
+    int4_rows_linear = torch.ops.moe_cpu.int4_rows_linear if traced else native.int4_rows_linear
+    out = int4_rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), values.contiguous(), scales.contiguous(),
+                           _native_group_size(layout))   # [T, N]
     if bias is not None:
         out.add_(bias)
     return out.view(*x.shape[:-1], values.shape[0])
@@ -203,6 +211,12 @@ def cpu_int4_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
 
 def _on_cpu(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in ACTIVATION_DTYPES and not torch.compiler.is_compiling()
+
+
+def _traced(x: torch.Tensor) -> bool:
+    """Inside a traced step, where the family hands out these entries only with the kernels built
+    (moe_runtime/kernels/kernel_set.py): the call is the operator (`torch.ops.moe_cpu.*`), kept in the graph."""
+    return x.device.type == "cpu" and x.dtype in ACTIVATION_DTYPES and torch.compiler.is_compiling()
 
 
 def _host_counts(counts: torch.Tensor) -> torch.Tensor:

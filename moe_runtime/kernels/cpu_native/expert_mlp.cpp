@@ -523,27 +523,41 @@ torch::Tensor int4_rows_linear(torch::Tensor x, torch::Tensor values, torch::Ten
   return out;
 }
 
+// The operators' entries (the dispatcher passes tensors by reference): every weight format of the kernels above,
+// the scales absent (None) for float32 / bfloat16 weights.
 torch::Tensor routed_expert_mlp_op(const torch::Tensor& x, const torch::Tensor& slot_ids, const torch::Tensor& weights,
-                                   const torch::Tensor& w13, const torch::Tensor& w2) {
-  return routed_expert_mlp(x, slot_ids, weights, w13, w2, c10::nullopt, c10::nullopt, 0);
+                                   const torch::Tensor& w13, const torch::Tensor& w2,
+                                   const c10::optional<torch::Tensor>& w13_scale,
+                                   const c10::optional<torch::Tensor>& w2_scale, int64_t block_k) {
+  return routed_expert_mlp(x, slot_ids, weights, w13, w2, w13_scale, w2_scale, block_k);
 }
 
-torch::Tensor rows_linear_op(const torch::Tensor& x, const torch::Tensor& weight) {
-  return rows_linear(x, weight, c10::nullopt, 0);
+torch::Tensor rows_linear_op(const torch::Tensor& x, const torch::Tensor& weight,
+                             const c10::optional<torch::Tensor>& scale, int64_t block_k) {
+  return rows_linear(x, weight, scale, block_k);
+}
+
+torch::Tensor int4_rows_linear_op(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& scale,
+                                  int64_t group_size) {
+  return int4_rows_linear(x, values, scale, group_size);
 }
 
 }  // namespace
 
 // The same kernels as torch operators (the dispatcher calls them without Python: a captured step's extern calls
-// cost a few microseconds each); their fake implementations are registered in kernels/cpu_native/custom_ops.py.
+// cost a few microseconds each, and inductor's C++ wrapper calls them from C++); their fake implementations are
+// registered in kernels/cpu_native/custom_ops.py.
 TORCH_LIBRARY(moe_cpu, m) {
-  m.def("routed_expert_mlp(Tensor x, Tensor slot_ids, Tensor weights, Tensor w13, Tensor w2) -> Tensor");
-  m.def("rows_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("routed_expert_mlp(Tensor x, Tensor slot_ids, Tensor weights, Tensor w13, Tensor w2, "
+        "Tensor? w13_scale=None, Tensor? w2_scale=None, int block_k=0) -> Tensor");
+  m.def("rows_linear(Tensor x, Tensor weight, Tensor? scale=None, int block_k=0) -> Tensor");
+  m.def("int4_rows_linear(Tensor x, Tensor values, Tensor scale, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) {
   m.impl("routed_expert_mlp", TORCH_FN(routed_expert_mlp_op));
   m.impl("rows_linear", TORCH_FN(rows_linear_op));
+  m.impl("int4_rows_linear", TORCH_FN(int4_rows_linear_op));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
