@@ -24,6 +24,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
           "float16": "float16", "fp16": "float16", "half": "float16"}
 # --quantization choices (None, unset: as the checkpoint ships; "none": every weight in the compute dtype)
 QUANTIZATIONS = (None, "none", "fp8", "int8", "mxfp4", "int4")
+MODEL_IMPLS = ("auto", "native", "transformers")   # --model-impl
 HOST_EXPERT_QUANTIZATIONS = (None, "none", "int8", "fp8")   # what --cpu-experts' host kernels run (kernels/cpu_native)
 
 
@@ -47,6 +48,9 @@ class EngineConfig:
     cache_aware_routing: bool = True      # with prefix caching and dp_attn > 1: route to where a prefix is cached
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     kernels: str = "auto"                # "auto" | "torch" | "triton" | "cpu" (compiled CPU experts) | "reference"
+    # which model code serves the checkpoint: "native" (our own port), "transformers" (transformers' modeling code
+    # with our attention and MoE seam: moe_runtime/models/transformers_backend), "auto" (native where there is one)
+    model_impl: str = "auto"
     quantization: str | None = None      # "fp8": projections and experts stay FP8 in memory (an FP8 checkpoint's
                                          # blocks as stored; others quantized at load); "int8": int8 with one
                                          # scale per output row, quantized at load; "int4": routed experts as
@@ -182,6 +186,8 @@ class EngineConfig:
             raise EngineConfigError(f"--quantization {self.quantization} is not supported; choose one of "
                                     f"{[q for q in QUANTIZATIONS if q]} (or leave it unset: as the checkpoint ships)")
         SpeculativeConfig.parse(self.speculative_config)   # refuses unknown keys and methods not built, by name
+        if self.model_impl not in MODEL_IMPLS:
+            raise EngineConfigError(f"--model-impl {self.model_impl!r}: choose one of {', '.join(MODEL_IMPLS)}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise EngineConfigError(f"--logprobs-mode {self.logprobs_mode!r}: choose one of {', '.join(LOGPROBS_MODES)}")
         if self.ep == 1 and self.dispatch_fp8:

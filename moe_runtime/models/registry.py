@@ -5,6 +5,7 @@ from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.kernels.batch_invariant import BATCH_INVARIANT
 from moe_runtime.layers.linear import Linear
 from moe_runtime.models.decoder import BuildContext, CausalLM
+from moe_runtime.models.transformers_backend import TransformersCausalLM, build_transformers_model
 from moe_runtime.moe.router import Router
 
 
@@ -41,13 +42,22 @@ def supported_architectures() -> list[str]:
     return sorted(_builders())
 
 
-def build_model(architecture: str, hf_config, ctx: BuildContext) -> CausalLM:
+def build_model(architecture: str, hf_config, ctx: BuildContext) -> CausalLM | TransformersCausalLM:
+    """The native port of `architecture`, or transformers' modeling code with our attention and MoE seam
+    (`--model-impl transformers`, or `auto` where there is no native port)."""
     builders = _builders()
+    impl = ctx.engine.model_impl if ctx.engine is not None else "auto"
+    if impl == "transformers":
+        return build_transformers_model(architecture, hf_config, ctx)
     if architecture not in builders:
-        raise UnsupportedArchitectureError(
-            f"architecture {architecture!r} (config.json 'architectures') is not supported; "
-            f"supported: {', '.join(sorted(builders))}"
-        )
+        native = (f"architecture {architecture!r} (config.json 'architectures') has no native port; "
+                  f"ported: {', '.join(sorted(builders))}")
+        if impl == "native":
+            raise UnsupportedArchitectureError(f"{native} (--model-impl native)")
+        try:
+            return build_transformers_model(architecture, hf_config, ctx)
+        except UnsupportedArchitectureError as exc:
+            raise UnsupportedArchitectureError(f"{native}; and {exc}") from exc
     model = builders[architecture](hf_config, ctx)
     for module in model.modules():   # every unquantized projection multiplies with the kernel family's few-row matmul
         if isinstance(module, Linear) or (isinstance(module, Router) and ctx.kernels.name == BATCH_INVARIANT):

@@ -21,7 +21,7 @@ import sys
 
 from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV
 from moe_runtime.dispatch.backends import BACKENDS
-from moe_runtime.config.engine_config import DISAGGREGATION_MODES, DTYPES, QUANTIZATIONS, EngineConfig
+from moe_runtime.config.engine_config import DISAGGREGATION_MODES, DTYPES, MODEL_IMPLS, QUANTIZATIONS, EngineConfig
 from moe_runtime.sampling.logprobs_mode import LOGPROBS_MODES
 from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
 from moe_runtime.errors import MoERuntimeError
@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE/attention kernel implementation (auto: triton on CUDA where it imports, else torch; "
                         "cpu: the torch family with the routed experts and the few-row projections in C++ kernels "
                         "compiled on first use for this CPU)")
+    g.add_argument("--model-impl", default=e.model_impl, choices=list(MODEL_IMPLS),
+                   help="native: our own port of the architecture; transformers: transformers' modeling code with "
+                        "our paged attention and MoE executor plugged in (any *ForCausalLM it ships); auto: native "
+                        "where there is a port, else transformers")
     g.add_argument("--cpu-experts", action=argparse.BooleanOptionalAction, default=e.cpu_experts,
                    help="keep the routed experts in host memory and run them with the CPU kernels on their own "
                         "thread while attention, the router and the shared experts run on the device")

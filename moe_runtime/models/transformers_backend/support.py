@@ -1,0 +1,60 @@
+"""What the transformers backend cannot run, refused by name before anything is built.
+
+The backend runs transformers' modules whole on every rank of a DP attention worker, so layouts that split a
+layer's heads or a stage's layers, or capture the forward, are refused naming the flag; layers that keep a
+recurrent state (Mamba, linear attention, short convolutions) are refused naming the layer type until a
+per-layer state hook carries their state across steps (see the package docstring).
+"""
+from __future__ import annotations
+
+from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
+from moe_runtime.config.parallel_context import ParallelContext
+from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.speculative.config import MODEL_DRAFTERS, SpeculativeConfig
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def transformers_class(architecture: str):
+    """transformers' class named `architecture` (config.json `architectures[0]`), a causal LM."""
+    import transformers
+
+    cls = getattr(transformers, architecture, None)
+    if cls is None or not architecture.endswith("ForCausalLM"):
+        raise UnsupportedArchitectureError(
+            f"transformers backend: transformers {transformers.__version__} has no causal LM class "
+            f"{architecture!r} (config.json 'architectures')")
+    return cls
+
+
+def check_config(architecture: str, hf_config) -> None:
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        first = next(i for i, t in enumerate(layer_types) if t in other)
+        raise UnsupportedArchitectureError(
+            f"transformers backend: {architecture} has layers of type {', '.join(repr(t) for t in other)} (first: "
+            f"layer {first}), which keep a recurrent state across steps that the backend does not carry yet")
+
+
+def check_engine(architecture: str, parallel: ParallelContext, engine: EngineConfig | None, quant) -> None:
+    refusals = []
+    if parallel.pp_size > 1:
+        refusals.append(f"--pp {parallel.pp_size} (the transformers model runs all its layers on every rank)")
+    if parallel.attn_tp_size > 1:
+        refusals.append(f"attention tensor parallelism over {parallel.attn_tp_size} ranks (--tp, or --dp-attn below "
+                        "--ep): transformers' modules are not split by heads; use --dp-attn equal to --ep")
+    if parallel.cp_size > 1:
+        refusals.append(f"--cp {parallel.cp_size}")
+    if quant is not None:
+        refusals.append(f"--quantization {quant.name} (weights run in --dtype)")
+    if engine is not None:
+        if engine.enable_torch_compile:
+            refusals.append("--enable-torch-compile (the decode capture traces the native layers)")
+        if engine.deterministic:
+            refusals.append("--deterministic (transformers' matmuls are not the batch-invariant kernels)")
+        speculative = SpeculativeConfig.parse(engine.speculative_config)
+        if speculative is not None and speculative.method in MODEL_DRAFTERS:
+            refusals.append(f"speculative method {speculative.method!r} (a model drafter reads native layers)")
+    if refusals:
+        raise EngineConfigError(f"transformers backend ({architecture}) cannot run: " + "; ".join(refusals))

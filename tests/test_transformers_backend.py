@@ -1,0 +1,84 @@
+"""The transformers backend (moe_runtime/models/transformers_backend): transformers' own modeling code with our
+paged attention and MoE executor plugged in gives transformers' greedy tokens.
+
+Tiny configs built here (a few architectures have no entry in tiny_archs.py), each saved by transformers
+(`save_pretrained` writes the checkpoint's own names: Mixtral-style per-expert tensors where a model keeps fused
+stacks, which the loader must map back through transformers' conversion rules). Prompts are longer than every
+sliding window and than one KV block, steps are chunked (16 tokens), and a repeated prompt hits the prefix cache.
+Engines are module-scoped and built on first use.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine_helpers import greedy
+from lazy_engines import engine_pool
+from shared_builds import build_once, shared_root
+from tiny_checkpoints import HFOracle, build_model
+from moe_runtime import LLM
+from moe_runtime.errors import CheckpointError, UnsupportedArchitectureError
+
+NEW_TOKENS = 6
+PROMPTS = [  # longer than a KV block (16) and than every window (8)
+    [(7 * i + 3) % 500 + 5 for i in range(40)],
+    [(11 * i + 1) % 480 + 9 for i in range(23)],
+    [(5 * i + 2) % 490 + 7 for i in range(9)],
+]
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+             initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+CHUNKED = dict(max_num_batched_tokens=16, enable_chunked_prefill=True, enable_prefix_caching=True)
+
+
+def _config(name: str):
+    """The transformers config of each tiny model here (one concept per entry: what it exercises)."""
+    import transformers as t
+
+    moe = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+    return {
+        # layer 1 slides (window 8), layer 0 is full: two KV cache groups
+        "qwen3": lambda: t.Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+        # an architecture with no native port: shared experts, grouped routing, first layer dense
+        "dots1": lambda: t.Dots1Config(**{**SMALL, "num_hidden_layers": 3}, **moe, n_routed_experts=8,
+                                       n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                       norm_topk_prob=True, routed_scaling_factor=1.5, sliding_window=None),
+    }[name]()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+    """`checkpoint(name) -> Path`, each built once per run."""
+    def build(name: str, path):
+        build_model(_config(name)).save_pretrained(str(path), safe_serialization=True)
+        for file in sorted(tiny_tokenizer_dir.iterdir()):
+            if file.is_file():
+                shutil.copyfile(file, path / file.name)
+
+    return lambda name: build_once(shared_root(tmp_path_factory), f"transformers backend {name}",
+                                   lambda path: build(name, path))
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    """(name, layout) -> its LLM through the transformers backend."""
+    layouts = {"chunked": CHUNKED, "ep2_dp2": dict(ep=2, dp_attn=2)}
+    with engine_pool(lambda name, layout: LLM(str(checkpoint(name)), device="cpu", dtype="float32",
+                                              model_impl="transformers", **layouts[layout])) as get:
+        yield get
+
+
+def _expected(checkpoint, name: str) -> list[list[int]]:
+    return HFOracle(checkpoint(name)).greedy(PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "dots1"])
+def test_greedy_tokens_match_transformers_with_chunks_and_prefix_cache(engines, checkpoint, name):
+    llm = engines(name, "chunked")
+    expected = _expected(checkpoint, name)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
+    [again] = llm.generate([PROMPTS[0]], greedy(NEW_TOKENS))   # its first two blocks come from the prefix cache
+    assert again.token_ids == expected[0]
