@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from engine_helpers import greedy
+from engine_helpers import greedy, runtime_prefill_logits
 from lazy_engines import engine_pool
 from shared_builds import build_once, shared_root
 from tiny_checkpoints import HFOracle, build_model
@@ -43,6 +43,9 @@ def _config(name: str):
         # layer 1 slides (window 8), layer 0 is full: two KV cache groups
         "qwen3": lambda: t.Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1),
         # an architecture with no native port: shared experts, grouped routing, first layer dense
+        # no native port: experts stacks with the text/vision split transformers' conversion rules undo
+        "ernie4_5_moe": lambda: t.Ernie4_5_MoeConfig(**SMALL, **moe, moe_num_experts=8, moe_layer_start_index=1,
+                                                     moe_num_shared_experts=1, use_bias=False),
         "dots1": lambda: t.Dots1Config(**{**SMALL, "num_hidden_layers": 3}, **moe, n_routed_experts=8,
                                        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
                                        norm_topk_prob=True, routed_scaling_factor=1.5, sliding_window=None),
@@ -50,24 +53,27 @@ def _config(name: str):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_tokenizer_dir):
-    """`checkpoint(name) -> Path`, each built once per run."""
+def checkpoint(tmp_path_factory, tiny_tokenizer_dir, tiny_checkpoint_factory):
+    """`checkpoint(name) -> Path`, each built once per run: "tiny:<arch>" is tiny_archs.py's checkpoint."""
     def build(name: str, path):
         build_model(_config(name)).save_pretrained(str(path), safe_serialization=True)
         for file in sorted(tiny_tokenizer_dir.iterdir()):
             if file.is_file():
                 shutil.copyfile(file, path / file.name)
 
-    return lambda name: build_once(shared_root(tmp_path_factory), f"transformers backend {name}",
-                                   lambda path: build(name, path))
+    def get(name: str):
+        if name.startswith("tiny:"):
+            return tiny_checkpoint_factory(name.removeprefix("tiny:"))
+        return build_once(shared_root(tmp_path_factory), f"transformers backend {name}", lambda path: build(name, path))
+    return get
 
 
 @pytest.fixture(scope="module")
 def engines(checkpoint):
     """(name, layout) -> its LLM through the transformers backend."""
-    layouts = {"chunked": CHUNKED, "ep2_dp2": dict(ep=2, dp_attn=2)}
+    layouts = {"chunked": CHUNKED, "ep2_dp2": dict(ep=2, dp_attn=2), "native": dict(CHUNKED, model_impl="native")}
     with engine_pool(lambda name, layout: LLM(str(checkpoint(name)), device="cpu", dtype="float32",
-                                              model_impl="transformers", **layouts[layout])) as get:
+                                              **{"model_impl": "transformers", **layouts[layout]})) as get:
         yield get
 
 
@@ -75,10 +81,35 @@ def _expected(checkpoint, name: str) -> list[list[int]]:
     return HFOracle(checkpoint(name)).greedy(PROMPTS, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "dots1"])
+@pytest.mark.parametrize("name", ["qwen3", "dots1", "tiny:mixtral"])
 def test_greedy_tokens_match_transformers_with_chunks_and_prefix_cache(engines, checkpoint, name):
     llm = engines(name, "chunked")
     expected = _expected(checkpoint, name)
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
     [again] = llm.generate([PROMPTS[0]], greedy(NEW_TOKENS))   # its first two blocks come from the prefix cache
     assert again.token_ids == expected[0]
+
+
+@pytest.mark.parametrize("name", ["ernie4_5_moe"])
+def test_architecture_without_native_port(engines, checkpoint, name):
+    llm = engines(name, "chunked")
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == _expected(checkpoint, name)
+
+
+def test_expert_parallel_with_dp_attention(engines, checkpoint):
+    """EP 2 x DP attention 2: each rank holds 4 of the 8 experts; tokens are dispatched to the rank holding theirs."""
+    llm = engines("dots1", "ep2_dp2")
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == _expected(checkpoint, "dots1")
+    load = llm.expert_load()   # recorded by the executor: the two MoE layers' routing went through it
+    assert tuple(load.counts.shape) == (2, 8) and load.counts.sum() > 0
+
+
+def test_forced_generic_path_matches_the_native_port(engines, checkpoint):
+    """Qwen3-MoE has a native port: `--model-impl transformers` gives the same prompt logits and tokens."""
+    generic, native = engines("tiny:qwen3_moe", "chunked"), engines("tiny:qwen3_moe", "native")
+    assert type(generic.engine.core.model).__name__ == "TransformersCausalLM"
+    assert type(native.engine.core.model).__name__ == "CausalLM"
+    torch.testing.assert_close(runtime_prefill_logits(generic.engine.core, PROMPTS[0]),
+                               runtime_prefill_logits(native.engine.core, PROMPTS[0]), rtol=1e-4, atol=1e-4)
+    expected = _expected(checkpoint, "tiny:qwen3_moe")
+    assert [o.token_ids for o in generic.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
