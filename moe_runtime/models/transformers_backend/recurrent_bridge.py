@@ -31,31 +31,35 @@ class RecurrentStateBridge:
         self._seen: dict[tuple[int, str, int], torch.dtype] = {}
 
     def load(self, hf_cache: Cache, caches: Mapping[int, LayerStateCache], rows: list[int], fresh: bool,
-             num_tokens: int, past_tokens: int = 0) -> None:
+             num_tokens: int, past_tokens: int = 0, layers: tuple[int, ...] | None = None) -> None:
         """Give `hf_cache` the states of `rows` (state rows of `caches`, layer -> its cache) for a forward of
         `num_tokens` tokens per row; `fresh`: the rows start their sequences (transformers' empty states).
-        `past_tokens`: what the rows computed before (transformers' linear token count; masks come from ours)."""
-        if self.layout.linear_cache:
+        `past_tokens`: what the rows computed before (transformers' linear token count; masks come from ours).
+        `layers`: only these recurrent layers (a mixer run on its own), default all."""
+        if self.layout.linear_cache and len(getattr(hf_cache, "linear_cache", ())) != self.layout.num_layers:
             hf_cache.linear_cache = [None] * self.layout.num_layers
-        for state in self.layout.layers:
+        for state in self._states(layers):
             values = None if fresh else self._read(state, caches[state.layer], rows)
             if self.layout.linear_cache:
-                if values is not None:
-                    hf_cache.linear_cache[state.layer] = values[0]
+                hf_cache.linear_cache[state.layer] = None if values is None else values[0]
                 continue
             self._load_layer(_linear_layer(hf_cache, state.layer), state, values, num_tokens, past_tokens)
 
-    def store(self, hf_cache: Cache, caches: Mapping[int, LayerStateCache], rows: list[int]) -> None:
-        """Write the states `hf_cache` holds after a forward into `rows` of `caches`."""
-        index = torch.tensor(rows, dtype=torch.long, device=next(iter(caches.values())).ssm.device)
-        for state in self.layout.layers:
+    def store(self, hf_cache: Cache, caches: Mapping[int, LayerStateCache], rows: list[int],
+              layers: tuple[int, ...] | None = None) -> None:
+        """Write the states `hf_cache` holds after a forward into `rows` of `caches` (`layers`: as in `load`)."""
+        for state in self._states(layers):
             cache = caches[state.layer]
+            index = torch.tensor(rows, dtype=torch.long, device=cache.ssm.device)
             flat = torch.zeros(len(rows), cache.ssm[0].numel(), dtype=torch.float32, device=cache.ssm.device)
             for part, start in zip(state.parts, state.offsets()):
                 value = self._hf_value(hf_cache, state.layer, part)                  # [B, *shape]
                 self._seen[(state.layer, part.kind, part.index)] = value.dtype
                 flat[:, start:start + part.numel] = value.reshape(len(rows), part.numel).float()
             cache.ssm.index_copy_(0, index, flat.view(len(rows), *cache.ssm.shape[1:]))
+
+    def _states(self, layers: tuple[int, ...] | None) -> list[LayerState]:
+        return list(self.layout.layers) if layers is None else [self.layout.of_layer(layer) for layer in layers]
 
     def _read(self, state: LayerState, cache: LayerStateCache, rows: list[int]) -> list[torch.Tensor]:
         """Each part of `rows`' states, [B, *shape] in transformers' dtype for it (fresh tensors: transformers
