@@ -11,7 +11,7 @@ import importlib
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-_EXPORTS = {"LLM": "moe_runtime.front.llm", "RequestOutput": "moe_runtime.engine.outputs",
+_EXPORTS = {"LLM": "moe_runtime.front.llm", "RequestOutput": "moe_runtime.records.outputs",
             "SamplingParams": "moe_runtime.sampling.params"}
 
 

@@ -46,3 +46,9 @@ class ShuttingDownError(MoERuntimeError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+def error_message(exc: BaseException, limit: int = 200) -> str:
+    """A short, one-line description of `exc` for `RequestOutput.error` (clients see it)."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.sampling.params import SamplingParams
 
 PROMPTS = [

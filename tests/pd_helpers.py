@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.records.outputs import RequestOutput
 from moe_runtime.sampling.params import SamplingParams
 
 KV_SECRET = secrets.token_hex(32)   # the deployment's secret: 32 random bytes, as every shared key must be

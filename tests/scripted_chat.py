@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import openai
 
-from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.records.outputs import RequestOutput
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.server import build_app
 from server_harness import FakeEngine

@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import httpx2
 
-from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.records.outputs import RequestOutput
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.server import build_app
 from scripted_chat import ScriptedChatEngine

@@ -32,7 +32,7 @@ import openai
 
 from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
-from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.records.outputs import RequestOutput
 from moe_runtime.engine.request_limits import RequestLimits
 from moe_runtime.sampling.params import SamplingParams
 

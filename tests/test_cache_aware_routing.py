@@ -17,8 +17,8 @@ from moe_runtime.attention_dp.prefix_index import PrefixCacheIndex
 from moe_runtime.attention_dp.router import DPRouter
 from moe_runtime import LLM
 from moe_runtime.engine.stats import WorkerStats
-from moe_runtime.engine.prefix_cache import PrefixCacheEvents
-from moe_runtime.engine.prefix_hash import block_hashes
+from moe_runtime.kv_blocks.prefix_cache import PrefixCacheEvents
+from moe_runtime.kv_blocks.prefix_hash import block_hashes
 
 pytestmark = pytest.mark.timeout(300)
 

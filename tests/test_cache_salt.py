@@ -18,9 +18,9 @@ from server_harness import FakeEngine
 
 from engine_helpers import greedy
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.engine.block_manager import BlockManager
-from moe_runtime.engine.prefix_hash import ROOT_HASH, block_hashes, chain_root
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.kv_blocks.block_manager import BlockManager
+from moe_runtime.kv_blocks.prefix_hash import ROOT_HASH, block_hashes, chain_root
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.server import build_app

@@ -27,7 +27,7 @@ from moe_runtime.load_balancer import SlotGeometry
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.config.parallel_context import ParallelContext
 from moe_runtime.engine.scheduler import ScheduledBatch
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.execution.host_reads import HostReadCounter, opaque_device_kernel
 from moe_runtime.front.llm import LLM

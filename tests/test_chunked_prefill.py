@@ -23,9 +23,9 @@ from mixed_attention_cases import attend, mixed_attention_case
 from tiny_checkpoints import HFOracle
 from moe_runtime.kernels import get_kernels
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.kv_blocks.block_manager import BlockManager
 from moe_runtime.engine.scheduler import Scheduler, SchedulerConfig
-from moe_runtime.engine.sequence import Sequence, SequenceStatus
+from moe_runtime.records.sequence import Sequence, SequenceStatus
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.sampling.counter_noise import exponential_race, hash32, row_keys, uniform
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.sampling.sampler import Sampler

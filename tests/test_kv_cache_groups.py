@@ -10,10 +10,10 @@ import torch
 
 from engine_helpers import greedy, runtime_prefill_logits
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
-from moe_runtime.engine.block_manager import BlockManager
-from moe_runtime.engine.kv_groups import KVCacheLayout, KVGroups, window_pool_blocks
-from moe_runtime.engine.sequence import Sequence
-from moe_runtime.engine.window_blocks import FREED, WindowBlocks
+from moe_runtime.kv_blocks.block_manager import BlockManager
+from moe_runtime.kv_blocks.kv_groups import KVCacheLayout, KVGroups, window_pool_blocks
+from moe_runtime.records.sequence import Sequence
+from moe_runtime.kv_blocks.window_blocks import FREED, WindowBlocks
 from moe_runtime.front.llm import LLM
 from moe_runtime.layers.attention_span import CHUNKED, SLIDING, AttentionSpan
 from moe_runtime.sampling.params import SamplingParams

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from moe_runtime.engine.block_manager import BlockManager
-from moe_runtime.engine.prefix_hash import block_hashes
+from moe_runtime.kv_blocks.block_manager import BlockManager
+from moe_runtime.kv_blocks.prefix_hash import block_hashes
 from moe_runtime.engine.scheduler import Scheduler, SchedulerConfig
-from moe_runtime.engine.sequence import FinishReason, Sequence
+from moe_runtime.records.sequence import FinishReason, Sequence
 from moe_runtime.kv_tiers.block_contents import BlockContents
 from moe_runtime.kv_tiers.engine_tiers import EngineTiers
 from moe_runtime.kv_tiers.entry_sizes import EntrySizes

@@ -18,7 +18,7 @@ import torch
 from engine_helpers import runtime_prefill_logits
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.sampling.logprobs import TokenLogprob
 from moe_runtime.sampling.logprobs_mode import LOGPROBS_MODES, LogprobsMode
 from moe_runtime.sampling.sampler import Sampler

@@ -8,7 +8,7 @@ from moe_runtime.attention_dp.messages import MessageCodec, StepOutputs
 from moe_runtime.sampling.logprobs import TokenLogprob
 from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.front.output_processor import OutputProcessor, held_back_suffix
-from moe_runtime.engine.outputs import TokenDelta
+from moe_runtime.records.outputs import TokenDelta
 from moe_runtime.sampling.params import SamplingParams
 
 

@@ -104,7 +104,7 @@ def test_llama_70b_figures():
 
 
 def test_window_pool_rule_is_the_runtimes():
-    from moe_runtime.engine.kv_groups import window_pool_blocks as runtime_rule
+    from moe_runtime.kv_blocks.kv_groups import window_pool_blocks as runtime_rule
     from moe_runtime.layers.attention_span import SLIDING, AttentionSpan
 
     for window, block, seqs, budget in ((10, 16, 64, 4096), (4096, 16, 3, 100), (128, 32, 7, 8192)):

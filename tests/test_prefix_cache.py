@@ -25,13 +25,13 @@ from server_harness import FakeEngine, serve_in_process
 from engine_helpers import greedy
 from tiny_checkpoints import HFOracle
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.kv_blocks.block_manager import BlockManager
 from moe_runtime.engine.stats import EngineStats, WorkerStats
-from moe_runtime.engine.prefix_cache import PrefixCache
-from moe_runtime.engine.prefix_hash import block_hashes
+from moe_runtime.kv_blocks.prefix_cache import PrefixCache
+from moe_runtime.kv_blocks.prefix_hash import block_hashes
 from moe_runtime.sampling.sampler import Sampler
 from moe_runtime.engine.scheduler import Scheduler, SchedulerConfig
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,7 +62,7 @@ def test_block_hashes_chain_the_prefix_and_are_the_same_in_another_process():
     hashes = block_hashes(tokens, BLOCK)
     assert len(hashes) == 3, "only full blocks are hashed"
     assert block_hashes([1] + tokens[1:], BLOCK)[1:] != hashes[1:], "a block's hash depends on its prefix"
-    code = f"from moe_runtime.engine.prefix_hash import block_hashes; print(block_hashes({tokens!r}, {BLOCK}))"
+    code = f"from moe_runtime.kv_blocks.prefix_hash import block_hashes; print(block_hashes({tokens!r}, {BLOCK}))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env=dict(os.environ, PYTHONHASHSEED="12345"), cwd=Path(__file__).resolve().parents[1])
     assert other.stdout.strip() == str(hashes)

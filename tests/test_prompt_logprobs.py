@@ -17,7 +17,7 @@ from moe_runtime.sampling.logprobs import PromptLogprobs, PromptTokenLogprob
 from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.front.output_processor import OutputProcessor
-from moe_runtime.engine.outputs import TokenDelta
+from moe_runtime.records.outputs import TokenDelta
 
 ATOL = 1e-4
 NUM_TOP = 3

@@ -18,10 +18,10 @@ from tiny_checkpoints import HFOracle
 from moe_runtime.kernels.delta_rule import DEFAULT_CHUNK
 from moe_runtime import LLM
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
-from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.kv_blocks.block_manager import BlockManager
 from moe_runtime.engine.core import EngineCore
-from moe_runtime.engine.kv_groups import KVCacheLayout
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.kv_blocks.kv_groups import KVCacheLayout
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.layers.attention_span import AttentionSpan
 from moe_runtime.layers.state_cache import LayerStateCache
 

@@ -13,9 +13,9 @@ from test_prompt_logprobs import assert_prompt_logprobs_match, expected_logprobs
 from tiny_checkpoints import HFOracle
 from moe_runtime.kernels.delta_rule import chunked_delta_rule, chunked_delta_rule_states
 from moe_runtime import LLM
-from moe_runtime.engine.block_manager import BlockManager
-from moe_runtime.engine.sequence import Sequence
-from moe_runtime.engine.state_snapshots import StateSnapshots
+from moe_runtime.kv_blocks.block_manager import BlockManager
+from moe_runtime.records.sequence import Sequence
+from moe_runtime.kv_blocks.state_snapshots import StateSnapshots
 
 ARCHS = ["qwen3_next", "qwen3_5_moe"]
 NEW_TOKENS = 5

@@ -6,7 +6,7 @@ from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.sampling.sampler import Sampler, apply_top_k_top_p
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from moe_runtime import LLM, SamplingParams
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.engine.request_limits import RequestLimits
 from moe_runtime.sampling.sampler import Sampler
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec
 
 EOS = (1, 4)

@@ -11,7 +11,7 @@ from server_harness import FakeEngine
 
 from moe_runtime.load_balancer import ExpertLoadRecorder, RebalanceEvent
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
-from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.records.outputs import RequestOutput
 from moe_runtime.server import build_app
 from moe_runtime.server.metrics import parse_samples
 

@@ -16,10 +16,10 @@ import pytest
 
 from engine_helpers import greedy
 from moe_runtime import LLM
-from moe_runtime.engine.block_manager import BlockManager
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.kv_blocks.block_manager import BlockManager
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.layers.attention_span import AttentionSpan
-from moe_runtime.speculative.state_rollback import DraftCheckpoints
+from moe_runtime.records.draft_checkpoints import DraftCheckpoints
 
 pytestmark = pytest.mark.timeout(600)
 

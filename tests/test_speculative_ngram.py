@@ -22,10 +22,10 @@ from engine_helpers import greedy
 from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.kv_blocks.block_manager import BlockManager
 from moe_runtime.engine.core import EngineCore
 from moe_runtime.engine.scheduler import Scheduler, SchedulerConfig
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.speculative.config import SpeculativeConfig
 from moe_runtime.speculative.ngram import NgramDrafter

@@ -18,7 +18,7 @@ import torch
 
 from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.sampling.counter_noise import exponential_race
 from moe_runtime.sampling.sampler import Sampler
 from moe_runtime.speculative.rejection_sampling import (Emission, RowLayout, RowVerdicts, emit,

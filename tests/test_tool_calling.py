@@ -20,7 +20,7 @@ from server_harness import FakeEngine, ServerProcess
 from transformers import AutoTokenizer
 
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
-from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.records.outputs import RequestOutput
 from moe_runtime.server import build_app
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,7 +17,7 @@ import torch
 import moe_runtime.models.decoder
 from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.moe.stages import interleave
 from moe_runtime.server.cli import build_parser, engine_config_from_args
 

@@ -21,9 +21,9 @@ from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.stats import WorkerStats
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
-from moe_runtime.engine.outputs import TokenDelta
+from moe_runtime.records.outputs import TokenDelta
 from moe_runtime.moe.routed_experts import RoutingShape
-from moe_runtime.engine.prefix_cache import PrefixCacheEvents
+from moe_runtime.kv_blocks.prefix_cache import PrefixCacheEvents
 from moe_runtime.attention_dp.sampling_params_wire import SamplingParamsWire, params_from_wire, params_to_wire
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.engine.sleep_mode import ResidentMemory

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from moe_runtime.engine.prefix_cache import PrefixCacheEvents
+from moe_runtime.kv_blocks.prefix_cache import PrefixCacheEvents
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ class DPRouter:
 
     def choose(self, request_id: str, num_tokens: int, block_hashes: list[int] | None = None) -> RoutingDecision:
         """Pick the worker for a request of `num_tokens` prompt tokens; `block_hashes` (the prompt's full
-        blocks, `moe_runtime.engine.prefix_hash`) make the choice cache-aware when this router keeps an index."""
+        blocks, `moe_runtime.kv_blocks.prefix_hash`) make the choice cache-aware when this router keeps an index."""
         cached = [0] * len(self.loads)
         if self.prefix_index is not None and block_hashes:
             usable = block_hashes[: (num_tokens - 1) // self.block_size]    # a worker computes at least one token

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 
-from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.kv_blocks.block_manager import BlockManager
 from moe_runtime.disaggregation.import_grammars import ImportGrammars
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.disaggregation.kv_transfer.plan import plan_pulls
@@ -32,7 +32,7 @@ from moe_runtime.disaggregation.kv_transfer.puller import PullJob, PullResult
 from moe_runtime.disaggregation.kv_transfer.shard import KVLayoutError, KVShard
 from moe_runtime.disaggregation.kv_transfer.state_plan import plan_state_pulls
 from moe_runtime.disaggregation.kv_transfer.transport import KVSink
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.sampling.structured_output.grammar_state import GrammarState
 from moe_runtime.sampling.structured_output.grammar_waits import Compiled, GrammarWaits
 from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 
-from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.kv_blocks.block_manager import BlockManager
 from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.disaggregation.kv_transfer.registry import ExportRegistry
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.disaggregation.kv_transfer.transport import open_source
 from moe_runtime.layers.kv_cache import LayerKVCache
-from moe_runtime.engine.outputs import KVExportInfo
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.outputs import KVExportInfo
+from moe_runtime.records.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.disaggregation.kv_transfer.release import ReleaseListener
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.disaggregation.kv_transfer.stats import TransferStats
-from moe_runtime.engine.outputs import KVExportInfo, RequestOutput, TokenDelta
+from moe_runtime.records.outputs import KVExportInfo, RequestOutput, TokenDelta
 
 
 @dataclass(frozen=True)

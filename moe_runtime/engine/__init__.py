@@ -1,1 +1,1 @@
-"""The engine core of one rank: the step, the scheduler, KV blocks, the prefix cache, request state."""
+"""The engine core of one rank: the step, the scheduler, request limits, weight updates and sleep."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.moe.layer import SparseMoE
 from moe_runtime.moe.routed_experts import RoutedExpertsArray, RoutingShape
 from moe_runtime.moe.routing_record import SequenceRouting

@@ -41,8 +41,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from moe_runtime.engine.block_manager import BlockManager
-from moe_runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
+from moe_runtime.kv_blocks.block_manager import BlockManager
+from moe_runtime.records.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

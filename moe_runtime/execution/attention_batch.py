@@ -54,7 +54,7 @@ class AttentionBatch:
     # A captured decode step (moe_runtime/execution/decode_capture.py): every row is one sequence's single new token, the
     # tensors are padded to a bucket, and the Python lists are left empty (a capture must not depend on them).
     static_decode: bool = False
-    # A model with windowed KV groups (moe_runtime/engine/kv_groups.py): group g's own slots and block tables, for
+    # A model with windowed KV groups (moe_runtime/kv_blocks/kv_groups.py): group g's own slots and block tables, for
     # g = 1, 2, ... (this batch is group 0's); a layer picks its group's with `for_group`.
     group_views: list["AttentionBatch"] | None = None
     # A model with linear-attention layers (moe_runtime/engine/state_slots.py): each sequence's recurrent-state slot,

@@ -12,15 +12,15 @@ from moe_runtime.sampling.logprobs import PromptLogprobs
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.execution.decode_capture import CaptureSettings, DecodeCapture
 from moe_runtime.execution.step_inputs import StepInputs, TargetHidden
-from moe_runtime.engine.kv_groups import KVCacheLayout
-from moe_runtime.engine.state_snapshots import SnapshotPoolSize
+from moe_runtime.kv_blocks.kv_groups import KVCacheLayout
+from moe_runtime.kv_blocks.state_snapshots import SnapshotPoolSize
 from moe_runtime.layers.compressed_cache import CompressedAttentionSpec, LayerCompressedCache
 from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.layers.state_cache import LayerStateCache, StateSpec
 from moe_runtime.sampling.prompt_logprobs import chunk_tokens_for, join_prompt_logprobs, prompt_logprobs_due, score_prompt
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.moe.routing_record import StepRouting
-from moe_runtime.speculative.state_rollback import DraftCheckpoints
+from moe_runtime.records.draft_checkpoints import DraftCheckpoints
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def kv_blocks_for_budget(model, budget_bytes: int, block_size: int, dtype: torch
 
 def state_rows(state_slots: int, draft_checkpoints: int = 0) -> int:
     """Rows of each linear layer's state tensors: the slots, a scratch one, the snapshot pool's, then
-    speculation's checkpoints (`draft_checkpoints` per slot: moe_runtime/speculative/state_rollback.py)."""
+    speculation's checkpoints (`draft_checkpoints` per slot: moe_runtime/records/draft_checkpoints.py)."""
     return draft_checkpoint_rows(state_slots, draft_checkpoints).first_row + state_slots * draft_checkpoints
 
 

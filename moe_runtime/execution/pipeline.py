@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.execution.step_inputs import TargetHidden
 from moe_runtime.sampling.device_draw import SampleResult
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
-from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.records.outputs import RequestOutput
 from moe_runtime.engine.stats import EngineHealth, EngineStats
 from moe_runtime.errors import (EngineDeadError, MoERuntimeError, QueueFullError, RequestFailedError,
                                 ShuttingDownError)

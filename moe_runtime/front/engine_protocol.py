@@ -11,7 +11,7 @@ from typing import Callable, Protocol
 
 from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
-from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.records.outputs import RequestOutput
 from moe_runtime.engine.request_limits import RequestLimits
 from moe_runtime.engine.stats import EngineHealth, EngineStats
 from moe_runtime.sampling.params import SamplingParams

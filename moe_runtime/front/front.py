@@ -33,8 +33,8 @@ from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.disaggregation.kv_transfer.stats import TransferStats
 from moe_runtime.disaggregation.prefill_front import PrefillFront, note_step_deltas
-from moe_runtime.engine.outputs import RequestOutput, TokenDelta
-from moe_runtime.engine.prefix_hash import block_hashes
+from moe_runtime.records.outputs import RequestOutput, TokenDelta
+from moe_runtime.kv_blocks.prefix_hash import block_hashes
 from moe_runtime.engine.request_limits import RequestLimits
 from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
 from moe_runtime.errors import EngineDeadError, InvalidRequestError

@@ -7,7 +7,7 @@ import concurrent.futures
 from typing import Callable
 
 from moe_runtime.attention_dp.messages import AbortRequest, Message, UpdateWeights
-from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.records.outputs import RequestOutput
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.front.core_client import EngineCoreClient
 

@@ -7,7 +7,7 @@ import logging
 
 from moe_runtime.attention_dp.messages import AbortRequest, ActivateImport, ReleaseExport
 from moe_runtime.disaggregation.decode_front import ImportOutcome
-from moe_runtime.engine.outputs import RequestOutput, TokenDelta
+from moe_runtime.records.outputs import RequestOutput, TokenDelta
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.rank_recovery import resume_command
 

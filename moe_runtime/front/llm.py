@@ -8,7 +8,7 @@ from dataclasses import fields
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.front.engine_factory import make_engine
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.records.outputs import RequestOutput
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.engine.weight_update_group import JOIN_TIMEOUT_S, GroupAddress
 from moe_runtime.front.weight_sync import (ADMIN_TIMEOUT_S, AdminResult, check_policy, disk_update, distributed_update,

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moe_runtime.errors import error_message
 from moe_runtime.sampling.logprobs import PromptTokenLogprob, TokenLogprob
 from moe_runtime.front.detokenizer import DecodeState, Detokenizer, cut_at_stop
-from moe_runtime.engine.outputs import RequestOutput, TokenDelta, error_message
+from moe_runtime.records.outputs import RequestOutput, TokenDelta
 from moe_runtime.sampling.params import SamplingParams
 
 

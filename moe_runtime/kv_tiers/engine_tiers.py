@@ -1,7 +1,7 @@
 """One rank's KV tiers in its engine: what goes down when the device pool reuses a cached block, what comes back
 when a request's prefix is found below, and what the ranks of its DP worker agree on.
 
-The block manager keeps deciding (moe_runtime/engine/block_manager.py): a cached block or snapshot row it reuses is
+The block manager keeps deciding (moe_runtime/kv_blocks/block_manager.py): a cached block or snapshot row it reuses is
 a `TierSave`, a prefix found in a tier makes the request's admission a list of `TierLoad`s (the request then waits in
 the scheduler's `loading` list, holding its blocks). This class moves the bytes, in an order that needs no locks:
 

@@ -3,8 +3,8 @@ device pool or a tier holds it, so a worker that can load a prefix from host mem
 compute it (loading is far cheaper than a prefill)."""
 from __future__ import annotations
 
-from moe_runtime.engine.block_pool import BlockPool
-from moe_runtime.engine.prefix_cache import PrefixCacheEvents
+from moe_runtime.kv_blocks.block_pool import BlockPool
+from moe_runtime.kv_blocks.prefix_cache import PrefixCacheEvents
 from moe_runtime.kv_tiers.engine_tiers import EngineTiers
 from moe_runtime.kv_tiers.tier_key import FULL_GROUP, TierKey
 

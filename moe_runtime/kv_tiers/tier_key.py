@@ -1,6 +1,6 @@
 """What a tier entry is: one KV cache group's block, or one recurrent-state snapshot, of a prefix hash.
 
-A prefix hash (moe_runtime/engine/prefix_hash.py) names a prefix; the entries kept for it are the full group's block
+A prefix hash (moe_runtime/kv_blocks/prefix_hash.py) names a prefix; the entries kept for it are the full group's block
 that ends it (every full-attention layer's K/V, MLA latents, sparse attention's index keys, DeepSeek-V4's compressed
 entries, a drafter's rows), each windowed group's block of the same positions, and the snapshot of the recurrent and
 compressed states after it. A tenant's `cache_salt` roots its hash chain, so salted entries never meet unsalted ones.

@@ -13,8 +13,8 @@ import torch
 
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.parallel_context import ParallelContext
-from moe_runtime.engine.block_manager import BlockManager
-from moe_runtime.engine.prefix_cache import PrefixCacheEvents
+from moe_runtime.kv_blocks.block_manager import BlockManager
+from moe_runtime.kv_blocks.prefix_cache import PrefixCacheEvents
 from moe_runtime.engine.scheduler import Scheduler
 from moe_runtime.kv_tiers.block_contents import BlockContents
 from moe_runtime.kv_tiers.engine_tiers import EngineTiers, TierSettings, cache_fingerprint

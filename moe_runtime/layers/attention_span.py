@@ -1,6 +1,6 @@
 """Which earlier tokens an attention layer's queries read: its span (full, a sliding window, a chunk).
 
-The layer applies it as a mask; the KV cache manager (moe_runtime/engine/kv_groups.py) keeps only the blocks
+The layer applies it as a mask; the KV cache manager (moe_runtime/kv_blocks/kv_groups.py) keeps only the blocks
 a windowed span can still read.
 """
 from __future__ import annotations

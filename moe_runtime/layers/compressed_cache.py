@@ -16,7 +16,7 @@ tokens; CSA, rate 4, also the window before it) into one key, and is readable on
   decoding each ring keeps `draft_slack` more positions: a rejected draft's position then lands on a slot no later
   step reads, and an entry its window completed is computed again once the window really completes.
 
-Rows past the slots hold prefix-cache snapshots (moe_runtime/engine/state_snapshots.py): `captures` names, per slot,
+Rows past the slots hold prefix-cache snapshots (moe_runtime/kv_blocks/state_snapshots.py): `captures` names, per slot,
 the rows to write the state into after some of the step's tokens.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ cache group (moe_runtime/engine/state_slots.py); the tensors are allocated once,
 address (what a captured step needs). The last slot is scratch, never handed out.
 
 With prefix caching, rows after the scratch slot hold state snapshots at block boundaries of computed prefixes
-(moe_runtime/engine/state_snapshots.py): a request resuming a cached prefix starts from a device copy of one
+(moe_runtime/kv_blocks/state_snapshots.py): a request resuming a cached prefix starts from a device copy of one
 (`restore`), and a step writes those its scheduled tokens cross (`captures`, set by the runner each step).
 """
 from __future__ import annotations

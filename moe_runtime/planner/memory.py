@@ -138,7 +138,7 @@ class ModelFootprint:
 
 def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
     """A windowed group's pool: each running sequence's reach (ceil(W / block) + 2) plus a full step's blocks
-    (the bound moe_runtime/engine/kv_groups.py sizes it by, so that no step waits for a windowed block)."""
+    (the bound moe_runtime/kv_blocks/kv_groups.py sizes it by, so that no step waits for a windowed block)."""
     return max_num_seqs * (-(-window // block_size) + 2) + -(-max_num_batched_tokens // block_size)
 
 

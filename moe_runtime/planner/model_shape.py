@@ -5,7 +5,7 @@ counts per layer kind (attention, dense MLP, shared and routed experts, router),
 many each token visits, and the KV bytes per token of each layer as the runtime stores them: GQA keeps K and
 V of every KV head, MLA one latent of kv_lora_rank + qk_rope_head_dim (moe_runtime/layers/mla.py), windowed
 layers (sliding, chunked) are bounded by their window because their KV cache group keeps only that
-(moe_runtime/engine/kv_groups.py), and linear-attention layers keep a fixed state per sequence.
+(moe_runtime/kv_blocks/kv_groups.py), and linear-attention layers keep a fixed state per sequence.
 
 The per-architecture rules (which layers are MoE, which size the experts have) follow the model builders in
 moe_runtime/models/; tests/test_plan.py holds the set of architectures read here equal to the registry's.

@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 
 
 def row_tensor(seqs: list[Sequence], value: Callable[[Sequence], float], device) -> torch.Tensor:

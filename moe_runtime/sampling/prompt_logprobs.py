@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from moe_runtime.sampling.logprobs import PromptLogprobs
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 
 CHUNK_LOGITS_BYTES = 64 * 2**20   # fp32 logits of one chunk of prompt positions
 

@@ -33,7 +33,7 @@ from moe_runtime.sampling.device_draw import DeviceDraw, DrawStatus, SampleResul
 from moe_runtime.sampling.logprobs_mode import LogprobsMode
 from moe_runtime.sampling.logits_processors import (add_logit_bias, apply_min_p, apply_penalties,
                                            ban_stop_tokens_below_min_tokens)
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.sampling.structured_output.grammar_bitmask import GrammarBitmask
 
 

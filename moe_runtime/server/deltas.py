@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_runtime.sampling.logprobs import PromptTokenLogprob, TokenLogprob
-from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.records.outputs import RequestOutput
 
 
 @dataclass

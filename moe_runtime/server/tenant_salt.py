@@ -3,7 +3,7 @@
 A cached prefix answers its first token much sooner than a computed one (72 ms vs 505 ms for 1,024
 tokens), so whoever shares a prefix cache with others can test guesses of their prompts. The engine
 shares KV blocks only between requests of the same `cache_salt` (it roots the blocks' hash chain:
-`moe_runtime.engine.prefix_hash.chain_root`).
+`moe_runtime.kv_blocks.prefix_hash.chain_root`).
 
 - No key or one key: one tenant. A request's own `cache_salt` (vLLM's field) is used as given, and
   requests without one share a cache, as before.

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.execution.attention_batch import AttentionBatch
 from moe_runtime.execution.step_inputs import TargetHidden
 from moe_runtime.layers.compressed_cache import LayerCompressedCache

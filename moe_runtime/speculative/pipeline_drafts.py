@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.execution.step_inputs import TargetHidden
 from moe_runtime.speculative.config import SpeculativeConfig
 from moe_runtime.speculative.draft_source import DraftSource

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.execution.step_inputs import TargetHidden
 from moe_runtime.speculative.config import SpeculativeConfig

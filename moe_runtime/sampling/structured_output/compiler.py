@@ -16,8 +16,7 @@ from typing import Iterable
 
 import xgrammar
 
-from moe_runtime.errors import InvalidRequestError
-from moe_runtime.engine.outputs import error_message
+from moe_runtime.errors import InvalidRequestError, error_message
 from moe_runtime.sampling.structured_output.grammar_parsing import parse_grammar, xgrammar_message
 from moe_runtime.sampling.structured_output.grammar_state import GrammarState
 from moe_runtime.sampling.structured_output.lru import BoundedLRU

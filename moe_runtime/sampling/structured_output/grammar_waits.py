@@ -40,8 +40,7 @@ from typing import Callable, Protocol
 
 import xgrammar
 
-from moe_runtime.engine.outputs import error_message
-from moe_runtime.errors import InvalidRequestError
+from moe_runtime.errors import InvalidRequestError, error_message
 from moe_runtime.sampling.structured_output.compiler import GrammarCompilerCache
 from moe_runtime.sampling.structured_output.grammar_state import GrammarState
 from moe_runtime.sampling.structured_output.spec import StructuredOutputSpec

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from moe_runtime.engine.prefix_cache import PrefixCache, PrefixCacheCounters, PrefixCacheEvents
-from moe_runtime.engine.prefix_hash import BlockHash
+from moe_runtime.kv_blocks.prefix_cache import PrefixCache, PrefixCacheCounters, PrefixCacheEvents
+from moe_runtime.kv_blocks.prefix_hash import BlockHash
 
 
 class BlockPool:

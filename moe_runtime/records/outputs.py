@@ -72,9 +72,3 @@ class RequestOutput:
     # return_routed_experts: [prompt + generated - 1, moe_layers, top_k] logical expert ids (the last token was
     # never fed through the model), in the finished output only (moe/routed_experts.py)
     routed_experts: np.ndarray | None = None
-
-
-def error_message(exc: BaseException, limit: int = 200) -> str:
-    """A short, one-line description of `exc` for `RequestOutput.error` (clients see it)."""
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."

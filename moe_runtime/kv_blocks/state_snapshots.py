@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from moe_runtime.engine.prefix_hash import BlockHash
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.kv_blocks.prefix_hash import BlockHash
+from moe_runtime.records.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,14 @@ away stays cached (idle) until a new block is needed and no plain free one is le
 count as free: `num_free_blocks` is what a request can get now. A request's `cache_salt` roots its hash
 chain (`chain_root`): it shares blocks only with requests of the same salt.
 
-A model with windowed layers beside full ones (moe_runtime/engine/kv_groups.py) has one more group per
+A model with windowed layers beside full ones (moe_runtime/kv_blocks/kv_groups.py) has one more group per
 window: `seq.block_table` is the full group's, `seq.window_tables[i]` windowed group i + 1's
-(moe_runtime/engine/window_blocks.py), prepared for each scheduled step (`schedule_tokens`). A cached
+(moe_runtime/kv_blocks/window_blocks.py), prepared for each scheduled step (`schedule_tokens`). A cached
 prefix is reused only as far as every windowed group still holds the window its first new query reads.
 
 A model with linear-attention layers (`state_slots`) gives each admitted sequence a recurrent-state slot
 (moe_runtime/engine/state_slots.py), freed with its blocks. With prefix caching it also keeps state snapshots at
-full-block boundaries (moe_runtime/engine/state_snapshots.py) under the full blocks' hashes: a cached prefix is
+full-block boundaries (moe_runtime/kv_blocks/state_snapshots.py) under the full blocks' hashes: a cached prefix is
 reused only as far as a snapshot of its end is kept, and each scheduled step asks for snapshots of the block
 boundaries it computes (`seq.state_captures`).
 
@@ -28,13 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from moe_runtime.engine.block_pool import BlockPool
-from moe_runtime.engine.prefix_cache import PrefixCacheCounters, PrefixCacheEvents
-from moe_runtime.engine.prefix_hash import BlockHash, chain_root, extend_block_hashes
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.kv_blocks.block_pool import BlockPool
+from moe_runtime.kv_blocks.prefix_cache import PrefixCacheCounters, PrefixCacheEvents
+from moe_runtime.kv_blocks.prefix_hash import BlockHash, chain_root, extend_block_hashes
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.engine.state_slots import StateSlots
-from moe_runtime.engine.state_snapshots import SnapshotPoolSize, StateSnapshots
-from moe_runtime.engine.window_blocks import WindowBlocks
+from moe_runtime.kv_blocks.state_snapshots import SnapshotPoolSize, StateSnapshots
+from moe_runtime.kv_blocks.window_blocks import WindowBlocks
 from moe_runtime.kv_tiers.tier_key import FULL_GROUP, STATE_SNAPSHOT, TierKey
 from moe_runtime.kv_tiers.tier_moves import TierLoad, TierSave
 from moe_runtime.layers.attention_span import AttentionSpan
@@ -230,7 +230,7 @@ class BlockManager:
         last), and the blocks past those are freed, in every group. Their K/V content is simply overwritten
         later; none of them was offered to the prefix cache (`schedule_tokens` registers tokens, never drafts).
         Recurrent states cannot be cut: the sequence's next step starts its slot from the checkpoint before the
-        rejected tokens (`seq.state_rollback`, moe_runtime/speculative/state_rollback.py)."""
+        rejected tokens (`seq.state_rollback`, moe_runtime/records/draft_checkpoints.py)."""
         rejected = seq.num_cached_tokens - (seq.num_tokens - 1)
         if rejected > 0 and self.states is not None:
             seq.state_rollback = rejected

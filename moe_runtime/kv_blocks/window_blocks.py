@@ -1,5 +1,5 @@
 """One windowed KV group's blocks: each sequence's table over the group's pool, holding only the blocks a
-step can still read (moe_runtime/engine/kv_groups.py says why the pool never runs dry).
+step can still read (moe_runtime/kv_blocks/kv_groups.py says why the pool never runs dry).
 
 A sequence's table has one entry per block of its positions, like the full group's; an entry is -1 once no
 future query can read that block (the runner points it at the group's scratch block, `scratch_block`). With
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from moe_runtime.engine.block_pool import BlockPool
-from moe_runtime.engine.prefix_hash import BlockHash
+from moe_runtime.kv_blocks.block_pool import BlockPool
+from moe_runtime.kv_blocks.prefix_hash import BlockHash
 from moe_runtime.layers.attention_span import AttentionSpan
 
 FREED = -1

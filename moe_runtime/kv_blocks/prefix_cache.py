@@ -1,7 +1,7 @@
 """The content-addressed side of the KV cache: which physical block holds which full block of tokens.
 
 A full block whose K/V has been computed (or is being computed in the current step, ahead of any
-reader in that step) is registered under its prefix hash (`moe_runtime.engine.prefix_hash`). A block no
+reader in that step) is registered under its prefix hash (`moe_runtime.kv_blocks.prefix_hash`). A block no
 request references stays cached, idle, until its memory is needed: the block manager then takes
 the least recently used idle block (`evict_lru`). A request that starts with cached blocks reuses
 them (the block manager counts references) and computes only the rest.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from moe_runtime.engine.prefix_hash import BlockHash
+from moe_runtime.kv_blocks.prefix_hash import BlockHash
 
 
 @dataclass
