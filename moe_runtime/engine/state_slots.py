@@ -16,12 +16,15 @@ from __future__ import annotations
 from collections import deque
 
 LINEAR_ATTENTION = "linear_attention"   # transformers' layer_types entry of a Gated DeltaNet layer
+# every layer_types entry whose layer keeps a recurrent state: linear attention (also Mamba, Mamba2, lightning), and
+# LFM2's short convolutions ("conv"), served by the transformers backend (models/transformers_backend/recurrent_*)
+RECURRENT_LAYER_TYPES = (LINEAR_ATTENTION, "conv")
 
 
 def linear_attention_layers(hf_config) -> tuple[int, ...]:
     """The model's layers that keep a recurrent state (none for a model without layer_types)."""
     layer_types = getattr(hf_config, "layer_types", None) or ()
-    return tuple(i for i, kind in enumerate(layer_types) if kind == LINEAR_ATTENTION)
+    return tuple(i for i, kind in enumerate(layer_types) if kind in RECURRENT_LAYER_TYPES)
 
 
 def state_layers(hf_config) -> tuple[int, ...]:

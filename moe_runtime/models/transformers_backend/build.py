@@ -16,6 +16,8 @@ from moe_runtime.models.transformers_backend.experts import (EXPERTS_IMPLEMENTAT
                                                              experts_shape, is_interface_experts, register_experts,
                                                              seam_activation)
 from moe_runtime.models.transformers_backend.kv_specs import layer_attention
+from moe_runtime.models.transformers_backend.recurrent_mixers import install_recurrent_mixers
+from moe_runtime.models.transformers_backend.recurrent_state import served_layout
 from moe_runtime.models.transformers_backend.model import (TransformersCausalLM, TransformersExpertWeights,
                                                            TransformersModel)
 from moe_runtime.models.transformers_backend.step_context import StepContext, hang_step_context
@@ -41,6 +43,9 @@ def build_transformers_model(architecture: str, hf_config, ctx: BuildContext) ->
     if hang_step_context(hf, step) == 0:
         raise UnsupportedArchitectureError(f"transformers backend: {architecture} has no module with a layer_idx "
                                            "(its attention cannot find its layer's KV cache)")
+    layout = served_layout(hf_config)
+    if layout is not None:   # recurrent mixers run sequence by sequence on our state slots
+        install_recurrent_mixers(hf, layout, step, ctx.dtype)
     seams, routed = _bind_experts(architecture, hf, ctx)
     backbone = TransformersModel(hf, seams, torch.device(ctx.device), ctx.dtype)
     backbone.skipped = SkippedTensors.for_config(hf_config)

@@ -17,6 +17,7 @@ from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.models.transformers_backend.experts import ExpertsSeam
 from moe_runtime.models.transformers_backend.kv_specs import kv_cache_spec
 from moe_runtime.models.transformers_backend.loading import load_transformers_weights
+from moe_runtime.models.transformers_backend.recurrent_state import served_layout
 from moe_runtime.models.transformers_backend.step_context import StepContext
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertWeights
@@ -106,8 +107,11 @@ class TransformersCausalLM(nn.Module):
     def stage_activation_width(self) -> int:
         return self.hf_config.hidden_size
 
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        return [kv_cache_spec(layer) for layer in self.step.layers]
+    def kv_cache_specs(self) -> list:
+        """Each layer's paged KV cache spec, or its state slot's (`StateSpec`) where it keeps a recurrent state."""
+        specs = [kv_cache_spec(layer) for layer in self.step.layers]
+        layout = served_layout(self.hf_config)
+        return specs if layout is None else layout.with_state_specs(specs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 caches: list[LayerKVCache], hidden: torch.Tensor | None = None) -> torch.Tensor:  # [T] -> [T, H]

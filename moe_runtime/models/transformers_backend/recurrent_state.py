@@ -24,13 +24,15 @@ import torch
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin,
                                       get_layer_types_and_kwargs)
 
+from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.layers.state_cache import StateSpec
 
 CONV = "conv"
 RECURRENT = "recurrent"
+ATTENTION_AND_STATE = ("hybrid", "hybrid_sliding")   # transformers' layer types of attention with a state beside
 
 
-class UnsupportedRecurrentModel(ValueError):
+class UnsupportedRecurrentModel(UnsupportedArchitectureError):
     """A model whose recurrent layers this backend cannot keep in the state cache (the reason names the layer)."""
 
 
@@ -89,6 +91,10 @@ class RecurrentLayout:
         return StateSpec(conv_channels=0, conv_width=0, num_heads=1, key_dim=1,
                          value_dim=max(state.numel for state in self.layers))
 
+    def with_state_specs(self, specs: list) -> list:
+        """A model's per-layer cache specs with the recurrent layers' replaced by the state slot's."""
+        return [self.state_spec() if i in self.layer_indices else spec for i, spec in enumerate(specs)]
+
     def of_layer(self, layer: int) -> LayerState:
         for state in self.layers:
             if state.layer == layer:
@@ -111,6 +117,23 @@ class RecurrentLayout:
                 f"supported: {sorted(_SHAPES)}")
         return cls(model_type, cfg.num_hidden_layers, tuple(LayerState(i, shapes(cfg, i)) for i in layers),
                    linear_cache=model_type == "minimax", scan_ignores_state=model_type == "jamba")
+
+
+def served_layout(hf_config) -> RecurrentLayout | None:
+    """The layout the transformers backend serves (None: no recurrent layer), refusing by name what it cannot:
+    recurrent layers of unknown shape (`RecurrentLayout.of`), and attention layers that also keep a state (the
+    engine keeps one cache per layer, a paged KV cache or a state slot)."""
+    layout = RecurrentLayout.of(hf_config)
+    if layout is None:
+        return None
+    cfg = hf_config.get_text_config(decoder=True)
+    both = [i for i in layout.layer_indices if type_of(cfg, i) in ATTENTION_AND_STATE]
+    if both:
+        raise UnsupportedRecurrentModel(
+            f"transformers backend: model type {layout.model_type!r}: layers {both} ({type_of(cfg, both[0])!r}) "
+            "are attention layers that also keep a recurrent state; the engine keeps one cache per layer "
+            "(a paged KV cache or a state slot), not both")
+    return layout
 
 
 def recurrent_layers(cfg) -> tuple[int, ...]:

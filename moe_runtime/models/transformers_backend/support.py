@@ -10,9 +10,11 @@ from __future__ import annotations
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.config.parallel_context import ParallelContext
 from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.models.transformers_backend.recurrent_state import served_layout
 from moe_runtime.speculative.config import MODEL_DRAFTERS, SpeculativeConfig
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+MIXERLESS_LAYER_TYPES = frozenset({"moe", "mlp"})   # Nemotron-H's blocks without a token mixer
 
 
 def transformers_class(architecture: str):
@@ -29,12 +31,15 @@ def transformers_class(architecture: str):
 
 def check_config(architecture: str, hf_config) -> None:
     layer_types = getattr(hf_config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    layout = served_layout(hf_config)   # recurrent layers: kept in state slots (recurrent_mixers.py), or refused
+    stateful = set(layout.layer_indices if layout else ())
+    other = sorted({t for i, t in enumerate(layer_types)
+                    if t not in ATTENTION_LAYER_TYPES | MIXERLESS_LAYER_TYPES and i not in stateful})
     if other:
         first = next(i for i, t in enumerate(layer_types) if t in other)
         raise UnsupportedArchitectureError(
             f"transformers backend: {architecture} has layers of type {', '.join(repr(t) for t in other)} (first: "
-            f"layer {first}), which keep a recurrent state across steps that the backend does not carry yet")
+            f"layer {first}), which the backend does not run")
 
 
 def check_engine(architecture: str, parallel: ParallelContext, engine: EngineConfig | None, quant) -> None:
