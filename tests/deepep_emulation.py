@@ -53,7 +53,7 @@ from moe_runtime.dispatch.collectives import (ColumnSpec, all_to_all_rows, excha
                                               unpack_rows)
 from moe_runtime.dispatch.deepep_preconditions import DEEPEP_DTYPE, MODE_LOW_LATENCY, MODE_NORMAL, deepep_refusal
 from moe_runtime.dispatch.fp8_activations import FP8_DTYPE, GROUP_SIZE, quantize_token_groups
-from moe_runtime.execution.host_reads import opaque_device_kernel
+from moe_runtime.sampling.host_reads import opaque_device_kernel
 
 
 class EmulatedEvent:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_ops import split_attention, varlen_causal_attention
 
 CONTEXT_LENS = [9, 3, 14, 11, 5, 13]

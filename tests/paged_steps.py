@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 
 
 def paged_step(tables: torch.Tensor, block_size: int, query_lens: list[int],

@@ -29,7 +29,7 @@ from moe_runtime.config.parallel_context import ParallelContext
 from moe_runtime.engine.scheduler import ScheduledBatch
 from moe_runtime.records.sequence import Sequence
 from moe_runtime.engine.stats import WorkerStats
-from moe_runtime.execution.host_reads import HostReadCounter, opaque_device_kernel
+from moe_runtime.sampling.host_reads import HostReadCounter, opaque_device_kernel
 from moe_runtime.front.llm import LLM
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertWeights

@@ -13,7 +13,7 @@ from context_parallel_cases import generate_on_rank
 from tiny_checkpoints import HFOracle
 
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.execution.context_parallel import SequencePiece, assign_pieces
+from moe_runtime.models.context_parallel import SequencePiece, assign_pieces
 from multirank import ranks  # noqa: F401  (fixture)
 
 ARCHS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",

@@ -20,7 +20,7 @@ from moe_runtime import LLM, SamplingParams
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.records.sequence import Sequence
 from moe_runtime.sampling.logprobs import TokenLogprob
-from moe_runtime.sampling.logprobs_mode import LOGPROBS_MODES, LogprobsMode
+from moe_runtime.config.logprobs_mode import LOGPROBS_MODES, LogprobsMode
 from moe_runtime.sampling.sampler import Sampler
 from moe_runtime.server.cli import build_parser, engine_config_from_args
 from moe_runtime.server.logprobs import LOWEST_SHOWN_LOGPROB, TokenNamer, chat_logprobs, completion_logprobs

@@ -22,7 +22,7 @@ from engine_helpers import greedy
 from lazy_engines import engine_pool
 from tiny_checkpoints import HFOracle
 from moe_runtime import LLM
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 
 FEW_INDEX_HEADS = {   # config overrides of each arch's tiny checkpoint (tests/tiny_archs.py): ties are frequent
     "deepseek_v32": dict(index_n_heads=4, index_head_dim=16),

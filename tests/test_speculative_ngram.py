@@ -27,7 +27,7 @@ from moe_runtime.engine.core import EngineCore
 from moe_runtime.engine.scheduler import Scheduler, SchedulerConfig
 from moe_runtime.records.sequence import Sequence
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.speculative.config import SpeculativeConfig
+from moe_runtime.config.speculative import SpeculativeConfig
 from moe_runtime.speculative.ngram import NgramDrafter
 from moe_runtime.speculative.speculation import Speculation
 

@@ -21,8 +21,8 @@ from moe_runtime.dispatch import DispatchConfig, make_dispatcher, naive_moe_refe
 from moe_runtime.dispatch.pending import Ready
 from moe_runtime.kernels import get_kernels
 from moe_runtime.load_balancer import SlotGeometry
-from moe_runtime.execution.attention_batch import AttentionBatch
-from moe_runtime.execution.micro_batches import balanced_split, split_in_two
+from moe_runtime.layers.attention_batch import AttentionBatch
+from moe_runtime.models.micro_batches import balanced_split, split_in_two
 from moe_runtime.moe.comm_timeline import CommTimeline
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.expert_weights import ExpertWeights

@@ -17,7 +17,7 @@ class ParallelContext:
     attention-TP group split attention heads (for a dense model with tp > 1 they also split the MLP
     and the vocabulary: `dense_tp`) and see the same tokens; with context parallelism the worker's
     `cp_size` attention-TP groups each take a share of every step's tokens and exchange their new K/V
-    over the context-parallel group (moe_runtime/execution/context_parallel.py). Across stages, the ranks at
+    over the context-parallel group (moe_runtime/models/context_parallel.py). Across stages, the ranks at
     the same position form a pipeline group that passes activations on.
 
     Every scope has two groups. The data group (`*_group`, NCCL on GPU) moves activations and

@@ -1,2 +1,2 @@
-"""Model execution: batch preparation, attention metadata, the model runner, context parallelism,
-micro-batches, pipeline stages and the captured decode step."""
+"""Model execution: batch preparation and the KV cache tensors (the model runner), step inputs, pipeline
+stages and the captured decode step."""

@@ -9,7 +9,7 @@ import torch
 
 from moe_runtime.config.engine_config import EngineConfigError
 from moe_runtime.sampling.logprobs import PromptLogprobs
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.execution.decode_capture import CaptureSettings, DecodeCapture
 from moe_runtime.execution.step_inputs import StepInputs, TargetHidden
 from moe_runtime.kv_blocks.kv_groups import KVCacheLayout

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 
 
 @dataclass

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.layers.attention_span import AttentionSpan
-from moe_runtime.speculative.config import SpeculativeConfig
+from moe_runtime.config.speculative import SpeculativeConfig
 
 @dataclass(frozen=True)
 class KVGroup:

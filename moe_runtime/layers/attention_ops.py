@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from moe_runtime.kernels.prefix_causal_attention import span_causal_attention
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_backend import PrefillAttention
 from moe_runtime.layers.attention_span import AttentionSpan
 

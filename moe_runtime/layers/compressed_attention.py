@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.compressed_cache import CompressedAttentionSpec, LayerCompressedCache, read_ring, write_ring
 from moe_runtime.layers.kv_compressor import KVCompressor, WeightedNorm
 from moe_runtime.layers.linear import Linear, LinearShard

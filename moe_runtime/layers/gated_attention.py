@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.attention import Attention, AttentionShape
 from moe_runtime.layers.attention_ops import paged_varlen_attention, split_attention, varlen_causal_attention
 from moe_runtime.layers.hybrid_norms import OffsetRMSNorm

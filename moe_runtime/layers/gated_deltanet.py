@@ -35,7 +35,7 @@ from torch import nn
 
 from moe_runtime.kernels.delta_rule import chunked_delta_rule, chunked_delta_rule_states, delta_rule_step
 from moe_runtime.kernels.delta_rule_fla import fla_available, fla_chunked_delta_rule, fla_delta_rule_step
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.hybrid_norms import GatedRMSNorm
 from moe_runtime.layers.linear import Linear, LinearShard
 from moe_runtime.layers.row_ranges import RowRangesLinear, load_rows

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.kernels.batch_invariant import BATCH_INVARIANT, invariant_head_linear
 from moe_runtime.layers.attention_backend import attention_kernels_for
 from moe_runtime.layers.attention_ops import paged_varlen_attention, split_attention, varlen_causal_attention

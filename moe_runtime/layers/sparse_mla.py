@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_runtime.kernels.sparse_latent_attention import slab_rows
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.lightning_indexer import IndexQueries, LightningIndexer, TokenSelection
 from moe_runtime.layers.mla import MultiHeadLatentAttention

@@ -6,9 +6,9 @@ load by name; model files only choose which attention and MLP each layer gets.
 The forward pass is staged (moe_runtime/moe/stages.py): an MoE block yields while its dispatch or
 combine is in flight. One batch runs its stages back to back. With two-batch overlap
 (`MoEExecutor.overlaps_micro_batches`) the step is split by sequences into two micro-batches
-(moe_runtime/execution/micro_batches.py) whose stages interleave, each computing while the other's transfer
+(moe_runtime/models/micro_batches.py) whose stages interleave, each computing while the other's transfer
 travels; their outputs are concatenated back in order. With context parallelism
-(moe_runtime/execution/context_parallel.py) each rank of a DP worker runs its share of the step's rows and
+(moe_runtime/models/context_parallel.py) each rank of a DP worker runs its share of the step's rows and
 the ranks gather the final hidden states back into step order.
 """
 from __future__ import annotations
@@ -19,19 +19,19 @@ import torch
 from torch import nn
 
 from moe_runtime.kernels import KernelSet
-from moe_runtime.execution.attention_batch import AttentionBatch
-from moe_runtime.execution.context_parallel import ContextParallel
+from moe_runtime.layers.attention_batch import AttentionBatch
+from moe_runtime.models.context_parallel import ContextParallel
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Embedding, Linear
 from moe_runtime.layers.norm import RMSNorm
 from moe_runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_vocab_logits
-from moe_runtime.execution.micro_batches import MicroBatch, split_in_two
+from moe_runtime.models.micro_batches import MicroBatch, split_in_two
 from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.stages import Staged, call_staged, interleave
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.parallel_context import ParallelContext
-from moe_runtime.speculative.config import MODEL_DRAFTERS, SpeculativeConfig
+from moe_runtime.config.speculative import MODEL_DRAFTERS, SpeculativeConfig
 from moe_runtime.weights.quantization.weight_quantization import WeightQuantization, linear_quantization
 
 

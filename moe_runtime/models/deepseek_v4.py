@@ -29,7 +29,7 @@ from torch import nn
 from moe_runtime.kernels import RoutingConfig, TopK
 from moe_runtime.kernels.expert_activation import ExpertActivation
 from moe_runtime.kernels.routing import chosen_weights, expert_scores
-from moe_runtime.execution.micro_batches import MicroBatch
+from moe_runtime.models.micro_batches import MicroBatch
 from moe_runtime.layers.compressed_attention import CompressedAttention, V4AttentionShape
 from moe_runtime.layers.hyper_connections import HyperConnection, HyperHead
 from moe_runtime.layers.kv_compressor import WeightedNorm
@@ -41,7 +41,7 @@ from moe_runtime.moe.expert_weights import MIXTRAL_NAMING
 from moe_runtime.moe.layer import MoEShape, SparseMoE
 from moe_runtime.moe.router import Router
 from moe_runtime.moe.stages import Staged
-from moe_runtime.speculative.config import SpeculativeConfig
+from moe_runtime.config.speculative import SpeculativeConfig
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.loading import copy_checked
 

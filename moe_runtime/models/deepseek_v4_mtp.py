@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.compressed_cache import CompressedAttentionSpec, LayerCompressedCache
 from moe_runtime.layers.hyper_connections import HyperHead
 from moe_runtime.layers.kv_compressor import WeightedNorm

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.attention import Attention, AttentionShape
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.layers.linear import Linear

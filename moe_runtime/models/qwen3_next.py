@@ -18,7 +18,7 @@ from torch import nn
 
 from moe_runtime.kernels import RoutingConfig
 from moe_runtime.engine.state_slots import LINEAR_ATTENTION
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.attention import AttentionShape
 from moe_runtime.layers.gated_attention import GatedAttention
 from moe_runtime.layers.gated_deltanet import DeltaNetShape, GatedDeltaNet

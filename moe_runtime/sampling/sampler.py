@@ -14,7 +14,7 @@ exactly what they would have drawn in any other batch.
 
 Logprobs are the model's own (log-softmax of the raw logits, before any processor) by default, as vLLM
 reports them; the engine's `logprobs_mode` may ask for those of the distribution each token was drawn from
-instead, or for logits (moe_runtime/sampling/logprobs_mode.py).
+instead, or for logits (moe_runtime/config/logprobs_mode.py).
 
 Nothing here reads the device before the end: `draw` leaves the tokens, each row's verdict (`DrawStatus`)
 and the asked logprobs on the device, and `DeviceDraw.to_host` brings them back in one copy, the step's
@@ -27,10 +27,10 @@ from typing import Iterable
 
 import torch
 
-from moe_runtime.execution.host_reads import step_result_transfer
+from moe_runtime.sampling.host_reads import step_result_transfer
 from moe_runtime.sampling.counter_noise import exponential_race
 from moe_runtime.sampling.device_draw import DeviceDraw, DrawStatus, SampleResult, TopLogprobs
-from moe_runtime.sampling.logprobs_mode import LogprobsMode
+from moe_runtime.config.logprobs_mode import LogprobsMode
 from moe_runtime.sampling.logits_processors import (add_logit_bias, apply_min_p, apply_penalties,
                                            ban_stop_tokens_below_min_tokens)
 from moe_runtime.records.sequence import Sequence

@@ -22,7 +22,7 @@ import sys
 from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV
 from moe_runtime.dispatch.backends import BACKENDS
 from moe_runtime.config.engine_config import DISAGGREGATION_MODES, DTYPES, MODEL_IMPLS, QUANTIZATIONS, EngineConfig
-from moe_runtime.sampling.logprobs_mode import LOGPROBS_MODES
+from moe_runtime.config.logprobs_mode import LOGPROBS_MODES
 from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
 from moe_runtime.errors import MoERuntimeError
 from moe_runtime.server.flag_help import DefaultsHelpFormatter

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from moe_runtime.records.sequence import Sequence
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.execution.step_inputs import TargetHidden
 from moe_runtime.layers.compressed_cache import LayerCompressedCache
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache

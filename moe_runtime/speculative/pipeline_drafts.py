@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from moe_runtime.records.sequence import Sequence
 from moe_runtime.execution.step_inputs import TargetHidden
-from moe_runtime.speculative.config import SpeculativeConfig
+from moe_runtime.config.speculative import SpeculativeConfig
 from moe_runtime.speculative.draft_source import DraftSource
 from moe_runtime.speculative.eagle3_loading import build_eagle3_drafter, keep_eagle3_aux_layers
 from moe_runtime.speculative.mtp import MtpDrafter

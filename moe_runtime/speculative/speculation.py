@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from moe_runtime.records.sequence import Sequence
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.execution.step_inputs import TargetHidden
-from moe_runtime.speculative.config import SpeculativeConfig
+from moe_runtime.config.speculative import SpeculativeConfig
 from moe_runtime.speculative.draft_source import DraftSource
 from moe_runtime.speculative.eagle3_loading import build_eagle3_drafter
 from moe_runtime.speculative.mtp import MtpDrafter

@@ -20,7 +20,7 @@ import torch
 from moe_runtime.errors import error_message
 from moe_runtime.kv_blocks.block_manager import BlockManager
 from moe_runtime.records.sequence import FinishReason, Sequence
-from moe_runtime.execution.host_reads import step_result_transfer
+from moe_runtime.sampling.host_reads import step_result_transfer
 from moe_runtime.sampling.device_draw import DeviceDraw, DrawStatus, SampleResult
 from moe_runtime.sampling.logprobs import TokenLogprob
 from moe_runtime.sampling.sampler import SampledRows

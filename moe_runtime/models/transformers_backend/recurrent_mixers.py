@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from moe_runtime.errors import UnsupportedArchitectureError
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.state_cache import LayerStateCache
 from moe_runtime.models.transformers_backend.recurrent_bridge import RecurrentStateBridge
 from moe_runtime.models.transformers_backend.recurrent_state import RecurrentLayout

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_span import AttentionSpan
 from moe_runtime.layers.kv_cache import LayerKVCache
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_backend import AttentionKernels
 from moe_runtime.layers.attention_span import AttentionSpan
 from moe_runtime.layers.kv_cache import LayerKVCache

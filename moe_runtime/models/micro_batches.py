@@ -19,7 +19,7 @@ from itertools import accumulate
 
 import torch
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 
 
 @dataclass
