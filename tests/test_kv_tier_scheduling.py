@@ -14,7 +14,7 @@ from moe_runtime.kv_tiers.engine_tiers import EngineTiers
 from moe_runtime.kv_tiers.entry_sizes import EntrySizes
 from moe_runtime.kv_tiers.host_tier import HostTier
 from moe_runtime.kv_tiers.tier_key import FULL_GROUP, TierKey
-from moe_runtime.kv_tiers.tier_steps import TierSteps
+from moe_runtime.engine.tier_steps import TierSteps
 from moe_runtime.kv_tiers.tiered_store import TieredStore
 from moe_runtime.kv_tiers.worker_agreement import WorkerAgreement
 from moe_runtime.config.parallel_context import ParallelContext

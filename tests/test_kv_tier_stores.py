@@ -212,7 +212,7 @@ def test_the_router_hears_of_a_block_held_in_a_tier_as_held_by_its_worker():
     from moe_runtime.attention_dp.prefix_index import PrefixCacheIndex
     from moe_runtime.kv_blocks.block_pool import BlockPool
     from moe_runtime.kv_blocks.prefix_cache import PrefixCacheEvents
-    from moe_runtime.kv_tiers.router_view import held_anywhere
+    from moe_runtime.engine.tier_router_view import held_anywhere
 
     pool = BlockPool(4, enable_prefix_caching=True)
     block = pool.take()

@@ -59,7 +59,7 @@ class DecodeImports:
         self._waiting: deque[Import] = deque()      # no blocks yet, in arrival order
         self._imports: dict[str, Import] = {}
         # called once an import has its blocks, before its pull writes them: cached blocks the allocation reused go
-        # down to the KV tiers first (moe_runtime/kv_tiers/tier_steps.py; nothing without tiers)
+        # down to the KV tiers first (moe_runtime/engine/tier_steps.py; nothing without tiers)
         self.before_pull: Callable[[], None] = lambda: None
 
     def add(self, seq: Sequence, spec: ImportSpec, error: str | None = None) -> None:

@@ -18,7 +18,7 @@ from moe_runtime.kv_blocks.prefix_cache import PrefixCacheEvents
 from moe_runtime.engine.scheduler import Scheduler
 from moe_runtime.kv_tiers.block_contents import BlockContents
 from moe_runtime.kv_tiers.engine_tiers import EngineTiers, TierSettings, cache_fingerprint
-from moe_runtime.kv_tiers.router_view import held_anywhere
+from moe_runtime.engine.tier_router_view import held_anywhere
 
 logger = logging.getLogger(__name__)
 
