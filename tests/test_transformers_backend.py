@@ -20,6 +20,7 @@ from lazy_engines import engine_pool
 from shared_builds import build_once, shared_root
 from tiny_checkpoints import HFOracle, build_model
 from moe_runtime import LLM
+from moe_runtime.config.engine_config import EngineConfigError
 from moe_runtime.errors import CheckpointError, UnsupportedArchitectureError
 
 NEW_TOKENS = 6
@@ -43,9 +44,20 @@ def _config(name: str):
         # layer 1 slides (window 8), layer 0 is full: two KV cache groups
         "qwen3": lambda: t.Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1),
         # an architecture with no native port: shared experts, grouped routing, first layer dense
+        # attention and final-logit soft-capping, alternating sliding (8) and full layers, scaled embeddings
+        "gemma2": lambda: t.Gemma2Config(**SMALL, sliding_window=8, attn_logit_softcapping=20.0,
+                                         final_logit_softcapping=15.0, query_pre_attn_scalar=24),
+        # one full layer after five sliding ones (window 8), per-layer-type rotary bases, q/k norms
+        "gemma3_text": lambda: t.Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 3}, sliding_window=8,
+                                                  layer_types=["sliding_attention", "full_attention",
+                                                               "sliding_attention"]),
+        # fused qkv_proj and gate_up_proj in the model itself
+        "phi3": lambda: t.Phi3Config(**SMALL),
         # no native port: experts stacks with the text/vision split transformers' conversion rules undo
         "ernie4_5_moe": lambda: t.Ernie4_5_MoeConfig(**SMALL, **moe, moe_num_experts=8, moe_layer_start_index=1,
                                                      moe_num_shared_experts=1, use_bias=False),
+        # Glm4MoeForCausalLM's code under sarvam_moe's checkpoint names (query_key_value, dense, word_embeddings)
+        "sarvam_moe": lambda: t.SarvamMoEConfig(**SMALL, **moe, n_routed_experts=8, first_k_dense_replace=1),
         "dots1": lambda: t.Dots1Config(**{**SMALL, "num_hidden_layers": 3}, **moe, n_routed_experts=8,
                                        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
                                        norm_topk_prob=True, routed_scaling_factor=1.5, sliding_window=None),
@@ -71,7 +83,8 @@ def checkpoint(tmp_path_factory, tiny_tokenizer_dir, tiny_checkpoint_factory):
 @pytest.fixture(scope="module")
 def engines(checkpoint):
     """(name, layout) -> its LLM through the transformers backend."""
-    layouts = {"chunked": CHUNKED, "ep2_dp2": dict(ep=2, dp_attn=2), "native": dict(CHUNKED, model_impl="native")}
+    layouts = {"chunked": CHUNKED, "ep2_dp2": dict(ep=2, dp_attn=2), "native": dict(CHUNKED, model_impl="native"),
+               "auto": dict(CHUNKED, model_impl="auto")}
     with engine_pool(lambda name, layout: LLM(str(checkpoint(name)), device="cpu", dtype="float32",
                                               **{"model_impl": "transformers", **layouts[layout]})) as get:
         yield get
@@ -81,7 +94,7 @@ def _expected(checkpoint, name: str) -> list[list[int]]:
     return HFOracle(checkpoint(name)).greedy(PROMPTS, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "dots1", "tiny:mixtral"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3_text", "phi3", "dots1", "tiny:mixtral"])
 def test_greedy_tokens_match_transformers_with_chunks_and_prefix_cache(engines, checkpoint, name):
     llm = engines(name, "chunked")
     expected = _expected(checkpoint, name)
@@ -113,3 +126,27 @@ def test_forced_generic_path_matches_the_native_port(engines, checkpoint):
                                runtime_prefill_logits(native.engine.core, PROMPTS[0]), rtol=1e-4, atol=1e-4)
     expected = _expected(checkpoint, "tiny:qwen3_moe")
     assert [o.token_ids for o in generic.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
+
+
+def test_model_type_with_its_own_checkpoint_names_is_mapped(engines, checkpoint):
+    """config.json: architectures Glm4MoeForCausalLM, model_type sarvam_moe, tensors under Sarvam's names. `auto`
+    sends it to the transformers backend (the native GLM port reads GLM's names), whose conversion rules map them."""
+    llm = engines("sarvam_moe", "auto")
+    assert type(llm.engine.core.model).__name__ == "TransformersCausalLM"
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == _expected(checkpoint, "sarvam_moe")
+
+
+def test_tensors_of_another_model_are_refused_by_name(checkpoint, tmp_path):
+    """The same tensors under a config that says glm4_moe: no rule maps them, and the first are named."""
+    path = tmp_path / "sarvam_as_glm"
+    shutil.copytree(checkpoint("sarvam_moe"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "glm4_moe"}))
+    with pytest.raises(CheckpointError, match=r"map to no parameter.*'model\.layers\.0\.attention\.dense\.weight'"):
+        LLM(str(path), device="cpu", dtype="float32", model_impl="transformers")
+
+
+def test_options_the_backend_cannot_run_are_refused_by_flag(checkpoint):
+    """Refused at the front, before any weight is read, naming each flag."""
+    with pytest.raises(EngineConfigError, match=r"transformers backend \(Qwen3ForCausalLM\).*--deterministic"):
+        LLM(str(checkpoint("qwen3")), device="cpu", model_impl="transformers", deterministic=True)

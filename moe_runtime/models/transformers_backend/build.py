@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 def build_transformers_model(architecture: str, hf_config, ctx: BuildContext) -> TransformersCausalLM:
     cls = transformers_class(architecture)
     check_config(architecture, hf_config)
-    check_engine(architecture, ctx.parallel, ctx.engine, ctx.quant)
+    p = ctx.parallel
+    check_engine(architecture, p.pp_size, p.attn_tp_size, p.cp_size, None if ctx.quant is None else ctx.quant.name,
+                 ctx.engine)
     register_attention()
     register_experts()
     config = copy.deepcopy(hf_config)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_span import SLIDING
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.models.transformers_backend.experts import ExpertsSeam

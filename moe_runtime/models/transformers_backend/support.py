@@ -8,10 +8,9 @@ per-layer state hook carries their state across steps (see the package docstring
 from __future__ import annotations
 
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
-from moe_runtime.config.parallel_context import ParallelContext
 from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.models.transformers_backend.recurrent_state import served_layout
-from moe_runtime.speculative.config import MODEL_DRAFTERS, SpeculativeConfig
+from moe_runtime.config.speculative import MODEL_DRAFTERS, SpeculativeConfig
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 MIXERLESS_LAYER_TYPES = frozenset({"moe", "mlp"})   # Nemotron-H's blocks without a token mixer
@@ -42,17 +41,20 @@ def check_config(architecture: str, hf_config) -> None:
             f"layer {first}), which the backend does not run")
 
 
-def check_engine(architecture: str, parallel: ParallelContext, engine: EngineConfig | None, quant) -> None:
+def check_engine(architecture: str, pp: int, attn_tp: int, cp: int, quantization: str | None,
+                 engine: EngineConfig | None) -> None:
+    """EngineConfigError naming every flag the backend cannot run with: asked at the front before any rank starts
+    (`refuse_before_launch`) and again on each rank as the model is built."""
     refusals = []
-    if parallel.pp_size > 1:
-        refusals.append(f"--pp {parallel.pp_size} (the transformers model runs all its layers on every rank)")
-    if parallel.attn_tp_size > 1:
-        refusals.append(f"attention tensor parallelism over {parallel.attn_tp_size} ranks (--tp, or --dp-attn below "
-                        "--ep): transformers' modules are not split by heads; use --dp-attn equal to --ep")
-    if parallel.cp_size > 1:
-        refusals.append(f"--cp {parallel.cp_size}")
-    if quant is not None:
-        refusals.append(f"--quantization {quant.name} (weights run in --dtype)")
+    if pp > 1:
+        refusals.append(f"--pp {pp} (the transformers model runs all its layers on every rank)")
+    if attn_tp > 1:
+        refusals.append(f"attention tensor parallelism over {attn_tp} ranks (--tp, or --dp-attn below --ep): "
+                        "transformers' modules are not split by heads; use --dp-attn equal to --ep")
+    if cp > 1:
+        refusals.append(f"--cp {cp}")
+    if quantization not in (None, "none"):
+        refusals.append(f"--quantization {quantization} (weights run in --dtype)")
     if engine is not None:
         if engine.enable_torch_compile:
             refusals.append("--enable-torch-compile (the decode capture traces the native layers)")
