@@ -165,7 +165,7 @@ def drafted_greedy_run(path: Path, speculative: dict, reference, prompts: list[l
     core = drafting_core(path, speculative, prompts, new_tokens)
     seqs = list(core._sequences.values())
     assert run_checking_drafts(core, reference, speculative["num_speculative_tokens"]) >= 2 * len(prompts)
-    worker = core.stats().workers[0]
+    worker = core.worker_stats()
     core.shutdown()
     return [seq.output_token_ids for seq in seqs], worker
 

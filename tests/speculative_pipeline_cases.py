@@ -51,7 +51,7 @@ def drafted_on_rank(path: str, speculative: dict, make_reference, reference_args
                 f"rank {parallel.rank}, request {seq.request_id} after {seq.num_tokens} tokens: "
                 f"{seq.proposed_drafts} vs {expected}")
             compared += 1
-    worker = core.stats().workers[0]
+    worker = core.worker_stats()
     core.shutdown()
     return DraftedRun({int(seq.request_id): seq.output_token_ids for seq in seqs}, compared,
                       worker.spec_draft_tokens, worker.spec_verify_steps)

@@ -29,7 +29,7 @@ from multirank import ranks  # noqa: F401  (pytest fixture)
 from moe_runtime import LLM
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.core import EngineCore
-from moe_runtime.engine.kv_groups import KVCacheLayout, KVGroups
+from moe_runtime.kv_blocks.kv_groups import KVCacheLayout, KVGroups
 from moe_runtime.execution.model_runner import kv_blocks_for_budget, state_rows
 from moe_runtime.layers.compressed_cache import CompressedAttentionSpec
 from moe_runtime.errors import InvalidRequestError
@@ -97,10 +97,10 @@ def test_the_drafts_are_the_mtp_layers_and_greedy_tokens_are_unchanged(mtp_check
     core = _engine(path)
     try:
         outputs = _run_checked(core, reference, CHECKED, NEW_TOKENS)
-        hits = core.stats().prefix_cache_hits
+        hits = core.worker_stats().prefix_cache_hits
         shared = _run_checked(core, reference, [SHARED_PREFIX], NEW_TOKENS, "shared")   # resumes the MTP state too
-        assert core.stats().prefix_cache_hits > hits, "the shared prefix did not reuse its cached blocks"
-        worker = core.stats().workers[0]
+        assert core.worker_stats().prefix_cache_hits > hits, "the shared prefix did not reuse its cached blocks"
+        worker = core.worker_stats()
     finally:
         core.shutdown()
     assert outputs + shared == greedy_oracle(ARCH, CHECKED + [SHARED_PREFIX], NEW_TOKENS)
@@ -115,7 +115,7 @@ def test_accepted_drafts_leave_the_layers_state_as_its_true_rows_make_it(mtp_che
     core = _engine(path)
     try:
         [output] = _run_checked(core, reference, [REPEATING], 2 * NEW_TOKENS)
-        worker = core.stats().workers[0]
+        worker = core.worker_stats()
     finally:
         core.shutdown()
     assert output == greedy_oracle(ARCH, [REPEATING], 2 * NEW_TOKENS)[0]

@@ -28,7 +28,7 @@ from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.engine.core import EngineCore
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.models.eagle3 import eagle3_aux_layers
-from moe_runtime.speculative.config import SpeculativeConfig
+from moe_runtime.config.speculative import SpeculativeConfig
 from moe_runtime.speculative.eagle3_loading import build_eagle3_drafter
 
 pytestmark = pytest.mark.timeout(600)
@@ -87,7 +87,7 @@ def test_the_drafts_are_the_heads_after_captured_decode_steps(llama_with_head, l
                          torch_compile_backend="eager", torch_compile_max_bs=1 + K)
     seqs = list(core._sequences.values())
     assert run_checking_drafts(core, llama_reference, K) >= 2 * len(prompts)
-    capture, worker = core.runner.capture.stats, core.stats().workers[0]
+    capture, worker = core.runner.capture.stats, core.worker_stats()
     core.shutdown()
     assert [seq.output_token_ids for seq in seqs] == hf_greedy(target, prompts, NEW_TOKENS)
     assert capture.disabled_reason is None
@@ -103,7 +103,7 @@ def test_the_drafts_are_the_heads_under_two_batch_overlap(moe_with_head):
     assert core.executor.overlaps_micro_batches()
     seqs = list(core._sequences.values())
     assert run_checking_drafts(core, Eagle3Reference(target, head), K) >= 2 * len(PROMPTS)
-    worker = core.stats().workers[0]
+    worker = core.worker_stats()
     core.shutdown()
     assert [seq.output_token_ids for seq in seqs] == hf_greedy(target, PROMPTS, NEW_TOKENS)
     assert worker.spec_draft_tokens > 0 and worker.spec_verify_steps > 0

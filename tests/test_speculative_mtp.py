@@ -57,7 +57,7 @@ def test_the_drafts_are_the_mtp_layers_after_every_step(mtp_checkpoints, own_cop
                                    block_size=4, **options))
     core.add_request("r", PROMPTS[0], greedy(12))
     assert run_checking_drafts(core, reference, K) >= 3
-    stats = core.stats().workers[0]
+    stats = core.worker_stats()
     assert stats.spec_draft_tokens > 0
     core.shutdown()
 
@@ -131,7 +131,7 @@ def test_greedy_tokens_with_mtp_hold_under_preemption(mtp_checkpoints):
         core = llm.engine.core
         assert core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
         assert core.block_manager.num_blocks == 12 and core.block_manager.num_free_blocks == 12, "blocks leaked"
-        assert core.stats().workers[0].spec_draft_tokens > 0
+        assert core.worker_stats().spec_draft_tokens > 0
     assert outputs == expected
 
 

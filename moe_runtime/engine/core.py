@@ -16,15 +16,14 @@ import torch
 
 from moe_runtime.kernels import get_kernels
 from moe_runtime.kernels.batch_invariant import batch_invariant_kernels
-from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
-from moe_runtime.engine.block_manager import BlockManager
-from moe_runtime.engine.kv_groups import KVCacheLayout
+from moe_runtime.kv_blocks.block_manager import BlockManager
+from moe_runtime.kv_blocks.kv_groups import KVCacheLayout
 from moe_runtime.engine.state_slots import state_layers
 from moe_runtime.weights.checkpoint import CheckpointReader
 from moe_runtime.weights.tokenizer_files import eos_token_ids, load_tokenizer
 from moe_runtime.execution.decode_capture import CaptureSettings, CaptureStats
-from moe_runtime.execution.host_reads import DecodeHostReads
+from moe_runtime.sampling.host_reads import DecodeHostReads
 from moe_runtime.disaggregation.decode_imports import DecodeImports
 from moe_runtime.disaggregation.draft_layer import TransferredLayers
 from moe_runtime.disaggregation.import_grammars import ImportGrammars
@@ -33,32 +32,32 @@ from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
 from moe_runtime.weights.quantization.in_memory import engine_weights_in_memory
 from moe_runtime.config.deterministic import check_deterministic_model
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.engine.stats import EngineHealth, EngineStats, WorkerStats
-from moe_runtime.errors import InvalidRequestError
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.engine.stats import WorkerStats
+from moe_runtime.errors import InvalidRequestError, error_message
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.puller import PullResult
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.disaggregation.kv_transfer.transport import open_sink
 from moe_runtime.config.model_config import architecture_of, load_hf_config
 from moe_runtime.execution.model_runner import ModelRunner, kv_blocks_for_budget
-from moe_runtime.kv_tiers.tier_steps import TierSteps
+from moe_runtime.engine.tier_steps import TierSteps
 from moe_runtime.models.decoder import BuildContext
 from moe_runtime.models.attention_spans import attention_spans
 from moe_runtime.models.registry import build_model
 from moe_runtime.moe.executor import MoEExecutor
-from moe_runtime.engine.outputs import TokenDelta, error_message
+from moe_runtime.records.outputs import TokenDelta
 from moe_runtime.config.parallel_context import ParallelContext, agree_on_minimum
 from moe_runtime.disaggregation.prefill_exports import PrefillExports
 from moe_runtime.engine.request_limits import RequestLimits
 from moe_runtime.engine.routing_replay import RankRouting, model_top_k
 from moe_runtime.execution.pipeline import broadcast_step_result, run_pipeline_step
-from moe_runtime.engine.prefix_cache import PrefixCacheEvents
+from moe_runtime.kv_blocks.prefix_cache import PrefixCacheEvents
 from moe_runtime.sampling.sampler import SampleResult, Sampler
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moe_runtime.engine.sleep_mode import SleepMode
 from moe_runtime.engine.weight_updates import WeightUpdater
-from moe_runtime.engine.sequence import FinishReason, Sequence
+from moe_runtime.records.sequence import FinishReason, Sequence
 from moe_runtime.sampling.structured_output.compiler import build_grammar_compiler
 from moe_runtime.speculative.draft_source import DraftSource
 from moe_runtime.speculative.verification import Speculation, VerifyingSampler, emit_tokens
@@ -147,8 +146,6 @@ class EngineCore:
         self.weight_updater = WeightUpdater(self, self.sleep_mode)        # weights without a restart
         self._arrivals = 0
         self._sequences: dict[str, Sequence] = {}
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
         self._steps = 0
         self._step_seconds = 0.0
         self._compute_seconds = 0.0
@@ -213,7 +210,6 @@ class EngineCore:
             self.scheduler.add(seq)
         else:   # scheduled once its grammar compiled on every rank of this worker (`start_grammars`)
             self.grammar_waits.add(seq, params.structured_output)
-        self._prompt_tokens += len(prompt_token_ids)
 
     @property
     def waiting_for_grammars(self) -> bool:
@@ -247,7 +243,6 @@ class EngineCore:
             seq.logprobs.append(spec.first_logprob)
         self._arrivals += 1
         self._sequences[spec.request_id] = seq
-        self._prompt_tokens += len(spec.prompt_token_ids)
         self.imports.add(seq, spec)
 
     def take_landed_imports(self) -> list[PullResult]:
@@ -412,7 +407,6 @@ class EngineCore:
         seq.output_token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
-        self._generation_tokens += 1
         return self._finish_reason(seq, token)
 
     def _fail(self, seq: Sequence, error: str) -> TokenDelta:
@@ -454,23 +448,10 @@ class EngineCore:
         memory or on disk as this worker's."""
         return self.tier_steps.router_events(self.block_manager.take_cache_events())
 
-    def stats(self) -> EngineStats:
-        return EngineStats([self.worker_stats()], self._prompt_tokens, self._generation_tokens)
-
-    def health(self) -> EngineHealth:
-        return EngineHealth(True)
-
     def expert_load(self, group=None):
         """The expert-load snapshot (summed over `group`'s ranks when given), or None for a dense model."""
         recorder = self.executor.recorder
         return None if recorder is None else recorder.snapshot(group=group)
-
-    def rebalance_now(self):
-        return RebalanceEvent(-1, "manual", time.time(), 0.0, 0, 1.0, 1.0, ok=False,
-                              error="nothing to rebalance on one rank: start with ep > 1")
-
-    def rebalance_events(self) -> list:
-        return []
 
     def resident_expert_bytes(self) -> tuple[int, int]:
         """(bytes of routed-expert weights on this rank, bytes of all routed experts of its MoE layers)."""
