@@ -44,7 +44,7 @@ import torch
 import zmq
 
 from moe_runtime.disaggregation.kv_transfer.block_server import KVBlockServer
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.plan import plan_pulls
 from moe_runtime.disaggregation.kv_transfer.puller import KVPuller, PullJob
 from moe_runtime.disaggregation.kv_transfer.registry import ExportRegistry

@@ -11,10 +11,11 @@ import time
 
 import pytest
 
-from moe_runtime.attention_dp.control_key import ControlKey
-from moe_runtime.attention_dp.control_plane import (HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_ENV, HEARTBEAT_TIMEOUT_MS,
-                                                    ControlAddress, FrontControl, RankDisconnected, WorkerControl,
+from moe_runtime.security.control_key import ControlKey
+from moe_runtime.attention_dp.control_plane import (HEARTBEAT_TIMEOUT_ENV, HEARTBEAT_TIMEOUT_MS, ControlAddress,
+                                                    FrontControl, RankDisconnected, WorkerControl,
                                                     heartbeat_timeout_from_env)
+from moe_runtime.security.socket_guard import HEARTBEAT_INTERVAL_MS
 from moe_runtime.attention_dp.messages import Hello, WorkerSetup
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.errors import InvalidRequestError

@@ -26,11 +26,11 @@ import msgspec
 import pytest
 import zmq
 
-from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV, ControlKey, ControlKeyError
+from moe_runtime.security.control_key import CONTROL_KEY_ENV, ControlKey, ControlKeyError
 from moe_runtime.attention_dp.control_plane import ControlAddress, FrontControl, RankDisconnected, WorkerControl, Woken
 from moe_runtime.attention_dp.messages import Hello, MessageCodec, ResetPrefixCache, Shutdown, WorkerSetup
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV, TransferKey, TransferKeyError
+from moe_runtime.security.transfer_key import KV_KEY_ENV, TransferKey, TransferKeyError
 from moe_runtime.front.engine_factory import make_engine
 from moe_runtime.processes.distributed import free_ports
 from moe_runtime.server.cli import main as moe_serve_main

@@ -36,7 +36,7 @@ from moe_runtime.disaggregation.kv_transfer.block_server import KVBlockServer
 from moe_runtime.disaggregation.decode_front import DecodeFront
 from moe_runtime.disaggregation.draft_layer import TransferredLayers
 from moe_runtime.disaggregation.kv_transfer.handle import HandleError, HandleLogprob, KVHandle, prompt_digest
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.messages import KVCodec, PullBlocks
 from moe_runtime.disaggregation.kv_transfer.plan import plan_pulls
 from moe_runtime.disaggregation.kv_transfer.puller import NOT_PARKED_GRACE_S, KVPuller, PullJob

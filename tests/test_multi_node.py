@@ -12,7 +12,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV
+from moe_runtime.security.control_key import CONTROL_KEY_ENV
 from engine_helpers import PROMPTS, greedy
 from server_harness import ServerProcess
 from tiny_checkpoints import hf_greedy

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV
+from moe_runtime.security.control_key import CONTROL_KEY_ENV
 from moe_runtime.attention_dp.control_plane import HEARTBEAT_TIMEOUT_ENV
 from network_namespaces import TwoNodes, packet_loss_unavailable, unavailable
 from moe_runtime.processes.distributed import free_ports

@@ -25,7 +25,7 @@ from pd_helpers import kv_key  # noqa: F401  the module's KV secret (an autouse 
 from moe_runtime.kernels.delta_rule import DEFAULT_CHUNK
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.disaggregation.kv_transfer.block_server import KVBlockServer
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.messages import PullStates
 from moe_runtime.disaggregation.kv_transfer.registry import ExportRegistry
 from moe_runtime.disaggregation.kv_transfer.shard import KVLayoutError, KVShard

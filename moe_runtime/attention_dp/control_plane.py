@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import math
 import os
@@ -39,15 +38,14 @@ import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
-from moe_runtime.attention_dp.control_key import ControlKey
+from moe_runtime.security.control_key import ControlKey
 from moe_runtime.attention_dp.messages import Hello, Message, MessageCodec, WorkerSetup
 from moe_runtime.attention_dp.pending_handshakes import HandshakeCaps, PendingHandshakes
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.security.socket_guard import HANDSHAKE_TIMEOUT_MS, OnlyKey, apply_liveness
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_MS = 10_000    # a connection that has not completed CURVE by then is dropped
-HEARTBEAT_INTERVAL_MS = 2_000
 HEARTBEAT_TIMEOUT_MS = 20_000    # no traffic and no heartbeat answer for this long: the peer is gone (default)
 HEARTBEAT_TIMEOUT_ENV = "MOE_RUNTIME_CONTROL_HEARTBEAT_TIMEOUT"   # seconds, overrides the default
 MAX_MESSAGE_BYTES = 256 * 2**20  # an authenticated peer still cannot make the front allocate more
@@ -127,17 +125,6 @@ def _routing_id(rank: int) -> bytes:
     return f"rank-{rank}".encode()
 
 
-def apply_liveness(socket: zmq.Socket, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                   heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> None:
-    """No lingering on close, a CURVE handshake deadline, heartbeats that find a vanished peer, and a bound on
-    what one message may make this end allocate (the KV transfer sockets use it too, with their own limits)."""
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
-    socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
-    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout_ms)
-    socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-
-
 class FrontControl:
     """The front's end: answers each rank's Hello with the setup, then broadcasts and receives.
 
@@ -166,7 +153,7 @@ class FrontControl:
         self._socket.curve_secretkey = front.secret
         self._socket.zap_domain = ZAP_DOMAIN.encode()
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)   # sending to a gone rank raises, never drops silently
-        apply_liveness(self._socket, heartbeat_timeout_ms=bind.heartbeat_timeout_ms)
+        apply_liveness(self._socket, MAX_MESSAGE_BYTES, bind.heartbeat_timeout_ms)
         watched = zmq.EVENT_DISCONNECTED | (zmq.EVENT_ACCEPTED if bind.endpoint.startswith("tcp://") else 0)
         self._monitor = self._socket.get_monitor_socket(watched)
         self._poller = zmq.Poller()
@@ -373,16 +360,6 @@ def _close_watched(socket: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> b
     return True
 
 
-class OnlyKey:
-    """ZAP credentials check: admit exactly the ranks' public key."""
-
-    def __init__(self, public_z85: bytes):
-        self.public_z85 = public_z85
-
-    def callback(self, domain: str, client_key_z85: bytes) -> bool:
-        return hmac.compare_digest(client_key_z85, self.public_z85)
-
-
 class Woken:
     """What `WorkerControl.get` returns when `wake()` was called: a rank-local event, not a command."""
 
@@ -403,7 +380,7 @@ class WorkerControl:
         self._socket.curve_serverkey = address.key.front_pair().public
         self._socket.curve_publickey = rank.public
         self._socket.curve_secretkey = rank.secret
-        apply_liveness(self._socket, heartbeat_timeout_ms=address.heartbeat_timeout_ms)
+        apply_liveness(self._socket, MAX_MESSAGE_BYTES, address.heartbeat_timeout_ms)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._socket.connect(address.endpoint)  # retried by libzmq until the front listens
         self._wake_read, self._wake_write = os.pipe()

@@ -3,7 +3,7 @@
 libzmq accepts every TCP connection at once and holds a descriptor for it until its CURVE handshake succeeds or
 times out (`HANDSHAKE_TIMEOUT_MS`): 1,100 silent connections once took every descriptor of the front, so HTTP
 could accept nothing for 9 s. libzmq has no option that limits accepted connections (its handshake deadline and
-message size bound are set: `control_plane.apply_liveness`), so the front watches its socket's events instead:
+message size bound are set: `security/socket_guard.apply_liveness`), so the front watches its socket's events instead:
 an accepted connection (its descriptor) is pending until its rank says Hello or it closes, and one beyond the
 caps (per peer address, and overall) is shut down at once, which makes libzmq close it and free its descriptor.
 Refusals are logged once per interval, as counts, never once per connection.

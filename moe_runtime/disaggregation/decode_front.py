@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.disaggregation.kv_transfer.handle import HandleError, KVHandle
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.release import ReleaseSender
 from moe_runtime.disaggregation.kv_transfer.stats import TransferStats
 from moe_runtime.disaggregation.kv_transfer.used_nonces import NonceRefused, UsedNonces

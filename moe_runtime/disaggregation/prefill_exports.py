@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from moe_runtime.kv_blocks.block_manager import BlockManager
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.registry import ExportRegistry
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.disaggregation.kv_transfer.transport import open_source

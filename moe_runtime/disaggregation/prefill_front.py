@@ -16,7 +16,7 @@ from typing import Callable
 
 from moe_runtime.sampling.logprobs import TokenLogprob
 from moe_runtime.disaggregation.kv_transfer.handle import MAX_DRAFTS, HandleLogprob, KVHandle, prompt_digest
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.release import ReleaseListener
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.disaggregation.kv_transfer.stats import TransferStats

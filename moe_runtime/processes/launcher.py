@@ -19,12 +19,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from moe_runtime.attention_dp.control_key import ControlKey
+from moe_runtime.security.control_key import ControlKey
 from moe_runtime.attention_dp.control_plane import (ControlAddress, FrontControl, RankDisconnected,
                                                     heartbeat_timeout_from_env)
 from moe_runtime.attention_dp.messages import WorkerFailed, WorkerReady, WorkerSetup
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.processes.distributed import free_port
 from moe_runtime.processes.worker import worker_main

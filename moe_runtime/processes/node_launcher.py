@@ -10,7 +10,7 @@ import logging
 import multiprocessing as mp
 import time
 
-from moe_runtime.attention_dp.control_key import ControlKey
+from moe_runtime.security.control_key import ControlKey
 from moe_runtime.attention_dp.control_plane import ControlAddress, heartbeat_timeout_from_env
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.processes.launcher import main_module_hidden, worker_context

@@ -13,12 +13,12 @@ import traceback
 
 import torch
 
-from moe_runtime.attention_dp.control_key import ControlKey
+from moe_runtime.security.control_key import ControlKey
 from moe_runtime.attention_dp.control_plane import ControlAddress, WorkerControl, heartbeat_timeout_from_env
 from moe_runtime.attention_dp.lockstep import LockstepLoop, ReformRequested
 from moe_runtime.attention_dp.messages import Hello, WorkerFailed, WorkerReady
 from moe_runtime.load_balancer.live_rebalancer import LiveRebalancer, RebalanceGroups, RebalancePolicy
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.processes.collective_interrupt import CollectiveInterrupt, block_interrupt_signal
 from moe_runtime.processes.reform import ShutdownWhileWaiting, await_reform, can_reform, leave_process_groups, reform_core

@@ -19,11 +19,11 @@ import dataclasses
 import logging
 import sys
 
-from moe_runtime.attention_dp.control_key import CONTROL_KEY_ENV
+from moe_runtime.security.control_key import CONTROL_KEY_ENV
 from moe_runtime.dispatch.backends import BACKENDS
 from moe_runtime.config.engine_config import DISAGGREGATION_MODES, DTYPES, MODEL_IMPLS, QUANTIZATIONS, EngineConfig
 from moe_runtime.config.logprobs_mode import LOGPROBS_MODES
-from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
+from moe_runtime.security.transfer_key import KV_KEY_ENV
 from moe_runtime.errors import MoERuntimeError
 from moe_runtime.server.flag_help import DefaultsHelpFormatter
 from moe_runtime.server.flag_types import AppendToTuple, json_object, non_negative_int, parse_size, positive_int, tcp_port

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from moe_runtime.disaggregation.kv_transfer.keys import KV_KEY_ENV
+from moe_runtime.security.transfer_key import KV_KEY_ENV
 from moe_runtime.server.pd_router.backends import BackendPool
 from moe_runtime.server.pd_router.cli import serve_router
 from moe_runtime.server.server_config import ServerConfig, ServerConfigError

@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from moe_runtime.disaggregation.kv_transfer.cache_io import as_frame, read_blocks
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.messages import BlocksReply, KVCodec, PullBlocks, PullStates
 from moe_runtime.disaggregation.kv_transfer.registry import ExportRegistry, ParkedKV, UnknownExport
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard

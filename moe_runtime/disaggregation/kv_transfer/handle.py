@@ -22,7 +22,7 @@ import msgspec
 
 from moe_runtime.sampling.logprobs import TokenLogprob
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.messages import RequestId
 from moe_runtime.disaggregation.kv_transfer.shard import Count, Endpoint, KVShard
 

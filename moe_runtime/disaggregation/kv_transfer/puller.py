@@ -34,7 +34,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from moe_runtime.disaggregation.kv_transfer.cache_io import from_frame, write_blocks
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.messages import KVCodec, PullBlocks, PullStates
 from moe_runtime.disaggregation.kv_transfer.plan import PullSource
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard

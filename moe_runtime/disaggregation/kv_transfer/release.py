@@ -16,7 +16,7 @@ from typing import Callable
 import msgspec
 import zmq
 
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.messages import KVCodec, ReleaseKV
 from moe_runtime.disaggregation.kv_transfer.sockets import CurveServer, curve_client
 

@@ -12,8 +12,8 @@ import logging
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from moe_runtime.attention_dp.control_plane import OnlyKey, apply_liveness
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.socket_guard import OnlyKey, apply_liveness
+from moe_runtime.security.transfer_key import TransferKey
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 from moe_runtime.disaggregation.kv_transfer.block_server import KVBlockServer
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.puller import KVPuller, PullJob, PullResult
 from moe_runtime.disaggregation.kv_transfer.registry import ExportRegistry
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard

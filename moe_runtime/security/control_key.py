@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from moe_runtime.attention_dp.shared_secret import MAKE_ONE, MIN_KEY_BYTES, read_shared_secret, strength_rule, weakness
+from moe_runtime.security.shared_secret import MAKE_ONE, MIN_KEY_BYTES, read_shared_secret, strength_rule, weakness
 from moe_runtime.errors import InvalidRequestError
 
 CONTROL_KEY_ENV = "MOE_RUNTIME_CONTROL_KEY"

@@ -18,8 +18,8 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from moe_runtime.attention_dp.control_key import ControlKey, CurveKeyPair
-from moe_runtime.attention_dp.shared_secret import MAKE_ONE, read_shared_secret, strength_rule, weakness
+from moe_runtime.security.control_key import ControlKey, CurveKeyPair
+from moe_runtime.security.shared_secret import MAKE_ONE, read_shared_secret, strength_rule, weakness
 from moe_runtime.errors import InvalidRequestError
 
 KV_KEY_ENV = "MOE_RUNTIME_KV_KEY"
