@@ -62,7 +62,8 @@ MAX_LAYERS = 6
 # model type -> config arguments the generic shrinking does not give it; one line each, with why
 OVERRIDES: dict[str, dict] = {
     "llama4_text": dict(num_hidden_layers=4, moe_layers=[1, 3], no_rope_layers=[1, 1, 1, 0],   # layer 3 NoPE, global
-                        layer_types=["chunked_attention"] * 3 + ["full_attention"], interleave_moe_layer_step=2),
+                        layer_types=["chunked_attention"] * 3 + ["full_attention"], interleave_moe_layer_step=2,
+                        num_experts_per_tok=1),   # Llama 4 routes top-1 (its sigmoid score scales the expert's input)
     "gemma3_text": dict(sliding_window_pattern=2, query_pre_attn_scalar=HEAD_DIM),  # a global layer within 2 layers
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),  # 2 layers
     "afmoe": dict(global_attn_every_n_layers=2, num_dense_layers=1),   # dense, sliding and global layers in 3
