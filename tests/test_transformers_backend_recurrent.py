@@ -3,13 +3,23 @@ states kept in our state cache (moe_runtime/models/transformers_backend/recurren
 
 The bridge is checked against transformers itself: the prompt fed in chunks, every chunk's states loaded from and
 stored back into our state rows (moved to another slot midway, as a prefix-cache snapshot restore does), gives
-transformers' generate's greedy tokens and a one-piece forward's logits. Tiny configs are the arch sweep's.
+transformers' generate's greedy tokens and a one-piece forward's logits. Then the engine (`--model-impl
+transformers`) on saved tiny checkpoints of one model type per mixer family: chunked steps of 16 tokens, decodes of
+several sequences batched, and a repeated prompt resuming from prefix-cache state snapshots, give transformers'
+greedy tokens. Tiny configs are the arch sweep's.
 """
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 
+from engine_helpers import greedy
+from lazy_engines import engine_pool
+from shared_builds import build_once, shared_root
+from tiny_checkpoints import HFOracle, tiny_tokenizer
+from moe_runtime import LLM
 from moe_runtime.layers.state_cache import LayerStateCache
 from moe_runtime.models.transformers_backend.recurrent_bridge import RecurrentStateBridge
 from moe_runtime.models.transformers_backend.recurrent_state import RecurrentLayout, UnsupportedRecurrentModel
@@ -17,8 +27,8 @@ from tests.arch_sweep_configs import tiny_config_kwargs
 
 VOCAB = 128
 SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-HYBRID_TYPES = ("jamba", "nemotron_h", "granitemoehybrid", "bailing_hybrid", "kimi_linear", "lfm2_moe", "minimax",
-                "qwen4_exp_text", "lara_mini", "zaya")
+# the bridge alone, for model types the engine tests below leave out (or refuse: ZAYA, Qwen4's QSA attention)
+BRIDGE_TYPES = ("jamba", "granitemoehybrid", "qwen4_exp_text", "zaya")
 PROMPT_LEN = 11
 NEW_TOKENS = 4
 
@@ -103,27 +113,12 @@ def run_in_chunks(model, layout: RecurrentLayout, prompt: list[int], chunks: lis
     return out, last
 
 
-@pytest.mark.parametrize("model_type", HYBRID_TYPES)
-def test_layout_is_what_transformers_keeps(models, model_type):
-    """The per-model-type shapes (recurrent_state._SHAPES) agree with the states transformers builds: the store
-    refuses any part whose shape differs."""
-    cfg, model, prompt, _, _ = models(model_type)
-    layout = RecurrentLayout.of(cfg)
-    assert layout is not None and layout.layer_indices
-    caches = {layer: LayerStateCache.allocate(layout.state_spec(), 2, torch.float32, "cpu")
-              for layer in layout.layer_indices}
-    hf_cache = _new_cache(model, layout)
-    with torch.no_grad():
-        model(torch.tensor([prompt]), cache=hf_cache, use_cache=True)
-    RecurrentStateBridge(layout, torch.float32).store(hf_cache, caches, [0])
-    assert all(cache.ssm[0].abs().sum() > 0 for cache in caches.values())
-
-
-@pytest.mark.parametrize("model_type", HYBRID_TYPES)
-@pytest.mark.parametrize("chunks", [[4, 5, 2], [1, 1, 9]])
-def test_chunked_prefill_through_our_state_rows_is_generate(models, model_type, chunks):
+@pytest.mark.parametrize("model_type", BRIDGE_TYPES)
+def test_chunked_prefill_through_our_state_rows_is_generate(models, model_type):
+    """Chunks of 1 (transformers' prefill path on one token), 4 and 6 (continued from a state); every store also
+    checks each part's shape against the layout's (recurrent_state._SHAPES)."""
     cfg, model, prompt, expected, logits = models(model_type)
-    tokens, last = run_in_chunks(model, RecurrentLayout.of(cfg), prompt, chunks, NEW_TOKENS)
+    tokens, last = run_in_chunks(model, RecurrentLayout.of(cfg), prompt, [1, 4, 6], NEW_TOKENS)
     assert tokens == expected
     torch.testing.assert_close(last, logits, rtol=1e-4, atol=1e-4)
 
@@ -147,3 +142,62 @@ def test_unknown_recurrent_layers_are_refused_by_name():
 
 def test_attention_only_model_has_no_layout():
     assert RecurrentLayout.of(tiny_config("qwen3_moe")) is None
+
+
+# one model type per mixer family: Mamba (token-by-token continuation), Mamba2 beside mixer-less MoE blocks, short
+# convolution, lightning attention (transformers' own cache class), KDA (Bailing's; Kimi Linear's is the same)
+ENGINE_TYPES = ("jamba", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid")
+ENGINE_NEW_TOKENS = 5
+PROMPTS = [  # longer than a KV block (16): chunked steps, and blocks whose end states are snapshotted
+    [(7 * i + 3) % 500 + 5 for i in range(40)],
+    [(11 * i + 1) % 480 + 9 for i in range(23)],
+    [(5 * i + 2) % 490 + 7 for i in range(9)],
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+    """`checkpoint(model_type) -> Path`: the arch sweep's tiny config of it with the tiny tokenizer, saved once."""
+    def build(model_type: str, path):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        tok = tiny_tokenizer()
+        special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                   "pad_token_id": tok.pad_token_id}
+        default = AutoConfig.for_model(model_type).to_dict()
+        cfg = AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, default, len(tok), special))
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(str(path), safe_serialization=True)
+        for file in sorted(tiny_tokenizer_dir.iterdir()):
+            if file.is_file():
+                shutil.copyfile(file, path / file.name)
+
+    return lambda model_type: build_once(shared_root(tmp_path_factory), f"transformers backend recurrent {model_type}",
+                                         lambda path: build(model_type, path))
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    with engine_pool(lambda model_type: LLM(str(checkpoint(model_type)), device="cpu", dtype="float32",
+                                            model_impl="transformers", max_num_batched_tokens=16,
+                                            enable_chunked_prefill=True, enable_prefix_caching=True)) as get:
+        yield get
+
+
+@pytest.mark.parametrize("model_type", ENGINE_TYPES)
+def test_engine_greedy_tokens_match_transformers_with_chunks_and_prefix_cache(engines, checkpoint, model_type):
+    llm = engines(model_type)
+    expected = HFOracle(checkpoint(model_type)).greedy(PROMPTS, ENGINE_NEW_TOKENS)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(ENGINE_NEW_TOKENS))] == expected
+    hits = llm.core.block_manager.counters.hits
+    [again] = llm.generate([PROMPTS[0]], greedy(ENGINE_NEW_TOKENS))   # resumes from its prefix's state snapshot
+    assert again.token_ids == expected[0]
+    assert llm.core.block_manager.counters.hits > hits
+
+
+def test_engine_refuses_attention_layers_that_keep_a_state(checkpoint):
+    """ZAYA's CCA layers are attention and keep a convolution state too: one layer, two caches."""
+    from moe_runtime.errors import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError, match="'zaya'.*attention layers that also keep a recurrent"):
+        LLM(str(checkpoint("zaya")), device="cpu", dtype="float32", model_impl="transformers")
