@@ -24,10 +24,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from moe_runtime.records.sequence import Sequence
+from moe_runtime.sampling.sampling_row import SamplingRow
 
 
-def row_tensor(seqs: list[Sequence], value: Callable[[Sequence], float], device) -> torch.Tensor:
+def row_tensor(seqs: list[SamplingRow], value: Callable[[SamplingRow], float], device) -> torch.Tensor:
     """[B] float32: one parameter per row."""
     return torch.tensor([float(value(seq)) for seq in seqs], dtype=torch.float32, device=device)
 
@@ -44,7 +44,7 @@ def token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tens
     return counts
 
 
-def ban_stop_tokens_below_min_tokens(logits: torch.Tensor, seqs: list[Sequence],
+def ban_stop_tokens_below_min_tokens(logits: torch.Tensor, seqs: list[SamplingRow],
                                      eos_token_ids: Iterable[int]) -> torch.Tensor:
     """logits [B, V] with each row's stop tokens at -inf while it has fewer than min_tokens outputs."""
     eos = list(eos_token_ids)
@@ -61,7 +61,7 @@ def ban_stop_tokens_below_min_tokens(logits: torch.Tensor, seqs: list[Sequence],
     return torch.where(keeps_a_token, banned, logits)
 
 
-def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def add_logit_bias(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
     """logits [B, V] plus each row's {token: bias}."""
     triples = [(row, token, bias) for row, seq in enumerate(seqs) for token, bias in seq.params.logit_bias.items()]
     if not triples:
@@ -72,7 +72,7 @@ def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
                             torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
     """logits [B, V] after repetition (prompt + output), frequency and presence (output) penalties."""
     params = [seq.params for seq in seqs]
     wants_repetition = any(p.repetition_penalty != 1.0 for p in params)

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from moe_runtime.sampling.logprobs import PromptLogprobs
-from moe_runtime.records.sequence import Sequence
+from moe_runtime.sampling.sampling_row import SamplingRow
 
 CHUNK_LOGITS_BYTES = 64 * 2**20   # fp32 logits of one chunk of prompt positions
 
@@ -31,7 +31,7 @@ def chunk_tokens_for(vocab_size: int, budget_bytes: int = CHUNK_LOGITS_BYTES) ->
     return max(1, budget_bytes // (4 * vocab_size))
 
 
-def prompt_logprobs_due(seq: Sequence) -> bool:
+def prompt_logprobs_due(seq: SamplingRow) -> bool:
     """Whether the forward about to run must score prompt positions of `seq`: it asked, has not been scored
     yet, and this forward runs prompt tokens (its whole prompt, or a chunk of it with chunked prefill; such a
     request reads nothing from the prefix cache, so its first chunk starts at the first token)."""

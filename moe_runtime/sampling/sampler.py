@@ -33,7 +33,7 @@ from moe_runtime.sampling.device_draw import DeviceDraw, DrawStatus, SampleResul
 from moe_runtime.config.logprobs_mode import LogprobsMode
 from moe_runtime.sampling.logits_processors import (add_logit_bias, apply_min_p, apply_penalties,
                                            ban_stop_tokens_below_min_tokens)
-from moe_runtime.records.sequence import Sequence
+from moe_runtime.sampling.sampling_row import SamplingRow
 from moe_runtime.sampling.structured_output.grammar_bitmask import GrammarBitmask
 
 
@@ -77,7 +77,7 @@ class SampledRows:
     positions: torch.Tensor          # [S] int64 the position each row samples
 
     @classmethod
-    def of(cls, processed: DeviceProcessedLogits, seqs: list[Sequence]) -> "SampledRows | None":
+    def of(cls, processed: DeviceProcessedLogits, seqs: list[SamplingRow]) -> "SampledRows | None":
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy and processed.errors[i] is None]
         if not rows:
             return None
@@ -107,12 +107,12 @@ class Sampler:
         self.grammar_bitmask = GrammarBitmask(grammar_threads)
         self.logprobs_mode = LogprobsMode.parse(logprobs_mode)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:  # logits [B, V]
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> SampleResult:  # logits [B, V]
         drawn = self.draw(logits, seqs)
         with step_result_transfer():
             return drawn.to_host()
 
-    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceDraw:  # logits [B, V]
+    def draw(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> DeviceDraw:  # logits [B, V]
         """The batch's tokens, row failures and asked logprobs, left on the logits' device (no host read)."""
         raw = logits.float()
         processed = self.process_on_device(raw, seqs)
@@ -127,7 +127,7 @@ class Sampler:
                           self.asked_logprobs(raw, processed, sampled, token_ids, seqs))
 
     def asked_logprobs(self, raw: torch.Tensor, processed: DeviceProcessedLogits, sampled: SampledRows | None,
-                       token_ids: torch.Tensor, seqs: list[Sequence]) -> TopLogprobs | None:
+                       token_ids: torch.Tensor, seqs: list[SamplingRow]) -> TopLogprobs | None:
         """The logprobs the rows that asked for them want, as `logprobs_mode` says: from the raw logits [B, V],
         or from what each row's token was chosen from (`processed`, and `sampled`'s rows after temperature,
         min-p, top-k and top-p); the rows' tokens [B]."""
@@ -142,7 +142,7 @@ class Sampler:
         return TopLogprobs.of(scores, token_ids, wanted, [seqs[row].params.logprobs for row in wanted],
                               normalize=self.logprobs_mode.normalized)
 
-    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> ProcessedLogits:
+    def process(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> ProcessedLogits:
         """The batch's logits [B, V] after structured output, min_tokens, logit_bias and the penalties, in
         that order (vLLM's): each a batched op, skipped when no row uses it. `logits` is not changed."""
         on_device = self.process_on_device(logits, seqs)
@@ -150,7 +150,7 @@ class Sampler:
                   for error, code in zip(on_device.errors, on_device.status.tolist())]
         return ProcessedLogits(on_device.logits, errors)
 
-    def process_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceProcessedLogits:
+    def process_on_device(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> DeviceProcessedLogits:
         """`process` without reading the rows' verdicts back: they stay on the device as `DrawStatus` codes."""
         errors: list[str | None] = [None] * len(seqs)
         constrained = []
@@ -173,12 +173,12 @@ class Sampler:
         return DeviceProcessedLogits(logits, errors, status)
 
     @staticmethod
-    def sampling_probs(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+    def sampling_probs(logits: torch.Tensor, seqs: list[SamplingRow], rows: list[int]) -> torch.Tensor:
         """Probabilities [S, V] of the sampled rows after temperature, min-p, top-k and top-p."""
         return Sampler.sampling_logits(logits, seqs, rows).softmax(dim=-1)
 
     @staticmethod
-    def sampling_logits(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+    def sampling_logits(logits: torch.Tensor, seqs: list[SamplingRow], rows: list[int]) -> torch.Tensor:
         """Logits [S, V] of the sampled rows after temperature, min-p, top-k and top-p (dropped tokens: -inf)."""
         vocab = logits.shape[-1]
         device = logits.device
