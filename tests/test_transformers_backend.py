@@ -110,9 +110,12 @@ def test_architecture_without_native_port(engines, checkpoint, name):
 
 
 def test_expert_parallel_with_dp_attention(engines, checkpoint):
-    """EP 2 x DP attention 2: each rank holds 4 of the 8 experts; tokens are dispatched to the rank holding theirs."""
+    """EP 2 x DP attention 2: each rank holds 4 of the 8 experts; tokens are dispatched to the rank holding theirs.
+    A rank with no tokens runs a stand-in token through the layers' collectives (StepContext.stand_in)."""
     llm = engines("dots1", "ep2_dp2")
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == _expected(checkpoint, "dots1")
+    [alone] = llm.generate([PROMPTS[1]], greedy(NEW_TOKENS))   # the other DP worker idles through each step
+    assert alone.token_ids == _expected(checkpoint, "dots1")[1]
     load = llm.expert_load()   # recorded by the executor: the two MoE layers' routing went through it
     assert tuple(load.counts.shape) == (2, 8) and load.counts.sum() > 0
 
@@ -146,7 +149,9 @@ def test_tensors_of_another_model_are_refused_by_name(checkpoint, tmp_path):
         LLM(str(path), device="cpu", dtype="float32", model_impl="transformers")
 
 
-def test_options_the_backend_cannot_run_are_refused_by_flag(checkpoint):
-    """Refused at the front, before any weight is read, naming each flag."""
+def test_what_the_backend_cannot_run_is_refused_by_name(checkpoint, tiny_checkpoint_factory):
+    """Refused at the front, before any weight is read, naming each flag or module."""
+    with pytest.raises(UnsupportedArchitectureError, match="Llama4TextAttention's query temperature"):
+        LLM(str(tiny_checkpoint_factory("llama4")), device="cpu", model_impl="transformers")
     with pytest.raises(EngineConfigError, match=r"transformers backend \(Qwen3ForCausalLM\).*--deterministic"):
         LLM(str(checkpoint("qwen3")), device="cpu", model_impl="transformers", deterministic=True)

@@ -75,6 +75,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         raise _refuse(module, "has no moe_runtime step context (it was not built by the transformers backend)")
     if query.shape[0] != 1:
         raise _refuse(module, f"ran a batch of {query.shape[0]}: the backend packs a step as one row of tokens")
+    if step.stand_in:   # an idle rank's stand-in token: no cache is touched (step_context.StepContext.stand_in)
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3]), None
     index = module.layer_idx
     layer = step.layers[index]
     if index not in step.checked:

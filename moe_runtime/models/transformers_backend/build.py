@@ -48,13 +48,13 @@ def build_transformers_model(architecture: str, hf_config, ctx: BuildContext) ->
     layout = served_layout(hf_config)
     if layout is not None:   # recurrent mixers run sequence by sequence on our state slots
         install_recurrent_mixers(hf, layout, step, ctx.dtype)
-    seams, routed = _bind_experts(architecture, hf, ctx)
+    seams, routed = _bind_experts(architecture, hf, ctx, step)
     backbone = TransformersModel(hf, seams, torch.device(ctx.device), ctx.dtype)
     backbone.skipped = SkippedTensors.for_config(hf_config)
     return TransformersCausalLM(hf_config, backbone, routed, step, ctx.executor)
 
 
-def _bind_experts(architecture: str, hf: nn.Module, ctx: BuildContext
+def _bind_experts(architecture: str, hf: nn.Module, ctx: BuildContext, step: StepContext
                   ) -> tuple[list[tuple[str, ExpertsSeam]], list[TransformersExpertWeights]]:
     """Register every experts module the seam can serve with the executor, in model order; log the others."""
     seams, routed, own_code, num_experts = [], [], {}, 0
@@ -74,7 +74,7 @@ def _bind_experts(architecture: str, hf: nn.Module, ctx: BuildContext
             executor.local_expert_ids(shape.num_experts), shape.hidden_size, shape.intermediate_size,
             dtype=ctx.dtype, device=executor.routed_expert_device(ctx.device), bias=bool(module.has_bias),
             activation=activation)
-        seam = ExpertsSeam(executor, executor.register_layer(weights, shape.num_experts), weights)
+        seam = ExpertsSeam(executor, executor.register_layer(weights, shape.num_experts), weights, step)
         object.__setattr__(module, SEAM_ATTRIBUTE, seam)
         seams.append((name, seam))
         routed.append(weights)

@@ -25,6 +25,7 @@ from moe_runtime.kernels import TopK
 from moe_runtime.kernels.expert_activation import ExpertActivation
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertWeights
+from moe_runtime.models.transformers_backend.step_context import StepContext
 
 EXPERTS_IMPLEMENTATION = "moe_runtime"
 SEAM_ATTRIBUTE = "moe_runtime_experts"
@@ -85,6 +86,7 @@ class ExpertsSeam:
     executor: MoEExecutor
     moe_layer: int
     weights: ExpertWeights
+    step: StepContext          # says whether this forward is an idle rank's stand-in
 
     def take_weights(self, module: nn.Module) -> None:
         """Copy this rank's experts from the module's loaded fused weights into ours, then drop the module's."""
@@ -118,4 +120,7 @@ def executor_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top
 
         return batched_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
     topk = TopK(weights=top_k_weights.float(), ids=top_k_index.long())
+    if seam.step.stand_in:   # an idle rank: the layer's collectives with no rows of its own
+        seam.executor.run(seam.moe_layer, hidden_states[:0], TopK(topk.weights[:0], topk.ids[:0]))
+        return torch.zeros_like(hidden_states)
     return seam.executor.run(seam.moe_layer, hidden_states, topk).to(hidden_states.dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_span import SLIDING
 from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
@@ -22,6 +23,17 @@ from moe_runtime.models.transformers_backend.step_context import StepContext
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertWeights
 from moe_runtime.weights.loading import SkippedTensors
+
+
+def decoder_attribute(hf: nn.Module) -> str:
+    """The attribute under which a causal LM holds the base model its forward calls: `base_model_prefix` where
+    that names one (most classes), else `model` (Llama4ForCausalLM's prefix is "language_model", its attribute
+    `model`)."""
+    for name in (hf.base_model_prefix, "model"):
+        if isinstance(getattr(hf, name, None), nn.Module):
+            return name
+    raise UnsupportedArchitectureError(f"transformers backend: {type(hf).__name__} holds no base model under "
+                                       f"{hf.base_model_prefix!r} or 'model'")
 
 
 class TransformersExpertWeights(ExpertWeights):
@@ -98,7 +110,7 @@ class TransformersCausalLM(nn.Module):
     def model(self) -> nn.Module:
         """transformers' base model (its `embed_tokens` is what the engine reads of a model's embedding)."""
         hf = self.backbone.hf
-        return getattr(hf, hf.base_model_prefix)
+        return getattr(hf, decoder_attribute(hf))
 
     def min_sliding_window(self) -> int | None:
         windows = [layer.span.size for layer in self.step.layers if layer.span.kind == SLIDING]
@@ -116,12 +128,16 @@ class TransformersCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 caches: list[LayerKVCache], hidden: torch.Tensor | None = None) -> torch.Tensor:  # [T] -> [T, H]
         """Final hidden states (the base model's last_hidden_state, its final norm applied)."""
-        self.step.batch, self.step.caches = batch, caches
+        step = self.step
+        step.batch, step.caches, step.stand_in = batch, caches, input_ids.numel() == 0
+        if step.stand_in:   # an idle rank: one stand-in token through every layer's collectives, then dropped
+            input_ids, positions = input_ids.new_zeros(1), positions.new_zeros(1)
         try:
             out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         finally:
-            self.step.batch = self.step.caches = None
-        return out.last_hidden_state[0]                                         # [T, H]
+            step.batch = step.caches = None
+        hidden = out.last_hidden_state[0]                                       # [T, H]
+        return hidden[:0] if step.stand_in else hidden
 
     def drafter_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
@@ -132,7 +148,7 @@ class TransformersCausalLM(nn.Module):
     def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V] fp32
         """transformers' causal-LM forward over `hidden`, the base model swapped for `HiddenStates` meanwhile."""
         hf = self.backbone.hf
-        prefix = hf.base_model_prefix
+        prefix = decoder_attribute(hf)
         base = getattr(hf, prefix)
         setattr(hf, prefix, HiddenStates(hidden[None]))
         try:

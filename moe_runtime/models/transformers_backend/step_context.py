@@ -39,6 +39,10 @@ class StepContext:
     layers: list[LayerAttention]                  # by global layer index
     batch: AttentionBatch | None = None
     caches: list[LayerKVCache] | None = None      # by global layer index
+    # A rank with no tokens this step (an idle DP attention worker) still runs every MoE layer's collectives:
+    # the wrapper runs transformers' modules on one stand-in token (their reshapes cannot take an empty row),
+    # attention then writes and reads nothing and the experts hand the executor no rows; the output is dropped.
+    stand_in: bool = False
     checked: set[int] = field(default_factory=set)   # layers whose shapes were checked against their spec once
 
     def cache_of(self, layer: int) -> LayerKVCache:

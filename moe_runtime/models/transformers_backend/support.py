@@ -7,6 +7,9 @@ per-layer state hook carries their state across steps (see the package docstring
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.models.transformers_backend.recurrent_state import served_layout
@@ -28,7 +31,33 @@ def transformers_class(architecture: str):
     return cls
 
 
+@dataclass(frozen=True)
+class RowPositions:
+    """A module that computes positions from its row (arange over the tokens + its cache length) instead of
+    reading position_ids: in a step packed as one row of several sequences (no transformers cache) those
+    positions are wrong, so a config that turns it on is refused. One entry per such module, with the config
+    switch that turns it on."""
+
+    model_types: frozenset[str]
+    active: Callable[[object], bool]
+    what: str
+
+
+ROW_POSITIONS = (
+    RowPositions(frozenset({"llama4_text", "llama4"}),
+                 lambda cfg: bool(getattr(cfg, "attn_temperature_tuning", False))
+                 and 0 in (getattr(cfg, "no_rope_layers", None) or []),
+                 "Llama4TextAttention's query temperature on its NoPE layers (attn_temperature_tuning)"),
+)
+
+
 def check_config(architecture: str, hf_config) -> None:
+    model_type = getattr(hf_config, "model_type", None)
+    for entry in ROW_POSITIONS:
+        if model_type in entry.model_types and entry.active(hf_config):
+            raise UnsupportedArchitectureError(
+                f"transformers backend: {architecture} runs {entry.what}, which counts positions along its row "
+                "rather than reading position_ids; a step packs several sequences into one row")
     layer_types = getattr(hf_config, "layer_types", None) or []
     layout = served_layout(hf_config)   # recurrent layers: kept in state slots (recurrent_mixers.py), or refused
     stateful = set(layout.layer_indices if layout else ())
