@@ -167,9 +167,9 @@ def run_runtime(path: str, dtype: str, prompts, repeats: int, queue, quantizatio
             started = time.perf_counter()
             outputs = llm.generate(prompts, params)
             times.append(time.perf_counter() - started)
-        model = llm.engine.core.model            # one rank: the engine is in this process
+        model = llm.core.model            # one rank: the engine is in this process
         weight_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        capture = llm.engine.core.runner.capture
+        capture = llm.core.runner.capture
         captured_steps = capture.stats.captured_steps if capture is not None else 0
     queue.put(dict(seconds=min(times), tokens=[o.token_ids for o in outputs], weight_mib=weight_mib,
                    peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -176,7 +176,7 @@ def measure_bitmask_share(model: str, device: str, batches: list[int], max_token
     spec = StructuredOutputSpec(json_schema=json.dumps(schema))
     shares = []
     with LLM(model, device=device, max_num_seqs=max(batches)) as llm:
-        core = llm.engine.core
+        core = llm.core
         prompts = make_prompts(max(batches), core.vocab_size, seed=7)
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, structured_output=spec))   # warm-up, compiles
         for batch in batches:

@@ -74,7 +74,7 @@ def measure(path: Path, batch: int, new_tokens: int, speculative: dict | None, s
         llm.generate(edit_prompts(1), greedy(4))                       # warm-up
         if captured:   # every bucket the run may use compiles here, not inside the timed runs
             llm.generate(prompts, greedy(new_tokens))
-        capture = llm.engine.core.runner.capture
+        capture = llm.core.runner.capture
         captured_before = (capture.stats.captured_steps, capture.stats.captured_verify_steps) if capture else None
         started = time.perf_counter()
         llm.generate(prompts, greedy(1))

@@ -1,6 +1,6 @@
 """Where a decode step of this runtime spends its wall time: inside operators vs everything else.
 
-One process, the engine in it (`LLM(...).engine.core`): `batch` prompts are prefilled and decoded a
+One process, the engine in it (`LLM(...).core`): `batch` prompts are prefilled and decoded a
 few steps unmeasured, then `steps` decode steps of `EngineCore.step()` (schedule, forward, sample,
 bookkeeping; not the front's detokenization) run under torch.profiler (CPU activity only).
 
@@ -114,7 +114,7 @@ def measure(path: str, dtype: str, prompts: list[list[int]], steps: int, compile
         started: set[str] = set()
         while len(started) < batch:       # prefill (in however many steps the scheduler takes) to a first token
             started.update(o.request_id for o in engine.step() if o.token_ids)
-        core = engine.core                # from here the front's output processing is left out
+        core = llm.core                   # from here the front's output processing is left out
         timed_steps(core, WARMUP_DECODE_STEPS, batch)
         unprofiled = timed_steps(core, steps, batch)
         with profile(activities=[ProfilerActivity.CPU]) as profiler:

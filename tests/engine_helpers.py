@@ -20,7 +20,7 @@ def greedy(max_tokens: int = 16, **kwargs) -> SamplingParams:
 
 def runtime_prefill_logits(engine, token_ids: list[int]) -> torch.Tensor:
     """Logits [T, V] of every prompt position, through the engine core's own runner and KV cache
-    (`engine`: an `EngineCore`, e.g. `LLM(...).engine.core`)."""
+    (`engine`: an `EngineCore`, e.g. `LLM(...).core`)."""
     seq = Sequence("prefill-logits", list(token_ids), greedy(1), arrival=-1)
     engine.block_manager.allocate(seq)
     seq.num_scheduled_tokens = len(token_ids)

@@ -62,7 +62,7 @@ async def collect(async_engine, request_id, prompt, params):
 
 
 def kv_free(async_engine) -> int:
-    return sum(w.kv_blocks_free for w in async_engine.stats().workers)
+    return sum(w.kv_blocks_free for w in async_engine.front.stats().workers)
 
 
 def test_concurrent_streams_get_their_greedy_tokens_with_no_engine_thread(setup, checkpoint):
@@ -114,7 +114,7 @@ def test_expert_load_is_taken_on_the_loop(setup):
 def test_a_killed_rank_ends_every_stream_at_once(setup):
     """Last in the module: kills a rank. The loop sees the process exit (its sentinel), not a timeout."""
     async_engine, loop = setup
-    engine = async_engine.engine
+    engine = async_engine.front
 
     async def scenario():
         death = asyncio.ensure_future(async_engine.wait_until_dead())

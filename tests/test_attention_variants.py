@@ -149,7 +149,7 @@ def test_captured_decode_runs_past_a_sliding_window(tiny_checkpoint_factory):
     with LLM(path, device="cpu", dtype="float32", block_size=4, enable_torch_compile=True,
              torch_compile_backend="eager") as llm:
         got = [o.token_ids for o in llm.generate(PROMPTS, greedy(new_tokens))]
-        stats = llm.engine.core.runner.capture.stats
+        stats = llm.core.runner.capture.stats
     assert got == expected
     assert stats.disabled_reason is None and stats.captured_steps == new_tokens - 1
 

@@ -101,7 +101,7 @@ def test_the_engine_shares_a_cached_prompt_only_under_the_same_salt(cached):
 def test_the_front_routes_on_the_chain_the_ranks_cache(cached):
     """The cache-aware router's hashes (Front.prepare) are those the rank stored for the same salt."""
     hits_of(cached, "tenant-c")
-    stored = set(cached.engine.core.block_manager.prefix_cache._block_of)
+    stored = set(cached.core.block_manager.prefix_cache._block_of)
     assert set(block_hashes(PROMPT, BLOCK, "tenant-c")) <= stored
     assert not set(block_hashes(PROMPT, BLOCK, "tenant-d")) & stored
 

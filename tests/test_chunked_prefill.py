@@ -95,7 +95,7 @@ def test_without_chunking_prefill_and_decode_steps_alternate_whole():
 
 # ---- greedy parity, every architecture -------------------------------------------------------------------
 def with_budget(llm: LLM, tokens: int) -> None:
-    scheduler = llm.engine.core.scheduler
+    scheduler = llm.core.scheduler
     scheduler.config = dataclasses.replace(scheduler.config, max_num_batched_tokens=tokens)
 
 
@@ -117,5 +117,5 @@ def test_greedy_tokens_equal_transformers_for_any_chunk_size(arch, tiny_checkpoi
         warm = [o.token_ids for o in llm.generate(sixty_four, greedy(NEW_TOKENS))]
         assert llm.engine.stats().prefix_cache_hits > hits
         assert warm == [expected[tuple(p)] for p in sixty_four], "warm cache, budget 64"
-        manager = llm.engine.core.block_manager
+        manager = llm.core.block_manager
         assert manager.num_free_blocks == manager.num_blocks

@@ -45,7 +45,7 @@ def test_offloaded_logits_equal_the_same_kernels_run_in_place(checkpoint):
     logits = {}
     for name, options in {"in place": dict(kernels="cpu"), "offloaded": dict(cpu_experts=True)}.items():
         with LLM(str(checkpoint), device="cpu", dtype="float32", **options) as llm:
-            logits[name] = runtime_prefill_logits(llm.engine.core, PROMPTS[1])
+            logits[name] = runtime_prefill_logits(llm.core, PROMPTS[1])
     assert torch.equal(logits["offloaded"], logits["in place"])
 
 
@@ -63,7 +63,7 @@ def test_quantized_offloaded_experts_give_the_in_place_tokens(checkpoint, quanti
 def test_routed_experts_run_on_the_worker_while_the_shared_expert_runs(offloaded, monkeypatch):
     """Each side waits on a two-party barrier: it passes only when both run at once (a serial schedule breaks it
     after the timeout and the step fails), on two threads."""
-    core = offloaded.engine.core
+    core = offloaded.core
     kernel = core.executor.host_kernel
     meeting = threading.Barrier(2, timeout=30)
     seen: list[tuple[str, str]] = []
@@ -96,7 +96,7 @@ def test_routed_experts_run_on_the_worker_while_the_shared_expert_runs(offloaded
 def test_device_copies_follow_the_recorded_load(offloaded):
     """With a one-step window, the resident experts are each layer's two hottest of the last step."""
     offloaded.generate(PROMPTS[:2], greedy(3))
-    executor = offloaded.engine.core.executor
+    executor = offloaded.core.executor
     load = executor.recorder.window_steps().sum(0)                                  # [L, E]
     for layer, resident in enumerate(executor.device_resident()):
         ids = executor.expert_store(layer).expert_ids

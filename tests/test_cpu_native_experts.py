@@ -317,8 +317,8 @@ def test_captured_step_with_the_cpu_family_calls_the_compiled_experts(native, ti
              torch_compile_backend="eager") as llm:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             outputs = llm.generate(PROMPTS[:3], greedy(12))
-        stats = llm.engine.core.runner.capture.stats
-        num_moe_layers = llm.engine.core.executor.placement.num_layers
+        stats = llm.core.runner.capture.stats
+        num_moe_layers = llm.core.executor.placement.num_layers
     assert [out.token_ids for out in outputs] == greedy_oracle("qwen3_moe", PROMPTS[:3], 12)
     assert stats.disabled_reason is None and stats.captured_steps == 11
     calls = {name: sum(event.name == f"moe_cpu::{name}" for event in profile.events())

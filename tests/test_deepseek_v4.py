@@ -171,7 +171,7 @@ def test_the_paged_cache_per_token_is_a_full_mla_caches_over_the_compression_rat
     indexer index_head_dim / rate), where a full MLA-style cache pages a whole latent per token per layer; the
     window and the partial windows are per sequence, whatever its length."""
     llm = engines("one_rank")
-    runner, cfg = llm.engine.core.runner, llm.engine.core.hf_config
+    runner, cfg = llm.core.runner, llm.core.hf_config
     caches = [cache for cache in runner.caches if isinstance(cache, LayerCompressedCache)]
     assert len(caches) == cfg.num_hidden_layers
     tokens = caches[0].entries.shape[0] * runner.block_size

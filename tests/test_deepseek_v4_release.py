@@ -95,7 +95,7 @@ def test_mxfp4_keeps_the_released_fp4_bytes(engines, checkpoints):
     """Each expert slot holds w1 then w3 (w13) and w2 as the release stores them, e8m0 scales as bytes (their
     tokens: the EP test below); the shared experts stay in the compute dtype. A slot reloaded from the checkpoint
     (a lost rank's expert) reads it under the same DeepSeek names."""
-    model = engines("one_rank_mxfp4").engine.core.model
+    model = engines("one_rank_mxfp4").core.model
     release = load_file(str(checkpoints[1] / "model.safetensors"))
     ffn = model.model.layers[1].ffn
     experts = ffn.experts

@@ -44,10 +44,10 @@ def test_small_kv_budget_preempts_and_recomputes_to_the_same_tokens(tiny_checkpo
     # 8 blocks of 8 tokens: room for the longest request (20 + 40 tokens) alone, not for eight at once.
     budget = bytes_per_token * 64
     with LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=budget, block_size=8) as llm:
-        assert llm.engine.core.block_manager.num_blocks == 8
+        assert llm.core.block_manager.num_blocks == 8
         outputs = llm.generate(prompts, greedy(40))
-        assert llm.engine.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
-        assert llm.engine.core.block_manager.num_free_blocks == 8, "blocks leaked"
+        assert llm.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+        assert llm.core.block_manager.num_free_blocks == 8, "blocks leaked"
     assert sum(o.num_preemptions for o in outputs) > 0
     assert [o.token_ids for o in outputs] == expected
 
@@ -57,7 +57,7 @@ def test_eos_ends_a_request_unless_ignore_eos(tiny_checkpoint_factory):
     with LLM(str(path), device="cpu") as llm:
         [free_run] = llm.generate([PROMPTS[0]], greedy(20))
         eos = free_run.token_ids[5]
-        llm.engine.core.eos_ids = {eos}
+        llm.core.eos_ids = {eos}
         [with_eos] = llm.generate([PROMPTS[0]], greedy(20).__class__(max_tokens=20, temperature=0.0))
         [ignoring] = llm.generate([PROMPTS[0]], greedy(20))
     first = free_run.token_ids.index(eos)

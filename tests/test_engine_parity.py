@@ -28,7 +28,7 @@ def test_prefill_logits_match_transformers(arch, tiny_checkpoint_factory):
     prompt = PROMPTS[1]
     expected = hf_prefill_logits(path, prompt)
     with LLM(str(path), device="cpu", dtype="float32") as llm:
-        got = runtime_prefill_logits(llm.engine.core, prompt)
+        got = runtime_prefill_logits(llm.core, prompt)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 

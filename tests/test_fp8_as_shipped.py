@@ -87,7 +87,7 @@ def test_maverick_fp8_keeps_the_stored_bytes(maverick_engines, maverick_expected
     llm = maverick_engines("one_rank_fp8")
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == maverick_expected
     release = load_file(str(maverick[1] / "model.safetensors"))
-    layer = llm.engine.core.model.model.layers[MOE_LAYER]
+    layer = llm.core.model.model.layers[MOE_LAYER]
     experts, stored = layer.feed_forward.experts, f"{PREFIX}model.layers.{MOE_LAYER}.feed_forward."
     assert experts.w13.dtype == torch.float8_e4m3fn
     for slot, expert in enumerate(experts.expert_ids):
@@ -121,7 +121,7 @@ def test_compressed_tensors_fp8_is_kept_as_stored(preset, tiny_checkpoint_factor
     stored = read_all_tensors(compressed)
     with LLM(str(compressed), device="cpu", dtype="float32", quantization="fp8") as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == hf_greedy(twin, PROMPTS, NEW_TOKENS)
-        layer = llm.engine.core.model.model.layers[1]
+        layer = llm.core.model.model.layers[1]
         block_k = layer.self_attn.q_proj.quant.block_k
         assert block_k == (BLOCK[1] if preset == "FP8_BLOCK" else 128)
         q_proj = "model.layers.1.self_attn.q_proj."

@@ -135,12 +135,12 @@ def test_qwen3_moe_kept_in_fp8_gives_the_dequantized_logits_in_under_30_percent_
     fp8, _, expected = fp8_checkpoints("qwen3_moe", (128, 128))
     with LLM(str(fp8), device="cpu", dtype="float32") as dequantized:
         reference = _prompt_logprobs(dequantized)
-        fp32_bytes = _param_bytes(dequantized.engine.core.model)
+        fp32_bytes = _param_bytes(dequantized.core.model)
     with LLM(str(fp8), device="cpu", dtype="float32", quantization="fp8") as kept:
         assert [o.token_ids for o in kept.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
         # the same dequantized products in fp32; only the summation order of the tiles differs
         assert torch.allclose(torch.tensor(_prompt_logprobs(kept)), torch.tensor(reference), atol=1e-4, rtol=0)
-        model = kept.engine.core.model
+        model = kept.core.model
         layer = model.model.layers[0]
         assert layer.mlp.experts.w13.dtype == layer.mlp.experts.w2.dtype == torch.float8_e4m3fn
         assert layer.self_attn.q_proj.weight.dtype == layer.self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
@@ -181,7 +181,7 @@ def qwen3_moe_logprobs(tiny_checkpoint_factory):
 def test_an_unquantized_checkpoint_is_quantized_at_load(qwen3_moe_logprobs):
     checkpoint, reference = qwen3_moe_logprobs
     with LLM(str(checkpoint), device="cpu", dtype="float32", quantization="fp8") as quantized:
-        assert quantized.engine.core.model.model.layers[0].mlp.experts.w13.dtype == torch.float8_e4m3fn
+        assert quantized.core.model.model.layers[0].mlp.experts.w13.dtype == torch.float8_e4m3fn
         error = (torch.tensor(_prompt_logprobs(quantized)) - reference).abs()
     assert 0 < error.max() < FP8_LOGPROB_MAX_ERROR and error.mean() < FP8_LOGPROB_MEAN_ERROR, error
 

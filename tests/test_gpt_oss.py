@@ -110,7 +110,7 @@ def test_yarn_rotary_equals_transformers(rope):
 def test_layer_spans_alternate_and_the_sliding_layers_get_their_own_group(checkpoint, engines):
     config = GptOssConfig.from_pretrained(checkpoint)
     assert attention_spans(config) == [AttentionSpan(SLIDING, WINDOW), AttentionSpan()] * 2
-    core = engines("one_rank").engine.core
+    core = engines("one_rank").core
     assert [w.span for w in core.block_manager.windows] == [AttentionSpan(SLIDING, WINDOW)]
     layers = core.model.model.layers
     assert [layer.self_attn.shape.span for layer in layers] == attention_spans(config)
@@ -129,7 +129,7 @@ def test_one_rank_tokens_and_prompt_logprobs_equal_transformers(engines, expecte
 def test_a_long_generation_holds_at_most_its_window_in_the_sliding_group(engines, greedy_oracle):
     """Decoding far past the window: transformers' tokens, and the sliding group holds ceil(W / block) + 1
     blocks of the sequence at every step."""
-    with window_blocks_held(engines("one_rank").engine.core) as held:
+    with window_blocks_held(engines("one_rank").core) as held:
         [out] = engines("one_rank").generate([PROMPTS[0]], greedy(LONG_TOKENS))
     assert out.token_ids == greedy_oracle(ARCH, [PROMPTS[0]], LONG_TOKENS)[0]
     decode_steps = held[-(LONG_TOKENS - 1):]
@@ -191,6 +191,6 @@ def test_mxfp4_checkpoint_gives_the_tokens_of_its_dequantized_twin(mxfp4_checkpo
     config = json.loads((mxfp4 / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "mxfp4"
     with LLM(str(mxfp4), device="cpu", dtype="float32", block_size=BLOCK, quantization=quantization) as llm:
-        experts = llm.engine.core.model.model.layers[0].mlp.experts
+        experts = llm.core.model.model.layers[0].mlp.experts
         assert experts.w13.dtype == (torch.uint8 if quantization else torch.float32)
         assert tokens_of(llm) == twin_expected

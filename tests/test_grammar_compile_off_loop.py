@@ -80,13 +80,13 @@ def test_a_slow_grammar_does_not_stall_another_stream(llm, slow_parse):
 
 
 def test_a_compile_past_the_timeout_fails_its_request_alone(llm, slow_parse, monkeypatch):
-    monkeypatch.setattr(llm.engine.core.grammar_waits, "timeout_s", SLOW_COMPILE_S / 4)
+    monkeypatch.setattr(llm.core.grammar_waits, "timeout_s", SLOW_COMPILE_S / 4)
     spec = StructuredOutputSpec(regex="[a-z]{3}")   # not compiled before: no cache hit
     fine, slow = llm.generate([PROMPTS[0], PROMPTS[1]], [greedy(8), greedy(8, structured_output=spec)])
     assert slow.finish_reason == "error" and "did not compile within" in slow.error
     assert "--grammar-compile-timeout" in slow.error
     assert fine.finish_reason == "length" and len(fine.token_ids) == 8
-    blocks = llm.engine.core.block_manager
+    blocks = llm.core.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks and not llm.engine.has_unfinished()
 
 

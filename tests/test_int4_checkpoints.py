@@ -116,7 +116,7 @@ def greedy_runs(checkpoints):
         with LLM(str(packed), device="cpu", dtype="float32", **options) as llm:
             tokens = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
             experts = (None if options.get("ep", 1) > 1 else
-                       [m for m in llm.engine.core.model.modules() if isinstance(m, ExpertWeights)])
+                       [m for m in llm.core.model.modules() if isinstance(m, ExpertWeights)])
         return tokens, experts, hf_greedy(twin, PROMPTS, NEW_TOKENS)
     return run
 

@@ -279,7 +279,7 @@ def test_int4_engine_gives_the_twins_tokens_with_its_experts_packed(mixtral_and_
     source, twin = mixtral_and_twin
     with LLM(str(source), device="cpu", dtype="float32", quantization="int4") as llm:
         tokens = [o.token_ids for o in llm.generate(PROMPTS[:2], greedy(NEW_TOKENS))]
-        model = llm.engine.core.model
+        model = llm.core.model
         layer = model.model.layers[0]
         experts = layer.block_sparse_moe.experts
         assert layer.self_attn.q_proj.weight.dtype == torch.float32           # experts only

@@ -206,8 +206,8 @@ def test_int8_engine_computes_the_dequantized_weights_in_a_quarter_of_the_bytes(
     checkpoint = tiny_checkpoint_factory(arch)
     with LLM(str(checkpoint), device="cpu", dtype="float32", quantization="int8") as llm:
         tokens = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
-        logits = [runtime_prefill_logits(llm.engine.core, prompt) for prompt in PROMPTS]
-        model = llm.engine.core.model
+        logits = [runtime_prefill_logits(llm.core, prompt) for prompt in PROMPTS]
+        model = llm.core.model
         params = dict(model.named_parameters())
 
     oracle = HFOracle(checkpoint)

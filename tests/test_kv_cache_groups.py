@@ -123,7 +123,7 @@ def test_greedy_tokens_equal_transformers(hybrid, layout):
     path, _, want = hybrid
     got, llm = generate(path, **layout)
     with llm:
-        core = llm.engine.core
+        core = llm.core
         assert [w.span for w in core.block_manager.windows] == [AttentionSpan(SLIDING, WINDOW)]
         assert got == want
         again = [out.token_ids for out in llm.generate(PROMPTS, greedy(NEW_TOKENS))]   # prefix hits, if cached
@@ -138,16 +138,16 @@ def test_a_repeated_prompt_reuses_its_cached_prefix_and_window(hybrid):
     path, _, want = hybrid
     with LLM(str(path), device="cpu", dtype="float32", block_size=BLOCK) as llm:
         first = llm.generate(PROMPTS[:1], greedy(NEW_TOKENS))[0].token_ids
-        hits_before = llm.engine.core.block_manager.counters.hits
+        hits_before = llm.core.block_manager.counters.hits
         second = llm.generate(PROMPTS[:1], greedy(NEW_TOKENS))[0].token_ids
         assert first == second == want[0]
-        assert llm.engine.core.block_manager.counters.hits - hits_before >= len(PROMPTS[0]) - BLOCK
+        assert llm.core.block_manager.counters.hits - hits_before >= len(PROMPTS[0]) - BLOCK
 
 
 def test_a_sequence_holds_at_most_its_window_over_a_long_generation(hybrid):
     path, _, _ = hybrid
     with LLM(str(path), device="cpu", dtype="float32", block_size=BLOCK) as llm, \
-            window_blocks_held(llm.engine.core) as held:
+            window_blocks_held(llm.core) as held:
         out = llm.generate([PROMPTS[0]], greedy(60))[0]
         assert len(out.token_ids) == 60
         decode_steps = held[-59:]

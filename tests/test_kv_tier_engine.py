@@ -44,7 +44,7 @@ def options_for(arch: str, path: Path, blocks: int = POOL_BLOCKS, **layout) -> d
     probe_budget = 8 << 20
     one_rank = {k: v for k, v in common.items() if k not in layout}
     with LLM(str(path), kv_cache_memory=probe_budget, **one_rank) as probe:
-        core = probe.engine.core
+        core = probe.core
         per_block = BlockContents(core.runner.caches, [], 0).entry_bytes()[FULL_GROUP]
         probe_blocks = core.block_manager.num_blocks
     return dict(common, kv_cache_memory=probe_budget - (probe_blocks - blocks) * per_block)
@@ -82,10 +82,10 @@ def test_an_evicted_prefix_comes_back_from_a_tier_with_the_same_tokens(arch, tin
     prompts = prompts_for(arch)
     tiers = HOST if tier == "host" else dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_size=64 << 20)
     with LLM(str(path), **options_for(arch, path), **tiers) as llm:
-        assert llm.engine.core.block_manager.num_blocks == POOL_BLOCKS
+        assert llm.core.block_manager.num_blocks == POOL_BLOCKS
         tokens = run_twice(llm, prompts)
         worker = tier_stats(llm)
-        loaded = llm.engine.core.tiers.counters.loaded_by_kind
+        loaded = llm.core.tiers.counters.loaded_by_kind
     assert tokens == greedy_oracle(arch, prompts, NEW_TOKENS) * 2
     assert worker.kv_tier_hit_tokens >= len(prompts) * 4 * block_size_of(arch), "the second round came from the tier"
     assert {t.name for t in worker.kv_tiers} == {tier} and worker.kv_tiers[0].hits > 0

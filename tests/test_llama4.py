@@ -81,7 +81,7 @@ def test_the_config_declares_what_the_model_builds(oracle):
 
 def test_one_rank_tokens_and_prompt_logprobs_equal_transformers(engines, expected, oracle):
     llm = engines("one_rank")
-    assert [w.span for w in llm.engine.core.block_manager.windows] == [AttentionSpan(CHUNKED, CHUNK)]
+    assert [w.span for w in llm.core.block_manager.windows] == [AttentionSpan(CHUNKED, CHUNK)]
     outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS, prompt_logprobs=NUM_TOP))
     assert [o.token_ids for o in outputs] == expected
     for prompt, output in zip(PROMPTS, outputs):
@@ -100,7 +100,7 @@ def test_chunked_prefill_and_prefix_caching_keep_the_tokens(engines, expected, o
 
 
 def test_a_chunked_layer_holds_at_most_its_chunk_over_a_long_generation(engines):
-    core = engines("one_rank").engine.core
+    core = engines("one_rank").core
     with window_blocks_held(core) as held:
         out = engines("one_rank").generate([PROMPTS[0]], greedy(60))[0]
     assert len(out.token_ids) == 60
@@ -119,9 +119,9 @@ def test_captured_decode_keeps_the_tokens(checkpoint, tiny_checkpoint_factory):
     unchunked = tiny_checkpoint_factory(ARCH, attention_chunk_size=None)
     want = HFOracle(unchunked).greedy(PROMPTS, NEW_TOKENS)
     with LLM(str(unchunked), device="cpu", dtype="float32", block_size=BLOCK, **LAYOUTS["captured"]) as captured:
-        assert captured.engine.core.block_manager.windows == []
+        assert captured.core.block_manager.windows == []
         assert [o.token_ids for o in captured.generate(PROMPTS, greedy(NEW_TOKENS))] == want
-        stats = captured.engine.core.runner.capture.stats
+        stats = captured.core.runner.capture.stats
     assert stats.disabled_reason is None and stats.captured_steps == NEW_TOKENS - 1
 
 

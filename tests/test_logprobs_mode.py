@@ -145,7 +145,7 @@ def test_the_engine_reports_the_processed_logprobs_of_its_logits(processed_engin
     prompt = [5, 17, 42, 99, 3, 17]
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=NUM_TOP, **params)
     out = processed_engine.generate([prompt], params)[0]
-    core = processed_engine.engine.core
+    core = processed_engine.core
     for i, logprob in enumerate(out.logprobs):
         seq = Sequence("reference", prompt, params, arrival=0)
         seq.output_token_ids = list(out.token_ids[:i])

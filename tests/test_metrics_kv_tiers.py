@@ -110,7 +110,7 @@ def test_a_real_engine_reports_the_prefixes_its_host_tier_gave_back(tiny_checkpo
     common = dict(device="cpu", dtype="float32", block_size=8, max_num_seqs=2, max_num_batched_tokens=32)
     probe_budget = 8 << 20
     with LLM(path, kv_cache_memory=probe_budget, **common) as probe:
-        core = probe.engine.core
+        core = probe.core
         per_block = BlockContents(core.runner.caches, [], 0).entry_bytes()[FULL_GROUP]
         probe_blocks = core.block_manager.num_blocks
     prompts = [[(7 * i + 31 * j) % 490 + 5 for i in range(9 * 8 + 6)] for j in range(3)]

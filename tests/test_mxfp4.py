@@ -174,7 +174,7 @@ def test_under_mxfp4_only_the_routed_experts_are_kept_in_mxfp4(tiny_checkpoint_f
     the compute dtype (as gpt-oss publishes them), the routed experts are kept packed."""
     path = tiny_checkpoint_factory("deepseek_v3")         # dense first layer, shared and routed experts
     with LLM(str(path), device="cpu", dtype="float32", quantization="mxfp4") as llm:
-        model = llm.engine.core.model
+        model = llm.core.model
         layers = model.model.layers
         assert all(getattr(module, "quant", None) is None for layer in layers
                    for module in layer.self_attn.modules() if module is not layer.self_attn)

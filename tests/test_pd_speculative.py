@@ -149,7 +149,7 @@ def test_mtp_on_one_side_only_keeps_the_greedy_tokens(engines, expected):
     for prompt, want in zip(PROMPTS, expected):
         first = prefill(plain_p, f"p{next(ids)}", prompt)
         assert first.kv_handle.first_drafts == [] and first.kv_handle.shards[0].drafter == ""
-        local = mtp_d.core.kv_shard()
+        local = mtp_d.core.transfers.shard()
         assert local.drafter == "mtp"
         assert local.draft_layer not in {layer for piece in plan_pulls(local, first.kv_handle.shards)
                                          for layer in range(piece.first_layer, piece.first_layer + piece.num_layers)}
@@ -159,7 +159,7 @@ def test_mtp_on_one_side_only_keeps_the_greedy_tokens(engines, expected):
         assert mtp_d.stats().workers[0].spec_draft_tokens > drafted
     mtp_p, plain_d = engines("prefill", MTP), engines("decode")
     first = prefill(mtp_p, f"p{next(ids)}", PROMPTS[0])
-    assert plain_d.core.kv_shard().drafter == ""
+    assert plain_d.core.transfers.shard().drafter == ""
     assert decode(mtp_p, plain_d, f"d{next(ids)}", PROMPTS[0], first.kv_handle, NEW_TOKENS).token_ids == expected[0]
 
 

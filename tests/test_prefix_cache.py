@@ -186,7 +186,7 @@ def cached(llama_path):
 
 
 def manager_of(llm) -> BlockManager:
-    return llm.engine.core.block_manager
+    return llm.core.block_manager
 
 
 def test_greedy_tokens_are_the_same_with_and_without_cached_prefixes(cached, oracle):
@@ -231,7 +231,7 @@ def test_a_failed_request_leaves_no_block_held_and_the_others_their_tokens(cache
                 raise RuntimeError("injected sampling failure")
             return self.inner(logits, seqs)
 
-    monkeypatch.setattr(cached.engine.core, "sampler", PoisonedSampler(cached.engine.core.sampler))
+    monkeypatch.setattr(cached.core, "sampler", PoisonedSampler(cached.core.sampler))
     healthy, poisoned = cached.generate([PROMPTS[0], SYSTEM + POISON], greedy(4))
     assert poisoned.finish_reason == "error" and healthy.token_ids == oracle.greedy([PROMPTS[0]], 4)[0]
     assert_no_block_held(manager_of(cached))
@@ -278,7 +278,7 @@ def test_preemption_with_cached_prefixes_keeps_tokens_and_leaks_nothing(llama_pa
         manager = manager_of(llm)
         assert manager.num_blocks == 24
         outputs = llm.generate(prompts, greedy(24))
-        assert llm.engine.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+        assert llm.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
         assert_no_block_held(manager)
         assert llm.engine.stats().prefix_cache_hits > 0
     assert [o.token_ids for o in outputs] == expected

@@ -138,7 +138,7 @@ def test_one_token_prompt_has_only_the_none_entry(llama):
 
 def test_long_prompt_is_scored_in_bounded_chunks(llama, oracles, monkeypatch):
     """A prompt longer than a chunk: the LM head never sees more than a chunk of positions at once."""
-    core = llama.engine.core
+    core = llama.core
     chunk = 16
     monkeypatch.setattr(core.runner, "prompt_logprobs_chunk_tokens", chunk)
     rows_per_call = []
@@ -157,7 +157,7 @@ def test_long_prompt_is_scored_in_bounded_chunks(llama, oracles, monkeypatch):
 
 def test_preempted_requests_send_their_prompt_logprobs_once(llama, oracles):
     """A preempted request recomputes its prefill; its prompt logprobs still travel in its first delta only."""
-    core = llama.engine.core
+    core = llama.core
     prompts = [PROMPTS[1], PROMPTS[3], LONG_PROMPT[:30]]
     preempted_before = core.scheduler.num_preemptions
     for i, prompt in enumerate(prompts):

@@ -79,7 +79,7 @@ def test_one_rank_tokens_and_prompt_logprobs_equal_transformers(arch, engines, e
 def test_prefill_in_chunks_of_a_few_tokens_carries_the_states(arch, engines, expected):
     llm = engines(arch, "small_chunks")
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
-    core = llm.engine.core
+    core = llm.core
     hits = core.block_manager.counters.hits
     [again] = llm.generate([PROMPTS[0]], greedy(NEW_TOKENS))   # its prefix resumes from a state snapshot
     assert again.token_ids == expected(arch)[0]
@@ -96,7 +96,7 @@ def test_preemption_rebuilds_the_states_by_recompute(tiny_checkpoint_factory, ex
     block_bytes = (probe.runner.cache_bytes() - state_bytes) // probe.block_manager.num_blocks
     # 8 blocks of 8 tokens beside the state slots: the longest request (40 + 24 tokens) fits alone, not four at once
     with LLM(path, kv_cache_memory=state_bytes + 8 * block_bytes, **options) as llm:
-        core = llm.engine.core
+        core = llm.core
         assert core.block_manager.num_blocks == 8
         outputs = llm.generate(PROMPTS, greedy(24))
         assert core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"

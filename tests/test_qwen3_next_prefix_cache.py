@@ -35,7 +35,7 @@ def expected(greedy_oracle):
 
 
 def hits(llm: LLM) -> int:
-    return llm.engine.core.block_manager.counters.hits
+    return llm.core.block_manager.counters.hits
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -46,7 +46,7 @@ def test_second_request_resumes_the_shared_prefix_and_matches(arch, tiny_checkpo
         second = llm.generate([PROMPTS[1]], greedy(NEW_TOKENS))[0]
         assert hits(llm) == 4 * BLOCK, "the shared 4 blocks (and their state snapshot) were meant to be reused"
         assert [first.token_ids, second.token_ids] == expected(arch)
-        manager = llm.engine.core.block_manager
+        manager = llm.core.block_manager
         assert manager.states.num_free == manager.states.num_slots
 
 
@@ -64,7 +64,7 @@ def test_a_one_snapshot_pool_falls_back_to_a_shorter_prefix_and_matches(tiny_che
     """max_num_seqs=1: one slot, one snapshot; each step keeps the first boundary it crosses, so the second
     request resumes after one block, not four."""
     with LLM(str(tiny_checkpoint_factory("qwen3_next")), max_num_seqs=1, **BASE) as llm:
-        assert llm.engine.core.block_manager.snapshots.num_snapshots == 1
+        assert llm.core.block_manager.snapshots.num_snapshots == 1
         outputs = run_one_by_one(llm, PROMPTS, greedy(NEW_TOKENS))
         assert 0 < hits(llm) < 4 * BLOCK
     assert [o.token_ids for o in outputs] == expected("qwen3_next")
@@ -74,9 +74,9 @@ def test_evicted_blocks_leave_no_hit_and_still_match(tiny_checkpoint_factory, ex
     """A third, unrelated request evicts the shared blocks: the second one computes everything again."""
     other = [(13 * i + 4) % 470 + 6 for i in range(30)]
     with LLM(str(tiny_checkpoint_factory("qwen3_next")), max_num_seqs=2, **BASE) as llm:
-        llm.engine.core.block_manager.reset_prefix_cache()
+        llm.core.block_manager.reset_prefix_cache()
         outputs = run_one_by_one(llm, [PROMPTS[0], other], greedy(NEW_TOKENS))
-        llm.engine.core.block_manager.reset_prefix_cache()
+        llm.core.block_manager.reset_prefix_cache()
         [second] = llm.generate([PROMPTS[1]], greedy(NEW_TOKENS))
         assert hits(llm) == 0
     assert [outputs[0].token_ids, second.token_ids] == expected("qwen3_next")
@@ -87,13 +87,13 @@ def test_preemption_and_recompute_with_snapshots(tiny_checkpoint_factory, expect
     from its own cached prefix and snapshot, or recomputes."""
     path = str(tiny_checkpoint_factory("qwen3_next"))
     probe = LLM(path, max_num_seqs=2, **BASE)
-    runner = probe.engine.core.runner
+    runner = probe.core.runner
     state_bytes = sum(c.nbytes() for c in runner.caches if hasattr(c, "ssm"))
-    block_bytes = (runner.cache_bytes() - state_bytes) // probe.engine.core.block_manager.num_blocks
+    block_bytes = (runner.cache_bytes() - state_bytes) // probe.core.block_manager.num_blocks
     probe.shutdown()
     with LLM(path, max_num_seqs=2, kv_cache_memory=state_bytes + 12 * block_bytes, **BASE) as llm:
         outputs = llm.generate(PROMPTS, greedy(30))
-        core = llm.engine.core
+        core = llm.core
         assert core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
         assert hits(llm) > 0
     assert [o.token_ids[:NEW_TOKENS] for o in outputs] == expected("qwen3_next")

@@ -155,7 +155,7 @@ def test_extreme_but_valid_values_generate(llm):
 def test_a_request_whose_sampling_raises_fails_alone(llm, monkeypatch):
     params = [greedy(8), SamplingParams(max_tokens=8, seed=3, ignore_eos=True), greedy(8)]
     solo = llm.generate(PROMPTS[:3], params)
-    monkeypatch.setattr(llm.engine.core, "sampler", PoisonedSampler(llm.engine.core.sampler))
+    monkeypatch.setattr(llm.core, "sampler", PoisonedSampler(llm.core.sampler))
     outputs = llm.generate([PROMPTS[0], POISON, PROMPTS[1], PROMPTS[2]], [params[0], greedy(8), *params[1:]])
     failed = outputs[1]
     assert failed.finished and failed.finish_reason == "error" and "injected sampling failure" in failed.error
@@ -165,7 +165,7 @@ def test_a_request_whose_sampling_raises_fails_alone(llm, monkeypatch):
 
 
 def test_a_request_with_non_finite_probabilities_fails_alone(llm, monkeypatch):
-    runner = llm.engine.core.runner
+    runner = llm.core.runner
     real_execute = runner.execute
 
     def nan_for_poison(seqs):
@@ -209,7 +209,7 @@ def test_a_request_whose_detokenizing_raises_fails_alone(llm, monkeypatch):
 # ---- the async engine and the server, in process -------------------------------------------
 
 def test_async_engine_fails_only_the_request_the_engine_failed(llm, monkeypatch):
-    monkeypatch.setattr(llm.engine.core, "sampler", PoisonedSampler(llm.engine.core.sampler))
+    monkeypatch.setattr(llm.core, "sampler", PoisonedSampler(llm.core.sampler))
 
     async def scenario(_, async_engine):
         async def collect(request_id, prompt):
@@ -224,7 +224,7 @@ def test_async_engine_fails_only_the_request_the_engine_failed(llm, monkeypatch)
 
 
 def test_server_fails_only_the_client_whose_request_failed(llm, monkeypatch):
-    monkeypatch.setattr(llm.engine.core, "sampler", PoisonedSampler(llm.engine.core.sampler))
+    monkeypatch.setattr(llm.core, "sampler", PoisonedSampler(llm.core.sampler))
     body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
     async def scenario(client, _):
@@ -400,8 +400,8 @@ def test_a_stop_string_ends_the_request_on_the_core_with_reason_stop(llm, monkey
     [free_run] = llm.generate([PROMPTS[0]], greedy(12))
     stop = free_run.text[len(free_run.text) // 2:][:2] or free_run.text
     ended = []
-    real_abort = llm.engine.core.abort
-    monkeypatch.setattr(llm.engine.core, "abort", lambda request_id, reason="abort": (
+    real_abort = llm.core.abort
+    monkeypatch.setattr(llm.core, "abort", lambda request_id, reason="abort": (
         ended.append(reason), real_abort(request_id, reason))[1])
     [stopped] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                          stop=[stop]))

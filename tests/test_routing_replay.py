@@ -274,12 +274,12 @@ def test_chunked_prefill_preemption_prefix_cache_and_stop_strings(engines):
     one = engines("qwen3_moe", "one")
     prompts = [REPEATING, PROMPTS[0], PROMPTS[1] * 4]
     expected = one.generate(prompts, routed(LAYOUT_TOKENS))
-    core = one.engine.core
+    core = one.core
     bytes_per_token = core.runner.cache_bytes() // core.kv_capacity_tokens
     with LLM(str(core.checkpoint_dir), device="cpu", dtype="float32", block_size=4, enable_chunked_prefill=True,
              max_num_batched_tokens=6, kv_cache_memory=bytes_per_token * 32, enable_prefix_caching=True) as tight:
         outputs = tight.generate(prompts, routed(LAYOUT_TOKENS))
-        assert tight.engine.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+        assert tight.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
         tight.generate(prompts[:1], greedy(1))
         assert tight.generate(prompts[:1], greedy(1))[0].cached_prompt_tokens > 0, "no prefix hit to refuse"
         cached = tight.generate(prompts[:1], routed(LAYOUT_TOKENS))[0]

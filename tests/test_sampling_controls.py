@@ -231,7 +231,7 @@ def test_greedy_with_repetition_penalty_equals_transformers_generate(llm, checkp
 
 
 def test_min_tokens_holds_eos_back_and_logit_bias_then_ends_at_once(llm):
-    eos = sorted(llm.engine.core.eos_ids)[0]
+    eos = sorted(llm.core.eos_ids)[0]
     pushed = dict(max_tokens=20, temperature=0.0, logit_bias={eos: 100.0})
     [at_once] = llm.generate([PROMPTS[0]], SamplingParams(**pushed))
     [held] = llm.generate([PROMPTS[0]], SamplingParams(**pushed, min_tokens=5))
@@ -257,7 +257,7 @@ def test_penalties_change_greedy_output_as_their_definition_says(llm):
 
 
 def test_seeded_requests_with_every_control_reproduce_and_ignore_their_batch(llm):
-    eos = sorted(llm.engine.core.eos_ids)[0]
+    eos = sorted(llm.core.eos_ids)[0]
     params = SamplingParams(max_tokens=16, temperature=0.9, seed=21, presence_penalty=0.5, frequency_penalty=0.3,
                             repetition_penalty=1.2, min_p=0.05, logit_bias={eos: -100, 42: 3.0}, ignore_eos=True)
     alone = llm.generate([PROMPTS[1]], params)[0].token_ids

@@ -236,7 +236,7 @@ def test_stats_and_health_snapshots_follow_the_engine():
         streams = [await async_engine.submit(f"s{i}", [1], SamplingParams(max_tokens=50)) for i in range(3)]
         await streams[0].__anext__()
         await asyncio.sleep(0.05)
-        stats = async_engine.stats()
+        stats = async_engine.front.stats()
         for i in range(3):
             async_engine.abort(f"s{i}")
         return stats

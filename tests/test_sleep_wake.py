@@ -25,7 +25,7 @@ def llm(tiny_checkpoint_factory):
 
 def touch_kv_pool(llm) -> None:
     """Every page of the pool resident, as after long serving (a fresh pool's pages are not until written)."""
-    for cache in llm.engine.core.runner.caches:
+    for cache in llm.core.runner.caches:
         cache.keys.add_(0.0)
         cache.values.add_(0.0)
 
@@ -65,13 +65,13 @@ def test_a_failed_reload_leaves_the_weights_dropped(llm, tmp_path, monkeypatch):
     wake_up is refused too (no uninitialized memory served), until a reload succeeds."""
     before_tokens = llm.generate([PROMPT], GREEDY)[0].token_ids
     llm.sleep(level=2)
-    updater = llm.engine.core.weight_updater
+    updater = llm.core.weight_updater
     monkeypatch.setattr(updater, "directory", tmp_path / "moved")   # where the weights last came from, gone now
     with pytest.raises(InvalidRequestError, match="moved does not exist"):
         llm.wake_up(reload=True)
     with pytest.raises(InvalidRequestError, match="wake_up\\(reload=True\\)"):
         llm.wake_up()
-    assert llm.engine.core.sleep_mode.memory(0).weight_bytes == 0   # dropped again, not left allocated
+    assert llm.core.sleep_mode.memory(0).weight_bytes == 0   # dropped again, not left allocated
     monkeypatch.undo()
     llm.wake_up(reload=True)
     assert llm.generate([PROMPT], GREEDY)[0].token_ids == before_tokens

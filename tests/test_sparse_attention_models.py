@@ -110,7 +110,7 @@ def test_an_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(quant
                                        (32, 48), with_mtp=True)
     with LLM(str(fp8), device="cpu", dtype="float32", quantization=quantization) as llm:
         tokens = [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))]
-        indexer = llm.engine.core.model.model.layers[1].self_attn.indexer
+        indexer = llm.core.model.model.layers[1].self_attn.indexer
         assert (indexer.wq_b.weight.dtype == torch.float8_e4m3fn) == (quantization == "fp8")
     assert tokens == HFOracle(oracle).greedy(PROMPTS, NEW_TOKENS)
 
@@ -121,7 +121,7 @@ def test_captured_decode_steps_choose_on_the_device(arch, engines, expected):
     its context, with no host list to loop over."""
     llm = engines(arch, "captured_decode")
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected(arch)
-    stats = llm.engine.core.runner.capture.stats
+    stats = llm.core.runner.capture.stats
     assert stats.disabled_reason is None and stats.captured_steps == NEW_TOKENS - 1
 
 

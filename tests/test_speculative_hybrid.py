@@ -69,7 +69,7 @@ def spec_counts(llm: LLM) -> tuple[int, int]:
 
 
 def assert_nothing_held(llm: LLM) -> None:
-    manager = llm.engine.core.block_manager
+    manager = llm.core.block_manager
     assert manager.num_free_blocks == manager.num_blocks, "blocks leaked"
     assert all(w.pool.num_free_blocks == w.num_blocks for w in manager.windows), "window blocks leaked"
     assert manager.states is None or manager.states.num_free == manager.states.num_slots, "state slots leaked"
@@ -82,7 +82,7 @@ def test_ngram_greedy_tokens_over_windowed_groups_equal_transformers(arch, tiny_
         cold = llm.generate(PROMPTS, greedy(NEW_TOKENS))
         warm = llm.generate(PROMPTS, greedy(NEW_TOKENS))     # prompts resumed from the prefix cache
         accepted, drafted = spec_counts(llm)
-        assert llm.engine.core.block_manager.counters.hits > 0
+        assert llm.core.block_manager.counters.hits > 0
         assert_nothing_held(llm)
     assert [o.token_ids for o in cold] == expected
     assert [o.token_ids for o in warm] == expected
@@ -111,10 +111,10 @@ def test_recurrent_states_roll_back_to_the_last_accepted_draft(tiny_checkpoint_f
     with LLM(str(tiny_checkpoint_factory("qwen3_next")), **SETTINGS) as llm:
         ngram = llm.generate(PROMPTS, greedy(NEW_TOKENS))    # prompt lookup: drafted, all rejected here
         _, ngram_drafted = spec_counts(llm)
-        llm.engine.core.speculation.drafter = KnowingDrafter(PROMPTS, expected)
+        llm.core.speculation.drafter = KnowingDrafter(PROMPTS, expected)
         knowing = llm.generate(PROMPTS, greedy(NEW_TOKENS))  # prompts resumed from the prefix cache
         accepted, drafted = spec_counts(llm)
-        assert llm.engine.core.block_manager.counters.hits > 0
+        assert llm.core.block_manager.counters.hits > 0
         assert_nothing_held(llm)
     assert [o.token_ids for o in ngram] == expected
     assert [o.token_ids for o in knowing] == expected

@@ -101,7 +101,7 @@ def test_seeded_sampling_with_mtp_is_reproducible_and_the_mtp_cache_is_paid_from
         first = [o.token_ids for o in llm.generate(PROMPTS, params)]
         second = [o.token_ids for o in llm.generate(PROMPTS, params)]
         drafted = llm.engine.stats().workers[0].spec_draft_tokens
-        core = llm.engine.core
+        core = llm.core
         target_bytes, drafter = core.runner.cache_bytes(), core.speculation.model_drafter
         drafter_bytes = drafter.cache.keys.numel() * drafter.cache.keys.element_size()
         blocks = core.block_manager.num_blocks
@@ -111,7 +111,7 @@ def test_seeded_sampling_with_mtp_is_reproducible_and_the_mtp_cache_is_paid_from
     assert drafter_bytes * layers == target_bytes
     assert target_bytes + drafter_bytes <= budget
     with LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=budget) as plain:
-        assert plain.engine.core.block_manager.num_blocks * layers // (layers + 1) in (blocks, blocks + 1)
+        assert plain.core.block_manager.num_blocks * layers // (layers + 1) in (blocks, blocks + 1)
 
 
 def test_greedy_tokens_with_mtp_hold_under_preemption(mtp_checkpoints):
@@ -128,7 +128,7 @@ def test_greedy_tokens_with_mtp_hold_under_preemption(mtp_checkpoints):
     with LLM(str(path), device="cpu", dtype="float32", speculative_config=MTP, kv_cache_memory=per_token * 96,
              block_size=8, enable_chunked_prefill=False) as llm:   # 12 blocks of 8: not all 6 requests at once
         outputs = [o.token_ids for o in llm.generate(prompts, greedy(NEW_TOKENS))]
-        core = llm.engine.core
+        core = llm.core
         assert core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
         assert core.block_manager.num_blocks == 12 and core.block_manager.num_free_blocks == 12, "blocks leaked"
         assert core.worker_stats().spec_draft_tokens > 0
@@ -173,7 +173,7 @@ def test_an_fp8_checkpoint_drafts_with_its_mtp_layer(tiny_checkpoint_factory, tm
         plain = [o.token_ids for o in kept.generate(PROMPTS, greedy(NEW_TOKENS))]
     with LLM(str(fp8), device="cpu", dtype="float32", quantization="fp8", speculative_config=MTP) as kept:
         speculated = [o.token_ids for o in kept.generate(PROMPTS, greedy(NEW_TOKENS))]
-        layer = kept.engine.core.speculation.model_drafter.layer
+        layer = kept.core.speculation.model_drafter.layer
         drafted = kept.engine.stats().workers[0].spec_draft_tokens
     assert speculated == plain
     assert layer.eh_proj.quant is not None, "the checkpoint stores eh_proj in FP8: it stays FP8"

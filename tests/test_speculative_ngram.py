@@ -155,8 +155,8 @@ def test_greedy_tokens_with_speculation_hold_under_preemption(tiny_checkpoint_fa
     with spec_llm(path, kv_cache_memory=budget, block_size=8, enable_chunked_prefill=False) as llm:
         outputs = llm.generate(prompts, greedy(NEW_TOKENS))
         accepted, _ = accepted_and_drafted(llm)
-        assert llm.engine.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
-        assert llm.engine.core.block_manager.num_free_blocks == 12, "blocks leaked"
+        assert llm.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+        assert llm.core.block_manager.num_free_blocks == 12, "blocks leaked"
     assert [o.token_ids for o in outputs] == expected
     assert accepted > 0
 
@@ -184,7 +184,7 @@ def test_verify_steps_run_through_the_captured_decode_step(tiny_checkpoint_facto
                   torch_compile_max_bs=16) as llm:
         outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
         accepted, drafted = accepted_and_drafted(llm)
-        stats = llm.engine.core.runner.capture.stats
+        stats = llm.core.runner.capture.stats
     assert [o.token_ids for o in outputs] == expected
     assert stats.disabled_reason is None
     assert stats.captured_verify_steps > 0 and stats.eager_steps == 1, "only the prefill step was meant to be eager"

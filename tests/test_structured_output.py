@@ -181,7 +181,7 @@ def test_a_complete_grammar_ends_the_request_with_stop_even_with_ignore_eos(llm)
                                                     structured_output=YES_NO))
     for out in outs:
         assert out.text in ("yes", "no") and out.finish_reason == "stop"
-        assert out.token_ids[-1] in llm.engine.core.eos_ids    # the grammar's end: its stop token
+        assert out.token_ids[-1] in llm.core.eos_ids    # the grammar's end: its stop token
 
 
 def test_regex_outputs_match_on_the_tiny_model(llm):
@@ -202,24 +202,24 @@ def test_max_tokens_cuts_a_constrained_output_with_length(llm):
 def test_free_rows_of_a_batch_are_untouched_and_each_spec_compiles_once(llm):
     alone = [o.token_ids for o in llm.generate([PROMPTS[0], PROMPTS[2]], greedy(10))]
     spec = StructuredOutputSpec(regex=r"(ab|cd){3,6}")
-    compiled_before = llm.engine.core.grammars.compilations
+    compiled_before = llm.core.grammars.compilations
     batch = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]],
                          [greedy(10), greedy(30, structured_output=spec), greedy(10),
                           SamplingParams(max_tokens=30, seed=1, structured_output=spec)])
     assert [batch[0].token_ids, batch[2].token_ids] == alone
     assert re.fullmatch(r"(ab|cd){3,6}", batch[1].text) and re.fullmatch(r"(ab|cd){3,6}", batch[3].text)
-    assert llm.engine.core.grammars.compilations == compiled_before + 1
+    assert llm.core.grammars.compilations == compiled_before + 1
 
 
 def test_a_grammar_that_fails_on_the_core_fails_its_request_alone(llm, monkeypatch):
     def broken(spec):
         raise RuntimeError("injected compile failure")
 
-    monkeypatch.setattr(llm.engine.core.grammars, "compile", broken)
+    monkeypatch.setattr(llm.core.grammars, "compile", broken)
     fine, failed = llm.generate([PROMPTS[0], PROMPTS[1]], [greedy(6), greedy(6, structured_output=YES_NO)])
     assert failed.finish_reason == "error" and "injected compile failure" in failed.error
     assert fine.finish_reason == "length" and len(fine.token_ids) == 6
-    blocks = llm.engine.core.block_manager
+    blocks = llm.core.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
 
 

@@ -78,7 +78,7 @@ def test_the_option_splits_the_forward_pass_and_keeps_its_logits(tiny_checkpoint
     monkeypatch.setattr(moe_runtime.models.decoder, "interleave", counted)
     with LLM(str(tiny_checkpoint_factory("deepseek_v3")), device="cpu", dtype="float32",
              enable_two_batch_overlap=True, enable_prefix_caching=False) as llm:
-        core = llm.engine.core
+        core = llm.core
         assert core.executor.two_batch_overlap and core.executor.overlaps_micro_batches()
         split = prefill_logits(core, PROMPTS)
         assert len(calls) == 1, "two-batch overlap is on, but the forward pass did not interleave micro-batches"

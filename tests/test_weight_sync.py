@@ -151,7 +151,7 @@ def test_update_from_distributed_one_rank(llm, checkpoints, answers, monkeypatch
     with pytest.raises(InvalidRequestError, match="rank 0"):
         llm.init_weights_update_group("127.0.0.1", free_port(), rank_offset=1, world_size=2, timeout_s=0.5)
     assert time.monotonic() - started < 20
-    updater = llm.engine.core.weight_updater
+    updater = llm.core.weight_updater
     join_trainer(llm)
     first = updater.group
     sender = join_trainer(llm)
@@ -474,4 +474,4 @@ def test_int8_kept_weights_quantized_again(checkpoints):
         tokens = greedy(llm)
         from_disk = llm.update_weights(str(new), checksums=True).checksums[0]
         assert from_tensors == from_disk and greedy(llm) == tokens
-        assert llm.engine.core.executor.expert_store(0).w13.dtype == torch.int8
+        assert llm.core.executor.expert_store(0).w13.dtype == torch.int8

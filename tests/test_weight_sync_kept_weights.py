@@ -31,10 +31,10 @@ def test_an_int4_release_rounds_a_trainers_float_experts_to_its_layout(tiny_chec
     release, _ = write_int4_checkpoint(old, tmp_path / "gptq", tmp_path / "twin", "gptq")
     float_tensors = read_all_tensors(new)
     with LLM(str(new), device="cpu", dtype="float32", quantization="int4") as rounded_at_start:
-        expected = rounded_at_start.engine.core.weight_updater.slot_checksums()
+        expected = rounded_at_start.core.weight_updater.slot_checksums()
         expected_tokens = rounded_at_start.generate([PROMPT], GREEDY)[0].token_ids
     with LLM(str(release), device="cpu", dtype="float32") as served:
-        experts = served.engine.core.executor.expert_store(0)
+        experts = served.core.executor.expert_store(0)
         assert experts.quant is not None and experts.quant.layout == Int4Layout(DEFAULT_INT4_LAYOUT.group_size, False)
         assert not experts.quant.rounds_float_weights   # kept int4 by itself: a float expert in the release is refused
         updated = served.update_weights_from_tensors(float_tensors, checksums=True).checksums[0]
@@ -44,7 +44,7 @@ def test_an_int4_release_rounds_a_trainers_float_experts_to_its_layout(tiny_chec
 
 
 def drafter_parameters(llm) -> dict[str, torch.Tensor]:
-    layer = llm.engine.core.speculation.local_model_drafter().layer
+    layer = llm.core.speculation.local_model_drafter().layer
     return {name: param.detach().clone() for name, param in layer.named_parameters()}
 
 

@@ -61,7 +61,7 @@ class CpuExpertsPart:
         return self._engines[layout]
 
     def placement(self) -> Outcome:
-        core = self.engine("resident").engine.core
+        core = self.engine("resident").core
         executor = core.executor
         routed = {str(executor.expert_store(layer).w13.device) for layer in range(executor.num_moe_layers)}
         copies = {str(c.copies.w13.device) for c in executor.device_copies}

@@ -397,7 +397,7 @@ class CapturedPart:
                        torch_compile_backend=self.backend) if captured else {}
         with LLM(str(self.checkpoint(arch)), device=self.device, dtype=dtype, **options) as llm:
             llm.generate(prompts, greedy(2))                      # compiles (or warms) the bucket, not timed
-            capture = llm.engine.core.runner.capture
+            capture = llm.core.runner.capture
             before = capture.stats.captured_steps if capture else 0
             self._synchronize()
             started = time.perf_counter()

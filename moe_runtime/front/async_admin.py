@@ -33,7 +33,7 @@ class AsyncAdminCommands:
                                         timeout_s: float = JOIN_TIMEOUT_S) -> AdminResult:
         address = GroupAddress(str(master_address), int(master_port), int(rank_offset), int(world_size),
                                str(group_name), str(backend), float(timeout_s))
-        return await self._admin(group_join(address, self.engine.shape.world_size), "pause")
+        return await self._admin(group_join(address, self.front.shape.world_size), "pause")
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               policy: str = "drain", checksums: bool = False) -> AdminResult:
@@ -41,11 +41,11 @@ class AsyncAdminCommands:
 
     async def sleep(self, level: int = 1) -> AdminResult:
         return await self._admin(sleep_command(level), "drain",
-                                 after=lambda result: setattr(self.engine.admin, "sleep_level", level))
+                                 after=lambda result: setattr(self.front.admin, "sleep_level", level))
 
     async def wake_up(self, reload: bool = False) -> AdminResult:
         return await self._admin(wake_command(reload), "pause",
-                                 after=lambda result: setattr(self.engine.admin, "sleep_level", 0))
+                                 after=lambda result: setattr(self.front.admin, "sleep_level", 0))
 
     async def _admin(self, make, policy: str, after=None) -> AdminResult:
         """One admin command at a time; "drain" holds new requests back (they wait, then go on) until the running
@@ -61,13 +61,13 @@ class AsyncAdminCommands:
                 resumes = self._admission_resumes = asyncio.Event()
             try:
                 if policy == "drain":
-                    while self.engine.has_unfinished():
+                    while self.front.has_unfinished():
                         self._check_alive()
                         await asyncio.sleep(ADMIN_POLL_S)
                 elif policy == "abort":
                     for request_id in list(self._streams):
                         self.abort(request_id)
-                return await asyncio.wrap_future(self.engine.admin_command(make, after))
+                return await asyncio.wrap_future(self.front.admin_command(make, after))
             finally:
                 if resumes is not None:
                     self._admission_resumes = None

@@ -24,10 +24,10 @@ from typing import AsyncIterator
 
 from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
 from moe_runtime.records.outputs import RequestOutput
-from moe_runtime.engine.stats import EngineHealth, EngineStats
+from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.errors import (EngineDeadError, MoERuntimeError, QueueFullError, RequestFailedError,
                                 ShuttingDownError)
-from moe_runtime.front.engine_protocol import Engine
+from moe_runtime.front.front import Front
 from moe_runtime.front.async_admin import AsyncAdminCommands
 from moe_runtime.sampling.params import SamplingParams
 
@@ -117,15 +117,19 @@ class RequestStream:
 
 
 class AsyncEngine(AsyncAdminCommands):
-    """An `Engine` (the front) behind an asyncio face. Call `start()` once, `shutdown()` at the end."""
+    """The front behind an asyncio face. Call `start()` once, `shutdown()` at the end.
 
-    def __init__(self, engine: Engine, config: AsyncEngineConfig = AsyncEngineConfig()):
-        self.engine = engine
+    `front` is the `Front` itself (tests pass a double with the same methods): the server reads the engine's
+    stats from it (`front.stats()`, kept current on the loop as the core's messages arrive); this class adds
+    only what the loop needs: streams, the queue bound, drain and death."""
+
+    def __init__(self, front: Front, config: AsyncEngineConfig = AsyncEngineConfig()):
+        self.front = front
         self.config = config
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        # the engine checks specs at admission; the server parses them first, off the loop, in this cache
-        self.structured_output_validator = engine.limits.structured_output
+        self.tokenizer = front.tokenizer
+        self.max_model_len = front.max_model_len
+        # the front checks specs at admission; the server parses them first, off the loop, in this cache
+        self.structured_output_validator = front.limits.structured_output
         self._lock = threading.Lock()          # guards _dead_detail and _death_waiters (signal handlers, threads)
         self._dead_detail: str | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -148,13 +152,13 @@ class AsyncEngine(AsyncAdminCommands):
         return self
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Detach from the loop: in-flight requests end with `EngineDeadError`; then `engine.shutdown()`."""
+        """Detach from the loop: in-flight requests end with `EngineDeadError`; then `front.shutdown()`."""
         self._detach(timeout_s)
         self._fail_everything("the server is shutting down")
         try:
-            self.engine.shutdown()
+            self.front.shutdown()
         except Exception:  # noqa: BLE001 - shutting down anyway; say what went wrong
-            logger.exception("engine.shutdown() failed")
+            logger.exception("front.shutdown() failed")
 
     def begin_drain(self) -> None:
         """Thread- and signal-safe: take no new request from now on (`ShuttingDownError`, which the server
@@ -199,7 +203,7 @@ class AsyncEngine(AsyncAdminCommands):
         """Attach the engine to the running loop, once."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self.engine.attach(self._deliver, self._die)
+            self.front.attach(self._deliver, self._die)
             self._refresh_load_soon()   # a first expert-load snapshot, for the first dashboard or /metrics read
 
     def _detach(self, timeout_s: float) -> None:
@@ -208,12 +212,12 @@ class AsyncEngine(AsyncAdminCommands):
         if loop is None:
             return
         if loop.is_closed() or not loop.is_running() or _running_loop() is loop:
-            self.engine.detach()
+            self.front.detach()
         else:
             asyncio.run_coroutine_threadsafe(self._detach_soon(), loop).result(timeout=timeout_s)
 
     async def _detach_soon(self) -> None:
-        self.engine.detach()
+        self.front.detach()
         await asyncio.sleep(0)  # let the cancelled readers unwind before the sockets close
 
     def _check_alive(self) -> None:
@@ -230,12 +234,12 @@ class AsyncEngine(AsyncAdminCommands):
         Raises `InvalidRequestError` (the engine's validation), `QueueFullError`, `EngineDeadError`; the
         stream raises `EngineDeadError` or `RequestFailedError` if the request cannot finish. A long prompt's
         checks (limits, block hashes) run in a worker thread, so the loop keeps serving meanwhile. A refused
-        `import_kv` request has its prefill instance free the parked KV at once (`Engine.refuse_import`).
+        `import_kv` request has its prefill instance free the parked KV at once (`Front.refuse_import`).
         """
         try:
             return await self._submit(request_id, prompt_token_ids, params, export_kv, import_kv)
         except BaseException:
-            self.engine.refuse_import(import_kv)
+            self.front.refuse_import(import_kv)
             raise
 
     async def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -248,7 +252,7 @@ class AsyncEngine(AsyncAdminCommands):
         try:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            prepare = functools.partial(self.engine.prepare, request_id, stream.prompt_token_ids, params, export_kv,
+            prepare = functools.partial(self.front.prepare, request_id, stream.prompt_token_ids, params, export_kv,
                                         import_kv)
             if len(prompt_token_ids) > self.config.offload_prompt_tokens:
                 admission = await asyncio.to_thread(prepare)
@@ -257,7 +261,7 @@ class AsyncEngine(AsyncAdminCommands):
             self._check_alive()
             if request_id in self._streams:   # another submit of the same id got there while this one waited
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self.engine.admit(admission)
+            self.front.admit(admission)
         except BaseException:
             self._mark_started(stream)
             raise
@@ -296,7 +300,7 @@ class AsyncEngine(AsyncAdminCommands):
     def abort(self, request_id: str) -> None:
         """Abort a request (its KV blocks are freed at the next step boundary); unknown ids are ignored."""
         if self._dead_detail is None:
-            self.engine.abort(request_id)
+            self.front.abort(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
@@ -310,16 +314,14 @@ class AsyncEngine(AsyncAdminCommands):
     def reset_prefix_cache(self) -> None:
         """Every DP worker forgets its cached KV blocks (blocks in use stay with their requests)."""
         self._check_alive()
-        self.engine.reset_prefix_cache()
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats()   # kept current on the loop as the core's messages arrive
+        self.front.reset_prefix_cache()
 
     def health(self) -> EngineHealth:
+        """The front's health, or why this loop stopped taking requests (a death it heard of, a shutdown)."""
         with self._lock:
             if self._dead_detail is not None:
                 return EngineHealth(False, self._dead_detail)
-        return self.engine.health()
+        return self.front.health()
 
     def expert_load(self):
         """The latest `ExpertLoadSnapshot`, or None. Taking one is a lock-step command across every rank, so
@@ -352,7 +354,7 @@ class AsyncEngine(AsyncAdminCommands):
             return
         self._expert_load_asked_at = time.monotonic()
         try:
-            future = self.engine.expert_load()
+            future = self.front.expert_load()
         except MoERuntimeError:
             return
         if future.done() and future.exception() is None:   # answered at once (nothing to wait for)
@@ -369,14 +371,14 @@ class AsyncEngine(AsyncAdminCommands):
 
     def rebalance_events(self) -> list | None:
         """The engine's `RebalanceEvent`s so far; None from an engine that keeps none (one without rebalancing)."""
-        reader = getattr(self.engine, "rebalance_events", None)
+        reader = getattr(self.front, "rebalance_events", None)
         return list(reader()) if reader is not None else None
 
     async def rebalance_now(self, timeout_s: float | None = None):
         """Plan a placement from the recorded window and migrate now; the engine's RebalanceEvent."""
         self._attach_here()
         self._check_alive()
-        event = await asyncio.wait_for(asyncio.wrap_future(self.engine.rebalance_now()), timeout_s)
+        event = await asyncio.wait_for(asyncio.wrap_future(self.front.rebalance_now()), timeout_s)
         self._expert_load_asked_at = float("-inf")   # the placement moved: the next reader refreshes the snapshot
         return event
 
@@ -384,7 +386,7 @@ class AsyncEngine(AsyncAdminCommands):
         """An expert-load snapshot taken now (between steps); the cached one if the engine is slow or gone."""
         self._attach_here()
         try:
-            future = self.engine.expert_load()
+            future = self.front.expert_load()
         except MoERuntimeError:
             return self._expert_load
         self._expert_load_asked_at = time.monotonic()

@@ -16,7 +16,6 @@ from typing import Callable, Protocol
 
 from moe_runtime.attention_dp.messages import Message
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
-from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.moe.routed_experts import RoutingShape
 from moe_runtime.front.rank_reform import ReformOutcome
 
@@ -81,7 +80,5 @@ class EngineCoreClient(Protocol):
         take back ranks that returned), and `shape` is theirs (blocking); how many came back or were lost. Raises
         `front.rank_reform.ReformFailed` when they cannot."""
         ...
-
-    def health(self) -> EngineHealth: ...
 
     def shutdown(self) -> None: ...

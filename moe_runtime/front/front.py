@@ -26,10 +26,11 @@ from moe_runtime.attention_dp.messages import (AbortRequest, AddRequest, ImportR
 from moe_runtime.attention_dp.router import DPRouter
 from moe_runtime.load_balancer.rebalance_event import RebalanceEvent
 from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.engine.core import EngineCore
 from moe_runtime.disaggregation.decode_front import DecodeFront
 from moe_runtime.disaggregation.import_spec import ImportSpec
 from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.shard import KVShard
 from moe_runtime.disaggregation.kv_transfer.stats import TransferStats
 from moe_runtime.disaggregation.prefill_front import PrefillFront, note_step_deltas
@@ -44,6 +45,7 @@ from moe_runtime.front.deadline_timer import DeadlineTimer
 from moe_runtime.front.output_processor import OutputProcessor, ProcessedStep
 from moe_runtime.front.front_admin import STEP_WAIT_S, FrontAdminCommands
 from moe_runtime.front.front_transfers import FrontTransfers
+from moe_runtime.front.inprocess_client import InProcessClient
 from moe_runtime.front.rank_recovery import RankRecovery
 from moe_runtime.front.weight_sync import AdminRequests
 from moe_runtime.sampling.params import SamplingParams
@@ -114,8 +116,12 @@ class Front(FrontAdminCommands, FrontTransfers):
         return [self.shape.kv_shards[rank] for rank in self.shape.worker_ranks[dp_rank]]
 
     @property
-    def core(self):
-        """The engine core, when it runs in this process (one rank): for tests and benchmarks."""
+    def core(self) -> EngineCore:
+        """The engine core of a one-rank engine, which runs in this process: what tests and benchmarks inspect
+        (its model, scheduler, block manager, runner, sampler). Ranks in other processes have none here."""
+        if not isinstance(self.client, InProcessClient):
+            raise RuntimeError(f"the engine core runs in {self.shape.world_size} rank processes, not in this one "
+                               "(world_size 1 keeps it here)")
         return self.client.core
 
     # ---- admission ----------------------------------------------------------------------------------
@@ -449,12 +455,21 @@ class Front(FrontAdminCommands, FrontTransfers):
                            dataclasses.replace(self.recovery.stats) if self.recovery is not None else None)
 
     def health(self) -> EngineHealth:
+        """The engine's health, for every transport: a lost core or rank reaches the front once (the client's
+        `on_lost`, or `EngineDeadError` from a blocking call), and the front keeps what became of it. Degraded
+        (healthy, serving) while the ranks restart or re-form, and while fewer ranks than the job started with
+        serve; unhealthy once the engine ended, or while its weights are an update from memory no checkpoint
+        holds."""
         if self._dead is not None:
             return EngineHealth(False, self._dead)
-        if self.admin.weights_lost is not None and not self._recovering():
+        if self._recovering():
+            return EngineHealth(True, f"restarting the ranks after: {self.recovery.stats.recovering}", True)
+        if self.admin.weights_lost is not None:
             return EngineHealth(False, self.admin.weights_lost)
-        health = EngineHealth(False, self.recovery.stats.recovering) if self._recovering() else self.client.health()
-        return health if self.recovery is None else self.recovery.health(health, self.shape.world_size)
+        started, serving = (self.recovery.full_world_size if self.recovery else 0), self.shape.world_size
+        if serving < started:
+            return EngineHealth(True, f"serving on {serving} of {started} ranks after losing {started - serving}", True)
+        return EngineHealth(True)
 
     def shutdown(self) -> None:
         for front in (self.prefill, self.decode):

@@ -20,7 +20,6 @@ from typing import Callable
 from moe_runtime.attention_dp.core_commands import CoreCommands, RankRole
 from moe_runtime.attention_dp.messages import Message, Shutdown
 from moe_runtime.engine.core import EngineCore
-from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import CoreShape
 from moe_runtime.front.rank_reform import ReformFailed, ReformOutcome
@@ -40,7 +39,7 @@ class InProcessClient:
         self.tokenizer = core.tokenizer
         self.shape = CoreShape(block_size=core.block_manager.block_size, num_kv_blocks=core.block_manager.num_blocks,
                                max_model_len=core.max_model_len, vocab_size=core.vocab_size, pp_size=1,
-                               worker_ranks={0: [0]}, kv_shards={0: core.kv_shard()}, routing=core.routing.shape)
+                               worker_ranks={0: [0]}, kv_shards={0: core.transfers.shard()}, routing=core.routing.shape)
         self._outbox: list[Message] = []
         self._applier = CoreCommands(core, RankRole.single(), self._outbox.append)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()   # attached: commands (and wakes) for the core thread
@@ -141,9 +140,6 @@ class InProcessClient:
 
     def reform(self) -> ReformOutcome:
         raise ReformFailed("a one-rank engine has no other rank to go on with")
-
-    def health(self) -> EngineHealth:
-        return EngineHealth(False, self._dead) if self._dead is not None else EngineHealth(True)
 
     def shutdown(self) -> None:
         self.detach()

@@ -6,7 +6,9 @@ import logging
 from dataclasses import fields
 
 from moe_runtime.config.engine_config import EngineConfig
+from moe_runtime.engine.core import EngineCore
 from moe_runtime.front.engine_factory import make_engine
+from moe_runtime.front.front import Front
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.records.outputs import RequestOutput
 from moe_runtime.sampling.params import SamplingParams
@@ -36,8 +38,15 @@ class LLM:
         return self._engine.tokenizer
 
     @property
-    def engine(self):
+    def engine(self) -> Front:
+        """The front this LLM drives: admission, routing, outputs, `stats()` and `health()` (any layout)."""
         return self._engine
+
+    @property
+    def core(self) -> EngineCore:
+        """The engine core of a one-rank engine, which runs in this process: what tests and benchmarks inspect
+        (its model, scheduler, block manager, runner, sampler). Ranks in other processes have none here."""
+        return self._engine.core
 
     def _token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

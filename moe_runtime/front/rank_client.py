@@ -15,11 +15,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from moe_runtime.attention_dp.control_plane import HEARTBEAT_INTERVAL_MS, RankDisconnected
+from moe_runtime.attention_dp.control_plane import RankDisconnected
 from moe_runtime.attention_dp.messages import AdmittedElsewhere, Hello, Message, RebalanceNow, Shutdown, WorkerFailed
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
-from moe_runtime.engine.stats import EngineHealth
+from moe_runtime.security.socket_guard import HEARTBEAT_INTERVAL_MS
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import CoreShape
 from moe_runtime.front.rank_reform import (LostRanks, RanksLostMeanwhile, ReformFailed, ReformOutcome, find_lost,
@@ -292,14 +292,6 @@ class RankClient:
         self.control.detach_from_loop()
 
     # ---- state and tear-down ----------------------------------------------------------------------
-    def health(self) -> EngineHealth:
-        if self._dead is not None:
-            return EngineHealth(False, self._dead)
-        for rank, process in self.job.processes.items():
-            if not process.is_alive():
-                return EngineHealth(False, f"worker rank {rank} died (exit code {process.exitcode})")
-        return EngineHealth(True)
-
     def shutdown(self) -> None:
         if self.control is None:
             return

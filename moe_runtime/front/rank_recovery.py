@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 from moe_runtime.attention_dp.messages import AddRequest
 from moe_runtime.attention_dp.router import DPRouter
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.engine.stats import EngineHealth, RecoveryStats
+from moe_runtime.engine.stats import RecoveryStats
 from moe_runtime.errors import EngineDeadError
 from moe_runtime.front.core_client import EngineCoreClient
 from moe_runtime.front.output_processor import RequestState
@@ -65,24 +65,6 @@ class RankRecovery:
     @property
     def recovering(self) -> bool:
         return self.stats.recovering is not None
-
-    def restarts_left(self) -> bool:
-        """Whether a loss now would restart the job (one being restarted counts as left)."""
-        now = time.monotonic()
-        return self.recovering or (not self._impossible
-                                   and sum(now - t < WINDOW_S for t in self._restarts) < self.max_restarts)
-
-    def health(self, client: EngineHealth, world_size: int) -> EngineHealth:
-        """Degraded (200, serving) while the ranks restart or re-form, and while fewer ranks than the job started
-        with serve; unhealthy only when no restart is left."""
-        if not client.healthy:
-            if self.restarts_left():
-                return EngineHealth(True, f"restarting the ranks after: {client.detail}", True)
-            return client
-        if world_size < self.full_world_size:
-            return EngineHealth(True, f"serving on {world_size} of {self.full_world_size} ranks after losing "
-                                      f"{self.full_world_size - world_size}", True)
-        return client
 
     def begin(self, reason: str) -> bool:
         """A rank was lost: whether to restart (False: restarts used up, the engine ends). The loss counts one

@@ -34,7 +34,7 @@ class EngineReading:
         return cls(
             healthy=async_engine.health().healthy,
             queued=async_engine.num_unstarted,
-            stats=async_engine.stats(),
+            stats=async_engine.front.stats(),
             expert_load=expert_load,
             rebalance_events=async_engine.rebalance_events() or [],
         )

@@ -54,7 +54,7 @@ class DashboardMonitor:
         """Read the engine's views; add a timeline sample and a trace row when one is due."""
         engine = self.async_engine
         snapshot = engine.expert_load()       # also keeps the snapshot fresh while the dashboard asks
-        stats = engine.stats()
+        stats = engine.front.stats()
         health = engine.health()
         if now - self._last_sample_t >= self.config.sample_interval_s:
             self._last_sample_t = now
@@ -104,8 +104,8 @@ class DashboardMonitor:
             return self._rebalance_unsupported
         if not has_expert_load:
             return "this engine has no expert-parallel load to balance (one rank, or a dense model)"
-        if getattr(self.async_engine.engine, "rebalance_now", None) is None:
-            return f"{type(self.async_engine.engine).__name__} has no rebalance_now()"
+        if getattr(self.async_engine.front, "rebalance_now", None) is None:
+            return f"{type(self.async_engine.front).__name__} has no rebalance_now()"
         return None
 
     # ---- actions ------------------------------------------------------------------------------
