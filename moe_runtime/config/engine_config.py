@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moe_runtime.attention_dp.control_key import ControlKey
+from moe_runtime.security.control_key import ControlKey
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.sampling.logprobs_mode import LOGPROBS_MODES
-from moe_runtime.speculative.config import SpeculativeConfig
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.config.logprobs_mode import LOGPROBS_MODES
+from moe_runtime.config.speculative import SpeculativeConfig
+from moe_runtime.security.transfer_key import TransferKey
 
 
 class EngineConfigError(InvalidRequestError):
@@ -77,6 +77,8 @@ class EngineConfig:
                                          # (moe_runtime/execution/decode_capture.py; SGLang's --enable-torch-compile)
     torch_compile_max_bs: int = 32       # the largest decode batch bucket captured; larger steps run eagerly
     torch_compile_backend: str = "inductor"  # torch.compile backend; "eager"/"aot_eager" trace only (debugging)
+    torch_compile_wrapper: str = "aot"   # CPU: what runs inductor's graph: "python", "cpp" (its C++ wrapper) or
+                                         # "aot" (AOTInductor, a library per bucket cached on disk)
     debug_host_reads: bool = False       # count each decode step's host reads (device values read on the host,
                                          # which stall a GPU and break graph capture): WorkerStats.decode_host_reads
     num_redundant_experts: int = 0       # extra physical expert slots for replicas of hot experts
@@ -110,7 +112,7 @@ class EngineConfig:
     # Speculative decoding (vLLM's speculative_config): {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b}, {"method": "mtp", "num_speculative_tokens": k} (the
     # checkpoint's multi-token-prediction layer) or {"method": "eagle3", "model": DIR, "num_speculative_tokens": k}
-    # (an EAGLE-3 draft head); None: off (moe_runtime/speculative/config.py)
+    # (an EAGLE-3 draft head); None: off (moe_runtime/config/speculative.py)
     speculative_config: dict | None = None
     # Structured output: a grammar compiles off the stepping loop; one still compiling after this fails its request.
     grammar_compile_timeout_s: float = 10.0

@@ -50,10 +50,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_runtime.dispatch.backends import PHASE_DECODE
-from moe_runtime.execution.attention_batch import AttentionBatch
+from moe_runtime.execution.aot_step import AotBucket, compile_bucket
+from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.sampling.prompt_logprobs import prompt_logprobs_due
-from moe_runtime.engine.sequence import Sequence
+from moe_runtime.records.sequence import Sequence
 from moe_runtime.execution.step_inputs import StepInputs
 
 if TYPE_CHECKING:   # the runner owns the capture and hands it its prepared inputs
@@ -76,13 +77,19 @@ class CaptureSettings:
     backend: str = "inductor"       # torch.compile backend ("eager" / "aot_eager" trace without generating code)
     table_width: int | None = None  # block-table columns of every captured step (None: dynamic, the step's own)
     cuda_graphs: bool = False       # replay the compiled graph as a CUDA graph (inductor's "reduce-overhead")
+    cpp_wrapper: bool = False       # inductor's C++ wrapper: the graph's kernel and extern calls from C++, no Python
+    aot: bool = False               # AOTInductor: one library per bucket, cached on disk (execution/aot_step.py)
 
     @classmethod
     def for_device(cls, device: torch.device, max_batch: int, backend: str, max_model_len: int,
-                   block_size: int) -> "CaptureSettings":
-        """CUDA replays CUDA graphs, which need one table width for good: the widest a sequence can have."""
+                   block_size: int, wrapper: str = "aot") -> "CaptureSettings":
+        """CUDA replays CUDA graphs, which need one table width for good: the widest a sequence can have. On the CPU
+        inductor's graph runs through `wrapper`: "python" (dynamo and inductor's Python wrapper), "cpp" (its C++
+        wrapper) or "aot" (AOTInductor's library, no Python in the step)."""
         if device.type != "cuda":
-            return cls(max_batch=max_batch, backend=backend)
+            inductor = backend == "inductor"
+            return cls(max_batch=max_batch, backend=backend, cpp_wrapper=inductor and wrapper in ("cpp", "aot"),
+                       aot=inductor and wrapper == "aot")
         width = max(-(-max_model_len // block_size), MIN_TABLE_WIDTH)
         return cls(max_batch=max_batch, backend=backend, table_width=width, cuda_graphs=backend == "inductor")
 
@@ -95,11 +102,16 @@ class CaptureSettings:
             return None
         largest = min(config.torch_compile_max_bs, config.decode_max_tokens)
         return cls.for_device(device, max_batch=largest, backend=config.torch_compile_backend,
-                              max_model_len=max_model_len, block_size=config.block_size)
+                              max_model_len=max_model_len, block_size=config.block_size,
+                              wrapper=config.torch_compile_wrapper)
 
     def compile_mode(self) -> str | None:
         """torch.compile's `mode` (only inductor takes one)."""
         return "reduce-overhead" if self.cuda_graphs else None
+
+    def compile_options(self) -> dict | None:
+        """inductor's config for the step's graphs (torch.compile's `options`; a `mode` excludes them)."""
+        return {"cpp_wrapper": True} if self.cpp_wrapper else None
 
     def buckets(self) -> list[int]:
         """Batch sizes a decode step is padded to: powers of two up to `max_batch`, and `max_batch` itself."""
@@ -118,6 +130,7 @@ class CaptureStats:
     captured_verify_steps: int = 0                   # ... of which verified drafts (speculative decoding)
     eager_steps: int = 0                             # steps run eagerly (prefill, mixed, too large, fallback)
     buckets_compiled: list[int] = field(default_factory=list)  # batch buckets whose first step compiled
+    buckets_loaded: list[int] = field(default_factory=list)    # ... of which AOT libraries found on disk, not built
     disabled_reason: str | None = None               # set when capture gave up; every step then runs eagerly
 
     @staticmethod
@@ -171,12 +184,14 @@ class DecodeCapture:
                 for tensor in (cache.keys, cache.values):
                     if tensor is not None:
                         torch._dynamo.mark_static_address(tensor)
+        self._aot: dict[int, AotBucket] = {}   # settings.aot: each bucket's library
         self._compiled = torch.compile(self._decode_step, backend=settings.backend, mode=settings.compile_mode(),
-                                       fullgraph=True, dynamic=False)
+                                       options=settings.compile_options(), fullgraph=True, dynamic=False)
         if self.stats.disabled_reason is None:   # what the start-up log says is captured (/metrics counts it)
             logger.info("captured decode: pure decode steps of up to %d rows (buckets %s, backend %s%s) run as one "
                         "graph; prefill and mixed steps run eagerly", self.buckets[-1], self.buckets,
-                        settings.backend, ", CUDA graphs" if settings.cuda_graphs else "")
+                        settings.backend, ", CUDA graphs" if settings.cuda_graphs else
+                        ", C++ wrapper" if settings.cpp_wrapper else "")
 
     def covers(self, seqs: list[Sequence]) -> bool:
         """Whether this step is a decode step the capture runs: every sequence computes and samples its last
@@ -222,7 +237,7 @@ class DecodeCapture:
             # then reruns eagerly below and the capture turns off.
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=not first), \
                     torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                hidden, logits = self._compiled(*padded)                      # [bucket, H'], [bucket, V]
+                hidden, logits = self._step(bucket, padded)                   # [bucket, H'], [bucket, V]
         except Exception as failure:
             # A compile (first call of a bucket, or a recompile later) that fails must not fail the step: this step
             # and every later one run eagerly. An error of the model itself raises again there.
@@ -237,6 +252,17 @@ class DecodeCapture:
         step = CapturedStep(logits[:num_rows], hidden[:num_rows])
         # A CUDA graph's output lives in its pool and the next replay overwrites it: the caller gets its own copy.
         return step.copied() if self.settings.cuda_graphs else step
+
+    def _step(self, bucket: int, padded: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's compiled step: AOTInductor's library (compiled or loaded on the bucket's first step), or the
+        graph dynamo runs."""
+        if not self.settings.aot:
+            return self._compiled(*padded)
+        if bucket not in self._aot:
+            self._aot[bucket] = compile_bucket(self.model, self.caches, self._decode_step, padded)
+            if self._aot[bucket].cache_hit:
+                self.stats.buckets_loaded.append(bucket)
+        return self._aot[bucket].run(*padded)
 
     @staticmethod
     def _single_query_rows(inputs: StepInputs) -> StepInputs:
