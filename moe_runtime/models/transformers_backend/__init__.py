@@ -16,6 +16,9 @@ The pieces, one concept each:
   names refused before anything is read.
 - model.py: `TransformersCausalLM`, the surface the engine uses (forward, logits, kv_cache_specs, ...).
 - support.py: what the backend refuses, by flag or layer type.
+- tensor_parallel.py, pipeline_stages.py, parallel_model.py: the model split over ranks by its own tp_plan
+  (attention TP: head-split projections, row-parallel all-reduce) and pp_plan (this stage's layers), read
+  from the checkpoint as this rank's share.
 
 Seam for layers with recurrent state (Mamba, linear attention, short convolutions): such layers are refused by
 layer type today (support.check_config). To serve them, (1) add a per-layer-type state entry beside

@@ -20,6 +20,8 @@ from moe_runtime.models.transformers_backend.recurrent_mixers import install_rec
 from moe_runtime.models.transformers_backend.recurrent_state import served_layout
 from moe_runtime.models.transformers_backend.model import (TransformersCausalLM, TransformersExpertWeights,
                                                            TransformersModel)
+from moe_runtime.models.transformers_backend.parallel_model import (SplitTransformersCausalLM, SplitTransformersModel,
+                                                                    split_model)
 from moe_runtime.models.transformers_backend.step_context import StepContext, hang_step_context
 from moe_runtime.models.transformers_backend.support import check_config, check_engine, transformers_class
 from moe_runtime.weights.loading import SkippedTensors
@@ -40,7 +42,10 @@ def build_transformers_model(architecture: str, hf_config, ctx: BuildContext) ->
         hf = cls._from_config(config, dtype=ctx.dtype, attn_implementation=ATTENTION_IMPLEMENTATION,
                               experts_implementation=EXPERTS_IMPLEMENTATION)
     hf.eval()
+    split = split_model(architecture, hf, ctx.parallel, ctx.dtype)   # tp / pp plans: parallel_model.py (None: one rank)
     layers = [layer_attention(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+    if split is not None:
+        layers = split.local_layers(layers)
     step = StepContext(attention_kernels_for(ctx.kernels, torch.device(ctx.device)), layers)
     if hang_step_context(hf, step) == 0:
         raise UnsupportedArchitectureError(f"transformers backend: {architecture} has no module with a layer_idx "
@@ -49,9 +54,13 @@ def build_transformers_model(architecture: str, hf_config, ctx: BuildContext) ->
     if layout is not None:   # recurrent mixers run sequence by sequence on our state slots
         install_recurrent_mixers(hf, layout, step, ctx.dtype)
     seams, routed = _bind_experts(architecture, hf, ctx, step)
-    backbone = TransformersModel(hf, seams, torch.device(ctx.device), ctx.dtype)
+    if split is None:
+        backbone = TransformersModel(hf, seams, torch.device(ctx.device), ctx.dtype)
+    else:   # this rank's share: parallel_model.py
+        backbone = SplitTransformersModel(hf, seams, torch.device(ctx.device), ctx.dtype, split)
     backbone.skipped = SkippedTensors.for_config(hf_config)
-    return TransformersCausalLM(hf_config, backbone, routed, step, ctx.executor)
+    lm = TransformersCausalLM if split is None else SplitTransformersCausalLM
+    return lm(hf_config, backbone, routed, step, ctx.executor)
 
 
 def _bind_experts(architecture: str, hf: nn.Module, ctx: BuildContext, step: StepContext

@@ -1,7 +1,8 @@
 """What the transformers backend cannot run, refused by name before anything is built.
 
-The backend runs transformers' modules whole on every rank of a DP attention worker, so layouts that split a
-layer's heads or a stage's layers, or capture the forward, are refused naming the flag; layers that keep a
+Layouts that split a layer's heads or a stage's layers run where the model's tp_plan / pp_plan says how
+(tensor_parallel.py, pipeline_stages.py) and are refused naming the plan otherwise; capturing the forward is
+refused naming the flag; layers that keep a
 recurrent state (Mamba, linear attention, short convolutions) are refused naming the layer type until a
 per-layer state hook carries their state across steps (see the package docstring).
 """
@@ -12,6 +13,8 @@ from typing import Callable
 
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.models.transformers_backend.pipeline_stages import pp_refusal
+from moe_runtime.models.transformers_backend.tensor_parallel import tp_refusal
 from moe_runtime.models.transformers_backend.recurrent_state import served_layout
 from moe_runtime.config.speculative import MODEL_DRAFTERS, SpeculativeConfig
 
@@ -75,11 +78,7 @@ def check_engine(architecture: str, pp: int, attn_tp: int, cp: int, quantization
     """EngineConfigError naming every flag the backend cannot run with: asked at the front before any rank starts
     (`refuse_before_launch`) and again on each rank as the model is built."""
     refusals = []
-    if pp > 1:
-        refusals.append(f"--pp {pp} (the transformers model runs all its layers on every rank)")
-    if attn_tp > 1:
-        refusals.append(f"attention tensor parallelism over {attn_tp} ranks (--tp, or --dp-attn below --ep): "
-                        "transformers' modules are not split by heads; use --dp-attn equal to --ep")
+    refusals += [r for r in (pp_refusal(architecture, pp), tp_refusal(architecture, attn_tp)) if r]   # their plans
     if cp > 1:
         refusals.append(f"--cp {cp}")
     if quantization not in (None, "none"):
