@@ -23,12 +23,13 @@ from moe_runtime import LLM
 from moe_runtime.layers.state_cache import LayerStateCache
 from moe_runtime.models.transformers_backend.recurrent_bridge import RecurrentStateBridge
 from moe_runtime.models.transformers_backend.recurrent_state import RecurrentLayout, UnsupportedRecurrentModel
-from tests.arch_sweep_configs import tiny_config_kwargs
+from arch_sweep_configs import tiny_config_kwargs
 
 VOCAB = 128
 SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-# the bridge alone, for model types the engine tests below leave out (or refuse: ZAYA, Qwen4's QSA attention)
-BRIDGE_TYPES = ("jamba", "granitemoehybrid", "qwen4_exp_text", "zaya")
+# the bridge alone, for model types the engine tests below leave out (or refuse for their attention: Qwen4's QSA,
+# Inkling's relative position bias; Inkling's attention layers keep four convolution states)
+BRIDGE_TYPES = ("jamba", "granitemoehybrid", "qwen4_exp_text", "inkling_text")
 PROMPT_LEN = 11
 NEW_TOKENS = 4
 
@@ -135,9 +136,9 @@ def test_jamba_continues_its_scan_token_by_token(models):
 
 
 def test_unknown_recurrent_layers_are_refused_by_name():
-    """Inkling's attention layers also keep four short-convolution states: a layout this backend does not know."""
-    with pytest.raises(UnsupportedRecurrentModel, match="inkling_text.*'hybrid_sliding'"):
-        RecurrentLayout.of(tiny_config("inkling_text"))
+    """Inkling 2's attention layers keep dynamic short-convolution states: a layout this backend does not know."""
+    with pytest.raises(UnsupportedRecurrentModel, match="inkling2_text.*'hybrid_sliding'"):
+        RecurrentLayout.of(tiny_config("inkling2_text"))
 
 
 def test_attention_only_model_has_no_layout():
@@ -145,8 +146,9 @@ def test_attention_only_model_has_no_layout():
 
 
 # one model type per mixer family: Mamba (token-by-token continuation), Mamba2 beside mixer-less MoE blocks, short
-# convolution, lightning attention (transformers' own cache class), KDA (Bailing's; Kimi Linear's is the same)
-ENGINE_TYPES = ("jamba", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid")
+# convolution, lightning attention (transformers' own cache class), KDA (Bailing's; Kimi Linear's is the same), and
+# ZAYA's attention layers whose q/k convolution keeps a state (a paged KV cache and a state slot in one layer)
+ENGINE_TYPES = ("jamba", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid", "zaya")
 ENGINE_NEW_TOKENS = 5
 PROMPTS = [  # longer than a KV block (16): chunked steps, and blocks whose end states are snapshotted
     [(7 * i + 3) % 500 + 5 for i in range(40)],
@@ -194,10 +196,3 @@ def test_engine_greedy_tokens_match_transformers_with_chunks_and_prefix_cache(en
     assert again.token_ids == expected[0]
     assert llm.core.block_manager.counters.hits > hits
 
-
-def test_engine_refuses_attention_layers_that_keep_a_state(checkpoint):
-    """ZAYA's CCA layers are attention and keep a convolution state too: one layer, two caches."""
-    from moe_runtime.errors import UnsupportedArchitectureError
-
-    with pytest.raises(UnsupportedArchitectureError, match="'zaya'.*attention layers that also keep a recurrent"):
-        LLM(str(checkpoint("zaya")), device="cpu", dtype="float32", model_impl="transformers")

@@ -31,28 +31,32 @@ class RecurrentStateBridge:
         self._seen: dict[tuple[int, str, int], torch.dtype] = {}
 
     def load(self, hf_cache: Cache, caches: Mapping[int, LayerStateCache], rows: list[int], fresh: bool,
-             num_tokens: int, past_tokens: int = 0, layers: tuple[int, ...] | None = None) -> None:
+             num_tokens: int, past_tokens: int = 0, layers: tuple[int, ...] | None = None,
+             indices: frozenset[int] | None = None) -> None:
         """Give `hf_cache` the states of `rows` (state rows of `caches`, layer -> its cache) for a forward of
         `num_tokens` tokens per row; `fresh`: the rows start their sequences (transformers' empty states).
         `past_tokens`: what the rows computed before (transformers' linear token count; masks come from ours).
-        `layers`: only these recurrent layers (a mixer run on its own), default all."""
+        `layers`: only these recurrent layers (a mixer run on its own), default all; `indices`: only these state
+        indices of theirs (one of Inkling's convolutions), default all."""
         if self.layout.linear_cache and len(getattr(hf_cache, "linear_cache", ())) != self.layout.num_layers:
             hf_cache.linear_cache = [None] * self.layout.num_layers
         for state in self._states(layers):
-            values = None if fresh else self._read(state, caches[state.layer], rows)
+            parts = _parts(state, indices)
+            values = None if fresh else self._read(state, parts, caches[state.layer], rows)
             if self.layout.linear_cache:
                 hf_cache.linear_cache[state.layer] = None if values is None else values[0]
                 continue
-            self._load_layer(_linear_layer(hf_cache, state.layer), state, values, num_tokens, past_tokens)
+            self._load_layer(_linear_layer(hf_cache, state.layer), parts, values, num_tokens, past_tokens)
 
     def store(self, hf_cache: Cache, caches: Mapping[int, LayerStateCache], rows: list[int],
-              layers: tuple[int, ...] | None = None) -> None:
-        """Write the states `hf_cache` holds after a forward into `rows` of `caches` (`layers`: as in `load`)."""
+              layers: tuple[int, ...] | None = None, indices: frozenset[int] | None = None) -> None:
+        """Write the states `hf_cache` holds after a forward into `rows` of `caches` (`layers`, `indices`: as in
+        `load`; the other parts of the rows stay as they are)."""
         for state in self._states(layers):
             cache = caches[state.layer]
             index = torch.tensor(rows, dtype=torch.long, device=cache.ssm.device)
-            flat = torch.zeros(len(rows), cache.ssm[0].numel(), dtype=torch.float32, device=cache.ssm.device)
-            for part, start in zip(state.parts, state.offsets()):
+            flat = cache.ssm.index_select(0, index).view(len(rows), -1)               # [B, N] float32
+            for part, start in _parts(state, indices):
                 value = self._hf_value(hf_cache, state.layer, part)                  # [B, *shape]
                 self._seen[(state.layer, part.kind, part.index)] = value.dtype
                 flat[:, start:start + part.numel] = value.reshape(len(rows), part.numel).float()
@@ -61,25 +65,26 @@ class RecurrentStateBridge:
     def _states(self, layers: tuple[int, ...] | None) -> list[LayerState]:
         return list(self.layout.layers) if layers is None else [self.layout.of_layer(layer) for layer in layers]
 
-    def _read(self, state: LayerState, cache: LayerStateCache, rows: list[int]) -> list[torch.Tensor]:
-        """Each part of `rows`' states, [B, *shape] in transformers' dtype for it (fresh tensors: transformers
-        updates them in place)."""
+    def _read(self, state: LayerState, parts: list[tuple[StatePart, int]], cache: LayerStateCache,
+              rows: list[int]) -> list[torch.Tensor]:
+        """Each of `parts` of `rows`' states, [B, *shape] in transformers' dtype for it (fresh tensors:
+        transformers updates them in place)."""
         index = torch.tensor(rows, dtype=torch.long, device=cache.ssm.device)
         flat = cache.ssm.index_select(0, index).view(len(rows), -1)                  # [B, N] float32
         return [flat[:, start:start + part.numel].reshape(len(rows), *part.shape).to(self._dtype_of(state, part))
-                for part, start in zip(state.parts, state.offsets())]
+                for part, start in parts]
 
     def _dtype_of(self, state: LayerState, part: StatePart) -> torch.dtype:
         return self._seen.get((state.layer, part.kind, part.index)) or part.dtype or self.dtype
 
-    def _load_layer(self, layer: LinearAttentionCacheLayerMixin, state: LayerState,
+    def _load_layer(self, layer: LinearAttentionCacheLayerMixin, parts: list[tuple[StatePart, int]],
                     values: list[torch.Tensor] | None, num_tokens: int, past_tokens: int) -> None:
         """Reset the layer's linear-attention states (its attention K/V, if it is a hybrid layer, stay), then set
         `values` as its previous states."""
         LinearAttentionCacheLayerMixin.__init__(layer, number_of_states=layer.number_of_states)
         if values is None:
             return
-        for part, value in zip(state.parts, values):
+        for (part, _), value in zip(parts, values):
             if part.kind == CONV:
                 layer.conv_states[part.index] = value
                 layer.conv_kernel_size[part.index] = part.shape[-1]
@@ -107,6 +112,11 @@ class RecurrentStateBridge:
             raise RuntimeError(f"layer {layer_idx}'s {part.kind} state {part.index} is {tuple(value.shape[1:])} in "
                                f"transformers, {part.shape} in the recurrent layout of {self.layout.model_type}")
         return value
+
+
+def _parts(state: LayerState, indices: frozenset[int] | None) -> list[tuple[StatePart, int]]:
+    """(part, its start in the packed row) of `state`'s parts at `indices` (all where None)."""
+    return [(part, start) for part, start in zip(state.parts, state.offsets()) if indices is None or part.index in indices]
 
 
 def _linear_layer(hf_cache: Cache, layer_idx: int) -> LinearAttentionCacheLayerMixin:

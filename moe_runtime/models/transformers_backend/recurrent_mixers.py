@@ -34,41 +34,51 @@ CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")   # what transfor
 
 
 class RecurrentMixer:
-    """The forward of one recurrent layer's mixer over a packed step (installed as `module.forward`)."""
+    """The forward of one recurrent module over a packed step (installed as `module.forward`)."""
 
-    def __init__(self, module: nn.Module, layer: int, bridge: RecurrentStateBridge, step, hf_cache):
+    def __init__(self, module: nn.Module, layer: int, cache_index: int, bridge: RecurrentStateBridge, step,
+                 hf_cache):
         self.original = module.forward            # transformers' own, bound
+        self.signature = inspect.signature(self.original)
         self.layer = layer
+        self.cache_index = cache_index            # where the layer's LayerStateCache is in the step's caches
         self.bridge = bridge
         self.step = step                          # the wrapper's StepContext (batch, caches)
         self.hf_cache = hf_cache                  # transformers' cache object this layer's calls load into
-        self.returns_tuple = None                 # whether transformers' forward returns (output, extra)
+        # the state indices this module reads and writes (one of Inkling's convolutions), None: the layer's all
+        index = getattr(module, "conv_idx", None)
+        self.indices = frozenset({index}) if isinstance(index, int) else None
+        self.state_shapes = {part.shape for part in bridge.layout.of_layer(layer).parts}
 
     def __call__(self, *args, **kwargs):
-        hidden, extra = (kwargs.pop("hidden_states"), args) if "hidden_states" in kwargs else (args[0], args[1:])
-        if extra or hidden.shape[0] != 1:                                            # hidden [1, T, H]
-            raise UnsupportedArchitectureError(
-                f"transformers backend: the recurrent mixer of layer {self.layer} was called with {len(extra)} "
-                f"more positional arguments / a batch of {hidden.shape[0]}; it takes the packed step")
+        arguments = dict(self.signature.bind(*args, **kwargs).arguments)
+        extra = arguments.pop("kwargs", {})
+        first = next(iter(self.signature.parameters))
+        hidden = arguments.pop(first)                                                # [1, T, H]
+        arguments.update(extra)
         for name in CACHE_ARGUMENTS:
-            kwargs.pop(name, None)
-        if "attention_mask" in kwargs:
-            kwargs["attention_mask"] = None       # one sequence per row, no padding
+            arguments.pop(name, None)
+        for name in ("attention_mask", "conv_mask"):
+            if name in arguments:
+                arguments[name] = None            # one sequence per row, no padding
         if hidden.shape[1] == 0:   # a rank with no tokens this step (DP attention): transformers' own empty pass
-            return self.original(hidden, **kwargs)
+            return self.original(hidden, **arguments)
+        if hidden.shape[0] != 1:
+            raise UnsupportedArchitectureError(
+                f"transformers backend: the recurrent mixer of layer {self.layer} was called on a batch of "
+                f"{hidden.shape[0]} rows; it takes the packed step as one")
         batch: AttentionBatch = self.step.batch
-        cache: LayerStateCache = self.step.caches[self.layer]
-        out = hidden.new_empty(hidden.shape)
         if batch.state_slots is None:
             raise RuntimeError(f"layer {self.layer} keeps a recurrent state, but the step came without state slots")
-        decodes = [b for b in range(batch.num_seqs)
-                   if batch.query_lens[b] == 1 and batch.context_lens[b] > 1]
+        cache: LayerStateCache = self.step.caches[self.cache_index]
+        outputs = PackedOutputs(hidden.shape[1], self.state_shapes)
+        decodes = [b for b in range(batch.num_seqs) if batch.query_lens[b] == 1 and batch.context_lens[b] > 1]
         if decodes:
             rows = torch.tensor([batch.query_start[b] for b in decodes], device=hidden.device)
             slots = [batch.state_slots[b] for b in decodes]
-            result = self._call(hidden[0, rows][:, None], _rows(kwargs, hidden.shape[1], rows), cache, slots,
-                                fresh=False, past=min(batch.context_lens[b] - 1 for b in decodes))
-            out[0, rows] = result[:, 0]
+            outputs.put_rows(rows, self._call(hidden[0, rows][:, None], _rows(arguments, hidden.shape[1], rows),
+                                              cache, slots, fresh=False,
+                                              past=min(batch.context_lens[b] - 1 for b in decodes)))
             for slot in slots:
                 _capture(cache, slot, 1)
         for b in range(batch.num_seqs):
@@ -78,53 +88,95 @@ class RecurrentMixer:
             past, slot = batch.context_lens[b] - length, batch.state_slots[b]
             _capture(cache, slot, 0)
             cuts = sorted({offset for offset, _ in cache.captures.get(slot, ()) if 0 < offset < length} | {length})
-            first = 0
+            first_token = 0
             for cut in cuts:
-                piece = slice(start + first, start + cut)
-                out[0, piece] = self._call(hidden[:, piece], _piece(kwargs, hidden.shape[1], piece), cache, [slot],
-                                           fresh=past + first == 0, past=past + first)[0]
+                piece = slice(start + first_token, start + cut)
+                outputs.put_piece(piece, self._call(hidden[:, piece], _piece(arguments, hidden.shape[1], piece), cache,
+                                                    [slot], fresh=past + first_token == 0, past=past + first_token))
                 _capture(cache, slot, cut)
-                first = cut
-        return (out, None) if self.returns_tuple else out
+                first_token = cut
+        return outputs.result()
 
-    def _call(self, hidden: torch.Tensor, kwargs: dict, cache: LayerStateCache, slots: list[int], fresh: bool,
-              past: int) -> torch.Tensor:  # [B, t, H] -> [B, t, H]
+    def _call(self, hidden: torch.Tensor, arguments: dict, cache: LayerStateCache, slots: list[int], fresh: bool,
+              past: int):  # [B, t, H] -> transformers' output for it
         caches = {self.layer: cache}
-        self.bridge.load(self.hf_cache, caches, slots, fresh, hidden.shape[1], past, layers=(self.layer,))
-        result = self.original(hidden, cache=self.hf_cache, **kwargs)
-        self.bridge.store(self.hf_cache, caches, slots, layers=(self.layer,))
-        self.returns_tuple = isinstance(result, tuple)
-        return result[0] if self.returns_tuple else result
+        self.bridge.load(self.hf_cache, caches, slots, fresh, hidden.shape[1], past, layers=(self.layer,),
+                         indices=self.indices)
+        result = self.original(hidden, cache=self.hf_cache, **arguments)
+        self.bridge.store(self.hf_cache, caches, slots, layers=(self.layer,), indices=self.indices)
+        return result
+
+
+class PackedOutputs:
+    """What a mixer returns for the packed step, assembled from its calls on pieces and row groups: each per-token
+    tensor ([B, t, ...]: the output, or ZAYA's query, key and value) written at its tokens' rows of a [1, T, ...]
+    tensor; anything else (MiniMax's state [B, heads, D, D] beside its output) as the last call returned it."""
+
+    def __init__(self, num_tokens: int, state_shapes: set[tuple[int, ...]]):
+        self.num_tokens = num_tokens
+        self.state_shapes = state_shapes          # a tensor of one of these shapes per row is a state, not tokens
+        self.packed: list = []
+        self.is_tuple = False
+
+    def put_piece(self, piece: slice, result) -> None:
+        self._put(result, lambda packed, value: packed[0].__setitem__(piece, value[0]))
+
+    def put_rows(self, rows: torch.Tensor, result) -> None:
+        self._put(result, lambda packed, value: packed[0].__setitem__(rows, value[:, 0]))
+
+    def _put(self, result, write) -> None:
+        self.is_tuple = isinstance(result, tuple)
+        values = list(result) if self.is_tuple else [result]
+        rows_and_tokens = tuple(values[0].shape[:2])
+        per_token = [isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == rows_and_tokens
+                     and tuple(value.shape[1:]) not in self.state_shapes for value in values]
+        if not self.packed:
+            self.packed = [value.new_empty(1, self.num_tokens, *value.shape[2:]) if token else value
+                           for value, token in zip(values, per_token)]
+        for i, (value, token) in enumerate(zip(values, per_token)):
+            if token:
+                write(self.packed[i], value)
+            else:
+                self.packed[i] = value
+
+    def result(self):
+        return tuple(self.packed) if self.is_tuple else self.packed[0]
 
 
 def install_recurrent_mixers(hf_model: nn.Module, layout: RecurrentLayout, step, dtype: torch.dtype) -> int:
-    """Give every recurrent layer's mixer in `hf_model` a `RecurrentMixer` forward; returns how many."""
+    """Give every module keeping a recurrent layer's state in `hf_model` a `RecurrentMixer` forward; returns how
+    many."""
     bridge = RecurrentStateBridge(layout, dtype)
     hf_cache = _new_cache(hf_model, layout)
     mixers = find_mixers(hf_model, layout)
-    for layer, module in mixers.items():
-        object.__setattr__(module, "forward", RecurrentMixer(module, layer, bridge, step, hf_cache))
-    return len(mixers)
+    for layer, modules in mixers.items():
+        for module in modules:
+            object.__setattr__(module, "forward", RecurrentMixer(module, layer, layout.cache_index(layer), bridge, step,
+                                                                 hf_cache))
+    return sum(len(modules) for modules in mixers.values())
 
 
-def find_mixers(hf_model: nn.Module, layout: RecurrentLayout) -> dict[int, nn.Module]:
-    """Layer -> the outermost module below its decoder layer with that `layer_idx` whose forward takes a cache."""
+def find_mixers(hf_model: nn.Module, layout: RecurrentLayout) -> dict[int, list[nn.Module]]:
+    """Layer -> the modules below its decoder layer with that `layer_idx` whose forward takes a cache and that hold
+    no such module themselves: the mixer of a recurrent layer; in an attention layer keeping a state, the part that
+    keeps it (ZAYA's q/k convolution, Inkling's four short convolutions), so the attention itself stays batched."""
     base = getattr(hf_model, hf_model.base_model_prefix)
     decoder_layers = {id(module) for module in getattr(base, "layers", ())}
-    found: dict[int, tuple[str, nn.Module]] = {}
     wanted = set(layout.layer_indices)
-    for name, module in hf_model.named_modules():
-        layer = getattr(module, "layer_idx", None)
-        if layer not in wanted or id(module) in decoder_layers or not _takes_cache(module):
-            continue
-        if layer not in found or name.count(".") < found[layer][0].count("."):
-            found[layer] = (name, module)
+    candidates = [(name, module) for name, module in hf_model.named_modules()
+                  if getattr(module, "layer_idx", None) in wanted and id(module) not in decoder_layers
+                  and _takes_cache(module)]
+    names = [name for name, _ in candidates]
+    found: dict[int, list[nn.Module]] = {}
+    for name, module in candidates:
+        if not any(other.startswith(name + ".") for other in names):
+            found.setdefault(module.layer_idx, []).append(module)
     missing = sorted(wanted - set(found))
     if missing:
         raise UnsupportedArchitectureError(
             f"transformers backend ({layout.model_type}): no module of layers {missing} takes a cache "
             "(the recurrent mixer whose state the backend keeps)")
-    return {layer: module for layer, (_, module) in sorted(found.items())}
+    return dict(sorted(found.items()))
 
 
 def _takes_cache(module: nn.Module) -> bool:

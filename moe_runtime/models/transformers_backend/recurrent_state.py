@@ -81,6 +81,8 @@ class RecurrentLayout:
     # the mixer's multi-token scan starts from zeros whatever the cache holds (Jamba's Mamba): a continued chunk
     # runs its recurrence token by token instead (transformers' past-recording path, which starts from the state)
     scan_ignores_state: bool = False
+    # the recurrent layers that are attention layers too (ZAYA's CCA, Inkling's convolved K/V): a KV cache and a state
+    attention_layers: tuple[int, ...] = ()
 
     @property
     def layer_indices(self) -> tuple[int, ...]:
@@ -92,8 +94,18 @@ class RecurrentLayout:
                          value_dim=max(state.numel for state in self.layers))
 
     def with_state_specs(self, specs: list) -> list:
-        """A model's per-layer cache specs with the recurrent layers' replaced by the state slot's."""
-        return [self.state_spec() if i in self.layer_indices else spec for i, spec in enumerate(specs)]
+        """A model's per-layer cache specs (one per decoder layer) with each recurrent layer's state slot: in place of
+        a recurrent layer's, and after the decoder's layers for an attention layer that keeps a state too (its paged
+        KV cache stays at its index; `cache_index` says where its state is)."""
+        states = [self.state_spec() if i in self.layer_indices and i not in self.attention_layers else spec
+                  for i, spec in enumerate(specs)]
+        return states + [self.state_spec() for _ in self.attention_layers]
+
+    def cache_index(self, layer: int) -> int:
+        """Where `layer`'s state cache is among the model's caches (`with_state_specs`' order)."""
+        if layer in self.attention_layers:
+            return self.num_layers + self.attention_layers.index(layer)
+        return layer
 
     def of_layer(self, layer: int) -> LayerState:
         for state in self.layers:
@@ -116,24 +128,14 @@ class RecurrentLayout:
                 f"({type_of(cfg, layers[0])!r} layers) whose shape the transformers backend does not know; "
                 f"supported: {sorted(_SHAPES)}")
         return cls(model_type, cfg.num_hidden_layers, tuple(LayerState(i, shapes(cfg, i)) for i in layers),
-                   linear_cache=model_type == "minimax", scan_ignores_state=model_type == "jamba")
+                   linear_cache=model_type == "minimax", scan_ignores_state=model_type == "jamba",
+                   attention_layers=tuple(i for i in layers if type_of(cfg, i) in ATTENTION_AND_STATE))
 
 
 def served_layout(hf_config) -> RecurrentLayout | None:
-    """The layout the transformers backend serves (None: no recurrent layer), refusing by name what it cannot:
-    recurrent layers of unknown shape (`RecurrentLayout.of`), and attention layers that also keep a state (the
-    engine keeps one cache per layer, a paged KV cache or a state slot)."""
-    layout = RecurrentLayout.of(hf_config)
-    if layout is None:
-        return None
-    cfg = hf_config.get_text_config(decoder=True)
-    both = [i for i in layout.layer_indices if type_of(cfg, i) in ATTENTION_AND_STATE]
-    if both:
-        raise UnsupportedRecurrentModel(
-            f"transformers backend: model type {layout.model_type!r}: layers {both} ({type_of(cfg, both[0])!r}) "
-            "are attention layers that also keep a recurrent state; the engine keeps one cache per layer "
-            "(a paged KV cache or a state slot), not both")
-    return layout
+    """The layout the transformers backend serves (None: no recurrent layer); recurrent layers of unknown shape are
+    refused by name (`RecurrentLayout.of`)."""
+    return RecurrentLayout.of(hf_config)
 
 
 def recurrent_layers(cfg) -> tuple[int, ...]:
@@ -199,6 +201,19 @@ def _zaya(cfg, layer: int) -> tuple[StatePart, ...]:
             StatePart(RECURRENT, 0, (cfg.num_key_value_heads * d // 2,)))
 
 
+def _inkling(cfg, layer: int) -> tuple[StatePart, ...]:
+    """Inkling's attention layers convolve their keys (state 0) and values (1) [KV * D, sconv kernel] and the
+    layer's attention (2) and MLP (3) outputs [hidden, conv kernel], all in float32 (transformers keeps the
+    convolutions in fp32 whatever the model's dtype)."""
+    sliding = type_of(cfg, layer) == "hybrid_sliding"
+    kv = cfg.swa_num_key_value_heads * cfg.swa_head_dim if sliding else cfg.num_key_value_heads * cfg.head_dim
+    kernel = getattr(cfg, "sconv_kernel_size", None) or cfg.conv_kernel_size
+    f32 = torch.float32
+    return (StatePart(CONV, 0, (kv, kernel), f32), StatePart(CONV, 1, (kv, kernel), f32),
+            StatePart(CONV, 2, (cfg.hidden_size, cfg.conv_kernel_size), f32),
+            StatePart(CONV, 3, (cfg.hidden_size, cfg.conv_kernel_size), f32))
+
+
 _SHAPES = {
     "jamba": _mamba,
     "nemotron_h": _mamba2("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
@@ -213,4 +228,5 @@ _SHAPES = {
     "lfm2_moe": _short_conv,
     "minimax": _lightning,
     "zaya": _zaya,
+    "inkling_text": _inkling,
 }
