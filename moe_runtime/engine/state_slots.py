@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections import deque
 
 LINEAR_ATTENTION = "linear_attention"   # transformers' layer_types entry of a Gated DeltaNet layer
-# every layer_types entry whose layer keeps a recurrent state: linear attention (also Mamba, Mamba2, lightning), and
-# LFM2's short convolutions ("conv"), served by the transformers backend (models/transformers_backend/recurrent_*)
-RECURRENT_LAYER_TYPES = (LINEAR_ATTENTION, "conv")
+# every layer_types entry whose layer keeps a recurrent state: linear attention (also Mamba, Mamba2, lightning),
+# LFM2's short convolutions ("conv"), and attention layers with a state beside (ZAYA, Inkling: "hybrid",
+# "hybrid_sliding"), served by the transformers backend (models/transformers_backend/recurrent_*)
+RECURRENT_LAYER_TYPES = (LINEAR_ATTENTION, "conv", "hybrid", "hybrid_sliding")
 
 
 def linear_attention_layers(hf_config) -> tuple[int, ...]:
