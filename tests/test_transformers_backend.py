@@ -123,10 +123,10 @@ def test_expert_parallel_with_dp_attention(engines, checkpoint):
 def test_forced_generic_path_matches_the_native_port(engines, checkpoint):
     """Qwen3-MoE has a native port: `--model-impl transformers` gives the same prompt logits and tokens."""
     generic, native = engines("tiny:qwen3_moe", "chunked"), engines("tiny:qwen3_moe", "native")
-    assert type(generic.engine.core.model).__name__ == "TransformersCausalLM"
-    assert type(native.engine.core.model).__name__ == "CausalLM"
-    torch.testing.assert_close(runtime_prefill_logits(generic.engine.core, PROMPTS[0]),
-                               runtime_prefill_logits(native.engine.core, PROMPTS[0]), rtol=1e-4, atol=1e-4)
+    assert type(generic.core.model).__name__ == "TransformersCausalLM"
+    assert type(native.core.model).__name__ == "CausalLM"
+    torch.testing.assert_close(runtime_prefill_logits(generic.core, PROMPTS[0]),
+                               runtime_prefill_logits(native.core, PROMPTS[0]), rtol=1e-4, atol=1e-4)
     expected = _expected(checkpoint, "tiny:qwen3_moe")
     assert [o.token_ids for o in generic.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
 
@@ -135,7 +135,7 @@ def test_model_type_with_its_own_checkpoint_names_is_mapped(engines, checkpoint)
     """config.json: architectures Glm4MoeForCausalLM, model_type sarvam_moe, tensors under Sarvam's names. `auto`
     sends it to the transformers backend (the native GLM port reads GLM's names), whose conversion rules map them."""
     llm = engines("sarvam_moe", "auto")
-    assert type(llm.engine.core.model).__name__ == "TransformersCausalLM"
+    assert type(llm.core.model).__name__ == "TransformersCausalLM"
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == _expected(checkpoint, "sarvam_moe")
 
 

@@ -8,13 +8,14 @@ from pathlib import Path
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.config.model_config import load_hf_config
 from moe_runtime.config.multimodal_wrappers import wrapper_of
-from moe_runtime.disaggregation.kv_transfer.keys import TransferKey
+from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.engine.core import EngineCore
 from moe_runtime.front.front import Front
 from moe_runtime.front.inprocess_client import InProcessClient
 from moe_runtime.front.model_options import check_options_for_model
 from moe_runtime.front.rank_client import RankClient
 from moe_runtime.front.rank_recovery import RankRecovery
+from moe_runtime.models.registry import refuse_before_launch
 from moe_runtime.weights.tokenizer_files import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ def make_engine(config: EngineConfig, startup_timeout_s: float = 600.0) -> Front
     config.validate_options()
     hf_config = load_hf_config(config.model)
     check_options_for_model(config, hf_config)
+    refuse_before_launch(config, hf_config)   # what the transformers backend cannot run, when it serves the model
     wrapper = wrapper_of(hf_config)
     if wrapper is not None:
         logger.warning("%s: serving its text model (%s); images are not served, its vision tower is not loaded",
