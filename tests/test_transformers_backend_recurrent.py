@@ -20,6 +20,7 @@ from lazy_engines import engine_pool
 from shared_builds import build_once, shared_root
 from tiny_checkpoints import HFOracle, tiny_tokenizer
 from moe_runtime import LLM
+from moe_runtime.execution.model_runner import state_rows
 from moe_runtime.layers.state_cache import LayerStateCache
 from moe_runtime.models.transformers_backend.recurrent_bridge import RecurrentStateBridge
 from moe_runtime.models.transformers_backend.recurrent_state import RecurrentLayout, UnsupportedRecurrentModel
@@ -196,3 +197,20 @@ def test_engine_greedy_tokens_match_transformers_with_chunks_and_prefix_cache(en
     assert again.token_ids == expected[0]
     assert llm.core.block_manager.counters.hits > hits
 
+
+
+def test_engine_preemption_rebuilds_the_states_by_recompute(engines, checkpoint):
+    """A KV budget that holds the longest request alone, not all three: preempted sequences give their state slots
+    back and start again from zero states, as for Qwen3-Next."""
+    full = engines("lfm2_moe").core
+    state_bytes = sum(c.nbytes() for c in full.runner.caches if isinstance(c, LayerStateCache))
+    row_bytes = state_bytes // state_rows(full.runner.state_slots)
+    block_bytes = (full.runner.cache_bytes() - state_bytes) // full.block_manager.num_blocks * 8 // full.runner.block_size
+    # 8 blocks of 8 tokens beside 3 slots' state rows: the longest request (40 + 24 tokens) fits alone
+    with LLM(str(checkpoint("lfm2_moe")), device="cpu", dtype="float32", model_impl="transformers", block_size=8,
+             max_num_seqs=3, kv_cache_memory=row_bytes * state_rows(3) + 8 * block_bytes) as llm:
+        outputs = llm.generate(PROMPTS, greedy(24))
+        assert llm.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+        assert llm.core.block_manager.states.num_free == 3
+    expected = HFOracle(checkpoint("lfm2_moe")).greedy(PROMPTS, ENGINE_NEW_TOKENS)
+    assert [o.token_ids[:ENGINE_NEW_TOKENS] for o in outputs] == expected
