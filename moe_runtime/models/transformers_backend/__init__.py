@@ -20,15 +20,14 @@ The pieces, one concept each:
   (attention TP: head-split projections, row-parallel all-reduce) and pp_plan (this stage's layers), read
   from the checkpoint as this rank's share.
 
-Seam for layers with recurrent state (Mamba, linear attention, short convolutions): such layers are refused by
-layer type today (support.check_config). To serve them, (1) add a per-layer-type state entry beside
-`StepContext.layers` (e.g. `states: dict[int, LayerState]` by layer index, with the state cache the engine
-allocates for state layers, `AttentionBatch.state_slots` giving each sequence's slot), (2) have the module's
-forward read it: either a hook registered for that module class that swaps transformers' `cache_params` /
-`past_key_values` argument for a view of the engine's state slots, or a forward pre-hook placed by
-`hang_step_context` on modules whose `layer_idx` names a state layer, and (3) return the state layers' specs
-from `TransformersCausalLM.kv_cache_specs` the way `engine.state_slots.state_layers` expects. The wrapper's
-forward stays one call into transformers' base model; all per-layer state flows through the StepContext.
+Layers with recurrent state (Mamba, Mamba2, linear attention, short convolutions; attention layers with a state
+beside): recurrent_state.py reads each one's state shapes from the config (per model type; unknown ones refused by
+name in support.check_config) and packs them into one state-slot spec, which `kv_cache_specs` returns for those
+layers (an attention layer keeping a state too has both: its KV spec in place, its state spec after the
+decoder's); recurrent_mixers.py gives each module that keeps such a state a forward of its own that runs
+transformers' code sequence by sequence (decode rows together) inside the one batched forward, its state moved
+between our slots (`StepContext.caches`, `AttentionBatch.state_slots`) and transformers' cache object by
+recurrent_bridge.py; prefix-cache snapshots are written at the block boundaries the runner asks for.
 """
 from moe_runtime.models.transformers_backend.build import build_transformers_model
 from moe_runtime.models.transformers_backend.model import TransformersCausalLM

@@ -3,8 +3,8 @@
 Layouts that split a layer's heads or a stage's layers run where the model's tp_plan / pp_plan says how
 (tensor_parallel.py, pipeline_stages.py) and are refused naming the plan otherwise; capturing the forward is
 refused naming the flag; layers that keep a
-recurrent state (Mamba, linear attention, short convolutions) are refused naming the layer type until a
-per-layer state hook carries their state across steps (see the package docstring).
+recurrent state run where recurrent_state.py knows their state's shapes (recurrent_mixers.py) and are refused
+naming the model type otherwise; other layer types transformers' attention does not cover are refused by name.
 """
 from __future__ import annotations
 
