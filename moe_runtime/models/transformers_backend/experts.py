@@ -87,6 +87,7 @@ class ExpertsSeam:
     moe_layer: int
     weights: ExpertWeights
     step: StepContext          # says whether this forward is an idle rank's stand-in
+    num_experts: int           # logical experts of the layer
 
     def take_weights(self, module: nn.Module) -> None:
         """Copy this rank's experts from the module's loaded fused weights into ours, then drop the module's."""
@@ -119,7 +120,10 @@ def executor_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top
         from transformers.integrations.moe import batched_mm_experts_forward
 
         return batched_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
-    topk = TopK(weights=top_k_weights.float(), ids=top_k_index.long())
+    ids = top_k_index.long()                                                      # [T, K]
+    # an id outside [0, E) is a "no expert" sentinel to transformers' own loops (skipped): weight 0 on expert 0
+    outside = (ids < 0) | (ids >= seam.num_experts)
+    topk = TopK(weights=top_k_weights.float().masked_fill(outside, 0.0), ids=ids.masked_fill(outside, 0))
     if seam.step.stand_in:   # an idle rank: the layer's collectives with no rows of its own
         seam.executor.run(seam.moe_layer, hidden_states[:0], TopK(topk.weights[:0], topk.ids[:0]))
         return torch.zeros_like(hidden_states)
