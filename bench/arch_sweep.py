@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "tests"))   # the sweep's checkpoints and cases li
 
 from arch_sweep_cases import (GENERIC, NATIVE, REFUSED, RUNS, RankCase, build_sweep_checkpoint,  # noqa: E402
                               oracle_tokens, run_engine, run_on_rank)
-from arch_sweep_configs import DENSE_TYPES, sweep_model_types  # noqa: E402
+from arch_sweep_configs import DENSE_TYPES, sweep_model_types, unreadable_model_types  # noqa: E402
 from multirank import RankPool  # noqa: E402
 from tiny_checkpoints import tiny_tokenizer  # noqa: E402
 
@@ -123,6 +123,7 @@ def main() -> None:
         "transformers": __import__("transformers").__version__, "torch": torch.__version__,
         "machine": platform.machine(), "wall_seconds": round(wall, 1), "counts": counts,
         "ep2_dp_attn2": {"runs": ep.count(RUNS), "tried": len(ep)},
+        "default_config_fails": unreadable_model_types(),   # causal LMs transformers cannot even configure
         "model_types": rows}, indent=1) + "\n")
     print(f"wrote {RESULT.relative_to(REPO)}")
 

@@ -104,24 +104,32 @@ OVERRIDES: dict[str, dict] = {
 
 def sweep_model_types() -> list[str]:
     """Every causal-LM model type with experts in its default config, then the dense families."""
+    found = [t for t, keys in _default_configs()[0].items() if t == "dbrx" or any("expert" in k for k in keys)]
+    return found + [t for t in DENSE_TYPES if t not in found]
+
+
+def unreadable_model_types() -> dict[str, str]:
+    """Causal-LM model types whose default config transformers itself cannot build (so none to shrink): the reason."""
+    return _default_configs()[1]
+
+
+def _default_configs() -> tuple[dict[str, dict], dict[str, str]]:
     import transformers
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    found = []
+    configs, failures = {}, {}
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
         for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             try:
-                keys = AutoConfig.for_model(model_type).to_dict()
-            except Exception:  # noqa: BLE001 - a config transformers itself cannot build has no default to read
-                continue
-            if model_type == "dbrx" or any("expert" in key for key in keys):
-                found.append(model_type)
+                configs[model_type] = AutoConfig.for_model(model_type).to_dict()
+            except Exception as error:  # noqa: BLE001 - whatever transformers raises is the reason to record
+                failures[model_type] = f"{type(error).__name__}: {' '.join(str(error).split())}"
     finally:
         transformers.logging.set_verbosity(verbosity)
-    return found + [t for t in DENSE_TYPES if t not in found]
+    return configs, failures
 
 
 def _kept_layers(default: dict, num_layers: int) -> list[int]:
