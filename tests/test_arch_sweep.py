@@ -7,7 +7,8 @@ or transformers' modeling code behind our attention and MoE served it), REFUSED 
 UnsupportedArchitectureError or EngineConfigError whose message holds `reason`), or BROKEN (it fails otherwise, the
 failure holding `reason`: a known gap, listed so the sweep notices when it changes). A model type that leaves its row
 (stops running, is refused for another reason, starts running while listed otherwise) fails its test: update the row
-with the change. The checkpoints and prompts are arch_sweep_configs.py's and arch_sweep_cases.py's; bench/arch_sweep.py
+with the change. FORCED_GENERIC is the same for `--model-impl transformers` where a native port exists, and the last
+test runs --ep 2 --dp-attn 2 for every MoE model type the generic path serves. The checkpoints and prompts are arch_sweep_configs.py's and arch_sweep_cases.py's; bench/arch_sweep.py
 writes the same sweep to bench/results/arch_sweep.json.
 """
 from __future__ import annotations
@@ -89,6 +90,14 @@ EXPECTED: dict[str, Expected] = {
     "inkling_text": broken("passes position_bias to its attention"),   # relative position bias, at the first step
     "minimax": broken(""),   # lightning attention: its state across chunks and cached prefixes is being reworked
 }
+# --model-impl transformers where a native port exists: the generic path on the models we know best
+FORCED_GENERIC: dict[str, Expected] = {
+    **{t: generic() for t in ("deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "mixtral", "olmoe",
+                              "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "llama", "qwen2", "mistral")},
+    "deepseek_v32": refused(INDEXED), "glm_moe_dsa": refused(INDEXED),
+    "deepseek_v4": refused("has layers of type 'compressed_sparse_attention'"),
+    "llama4_text": refused("counts positions along its row"),   # NoPE layers' attention temperature
+}
 # --ep 2 --dp-attn 2: model types the generic path runs on one rank but not split (a substring of the failure)
 EP_BROKEN = {
     "aria_text": "this model is dense",   # its experts are counted from moe_num_experts
@@ -158,6 +167,16 @@ def test_one_rank(model_type, sweep_checkpoint, summary):
     check(EXPECTED[model_type], outcome)
     if outcome.status == RUNS:   # a continuation of one or two repeated tokens would let a wrong model pass
         assert len({t for tokens in expected for t in tokens}) >= MIN_DISTINCT_TOKENS, f"weak oracle: {expected}"
+
+
+def test_the_forced_table_lists_every_native_row():
+    assert sorted(FORCED_GENERIC) == sorted(t for t, e in EXPECTED.items() if e == native())
+
+
+@pytest.mark.parametrize("model_type", list(FORCED_GENERIC))
+def test_one_rank_forced_transformers(model_type, sweep_checkpoint):
+    path = sweep_checkpoint(model_type)
+    check(FORCED_GENERIC[model_type], run_engine(model_type, path, oracle_tokens(path), model_impl="transformers"))
 
 
 EP_MODEL_TYPES = [t for t, e in EXPECTED.items() if e == generic() and t not in DENSE_TYPES]
