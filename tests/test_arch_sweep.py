@@ -8,8 +8,9 @@ UnsupportedArchitectureError or EngineConfigError whose message holds `reason`),
 failure holding `reason`: a known gap, listed so the sweep notices when it changes). A model type that leaves its row
 (stops running, is refused for another reason, starts running while listed otherwise) fails its test: update the row
 with the change. FORCED_GENERIC is the same for `--model-impl transformers` where a native port exists, and the last
-test runs --ep 2 --dp-attn 2 for every MoE model type the generic path serves. The checkpoints and prompts are arch_sweep_configs.py's and arch_sweep_cases.py's; bench/arch_sweep.py
-writes the same sweep to bench/results/arch_sweep.json.
+test runs --ep 2 --dp-attn 2 for every MoE model type the generic path serves. The checkpoints and prompts are
+arch_sweep_configs.py's and arch_sweep_cases.py's; bench/arch_sweep.py writes the same sweep to
+bench/results/arch_sweep.json.
 """
 from __future__ import annotations
 
