@@ -79,7 +79,8 @@ OVERRIDES: dict[str, dict] = {
     "qwen4_exp_text": dict(indexer_n_heads=HEADS, indexer_kv_heads=1, indexer_head_dim=16,   # QSA on, small top-k
                            indexer_budget=WINDOW, indexer_compress_ratio=2),
     "deepseek_v4": dict(num_hidden_layers=3, mlp_layer_types=["hash_moe", "moe", "moe"],   # every attention kind
-                        layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+                        layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
+                                     "sliding_attention"],
                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
                         head_dim=32, partial_rotary_factor=0.25, o_groups=2, o_lora_rank=24),   # as tiny_archs.py
     "dots3_note_text": dict(head_dim=24, swa_num_attention_heads=HEADS, swa_num_key_value_heads=HEADS,   # its SWA
@@ -97,8 +98,9 @@ OVERRIDES: dict[str, dict] = {
     "kolibri1_1": dict(num_hidden_layers=4, mlp_only_layers=[0], index_layers=[2], kv_source_layers=[0, 1, 2, 2],
                        layer_types=["sliding_attention"] * 2 + ["indexed_attention"] * 2,   # KV shared by layer 3
                        index_num_heads=2),   # at most the query heads of one key head
-    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=1e4, clip_qkv=8.0), ffn_config=dict(  # DBRX's experts and heads live in sub-configs
-        hidden_size=HIDDEN, ffn_hidden_size=32, moe_num_experts=EXPERTS, moe_top_k=TOP_K)),  # clip_qkv: None fails
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=1e4, clip_qkv=8.0),   # heads and experts in sub-configs;
+                 ffn_config=dict(hidden_size=HIDDEN, ffn_hidden_size=32, moe_num_experts=EXPERTS,   # clip_qkv None
+                                 moe_top_k=TOP_K)),   # fails: its attention clamps whatever the config says
 }
 
 

@@ -151,7 +151,8 @@ def check(expected: Expected, outcome) -> None:
         assert expected.reason in outcome.detail, f"{outcome.model_type}'s refusal changed: {outcome.detail}"
     else:
         assert outcome.status in (ERROR, MISMATCH), (
-            f"{outcome.model_type} is listed broken, now {outcome.status} {outcome.path} {outcome.detail}: update its row")
+            f"{outcome.model_type} is listed broken, now {outcome.status} {outcome.path} {outcome.detail}: "
+            "update its row")
         assert expected.reason in outcome.detail, f"{outcome.model_type}'s failure changed: {outcome.detail}"
 
 
