@@ -61,7 +61,9 @@ class RecurrentMixer:
         for name in ("attention_mask", "conv_mask"):
             if name in arguments:
                 arguments[name] = None            # one sequence per row, no padding
-        if hidden.shape[1] == 0:   # a rank with no tokens this step (DP attention): transformers' own empty pass
+        if getattr(self.step, "stand_in", False) or hidden.shape[1] == 0:
+            # an idle rank's stand-in token (DP attention), or the wrapper's shape probe: transformers' own pass
+            # with no cache, no state touched
             return self.original(hidden, **arguments)
         if hidden.shape[0] != 1:
             raise UnsupportedArchitectureError(
