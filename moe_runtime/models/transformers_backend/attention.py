@@ -21,6 +21,7 @@ import torch
 from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.layers.attention_ops import paged_varlen_attention, split_attention, varlen_causal_attention
 from moe_runtime.layers.attention_span import SLIDING
+from moe_runtime.models.transformers_backend.probe import ProbedAttention
 from moe_runtime.models.transformers_backend.softcap_attention import softcapped_attention
 from moe_runtime.models.transformers_backend.step_context import STEP_ATTRIBUTE, LayerAttention, StepContext
 
@@ -42,7 +43,7 @@ def _refuse(module, what: str) -> UnsupportedArchitectureError:
         f"transformers backend: {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) {what}")
 
 
-def _check_call(module, layer: LayerAttention, key, value, attention_mask, sliding_window, kwargs) -> None:
+def _check_handed(module, attention_mask, kwargs) -> None:
     if attention_mask is not None:
         raise _refuse(module, f"was handed a dense attention mask {tuple(attention_mask.shape)}: the paged "
                               "attention takes its causal and window structure from the step, not a mask")
@@ -54,6 +55,10 @@ def _check_call(module, layer: LayerAttention, key, value, attention_mask, slidi
         raise _refuse(module, "asks for bidirectional attention (is_causal=False)")
     if kwargs.get("dropout"):
         raise _refuse(module, f"asks for attention dropout {kwargs['dropout']} (the model is not in eval mode)")
+
+
+def _check_call(module, layer: LayerAttention, key, value, attention_mask, sliding_window, kwargs) -> None:
+    _check_handed(module, attention_mask, kwargs)
     shape = (key.shape[1], key.shape[3], value.shape[3])
     if shape != (layer.num_kv_heads, layer.key_dim, layer.value_dim):
         raise _refuse(module, f"computes {shape[0]} KV heads of key dim {shape[1]} and value dim {shape[2]}; the "
@@ -75,6 +80,10 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         raise _refuse(module, "has no moe_runtime step context (it was not built by the transformers backend)")
     if query.shape[0] != 1:
         raise _refuse(module, f"ran a batch of {query.shape[0]}: the backend packs a step as one row of tokens")
+    if step.probe is not None:   # the KV shape probe (probe.py): record what this layer was handed
+        _check_handed(module, attention_mask, kwargs)
+        step.probe.setdefault(module.layer_idx, ProbedAttention(type(module).__name__, key.shape[1], key.shape[3],
+                                                                value.shape[3], sliding_window))
     if step.stand_in:   # an idle rank's stand-in token: no cache is touched (step_context.StepContext.stand_in)
         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3]), None
     index = module.layer_idx

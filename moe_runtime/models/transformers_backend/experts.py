@@ -124,6 +124,8 @@ def executor_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top
     # an id outside [0, E) is a "no expert" sentinel to transformers' own loops (skipped): weight 0 on expert 0
     outside = (ids < 0) | (ids >= seam.num_experts)
     topk = TopK(weights=top_k_weights.float().masked_fill(outside, 0.0), ids=ids.masked_fill(outside, 0))
+    if seam.step.probe is not None:   # the KV shape probe (probe.py): nothing computed, no collective
+        return torch.zeros_like(hidden_states)
     if seam.step.stand_in:   # an idle rank: the layer's collectives with no rows of its own
         seam.executor.run(seam.moe_layer, hidden_states[:0], TopK(topk.weights[:0], topk.ids[:0]))
         return torch.zeros_like(hidden_states)

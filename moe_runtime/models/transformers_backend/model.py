@@ -18,6 +18,7 @@ from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
 from moe_runtime.models.transformers_backend.experts import ExpertsSeam
 from moe_runtime.models.transformers_backend.kv_specs import kv_cache_spec
 from moe_runtime.models.transformers_backend.loading import load_transformers_weights
+from moe_runtime.models.transformers_backend.probe import probe_layers
 from moe_runtime.models.transformers_backend.recurrent_state import served_layout
 from moe_runtime.models.transformers_backend.step_context import StepContext
 from moe_runtime.moe.executor import MoEExecutor
@@ -104,6 +105,7 @@ class TransformersCausalLM(nn.Module):
         self.aux_layers: tuple[int, ...] = ()              # no EAGLE-3 head reads this model's layers
         self.aux_hidden: torch.Tensor | None = None
         self.first_layer = 0
+        self._probed = False                               # the KV shape probe ran (kv_cache_specs)
         self.num_layers = len(step.layers)
 
     @property
@@ -121,6 +123,10 @@ class TransformersCausalLM(nn.Module):
 
     def kv_cache_specs(self) -> list:
         """Each layer's paged KV cache spec, or its state slot's (`StateSpec`) where it keeps a recurrent state."""
+        if not self._probed:   # the modules' own KV shapes, once the weights are in (probe.py)
+            self._probed = True
+            probe_layers(lambda ids, positions: self.model(input_ids=ids, position_ids=positions, use_cache=False),
+                         self.step, self.backbone.device)
         specs = [kv_cache_spec(layer) for layer in self.step.layers]
         layout = served_layout(self.hf_config)
         return specs if layout is None else layout.with_state_specs(specs)

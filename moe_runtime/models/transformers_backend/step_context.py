@@ -29,6 +29,7 @@ class LayerAttention:
     num_kv_heads: int
     key_dim: int
     value_dim: int
+    config_error: str | None = None   # the config did not tell the shapes (probe.py must see them)
 
 
 @dataclass
@@ -43,6 +44,8 @@ class StepContext:
     # the wrapper runs transformers' modules on one stand-in token (their reshapes cannot take an empty row),
     # attention then writes and reads nothing and the experts hand the executor no rows; the output is dropped.
     stand_in: bool = False
+    # The KV shape probe (probe.py): layer -> what its attention was handed; set only during the probe forward.
+    probe: dict | None = None
     checked: set[int] = field(default_factory=set)   # layers whose shapes were checked against their spec once
 
     def cache_of(self, layer: int) -> LayerKVCache:
