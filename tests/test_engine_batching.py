@@ -1,4 +1,6 @@
 """Continuous batching and preemption never change greedy tokens."""
+import dataclasses
+
 from engine_helpers import PROMPTS, greedy
 from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
@@ -57,7 +59,8 @@ def test_eos_ends_a_request_unless_ignore_eos(tiny_checkpoint_factory):
     with LLM(str(path), device="cpu") as llm:
         [free_run] = llm.generate([PROMPTS[0]], greedy(20))
         eos = free_run.token_ids[5]
-        llm.core.eos_ids = {eos}
+        scheduler = llm.core.scheduler   # the stop checks are the scheduler's
+        scheduler.config = dataclasses.replace(scheduler.config, eos_token_ids=(eos,))
         [with_eos] = llm.generate([PROMPTS[0]], greedy(20).__class__(max_tokens=20, temperature=0.0))
         [ignoring] = llm.generate([PROMPTS[0]], greedy(20))
     first = free_run.token_ids.index(eos)

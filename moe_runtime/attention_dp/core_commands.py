@@ -116,7 +116,7 @@ class CoreCommands:
 
     def report_landed_imports(self) -> None:
         """Every rank of a decode worker reports its own pulls (each pulls its own share of the KV)."""
-        for result in self.core.take_landed_imports():
+        for result in self.core.transfers.take_landed():
             self.report(KVImported(rank=self.role.rank, request_id=result.request_id, error=result.error,
                                    num_bytes=result.num_bytes, seconds=result.seconds,
                                    recomputable=result.recomputable))

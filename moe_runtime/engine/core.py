@@ -1,4 +1,5 @@
-"""One DP worker's engine core: model, KV cache, scheduler, sampler; `step()` advances every request.
+"""One DP worker's engine core: the step loop over the parts `CoreSetup` builds (model, KV cache, scheduler, sampler);
+`step()` advances every request.
 
 It deals in token ids only: each step returns a `TokenDelta` per request that advanced, and
 requests arrive already checked against `limits()`. Text, stop strings and validation are the
@@ -10,59 +11,28 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import torch
 
-from moe_runtime.kernels import get_kernels
-from moe_runtime.kernels.batch_invariant import batch_invariant_kernels
-from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
-from moe_runtime.kv_blocks.block_manager import BlockManager
-from moe_runtime.kv_blocks.kv_groups import KVCacheLayout
-from moe_runtime.engine.state_slots import state_layers
-from moe_runtime.weights.checkpoint import CheckpointReader
-from moe_runtime.weights.tokenizer_files import eos_token_ids, load_tokenizer
-from moe_runtime.execution.decode_capture import CaptureSettings, CaptureStats
-from moe_runtime.sampling.host_reads import DecodeHostReads
-from moe_runtime.disaggregation.decode_imports import DecodeImports
-from moe_runtime.disaggregation.draft_layer import TransferredLayers
-from moe_runtime.disaggregation.import_grammars import ImportGrammars
-from moe_runtime.disaggregation.import_spec import ImportSpec
-from moe_runtime.weights.quantization.fp8_block import Fp8BlockFormat
-from moe_runtime.weights.quantization.in_memory import engine_weights_in_memory
-from moe_runtime.config.deterministic import check_deterministic_model
 from moe_runtime.config.engine_config import EngineConfig
-from moe_runtime.engine.stats import WorkerStats
-from moe_runtime.errors import InvalidRequestError, error_message
-from moe_runtime.security.transfer_key import TransferKey
-from moe_runtime.disaggregation.kv_transfer.puller import PullResult
-from moe_runtime.disaggregation.kv_transfer.shard import KVShard
-from moe_runtime.disaggregation.kv_transfer.transport import open_sink
-from moe_runtime.config.model_config import architecture_of, load_hf_config
-from moe_runtime.execution.model_runner import ModelRunner, kv_blocks_for_budget
-from moe_runtime.engine.tier_steps import TierSteps
-from moe_runtime.models.decoder import BuildContext
-from moe_runtime.models.attention_spans import attention_spans
-from moe_runtime.models.registry import build_model
-from moe_runtime.moe.executor import MoEExecutor
-from moe_runtime.records.outputs import TokenDelta
-from moe_runtime.config.parallel_context import ParallelContext, agree_on_minimum
-from moe_runtime.disaggregation.prefill_exports import PrefillExports
+from moe_runtime.config.parallel_context import ParallelContext
+from moe_runtime.disaggregation.import_spec import ImportSpec
+from moe_runtime.engine.core_setup import CoreSetup
 from moe_runtime.engine.request_limits import RequestLimits
-from moe_runtime.engine.routing_replay import RankRouting, model_top_k
+from moe_runtime.engine.scheduler import ScheduledBatch
+from moe_runtime.engine.stats import WorkerStats
+from moe_runtime.engine.weight_updates import WeightUpdater
+from moe_runtime.errors import InvalidRequestError, error_message
 from moe_runtime.execution.pipeline import broadcast_step_result, run_pipeline_step
 from moe_runtime.kv_blocks.prefix_cache import PrefixCacheEvents
-from moe_runtime.sampling.sampler import SampleResult, Sampler
-from moe_runtime.sampling.params import SamplingParams
-from moe_runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from moe_runtime.engine.sleep_mode import SleepMode
-from moe_runtime.engine.weight_updates import WeightUpdater
+from moe_runtime.records.outputs import TokenDelta
 from moe_runtime.records.sequence import FinishReason, Sequence
-from moe_runtime.sampling.structured_output.compiler import build_grammar_compiler
-from moe_runtime.speculative.draft_source import DraftSource
-from moe_runtime.speculative.verification import Speculation, VerifyingSampler, emit_tokens
-from moe_runtime.sampling.structured_output.grammar_waits import GrammarWaits, Readiness
-from moe_runtime.weights.loading import SkippedTensors, load_model_weights
+from moe_runtime.sampling.host_reads import DecodeHostReads
+from moe_runtime.sampling.params import SamplingParams
+from moe_runtime.sampling.sampler import SampleResult
+from moe_runtime.sampling.structured_output.grammar_waits import Readiness
+from moe_runtime.security.transfer_key import TransferKey
+from moe_runtime.speculative.verification import Speculation, emit_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -71,118 +41,35 @@ class EngineCore:
     def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None,
                  transfer_key: TransferKey | None = None):
         """`transfer_key`: a P/D instance's KV secret (default: from `config`: its key file or environment)."""
-        started = time.perf_counter()
         self.config = config
-        self.checkpoint_dir = Path(config.model)
-        self.hf_config = load_hf_config(self.checkpoint_dir)
-        self.architecture = architecture_of(self.hf_config)
-        config.layout().validate(self.hf_config)
-        self.device = config.resolved_device()
-        self.dtype = config.resolved_dtype(self.hf_config)
-        self.parallel = parallel or ParallelContext.single(self.device)
-        kernels = get_kernels(self.device, config.kernels)   # --deterministic: fixed-order reductions in every row
-        self.kernels = batch_invariant_kernels(kernels) if config.deterministic else kernels
-        self.executor = MoEExecutor.for_engine(config, self.parallel, self.kernels, self.hf_config.hidden_size,
-                                               self.dtype)
-        checkpoint_fp8 = Fp8BlockFormat.from_hf_config(self.hf_config, str(self.checkpoint_dir))
-        reader = CheckpointReader.open(self.checkpoint_dir, checkpoint_fp8, self.hf_config)
-        quant = engine_weights_in_memory(config, self.hf_config, str(self.checkpoint_dir), reader, self.kernels)
-        ctx = BuildContext(self.kernels, self.executor, self.parallel, self.dtype, self.device, quant, config)
-        self.model = build_model(self.architecture, self.hf_config, ctx)
-        if config.deterministic:
-            check_deterministic_model(self.model, self.architecture)
-        self.executor.finish_registration()  # every MoE layer registered itself while the model was built
-        self.routing = RankRouting.for_engine(self.executor.num_moe_layers, model_top_k(self.model),
-                                              self.executor.num_experts or 0, self.parallel,   # routing replay
-                                              config.disaggregation_mode != "none")
-        load_model_weights(self.model, reader, SkippedTensors.for_config(self.hf_config),
-                           self.parallel.world_control_group if self.parallel.world_size > 1 else None)
-        self.model.eval()
-        self.tokenizer = load_tokenizer(self.checkpoint_dir)
-        self.eos_ids = eos_token_ids(self.checkpoint_dir, self.hf_config, self.tokenizer)
-        self.vocab_size = self.hf_config.vocab_size
-        self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
-        kv_layout = KVCacheLayout.plan(attention_spans(self.hf_config), config,   # windowed groups, state slots
-                                       state_layers(self.hf_config))
-        num_blocks = kv_blocks_for_budget(self.model, config.kv_cache_memory, config.block_size, self.dtype, kv_layout)
-        if self.parallel.world_size > 1:  # every rank schedules alike: pipeline stages hold different layers
-            num_blocks = agree_on_minimum(num_blocks, self.parallel.world_control_group)
-        if num_blocks < 1:
-            raise InvalidRequestError(
-                f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of {config.block_size} tokens"
-            )
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          kv_layout.windows, kv_layout.state_slots)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device,
-                                  capture=self._capture_settings(config, self.device, self.max_model_len),
-                                  kv_layout=kv_layout)
-        self.speculation = Speculation.for_engine(config.speculative_config, config.pp, self.max_model_len,
-                                                  DraftSource(config, ctx, reader, self.model, self.runner, num_blocks))
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.enable_chunked_prefill), self.block_manager, self.speculation
-        )
-        self.sampler = VerifyingSampler(Sampler(self.eos_ids, grammar_threads=torch.get_num_threads(),
-                                                logprobs_mode=config.logprobs_mode), self.speculation)
-        self.decode_host_reads = DecodeHostReads() if config.debug_host_reads else None
-        # structured output: the tokenizer's xgrammar view is built once here; grammars once per spec
-        self.grammars = build_grammar_compiler(self.tokenizer, self.vocab_size, self.eos_ids,
-                                               max_threads=torch.get_num_threads(),
-                                               any_whitespace=config.structured_output_any_whitespace)
-        # ... compiled off the stepping loop: a request waits there for its grammar, the others step on
-        self.grammar_waits = GrammarWaits(self.grammars, config.grammar_compile_timeout_s, wake=self._wake_loop)
-        self.exports: PrefillExports | None = None   # --disaggregation-mode prefill: parked KV, its block server
-        self.imports: DecodeImports | None = None    # --disaggregation-mode decode: KV pulled from prefill ranks
+        self.parallel = parallel or ParallelContext.single(config.resolved_device())
         self.wake = None                             # called (from another thread) when a pull or compile ended
-        self._open_kv_transfer(config, transfer_key)
-        drafter = self.speculation.local_model_drafter() if self.speculation is not None else None
-        self.tier_steps = TierSteps.open(config, self.parallel, self.runner,   # KV tiers below the pool, if asked
-                                         ([drafter.cache] if drafter else []) + self.runner.drafter_state_caches,
-                                         self.scheduler, self.block_manager, self.checkpoint_dir, self.dtype)
-        self.tiers = self.tier_steps.tiers
-        if self.imports is not None:
-            self.imports.before_pull = self.tier_steps.save_evicted
-        self.sleep_mode = SleepMode(self)                                 # sleep / wake_up (engine/sleep_mode.py)
-        self.weight_updater = WeightUpdater(self, self.sleep_mode)        # weights without a restart
+        setup = CoreSetup.build(config, self.parallel, transfer_key, self._wake_loop)
+        self.checkpoint_dir, self.hf_config = setup.checkpoint_dir, setup.hf_config
+        self.architecture = setup.architecture
+        self.device, self.dtype, self.kernels, self.executor = setup.device, setup.dtype, setup.kernels, setup.executor
+        self.model, self.routing, self.runner = setup.model, setup.routing, setup.runner
+        self.tokenizer, self.eos_ids, self.grammars = setup.tokenizer, setup.eos_ids, setup.grammars
+        self.vocab_size, self.max_model_len = self.hf_config.vocab_size, setup.max_model_len
+        self.block_manager, self.scheduler, self.speculation = setup.block_manager, setup.scheduler, setup.speculation
+        self.sampler, self.grammar_waits, self.tier_steps = setup.sampler, setup.grammar_waits, setup.tier_steps
+        self.transfers, self.tiers = setup.transfers, setup.tier_steps.tiers
+        self.exports, self.imports = self.transfers.exports, self.transfers.imports   # P/D prefill / decode instance
+        self.decode_host_reads = DecodeHostReads() if config.debug_host_reads else None
+        self.weight_updater = WeightUpdater(self)           # weights without a restart (engine/weight_updates.py)
+        self.sleep_mode = self.weight_updater.sleep         # sleep / wake_up (engine/sleep_mode.py)
         self._arrivals = 0
         self._sequences: dict[str, Sequence] = {}
         self._steps = 0
         self._step_seconds = 0.0
         self._compute_seconds = 0.0
         logger.info("engine ready: %s (%s, %s, kernels=%s) in %.2fs", self.architecture, self.device,
-                    self.dtype, self.kernels.name, time.perf_counter() - started)
-
-    @staticmethod
-    def _capture_settings(config: EngineConfig, device: torch.device, max_model_len: int) -> CaptureSettings | None:
-        return CaptureSettings.for_engine(config, device, max_model_len)
-
-    def _open_kv_transfer(self, config: EngineConfig, key: TransferKey | None) -> None:
-        """A prefill instance's rank serves its parked blocks; a decode instance's rank pulls into its own."""
-        if config.disaggregation_mode == "none":
-            return
-        key = key or TransferKey.shared(config.kv_transfer_key_file)
-        first_layer = self.parallel.stage_layers[0] if self.parallel.stage_layers else 0
-        specs = self.model.kv_cache_specs()
-        layers = TransferredLayers.of(specs, self.runner.caches, self.speculation,
-                                      first_layer + len(specs) == self.hf_config.num_hidden_layers)
-        shard = KVShard.of(layers.specs, first_layer, config.block_size, self.dtype, drafter=layers.drafter)
-        if config.disaggregation_mode == "prefill":
-            self.exports = PrefillExports(layers.caches, shard, self.block_manager, key, config.kv_transfer_host)
-        else:
-            sink = open_sink(layers.caches, shard, key, on_landed=self._wake_loop)
-            self.imports = DecodeImports(shard, sink, self.block_manager, self.parallel.worker_rank,
-                                         config.kv_transfer_timeout_s, ImportGrammars(self.grammar_waits))
+                    self.dtype, self.kernels.name, setup.load_seconds)
 
     def _wake_loop(self) -> None:
         """From another thread: a KV pull or a grammar compile ended, or a compile's deadline passed."""
         if self.wake is not None:
             self.wake()
-
-    def kv_shard(self) -> KVShard | None:
-        """This rank's share of the KV cache, as a KV transfer names it (None: not a P/D instance)."""
-        if self.exports is not None:
-            return self.exports.shard
-        return self.imports.local if self.imports is not None else None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -244,11 +131,6 @@ class EngineCore:
         self._arrivals += 1
         self._sequences[spec.request_id] = seq
         self.imports.add(seq, spec)
-
-    def take_landed_imports(self) -> list[PullResult]:
-        """Imports whose pull ended on this rank since the last call (ok or with an error), each once; one with
-        a grammar only once that compiled too (or failed: the outcome then carries its error)."""
-        return self.imports.take_landed() if self.imports is not None else []
 
     @property
     def imports_in_flight(self) -> bool:
@@ -359,15 +241,19 @@ class EngineCore:
         deltas = []   # an empty batch has none; a model drafter still runs (its expert-parallel collectives)
         for seq, token, logprob, error, accepted in zip(sampling, sampled.token_ids, sampled.logprobs,
                                                         sampled.errors, sampled.accepted_rows()):
-            if seq.params.max_tokens == 0:
-                deltas.append(self._finish_prompt_only(seq, scored_prompts.get(seq.request_id)))
+            if seq.params.max_tokens == 0:   # it only scores its prompt: the token sampled for it is dropped
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+                self._sequences.pop(seq.request_id, None)
+                deltas.append(TokenDelta(seq.request_id, [], None, FinishReason.LENGTH.value, None, seq.num_preemptions,
+                                         prompt_logprobs=scored_prompts.get(seq.request_id)))
                 continue
             if error is None and seq.grammar is not None:
                 error = seq.grammar.accept(token)  # every rank alike: they agree on when the grammar ends
             if error is not None:
                 deltas.append(self._fail(seq, error))
                 continue
-            tokens, logprobs, reason = emit_tokens(seq, [*accepted, (token, logprob)], self._advance, self.block_manager)
+            tokens, logprobs, reason = emit_tokens(seq, [*accepted, (token, logprob)], self.scheduler.advance,
+                                                 self.block_manager)
             export = None
             routed = self.routing.new_rows(seq)   # routing replay: the rows final since its last delta
             if reason is not None:
@@ -394,21 +280,6 @@ class EngineCore:
         seq.queue_reported = True
         return {"queue_seconds": seq.queue_seconds, "cached_prompt_tokens": seq.prefix_hit_tokens}
 
-    def _finish_prompt_only(self, seq: Sequence, prompt_logprobs: PromptLogprobs | None) -> TokenDelta:
-        """End a request that only scores its prompt (max_tokens 0) after its prefill: the token sampled for
-        it is dropped, and its delta carries the prompt logprobs with no token, finish_reason "length"."""
-        self.scheduler.finish(seq, FinishReason.LENGTH)
-        self._sequences.pop(seq.request_id, None)
-        return TokenDelta(seq.request_id, [], None, FinishReason.LENGTH.value, None, seq.num_preemptions,
-                          prompt_logprobs=prompt_logprobs)
-
-    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
-        """Append the sampled token (and its logprob) and say whether the request is done."""
-        seq.output_token_ids.append(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        return self._finish_reason(seq, token)
-
     def _fail(self, seq: Sequence, error: str) -> TokenDelta:
         """End a request the engine could not advance: its KV blocks are freed as for an abort, and its
         delta says finish_reason "error" with `error` (the other requests of the batch go on)."""
@@ -432,7 +303,7 @@ class EngineCore:
             prefix_cache_queries=self.block_manager.counters.queries,
             prefix_cache_hits=self.block_manager.counters.hits,
             **self.tier_steps.stats_fields(),
-            **CaptureStats.worker_fields(self.runner.capture), **DecodeHostReads.stats(self.decode_host_reads),
+            **self.runner.capture_stats(), **DecodeHostReads.stats(self.decode_host_reads),
             **Speculation.stats(self.speculation),
         )
 
@@ -466,16 +337,3 @@ class EngineCore:
             if transfer is not None:
                 transfer.close()
         self.exports = self.imports = None
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """EOS, a stop token, a completed grammar or max_tokens; stop strings are the front's (`OutputProcessor`)."""
-        params = seq.params
-        generated = len(seq.output_token_ids)
-        if seq.grammar is not None and seq.grammar.terminated:
-            return FinishReason.STOP  # the grammar was complete and its stop token accepted (ignore_eos or not)
-        if generated >= params.min_tokens:
-            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
-                return FinishReason.STOP
-        if generated >= params.max_tokens:
-            return FinishReason.LENGTH
-        return None

@@ -33,6 +33,9 @@ it is `ready` (`loaded`), holding its blocks, and starts computing the rest of i
 scheduling, ahead of the waiting queue (which might otherwise hold a request that cannot fit beside it, forever).
 The others keep stepping meanwhile. A load that failed on some rank gives its blocks back (`load_failed`) and the
 request is admitted afresh. Loading and ready requests count against `max_num_seqs`.
+
+The stop checks are here too: the core hands each sampled token to `advance`, which appends it and says whether
+the request ends (EOS, a stop token, a completed grammar, max_tokens); stop strings are the front's.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from typing import Protocol
 
 from moe_runtime.kv_blocks.block_manager import BlockManager
 from moe_runtime.records.sequence import FinishReason, Sequence, SequenceStatus
+from moe_runtime.sampling.logprobs import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
     enable_chunked_prefill: bool = False
+    eos_token_ids: tuple[int, ...] = ()   # the model's: a request stops at one unless its params ignore EOS
 
 
 @dataclass
@@ -97,6 +102,26 @@ class Scheduler:
         self.loading: list[Sequence] = []         # admitted from the KV tiers, holding blocks, waiting for the loads
         self.ready: deque[Sequence] = deque()     # ... loaded, holding blocks, to start at the next prefill scheduling
         self._started_loading: list[Sequence] = []   # ... of which admitted since `take_started_loading`
+
+    def advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
+        """Append a sampled token (and its logprob) and say whether the request is done."""
+        seq.output_token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        return self.finish_reason(seq, token)
+
+    def finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """EOS, a stop token, a completed grammar or max_tokens; stop strings are the front's (`OutputProcessor`)."""
+        params = seq.params
+        generated = len(seq.output_token_ids)
+        if seq.grammar is not None and seq.grammar.terminated:
+            return FinishReason.STOP  # the grammar was complete and its stop token accepted (ignore_eos or not)
+        if generated >= params.min_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids):
+                return FinishReason.STOP
+        if generated >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

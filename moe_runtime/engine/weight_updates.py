@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_runtime.engine.sleep_mode import SleepMode
 from moe_runtime.engine.weight_update_group import GroupAddress, TensorSpec, WeightUpdateGroup
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.moe.expert_weights import ExpertWeights
@@ -75,11 +76,11 @@ def _shown(names) -> str:
 
 
 class WeightUpdater:
-    """One core's weight updates. `core`: an `EngineCore`; `sleep`: its `SleepMode` (dropped weights)."""
+    """One core's weight updates, and its sleep mode (`sleep`: dropped weights). `core`: an `EngineCore`."""
 
-    def __init__(self, core, sleep):
+    def __init__(self, core):
         self.core = core
-        self.sleep = sleep
+        self.sleep = SleepMode(core)   # sleep / wake_up: an update refuses (or restores) dropped weights
         self.directory = Path(core.checkpoint_dir)   # the checkpoint the weights last came from whole
         self._reference: CheckpointReader | None = None
         self.group: WeightUpdateGroup | None = None   # the trainer's, once joined

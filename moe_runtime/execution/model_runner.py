@@ -10,7 +10,7 @@ import torch
 from moe_runtime.config.engine_config import EngineConfigError
 from moe_runtime.sampling.logprobs import PromptLogprobs
 from moe_runtime.layers.attention_batch import AttentionBatch
-from moe_runtime.execution.decode_capture import CaptureSettings, DecodeCapture
+from moe_runtime.execution.decode_capture import CaptureSettings, CaptureStats, DecodeCapture
 from moe_runtime.execution.step_inputs import StepInputs, TargetHidden
 from moe_runtime.kv_blocks.kv_groups import KVCacheLayout
 from moe_runtime.kv_blocks.state_snapshots import SnapshotPoolSize
@@ -114,6 +114,10 @@ class ModelRunner:
         self.keep_hidden = False                      # a drafter reads each step's hidden states (MTP, EAGLE-3)
         self.last_hidden: TargetHidden | None = None  # ... the last step's (eager or captured), when asked
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.cache_bytes() / 2**20)
+
+    def capture_stats(self) -> dict:
+        """The `WorkerStats` fields of the captured decode step (none without one)."""
+        return CaptureStats.worker_fields(self.capture)
 
     def cache_bytes(self) -> int:
         total = 0

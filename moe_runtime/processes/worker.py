@@ -103,7 +103,7 @@ def ready_message(core, rank: int, generation: int) -> WorkerReady:
     return WorkerReady(rank=rank, dp_rank=core.parallel.dp_rank, num_kv_blocks=core.block_manager.num_blocks,
                        block_size=core.block_manager.block_size, max_model_len=core.max_model_len,
                        expert_bytes=local_bytes, total_expert_bytes=total_bytes, weight_bytes=weight_bytes,
-                       pp_rank=core.parallel.pp_rank, kv_shard=core.kv_shard(), generation=generation,
+                       pp_rank=core.parallel.pp_rank, kv_shard=core.transfers.shard(), generation=generation,
                        routing=core.routing.shape)
 
 
