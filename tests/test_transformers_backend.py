@@ -53,6 +53,12 @@ def _config(name: str):
                                                                "sliding_attention"]),
         # fused qkv_proj and gate_up_proj in the model itself
         "phi3": lambda: t.Phi3Config(**SMALL),
+        # KV heads kept in attn_config (kv_n_heads 2 of 4), not num_key_value_heads: the probe reads the module's
+        "dbrx": lambda: t.DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, vocab_size=512,
+                                     attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0),
+                                     ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2),
+                                     tie_word_embeddings=False, initializer_range=0.05, pad_token_id=0,
+                                     bos_token_id=1, eos_token_id=2),
         # no native port: experts stacks with the text/vision split transformers' conversion rules undo
         "ernie4_5_moe": lambda: t.Ernie4_5_MoeConfig(**SMALL, **moe, moe_num_experts=8, moe_layer_start_index=1,
                                                      moe_num_shared_experts=1, use_bias=False),
@@ -103,7 +109,7 @@ def test_greedy_tokens_match_transformers_with_chunks_and_prefix_cache(engines, 
     assert again.token_ids == expected[0]
 
 
-@pytest.mark.parametrize("name", ["ernie4_5_moe"])
+@pytest.mark.parametrize("name", ["ernie4_5_moe", "dbrx"])
 def test_architecture_without_native_port(engines, checkpoint, name):
     llm = engines(name, "chunked")
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == _expected(checkpoint, name)
