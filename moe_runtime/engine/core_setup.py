@@ -23,7 +23,7 @@ from moe_runtime.config.parallel_context import ParallelContext, agree_on_minimu
 from moe_runtime.disaggregation.transfer_ends import TransferEnds
 from moe_runtime.engine.routing_replay import RankRouting, model_top_k
 from moe_runtime.engine.scheduler import Scheduler, SchedulerConfig
-from moe_runtime.engine.state_slots import state_layers
+from moe_runtime.kv_blocks.state_slots import state_layers
 from moe_runtime.engine.tier_steps import TierSteps
 from moe_runtime.errors import InvalidRequestError
 from moe_runtime.execution.decode_capture import CaptureSettings

@@ -12,7 +12,7 @@ window: `seq.block_table` is the full group's, `seq.window_tables[i]` windowed g
 prefix is reused only as far as every windowed group still holds the window its first new query reads.
 
 A model with linear-attention layers (`state_slots`) gives each admitted sequence a recurrent-state slot
-(moe_runtime/engine/state_slots.py), freed with its blocks. With prefix caching it also keeps state snapshots at
+(moe_runtime/kv_blocks/state_slots.py), freed with its blocks. With prefix caching it also keeps state snapshots at
 full-block boundaries (moe_runtime/kv_blocks/state_snapshots.py) under the full blocks' hashes: a cached prefix is
 reused only as far as a snapshot of its end is kept, and each scheduled step asks for snapshots of the block
 boundaries it computes (`seq.state_captures`).
@@ -32,7 +32,7 @@ from moe_runtime.kv_blocks.block_pool import BlockPool
 from moe_runtime.kv_blocks.prefix_cache import PrefixCacheCounters, PrefixCacheEvents
 from moe_runtime.kv_blocks.prefix_hash import BlockHash, chain_root, extend_block_hashes
 from moe_runtime.records.sequence import Sequence
-from moe_runtime.engine.state_slots import StateSlots
+from moe_runtime.kv_blocks.state_slots import StateSlots
 from moe_runtime.kv_blocks.state_snapshots import SnapshotPoolSize, StateSnapshots
 from moe_runtime.kv_blocks.window_blocks import WindowBlocks
 from moe_runtime.kv_tiers.tier_key import FULL_GROUP, STATE_SNAPSHOT, TierKey

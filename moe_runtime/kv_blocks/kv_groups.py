@@ -87,7 +87,7 @@ def window_pool_blocks(span: AttentionSpan, block_size: int, max_num_seqs: int, 
 @dataclass(frozen=True)
 class KVCacheLayout:
     """The model's KV cache groups, each windowed group's pool size (`window_blocks[i]` for group i + 1), and the
-    recurrent-state slots of its linear-attention layers (0: none; moe_runtime/engine/state_slots.py)."""
+    recurrent-state slots of its linear-attention layers (0: none; moe_runtime/kv_blocks/state_slots.py)."""
 
     groups: KVGroups
     window_blocks: tuple[int, ...] = ()

@@ -57,7 +57,7 @@ class AttentionBatch:
     # A model with windowed KV groups (moe_runtime/kv_blocks/kv_groups.py): group g's own slots and block tables, for
     # g = 1, 2, ... (this batch is group 0's); a layer picks its group's with `for_group`.
     group_views: list["AttentionBatch"] | None = None
-    # A model with linear-attention layers (moe_runtime/engine/state_slots.py): each sequence's recurrent-state slot,
+    # A model with linear-attention layers (moe_runtime/kv_blocks/state_slots.py): each sequence's recurrent-state slot,
     # [B], the index its layers' state caches are read and written at.
     state_slots: list[int] | None = None
     # DeepSeek Sparse Attention (moe_runtime/layers/sparse_mla.py): the cache slots of the tokens an indexer layer

@@ -8,7 +8,7 @@ tokens; CSA, rate 4, also the window before it) into one key, and is readable on
   blocks: a block of `block_size` tokens holds the `block_size // rate` entries whose windows start in it, so the
   block table, admission, prefix caching and the cache budget treat them as they treat per-token K/V, at 1/rate of
   the bytes (`block_size` must be a multiple of every rate: the engine refuses otherwise).
-- **Per-sequence state** (a state slot, moe_runtime/engine/state_slots.py, as a linear-attention layer's): the last
+- **Per-sequence state** (a state slot, moe_runtime/kv_blocks/state_slots.py, as a linear-attention layer's): the last
   `window` tokens' keys (a ring indexed by position % window), and the compressor's per-token projections (kv and
   gate, for the entry and for the indexer) of the last `carried` positions: the tokens of the window not yet
   complete, and for CSA the window before it, whose half of each token the next entry mixes in. Rings indexed by

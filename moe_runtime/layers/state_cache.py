@@ -3,7 +3,7 @@
 A Gated DeltaNet layer keeps no K/V per token but, per sequence, the last K-1 inputs of its short
 convolution (`conv` [slots, channels, K-1], the compute dtype) and its delta-rule state (`ssm` [slots, heads,
 Dk, Dv], float32: the recurrence is rounding-sensitive over long contexts). Slots are handed out by the state
-cache group (moe_runtime/engine/state_slots.py); the tensors are allocated once, so every slot keeps a fixed
+cache group (moe_runtime/kv_blocks/state_slots.py); the tensors are allocated once, so every slot keeps a fixed
 address (what a captured step needs). The last slot is scratch, never handed out.
 
 With prefix caching, rows after the scratch slot hold state snapshots at block boundaries of computed prefixes

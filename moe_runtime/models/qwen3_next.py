@@ -2,7 +2,7 @@
 attention, MoE with a sigmoid-gated shared expert.
 
 layer_types says which layers mix tokens with Gated DeltaNet (`linear_attn`, moe_runtime/layers/gated_deltanet.py:
-a recurrent state per sequence in the state cache group, moe_runtime/engine/state_slots.py) and which with gated
+a recurrent state per sequence in the state cache group, moe_runtime/kv_blocks/state_slots.py) and which with gated
 full attention (`self_attn`, moe_runtime/layers/gated_attention.py: the paged KV cache, group 0); the published
 pattern is three linear to one full. Every RMSNorm of the decoder scales by (1 + weight) (`OffsetRMSNorm`).
 The two differ only in the linear layers' projection layout (Qwen3-Next fuses them per key head) and in routing
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moe_runtime.kernels import RoutingConfig
-from moe_runtime.engine.state_slots import LINEAR_ATTENTION
+from moe_runtime.kv_blocks.state_slots import LINEAR_ATTENTION
 from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.attention import AttentionShape
 from moe_runtime.layers.gated_attention import GatedAttention

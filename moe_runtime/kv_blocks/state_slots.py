@@ -9,7 +9,7 @@ prefill cut into chunks continues from the state its previous chunk left.
 
 There are `max_num_seqs` slots: the scheduler never runs more sequences than that, so the full group's blocks
 alone decide admission. With prefix caching a cached prefix resumes from a state snapshot at its last block
-boundary (moe_runtime/engine/state_snapshots.py), copied into the slot instead of the zeros.
+boundary (moe_runtime/kv_blocks/state_snapshots.py), copied into the slot instead of the zeros.
 """
 from __future__ import annotations
 
