@@ -30,7 +30,7 @@ from moe_runtime.kernels.cpu_native.build import native_experts   # noqa: E402
 from moe_runtime.kernels.expert_mlp import expert_mlp   # noqa: E402
 from moe_runtime.kernels.fp8_block_weights import fp8_expert_mlp   # noqa: E402
 from moe_runtime.kernels.int8_weights import int8_expert_mlp   # noqa: E402
-from moe_runtime.planner.cpu_engine_collectives import measure_engine_decode   # noqa: E402
+from moe_runtime.planner.calibration.cpu_engine_collectives import measure_engine_decode   # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHES = (1, 16)

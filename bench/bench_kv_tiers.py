@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 from bench.bench_offline import in_subprocess
 from bench.random_checkpoint import save_random_checkpoint
-from moe_runtime.planner.calibration_models import QWEN3_MOE_SHAPE
+from moe_runtime.planner.calibration.calibration_models import QWEN3_MOE_SHAPE
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_tiers.json"

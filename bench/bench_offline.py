@@ -61,7 +61,7 @@ from bench.llama_cpp import LlamaCppRates, LlamaCppTools
 from bench.offline_tables import (print_compiled_rows, print_cpu_experts_rows, print_fp8_rows, print_int8_rows,
                                   print_llama_cpp_reference_rows, print_rows)
 from bench.step_breakdown import run_step_breakdown
-from moe_runtime.planner.calibration_models import QWEN3_MOE_SHAPE
+from moe_runtime.planner.calibration.calibration_models import QWEN3_MOE_SHAPE
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"

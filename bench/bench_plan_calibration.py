@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_runtime.config.parallel_layout import ParallelLayout   # noqa: E402
-from moe_runtime.planner.cpu_calibration import cached_calibration, cpu_hardware   # noqa: E402
-from moe_runtime.planner.cpu_engine_collectives import measure_engine_decode   # noqa: E402
+from moe_runtime.planner.calibration.cpu_calibration import cached_calibration, cpu_hardware   # noqa: E402
+from moe_runtime.planner.calibration.cpu_engine_collectives import measure_engine_decode   # noqa: E402
 from moe_runtime.planner.memory import kv_capacity, rank_memory, resolve_precision   # noqa: E402
 from moe_runtime.planner.model_shape import load_model_shape   # noqa: E402
 from moe_runtime.planner.roofline import StepModel, Topology   # noqa: E402

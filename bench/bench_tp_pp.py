@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from moe_runtime.planner.calibration_models import LLAMA_DENSE_SHAPE
+from moe_runtime.planner.calibration.calibration_models import LLAMA_DENSE_SHAPE
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from moe_runtime.planner.calibration_models import LLAMA_DENSE_SHAPE
+from moe_runtime.planner.calibration.calibration_models import LLAMA_DENSE_SHAPE
 
 DENSE_SHAPE = LLAMA_DENSE_SHAPE
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

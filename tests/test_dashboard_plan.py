@@ -12,7 +12,7 @@ import pytest
 from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.front.async_engine import AsyncEngine, AsyncEngineConfig
 from moe_runtime.front.engine_factory import make_engine
-from moe_runtime.planner.cpu_calibration import CpuNotCalibratedError, CpuRates, cpu_hardware
+from moe_runtime.planner.calibration.cpu_calibration import CpuNotCalibratedError, CpuRates, cpu_hardware
 from moe_runtime.server import build_app
 from moe_runtime.server.dashboard import dashboard_router
 

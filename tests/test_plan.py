@@ -165,7 +165,7 @@ def test_calibration_bench_machinery_quick():
     from bench.bench_offline import build_checkpoint
     from bench.bench_plan_calibration import measure, predict
 
-    from moe_runtime.planner.cpu_calibration import cpu_hardware, measure_rates
+    from moe_runtime.planner.calibration.cpu_calibration import cpu_hardware, measure_rates
 
     path = build_checkpoint("float32")
     # the machine's rates alone (about a second): the full calibration's step measurements belong to the bench
@@ -181,8 +181,8 @@ def test_a_calibration_cache_of_another_version_is_measured_again(tmp_path, monk
     import os
     import platform
 
-    from moe_runtime.planner import cpu_calibration
-    from moe_runtime.planner.cpu_calibration import CpuRates
+    from moe_runtime.planner.calibration import cpu_calibration
+    from moe_runtime.planner.calibration.cpu_calibration import CpuRates
 
     fresh = CpuRates("here", 2, 1e10, 2e10, 1e-5)
     monkeypatch.setattr(cpu_calibration, "measure_rates", lambda: fresh)
@@ -197,7 +197,7 @@ def test_a_calibration_cache_of_another_version_is_measured_again(tmp_path, monk
 def test_planning_for_an_uncalibrated_cpu_names_the_command_and_never_measures(tmp_path, monkeypatch, capsys):
     """`--gpu cpu` reads the calibration cache only: without an entry it is one error line naming
     `moe-serve plan --gpu cpu --calibrate`, and nothing is measured (measuring runs engines on every core)."""
-    from moe_runtime.planner import cpu_calibration
+    from moe_runtime.planner.calibration import cpu_calibration
 
     def must_not_measure(*args):
         raise AssertionError("planning measured this machine")
@@ -217,8 +217,8 @@ def test_planning_for_an_uncalibrated_cpu_names_the_command_and_never_measures(t
 
 
 def test_calibrate_measures_on_request_and_only_for_cpu(tmp_path, monkeypatch, capsys):
-    from moe_runtime.planner import cpu_calibration
-    from moe_runtime.planner.cpu_calibration import CpuRates
+    from moe_runtime.planner.calibration import cpu_calibration
+    from moe_runtime.planner.calibration.cpu_calibration import CpuRates
 
     measured = []
     fresh = CpuRates("here", 2, 1e10, 2e10, 1e-5)

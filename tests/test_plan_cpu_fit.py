@@ -12,12 +12,12 @@ from dataclasses import replace
 import pytest
 
 from moe_runtime.config.parallel_layout import ParallelLayout
-from moe_runtime.planner.calibration_models import dense_calibration_model, moe_calibration_model
-from moe_runtime.planner.cpu_calibration import CpuRates, cpu_hardware
-from moe_runtime.planner.cpu_engine_collectives import EngineDecode
-from moe_runtime.planner.cpu_overhead_fit import collective_line, fit_overheads
+from moe_runtime.planner.calibration.calibration_models import dense_calibration_model, moe_calibration_model
+from moe_runtime.planner.calibration.cpu_calibration import CpuRates, cpu_hardware
+from moe_runtime.planner.calibration.cpu_engine_collectives import EngineDecode
+from moe_runtime.planner.calibration.cpu_overhead_fit import collective_line, fit_overheads
 from moe_runtime.planner.cpu_overheads import CpuOverheads, Line
-from moe_runtime.planner.cpu_step_costs import StepParts
+from moe_runtime.planner.calibration.cpu_step_costs import StepParts
 from moe_runtime.planner.memory import resolve_precision
 from moe_runtime.planner.model_shape import load_model_shape
 from moe_runtime.planner.roofline import StepModel, Topology

@@ -16,7 +16,7 @@ import sys
 
 from moe_runtime.config.engine_config import DTYPES, QUANTIZATIONS
 from moe_runtime.errors import MoERuntimeError
-from moe_runtime.planner.cpu_calibration import CACHE, cached_calibration, cpu_hardware
+from moe_runtime.planner.calibration.cpu_calibration import CACHE, cached_calibration, cpu_hardware
 from moe_runtime.planner.hardware import resolve_hardware
 from moe_runtime.planner.memory import ModelFootprint, resolve_precision
 from moe_runtime.planner.model_shape import load_model_shape

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from moe_runtime.errors import InvalidRequestError
-from moe_runtime.planner.cpu_calibration import CpuNotCalibratedError, cpu_hardware
+from moe_runtime.planner.calibration.cpu_calibration import CpuNotCalibratedError, cpu_hardware
 from moe_runtime.planner.hardware import Hardware, known_gpus, resolve_hardware
 from moe_runtime.planner.memory import resolve_precision
 from moe_runtime.planner.model_shape import load_model_shape

@@ -78,11 +78,11 @@ def measure_rates() -> CpuRates:
 def measure_overheads(rates: CpuRates, checkpoints: Path = CHECKPOINTS) -> CpuOverheads:
     """Decode steps of the calibration checkpoints: one rank by part, then two-rank EP and TP jobs, fitted."""
     # the measuring half of the planner imports torch and the engine; planning from a cache or a GPU table must not
-    from moe_runtime.planner.calibration_models import dense_calibration_model, moe_calibration_model
-    from moe_runtime.planner.cpu_engine_collectives import measure_engine_decode
-    from moe_runtime.planner.cpu_overhead_fit import fit_overheads
-    from moe_runtime.planner.cpu_pipeline_hops import measure_pipeline_hop
-    from moe_runtime.planner.cpu_step_costs import measure_step_parts
+    from moe_runtime.planner.calibration.calibration_models import dense_calibration_model, moe_calibration_model
+    from moe_runtime.planner.calibration.cpu_engine_collectives import measure_engine_decode
+    from moe_runtime.planner.calibration.cpu_overhead_fit import fit_overheads
+    from moe_runtime.planner.calibration.cpu_pipeline_hops import measure_pipeline_hop
+    from moe_runtime.planner.calibration.cpu_step_costs import measure_step_parts
 
     moe_path = moe_calibration_model().build(checkpoints)
     dense_path = dense_calibration_model().build(checkpoints)

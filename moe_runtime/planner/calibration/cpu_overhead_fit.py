@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moe_runtime.config.parallel_layout import ParallelLayout
-from moe_runtime.planner.cpu_engine_collectives import EngineDecode
+from moe_runtime.planner.calibration.cpu_engine_collectives import EngineDecode
 from moe_runtime.planner.cpu_overheads import CpuOverheads, Line
-from moe_runtime.planner.cpu_step_costs import StepParts
+from moe_runtime.planner.calibration.cpu_step_costs import StepParts
 from moe_runtime.planner.hardware import Hardware
 from moe_runtime.planner.memory import resolve_precision
 from moe_runtime.planner.model_shape import ModelShape
