@@ -161,3 +161,16 @@ def test_what_the_backend_cannot_run_is_refused_by_name(checkpoint, tiny_checkpo
         LLM(str(tiny_checkpoint_factory("llama4")), device="cpu", model_impl="transformers")
     with pytest.raises(EngineConfigError, match=r"transformers backend \(Qwen3ForCausalLM\).*--deterministic"):
         LLM(str(checkpoint("qwen3")), device="cpu", model_impl="transformers", deterministic=True)
+
+
+def test_weight_update_reaches_the_transformers_model(tiny_checkpoint_factory):
+    """A full update from another checkpoint is loaded through transformers' rules again (experts taken anew,
+    rotary frequencies kept): the tokens are the new checkpoint's."""
+    first, second = tiny_checkpoint_factory("qwen3_moe"), tiny_checkpoint_factory("qwen3_moe", seed=1)
+    llm = LLM(str(first), device="cpu", dtype="float32", model_impl="transformers")
+    try:
+        llm.update_weights(str(second))
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == \
+            HFOracle(second).greedy(PROMPTS, NEW_TOKENS)
+    finally:
+        llm.shutdown()

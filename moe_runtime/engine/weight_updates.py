@@ -308,7 +308,11 @@ class WeightUpdater:
         return targets
 
     def _custom_modules(self) -> list[tuple[str, object]]:
-        return [(f"{name}." if name else "", module) for target, _ in self._targets()
+        """(the checkpoint prefix its tensors have, module) of every module that loads its own: its path in the
+        model, or the prefix it declares (`checkpoint_prefix`: the transformers backend's model reads every
+        checkpoint name, mapped by transformers' rules)."""
+        return [(getattr(module, "checkpoint_prefix", f"{name}." if name else ""), module)
+                for target, _ in self._targets()
                 for name, module in target.named_modules() if hasattr(module, "load_weights") and module is not target]
 
     def _module_prefixes(self) -> list[str]:

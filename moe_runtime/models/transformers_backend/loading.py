@@ -116,8 +116,14 @@ def load_transformers_weights(model: nn.Module, reader: CheckpointReader, skippe
     config = LoadStateDictConfig(device_map=device_map, dtype=dtype, dtype_plan=model._get_dtype_plan(dtype),
                                  weight_mapping=conversions)
     state = {name: LazyTensor(reader, name) for name in match.used}
+    # a reload (a weight update): transformers' finishing step empties every non-persistent buffer (rotary
+    # frequencies) and recomputes only those of modules not yet initialized, so the computed ones are kept here
+    computed = {name: buffer for name, buffer in model.named_non_persistent_buffers() if not buffer.is_meta}
     info, _ = convert_and_load_state_dict_in_model(model, state, config)
     PreTrainedModel._finalize_model_loading(model, config, info)
+    for name, buffer in computed.items():
+        module_name, _, attr = name.rpartition(".")
+        model.get_submodule(module_name)._buffers[attr] = buffer
     problems = [(what, sorted(str(k) for k in keys)) for what, keys in (
         ("missing", info.missing_keys), ("unexpected", info.unexpected_keys), ("mismatched", info.mismatched_keys),
         ("failed to convert", info.conversion_errors)) if keys]

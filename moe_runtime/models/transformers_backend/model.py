@@ -72,7 +72,10 @@ class BaseOutput:
 
 class TransformersModel(nn.Module):
     """Holds the transformers causal LM; `load_weights` fills all of it through transformers' loading rules (the
-    engine's loader calls it, then finds every parameter under it loaded)."""
+    engine's loader calls it, then finds every parameter under it loaded). Its tensors are every checkpoint name
+    (`checkpoint_prefix`, what a weight update matches the names it carries against)."""
+
+    checkpoint_prefix = ""
 
     def __init__(self, hf_model: nn.Module, seams: list[tuple[str, ExpertsSeam]], device: torch.device,
                  dtype: torch.dtype):
