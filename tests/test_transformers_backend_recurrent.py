@@ -125,6 +125,28 @@ def test_chunked_prefill_through_our_state_rows_is_generate(models, model_type):
     torch.testing.assert_close(last, logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["jamba", "granitemoehybrid", "qwen4_exp_text", "bailing_hybrid"])
+def test_layout_dtypes_are_what_transformers_keeps_in_bf16(models, model_type):
+    """The dtype a part is read back as before transformers left one in this process (a P/D transfer's state):
+    the fp32 SSM / delta-rule states of a bf16 model, its convolutions in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = models(model_type)[0]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    layout = RecurrentLayout.of(cfg)
+    hf_cache = _new_cache(model, layout)
+    with torch.no_grad():
+        model(torch.randint(3, VOCAB, (1, 7)), cache=hf_cache, use_cache=True)
+    caches = {layer: LayerStateCache.allocate(layout.state_spec(), 2, torch.float32, "cpu")
+              for layer in layout.layer_indices}
+    bridge = RecurrentStateBridge(layout, torch.bfloat16)
+    bridge.store(hf_cache, caches, [0])
+    for state in layout.layers:
+        for part in state.parts:
+            assert bridge.seen_dtypes[(state.layer, part.kind, part.index)] == (part.dtype or torch.bfloat16), (state, part)
+
+
 def test_jamba_continues_its_scan_token_by_token(models):
     """Jamba's multi-token scan starts from zeros whatever the cache holds: without the per-token path for a
     continued chunk (`scan_ignores_state`) the chunks' logits leave the one-piece forward's."""

@@ -28,7 +28,7 @@ class RecurrentStateBridge:
         self.layout = layout
         self.dtype = dtype     # the model's compute dtype: a part's dtype in transformers unless its spec says
         # the dtype transformers itself gave each (layer, kind, index) when it last left one: what it reads back
-        self._seen: dict[tuple[int, str, int], torch.dtype] = {}
+        self.seen_dtypes: dict[tuple[int, str, int], torch.dtype] = {}
 
     def load(self, hf_cache: Cache, caches: Mapping[int, LayerStateCache], rows: list[int], fresh: bool,
              num_tokens: int, past_tokens: int = 0, layers: tuple[int, ...] | None = None,
@@ -58,7 +58,7 @@ class RecurrentStateBridge:
             flat = cache.ssm.index_select(0, index).view(len(rows), -1)               # [B, N] float32
             for part, start in _parts(state, indices):
                 value = self._hf_value(hf_cache, state.layer, part)                  # [B, *shape]
-                self._seen[(state.layer, part.kind, part.index)] = value.dtype
+                self.seen_dtypes[(state.layer, part.kind, part.index)] = value.dtype
                 flat[:, start:start + part.numel] = value.reshape(len(rows), part.numel).float()
             cache.ssm.index_copy_(0, index, flat.view(len(rows), *cache.ssm.shape[1:]))
 
@@ -75,7 +75,7 @@ class RecurrentStateBridge:
                 for part, start in parts]
 
     def _dtype_of(self, state: LayerState, part: StatePart) -> torch.dtype:
-        return self._seen.get((state.layer, part.kind, part.index)) or part.dtype or self.dtype
+        return self.seen_dtypes.get((state.layer, part.kind, part.index)) or part.dtype or self.dtype
 
     def _load_layer(self, layer: LinearAttentionCacheLayerMixin, parts: list[tuple[StatePart, int]],
                     values: list[torch.Tensor] | None, num_tokens: int, past_tokens: int) -> None:

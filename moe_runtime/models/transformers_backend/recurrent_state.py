@@ -44,7 +44,9 @@ class StatePart:
     kind: str
     index: int
     shape: tuple[int, ...]            # per sequence, no batch dimension
-    dtype: torch.dtype | None = None  # transformers' dtype for it, where not the model's (an fp32 SSM state)
+    # transformers' dtype for it where not the model's (the SSM and delta-rule states are fp32 in a bf16 model): what
+    # a state is read back as before transformers itself left one in this process (a P/D transfer's)
+    dtype: torch.dtype | None = None
 
     @property
     def numel(self) -> int:
@@ -155,14 +157,16 @@ def type_of(cfg, layer: int) -> str:
 def _mamba(cfg, layer: int) -> tuple[StatePart, ...]:
     """Jamba's Mamba: conv over x [expand * hidden, d_conv]; selective-scan state [expand * hidden, d_state]."""
     inner = cfg.mamba_expand * cfg.hidden_size
-    return (StatePart(CONV, 0, (inner, cfg.mamba_d_conv)), StatePart(RECURRENT, 0, (inner, cfg.mamba_d_state)))
+    return (StatePart(CONV, 0, (inner, cfg.mamba_d_conv)),
+            StatePart(RECURRENT, 0, (inner, cfg.mamba_d_state), torch.float32))
 
 
 def _mamba2(heads: str, head_dim: str, state: str, groups: str, kernel: str, ssm_dtype: str | None = None):
     """Mamba2: conv over [x, B, C] [H * P + 2 * G * N, K]; SSM state [H, P, N]."""
     def parts(cfg, layer: int) -> tuple[StatePart, ...]:
         h, p, n, g, k = (getattr(cfg, name) for name in (heads, head_dim, state, groups, kernel))
-        dtype = getattr(torch, getattr(cfg, ssm_dtype)) if ssm_dtype and getattr(cfg, ssm_dtype, None) else None
+        named = getattr(cfg, ssm_dtype, None) if ssm_dtype else None
+        dtype = getattr(torch, named) if isinstance(named, str) else torch.float32
         return (StatePart(CONV, 0, (h * p + 2 * g * n, k)), StatePart(RECURRENT, 0, (h, p, n), dtype))
     return parts
 
@@ -172,13 +176,14 @@ def _gated_deltanet(cfg, layer: int) -> tuple[StatePart, ...]:
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     return (StatePart(CONV, 0, (2 * nk * dk + nv * dv, cfg.linear_conv_kernel_dim)),
-            StatePart(RECURRENT, 0, (nv, dk, dv)))
+            StatePart(RECURRENT, 0, (nv, dk, dv), torch.float32))
 
 
 def _kimi_delta(cfg, layer: int) -> tuple[StatePart, ...]:
     """KDA (Kimi Linear, Bailing hybrid): conv over [q, k, v] [3 * H * D, K]; delta-rule state [H, D, D]."""
     h, d = cfg.linear_num_heads, cfg.linear_head_dim
-    return (StatePart(CONV, 0, (3 * h * d, cfg.linear_conv_kernel_dim)), StatePart(RECURRENT, 0, (h, d, d)))
+    return (StatePart(CONV, 0, (3 * h * d, cfg.linear_conv_kernel_dim)),
+            StatePart(RECURRENT, 0, (h, d, d), torch.float32))
 
 
 def _short_conv(cfg, layer: int) -> tuple[StatePart, ...]:
