@@ -144,7 +144,8 @@ def test_layout_dtypes_are_what_transformers_keeps_in_bf16(models, model_type):
     bridge.store(hf_cache, caches, [0])
     for state in layout.layers:
         for part in state.parts:
-            assert bridge.seen_dtypes[(state.layer, part.kind, part.index)] == (part.dtype or torch.bfloat16), (state, part)
+            seen = bridge.seen_dtypes[(state.layer, part.kind, part.index)]
+            assert seen == (part.dtype or torch.bfloat16), (state, part)
 
 
 def test_jamba_continues_its_scan_token_by_token(models):
@@ -227,7 +228,8 @@ def test_engine_preemption_rebuilds_the_states_by_recompute(engines, checkpoint)
     full = engines("lfm2_moe").core
     state_bytes = sum(c.nbytes() for c in full.runner.caches if isinstance(c, LayerStateCache))
     row_bytes = state_bytes // state_rows(full.runner.state_slots)
-    block_bytes = (full.runner.cache_bytes() - state_bytes) // full.block_manager.num_blocks * 8 // full.runner.block_size
+    block_bytes = (full.runner.cache_bytes() - state_bytes) // full.block_manager.num_blocks   # of the full block size
+    block_bytes = block_bytes * 8 // full.runner.block_size
     # 8 blocks of 8 tokens beside 3 slots' state rows: the longest request (40 + 24 tokens) fits alone
     with LLM(str(checkpoint("lfm2_moe")), device="cpu", dtype="float32", model_impl="transformers", block_size=8,
              max_num_seqs=3, kv_cache_memory=row_bytes * state_rows(3) + 8 * block_bytes) as llm:

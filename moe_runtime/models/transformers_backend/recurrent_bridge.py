@@ -116,7 +116,8 @@ class RecurrentStateBridge:
 
 def _parts(state: LayerState, indices: frozenset[int] | None) -> list[tuple[StatePart, int]]:
     """(part, its start in the packed row) of `state`'s parts at `indices` (all where None)."""
-    return [(part, start) for part, start in zip(state.parts, state.offsets()) if indices is None or part.index in indices]
+    return [(part, start) for part, start in zip(state.parts, state.offsets())
+            if indices is None or part.index in indices]
 
 
 def _linear_layer(hf_cache: Cache, layer_idx: int) -> LinearAttentionCacheLayerMixin:
