@@ -9,13 +9,18 @@ The pieces, one concept each:
   module with a `layer_idx`: how transformers' attention calls find the engine's state (no module globals).
 - attention.py (+ softcap_attention.py): the attention function: new K/V into the paged cache, causal
   attention over the ragged batch with our kernels; scaling, sliding windows, soft-capping, sinks, GQA.
-- kv_specs.py: each layer's KV cache spec from the config, checked against the first call.
+- kv_specs.py: each layer's KV cache spec, read from the config; probe.py replaces the shapes by what each
+  layer's attention module computes (one stand-in token after loading) and refuses at start-up what a layer
+  hands its attention that we cannot run; each layer's first real call is checked against the result.
 - experts.py: the experts function and `ExpertsSeam`: transformers' fused expert stacks become this rank's
   `ExpertWeights`, and each call goes through `MoEExecutor.run` (EP dispatch/combine, DP attention, EPLB).
 - loading.py: the checkpoint loaded by transformers' conversion rules through our reader; unmatched tensor
   names refused before anything is read.
-- model.py: `TransformersCausalLM`, the surface the engine uses (forward, logits, kv_cache_specs, ...).
-- support.py: what the backend refuses, by flag or layer type.
+- model.py: `TransformersCausalLM`, the surface the engine uses (forward, logits, kv_cache_specs, ...). An
+  idle rank (no tokens: a DP attention worker with nothing scheduled) runs one stand-in token
+  (`StepContext.stand_in`) so its MoE layers still meet the EP group's collectives; anything that keeps
+  per-layer state must skip its work when that flag is set.
+- support.py: what the backend refuses, by flag, layer type, or module that counts positions along its row.
 - tensor_parallel.py, pipeline_stages.py, parallel_model.py: the model split over ranks by its own tp_plan
   (attention TP: head-split projections, row-parallel all-reduce) and pp_plan (this stage's layers), read
   from the checkpoint as this rank's share.
