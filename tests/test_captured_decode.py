@@ -13,9 +13,10 @@ import torch
 
 from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM
+from moe_runtime.execution import aot_step
 from moe_runtime.execution.decode_capture import CaptureSettings
 from moe_runtime.config.engine_config import EngineConfigError
-from moe_runtime.engine.core import EngineCore
+from moe_runtime.engine.core_setup import CoreSetup
 from moe_runtime.server.cli import build_parser, engine_config_from_args
 
 ARCHS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
@@ -24,7 +25,7 @@ NEW_TOKENS = 20   # the parity tests' length: the oracle's cached tokens are reu
 
 
 def capture_stats(llm):
-    return llm.engine.core.runner.capture.stats
+    return llm.core.runner.capture.stats
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -67,15 +68,21 @@ def test_padded_buckets_and_mixed_steps(tiny_checkpoint_factory, greedy_oracle):
     assert stats.eager_steps >= 2                          # the first prefill and the mixed step
 
 
-def test_inductor_generated_code_gives_eager_tokens(tiny_checkpoint_factory, greedy_oracle):
-    """The default backend, inductor's C++ (and its fused per-(token, expert) GEMV loops)."""
+def test_inductor_generated_code_gives_eager_tokens(tiny_checkpoint_factory, greedy_oracle, tmp_path, monkeypatch):
+    """The default backend, inductor's C++ (and its fused per-(token, expert) GEMV loops), compiled ahead of time
+    (AOTInductor, the CPU's default): the step's library writes the KV caches in place and reads the model's own
+    weights; a second engine loads the library the first one compiled instead of compiling it again."""
+    monkeypatch.setattr(aot_step, "DEFAULT_CACHE", tmp_path)
     arch = "qwen3_moe"
     expected = greedy_oracle(arch, PROMPTS, NEW_TOKENS)
-    with LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", enable_torch_compile=True) as llm:
-        outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
-        stats = capture_stats(llm)
-    assert [o.token_ids for o in outputs] == expected
-    assert stats.disabled_reason is None and stats.captured_steps == NEW_TOKENS - 1
+    for run in ("compiles", "loads"):
+        with LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", enable_torch_compile=True) as llm:
+            outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+            stats = capture_stats(llm)
+            assert llm.core.runner.capture.settings.aot
+        assert [o.token_ids for o in outputs] == expected
+        assert stats.disabled_reason is None and stats.captured_steps == NEW_TOKENS - 1
+        assert stats.buckets_loaded == ([] if run == "compiles" else [4])
 
 
 def test_without_a_cpp_compiler_decode_runs_eagerly_after_one_log_line(tiny_checkpoint_factory, greedy_oracle,
@@ -101,7 +108,7 @@ def test_a_failing_compile_falls_back_to_eager_for_that_step_and_after(failing_c
     expected = greedy_oracle("llama", PROMPTS, NEW_TOKENS)
     with LLM(str(tiny_checkpoint_factory("llama")), device="cpu", dtype="float32", enable_torch_compile=True,
              torch_compile_backend="eager") as llm:
-        capture = llm.engine.core.runner.capture
+        capture = llm.core.runner.capture
         compiled, calls = capture._compiled, []
 
         def breaking(*args):
@@ -129,9 +136,9 @@ def test_cuda_shapes_fixed_table_width_give_eager_tokens(tiny_checkpoint_factory
         return CaptureSettings.for_device(torch.device("cuda"), max_batch=4, backend="eager",
                                           max_model_len=max_model_len, block_size=config.block_size)
 
-    monkeypatch.setattr(EngineCore, "_capture_settings", staticmethod(cuda_settings))
+    monkeypatch.setattr(CoreSetup, "capture_settings", staticmethod(cuda_settings))
     with LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", enable_torch_compile=True) as llm:
-        capture = llm.engine.core.runner.capture
+        capture = llm.core.runner.capture
         compiled, widths = capture._compiled, []
 
         def recording(*inputs):
@@ -140,7 +147,7 @@ def test_cuda_shapes_fixed_table_width_give_eager_tokens(tiny_checkpoint_factory
 
         monkeypatch.setattr(capture, "_compiled", recording)
         outputs = llm.generate(PROMPTS[:3], [greedy(n) for n in lengths])
-        full_width = -(-llm.engine.core.max_model_len // capture.block_size)
+        full_width = -(-llm.core.max_model_len // capture.block_size)
     assert [o.token_ids for o in outputs] == expected
     assert capture.settings.table_width == full_width and not capture.settings.cuda_graphs
     assert set(widths) == {full_width} and len(widths) == NEW_TOKENS - 1
@@ -158,6 +165,10 @@ def test_cuda_replays_graphs_and_cpu_keeps_a_dynamic_width():
     assert (traced.table_width, traced.cuda_graphs, traced.compile_mode()) == (63, False, None)
     cpu = settings("cpu", "inductor")
     assert (cpu.table_width, cpu.cuda_graphs, cpu.compile_mode()) == (None, False, None)
+    assert cpu.aot and cpu.compile_options() == {"cpp_wrapper": True}     # AOTInductor by default
+    wrapped = CaptureSettings.for_device(torch.device("cpu"), max_batch=8, backend="inductor", max_model_len=1000,
+                                         block_size=16, wrapper="cpp")
+    assert not wrapped.aot and wrapped.compile_options() == {"cpp_wrapper": True}
 
 
 def test_buckets_are_powers_of_two_up_to_the_largest():

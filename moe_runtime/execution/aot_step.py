@@ -17,8 +17,9 @@ How the step is exported (`torch.export`, non-strict):
 - **The block table's width is dynamic** (at least `MIN_TABLE_WIDTH` columns), as in the dynamo capture: one
   library per batch bucket.
 
-The cache key is a digest of the exported graph's code, its inputs' shapes and dtypes, and torch's version: the
-same model shape, dtype, kernel family and bucket load the library a previous process compiled (export itself,
+The cache key is a digest of the exported graph's code, its inputs' and weights' shapes, strides and dtypes, the
+intra-op thread count (inductor writes it into the library's parallel loops) and torch's version: the same model
+shape, dtype, kernel family, thread count and bucket load the library a previous process compiled (export itself,
 seconds, runs in every process: it gives the constants' names and the key).
 """
 from __future__ import annotations
@@ -58,11 +59,18 @@ class _StepModule(torch.nn.Module):
 class AotBucket:
     """A loaded library: `run` takes the step's five tensors and returns (drafter hidden [B, H'], logits [B, V])."""
     runner: Callable
-    kv: list[torch.Tensor]
+    caches: list[LayerKVCache]
+    constants: dict[str, torch.Tensor]   # what the library reads as its weights (held: it keeps their addresses)
+    addresses: list[int]
     cache_hit: bool
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, logits = self.runner(*inputs, *self.kv)
+        # Sleep level 2 gives a weight new storage on wake (engine/sleep_mode.py): point the library at it again.
+        addresses = [tensor.data_ptr() for tensor in self.constants.values()]
+        if addresses != self.addresses:
+            self.runner.load_constants(self.constants, check_full_update=True, user_managed=True)
+            self.addresses = addresses
+        hidden, logits = self.runner(*inputs, *_kv_tensors(self.caches))
         return hidden, logits
 
 
@@ -73,8 +81,12 @@ def _kv_tensors(caches: list[LayerKVCache]) -> list[torch.Tensor]:
 
 
 def _digest(program: torch.export.ExportedProgram, inputs: tuple[torch.Tensor, ...]) -> str:
-    shapes = [(tuple(t.shape), str(t.dtype)) for t in inputs]
-    text = f"{torch.__version__}\n{program.graph_module.code}\n{shapes}\n{program.range_constraints}"
+    weights = {**program.state_dict, **program.constants}   # the library is specialized to their layouts too
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in inputs] + [
+        (name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in sorted(weights.items())]
+    # inductor writes the thread count into the library's parallel loops (`omp parallel num_threads(n)`)
+    text = (f"{torch.__version__}\n{torch.get_num_threads()} threads\n{program.graph_module.code}\n{shapes}\n"
+            f"{program.range_constraints}")
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -103,8 +115,8 @@ def compile_bucket(model: torch.nn.Module, caches: list[LayerKVCache], step: Cal
             torch._inductor.aoti_compile_and_package(program, package_path=str(staged))
         staged.replace(path)   # whole or not at all: another process may load it
     loaded = torch._inductor.aoti_load_package(str(path))
-    constants = {**program.state_dict, **program.constants}
-    loaded.load_constants({name: constants[name] for name in loaded.get_constant_fqns()}, check_full_update=True,
-                          user_managed=True)
+    named = {**program.state_dict, **program.constants}
+    constants = {name: named[name] for name in loaded.get_constant_fqns()}
+    loaded.load_constants(constants, check_full_update=True, user_managed=True)
     logger.info("AOT decode step %s: %s", "loaded" if hit else "compiled", path)
-    return AotBucket(loaded, kv, hit)
+    return AotBucket(loaded, caches, constants, [tensor.data_ptr() for tensor in constants.values()], hit)
