@@ -54,6 +54,10 @@ def build_transformers_model(architecture: str, hf_config, ctx: BuildContext) ->
     if layout is not None:   # recurrent mixers run sequence by sequence on our state slots
         install_recurrent_mixers(hf, layout, step, ctx.dtype)
     seams, routed = _bind_experts(architecture, hf, ctx, step)
+    if ctx.engine is not None and ctx.engine.enable_two_batch_overlap and seams:
+        logger.info("transformers backend (%s): --enable-two-batch-overlap: each step runs as one batch (transformers' "
+                    "modules cannot yield mid-layer), every rank alike, so the MoE collectives still pair up",
+                    architecture)
     if split is None:
         backbone = TransformersModel(hf, seams, torch.device(ctx.device), ctx.dtype)
     else:   # this rank's share: parallel_model.py
