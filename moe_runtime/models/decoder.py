@@ -3,11 +3,12 @@
 Parameter names follow the HF checkpoints (model.layers.N.self_attn.q_proj.weight, ...), so weights
 load by name; model files only choose which attention and MLP each layer gets.
 
-The forward pass is staged (moe_runtime/moe/stages.py): an MoE block yields while its dispatch or
-combine is in flight. One batch runs its stages back to back. With two-batch overlap
-(`MoEExecutor.overlaps_micro_batches`) the step is split by sequences into two micro-batches
-(moe_runtime/models/micro_batches.py) whose stages interleave, each computing while the other's transfer
-travels; their outputs are concatenated back in order. With context parallelism
+One batch, eager or captured, runs the layers' plain `forward` (`_run`; an MoE block's is one
+`MoEExecutor.run`). Only with two-batch overlap (`MoEExecutor.overlaps_micro_batches`) is the step
+split by sequences into two micro-batches (moe_runtime/models/micro_batches.py) that run the layers'
+staged form (`stages`, moe_runtime/moe/stages.py: an MoE block yields while its dispatch or combine
+is in flight) interleaved, each computing while the other's transfer travels; their outputs are
+concatenated back in order. With context parallelism
 (moe_runtime/models/context_parallel.py) each rank of a DP worker runs its share of the step's rows and
 the ranks gather the final hidden states back into step order.
 """
@@ -96,7 +97,8 @@ class DecoderLayer(nn.Module):
         return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
 
     def stages(self, positions, x, batch: AttentionBatch, cache: LayerKVCache) -> Staged[torch.Tensor]:  # [T, H]
-        """`forward` as a staged computation, yielding while the MoE block's transfers are in flight."""
+        """`forward` as a staged computation for two-batch overlap, yielding while the MoE block's transfers are in
+        flight."""
         x = x + self.self_attn(positions, self.input_layernorm(x), batch, cache)
         mlp_out = yield from call_staged(getattr(self, self.mlp_name), self.post_attention_layernorm(x))
         return x + mlp_out
@@ -225,7 +227,7 @@ class CausalLM(nn.Module):
         return self._stage_output(micro, x, aux)
 
     def _stages(self, micro: MicroBatch, caches: list[LayerKVCache]) -> Staged[torch.Tensor]:  # -> [t, H]
-        """`_run` as a staged computation, for two micro-batches interleaved."""
+        """`_run` as a staged computation, for two micro-batches interleaved (two-batch overlap only)."""
         x, aux = self._stage_input(micro)
         for index, (layer, cache) in enumerate(zip(self.model.owned_layers(), caches), self.first_layer):
             if index in self.aux_layers:

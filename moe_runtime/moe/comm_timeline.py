@@ -94,6 +94,14 @@ class CommTimeline:
         registering[0] = False
         return times
 
+    def blocking(self, kind: str, called: float, returned: float) -> TransferTimes:
+        """Note a transfer done in one blocking call (`ModularMoE.__call__`): nothing in flight, nothing hidden."""
+        times = TransferTimes(kind, called, start_returned=returned, completed=returned, wait_called=returned,
+                              wait_returned=returned)
+        with self._lock:
+            self.transfers.append(times)
+        return times
+
     def clear(self) -> None:
         with self._lock:
             self.transfers = []

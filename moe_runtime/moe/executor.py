@@ -6,11 +6,17 @@ Every MoE layer of the model goes through it, on one rank as on many:
   (`register_layer`, which returns the layer's row in the placement); once the model is built,
   `finish_registration` makes the placement over all registered layers, the load recorder and one
   `ModularMoE` (dispatcher x expert kernel) per step phase. No scan of the model finds layers.
-- a step: the router's logical ids become physical slots through the `ReplicaTable` of this rank
-  (built once per placement, on the step's device), the phase's `ModularMoE` runs them, and the
-  attention-TP share (`TokenShare`) is gathered back. `stages` is the same as a staged computation
-  (moe_runtime/moe/stages.py) that yields while dispatch and combine are in flight: the model runs
-  two micro-batches through it interleaved when `two_batch_overlap` is on.
+- a step (`run`, the one forward of eager and captured steps): this rank's attention-TP share of
+  the rows (`TokenShare`), the router's logical ids made physical slots through the `ReplicaTable`
+  of this rank (built once per placement, on the step's device), the load recorder, then the
+  step's `MoECore` called plainly, and the share gathered back. The core is the phase's
+  `ModularMoE`; inside a captured step (torch.compiler.is_compiling(), asked in `run` and nowhere
+  else here) it is the captured phase's (`_build_cores`: the pair kernel on one rank) and no wall
+  clock is read. The routing record is never armed in a captured step (the runner runs a step that
+  records or forces routing eagerly). `stages` is the same as a staged computation
+  (moe_runtime/moe/stages.py) that yields while dispatch and combine are in flight, for two-batch
+  overlap only: the model runs two micro-batches through it interleaved when `two_batch_overlap`
+  is on.
 - rebalancing: the live rebalancer sees the executor as `load_balancer.live_rebalancer.
   BalancedExperts`: the placement in force, the recorder, each layer's `ExpertStore` (its
   `ExpertWeights`) and `set_placement`.
@@ -20,10 +26,12 @@ Models know nothing of this: they hand their top-k to `run`.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from moe_runtime.dispatch.base import LAYOUT_CONTIGUOUS
+from moe_runtime.dispatch.base import LAYOUT_CONTIGUOUS, Dispatcher
 from moe_runtime.dispatch.backends import BACKEND_LOCAL, PHASE_DECODE, PHASE_PREFILL
 from moe_runtime.dispatch.config import DispatchConfig
 from moe_runtime.dispatch.deepep import DEFAULT_DEEPEP_MODULE
@@ -41,15 +49,25 @@ from moe_runtime.moe.host_experts import HOST, HostExpertKernel
 from moe_runtime.moe.expert_kernel import expert_kernel_for
 from moe_runtime.moe.comm_timeline import CommTimeline
 from moe_runtime.moe.expert_weights import ExpertWeights
-from moe_runtime.moe.modular_moe import ModularMoE
+from moe_runtime.moe.modular_moe import Alongside, MoECore, ModularMoE
+from moe_runtime.moe.pair_moe import PairMoE
 from moe_runtime.moe.routing_record import StepRouting
-from moe_runtime.moe.stages import Staged, run_to_end
+from moe_runtime.moe.stages import Staged
 from moe_runtime.moe.token_share import TokenShare
 from moe_runtime.config.parallel_context import ParallelContext
 
 PHASES = (PHASE_PREFILL, PHASE_DECODE)
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    """The rows of a step this rank dispatches (its attention-TP share, `TokenShare`) and where they go."""
+
+    x: torch.Tensor         # [T', H]
+    slots: torch.Tensor     # [T', K] physical slots (replicas chosen)
+    weights: torch.Tensor   # [T', K]
 
 
 class MoEExecutor:
@@ -85,6 +103,7 @@ class MoEExecutor:
         self._experts: list[ExpertWeights] = []     # by MoE layer (placement row)
         self._tables: list[ReplicaTable] = []       # this rank's, by MoE layer, on the step's device
         self._by_phase: dict[str, ModularMoE] = {}
+        self._captured_core: MoECore | None = None  # a captured step's, where not the phase's (`_build_cores`)
         self._share = TokenShare(parallel.attn_tp_size, parallel.attn_tp_rank, parallel.attn_tp_group)
         self._registration_open = True
         self._phase_agreement: bool | None = None   # needs_phase_agreement's answer, once asked
@@ -146,15 +165,25 @@ class MoEExecutor:
         dispatchers = make_phase_dispatchers(self._dispatch_config(geometry))
         if self.cpu_experts:
             self._start_host_experts(dispatchers)
-        for phase, dispatcher in dispatchers.items():
-            kernel = self._host_kernel or expert_kernel_for(dispatcher.layout(), self.kernels)
-            self._by_phase[phase] = ModularMoE(dispatcher, kernel)
+        self._build_cores(dispatchers)
         if self.two_batch_overlap:
             cannot = sorted({moe.dispatcher.__class__.__name__ for moe in self._by_phase.values()
                              if not moe.dispatcher.supports_async()})
             if cannot:
                 logger.info("two-batch overlap: %s cannot overlap its transfers; the micro-batches run the same "
                             "schedule synchronously", ", ".join(cannot))
+
+    def _build_cores(self, dispatchers: dict[str, Dispatcher]) -> None:
+        """One `ModularMoE` per step phase (a new one keeps the old one's timeline), and the captured step's core.
+        One rank: the pair kernel (`PairMoE`; the local dispatcher's grouping has data-dependent sizes). Several:
+        none of its own, the phase's `ModularMoE`, whose dispatcher a capture needs to be DeepEP's low-latency one
+        (fixed shapes, counts on the device, its calls traced as operators: moe_runtime/dispatch/deepep_ops.py)."""
+        timeline = next((moe.timeline for moe in self._by_phase.values()), None)
+        for phase, dispatcher in dispatchers.items():
+            kernel = self._host_kernel or expert_kernel_for(dispatcher.layout(), self.kernels)
+            self._by_phase[phase] = ModularMoE(dispatcher, kernel)
+            self._by_phase[phase].timeline = timeline
+        self._captured_core = PairMoE(self.kernels.pair_expert_mlp) if self.parallel.ep_size == 1 else None
 
     def _start_host_experts(self, dispatchers: dict) -> None:
         """--cpu-experts: one host expert kernel for every phase; the device copies of the hot slots."""
@@ -250,11 +279,7 @@ class MoEExecutor:
                                                placement.num_ranks, window=self.record_window, device=parallel.device,
                                                placement=placement)
         self.set_placement(placement)
-        timeline = next((moe.timeline for moe in self._by_phase.values()), None)
-        for phase, dispatcher in make_phase_dispatchers(self._dispatch_config(geometry)).items():
-            kernel = self._host_kernel or expert_kernel_for(dispatcher.layout(), self.kernels)
-            self._by_phase[phase] = ModularMoE(dispatcher, kernel)
-            self._by_phase[phase].timeline = timeline
+        self._build_cores(make_phase_dispatchers(self._dispatch_config(geometry)))
         return survivors.reloads
 
     def expert_store(self, moe_layer: int) -> ExpertWeights:
@@ -315,30 +340,31 @@ class MoEExecutor:
         and this rank (so its whole pipeline stage, whose ranks hold the same layers) has MoE layers."""
         return self.two_batch_overlap and bool(self._experts)
 
-    def run(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> torch.Tensor:  # [T, H] -> [T, H]
-        if torch.compiler.is_compiling():   # a captured step never runs with routing armed (ModelRunner.execute)
-            return self._captured_run(moe_layer, x, topk)
-        return run_to_end(self.stages(moe_layer, x, topk))
+    def run(self, moe_layer: int, x: torch.Tensor, topk: TopK,
+            alongside: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
+        """The layer's routed experts: the one forward of eager and captured steps. `alongside` is the block's work
+        that does not wait for them (its shared experts): it runs while they compute on the host (--cpu-experts),
+        else after them, and its output [T, H] is added to theirs."""
+        captured = torch.compiler.is_compiling()
+        routed = self._routed_rows(moe_layer, x, topk)
+        core = self._captured_core if captured and self._captured_core is not None else self._by_phase[self.phase]
+        beside = Alongside(alongside)
+        y_share = core(routed.x, routed.slots, routed.weights, self._experts[moe_layer], beside,
+                       timed=not captured)                                                   # [T', H]
+        return beside.added_to(self._share.gather(y_share, x.shape[0]))
 
-    def _captured_run(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> torch.Tensor:  # [T, H] -> [T, H]
-        """The layer inside a captured decode step (moe_runtime/execution/decode_capture.py): no staged generator, no
-        wall-clock timing, no data-dependent grouping. One rank: every expert local, the family's pair kernel
-        (per-(token, expert) GEMVs that inductor fuses; the cpu family's compiled kernel as one opaque call).
-        Several: the phase's dispatcher, which a capture needs to be DeepEP's low-latency one (fixed shapes, counts
-        on the device, its calls traced as operators: moe_runtime/dispatch/deepep_ops.py), then the masked expert kernel."""
-        experts = self._experts[moe_layer]
-        slots = choose_replicas(topk.ids, self._tables[moe_layer])                 # [T, K]
-        if self.parallel.ep_size == 1:
-            return self.kernels.pair_expert_mlp(x, slots, topk.weights, experts.w13, experts.w2,
-                                                **experts.epilogue())                              # [T, H]
-        if self.recorder is not None:
-            self.recorder.record(moe_layer, topk.ids, slots)
-        moe = self._by_phase[self.phase]
-        out = moe.dispatcher.dispatch(x, slots, topk.weights)
-        return moe.dispatcher.combine(moe.kernel(out.recv_x, out.tokens_per_local_expert, experts), out.handle)
+    def stages(self, moe_layer: int, x: torch.Tensor, topk: TopK,
+               alongside: Callable[[], torch.Tensor | None] | None = None) -> Staged[torch.Tensor]:  # [T, H]
+        """`run` for two-batch overlap only: it yields while this layer's dispatch and combine are in flight."""
+        routed = self._routed_rows(moe_layer, x, topk)
+        beside = Alongside(alongside)
+        y_share = yield from self._by_phase[self.phase].stages(routed.x, routed.slots, routed.weights,
+                                                               self._experts[moe_layer], beside)   # [T', H]
+        return beside.added_to(self._share.gather(y_share, x.shape[0]))
 
-    def stages(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> Staged[torch.Tensor]:  # [T, H] -> [T, H]
-        """`run` as a staged computation: it yields while this layer's dispatch and combine are in flight."""
+    def _routed_rows(self, moe_layer: int, x: torch.Tensor, topk: TopK) -> "RoutedRows":
+        """This rank's share of the rows and their physical slots; the routing record (when armed) and the load
+        recorder see them here."""
         if self.routing is not None:   # the logical ids, before replicas: every rank of an attention-TP group alike
             self.routing.record(moe_layer, topk.ids)
         rows = self._share.rows(x.shape[0])
@@ -346,9 +372,7 @@ class MoEExecutor:
         slots = choose_replicas(ids, self._tables[moe_layer])                    # [T', K]
         if self.recorder is not None:
             self.recorder.record(moe_layer, ids, slots)
-        moe = self._by_phase[self.phase]
-        y_share = yield from moe.stages(x[rows], slots, weights, self._experts[moe_layer])  # [T', H]
-        return self._share.gather(y_share, x.shape[0])
+        return RoutedRows(x[rows], slots, weights)
 
     def trace_comm(self, timeline: CommTimeline | None) -> None:
         """Record every dispatch's and combine's per-phase timestamps into `timeline` (None: stop)."""

@@ -3,8 +3,8 @@
 KTransformers' split: the router, attention and the shared experts run on the accelerator while the routed
 experts run on the CPU from host memory, the two at once. Here that is an expert kernel (`HostExpertKernel`,
 contiguous layout, so any dispatcher but DeepEP's masked one pairs with it) whose `start` hands the rows of the
-host experts to a worker thread and returns at once; `ModularMoE` yields `YieldPoint.HOST_EXPERTS` there, and
-`SparseMoE` computes its shared experts meanwhile, then waits. The host kernels are the cpu family's
+host experts to a worker thread and returns at once; `ModularMoE` runs the block's work alongside there
+(`Alongside`: `SparseMoE`'s shared experts), then waits. The host kernels are the cpu family's
 (moe_runtime/kernels/cpu_native: weights streamed once per step for all the rows of an expert, fused SwiGLU), which release
 the GIL, so the worker computes while the caller's thread goes on. On a CPU-only machine the "device" is the
 CPU as well: the same split runs with both sides on it, which is how its exactness and its overlap are tested.

@@ -18,7 +18,7 @@ from moe_runtime.moe.dense_mlp import DenseMLP
 from moe_runtime.moe.executor import MoEExecutor
 from moe_runtime.moe.expert_weights import ExpertNaming, ExpertWeights
 from moe_runtime.moe.router import Router
-from moe_runtime.moe.stages import Staged, YieldPoint, run_to_end
+from moe_runtime.moe.stages import Staged
 from moe_runtime.weights.quantization.weight_quantization import WeightQuantization, linear_quantization
 
 
@@ -65,30 +65,15 @@ class SparseMoE(nn.Module):
         self._gate_sigmoid = invariant_sigmoid if kernels.name == BATCH_INVARIANT else torch.sigmoid
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        """The block in one go: one batch's forward, and what a captured decode step traces."""
-        if torch.compiler.is_compiling():
-            return self._add_shared(x, self._executor.run(self.moe_layer, x, self._route(x)))
-        return run_to_end(self.stages(x))
+        """The block: one call for eager and captured steps. The shared experts run alongside the routed ones (on
+        this thread while those compute on the host, --cpu-experts), and their output is added."""
+        return self._executor.run(self.moe_layer, x, self._route(x), alongside=lambda: self._shared(x))
 
     def stages(self, x: torch.Tensor) -> Staged[torch.Tensor]:  # [T, H] -> [T, H]
-        """The forward pass, yielding while the routed experts' dispatch and combine are in flight
-        (moe_runtime/moe/stages.py): two-batch overlap computes the other micro-batch there. While routed
-        experts compute on the host (--cpu-experts, YieldPoint.HOST_EXPERTS) the shared experts run here."""
-        routed = self._executor.stages(self.moe_layer, x, self._route(x))
-        shared, shared_done = None, False
-        while True:
-            try:
-                point = next(routed)
-            except StopIteration as finished:
-                out = finished.value                                                # [T, H]
-                break
-            if point is YieldPoint.HOST_EXPERTS:
-                shared, shared_done = self._shared(x), True
-            else:
-                yield point
-        if not shared_done:
-            shared = self._shared(x)
-        return out if shared is None else out + shared
+        """`forward` for two-batch overlap, yielding while the routed experts' dispatch and combine are in flight
+        (moe_runtime/moe/stages.py): the other micro-batch computes there."""
+        return (yield from self._executor.stages(self.moe_layer, x, self._route(x),
+                                                 alongside=lambda: self._shared(x)))
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:  # [T, H] -> [T, H], None without shared experts
         if self.shared_name is None:

@@ -1,10 +1,11 @@
 """Staged forward passes: where a micro-batch can step aside while its transfer is in flight.
 
-A layer's forward written as a generator (`Staged[T]`) runs its compute and, right after it starts
-a dispatch or a combine, yields a `YieldPoint`; the value it finally returns is its output. Two
-ways to drive one:
+Only two-batch overlap runs them: one batch, eager or captured, runs the layers' plain `forward`
+(MoE: `MoEExecutor.run`, a blocking dispatch -> experts -> combine). A layer's forward written as a
+generator (`Staged[T]`) runs its compute and, right after it starts a dispatch or a combine, yields
+a `YieldPoint`; the value it finally returns is its output. Two ways to drive one:
 
-- `run_to_end(staged)`: one batch, nothing in between: the plain synchronous forward.
+- `run_to_end(staged)`: one staged computation with nothing in between (how tests drive one).
 - `interleave(first, second)`: two-batch overlap. `first` runs to its next yield point, then
   `second` to its next, and so on, strictly alternating. Each yield point is a transfer in flight,
   so one micro-batch's dispatch or combine travels while the other computes:
@@ -35,8 +36,6 @@ class YieldPoint(enum.Enum):
 
     DISPATCH = "dispatch"
     COMBINE = "combine"
-    HOST_EXPERTS = "host_experts"   # --cpu-experts: the routed experts computing on the host (moe/host_experts.py);
-                                    # the MoE block runs its shared experts there and does not pass it on
 
 
 Staged = Generator[YieldPoint, None, T]
