@@ -2,20 +2,22 @@
 transformers backend, each sequence run on its own and its state kept in our state cache.
 
 The wrapper runs a step as one row of T packed tokens; attention and MoE take it as it is, but transformers'
-recurrent mixers read one sequence per row and their state from transformers' cache object. So each recurrent
-layer's mixer module (the module of that `layer_idx` the decoder layer calls with a `cache`) gets a forward of
-its own (`RecurrentMixer`, set on the instance: the parameters and their names stay transformers'), which splits
-the packed rows by the step's sequences (`StepContext.batch`) and calls transformers' forward:
+recurrent mixers read one sequence per row and their state from transformers' cache object. So every module that
+keeps a layer's state (`find_mixers`: the mixer of a recurrent layer; in an attention layer with a state beside,
+the part keeping it, ZAYA's q/k convolution or Inkling's short convolutions, so the attention stays batched) gets
+a forward of its own (`RecurrentMixer`, set on the instance: the parameters and their names stay transformers'),
+which splits the packed rows by the step's sequences (`StepContext.batch`) and calls transformers' forward:
 - the decode rows (one new token, a state to continue from) together as a [B, 1] batch;
 - every other sequence alone as [1, t], its first chunk from transformers' empty state (its prefill path, as
   `generate` runs it), a later chunk from the state its slot kept;
-loading each call's states from the sequence's slot of the layer's `LayerStateCache` (`StepContext.caches[layer]`)
-and storing them back (`RecurrentStateBridge`). Where the block manager snapshots a prefix's state (the runner's
-`LayerStateCache.captures`: offsets into the sequence's scheduled tokens, also speculation's draft checkpoints),
-the sequence's tokens are cut there and the slot's state after each piece is copied into the snapshot row.
+loading each call's states from the sequence's slot of the layer's `LayerStateCache` (in `StepContext.caches` at
+`RecurrentLayout.cache_index`) and storing them back (`RecurrentStateBridge`). Where the block manager snapshots a
+prefix's state (the runner's `LayerStateCache.captures`: offsets into the sequence's scheduled tokens, also
+speculation's draft checkpoints), the sequence's tokens are cut there and the slot's state after each piece is
+copied into the snapshot row. An idle rank's stand-in token runs with no cache and touches no state.
 
-Cost: a mixer call per prefilling sequence and one for all decodes, per recurrent layer and step; attention and
-the experts stay one batched call.
+Cost: per state-keeping module and step, one call per prefilling sequence (one more per snapshot cut) and one for
+all decodes; attention and the experts stay one batched call.
 """
 from __future__ import annotations
 
