@@ -135,11 +135,11 @@ def run_checking_drafts(core, reference, k: int) -> int:
     while core.has_unfinished():
         core.step()
         for seq in seqs:
-            if seq.is_finished or seq.proposed_at != seq.num_tokens:
+            if seq.is_finished or seq.drafts.proposed_at != seq.num_tokens:
                 continue                               # a prefill chunk that sampled nothing drafts nothing
             expected = reference.drafts(seq.all_token_ids, k)
-            assert seq.proposed_drafts == expected[: len(seq.proposed_drafts)], f"after {seq.num_tokens} tokens"
-            assert len(seq.proposed_drafts) >= 1
+            assert seq.drafts.proposed == expected[: len(seq.drafts.proposed)], f"after {seq.num_tokens} tokens"
+            assert len(seq.drafts.proposed) >= 1
             compared += 1
     return compared
 

@@ -44,12 +44,12 @@ def drafted_on_rank(path: str, speculative: dict, make_reference, reference_args
     while _anyone_busy(core.has_unfinished()):
         core.step() if core.has_unfinished() else core.execute(None)
         for seq in seqs:
-            if seq.is_finished or seq.proposed_at != seq.num_tokens:
+            if seq.is_finished or seq.drafts.proposed_at != seq.num_tokens:
                 continue
             expected = reference.drafts(seq.all_token_ids, k)
-            assert 1 <= len(seq.proposed_drafts) and seq.proposed_drafts == expected[: len(seq.proposed_drafts)], (
+            assert 1 <= len(seq.drafts.proposed) and seq.drafts.proposed == expected[: len(seq.drafts.proposed)], (
                 f"rank {parallel.rank}, request {seq.request_id} after {seq.num_tokens} tokens: "
-                f"{seq.proposed_drafts} vs {expected}")
+                f"{seq.drafts.proposed} vs {expected}")
             compared += 1
     worker = core.worker_stats()
     core.shutdown()

@@ -105,7 +105,7 @@ def _one_sequence_batch(kind: str) -> ScheduledBatch:
         seq.num_scheduled_tokens = 3
         return ScheduledBatch([seq])
     seq.output_token_ids, seq.num_cached_tokens = [4], 3
-    seq.draft_token_ids = [5, 6] if kind == "verify" else []
+    seq.drafts.token_ids = [5, 6] if kind == "verify" else []
     seq.num_scheduled_tokens = seq.logit_rows
     return ScheduledBatch([seq])
 

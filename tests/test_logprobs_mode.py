@@ -180,7 +180,7 @@ def test_verified_drafts_report_the_processed_logprobs_of_their_rows():
     for i, params in enumerate([dict(temperature=0.0, presence_penalty=1.5),
                                 dict(temperature=0.8, top_k=6, frequency_penalty=0.7, seed=5)]):
         seq = Sequence(f"d{i}", [5, 9, 3], SamplingParams(max_tokens=8, logprobs=NUM_TOP, **params), arrival=i)
-        seq.output_token_ids, seq.draft_token_ids = [4, 11], list(drafts)
+        seq.output_token_ids, seq.drafts.token_ids = [4, 11], list(drafts)
         seqs.append(seq)
     result = VerifyingSampler(Sampler(logprobs_mode="processed_logprobs"), None)(logits, seqs)
     for i, (seq, accepted, token, logprob) in enumerate(zip(seqs, result.accepted_rows(), result.token_ids,

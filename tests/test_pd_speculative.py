@@ -88,10 +88,10 @@ def decode_checking_drafts(p, d, prompt: list[int], handle, reference: MtpRefere
         done = [o for o in outputs if o.request_id == request_id and o.finished]
         if done:
             return done[0].token_ids, compared
-        if seq is not None and seq.proposed_at == seq.num_tokens and seq.num_cached_tokens == seq.num_tokens - 1:
+        if seq is not None and seq.drafts.proposed_at == seq.num_tokens and seq.num_cached_tokens == seq.num_tokens - 1:
             expected = reference.drafts(seq.all_token_ids, K)
-            assert seq.proposed_drafts == expected[: len(seq.proposed_drafts)], f"after {seq.num_tokens} tokens"
-            assert seq.proposed_drafts, "the drafts were cut short"
+            assert seq.drafts.proposed == expected[: len(seq.drafts.proposed)], f"after {seq.num_tokens} tokens"
+            assert seq.drafts.proposed, "the drafts were cut short"
             compared += 1
 
 

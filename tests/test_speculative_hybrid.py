@@ -39,14 +39,14 @@ def test_a_roll_back_frees_window_blocks_and_marks_the_states_to_restore():
     seq.num_scheduled_tokens = 9
     seq.commit_scheduled_tokens()
     seq.output_token_ids.append(50)                          # 10 tokens, 9 computed
-    seq.draft_token_ids = [51, 52, 53, 54]
+    seq.drafts.token_ids = [51, 52, 53, 54]
     manager.append_slot(seq, 4)
     manager.schedule_tokens(seq, 5)
     assert len(seq.window_tables[0]) == 4                    # positions up to 13
     seq.num_scheduled_tokens = 5
     seq.commit_scheduled_tokens()
     seq.output_token_ids.extend([51, 60])                    # one draft accepted, three rejected
-    seq.draft_token_ids = []
+    seq.drafts.token_ids = []
     manager.roll_back(seq)
     assert seq.num_cached_tokens == 11 and seq.state_rollback == 3
     assert len(seq.block_table) == 3 and len(seq.window_tables[0]) == 3

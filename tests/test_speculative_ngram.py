@@ -100,7 +100,7 @@ def test_a_drafting_sequence_schedules_its_drafts_and_rolls_back_what_was_reject
     assert seq.num_registered_blocks == 2                   # the drafts' blocks are not cached
     seq.commit_scheduled_tokens()
     seq.output_token_ids.extend([9, 5])                     # one draft accepted, then the target's own token
-    seq.draft_token_ids = []
+    seq.drafts.token_ids = []
     manager.roll_back(seq)
     assert seq.num_cached_tokens == seq.num_tokens - 1 == 9 and seq.is_decoding
     assert len(seq.block_table) == 3 and manager.num_free_blocks == 5
@@ -115,7 +115,7 @@ def test_drafts_wait_for_free_blocks_rather_than_preempt():
     seq.commit_scheduled_tokens()
     seq.output_token_ids.append(8)
     scheduler.schedule()
-    assert seq.num_scheduled_tokens == 1 and not seq.draft_token_ids and scheduler.num_preemptions == 0
+    assert seq.num_scheduled_tokens == 1 and not seq.drafts.token_ids and scheduler.num_preemptions == 0
 
 
 # ---- the engine ------------------------------------------------------------------------------------------

@@ -150,7 +150,7 @@ LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.3, -0.5, 0.8, 0.1])
 
 def sampled_sequence(index: int, drafts: list[int], seed: int, **params) -> Sequence:
     seq = Sequence(f"s{index}", [1, 2, 3], SamplingParams(max_tokens=8, seed=seed, **params), arrival=index)
-    seq.draft_token_ids = list(drafts)
+    seq.drafts.token_ids = list(drafts)
     return seq
 
 

@@ -128,7 +128,7 @@ class DecodeImports:
         seq.num_cached_tokens = len(seq.prompt_token_ids)
         self.block_manager.cache_full_blocks(seq, seq.num_cached_tokens)   # its prompt blocks serve later prefixes
         if entry.spec.first_drafts:   # the prefill's model drafter's: the first step verifies them (`draft_layer`)
-            seq.proposed_drafts, seq.proposed_at = list(entry.spec.first_drafts), seq.num_tokens
+            seq.drafts.proposed, seq.drafts.proposed_at = list(entry.spec.first_drafts), seq.num_tokens
         return seq
 
     def abort(self, request_id: str) -> Sequence | None:

@@ -53,8 +53,8 @@ class PrefillExports:
         """After the step's drafting: the drafts a model drafter made after each request parked in it (none with
         n-gram or no speculation), for its handle."""
         for seq, info in self._drafting:
-            if seq.proposed_at == seq.num_tokens:
-                info.drafts = list(seq.proposed_drafts)
+            if seq.drafts.proposed_at == seq.num_tokens:
+                info.drafts = list(seq.drafts.proposed)
         self._drafting.clear()
 
     def release(self, request_id: str) -> bool:

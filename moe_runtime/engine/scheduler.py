@@ -266,11 +266,11 @@ class Scheduler:
         """Schedule `seq`'s last token and its drafts when their blocks are free without preempting anyone
         (nothing scheduled otherwise: it then decodes as usual); the drafts it took."""
         drafts = self.drafter.drafts_for(seq, max(budget, 0))
-        seq.draft_token_ids = []
+        seq.drafts.token_ids = []
         if not drafts or not self.block_manager.can_append(seq, len(drafts)):
             return 0
         self.block_manager.append_slot(seq, len(drafts))
-        seq.draft_token_ids = drafts
+        seq.drafts.token_ids = drafts
         self._schedule_tokens(seq, 1 + len(drafts))
         return len(drafts)
 

@@ -173,8 +173,8 @@ class ModelRunner:
                     for seq in seqs if seq.state_captures}
         # recurrent states also keep a checkpoint after each draft (rejected drafts roll back to one); compressed
         # caches (DeepSeek-V4) index their rings by position and need none
-        checkpoints = {seq.state_slot: self.draft_checkpoints.captures(seq.state_slot, len(seq.draft_token_ids))
-                       for seq in seqs if seq.draft_token_ids}
+        checkpoints = {seq.state_slot: self.draft_checkpoints.captures(seq.state_slot, len(seq.drafts.token_ids))
+                       for seq in seqs if seq.drafts.token_ids}
         states = [cache for cache in self.caches if isinstance(cache, LayerStateCache)]
         compressed = [cache for cache in self.caches if isinstance(cache, LayerCompressedCache)]
         compressed += self.drafter_state_caches

@@ -119,4 +119,4 @@ def broadcast_step_result(sampled: SampleResult | None, seqs: list[Sequence], pa
     tokens, accepted = buffer.tolist()
     errors = ["sampling failed on the last pipeline stage" if t == SampleResult.NO_TOKEN else None for t in tokens]
     return SampleResult(tokens, [None] * len(seqs), errors,
-                        [[(draft, None) for draft in seq.draft_token_ids[:n]] for seq, n in zip(seqs, accepted)])
+                        [[(draft, None) for draft in seq.drafts.token_ids[:n]] for seq, n in zip(seqs, accepted)])

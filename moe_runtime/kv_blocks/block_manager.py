@@ -315,7 +315,7 @@ class BlockManager:
         seq.state_captures = []
         seq.tier_loads = []
         seq.block_table = []
-        seq.draft_token_ids = []
+        seq.drafts.token_ids = []
         seq.window_tables = []
         seq.num_cached_tokens = 0
         seq.num_registered_blocks = 0

@@ -26,6 +26,14 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
+class DraftState:
+    """A request's speculative decoding state: speculative/ writes it, the scheduler and the runner read it."""
+    token_ids: list[int] = field(default_factory=list)   # this step's drafts after its last token
+    proposed: list[int] = field(default_factory=list)    # a model drafter's drafts (MTP) for its next step ...
+    proposed_at: int = -1                                # ... valid while num_tokens is this
+
+
+@dataclass
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -43,9 +51,7 @@ class Sequence:
     state_rollback: int = -1                       # its last verify step's rejected drafts: the slot goes back so far
     num_cached_tokens: int = 0                     # tokens whose K/V are in the cache
     num_scheduled_tokens: int = 0                  # tokens the current step computes (a prefill chunk, 1, or 1 + drafts)
-    draft_token_ids: list[int] = field(default_factory=list)  # this step's drafts after its last token (speculation)
-    proposed_drafts: list[int] = field(default_factory=list)  # a model drafter's drafts (MTP) for its next step ...
-    proposed_at: int = -1                          # ... valid while num_tokens is this
+    drafts: DraftState = field(default_factory=DraftState)   # speculation's (speculative/ writes it)
     block_hashes: list[int] = field(default_factory=list)  # prefix hashes of its full blocks (prefix caching)
     num_registered_blocks: int = 0                 # leading blocks of block_table offered to the prefix cache
     partial_prompt_logprobs: PromptLogprobs | None = None  # chunked prefill: the prompt scored so far
@@ -97,18 +103,18 @@ class Sequence:
     def samples_this_step(self) -> bool:
         """The scheduled tokens reach its last token: this step's logits give its next token (a prefill
         chunk that stops short of the end samples nothing)."""
-        return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens + len(self.draft_token_ids)
+        return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens + len(self.drafts.token_ids)
 
     @property
     def logit_rows(self) -> int:
         """Logits rows it needs when it samples: its last token's, and one per draft (each verifies the next)."""
-        return 1 + len(self.draft_token_ids)
+        return 1 + len(self.drafts.token_ids)
 
     def scheduled_token_ids(self) -> list[int]:
         """The tokens this step computes: uncomputed ones, then the drafts."""
         start = self.num_cached_tokens
         tokens = self.all_token_ids[start : start + self.num_scheduled_tokens]
-        return tokens + self.draft_token_ids[: self.num_scheduled_tokens - len(tokens)]
+        return tokens + self.drafts.token_ids[: self.num_scheduled_tokens - len(tokens)]
 
     def commit_scheduled_tokens(self) -> None:
         """The step ran: its scheduled tokens are in the cache now."""

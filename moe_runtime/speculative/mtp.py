@@ -17,7 +17,7 @@ window (`draft_slack`), so no position a later row reads is one a chain row left
 compressed again when its window really completes (as for the target's rejected drafts).
 
 The drafts come back to the host in one copy per step ([D, k]), where the scheduler reads them next step
-(`Sequence.proposed_drafts`); the MTP layer runs its MoE block through an executor of its own (its experts
+(`Sequence.drafts.proposed`); the MTP layer runs its MoE block through an executor of its own (its experts
 spread over the expert-parallel ranks like the target's: `lock_step`).
 """
 from __future__ import annotations
@@ -105,9 +105,9 @@ class MtpDrafter:
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to `k` drafts to follow `seq` (none: its last step drafted nothing for where it stands now)."""
-        if seq.proposed_at != seq.num_tokens:
+        if seq.drafts.proposed_at != seq.num_tokens:
             return []
-        return seq.proposed_drafts[:k]
+        return seq.drafts.proposed[:k]
 
     @torch.inference_mode()
     def after_step(self, step: TargetHidden | None, sampled: list[Sequence]) -> None:
@@ -172,5 +172,5 @@ class MtpDrafter:
             token = self.layer.logits(hidden).argmax(dim=-1)                                    # [A]
             drafts[torch.tensor(alive, dtype=torch.long, device=dev), j] = token
         for seq, proposed in zip(seqs, drafts.tolist()):                                       # the one copy
-            seq.proposed_at = seq.num_tokens
-            seq.proposed_drafts = proposed[: proposed.index(-1)] if -1 in proposed else proposed
+            seq.drafts.proposed_at = seq.num_tokens
+            seq.drafts.proposed = proposed[: proposed.index(-1)] if -1 in proposed else proposed

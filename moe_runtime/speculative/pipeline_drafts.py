@@ -17,7 +17,7 @@ included), so the block's exchanges pair up among the last stage's ranks alone; 
 Every stage's scheduler must propose the same drafts, so after each step each last-stage rank broadcasts the
 drafts it made for its sequences that sampled ([B, k], -1 past a sequence's last draft) over its pipeline control
 group (the gloo group of the ranks at its position on every stage, which serve the same DP worker), and the
-other stages write them on their own copies of those sequences (`Sequence.proposed_drafts`), where `propose`
+other stages write them on their own copies of those sequences (`Sequence.drafts.proposed`), where `propose`
 reads them next step on every stage alike.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ class PipelineDrafts:
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to `k` drafts to follow `seq`: what the last stage drafted for where it stands now, if anything."""
-        return seq.proposed_drafts[:k] if seq.proposed_at == seq.num_tokens else []
+        return seq.drafts.proposed[:k] if seq.drafts.proposed_at == seq.num_tokens else []
 
     def after_step(self, step: TargetHidden | None, sampled: list[Sequence]) -> None:
         if self.drafter is not None:
@@ -71,5 +71,5 @@ class PipelineDrafts:
         if self.drafter is not None:
             return
         for seq, row in zip(sampled, drafts.tolist()):
-            seq.proposed_at = seq.num_tokens
-            seq.proposed_drafts = [token for token in row if token >= 0]
+            seq.drafts.proposed_at = seq.num_tokens
+            seq.drafts.proposed = [token for token in row if token >= 0]

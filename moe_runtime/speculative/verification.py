@@ -30,9 +30,9 @@ from moe_runtime.speculative.speculation import Speculation   # also the engine 
 
 def row_views(seq: Sequence) -> list[Sequence]:
     """`seq` as it stands at each of its logits rows: row j has its first j drafts in its output."""
-    if not seq.draft_token_ids:
+    if not seq.drafts.token_ids:
         return [seq]
-    return [seq] + [dataclasses.replace(seq, output_token_ids=seq.output_token_ids + seq.draft_token_ids[:j])
+    return [seq] + [dataclasses.replace(seq, output_token_ids=seq.output_token_ids + seq.drafts.token_ids[:j])
                     for j in range(1, seq.logit_rows)]
 
 
@@ -47,7 +47,7 @@ class VerifyingSampler:
         return getattr(self.sampler, name)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:  # logits [R, V]
-        if not any(seq.draft_token_ids for seq in seqs):
+        if not any(seq.drafts.token_ids for seq in seqs):
             return self.sampler(logits, seqs)                 # R == B; a failure is the caller's to split
         try:
             return self._verify(logits, seqs)
@@ -64,7 +64,7 @@ class VerifyingSampler:
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:  # logits [R, V]
         """One token per sequence after its accepted drafts (`SampleResult.accepted`)."""
         rows = [view for seq in seqs for view in row_views(seq)]
-        layout = RowLayout.of([seq.draft_token_ids for seq in seqs])
+        layout = RowLayout.of([seq.drafts.token_ids for seq in seqs])
         device = logits.device
         raw = logits.float()
         processed = self.sampler.process_on_device(raw, rows)
@@ -88,7 +88,7 @@ class VerifyingSampler:
 
     def _accept(self, seq: Sequence, rows: SampleResult, emitted: list[int], first: int) -> SampleResult:
         """One sequence's result from its rows (starting at `first`): the accepted drafts, then the emitted token."""
-        drafts = seq.draft_token_ids
+        drafts = seq.drafts.token_ids
         accepted = emitted[first : first + len(drafts) + 1].index(1)
         if drafts and self.speculation is not None:
             self.speculation.record(len(drafts), accepted)
@@ -110,8 +110,8 @@ def emit_tokens(seq: Sequence, tokens: list[tuple[int, TokenLogprob | None]],
         logprobs.append(logprob)
         if reason is not None:
             break
-    if seq.draft_token_ids:
-        seq.draft_token_ids = []
+    if seq.drafts.token_ids:
+        seq.drafts.token_ids = []
         if reason is None:
             block_manager.roll_back(seq)
     return emitted, logprobs, reason
