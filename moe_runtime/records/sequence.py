@@ -35,6 +35,19 @@ class DraftState:
 
 @dataclass
 class Sequence:
+    """One request on one rank. Each field has one stage that writes it (others read it):
+
+    - set once at admission (engine/core.py): the request, its params and seed, `export_kv`, `routing`;
+    - the scheduler (engine/scheduler.py): `status`, `finish_reason`, `num_scheduled_tokens`, `num_preemptions`,
+      the output tokens and logprobs (`Scheduler.advance`); the core times the queue (`queue_*`);
+    - the block manager (kv_blocks/): `block_table`, `window_tables`, the recurrent-state slot and its rows
+      (`state_*`), `num_cached_tokens`, `block_hashes`, `num_registered_blocks`, `prefix_hit_tokens`, `tier_loads`
+      (a decode instance's import sets its cached tokens; the runner consumes the state rows it copies);
+    - speculation (speculative/): `drafts`;
+    - the model runner (execution/): prompt scoring (`partial_prompt_logprobs`, `prompt_logprobs_done`);
+    - structured output: `grammar`, attached once compiled.
+    """
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
