@@ -238,3 +238,13 @@ def test_engine_preemption_rebuilds_the_states_by_recompute(engines, checkpoint)
         assert llm.core.block_manager.states.num_free == 3
     expected = HFOracle(checkpoint("lfm2_moe")).greedy(PROMPTS, ENGINE_NEW_TOKENS)
     assert [o.token_ids[:ENGINE_NEW_TOKENS] for o in outputs] == expected
+
+
+def test_engine_blocks_without_a_token_mixer_keep_no_kv(engines):
+    """Nemotron-H's MoE / MLP blocks keep nothing per token: their KV cache tensors are empty, so the budget pays
+    only for the attention layers' blocks and the Mamba layers' slots."""
+    core = engines("nemotron_h").core
+    layout = RecurrentLayout.of(core.hf_config)
+    assert layout.mixerless_layers
+    for layer in layout.mixerless_layers:
+        assert core.runner.caches[layer].keys.numel() == 0

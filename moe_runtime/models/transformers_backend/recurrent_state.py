@@ -17,6 +17,7 @@ DeltaNet's. float32 holds a bf16 state exactly, so a state read back into transf
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from moe_runtime.layers.state_cache import StateSpec
 CONV = "conv"
 RECURRENT = "recurrent"
 ATTENTION_AND_STATE = ("hybrid", "hybrid_sliding")   # transformers' layer types of attention with a state beside
+MIXERLESS = ("moe", "mlp")                           # ... of a block with no token mixer (Nemotron-H)
 
 
 class UnsupportedRecurrentModel(UnsupportedArchitectureError):
@@ -85,6 +87,8 @@ class RecurrentLayout:
     scan_ignores_state: bool = False
     # the recurrent layers that are attention layers too (ZAYA's CCA, Inkling's convolved K/V): a KV cache and a state
     attention_layers: tuple[int, ...] = ()
+    # layers with no token mixer at all (Nemotron-H's "moe" / "mlp" blocks): they keep nothing per token
+    mixerless_layers: tuple[int, ...] = ()
 
     @property
     def layer_indices(self) -> tuple[int, ...]:
@@ -98,8 +102,10 @@ class RecurrentLayout:
     def with_state_specs(self, specs: list) -> list:
         """A model's per-layer cache specs (one per decoder layer) with each recurrent layer's state slot: in place of
         a recurrent layer's, and after the decoder's layers for an attention layer that keeps a state too (its paged
-        KV cache stays at its index; `cache_index` says where its state is)."""
-        states = [self.state_spec() if i in self.layer_indices and i not in self.attention_layers else spec
+        KV cache stays at its index; `cache_index` says where its state is). A layer without a token mixer keeps a KV
+        spec of no heads: no bytes of the budget, an empty cache tensor."""
+        states = [self.state_spec() if i in self.layer_indices and i not in self.attention_layers else
+                  dataclasses.replace(spec, num_kv_heads=0, total_kv_heads=0) if i in self.mixerless_layers else spec
                   for i, spec in enumerate(specs)]
         return states + [self.state_spec() for _ in self.attention_layers]
 
@@ -129,9 +135,11 @@ class RecurrentLayout:
                 f"model type {model_type!r}: layers {list(layers)} keep a recurrent state "
                 f"({type_of(cfg, layers[0])!r} layers) whose shape the transformers backend does not know; "
                 f"supported: {sorted(_SHAPES)}")
+        raw_types = getattr(cfg, "layer_types", None) or ()
         return cls(model_type, cfg.num_hidden_layers, tuple(LayerState(i, shapes(cfg, i)) for i in layers),
                    linear_cache=model_type == "minimax", scan_ignores_state=model_type == "jamba",
-                   attention_layers=tuple(i for i in layers if type_of(cfg, i) in ATTENTION_AND_STATE))
+                   attention_layers=tuple(i for i in layers if type_of(cfg, i) in ATTENTION_AND_STATE),
+                   mixerless_layers=tuple(i for i, kind in enumerate(raw_types) if kind in MIXERLESS))
 
 
 def served_layout(hf_config) -> RecurrentLayout | None:
