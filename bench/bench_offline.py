@@ -60,6 +60,7 @@ from bench.gguf_convert import GgufTarget, ensure_gguf
 from bench.llama_cpp import LlamaCppRates, LlamaCppTools
 from bench.offline_tables import (print_compiled_rows, print_cpu_experts_rows, print_fp8_rows, print_int8_rows,
                                   print_llama_cpp_reference_rows, print_rows)
+from bench.offline_rounds import median_rows
 from bench.step_breakdown import run_step_breakdown
 from moe_runtime.planner.calibration.calibration_models import QWEN3_MOE_SHAPE
 
@@ -152,13 +153,15 @@ def make_prompts(batch: int) -> list[list[int]]:
 
 
 def run_runtime(path: str, dtype: str, prompts, repeats: int, queue, quantization: str | None = None,
-                compile_decode: bool = False, kernels: str = "auto", cpu_experts: bool = False) -> None:
+                compile_decode: bool = False, kernels: str = "auto", cpu_experts: bool = False,
+                wrapper: str = "aot") -> None:
     torch.set_num_threads(torch.get_num_threads())
     from moe_runtime import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(path, device="cpu", dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization,
-             enable_torch_compile=compile_decode, kernels=kernels, cpu_experts=cpu_experts) as llm:
+             enable_torch_compile=compile_decode, kernels=kernels, cpu_experts=cpu_experts,
+             torch_compile_wrapper=wrapper) as llm:
         started = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up (+ compile)
         warmup_seconds = time.perf_counter() - started
@@ -225,6 +228,10 @@ def main() -> None:
     parser.add_argument("--dense-only", action="store_true", help="the dense model's rows alone (implies --dense)")
     parser.add_argument("--out", default="offline_generate.json",
                         help="file name of the dtype rows' JSON in bench/results (a partial run keeps the full one)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every row this many times, round after round; medians (bench/offline_rounds.py)")
+    parser.add_argument("--torch-compile-wrapper", default="aot", choices=["aot", "cpp", "python"],
+                        help="what runs the captured step's graph on the CPU (EngineConfig.torch_compile_wrapper)")
     parser.add_argument("--cpu-experts", action="store_true",
                         help="also this runtime with --cpu-experts (routed experts on their own thread) per MoE row")
     args = parser.parse_args()
@@ -232,7 +239,6 @@ def main() -> None:
     if LLAMA_CPP_ONLY_DTYPE in args.dtypes and args.llama_cpp is None:
         parser.error(f"--dtypes {LLAMA_CPP_ONLY_DTYPE} rows are llama.cpp's only: pass --llama-cpp")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    rows = []
     bandwidth = copy_bandwidth_gbs()
     fp8_rows = (measure_fp8(args.batches, args.repeats, args.fp8_compute_dtype, bandwidth)
                 if "fp8" in args.dtypes else [])
@@ -240,60 +246,68 @@ def main() -> None:
     int8_rows = measure_int8(args.batches, args.repeats, bandwidth) if "int8" in args.dtypes else []
     dtypes = [d for d in args.dtypes if d not in ("fp8", "int8", LLAMA_CPP_ONLY_DTYPE)]
     models = [(model, dtype) for model in ("moe", "dense")[args.dense_only:1 + args.dense] for dtype in dtypes]
-    for model, dtype in models:
-        dtype_bytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-        path = str(build_checkpoint(dtype) if model == "moe" else
-                   build_dense_checkpoint(dtype, CACHE, build_checkpoint(dtype)))
-        llama_rates = llama.rates(Path(path), GGUF_FILE_TYPE[dtype], args.batches) if llama else {}
-        for batch in args.batches:
-            prompts = make_prompts(batch)
-            logger.info("model=%s dtype=%s batch=%d: runtime", model, dtype, batch)
-            ours = in_subprocess(run_runtime, path, dtype, prompts, args.repeats, kernels=args.kernels)
-            logger.info("dtype=%s batch=%d: transformers", dtype, batch)
-            theirs = in_subprocess(run_transformers, path, dtype, prompts, args.repeats)
-            generated = batch * NEW_TOKENS
-            same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
-            step_bytes = (weight_bytes_per_decode_step(batch, dtype_bytes) if model == "moe" else
-                          dense_weight_bytes_per_decode_step(dtype_bytes))
-            steps_per_s = lambda seconds: NEW_TOKENS / seconds  # noqa: E731  (prefill counted as a step)
-            rows.append(dict(
-                model=model, dtype=dtype, batch=batch, kernels=args.kernels, runtime_tok_s=generated / ours["seconds"],
-                transformers_tok_s=generated / theirs["seconds"], speedup=theirs["seconds"] / ours["seconds"],
-                runtime_peak_rss_mib=ours["peak_rss_mib"], transformers_peak_rss_mib=theirs["peak_rss_mib"],
-                identical_sequences=f"{same}/{batch}",
-                runtime_weight_gbs=step_bytes * steps_per_s(ours["seconds"]) / 1e9,
-                transformers_weight_gbs=step_bytes * steps_per_s(theirs["seconds"]) / 1e9,
-                weight_bytes_per_step=step_bytes, copy_bandwidth_gbs=bandwidth,
-                bandwidth_bound_tok_s=batch * bandwidth * 1e9 / step_bytes,
-            ))
-            if args.cpu_experts and model == "moe":
-                logger.info("dtype=%s batch=%d: runtime, --cpu-experts", dtype, batch)
-                offloaded = in_subprocess(run_runtime, path, dtype, prompts, args.repeats, kernels=args.kernels,
-                                          cpu_experts=True)
-                rows[-1].update(cpu_experts_tok_s=generated / offloaded["seconds"],
-                                cpu_experts_vs_eager=ours["seconds"] / offloaded["seconds"],
-                                cpu_experts_identical=f"{sum(a == b for a, b in zip(offloaded['tokens'], ours['tokens']))}"
-                                                      f"/{batch}")
-            if llama or args.breakdown:   # the machine may be shared: say how busy it was for this row
-                rows[-1].update(load_avg_1m=os.getloadavg()[0])
-            if batch in llama_rates:
-                rows[-1].update(llama_cpp_columns(llama_rates[batch], rows[-1]["runtime_tok_s"], GGUF_FILE_TYPE[dtype]))
-            if args.breakdown:
-                logger.info("dtype=%s batch=%d: decode step breakdown", dtype, batch)
-                breakdown = in_subprocess(run_step_breakdown, path, dtype, prompts, args.breakdown_steps)
-                rows[-1].update(kernel_share=breakdown["kernel_share"], other_share=breakdown["other_share"],
-                                decode_step_ms=breakdown["step_ms"], step_breakdown=breakdown)
-            if args.torch_compile:
-                logger.info("dtype=%s batch=%d: runtime, captured decode step", dtype, batch)
-                compiled = in_subprocess(run_runtime, path, dtype, prompts, args.repeats, compile_decode=True,
-                                         kernels=args.kernels)
-                rows[-1].update(compiled_columns(compiled, ours, theirs, rows[-1], generated, step_bytes))
+    rounds = []
+    for round_index in range(args.rounds):   # every row's systems once a round (bench/offline_rounds.py)
+        rows = []
+        bandwidth = bandwidth if round_index == 0 else copy_bandwidth_gbs()
+        for model, dtype in models:
+            dtype_bytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+            path = str(build_checkpoint(dtype) if model == "moe" else
+                       build_dense_checkpoint(dtype, CACHE, build_checkpoint(dtype)))
+            llama_rates = llama.rates(Path(path), GGUF_FILE_TYPE[dtype], args.batches) if llama else {}
+            for batch in args.batches:
+                prompts = make_prompts(batch)
+                logger.info("model=%s dtype=%s batch=%d: runtime", model, dtype, batch)
+                ours = in_subprocess(run_runtime, path, dtype, prompts, args.repeats, kernels=args.kernels)
+                logger.info("dtype=%s batch=%d: transformers", dtype, batch)
+                theirs = in_subprocess(run_transformers, path, dtype, prompts, args.repeats)
+                generated = batch * NEW_TOKENS
+                same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
+                step_bytes = (weight_bytes_per_decode_step(batch, dtype_bytes) if model == "moe" else
+                              dense_weight_bytes_per_decode_step(dtype_bytes))
+                steps_per_s = lambda seconds: NEW_TOKENS / seconds  # noqa: E731  (prefill counted as a step)
+                rows.append(dict(
+                    model=model, dtype=dtype, batch=batch, kernels=args.kernels, runtime_tok_s=generated / ours["seconds"],
+                    transformers_tok_s=generated / theirs["seconds"], speedup=theirs["seconds"] / ours["seconds"],
+                    runtime_peak_rss_mib=ours["peak_rss_mib"], transformers_peak_rss_mib=theirs["peak_rss_mib"],
+                    identical_sequences=f"{same}/{batch}",
+                    runtime_weight_gbs=step_bytes * steps_per_s(ours["seconds"]) / 1e9,
+                    transformers_weight_gbs=step_bytes * steps_per_s(theirs["seconds"]) / 1e9,
+                    weight_bytes_per_step=step_bytes, copy_bandwidth_gbs=bandwidth,
+                    bandwidth_bound_tok_s=batch * bandwidth * 1e9 / step_bytes,
+                ))
+                if args.cpu_experts and model == "moe":
+                    logger.info("dtype=%s batch=%d: runtime, --cpu-experts", dtype, batch)
+                    offloaded = in_subprocess(run_runtime, path, dtype, prompts, args.repeats, kernels=args.kernels,
+                                              cpu_experts=True)
+                    rows[-1].update(cpu_experts_tok_s=generated / offloaded["seconds"],
+                                    cpu_experts_vs_eager=ours["seconds"] / offloaded["seconds"],
+                                    cpu_experts_identical=f"{sum(a == b for a, b in zip(offloaded['tokens'], ours['tokens']))}"
+                                                          f"/{batch}")
+                if llama or args.breakdown or args.rounds > 1:   # the machine may be shared: how busy it was for this row
+                    rows[-1].update(load_avg_1m=os.getloadavg()[0])
+                if batch in llama_rates:
+                    rows[-1].update(llama_cpp_columns(llama_rates[batch], rows[-1]["runtime_tok_s"], GGUF_FILE_TYPE[dtype]))
+                    rows[-1].update(llama_cpp_bound_fraction=rows[-1]["llama_cpp_tok_s"] /
+                                    rows[-1]["bandwidth_bound_tok_s"])
                 if args.breakdown:
-                    breakdown = in_subprocess(run_step_breakdown, path, dtype, prompts, args.breakdown_steps,
-                                              compile_decode=True)
-                    rows[-1].update(compiled_kernel_share=breakdown["kernel_share"],
-                                    compiled_other_share=breakdown["other_share"],
-                                    compiled_decode_step_ms=breakdown["step_ms"], compiled_step_breakdown=breakdown)
+                    logger.info("dtype=%s batch=%d: decode step breakdown", dtype, batch)
+                    breakdown = in_subprocess(run_step_breakdown, path, dtype, prompts, args.breakdown_steps)
+                    rows[-1].update(kernel_share=breakdown["kernel_share"], other_share=breakdown["other_share"],
+                                    decode_step_ms=breakdown["step_ms"], step_breakdown=breakdown)
+                if args.torch_compile:
+                    logger.info("dtype=%s batch=%d: runtime, captured decode step", dtype, batch)
+                    compiled = in_subprocess(run_runtime, path, dtype, prompts, args.repeats, compile_decode=True,
+                                             kernels=args.kernels)
+                    rows[-1].update(compiled_columns(compiled, ours, theirs, rows[-1], generated, step_bytes))
+                    if args.breakdown:
+                        breakdown = in_subprocess(run_step_breakdown, path, dtype, prompts, args.breakdown_steps,
+                                                  compile_decode=True)
+                        rows[-1].update(compiled_kernel_share=breakdown["kernel_share"],
+                                        compiled_other_share=breakdown["other_share"],
+                                        compiled_decode_step_ms=breakdown["step_ms"], compiled_step_breakdown=breakdown)
+        rounds.append(rows)
+    rows = median_rows(rounds)
     reference_rows = (llama.reference_rows(args.batches) if llama and LLAMA_CPP_ONLY_DTYPE in args.dtypes else [])
     print_rows(rows, PROMPT_LEN, NEW_TOKENS, torch.get_num_threads())
     print_compiled_rows(rows)
@@ -330,7 +344,8 @@ def compiled_columns(compiled: dict, eager: dict, theirs: dict, row: dict, gener
                    compiled_vs_transformers=theirs["seconds"] / compiled["seconds"],
                    compiled_identical_to_eager=f"{same}/{len(eager['tokens'])}",
                    compiled_warmup_seconds=compiled["warmup_seconds"], compiled_steps=compiled["captured_steps"],
-                   compiled_weight_gbs=step_bytes * (NEW_TOKENS / compiled["seconds"]) / 1e9)
+                   compiled_weight_gbs=step_bytes * (NEW_TOKENS / compiled["seconds"]) / 1e9,
+                   compiled_bound_fraction=tok_s / row["bandwidth_bound_tok_s"])
     if "llama_cpp_tok_s" in row:
         columns.update(compiled_vs_llama_cpp=tok_s / row["llama_cpp_tok_s"])
     return columns
