@@ -307,6 +307,11 @@ def main() -> None:
                                         compiled_other_share=breakdown["other_share"],
                                         compiled_decode_step_ms=breakdown["step_ms"], compiled_step_breakdown=breakdown)
         rounds.append(rows)
+        if args.rounds > 1:   # what the rounds so far gave, should a long run be cut short
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            (RESULTS / f"{Path(args.out).stem}.rounds_so_far.json").write_text(json.dumps(
+                dict(benchmark="offline_generate", command=" ".join(sys.argv[1:]), rows=median_rows(rounds)),
+                indent=2))
     rows = median_rows(rounds)
     reference_rows = (llama.reference_rows(args.batches) if llama and LLAMA_CPP_ONLY_DTYPE in args.dtypes else [])
     print_rows(rows, PROMPT_LEN, NEW_TOKENS, torch.get_num_threads())
