@@ -21,7 +21,7 @@ from shared_builds import build_once, shared_root
 from tiny_checkpoints import HFOracle, build_model
 from moe_runtime import LLM
 from moe_runtime.config.engine_config import EngineConfigError
-from moe_runtime.errors import CheckpointError, UnsupportedArchitectureError
+from moe_runtime.errors import CheckpointError, InvalidRequestError, UnsupportedArchitectureError
 
 NEW_TOKENS = 6
 PROMPTS = [  # longer than a KV block (16) and than every window (8)
@@ -153,6 +153,12 @@ def test_tensors_of_another_model_are_refused_by_name(checkpoint, tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "model_type": "glm4_moe"}))
     with pytest.raises(CheckpointError, match=r"map to no parameter.*'model\.layers\.0\.attention\.dense\.weight'"):
         LLM(str(path), device="cpu", dtype="float32", model_impl="transformers")
+
+
+def test_routing_replay_is_refused_for_transformers_routers(engines):
+    """transformers' routers compute the top-k inside its code: recording or forcing it is refused per request."""
+    with pytest.raises(InvalidRequestError, match="return_routed_experts.*transformers' own code"):
+        engines("dots1", "chunked").generate([PROMPTS[2]], greedy(2, return_routed_experts=True))
 
 
 def test_what_the_backend_cannot_run_is_refused_by_name(checkpoint, tiny_checkpoint_factory):

@@ -65,6 +65,9 @@ class RankRouting:
             refusal = "not under context parallelism (--cp), whose ranks each route a part of a prompt"
         elif disaggregated:
             refusal = "not on a prefill or decode instance (--disaggregation-mode), which computes part of a request"
+        elif sum(counts) and not top_k:
+            refusal = ("not for this model: its MoE layers route in transformers' own code (the transformers backend), "
+                       "whose choices the engine can neither record nor force")
         return cls(RoutingShape(sum(counts), top_k, num_experts, refusal), num_local_layers, offset, tuple(counts),
                    parallel.pp_control_group if parallel.pp_size > 1 else None, parallel.is_last_stage)
 
