@@ -163,6 +163,8 @@ def test_routing_replay_is_refused_for_transformers_routers(engines):
 
 def test_what_the_backend_cannot_run_is_refused_by_name(checkpoint, tiny_checkpoint_factory):
     """Refused at the front, before any weight is read, naming each flag or module."""
+    with pytest.raises(EngineConfigError, match="--model-impl 'tranformers': choose one of auto, native, transformers"):
+        LLM(str(checkpoint("qwen3")), device="cpu", model_impl="tranformers")
     with pytest.raises(UnsupportedArchitectureError, match="Llama4TextAttention's query temperature"):
         LLM(str(tiny_checkpoint_factory("llama4")), device="cpu", model_impl="transformers")
     with pytest.raises(EngineConfigError, match=r"transformers backend \(Qwen3ForCausalLM\).*--deterministic"):
