@@ -10,11 +10,13 @@ logger = logging.getLogger(__name__)
 
 
 def num_routed_experts(hf_config) -> int:
-    """Routed experts per MoE layer (1 for a dense model: its MLP is the one expert)."""
-    for name in ("n_routed_experts", "num_local_experts", "num_experts"):
-        value = getattr(hf_config, name, None)
-        if value:
-            return int(value)
+    """Routed experts per MoE layer (1 for a dense model: its MLP is the one expert). The names transformers'
+    configs use for it; DBRX keeps it in its `ffn_config` sub-config."""
+    for config in (hf_config, getattr(hf_config, "ffn_config", None)):
+        for name in ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value:
+                return value
     return 1
 
 
