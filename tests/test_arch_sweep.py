@@ -97,10 +97,7 @@ FORCED_GENERIC: dict[str, Expected] = {
     "llama4_text": refused("counts positions along its row"),   # NoPE layers' attention temperature
 }
 # --ep 2 --dp-attn 2: model types the generic path runs on one rank but not split (a substring of the failure)
-EP_BROKEN = {
-    "aria_text": "this model is dense",   # its experts are counted from moe_num_experts
-    "dbrx": "this model is dense",        # ... and DBRX's from ffn_config
-}
+EP_BROKEN: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
