@@ -16,6 +16,7 @@ from moe_runtime.models.transformers_backend.experts import (EXPERTS_IMPLEMENTAT
                                                              experts_shape, is_interface_experts, register_experts,
                                                              seam_activation)
 from moe_runtime.models.transformers_backend.kv_specs import layer_attention
+from moe_runtime.models.transformers_backend.own_cache_attention import install_own_cache_attention, own_cache_layers
 from moe_runtime.models.transformers_backend.recurrent_mixers import install_recurrent_mixers
 from moe_runtime.models.transformers_backend.recurrent_state import served_layout
 from moe_runtime.models.transformers_backend.model import (TransformersCausalLM, TransformersExpertWeights,
@@ -53,6 +54,13 @@ def build_transformers_model(architecture: str, hf_config, ctx: BuildContext) ->
     layout = served_layout(hf_config)
     if layout is not None:   # recurrent mixers run sequence by sequence on our state slots
         install_recurrent_mixers(hf, layout, step, ctx.dtype)
+    own_cache = own_cache_layers(hf_config)
+    if own_cache:   # attention with transformers' own cache and mask, sequence by sequence (own_cache_attention.py)
+        if split is not None:
+            raise UnsupportedArchitectureError(
+                f"transformers backend: {architecture}'s layers {own_cache} run their attention with transformers' "
+                "cache and mask, which is not split over ranks (--pp / attention TP)")
+        install_own_cache_attention(hf, own_cache, step)
     seams, routed = _bind_experts(architecture, hf, ctx, step)
     if ctx.engine is not None and ctx.engine.enable_two_batch_overlap and seams:
         logger.info("transformers backend (%s): --enable-two-batch-overlap: each step runs as one batch (transformers' "

@@ -13,6 +13,7 @@ from typing import Callable
 
 from moe_runtime.config.engine_config import EngineConfig, EngineConfigError
 from moe_runtime.errors import UnsupportedArchitectureError
+from moe_runtime.models.transformers_backend.own_cache_attention import check_own_cache, own_cache_layers
 from moe_runtime.models.transformers_backend.pipeline_stages import pp_refusal
 from moe_runtime.models.transformers_backend.tensor_parallel import tp_refusal
 from moe_runtime.models.transformers_backend.recurrent_state import served_layout
@@ -64,6 +65,8 @@ def check_config(architecture: str, hf_config) -> None:
     layer_types = getattr(hf_config, "layer_types", None) or []
     layout = served_layout(hf_config)   # recurrent layers: kept in state slots (recurrent_mixers.py), or refused
     stateful = set(layout.layer_indices if layout else ())
+    check_own_cache(architecture, hf_config)   # layers run with transformers' cache and mask, per sequence
+    stateful |= set(own_cache_layers(hf_config))
     other = sorted({t for i, t in enumerate(layer_types)
                     if t not in ATTENTION_LAYER_TYPES | MIXERLESS_LAYER_TYPES and i not in stateful})
     if other:
