@@ -78,6 +78,8 @@ class OwnCacheAttention:
         self.layer = layer
         self.step = step
         self.layout = EntryLayout()               # what the module hands its cache (the shape probe fills it)
+        window = getattr(module, "sliding_window", None)   # the module's own (Inkling's is not in layer_span's terms)
+        self.mask_window = window if isinstance(window, int) and window > 0 else None
 
     def _window(self) -> int | None:
         span = self.step.layers[self.layer].span
@@ -141,7 +143,7 @@ class OwnCacheAttention:
         positions = torch.arange(past, past + length, device=hidden.device)[:, None]   # [t, 1]
         keys = torch.arange(width, device=hidden.device)[None, :]                     # [1, W]
         allowed = keys <= positions
-        window = self._window()
+        window = self.mask_window or self._window()
         if window is not None:
             allowed &= keys > positions - window
         mask = torch.zeros(length, width, dtype=hidden.dtype, device=hidden.device)
