@@ -77,14 +77,14 @@ EXPECTED: dict[str, Expected] = {
     "lara_mini": generic(), "lfm2_moe": generic(), "nemotron_h": generic(),
     "zaya": generic(),   # attention layers that also keep a state (CCA)
     # refused by name
-    "axk2": refused(INDEXED), "hy_v4": refused(INDEXED), "dots3_note_text": refused(INDEXED),
-    "kolibri1_1": refused(INDEXED), "qwen4_exp_text": refused(INDEXED),   # sparse-attention indexers
+    # attention on transformers' own cache and mask, per sequence (sparse-attention indexers, a position bias)
+    "axk2": generic(), "hy_v4": generic(), "dots3_note_text": generic(), "inkling_text": generic(),
+    "kolibri1_1": refused(INDEXED), "qwen4_exp_text": refused(INDEXED),   # layers share state along the row
     "inkling2_text": refused(STATE_SHAPE),
     "inkling2_loop_text": refused(STATE_SHAPE),
     # once the backend's KV probe read their layers' shapes
     "dbrx": generic(), "jetmoe": generic(), "mimo_v2_flash": generic(), "gemma4_text": generic(),
     "doge": refused("was handed a dense attention mask"),   # dynamic-mask attention
-    "inkling_text": refused("passes position_bias to its attention"),   # relative position bias
     # known gaps (each reported to the backend's owners)
     "minimax": broken(""),   # lightning attention: its state across chunks and cached prefixes is being reworked
 }
@@ -92,7 +92,7 @@ EXPECTED: dict[str, Expected] = {
 FORCED_GENERIC: dict[str, Expected] = {
     **{t: generic() for t in ("deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "mixtral", "olmoe",
                               "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "llama", "qwen2", "mistral")},
-    "deepseek_v32": refused(INDEXED), "glm_moe_dsa": refused(INDEXED),
+    "deepseek_v32": generic(), "glm_moe_dsa": generic(),
     "deepseek_v4": refused("has layers of type 'compressed_sparse_attention'"),
     "llama4_text": refused("counts positions along its row"),   # NoPE layers' attention temperature
 }
