@@ -169,6 +169,9 @@ def test_cuda_replays_graphs_and_cpu_keeps_a_dynamic_width():
     wrapped = CaptureSettings.for_device(torch.device("cpu"), max_batch=8, backend="inductor", max_model_len=1000,
                                          block_size=16, wrapper="cpp")
     assert not wrapped.aot and wrapped.compile_options() == {"cpp_wrapper": True}
+    with pytest.raises(ValueError, match="torch_compile_wrapper 'c'"):
+        CaptureSettings.for_device(torch.device("cpu"), max_batch=8, backend="inductor", max_model_len=1000,
+                                   block_size=16, wrapper="c")
 
 
 def test_buckets_are_powers_of_two_up_to_the_largest():

@@ -67,6 +67,7 @@ MIN_TABLE_WIDTH = 2   # block-table columns a captured step always has (dynamo s
 # Graphs dynamo keeps for the traced function. It counts per code object, i.e. over every engine in the process
 # (each traces its own model): its default of 8 would stop the ninth engine's capture, or one engine's ninth bucket.
 RECOMPILE_LIMIT = 64
+WRAPPERS = ("aot", "cpp", "python")   # what runs inductor's graph on the CPU (CaptureSettings.for_device)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class CaptureSettings:
         """CUDA replays CUDA graphs, which need one table width for good: the widest a sequence can have. On the CPU
         inductor's graph runs through `wrapper`: "python" (dynamo and inductor's Python wrapper), "cpp" (its C++
         wrapper) or "aot" (AOTInductor's library, no Python in the step)."""
+        if wrapper not in WRAPPERS:
+            raise ValueError(f"torch_compile_wrapper {wrapper!r}: one of {', '.join(WRAPPERS)}")
         if device.type != "cuda":
             inductor = backend == "inductor"
             return cls(max_batch=max_batch, backend=backend, cpp_wrapper=inductor and wrapper in ("cpp", "aot"),
