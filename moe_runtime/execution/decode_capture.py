@@ -18,6 +18,12 @@ grouped kernels whose sizes depend on the routing. The capture removes both (SGL
 - **Whole step, no graph breaks** (`fullgraph=True`): the layers' plain `forward` (not the staged
   generators of two-batch overlap) from embedding to logits.
 
+On the CPU the bucket's graph runs, by default, as an AOTInductor library (moe_runtime/execution/aot_step.py:
+exported once, compiled once and cached on disk, no dynamo frame or Python wrapper in the step: 0.75-0.82x the
+step time of inductor's C++ wrapper behind dynamo, docs/benchmarks.md); `torch_compile_wrapper` "cpp" keeps dynamo
+with inductor's C++ wrapper, "python" its Python wrapper. The cpu kernel family's compiled kernels are operators
+inside the graph either way (moe_runtime/kernels/cpu_native/custom_ops.py).
+
 On CUDA the compiled graph is also replayed as a CUDA graph (inductor's `mode="reduce-overhead"`, its
 CUDA-graph trees; what vLLM and SGLang capture at start-up): one launch per step instead of one per
 kernel. A CUDA graph fixes every address and shape it was recorded with, so there the block table
