@@ -7,7 +7,8 @@ machine's load falls on both alike. Each round generates 1 + `--new-tokens` toke
 size, driving the front step by step: the prefill rate is the prompt tokens over the time to the step that
 gives every first token (one step: the batch's prompts fit one step), the decode rate the median over the
 decode steps of the tokens a step gives over its time (a median, so a burst of load from other jobs moves it
-little). Medians over the rounds, and generic / native ratios.
+little). Both rates also per CPU second of this process (`*_cpu`: process time, every thread's), which the
+load of other jobs moves far less than wall time. Medians over the rounds, and generic / native ratios.
 Greedy tokens of the two implementations are compared (`tokens_equal`). A model the generic path cannot build or
 run is reported with the reason. The load average before and after is recorded: the machine is shared.
 
@@ -27,6 +28,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,6 +45,7 @@ RESULTS = HERE / "results"
 PROMPT_LEN = 64
 IMPLS = ("native", "transformers")
 REQUEST_IDS = itertools.count()
+PHASES = ("prefill", "decode", "prefill_cpu", "decode_cpu")   # *_cpu: tokens per CPU second of this process
 
 logger = logging.getLogger("bench_transformers_backend")
 
@@ -66,14 +69,25 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
     return torch.randint(100, min(vocab, 4096), (batch, PROMPT_LEN), generator=generator).tolist()
 
 
-def timed_generate(llm, batch_prompts, max_tokens: int) -> tuple[float, list[float], list[list[int]]]:
-    """(seconds to the step giving the first tokens, each later step's tokens / s, the generated tokens)."""
+@dataclass
+class Timed:
+    """One generation, timed on the wall clock and in this process's CPU time (every thread's: the engine runs
+    in this process), which a shared machine's load moves far less than wall time."""
+
+    prefill_s: float               # to the step giving the first tokens
+    prefill_cpu_s: float
+    decode_rates: list[float]      # each later step's tokens / s
+    decode_cpu_rates: list[float]  # each later step's tokens / CPU second
+    tokens: list[list[int]]
+
+
+def timed_generate(llm, batch_prompts, max_tokens: int) -> Timed:
     from moe_runtime import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     front = llm.engine
     ids = [f"bench-{next(REQUEST_IDS)}" for _ in batch_prompts]
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     for request_id, prompt in zip(ids, batch_prompts):
         front.add_request(request_id, prompt, params)
     events, finished = [], {}
@@ -81,10 +95,12 @@ def timed_generate(llm, batch_prompts, max_tokens: int) -> tuple[float, list[flo
         outputs = front.step()
         tokens = sum(len(o.new_token_ids) for o in outputs)
         if tokens:
-            events.append((time.perf_counter(), tokens))
+            events.append((time.perf_counter(), time.process_time(), tokens))
         finished.update((o.request_id, o.token_ids) for o in outputs if o.finished)
-    rates = [n / (t - t_before) for (t_before, _), (t, n) in zip(events, events[1:])]
-    return events[0][0] - started, rates, [finished[r] for r in ids]
+    pairs = list(zip(events, events[1:]))
+    return Timed(events[0][0] - started, events[0][1] - started_cpu,
+                 [n / (t - t0) for (t0, _, _), (t, _, n) in pairs],
+                 [n / max(c - c0, 1e-9) for (_, c0, _), (_, c, n) in pairs], [finished[r] for r in ids])
 
 
 def open_engines(path: Path, batches: list[int]) -> tuple[dict, dict]:
@@ -106,7 +122,7 @@ def measure_model(name: str, rounds: int, batches: list[int], new_tokens: int) -
     path = CHECKPOINTS[name]()
     config = json.loads((path / "config.json").read_text())
     engines, failures = open_engines(path, batches)
-    samples = {(impl, b): {"prefill": [], "decode": []} for impl in engines for b in batches}
+    samples = {(impl, b): {phase: [] for phase in PHASES} for impl in engines for b in batches}
     tokens = {}
     try:
         for impl, llm in list(engines.items()):   # warm-up, and a first run that may fail
@@ -121,10 +137,13 @@ def measure_model(name: str, rounds: int, batches: list[int], new_tokens: int) -
                 batch_prompts = prompts(batch, config["vocab_size"])
                 for impl in order:
                     llm = engines[impl]
-                    prefill_s, rates, out = timed_generate(llm, batch_prompts, 1 + new_tokens)
-                    samples[(impl, batch)]["prefill"].append(batch * PROMPT_LEN / prefill_s)
-                    samples[(impl, batch)]["decode"].append(statistics.median(rates))
-                    tokens[(impl, batch)] = out
+                    timed = timed_generate(llm, batch_prompts, 1 + new_tokens)
+                    sample = samples[(impl, batch)]
+                    sample["prefill"].append(batch * PROMPT_LEN / timed.prefill_s)
+                    sample["decode"].append(statistics.median(timed.decode_rates))
+                    sample["prefill_cpu"].append(batch * PROMPT_LEN / timed.prefill_cpu_s)
+                    sample["decode_cpu"].append(statistics.median(timed.decode_cpu_rates))
+                    tokens[(impl, batch)] = timed.tokens
             logger.info("%s: round %d/%d done (load %.1f)", name, r + 1, rounds, os.getloadavg()[0])
     finally:
         for llm in engines.values():
@@ -133,10 +152,10 @@ def measure_model(name: str, rounds: int, batches: list[int], new_tokens: int) -
     for batch in batches:
         row = dict(batch=batch)
         for impl in engines:
-            for phase in ("prefill", "decode"):
+            for phase in PHASES:
                 row[f"{impl}_{phase}_tok_s"] = round(statistics.median(samples[(impl, batch)][phase]), 1)
         if len(engines) == 2:
-            for phase in ("prefill", "decode"):
+            for phase in PHASES:
                 row[f"{phase}_ratio"] = round(row[f"transformers_{phase}_tok_s"] / row[f"native_{phase}_tok_s"], 3)
             row["tokens_equal"] = tokens[("native", batch)] == tokens[("transformers", batch)]
         rows.append(row)
@@ -159,7 +178,8 @@ def main() -> None:
     result = dict(
         description="--model-impl transformers vs native, one rank each in one process, interleaved rounds; "
                     "prefill: prompt tokens / s to the step giving the first tokens; decode: the median decode "
-                    "step's new tokens / s; medians over rounds; ratio = transformers / native",
+                    "step's new tokens / s; *_cpu: the same per CPU second of this process; medians over rounds; "
+                    "ratio = transformers / native",
         prompt_len=PROMPT_LEN, new_tokens=args.new_tokens, rounds=args.rounds, dtype="float32", device="cpu",
         torch_threads=torch.get_num_threads(), machine=platform.machine(), cpus=os.cpu_count(),
         load_average_before=[round(x, 2) for x in load_before],
