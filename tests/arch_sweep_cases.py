@@ -65,6 +65,7 @@ def build_sweep_checkpoint(model_type: str, path: Path, tokenizer_dir: Path) -> 
     transformers.logging.set_verbosity_error()
     try:
         model = build_model(tiny_config(model_type, AutoTokenizer.from_pretrained(str(tokenizer_dir))))
+        _recompute_derived_buffers(model)
         model.save_pretrained(str(path), safe_serialization=True)
     finally:
         transformers.logging.set_verbosity(verbosity)
@@ -72,6 +73,22 @@ def build_sweep_checkpoint(model_type: str, path: Path, tokenizer_dir: Path) -> 
         if file.is_file():
             shutil.copyfile(file, path / file.name)
     return path
+
+
+def _recompute_derived_buffers(model) -> None:
+    """Put back the buffers a module derives from its config, which the random weights redrew with the rest:
+    MiniMax's lightning-attention decays (slope rate, query/key/diagonal decay). Random ones make the oracle itself
+    non-causal (the diagonal decay's upper triangle no longer zero), so transformers' one-pass prefill and its
+    chunked continuation disagree, and no runtime can match it."""
+    import torch
+
+    for module in model.modules():
+        if hasattr(module, "get_slope_rate") and hasattr(module, "decay_factors"):
+            slope = module.get_slope_rate(device=module.slope_rate.device)
+            with torch.no_grad():
+                for name, value in zip(("slope_rate", "query_decay", "key_decay", "diagonal_decay"),
+                                       (slope, *module.decay_factors(slope))):
+                    getattr(module, name).copy_(value)
 
 
 def oracle_tokens(path: Path) -> list[list[int]]:

@@ -1,7 +1,8 @@
 """Attention layers transformers computes with its own cache and mask, run per sequence on our paged KV cache
 (moe_runtime/models/transformers_backend/own_cache_attention.py): a DeepSeek-Sparse-Attention indexer model
 (HY-V4: indexer keys in the paged entry, shared top-k layers handed the previous layer's picks) and Inkling (a
-relative position bias over the cache's key positions, short convolutions in our state slots), against
+relative position bias over the cache's key positions, short convolutions in our state slots), and MiniMax's
+lightning attention (a recurrent state continued across prefill chunks and restored from prefix snapshots), against
 transformers' greedy tokens with 16-token prefill chunks, a prefix-cache hit, several sequences in one step, and
 --ep 2 --dp-attn 2. The sweep's tiny checkpoints and prompts (arch_sweep_cases.py)."""
 from __future__ import annotations
@@ -57,7 +58,7 @@ def engines(checkpoint):
         yield get
 
 
-@pytest.mark.parametrize("model_type", ["hy_v4", "inkling_text"])
+@pytest.mark.parametrize("model_type", ["hy_v4", "inkling_text", "minimax"])
 def test_greedy_tokens_match_transformers_with_chunks_and_prefix_cache(engines, expected, model_type):
     llm = engines(model_type, "chunked")
     assert isinstance(llm.engine.client.core.model, TransformersCausalLM)
