@@ -33,6 +33,10 @@ decoder's); recurrent_mixers.py gives each module that keeps such a state a forw
 transformers' code sequence by sequence (decode rows together) inside the one batched forward, its state moved
 between our slots (`StepContext.caches`, `AttentionBatch.state_slots`) and transformers' cache object by
 recurrent_bridge.py; prefix-cache snapshots are written at the block boundaries the runner asks for.
+
+Attention layers that build more than query/key/value from transformers' cache and mask (sparse-attention indexers,
+Inkling's relative position bias): own_cache_attention.py runs each one's module per sequence with eager attention,
+a real causal mask and a transformers cache backed by the layer's paged KV cache (paged_hf_cache.py).
 """
 from moe_runtime.models.transformers_backend.build import build_transformers_model
 from moe_runtime.models.transformers_backend.model import TransformersCausalLM
