@@ -79,12 +79,12 @@ EXPECTED: dict[str, Expected] = {
     "minimax": generic(),   # lightning attention (decay buffers as the model derives them: arch_sweep_cases.py)
     # attention on transformers' own cache and mask, per sequence (sparse-attention indexers, a position bias)
     "axk2": generic(), "hy_v4": generic(), "dots3_note_text": generic(), "inkling_text": generic(),
+    "doge": generic(),   # its dynamic mask over the causal mask
     # once the backend's KV probe read their layers' shapes
     "dbrx": generic(), "jetmoe": generic(), "mimo_v2_flash": generic(), "gemma4_text": generic(),
     # refused by name
     "kolibri1_1": refused(INDEXED), "qwen4_exp_text": refused(INDEXED),   # layers share state along the row
     "inkling2_text": refused(STATE_SHAPE), "inkling2_loop_text": refused(STATE_SHAPE),
-    "doge": refused("was handed a dense attention mask"),   # dynamic-mask attention
 }
 # --model-impl transformers where a native port exists: the generic path on the models we know best
 FORCED_GENERIC: dict[str, Expected] = {

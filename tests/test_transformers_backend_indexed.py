@@ -1,11 +1,15 @@
 """Attention layers transformers computes with its own cache and mask, run per sequence on our paged KV cache
 (moe_runtime/models/transformers_backend/own_cache_attention.py): a DeepSeek-Sparse-Attention indexer model
 (HY-V4: indexer keys in the paged entry, shared top-k layers handed the previous layer's picks) and Inkling (a
-relative position bias over the cache's key positions, short convolutions in our state slots), and MiniMax's
+relative position bias over the cache's key positions, short convolutions in our state slots), Doge (a dynamic
+mask from the cached values, its top-k window shorter than the prompts), and MiniMax's
 lightning attention (a recurrent state continued across prefill chunks and restored from prefix snapshots), against
 transformers' greedy tokens with 16-token prefill chunks, a prefix-cache hit, several sequences in one step, and
 --ep 2 --dp-attn 2. The sweep's tiny checkpoints and prompts (arch_sweep_cases.py)."""
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,10 +34,28 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def _doge_with_a_short_window(path: Path, tokenizer_dir: Path) -> Path:
+    """The sweep's Doge with keep_window_size 12, below the prompts: its dynamic mask keeps a top-k of the keys."""
+    from arch_sweep_configs import tiny_config
+    from tiny_checkpoints import build_model
+    from transformers import AutoTokenizer
+
+    config = tiny_config("doge", AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+    config.keep_window_size = 12
+    build_model(config).save_pretrained(str(path), safe_serialization=True)
+    for file in sorted(tokenizer_dir.iterdir()):
+        if file.is_file():
+            shutil.copyfile(file, path / file.name)
+    return path
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tiny_tokenizer_dir):
-    """`checkpoint(model_type) -> Path`: the sweep's tiny checkpoint, built once per run."""
+    """`checkpoint(model_type) -> Path`: the sweep's tiny checkpoint (or "doge_window"), built once per run."""
     def get(model_type: str):
+        if model_type == "doge_window":
+            return build_once(shared_root(tmp_path_factory), "own-cache doge window",
+                              lambda path: _doge_with_a_short_window(path, tiny_tokenizer_dir))
         return build_once(shared_root(tmp_path_factory), f"arch sweep {model_type}",
                           lambda path: build_sweep_checkpoint(model_type, path, tiny_tokenizer_dir))
     return get
@@ -58,7 +80,7 @@ def engines(checkpoint):
         yield get
 
 
-@pytest.mark.parametrize("model_type", ["hy_v4", "inkling_text", "minimax"])
+@pytest.mark.parametrize("model_type", ["hy_v4", "inkling_text", "doge_window", "minimax"])
 def test_greedy_tokens_match_transformers_with_chunks_and_prefix_cache(engines, expected, model_type):
     llm = engines(model_type, "chunked")
     assert isinstance(llm.engine.client.core.model, TransformersCausalLM)

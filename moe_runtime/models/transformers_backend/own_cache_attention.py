@@ -4,7 +4,7 @@ Most attention modules hand the attention function query/key/value and nothing e
 get wrong: those run batched through our paged kernels (attention.py). Some build more from transformers' cache
 and mask first: a DeepSeek-Sparse-Attention-style indexer (layer type "indexed_attention": its own per-token key
 cache, a top-k over the causal mask turned into an index mask), a relative position bias over the cache's key
-positions (Inkling). For those layers (`own_cache_layers`) the attention module gets a forward of its own
+positions (Inkling), a dynamic mask from the cached values (Doge). For those layers (`own_cache_layers`) the attention module gets a forward of its own
 (`OwnCacheAttention`, set on the instance; the parameters stay transformers') that calls transformers' forward once
 per sequence of the step, on that sequence's rows, with
 - a real causal mask for the sequence ([1, 1, t, width] additive, the query positions against its whole context,
@@ -38,7 +38,8 @@ from moe_runtime.models.transformers_backend.probe import ProbedAttention
 
 OWN_CACHE_LAYER_TYPES = frozenset({"indexed_attention"})
 # model types whose every attention layer needs transformers' cache: what their attention computes from it
-OWN_CACHE_MODEL_TYPES = {"inkling_text": "a relative position bias over the cache's key positions"}
+OWN_CACHE_MODEL_TYPES = {"inkling_text": "a relative position bias over the cache's key positions",
+                         "doge": "a dynamic mask from the cached values over the causal mask"}
 # model types with such layers that still cannot run this way, and why
 REFUSED_MODEL_TYPES = {
     "kolibri1_1": "its indexed layers share keys and an index pool across layers (shared_kv_states, index_pool), "
