@@ -14,7 +14,7 @@ from torch import nn
 from moe_runtime.errors import UnsupportedArchitectureError
 from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.attention_span import SLIDING
-from moe_runtime.layers.kv_cache import KVCacheSpec, LayerKVCache
+from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.models.transformers_backend.experts import ExpertsSeam
 from moe_runtime.models.transformers_backend.kv_specs import kv_cache_spec
 from moe_runtime.models.transformers_backend.loading import load_transformers_weights

@@ -35,6 +35,7 @@ from moe_runtime.layers.attention_span import SLIDING
 from moe_runtime.models.micro_batches import sequence_run
 from moe_runtime.models.transformers_backend.paged_hf_cache import EntryLayout, PagedSequenceCache, RecordingCache
 from moe_runtime.models.transformers_backend.probe import ProbedAttention
+from moe_runtime.models.transformers_backend.forward_signature import takes_any_argument
 
 OWN_CACHE_LAYER_TYPES = frozenset({"indexed_attention"})
 # model types whose every attention layer needs transformers' cache: what their attention computes from it
@@ -175,17 +176,9 @@ def _attention_module(decoder_layer: nn.Module, layer: int) -> nn.Module | None:
     """The outermost module below the decoder layer with this `layer_idx`, an attention class, taking a cache."""
     for name, module in decoder_layer.named_modules():
         if name and getattr(module, "layer_idx", None) == layer and "Attention" in type(module).__name__ \
-                and _takes_cache(module):
+                and takes_any_argument(module, CACHE_ARGUMENTS):
             return module
     return None
-
-
-def _takes_cache(module: nn.Module) -> bool:
-    try:
-        parameters = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return any(name in parameters for name in CACHE_ARGUMENTS)
 
 
 def _packed(num_tokens: int, pieces: list[tuple[slice, object]]):

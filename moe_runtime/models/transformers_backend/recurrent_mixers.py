@@ -31,6 +31,7 @@ from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.state_cache import LayerStateCache
 from moe_runtime.models.transformers_backend.recurrent_bridge import RecurrentStateBridge
 from moe_runtime.models.transformers_backend.recurrent_state import RecurrentLayout
+from moe_runtime.models.transformers_backend.forward_signature import takes_any_argument
 
 CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")   # what transformers' mixers call their cache
 
@@ -169,7 +170,7 @@ def find_mixers(hf_model: nn.Module, layout: RecurrentLayout) -> dict[int, list[
     wanted = set(layout.layer_indices)
     candidates = [(name, module) for name, module in hf_model.named_modules()
                   if getattr(module, "layer_idx", None) in wanted and id(module) not in decoder_layers
-                  and _takes_cache(module)]
+                  and takes_any_argument(module, CACHE_ARGUMENTS)]
     names = [name for name, _ in candidates]
     found: dict[int, list[nn.Module]] = {}
     for name, module in candidates:
@@ -181,14 +182,6 @@ def find_mixers(hf_model: nn.Module, layout: RecurrentLayout) -> dict[int, list[
             f"transformers backend ({layout.model_type}): no module of layers {missing} takes a cache "
             "(the recurrent mixer whose state the backend keeps)")
     return dict(sorted(found.items()))
-
-
-def _takes_cache(module: nn.Module) -> bool:
-    try:
-        parameters = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return any(name in parameters for name in CACHE_ARGUMENTS)
 
 
 def _new_cache(hf_model: nn.Module, layout: RecurrentLayout):
