@@ -22,6 +22,7 @@ from tiny_checkpoints import HFOracle, build_model
 from moe_runtime import LLM
 from moe_runtime.config.engine_config import EngineConfigError
 from moe_runtime.errors import CheckpointError, InvalidRequestError, UnsupportedArchitectureError
+from moe_runtime.weights.quantization.int8_in_memory import quantize_int8_rows
 
 NEW_TOKENS = 6
 PROMPTS = [  # longer than a KV block (16) and than every window (8)
@@ -180,5 +181,30 @@ def test_weight_update_reaches_the_transformers_model(tiny_checkpoint_factory):
         llm.update_weights(str(second))
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == \
             HFOracle(second).greedy(PROMPTS, NEW_TOKENS)
+    finally:
+        llm.shutdown()
+
+
+def test_int8_experts_are_kept_int8_and_give_transformers_tokens_on_their_dequantized_weights(checkpoint):
+    """--quantization int8 on the generic path: the routed experts are quantized per output row into our stacks (the
+    rest stays in --dtype); the oracle is transformers with each expert's weights replaced by those int8 rows
+    dequantized, so the tokens must be equal."""
+    llm = LLM(str(checkpoint("dots1")), device="cpu", dtype="float32", model_impl="transformers",
+              quantization="int8", **CHUNKED)
+    stacks = list(llm.core.model.routed_experts)
+    assert stacks and all(w.w13.dtype == torch.int8 and w.w2.dtype == torch.int8 for w in stacks)
+    oracle = HFOracle(checkpoint("dots1"))
+    with torch.no_grad():
+        for module in oracle.model.modules():
+            if not hasattr(module, "gate_up_proj") or not hasattr(module, "is_transposed"):
+                continue
+            for name in ("gate_up_proj", "down_proj"):
+                weight = getattr(module, name)                                   # [E, out, in] (transposed: [E, in, out])
+                rows = weight.transpose(1, 2) if module.is_transposed else weight
+                q = quantize_int8_rows(rows)
+                dequantized = q.values.float() * q.scales.unsqueeze(-1)
+                weight.copy_(dequantized.transpose(1, 2) if module.is_transposed else dequantized)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == oracle.greedy(PROMPTS, NEW_TOKENS)
     finally:
         llm.shutdown()

@@ -93,8 +93,8 @@ def _bind_experts(architecture: str, hf: nn.Module, ctx: BuildContext, step: Ste
         num_experts = shape.num_experts
         weights = TransformersExpertWeights(
             executor.local_expert_ids(shape.num_experts), shape.hidden_size, shape.intermediate_size,
-            dtype=ctx.dtype, device=executor.routed_expert_device(ctx.device), bias=bool(module.has_bias),
-            activation=activation)
+            dtype=ctx.dtype, device=executor.routed_expert_device(ctx.device), quant=ctx.quant,
+            bias=bool(module.has_bias), activation=activation)
         seam = ExpertsSeam(executor, executor.register_layer(weights, shape.num_experts), weights, step,
                            shape.num_experts)
         object.__setattr__(module, SEAM_ATTRIBUTE, seam)

@@ -89,8 +89,10 @@ class ExpertsSeam:
     step: StepContext          # says whether this forward is an idle rank's stand-in
     num_experts: int           # logical experts of the layer
 
-    def take_weights(self, module: nn.Module) -> None:
-        """Copy this rank's experts from the module's loaded fused weights into ours, then drop the module's."""
+    def take_weights(self, module: nn.Module, reader) -> None:
+        """Copy this rank's experts from the module's loaded fused weights into ours, then drop the module's. Under
+        `--quantization int8 | fp8` each expert is quantized into our stacks as a native port's float checkpoint is
+        (`ExpertWeights.fill`); `reader` names the checkpoint in a shape error."""
         rows = torch.tensor(self.weights.expert_ids, dtype=torch.long, device=module.gate_up_proj.device)
         gate_up = module.gate_up_proj.detach().index_select(0, rows)            # [E_local, 2I, H] or [.., H, 2I]
         down = module.down_proj.detach().index_select(0, rows)                  # [E_local, H, I] or [.., I, H]
@@ -102,8 +104,13 @@ class ExpertsSeam:
             bias = None if bias is None else torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1)
         w = self.weights
         with torch.no_grad():
-            w.w13.copy_(gate_up)
-            w.w2.copy_(down)
+            if w.quant is not None:
+                for local in range(len(w.expert_ids)):
+                    w.fill(local, slice(None), gate_up[local], f"{module.__class__.__name__}.gate_up_proj", reader)
+                    w.fill(local, None, down[local], f"{module.__class__.__name__}.down_proj", reader)
+            else:
+                w.w13.copy_(gate_up)
+                w.w2.copy_(down)
             if bias is not None:
                 w.b13.copy_(bias)
                 w.b2.copy_(module.down_proj_bias.detach().index_select(0, rows))

@@ -91,7 +91,7 @@ class TransformersModel(nn.Module):
         load_transformers_weights(self.hf, reader, self.skipped, self.device, self.dtype,
                                   [name for name, _ in self.seams], self.shapes)
         for name, seam in self.seams:
-            seam.take_weights(self.hf.get_submodule(name))
+            seam.take_weights(self.hf.get_submodule(name), reader)
         self.hf.eval()
         return names
 

@@ -22,6 +22,10 @@ from moe_runtime.config.speculative import MODEL_DRAFTERS, SpeculativeConfig
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 MIXERLESS_LAYER_TYPES = frozenset({"moe", "mlp"})   # Nemotron-H's blocks without a token mixer
 
+# --quantization the backend serves: the routed experts kept quantized in our stacks (quantized at load from the
+# float weights transformers loaded); attention, dense MLPs and routers stay in --dtype
+EXPERT_QUANTIZATIONS = (None, "none", "int8", "fp8")
+
 
 def transformers_class(architecture: str):
     """transformers' class named `architecture` (config.json `architectures[0]`), a causal LM."""
@@ -84,8 +88,9 @@ def check_engine(architecture: str, pp: int, attn_tp: int, cp: int, quantization
     refusals += [r for r in (pp_refusal(architecture, pp), tp_refusal(architecture, attn_tp)) if r]   # their plans
     if cp > 1:
         refusals.append(f"--cp {cp}")
-    if quantization not in (None, "none"):
-        refusals.append(f"--quantization {quantization} (weights run in --dtype)")
+    if quantization not in EXPERT_QUANTIZATIONS:
+        refusals.append(f"--quantization {quantization} (the routed experts can be kept int8 or fp8; the rest runs "
+                        "in --dtype)")
     if engine is not None:
         if engine.enable_torch_compile:
             refusals.append("--enable-torch-compile (the decode capture traces the native layers)")
