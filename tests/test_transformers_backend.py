@@ -208,3 +208,24 @@ def test_int8_experts_are_kept_int8_and_give_transformers_tokens_on_their_dequan
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == oracle.greedy(PROMPTS, NEW_TOKENS)
     finally:
         llm.shutdown()
+
+
+def test_replicas_and_a_live_rebalance_serve_the_generic_path(checkpoint):
+    """EP 2 x DP attention 2 with two redundant expert slots: the executor's placement holds replicas of the
+    transformers model's experts, and a rebalance that moves them keeps transformers' tokens."""
+    expected = _expected(checkpoint, "tiny:qwen3_moe")
+    with LLM(str(checkpoint("tiny:qwen3_moe")), device="cpu", dtype="float32", model_impl="transformers", ep=2,
+             dp_attn=2, num_redundant_experts=2) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
+        event = llm.rebalance_now()
+        assert event.ok and event.experts_moved > 0, event
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == expected
+
+
+def test_host_experts_serve_the_generic_path(checkpoint):
+    """--cpu-experts: the transformers model's routed experts run on the host kernels beside its shared ones."""
+    with LLM(str(checkpoint("tiny:qwen3_moe")), device="cpu", dtype="float32", model_impl="transformers",
+             cpu_experts=True) as llm:
+        assert llm.core.model.executor.host_kernel is not None
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == \
+            _expected(checkpoint, "tiny:qwen3_moe")
