@@ -19,21 +19,13 @@ from engine_helpers import greedy, runtime_prefill_logits
 from lazy_engines import engine_pool
 from shared_builds import build_once, shared_root
 from tiny_checkpoints import HFOracle, build_model
+from transformers_backend_cases import CHUNKED, NEW_TOKENS, PROMPTS, SMALL as BASE_SHAPE
 from moe_runtime import LLM
 from moe_runtime.config.engine_config import EngineConfigError
 from moe_runtime.errors import CheckpointError, InvalidRequestError, UnsupportedArchitectureError
 from moe_runtime.weights.quantization.int8_in_memory import quantize_int8_rows
 
-NEW_TOKENS = 6
-PROMPTS = [  # longer than a KV block (16) and than every window (8)
-    [(7 * i + 3) % 500 + 5 for i in range(40)],
-    [(11 * i + 1) % 480 + 9 for i in range(23)],
-    [(5 * i + 2) % 490 + 7 for i in range(9)],
-]
-SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
-             initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-CHUNKED = dict(max_num_batched_tokens=16, enable_chunked_prefill=True, enable_prefix_caching=True)
+SMALL = dict(BASE_SHAPE, num_hidden_layers=2)
 
 
 def _config(name: str):
