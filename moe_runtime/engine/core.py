@@ -148,25 +148,27 @@ class EngineCore:
         """Free a parked request's blocks (its decode instance has them, or gave up, or it timed out)."""
         return self.exports is not None and self.exports.release(request_id)
 
-    def abort(self, request_id: str, reason: str = FinishReason.ABORT.value) -> bool:
-        """End a request early; `reason` ("abort", or "stop"/"error" when the front ended it) is its finish reason."""
-        self.tier_steps.abort(request_id)
-        seq = self.scheduler.abort(request_id, FinishReason(reason))
+    def drop_request(self, request_id: str, reason: str = FinishReason.ABORT.value) -> bool:
+        """The rank's half of an `AbortRequest`: the request leaves this worker wherever it is (scheduled, importing,
+        waiting for its grammar, parked) and its blocks are freed; `reason` ("abort", or "stop"/"error" when the
+        front ended it) is its finish reason. Whether it was here."""
+        self.tier_steps.stop_loads(request_id)
+        seq = self.scheduler.drop(request_id, FinishReason(reason))
         if seq is None and self.imports is not None:
-            seq = self.imports.abort(request_id)
+            seq = self.imports.cancel_pull(request_id)
             if seq is not None:
                 self.imports.allocate()   # its blocks may admit an import waiting for them
         if seq is None:
-            seq = self.grammar_waits.abort(request_id)
+            seq = self.grammar_waits.forget(request_id)
         parked = self.release_export(request_id)
         self._sequences.pop(request_id, None)
         return seq is not None or parked
 
     def drop_requests(self) -> None:
-        """Abort every request and free every parked export (a job that lost a rank: the front resumes the requests,
+        """Drop every request and free every parked export (a job that lost a rank: the front resumes the requests,
         and a decode instance still pulling an export computes it itself); their full blocks stay cached."""
         for request_id in list(self._sequences):
-            self.abort(request_id)
+            self.drop_request(request_id)
         if self.exports is not None:
             self.exports.release_all()
 
@@ -187,9 +189,8 @@ class EngineCore:
     def _forward_and_sample(self, seqs: list[Sequence], sampling: list[Sequence]) -> SampleResult:
         """Run `seqs`' scheduled tokens; sample for `sampling`, those of them whose tokens reach their end
         (a prefill chunk that stops short of it samples nothing)."""
-        if self.parallel.pp_size == 1:
-            logits = self.runner.execute(seqs)                                   # [len(sampling), V]
-            return self._sample(logits, sampling) if sampling else SampleResult.empty()
+        if self.parallel.pp_size == 1:   # a captured decode step may sample in its graph (ModelRunner)
+            return self.runner.execute_and_sample(seqs, self._sample)
         micro_batches = self.config.pp_micro_batches or self.parallel.pp_size
         result = run_pipeline_step(self.runner, seqs, self.parallel, micro_batches)
         self._compute_seconds += result.compute_seconds

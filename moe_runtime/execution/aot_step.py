@@ -43,35 +43,37 @@ DEFAULT_CACHE = Path.home() / ".cache" / "moe-runtime" / "aot_decode"
 class _StepModule(torch.nn.Module):
     """The step as export sees it: the model a submodule (its weights named by their paths), the KV caches inputs."""
 
-    def __init__(self, model: torch.nn.Module, caches: list[LayerKVCache], step: Callable):
+    def __init__(self, model: torch.nn.Module, caches: list[LayerKVCache], step: Callable, num_inputs: int):
         super().__init__()
         self.model = model
         self._caches = caches
         self._step = step
+        self._num_inputs = num_inputs   # the step's own tensors; the KV caches' follow
 
-    def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, *kv):
+    def forward(self, *args):
+        inputs, kv = args[:self._num_inputs], args[self._num_inputs:]
         for cache, keys, values in zip(self._caches, kv[0::2], kv[1::2]):
             cache.keys, cache.values = keys, values
-        return self._step(input_ids, positions, slot_mapping, block_tables, context_lens)
+        return self._step(*inputs)
 
 
 @dataclass
 class AotBucket:
-    """A loaded library: `run` takes the step's five tensors and returns (drafter hidden [B, H'], logits [B, V])."""
+    """A loaded library: `run` takes the step's tensors (the forward's five, then the sampling parameters) and
+    returns (drafter hidden [B, H'], logits [B, V], tokens and statuses [2, B])."""
     runner: Callable
     caches: list[LayerKVCache]
     constants: dict[str, torch.Tensor]   # what the library reads as its weights (held: it keeps their addresses)
     addresses: list[int]
     cache_hit: bool
 
-    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Sleep level 2 gives a weight new storage on wake (engine/sleep_mode.py): point the library at it again.
         addresses = [tensor.data_ptr() for tensor in self.constants.values()]
         if addresses != self.addresses:
             self.runner.load_constants(self.constants, check_full_update=True, user_managed=True)
             self.addresses = addresses
-        hidden, logits = self.runner(*inputs, *_kv_tensors(self.caches))
-        return hidden, logits
+        return tuple(self.runner(*inputs, *_kv_tensors(self.caches)))
 
 
 def _kv_tensors(caches: list[LayerKVCache]) -> list[torch.Tensor]:
@@ -92,15 +94,17 @@ def _digest(program: torch.export.ExportedProgram, inputs: tuple[torch.Tensor, .
 
 def compile_bucket(model: torch.nn.Module, caches: list[LayerKVCache], step: Callable,
                    inputs: tuple[torch.Tensor, ...], cache_dir: Path | None = None) -> AotBucket:
-    """Export `step` (model forward + LM head over `inputs`: input_ids, positions, slot_mapping, block_tables,
-    context_lens, one bucket's rows), compile it with AOTInductor (or load the library compiled before), and point
-    its weights at the model's."""
+    """Export `step` (model forward + LM head + sampling over `inputs`: input_ids, positions, slot_mapping,
+    block_tables, context_lens, then the rows' sampling parameters, one bucket's rows), compile it with AOTInductor
+    (or load the library compiled before), and point its weights at the model's."""
     kv = _kv_tensors(caches)
     # the width dynamic with the guards the model's code implies (Dim.AUTO: a named range is refused when export
     # cannot prove a guard such as a slice of a position table holds for all of it)
-    dynamic = (None, None, None, {1: torch.export.Dim.AUTO}, None, (None,) * len(kv))   # the varargs: one entry
+    # (the varargs: one entry, a spec per tensor; only the block table's width is dynamic)
+    dynamic = ((None, None, None, {1: torch.export.Dim.AUTO}) + (None,) * (len(inputs) - 4 + len(kv)),)
     try:
-        program = torch.export.export(_StepModule(model, caches, step), (*inputs, *kv), dynamic_shapes=dynamic,
+        program = torch.export.export(_StepModule(model, caches, step, len(inputs)), (*inputs, *kv),
+                                      dynamic_shapes=dynamic,
                                       strict=False)
     finally:
         for cache, keys, values in zip(caches, kv[0::2], kv[1::2]):

@@ -59,7 +59,9 @@ from moe_runtime.dispatch.backends import PHASE_DECODE
 from moe_runtime.execution.aot_step import AotBucket, compile_bucket
 from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import LayerKVCache
+from moe_runtime.sampling.graph_sampling import GraphSampling, GraphSamplingKind, sample_in_graph
 from moe_runtime.sampling.prompt_logprobs import prompt_logprobs_due
+from moe_runtime.sampling.sampling_row import SamplingRow
 from moe_runtime.records.sequence import Sequence
 from moe_runtime.execution.step_inputs import StepInputs
 
@@ -139,6 +141,8 @@ class CaptureStats:
     captured_verify_steps: int = 0                   # ... of which verified drafts (speculative decoding)
     eager_steps: int = 0                             # steps run eagerly (prefill, mixed, too large, fallback)
     buckets_compiled: list[int] = field(default_factory=list)  # batch buckets whose first step compiled
+    graphs_compiled: list[tuple[int, str]] = field(default_factory=list)  # (bucket, GraphSamplingKind value) compiled
+    graph_sampled_steps: int = 0                     # captured steps whose tokens the graph drew (graph_sampling.py)
     buckets_loaded: list[int] = field(default_factory=list)    # ... of which AOT libraries found on disk, not built
     disabled_reason: str | None = None               # set when capture gave up; every step then runs eagerly
 
@@ -169,9 +173,11 @@ class CapturedStep:
     logits: torch.Tensor           # [R, V] fp32
     hidden: torch.Tensor           # [R, H'] what a drafter reads (`CausalLM.drafter_hidden`): the final hidden
                                    # states [R, H], or the EAGLE-3 aux layers' inputs [R, 3H]
+    sampled: torch.Tensor | None = None   # [2, R] int64 each row's token and DrawStatus, when the graph sampled
 
     def copied(self) -> "CapturedStep":
-        return CapturedStep(self.logits.clone(), self.hidden.clone())
+        return CapturedStep(self.logits.clone(), self.hidden.clone(),
+                            None if self.sampled is None else self.sampled.clone())
 
 
 class DecodeCapture:
@@ -193,7 +199,7 @@ class DecodeCapture:
                 for tensor in (cache.keys, cache.values):
                     if tensor is not None:
                         torch._dynamo.mark_static_address(tensor)
-        self._aot: dict[int, AotBucket] = {}   # settings.aot: each bucket's library
+        self._aot: dict[tuple[int, GraphSamplingKind], AotBucket] = {}   # settings.aot: each bucket's libraries
         self._compiled = torch.compile(self._decode_step, backend=settings.backend, mode=settings.compile_mode(),
                                        options=settings.compile_options(), fullgraph=True, dynamic=False)
         if self.stats.disabled_reason is None:   # what the start-up log says is captured (/metrics counts it)
@@ -222,10 +228,13 @@ class DecodeCapture:
                 return False
         return True
 
-    def run(self, seqs: list[Sequence], inputs: StepInputs) -> CapturedStep | None:
+    def run(self, seqs: list[Sequence], inputs: StepInputs,
+            sampling: list[SamplingRow] | None = None) -> CapturedStep | None:
         """A covered step's (`covers`) drafter rows (`CapturedStep.hidden`) and next-token logits, one row per
         token (one per sequence without drafts), from the runner's prepared `inputs`; None for any other step, which
-        the runner then runs eagerly (counted in `stats.eager_steps`)."""
+        the runner then runs eagerly (counted in `stats.eager_steps`). With `sampling` (the step's sequences, one
+        row each, whose batch `GraphSampling.refusal` accepts) the graph also draws their tokens
+        (`CapturedStep.sampled`)."""
         if not self.covers(seqs):
             self.stats.eager_steps += 1
             return None
@@ -233,9 +242,12 @@ class DecodeCapture:
         verifying = num_rows > len(seqs)
         bucket = next(size for size in self.buckets if size >= num_rows)
         padded = self._pad(self._single_query_rows(inputs) if verifying else inputs, bucket)
-        first = bucket not in self.stats.buckets_compiled
+        graph = GraphSampling.of(sampling if sampling is not None and not verifying else [], bucket,
+                                 self.model.hf_config.vocab_size, inputs.input_ids.device)
+        first = (bucket, graph.kind.value) not in self.stats.graphs_compiled
         if first:
-            logger.info("compiling the decode step for batch bucket %d (backend %s)", bucket, self.settings.backend)
+            logger.info("compiling the decode step for batch bucket %d, %s sampling (backend %s)", bucket,
+                        graph.kind.value, self.settings.backend)
         try:
             if self.settings.cuda_graphs:   # the previous step's outputs are consumed: their memory may be reused
                 torch.compiler.cudagraph_mark_step_begin()
@@ -246,32 +258,37 @@ class DecodeCapture:
             # then reruns eagerly below and the capture turns off.
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=not first), \
                     torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                hidden, logits = self._step(bucket, padded)                   # [bucket, H'], [bucket, V]
+                hidden, logits, sampled = self._step(bucket, graph, padded + graph.tensors)  # [bucket, H'], [bucket, V]
         except Exception as failure:
             # A compile (first call of a bucket, or a recompile later) that fails must not fail the step: this step
             # and every later one run eagerly. An error of the model itself raises again there.
             self._disable(f"the compiled decode step failed ({failure.__class__.__name__}: {failure})")
             self.stats.eager_steps += 1
-            hidden, logits = self._decode_step(*padded)
+            hidden, logits, _ = self._decode_step(*padded)
             return CapturedStep(logits[:num_rows], hidden[:num_rows])
         if first:
-            self.stats.buckets_compiled.append(bucket)
+            self.stats.graphs_compiled.append((bucket, graph.kind.value))
+            if bucket not in self.stats.buckets_compiled:
+                self.stats.buckets_compiled.append(bucket)
         self.stats.captured_steps += 1
         self.stats.captured_verify_steps += verifying
-        step = CapturedStep(logits[:num_rows], hidden[:num_rows])
+        drew = sampling is not None and not verifying
+        self.stats.graph_sampled_steps += drew
+        step = CapturedStep(logits[:num_rows], hidden[:num_rows], sampled[:, :num_rows] if drew else None)
         # A CUDA graph's output lives in its pool and the next replay overwrites it: the caller gets its own copy.
         return step.copied() if self.settings.cuda_graphs else step
 
-    def _step(self, bucket: int, padded: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bucket's compiled step: AOTInductor's library (compiled or loaded on the bucket's first step), or the
-        graph dynamo runs."""
+    def _step(self, bucket: int, graph: GraphSampling, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The bucket's compiled step for `graph`'s sampling kind: AOTInductor's library (compiled or loaded on the
+        first step of the bucket and kind), or the graph dynamo runs (one per bucket and kind: their inputs differ)."""
         if not self.settings.aot:
-            return self._compiled(*padded)
-        if bucket not in self._aot:
-            self._aot[bucket] = compile_bucket(self.model, self.caches, self._decode_step, padded)
-            if self._aot[bucket].cache_hit:
+            return self._compiled(*inputs)
+        key = (bucket, graph.kind)
+        if key not in self._aot:
+            self._aot[key] = compile_bucket(self.model, self.caches, self._decode_step, inputs)
+            if self._aot[key].cache_hit and bucket not in self.stats.buckets_loaded:
                 self.stats.buckets_loaded.append(bucket)
-        return self._aot[bucket].run(*padded)
+        return self._aot[key].run(*inputs)
 
     @staticmethod
     def _single_query_rows(inputs: StepInputs) -> StepInputs:
@@ -306,15 +323,18 @@ class DecodeCapture:
         return input_ids, positions, slots, tables, context_lens
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The traced step: one new token per row through every layer, then the LM head: [B] -> the hidden rows a
-        drafter reads (`CausalLM.drafter_hidden`: the final hidden states [B, H] for MTP, the aux layers' inputs
-        [B, 3H] for an EAGLE-3 head) and the logits [B, V]."""
+                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     *sampling: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The traced step: one new token per row through every layer, then the LM head, then sampling: [B] -> the
+        hidden rows a drafter reads (`CausalLM.drafter_hidden`: the final hidden states [B, H] for MTP, the aux
+        layers' inputs [B, 3H] for an EAGLE-3 head), the logits [B, V] and each row's token and status [2, B]
+        (`sample_in_graph`; `sampling`: the rows' parameters, `GraphSampling.tensors`)."""
         batch = AttentionBatch(query_lens=[], context_lens=[], query_start=[0], slot_mapping=slot_mapping,
                                block_tables=block_tables, context_lens_tensor=context_lens,
                                block_size=self.block_size, static_decode=True)
         hidden = self.model(input_ids, positions, batch, self.caches)                # [B, H]
-        return self.model.drafter_hidden(hidden), self.model.logits(hidden)          # [B, H'], [B, V] fp32
+        logits = self.model.logits(hidden)                                           # [B, V] fp32
+        return self.model.drafter_hidden(hidden), logits, sample_in_graph(logits, positions, *sampling)
 
     def _disable(self, reason: str | None) -> None:
         if reason is None or self.stats.disabled_reason is not None:

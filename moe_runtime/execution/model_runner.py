@@ -4,10 +4,15 @@ requests that asked for prompt logprobs, kept until the engine core takes them).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from moe_runtime.config.engine_config import EngineConfigError
+from moe_runtime.sampling.device_draw import DeviceDraw, SampleResult
+from moe_runtime.sampling.graph_sampling import GraphSampling
+from moe_runtime.sampling.host_reads import step_result_transfer
 from moe_runtime.sampling.logprobs import PromptLogprobs
 from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.execution.decode_capture import CaptureSettings, CaptureStats, DecodeCapture
@@ -72,6 +77,12 @@ def draft_checkpoint_rows(state_slots: int, per_slot: int) -> DraftCheckpoints:
     return DraftCheckpoints(state_slots + 1 + SnapshotPoolSize().of(state_slots), per_slot)
 
 
+@dataclass
+class ExecutedStep:
+    logits: torch.Tensor               # [R, V] fp32 next-token logits of the sequences that sample
+    draw: DeviceDraw | None = None     # their tokens, when the captured graph sampled them
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  capture: CaptureSettings | None = None, kv_layout: KVCacheLayout | None = None):
@@ -111,6 +122,8 @@ class ModelRunner:
         # a drafter layer keeping per-sequence state (DeepSeek-V4's MTP layer): restored from a cached prefix's
         # snapshot and snapshotted at the step's boundaries like the model's compressed caches
         self.drafter_state_caches: list[LayerCompressedCache] = []
+        # a captured decode step samples its tokens itself where the batch lets it (GraphSampling.refusal)
+        self.sample_in_graph = True
         self.keep_hidden = False                      # a drafter reads each step's hidden states (MTP, EAGLE-3)
         self.last_hidden: TargetHidden | None = None  # ... the last step's (eager or captured), when asked
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.cache_bytes() / 2**20)
@@ -216,19 +229,39 @@ class ModelRunner:
                               torch.tensor(slots, dtype=torch.long, device=self.device), padded.to(self.device),
                               batch.context_lens_tensor, bs)
 
-    @torch.inference_mode()
     def execute(self, seqs: list[Sequence]) -> torch.Tensor:
         """Next-token logits [R, V] (fp32) of the sequences that sample this step (`samples_this_step`), in
         order, `seq.logit_rows` rows each (one; 1 + drafts when it verifies drafts); marks every sequence's
         scheduled tokens as cached."""
+        return self._execute(seqs, graph_sampling=False).logits
+
+    def execute_and_sample(self, seqs: list[Sequence],
+                           sample: Callable[[torch.Tensor, list[Sequence]], SampleResult]) -> SampleResult:
+        """`execute`, then the tokens of the sequences that sample: drawn inside the captured decode step when it
+        runs this batch and the batch's parameters let it (`GraphSampling.refusal`: else `sample`, the engine's
+        eager sampler, over the logits). The host then reads [2, B] int64 once: each row's token and status."""
+        sampling = [seq for seq in seqs if seq.samples_this_step]
+        in_graph = self.sample_in_graph and self.capture is not None and GraphSampling.refusal(sampling) is None
+        step = self._execute(seqs, graph_sampling=in_graph)
+        if not sampling:
+            return SampleResult.empty()
+        if step.draw is not None:
+            with step_result_transfer():
+                return step.draw.to_host()
+        return sample(step.logits, sampling)
+
+    @torch.inference_mode()
+    def _execute(self, seqs: list[Sequence], graph_sampling: bool) -> ExecutedStep:
         inputs = self.prepare(seqs)
         routing = self.arm_routing(seqs, inputs)   # routing replay: such a step runs eagerly
-        captured = None if self.capture is None or routing is not None else self.capture.run(seqs, inputs)
+        captured = None if self.capture is None or routing is not None else self.capture.run(
+            seqs, inputs, seqs if graph_sampling else None)
         if captured is not None:
             self.last_hidden = self._kept(seqs, inputs, captured.hidden) if self.keep_hidden else None
             for seq in seqs:
                 seq.commit_scheduled_tokens()
-            return captured.logits
+            draw = None if captured.sampled is None else GraphSampling.draw(captured.sampled, len(seqs))
+            return ExecutedStep(captured.logits, draw)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
         self.disarm_routing(routing, seqs, inputs)
         if self.keep_hidden:   # the final hidden states, or the aux layers' inputs where an EAGLE-3 head asks
@@ -236,7 +269,7 @@ class ModelRunner:
         self.score_prompts(seqs, inputs, hidden)
         for seq in seqs:
             seq.commit_scheduled_tokens()
-        return self.model.logits(hidden[inputs.last_token_index])
+        return ExecutedStep(self.model.logits(hidden[inputs.last_token_index]))
 
     def arm_routing(self, seqs: list[Sequence], inputs: StepInputs) -> StepRouting | None:
         """Arm routing replay on the model's MoE executor for this forward when a sequence of it records or

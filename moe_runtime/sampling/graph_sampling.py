@@ -1,0 +1,158 @@
+"""Sampling inside the captured decode step: the graph returns one token id (and a `DrawStatus`) per row.
+
+The eager `Sampler` builds its per-row parameters on the host and runs its ops one by one after the logits
+come out of the captured step; here the same ops are traced into the step itself, so a pure decode step is
+one call from the input ids to the token ids and the host reads [2, B] int64 once (tokens and statuses).
+
+The rows' parameters go in as [B] tensors with neutral values where a row does not use them (temperature 1
+and `greedy` set for greedy rows, top_k 0, top_p 1, min_p 0, penalties 1 / 0 / 0), so one graph serves any
+mix of greedy and sampled rows. Each op is the eager sampler's own (`apply_top_k_top_p`, `apply_min_p`'s
+threshold, `exponential_race` keyed by the row's seed and the position it samples): a seeded request draws
+the same token in the graph as in the eager sampler from the same logits, and greedy rows take the argmax
+of the same processed logits. The position a decode row samples is its input position + 1 (its
+`num_tokens`), computed in the graph.
+
+Three graph kinds (`GraphSamplingKind`), because the ops a batch needs differ a lot in cost and a compiled
+graph runs all it holds: GREEDY (an argmax; every batch that samples nothing at random, and the kind whose
+logits a fallback batch samples eagerly), SAMPLED (temperature, min-p, top-k, top-p, the seeded draw:
+a sort of every row's vocabulary) and PENALIZED (SAMPLED after repetition / frequency / presence penalties,
+from count tensors [B, V] built on the host as the eager sampler builds them).
+
+What stays with the eager sampler, for the whole batch (`GraphSampling.refusal` names why): structured
+output (the grammar's bitmask is filled on the host, per step), logit_bias, an active min_tokens ban,
+logprobs (their top-N lists), and any row that verifies drafts. Such a batch still runs the captured
+forward; the eager sampler then samples its logits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Sequence as Seq
+
+import torch
+
+from moe_runtime.sampling.counter_noise import exponential_race
+from moe_runtime.sampling.device_draw import DeviceDraw, DrawStatus
+from moe_runtime.sampling.logits_processors import token_counts
+from moe_runtime.sampling.sampler import apply_top_k_top_p
+from moe_runtime.sampling.sampling_row import SamplingRow
+
+
+class GraphSamplingKind(Enum):
+    GREEDY = "greedy"          # argmax only
+    SAMPLED = "sampled"        # + temperature, min-p, top-k, top-p, seeded draws
+    PENALIZED = "penalized"    # + repetition, frequency and presence penalties first
+
+    @property
+    def inputs(self) -> int:
+        """Tensors the kind's graph takes after the forward's five."""
+        return {GraphSamplingKind.GREEDY: 0, GraphSamplingKind.SAMPLED: 6, GraphSamplingKind.PENALIZED: 11}[self]
+
+
+@dataclass
+class GraphSampling:
+    """One batch's sampling parameters as the graph takes them, padded to the bucket's rows."""
+
+    kind: GraphSamplingKind
+    tensors: tuple[torch.Tensor, ...]   # `kind.inputs` of them, in `sample_in_graph`'s order
+
+    @staticmethod
+    def refusal(seqs: Seq[SamplingRow]) -> str | None:
+        """Why this batch must be sampled by the eager sampler (None: the graph samples it). Decided per batch,
+        on the host, from the rows' parameters alone."""
+        for seq in seqs:
+            params = seq.params
+            if getattr(seq, "drafts", None) is not None and seq.drafts.token_ids:
+                return "a row verifies drafts"
+            if seq.grammar is not None:
+                return "structured output"
+            if params.logit_bias:
+                return "logit_bias"
+            if len(seq.output_token_ids) < params.min_tokens:
+                return "min_tokens"
+            if params.logprobs is not None:
+                return "logprobs"
+        return None
+
+    @classmethod
+    def kind_of(cls, seqs: Seq[SamplingRow]) -> GraphSamplingKind:
+        params = [seq.params for seq in seqs]
+        if any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+               for p in params):
+            return GraphSamplingKind.PENALIZED
+        if any(not p.greedy for p in params):
+            return GraphSamplingKind.SAMPLED
+        return GraphSamplingKind.GREEDY
+
+    @classmethod
+    def of(cls, seqs: Seq[SamplingRow], rows: int, vocab: int, device: torch.device) -> "GraphSampling":
+        """`seqs`' parameters for a graph of `rows` rows (pad rows: greedy, neutral)."""
+        kind = cls.kind_of(seqs)
+        if kind is GraphSamplingKind.GREEDY:
+            return cls(kind, ())
+        pad = rows - len(seqs)
+        params = [seq.params for seq in seqs]
+
+        def column(values: list, neutral, dtype: torch.dtype) -> torch.Tensor:   # [rows]
+            return torch.tensor(values + [neutral] * pad, dtype=dtype, device=device)
+
+        greedy = [p.greedy for p in params]
+        tensors = (column(greedy, True, torch.bool),
+                   column([1.0 if g else float(p.temperature) for g, p in zip(greedy, params)], 1.0, torch.float32),
+                   column([min(max(p.top_k, 0), vocab) for p in params], 0, torch.int64),
+                   column([float(p.top_p) for p in params], 1.0, torch.float32),
+                   column([float(p.min_p) for p in params], 0.0, torch.float32),
+                   column([seq.sampling_seed for seq in seqs], 0, torch.int64))
+        if kind is GraphSamplingKind.PENALIZED:
+            penalized = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                         for p in params]
+            outputs = [seq.output_token_ids if wanted else [] for seq, wanted in zip(seqs, penalized)]
+            prompts = [seq.prompt_token_ids if seq.params.repetition_penalty != 1.0 else [] for seq in seqs]
+            tensors += (column([float(p.repetition_penalty) for p in params], 1.0, torch.float32),
+                        column([float(p.frequency_penalty) for p in params], 0.0, torch.float32),
+                        column([float(p.presence_penalty) for p in params], 0.0, torch.float32),
+                        token_counts(outputs + [[]] * pad, vocab, device),                     # [rows, V]
+                        token_counts(prompts + [[]] * pad, vocab, device))                     # [rows, V]
+        return cls(kind, tensors)
+
+    @staticmethod
+    def draw(tokens_status: torch.Tensor, rows: int) -> DeviceDraw:
+        """The graph's [2, bucket] output as the eager sampler's `DeviceDraw` of the batch's first `rows` rows."""
+        return DeviceDraw(tokens_status[0, :rows], tokens_status[1, :rows], [None] * rows, None)
+
+
+def sample_in_graph(logits: torch.Tensor, positions: torch.Tensor, *sampling: torch.Tensor) -> torch.Tensor:
+    """Traced inside the step: logits [B, V] fp32 and the rows' input positions [B] -> [2, B] int64, each row's
+    token and `DrawStatus`. `sampling` is empty (GREEDY), or greedy [B] bool, temperature, top_k, top_p, min_p,
+    seeds [B] (SAMPLED), and after them repetition, frequency, presence [B] and the output / prompt token
+    counts [B, V] (PENALIZED)."""
+    if len(sampling) == GraphSamplingKind.PENALIZED.inputs:
+        logits = _penalized(logits, *sampling[6:])
+    has_token = torch.isfinite(logits).any(dim=-1)                                          # [B]
+    no_token = torch.where(torch.isnan(logits).any(dim=-1), DrawStatus.LOGITS_NOT_FINITE, DrawStatus.NO_TOKEN_ALLOWED)
+    status = torch.where(has_token, DrawStatus.OK, no_token).to(torch.int64)               # [B]
+    tokens = logits.argmax(dim=-1)                                                           # [B]
+    if sampling:
+        greedy, temperature, top_k, top_p, min_p, seeds = sampling[:6]
+        scaled = logits / temperature[:, None]                                               # [B, V]
+        # min-p as `apply_min_p` (min_p 0: a -inf threshold drops nothing)
+        threshold = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]     # [B, 1]
+        scaled = scaled.masked_fill(scaled < threshold, -math.inf)
+        probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)                      # [B, V]
+        usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)                # [B]
+        drawn = exponential_race(probs.nan_to_num(0.0), seeds, positions + 1)                # [B]
+        tokens = torch.where(greedy, tokens, drawn)
+        unusable = ~greedy & (status == DrawStatus.OK) & ~usable
+        status = torch.where(unusable, DrawStatus.PROBS_NOT_FINITE, status)
+    return torch.stack([tokens, status])                                                     # [2, B]
+
+
+def _penalized(logits: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+               output_counts: torch.Tensor, prompt_counts: torch.Tensor) -> torch.Tensor:
+    """`apply_penalties`' arithmetic with [B] parameters (neutral rows unchanged: / 1, * 1, - 0)."""
+    repetition = repetition[:, None]                                                         # [B, 1]
+    seen = (prompt_counts + output_counts) > 0                                               # [B, V]
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0).float()
