@@ -111,7 +111,7 @@ def measure(way: str, prompt_tokens: int, world: int, repeats: int) -> dict:
             before = client.bytes_sent
             stalls.append(await admit_once(async_engine, f"{way}-{index}", prompt))
             sent = client.bytes_sent - before
-            async_engine.abort(f"{way}-{index}")
+            async_engine.front.abort(f"{way}-{index}")
         return stalls, sent
 
     stalls, sent = asyncio.run(run())

@@ -198,6 +198,8 @@ class FakeEngine:
         self.running: list[_FakeRequest] = []
         self.aborted: list[str] = []
         self.shut_down = False
+        self.stopped: str | None = None     # dead or stopped (`stop_serving`): what health() says
+        self._on_outputs = None             # attached: where an abort's last output goes
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self._lock = threading.RLock()      # the driver thread steps; the loop admits and aborts
@@ -217,17 +219,29 @@ class FakeEngine:
         self.prompt_tokens += len(prompt_token_ids)
 
     def abort(self, request_id: str) -> bool:
+        """As `Front.abort`: attached, the request's last output (finish_reason "abort") is delivered before this
+        returns."""
+        if self.stopped is not None:
+            return False
         with self._lock:
-            return self._abort(request_id)
+            request = self._abort(request_id)
+        if request is None:
+            return False
+        if self._on_outputs is not None:
+            self._on_outputs([RequestOutput(
+                request_id=request_id, prompt_token_ids=request.prompt, token_ids=list(request.tokens),
+                text=" ".join(str(t) for t in request.tokens), finished=True, finish_reason="abort",
+                new_token_ids=[])])
+        return True
 
-    def _abort(self, request_id: str) -> bool:
+    def _abort(self, request_id: str) -> _FakeRequest | None:
         for queue in (self.waiting, self.running):
             for request in list(queue):
                 if request.request_id == request_id:
                     queue.remove(request)
                     self.aborted.append(request_id)
-                    return True
-        return False
+                    return request
+        return None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -262,6 +276,8 @@ class FakeEngine:
                            self.prompt_tokens, self.generation_tokens)
 
     def health(self) -> EngineHealth:
+        if self.stopped is not None:
+            return EngineHealth(False, self.stopped)
         if self.health_fails_at_step is not None and self.steps >= self.health_fails_at_step:
             return EngineHealth(False, "rank 3 stopped answering (fake)")
         return EngineHealth(True)
@@ -277,9 +293,14 @@ class FakeEngine:
         """What `rebalance_now()` answers (subclasses: a planned RebalanceEvent)."""
         raise InvalidRequestError("the fake engine has one rank: nothing to rebalance")
 
+    def stop_serving(self, reason: str) -> None:
+        if self.stopped is None:
+            self.stopped = reason
+
     def shutdown(self) -> None:
         self.detach()
         self.shut_down = True
+        self.stop_serving("the engine was shut down")
 
     # ---- the rest of the front's face (`Engine`), as AsyncEngine drives it ----------------------------
     def prepare(self, request_id, prompt_token_ids, params, export_kv=False, import_kv=None):
@@ -313,6 +334,7 @@ class FakeEngine:
     def attach(self, on_outputs, on_death) -> None:
         """A driver thread steps the fake while it has work (the real front's in-process core does the same)."""
         loop = asyncio.get_running_loop()
+        self._on_outputs = on_outputs
         self._driver = threading.Thread(target=self._drive, args=(loop, on_outputs, on_death), daemon=True)
         self._driver.start()
 
@@ -325,9 +347,11 @@ class FakeEngine:
                 if not health.healthy:
                     raise EngineDeadError(health.detail)
             except EngineDeadError as exc:
+                self.stop_serving(str(exc))
                 loop.call_soon_threadsafe(on_death, str(exc))
                 return
             except Exception as exc:  # noqa: BLE001 - a crashed fake is a dead engine
+                self.stop_serving(f"the engine core failed: {exc!r}")
                 loop.call_soon_threadsafe(on_death, f"the engine core failed: {exc!r}")
                 return
             if outputs:

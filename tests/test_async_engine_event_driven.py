@@ -89,7 +89,7 @@ def test_abort_and_stop_strings_free_the_ranks_kv_blocks(setup):
         async for output in stream:
             if len(output.token_ids) >= 3:
                 break
-        async_engine.abort("long")
+        async_engine.front.abort("long")
         probe = [o async for o in async_engine.generate("probe", PROMPTS[0], greedy(6))]
         text = probe[-1].text
         stop = text[len(text) // 2:][:3] or text
@@ -131,5 +131,5 @@ def test_a_killed_rank_ends_every_stream_at_once(setup):
 
     first, waited, why = loop.run(scenario())
     assert first.new_token_ids and waited < 5 and "rank 1" in why
-    health = async_engine.health()
+    health = async_engine.front.health()
     assert not health.healthy and "rank 1" in health.detail

@@ -178,7 +178,7 @@ def test_a_request_aborted_while_loading_frees_its_blocks_and_the_others_go_on(l
         core.step()
         assert [seq.request_id for seq in core.scheduler.loading] == ["again"]
         assert [seq.request_id for seq in core.scheduler.running] == ["other"], "the others step while it loads"
-        assert core.abort("again")
+        assert core.drop_request("again")
         assert not core.scheduler.loading and core.tiers.wait_for("again") is False
         while core.has_unfinished():
             core.step()

@@ -92,9 +92,9 @@ def test_abort_gives_the_final_output_once():
     processor = OutputProcessor(None)
     processor.add("r", [9], SamplingParams(max_tokens=5))
     processor.process([TokenDelta("r", [4])])
-    final = processor.abort("r")
+    final = processor.end("r")
     assert final.finished and final.finish_reason == "abort" and final.token_ids == [4]
-    assert processor.abort("r") is None
+    assert processor.end("r") is None
 
 
 def test_a_delta_with_logprobs_crosses_the_wire_intact():

@@ -216,7 +216,7 @@ def test_async_engine_fails_only_the_request_the_engine_failed(llm, monkeypatch)
             return [o async for o in async_engine.generate(request_id, prompt, greedy(4))]
 
         results = await asyncio.gather(collect("a", PROMPTS[0]), collect("b", POISON), return_exceptions=True)
-        return results, async_engine.health()
+        return results, async_engine.front.health()
 
     (fine, failed), health = serve_in_process(llm.engine, scenario, timeout_s=90)
     assert isinstance(failed, RequestFailedError) and "injected sampling failure" in str(failed)

@@ -95,7 +95,7 @@ def test_queue_full_is_429_with_retry_after():
         await running.__anext__()
         await async_engine.submit("queued", [1], SamplingParams(max_tokens=2))
         refused = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
-        async_engine.abort("run")
+        async_engine.front.abort("run")
         metrics = parse_samples((await client.get("/metrics")).text)
         return refused, metrics
 
@@ -147,7 +147,7 @@ def test_a_failed_engine_operation_reports_its_error_and_the_engine_keeps_servin
         with pytest.raises(InvalidRequestError, match="nothing to rebalance"):
             await async_engine.rebalance_now()
         served = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
-        return served.status_code, async_engine.health().healthy
+        return served.status_code, async_engine.front.health().healthy
 
     status, healthy = serve(engine)(scenario)
     assert status == 200 and healthy  # a failed operation does not kill the engine

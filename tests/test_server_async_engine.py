@@ -100,7 +100,7 @@ def test_abort_from_outside_ends_the_stream_with_an_abort_output():
     async def main():
         stream = await async_engine.submit("x", [1], SamplingParams(max_tokens=500))
         first = await stream.__anext__()
-        async_engine.abort("x")
+        async_engine.front.abort("x")
         rest = [o async for o in stream]
         return first, rest
 
@@ -124,7 +124,7 @@ def test_queue_full_rejects_beyond_max_queue():
             await async_engine.submit("over", [1], SamplingParams(max_tokens=2))
         assert info.value.retry_after_s == 3
         assert async_engine.num_unstarted == 2
-        async_engine.abort("run")
+        async_engine.front.abort("run")
         for stream in queued:
             assert [o async for o in stream][-1].finished
         assert async_engine.num_unstarted == 0
@@ -149,7 +149,7 @@ def test_giving_up_on_a_long_submission_leaves_the_engine_healthy_and_empty():
         await busy.__anext__()          # the engine now sleeps 0.1 s per step
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(async_engine.submit("impatient", [1] * 64, SamplingParams(max_tokens=10)), 0)
-        async_engine.abort("busy")
+        async_engine.front.abort("busy")
         for _ in range(100):
             await asyncio.sleep(0.05)
             if not engine.has_unfinished():
@@ -158,7 +158,7 @@ def test_giving_up_on_a_long_submission_leaves_the_engine_healthy_and_empty():
 
     try:
         unfinished, waiting = run(main())
-        health = async_engine.health()
+        health = async_engine.front.health()
     finally:
         async_engine.shutdown()
     assert health.healthy, health.detail
@@ -186,7 +186,7 @@ def test_engine_death_ends_in_flight_requests_and_refuses_new_ones(failure):
 
     try:
         results = run(main())
-        health = async_engine.health()
+        health = async_engine.front.health()
     finally:
         async_engine.shutdown()
     assert all(len(r) < 100 for r in results)
@@ -202,8 +202,8 @@ def test_idle_engine_whose_health_fails_is_reported_dead():
     try:
         async def main():
             for _ in range(200):
-                if not async_engine.health().healthy:
-                    return async_engine.health()
+                if not async_engine.front.health().healthy:
+                    return async_engine.front.health()
                 await asyncio.sleep(0.01)
 
         health = run(main())
@@ -225,7 +225,7 @@ def test_shutdown_ends_in_flight_requests_with_an_error():
                 pass
 
     run(main())
-    assert not async_engine.health().healthy
+    assert not async_engine.front.health().healthy
 
 
 def test_stats_and_health_snapshots_follow_the_engine():
@@ -238,7 +238,7 @@ def test_stats_and_health_snapshots_follow_the_engine():
         await asyncio.sleep(0.05)
         stats = async_engine.front.stats()
         for i in range(3):
-            async_engine.abort(f"s{i}")
+            async_engine.front.abort(f"s{i}")
         return stats
 
     try:

@@ -79,7 +79,7 @@ class CoreCommands:
             if command.dp_rank == role.dp_rank and core.release_export(command.request_id):
                 self.report_step([], always=True)   # its blocks are free: the front's router hears it now
         elif isinstance(command, AbortRequest):
-            if core.abort(command.request_id, command.finish_reason):
+            if core.drop_request(command.request_id, command.finish_reason):
                 # its blocks are free now: tell the front, which would otherwise hear only at the next step
                 self.report_step([], always=True)
         elif isinstance(command, ResetPrefixCache):

@@ -153,11 +153,11 @@ class DecodeFront:
         from their first token). Release every prefill copy; the requests' ids."""
         abandoned = list(self._imports)
         for request_id in abandoned:
-            self.abort(request_id)
+            self.release(request_id)
         self.stats.recomputed += len(abandoned)
         return abandoned
 
-    def abort(self, request_id: str) -> bool:
+    def release(self, request_id: str) -> bool:
         """The request ended here before its import settled (client gone, stop string): release the prefill's copy."""
         entry = self._imports.pop(request_id, None)
         if entry is not None:

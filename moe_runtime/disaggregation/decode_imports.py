@@ -8,7 +8,7 @@ instances may split heads and layers differently) and hands the pull to its `KVS
 the blocks on its own thread (a hybrid model's recurrent states too, into the state slot its admission took:
 `kv_transfer.state_plan`). The request joins the running batch only on `activate`, a command
 the front sends once every rank of the worker has its KV; a failure on any rank fails it on all
-(`abort`). Every change to the block manager happens at a lock-step boundary or a step, in the same
+(`cancel_pull`). Every change to the block manager happens at a lock-step boundary or a step, in the same
 order on every rank of the worker, so their block managers never diverge (a pull that failed on one
 rank keeps its blocks until the front's abort reaches all of them).
 
@@ -131,7 +131,7 @@ class DecodeImports:
             seq.drafts.proposed, seq.drafts.proposed_at = list(entry.spec.first_drafts), seq.num_tokens
         return seq
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def cancel_pull(self, request_id: str) -> Sequence | None:
         """Drop an import wherever it is: its pull writes nothing more, its blocks are freed. The sequence, or None."""
         entry = self._imports.pop(request_id, None)
         if entry is None:
@@ -139,7 +139,7 @@ class DecodeImports:
         if any(waiting is entry for waiting in self._waiting):
             self._waiting.remove(entry)
         self.sink.cancel(request_id)           # no write into its blocks after this returns
-        self.grammars.abort(request_id)        # its compile, if still queued, is cancelled
+        self.grammars.forget(request_id)       # its compile, if still queued, is cancelled
         self.block_manager.free(entry.seq)
         return entry.seq
 

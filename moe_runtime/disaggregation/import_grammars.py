@@ -72,7 +72,7 @@ class ImportGrammars:
         entry.seq.grammar = state
         return state.accept(entry.first_token)
 
-    def abort(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         """Forget a request's grammar (its compile, if not started and nobody else wants it, is cancelled)."""
         entry = self._compiling.pop(request_id, None)
         if entry is not None:

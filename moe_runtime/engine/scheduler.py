@@ -162,7 +162,7 @@ class Scheduler:
     def num_running_tokens(self) -> int:
         return sum(seq.num_tokens for seq in self.running)
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
+    def drop(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
         """End a request before the engine would (client gone, or the front saw a stop string); frees its blocks."""
         for queue in (self.waiting, self.running, self.landed, self.loading, self.ready):
             for seq in list(queue):

@@ -84,7 +84,7 @@ class TierSteps:
         if self.tiers is not None:
             self.tiers.save_evicted(self.block_manager.take_evictions())
 
-    def abort(self, request_id: str) -> None:
+    def stop_loads(self, request_id: str) -> None:
         """A request leaving: a load in flight stops writing into its blocks before they are freed."""
         if self.tiers is not None:
             self.tiers.wait_for(request_id)

@@ -66,7 +66,7 @@ class AsyncAdminCommands:
                         await asyncio.sleep(ADMIN_POLL_S)
                 elif policy == "abort":
                     for request_id in list(self._streams):
-                        self.abort(request_id)
+                        self.front.abort(request_id)
                 return await asyncio.wrap_future(self.front.admin_command(make, after))
             finally:
                 if resumes is not None:

@@ -1,12 +1,12 @@
 """Drive the front (`Front`) from asyncio: request streams, the queue bound, death.
 
-One driver: the front is attached to the running loop on first use. Requests and aborts go straight
-to the engine core from the loop; the core's messages reach the loop as they arrive (the ranks'
+One driver: the front is attached to the running loop on first use. Requests (and the front's aborts,
+`front.abort`) go straight to the engine core from the loop; the core's messages reach the loop as they arrive (the ranks'
 ZeroMQ socket registered with the loop, or one hand-off per step from an in-process core's thread),
 and outputs reach their streams in the same loop iteration. No polling.
 
 When the engine dies every in-flight request ends with `EngineDeadError`, later submissions fail at
-once, and `health()` says why: nothing waits forever on a dead engine. A request the engine failed on
+once, and `front.health()` says why: nothing waits forever on a dead engine. A request the engine failed on
 its own (finish_reason "error") ends with `RequestFailedError`, for its caller only. A draining engine
 (`begin_drain`, SIGTERM) refuses new submissions with `ShuttingDownError` and lets those in flight finish;
 `wait_until_idle` says when none is left.
@@ -24,7 +24,6 @@ from typing import AsyncIterator
 
 from moe_runtime.disaggregation.kv_transfer.handle import KVHandle
 from moe_runtime.records.outputs import RequestOutput
-from moe_runtime.engine.stats import EngineHealth
 from moe_runtime.errors import (EngineDeadError, MoERuntimeError, QueueFullError, RequestFailedError,
                                 ShuttingDownError)
 from moe_runtime.front.front import Front
@@ -119,9 +118,11 @@ class RequestStream:
 class AsyncEngine(AsyncAdminCommands):
     """The front behind an asyncio face. Call `start()` once, `shutdown()` at the end.
 
-    `front` is the `Front` itself (tests pass a double with the same methods): the server reads the engine's
-    stats from it (`front.stats()`, kept current on the loop as the core's messages arrive); this class adds
-    only what the loop needs: streams, the queue bound, drain and death."""
+    `front` is the `Front` itself (tests pass a double with the same methods), and the one object that answers
+    the engine's request operations for every caller: the server calls `front.abort(id)` (the stream ends with
+    its "abort" output before it returns), `front.health()` and `front.stats()` (kept current on the loop as the
+    core's messages arrive); none of them is wrapped here. This class adds only what the loop needs: streams,
+    the queue bound, drain and death (which it tells the front: `front.stop_serving`)."""
 
     def __init__(self, front: Front, config: AsyncEngineConfig = AsyncEngineConfig()):
         self.front = front
@@ -295,33 +296,12 @@ class AsyncEngine(AsyncAdminCommands):
                 yield output
         finally:
             if not stream.finished:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        """Abort a request (its KV blocks are freed at the next step boundary); unknown ids are ignored."""
-        if self._dead_detail is None:
-            self.front.abort(request_id)
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        last = stream.last_output
-        self._receive([(stream, RequestOutput(
-            request_id=request_id, prompt_token_ids=stream.prompt_token_ids,
-            token_ids=list(last.token_ids) if last else [], text=last.text if last else "", finished=True,
-            finish_reason="abort", logprobs=last.logprobs if last else None,
-            num_preemptions=last.num_preemptions if last else 0, new_token_ids=[]))])
+                self.front.abort(request_id)
 
     def reset_prefix_cache(self) -> None:
         """Every DP worker forgets its cached KV blocks (blocks in use stay with their requests)."""
         self._check_alive()
         self.front.reset_prefix_cache()
-
-    def health(self) -> EngineHealth:
-        """The front's health, or why this loop stopped taking requests (a death it heard of, a shutdown)."""
-        with self._lock:
-            if self._dead_detail is not None:
-                return EngineHealth(False, self._dead_detail)
-        return self.front.health()
 
     def expert_load(self):
         """The latest `ExpertLoadSnapshot`, or None. Taking one is a lock-step command across every rank, so
@@ -465,6 +445,7 @@ class AsyncEngine(AsyncAdminCommands):
         with self._lock:
             if self._dead_detail is None:
                 self._dead_detail = detail
+        self.front.stop_serving(detail)   # its health says why from now on
         streams, self._streams = self._streams, {}
         running = _running_loop()
         for stream in streams.values():

@@ -218,14 +218,21 @@ class Front(FrontAdminCommands, FrontTransfers):
         self._emit(self._outputs_of(self.outputs.process([first])))
 
     def abort(self, request_id: str) -> bool:
+        """End a request now, for every caller and transport (the one abort: `LLM`'s callers, the server's routes
+        and a client gone all come here): its ranks free its KV blocks at their next step boundary, and, attached
+        to a loop, its last output (finish_reason "abort") reaches `on_outputs` before this returns, so its stream
+        has ended (a blocking caller that asked knows; `step()` returns nothing more for it). Whether it was in
+        flight (unknown or finished ids, and a dead engine, change nothing)."""
         if request_id not in self.outputs or self._dead is not None:
             return False
         if not self._recovering():   # else not sent again when the ranks are back
             self.client.send(AbortRequest(request_id=request_id))
-        self.outputs.abort(request_id)
+        output = self.outputs.end(request_id)
         self.router.release(request_id)
         if self.decode is not None:
-            self.decode.abort(request_id)   # its prefill instance frees its parked copy
+            self.decode.release(request_id)   # its prefill instance frees its parked copy
+        if self._on_outputs is not None:
+            self._on_outputs([output])
         return True
 
     def has_unfinished(self) -> bool:
@@ -282,7 +289,7 @@ class Front(FrontAdminCommands, FrontTransfers):
         for request_id, reason in processed.ended.items():
             self.client.send(AbortRequest(request_id=request_id, finish_reason=reason))
             if self.decode is not None:
-                self.decode.abort(request_id)
+                self.decode.release(request_id)
         for output in processed.outputs:
             if output.finished:
                 self.router.release(output.request_id)
@@ -471,7 +478,14 @@ class Front(FrontAdminCommands, FrontTransfers):
             return EngineHealth(True, f"serving on {serving} of {started} ranks after losing {started - serving}", True)
         return EngineHealth(True)
 
+    def stop_serving(self, reason: str) -> None:
+        """Take nothing more from now on (the server stops, or its loop ended the requests): `admit` refuses,
+        `abort` changes nothing and `health` says `reason` (an earlier death keeps its own). Any thread."""
+        if self._dead is None:
+            self._dead = reason
+
     def shutdown(self) -> None:
+        self.stop_serving("the engine was shut down")
         for front in (self.prefill, self.decode):
             if front is not None:
                 front.close()

@@ -80,10 +80,10 @@ class FrontAdminCommands:
         """Every request in flight ends in the front (finish_reason "abort", `reason` as its error)."""
         outputs = []
         for request_id in list(self.outputs.requests):
-            output = self.outputs.abort(request_id, reason)
+            output = self.outputs.end(request_id, reason)
             self.router.release(request_id)
             if self.decode is not None:
-                self.decode.abort(request_id)
+                self.decode.release(request_id)
             if output is not None:
                 outputs.append(output)
         return outputs

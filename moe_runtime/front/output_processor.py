@@ -78,8 +78,8 @@ class OutputProcessor:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, export_kv: bool = False) -> None:
         self.requests[request_id] = RequestState(request_id, prompt_token_ids, params, export_kv=export_kv)
 
-    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
-        """Forget the request; its final output (finish_reason "abort", with `error`: why the engine ended it), or
+    def end(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """End the request in the front (aborted, or ended by the engine: `error`) and forget it; its final output (finish_reason "abort", with `error`: why the engine ended it), or
         None if it was not running."""
         state = self.requests.pop(request_id, None)
         if state is None:

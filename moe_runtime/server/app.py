@@ -169,7 +169,7 @@ def build_app(
         503 {"status": "draining"} once SIGTERM came, so load balancers send the requests elsewhere."""
         if async_engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        health = async_engine.health()
+        health = async_engine.front.health()
         status = "unhealthy" if not health.healthy else "degraded" if health.degraded else "ok"
         return JSONResponse({"status": status}, status_code=200 if health.healthy else 503)
 

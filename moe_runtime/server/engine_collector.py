@@ -32,7 +32,7 @@ class EngineReading:
         """`expert_load` is the caller's: /metrics passes the fresh snapshot it awaited, the one
         /v1/expert_load serves, rather than the cached one, which can be up to 30 s old."""
         return cls(
-            healthy=async_engine.health().healthy,
+            healthy=async_engine.front.health().healthy,
             queued=async_engine.num_unstarted,
             stats=async_engine.front.stats(),
             expert_load=expert_load,

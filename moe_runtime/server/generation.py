@@ -136,7 +136,7 @@ class Generation:
             task.cancel()
         for stream in self._streams.values():
             if not stream.finished:
-                self.async_engine.abort(stream.request_id)
+                self.async_engine.front.abort(stream.request_id)
                 self.metrics.finish_reasons.inc("abort")
 
     def _log_outcome(self) -> None:

@@ -173,7 +173,7 @@ class GrammarWaits:
         self._arm_alarm()
         return decided
 
-    def abort(self, request_id: str) -> WaitsForGrammar | None:
+    def forget(self, request_id: str) -> WaitsForGrammar | None:
         """Forget a waiting request (its compile, if running, ends unused). The request, or None."""
         waiting = self._waiting.pop(request_id, None)
         if waiting is None:

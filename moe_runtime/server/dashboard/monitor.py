@@ -55,7 +55,7 @@ class DashboardMonitor:
         engine = self.async_engine
         snapshot = engine.expert_load()       # also keeps the snapshot fresh while the dashboard asks
         stats = engine.front.stats()
-        health = engine.health()
+        health = engine.front.health()
         if now - self._last_sample_t >= self.config.sample_interval_s:
             self._last_sample_t = now
             self.timeline.add(now, stats, snapshot, health.healthy)
