@@ -27,6 +27,7 @@ from moe_runtime.config.engine_config import EngineConfig
 from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.errors import EngineDeadError, InvalidRequestError
 from moe_runtime.processes.distributed import free_port
+from moe_runtime.kernels.thread_pool import ThreadPlan
 from moe_runtime.processes.worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def launch_job(config: EngineConfig, world: int, transfer_key: TransferKey | Non
         address = ControlAddress.tcp(config.master_addr, config.control_port or master_port + 1, key, heartbeat_timeout)
     setup = WorkerSetup(config=config, world_size=world, rendezvous=rendezvous, master_addr=config.master_addr,
                         master_port=master_port,
-                        num_threads=max(1, (os.cpu_count() or 1) // max(local_ranks, world // nnodes)),
+                        num_threads=ThreadPlan.for_rank(0, world // nnodes).threads,   # each rank decides its own
                         log_level=logging.getLogger().getEffectiveLevel(),
                         loopback_only=rendezvous_dir is not None)
     control = FrontControl(address, setup)

@@ -20,6 +20,7 @@ from moe_runtime.attention_dp.messages import Hello, WorkerFailed, WorkerReady
 from moe_runtime.load_balancer.live_rebalancer import LiveRebalancer, RebalanceGroups, RebalancePolicy
 from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.errors import InvalidRequestError
+from moe_runtime.kernels.thread_pool import ThreadPlan
 from moe_runtime.processes.collective_interrupt import CollectiveInterrupt, block_interrupt_signal
 from moe_runtime.processes.reform import ShutdownWhileWaiting, await_reform, can_reform, leave_process_groups, reform_core
 
@@ -44,7 +45,8 @@ def worker_main(address, rank: int, transfer_key: TransferKey | None = None) -> 
     logging.basicConfig(level=setup.log_level, format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
     generation = 0
     try:
-        torch.set_num_threads(setup.num_threads)
+        per_node = setup.world_size // setup.config.nnodes   # this host's ranks: one pool each, on its own cores
+        ThreadPlan.for_rank(rank % per_node, per_node).apply()
         core = build_worker_engine(setup, rank, transfer_key)
         if setup.generation:   # a lost rank's replacement: its placement is the others' (they gather theirs)
             generation = setup.generation
