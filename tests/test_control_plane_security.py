@@ -65,11 +65,15 @@ def _join(address: ControlAddress, rank: int, timeout_s: float = 10.0) -> Worker
     return WorkerControl(address, Hello(rank=rank, pid=0, host="test"), connect_timeout_s=timeout_s)
 
 
-def _join_in_background(front: FrontControl, address: ControlAddress, rank: int) -> WorkerControl:
-    """A rank joins while the front's thread serves its socket (as the launcher's start-up loop does)."""
+def _join_in_background(front: FrontControl, address: ControlAddress, rank: int,
+                        hello_queued_first: bool = False) -> WorkerControl:
+    """A rank joins while the front's thread serves its socket (as the launcher's start-up loop does); with
+    `hello_queued_first` the front starts reading only once the rank's Hello has had time to arrive (a busy front)."""
     joined: dict[str, WorkerControl] = {}
     thread = threading.Thread(target=lambda: joined.setdefault("rank", _join(address, rank)))
     thread.start()
+    if hello_queued_first:
+        time.sleep(1.0)
     deadline = time.monotonic() + 10
     while thread.is_alive() and time.monotonic() < deadline:
         assert front.receive(0.1) is None
@@ -335,6 +339,33 @@ def test_a_flood_of_half_open_connections_is_capped_and_logged_once(front, caplo
     ranks = [_join_in_background(front, front.address, rank) for rank in (0, 1)]   # the flood is over: ranks join
     assert sorted(front.hellos) == [0, 1]
     for rank in ranks:
+        rank.close()
+
+
+def test_a_stale_disconnect_of_a_closed_connection_does_not_end_the_rank_that_reuses_its_descriptor(front):
+    """Messages are read before connection events, so the closing of earlier connections can still be queued when
+    a Hello arrives over a new connection that took over one of their descriptors (seen in CI: a rank joining right
+    after a flood was ended by the flood's stale disconnect). The front applies the queued events first."""
+    # 24 connections from another process (so only the front's descriptors are freed here), from three addresses
+    # to stay under the cap of 10 per address; the joining rank's own new descriptors take fewer than 24
+    connections = ("import socket, sys\n"
+                   f"held = [socket.create_connection(('127.0.0.1', {front.address.port}), "
+                   "source_address=(f'127.0.0.{s}', 0)) for s in (2, 3, 4) for _ in range(8)]\n"
+                   "print('open', flush=True); sys.stdin.read()\n")
+    earlier = subprocess.Popen([sys.executable, "-c", connections], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    assert earlier.stdout.readline() == "open\n"
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        assert front.receive(0.1) is None   # accepted and counted
+    earlier.stdin.close()
+    earlier.wait(timeout=10)
+    time.sleep(0.5)   # their disconnects are queued, their descriptors free; nobody reads the events yet
+    rank = _join_in_background(front, front.address, 0, hello_queued_first=True)
+    try:
+        assert front.receive(0.5) is None   # no RankDisconnected for rank 0
+        assert front.ranks == [0]
+    finally:
         rank.close()
 
 

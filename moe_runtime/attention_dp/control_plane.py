@@ -38,6 +38,7 @@ import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
+from moe_runtime.security.closing_context import ClosingContext
 from moe_runtime.security.control_key import ControlKey
 from moe_runtime.attention_dp.messages import Hello, Message, MessageCodec, WorkerSetup
 from moe_runtime.attention_dp.pending_handshakes import HandshakeCaps, PendingHandshakes
@@ -140,7 +141,8 @@ class FrontControl:
         self.traffic = ControlTraffic()
         self._peers: dict[bytes, int] = {}      # routing id -> rank, for ranks that said Hello
         self._rank_by_fd: dict[int, int] = {}   # their connections' file descriptors
-        self._context = zmq.Context()
+        self._lost: list[int] = []              # ranks whose disconnect was seen while admitting a Hello
+        self._context = ClosingContext()
         self._authenticator = ThreadAuthenticator(self._context, log=logger.getChild("zap"))
         self._authenticator.start()
         key = bind.key
@@ -161,6 +163,7 @@ class FrontControl:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._async_socket: zmq.asyncio.Socket | None = None
         self._async_monitor: zmq.asyncio.Socket | None = None
+        self._lost_signal: asyncio.Event | None = None
         if bind.port == 0:
             port = self._socket.bind_to_random_port(bind.endpoint.rsplit(":", 1)[0])
             bind = dataclasses.replace(bind, endpoint=f"{bind.endpoint.rsplit(':', 1)[0]}:{port}")
@@ -207,6 +210,7 @@ class FrontControl:
         """
         self._async_socket = zmq.asyncio.Socket.from_socket(self._socket)
         self._async_monitor = zmq.asyncio.Socket.from_socket(self._monitor)
+        self._lost_signal = asyncio.Event()
 
     def detach_from_loop(self) -> None:
         """Back to blocking use (the loop is done with the socket, or gone): e.g. to send Shutdown.
@@ -222,6 +226,7 @@ class FrontControl:
                 loop.remove_reader(shadow.FD)
         self._async_socket = None
         self._async_monitor = None
+        self._lost_signal = None
 
     async def receive_async(self) -> tuple[int, Message]:
         """The next (rank, message), awaited on the loop; Hellos are answered on the way."""
@@ -231,13 +236,24 @@ class FrontControl:
                 return received
 
     async def wait_for_disconnect(self) -> int:
-        """Await the first rank whose connection closes; its rank."""
+        """Await the first rank whose connection closes; its rank (also one seen while a Hello was admitted)."""
         while True:
-            event = parse_monitor_message(await self._async_monitor.recv_multipart())
+            if self._lost:
+                return self._lost.pop(0)
+            self._lost_signal.clear()
+            event_received = asyncio.ensure_future(self._async_monitor.recv_multipart())
+            lost_signalled = asyncio.ensure_future(self._lost_signal.wait())
             try:
-                self._forget_connection(event)
-            except RankDisconnected as lost:
-                return lost.rank
+                await asyncio.wait({event_received, lost_signalled}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost_signalled.cancel()
+                if not event_received.done():
+                    event_received.cancel()
+            if event_received.done() and not event_received.cancelled():
+                try:
+                    self._forget_connection(parse_monitor_message(event_received.result()))
+                except RankDisconnected as lost:
+                    self._lost.append(lost.rank)
 
     def receive(self, timeout: float) -> tuple[int, Message] | None:
         """(rank, message) from any rank that said Hello, or None after `timeout` seconds.
@@ -246,6 +262,8 @@ class FrontControl:
         """
         deadline = time.monotonic() + timeout
         while True:
+            if self._lost:
+                raise RankDisconnected(self._lost.pop(0))
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
             ready = dict(self._poller.poll(remaining_ms))
             if not ready:
@@ -259,6 +277,22 @@ class FrontControl:
 
     def _watch_connections(self) -> None:
         self._forget_connection(recv_monitor_message(self._monitor))
+
+    def _take_queued_events(self) -> None:
+        """Apply every connection event already queued, before a Hello ties a rank to its connection's descriptor.
+
+        Messages are read before events (a rank's last words come before its disconnect), so the closing of an
+        earlier connection may still be queued when a Hello arrives over a new one that reuses its descriptor; taken
+        later, that stale event would end the new rank. Disconnects of ranks found here are raised by the next
+        `receive`, after the Hello has been answered.
+        """
+        while self._monitor.poll(0, zmq.POLLIN):
+            try:
+                self._watch_connections()
+            except RankDisconnected as lost:
+                self._lost.append(lost.rank)
+                if self._lost_signal is not None:
+                    self._lost_signal.set()   # on the loop: `wait_for_disconnect` takes it
 
     def _forget_connection(self, event: dict) -> None:
         """Count a connection the port accepted (TCP), forget one that closed; RankDisconnected if a rank's."""
@@ -290,6 +324,7 @@ class FrontControl:
             logger.warning("control plane: dropped an undecodable message from %r: %s", routing_id, exc)
             return None
         if isinstance(message, Hello):
+            self._take_queued_events()
             returned = message.rank in self._returning
             self._welcome(routing_id, message, frames[1].get(zmq.SRCFD))
             return (message.rank, message) if returned and message.rank in self.hellos else None
@@ -373,7 +408,7 @@ class WorkerControl:
 
     def __init__(self, address: ControlAddress, hello: Hello, connect_timeout_s: float = 600.0):
         self.codec = MessageCodec()
-        self._context = zmq.Context()
+        self._context = ClosingContext()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.ROUTING_ID, _routing_id(hello.rank))
         rank = address.key.rank_pair()
@@ -386,8 +421,12 @@ class WorkerControl:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._connected = False
-        self._socket.send(self.codec.encode(hello))
-        self.setup: WorkerSetup = self._first_setup(connect_timeout_s, address)
+        try:
+            self._socket.send(self.codec.encode(hello))
+            self.setup: WorkerSetup = self._first_setup(connect_timeout_s, address)
+        except BaseException:
+            self.close()   # no answer (or an interrupt): nothing of this end outlives the failure
+            raise
 
     def _first_setup(self, timeout_s: float, address: ControlAddress) -> WorkerSetup:
         try:

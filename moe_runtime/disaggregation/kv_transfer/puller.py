@@ -34,6 +34,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from moe_runtime.disaggregation.kv_transfer.cache_io import from_frame, write_blocks
+from moe_runtime.security.closing_context import ClosingContext
 from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.messages import KVCodec, PullBlocks, PullStates
 from moe_runtime.disaggregation.kv_transfer.plan import PullSource
@@ -129,7 +130,7 @@ class KVPuller:
         self._landed: deque[PullResult] = deque()
         self._lock = threading.Lock()          # guards writes into the cache against cancel, and the tables
         self._pull_ids = 0
-        self._context = zmq.Context()
+        self._context = ClosingContext()
         self._connections: OrderedDict[str, Connection] = OrderedDict()   # puller thread only
         self._thread = threading.Thread(target=self._run, name="kv-puller", daemon=True)
         self._thread.start()

@@ -16,6 +16,7 @@ from typing import Callable
 import msgspec
 import zmq
 
+from moe_runtime.security.closing_context import ClosingContext
 from moe_runtime.security.transfer_key import TransferKey
 from moe_runtime.disaggregation.kv_transfer.messages import KVCodec, ReleaseKV
 from moe_runtime.disaggregation.kv_transfer.sockets import CurveServer, curve_client
@@ -67,7 +68,7 @@ class ReleaseSender:
     def __init__(self, key: TransferKey):
         self.key = key
         self.codec = KVCodec()
-        self._context = zmq.Context()
+        self._context = ClosingContext()
         self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._lock = threading.Lock()   # a refused admission releases from a worker thread; the loop from its own
         self._closed = False

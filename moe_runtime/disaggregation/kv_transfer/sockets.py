@@ -12,6 +12,7 @@ import logging
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from moe_runtime.security.closing_context import ClosingContext
 from moe_runtime.security.socket_guard import OnlyKey, apply_liveness
 from moe_runtime.security.transfer_key import TransferKey
 
@@ -31,7 +32,7 @@ class CurveServer:
     """A ROUTER bound to a free port of `host`, admitting only holders of `key`; `endpoint` says where."""
 
     def __init__(self, key: TransferKey, host: str):
-        self.context = zmq.Context()
+        self.context = ClosingContext()
         self._authenticator = ThreadAuthenticator(self.context, log=logger.getChild("zap"))
         self._authenticator.start()
         self._authenticator.configure_curve_callback(ZAP_DOMAIN, OnlyKey(key.client_pair().public))
