@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_helpers import PROMPTS, greedy
-from moe_runtime import LLM
+from moe_runtime import LLM, SamplingParams
 from moe_runtime.execution import aot_step
 from moe_runtime.execution.decode_capture import CaptureSettings
 from moe_runtime.config.engine_config import EngineConfigError
@@ -75,13 +75,22 @@ def test_inductor_generated_code_gives_eager_tokens(tiny_checkpoint_factory, gre
     monkeypatch.setattr(aot_step, "DEFAULT_CACHE", tmp_path)
     arch = "qwen3_moe"
     expected = greedy_oracle(arch, PROMPTS, NEW_TOKENS)
+    # seeded sampling, drawn inside the library (the graph's sampled kind): the eager engine's tokens
+    seeded = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.85, seed=seed)
+              for seed in range(len(PROMPTS))]
+    with LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32") as llm:
+        expected_seeded = [o.token_ids for o in llm.generate(PROMPTS, seeded)]
     for run in ("compiles", "loads"):
         with LLM(str(tiny_checkpoint_factory(arch)), device="cpu", dtype="float32", enable_torch_compile=True) as llm:
             outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+            sampled = llm.generate(PROMPTS, seeded)
             stats = capture_stats(llm)
             assert llm.core.runner.capture.settings.aot
         assert [o.token_ids for o in outputs] == expected
-        assert stats.disabled_reason is None and stats.captured_steps == NEW_TOKENS - 1
+        assert [o.token_ids for o in sampled] == expected_seeded
+        assert stats.disabled_reason is None and stats.captured_steps == NEW_TOKENS - 1 + 7
+        assert stats.graph_sampled_steps == stats.captured_steps   # every step's tokens came out of the library
+        assert stats.graphs_compiled == [(4, "greedy"), (4, "sampled")]
         assert stats.buckets_loaded == ([] if run == "compiles" else [4])
 
 
