@@ -198,7 +198,7 @@ class FakeEngine:
         self.running: list[_FakeRequest] = []
         self.aborted: list[str] = []
         self.shut_down = False
-        self.stopped: str | None = None     # dead or stopped (`stop_serving`): what health() says
+        self.dead: str | None = None        # why the fake died (health() says it, as the front keeps its death)
         self._on_outputs = None             # attached: where an abort's last output goes
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -221,7 +221,7 @@ class FakeEngine:
     def abort(self, request_id: str) -> bool:
         """As `Front.abort`: attached, the request's last output (finish_reason "abort") is delivered before this
         returns."""
-        if self.stopped is not None:
+        if self.dead is not None:
             return False
         with self._lock:
             request = self._abort(request_id)
@@ -276,8 +276,8 @@ class FakeEngine:
                            self.prompt_tokens, self.generation_tokens)
 
     def health(self) -> EngineHealth:
-        if self.stopped is not None:
-            return EngineHealth(False, self.stopped)
+        if self.dead is not None:
+            return EngineHealth(False, self.dead)
         if self.health_fails_at_step is not None and self.steps >= self.health_fails_at_step:
             return EngineHealth(False, "rank 3 stopped answering (fake)")
         return EngineHealth(True)
@@ -293,14 +293,13 @@ class FakeEngine:
         """What `rebalance_now()` answers (subclasses: a planned RebalanceEvent)."""
         raise InvalidRequestError("the fake engine has one rank: nothing to rebalance")
 
-    def stop_serving(self, reason: str) -> None:
-        if self.stopped is None:
-            self.stopped = reason
+    def _die_with(self, reason: str) -> None:
+        if self.dead is None:
+            self.dead = reason
 
     def shutdown(self) -> None:
         self.detach()
         self.shut_down = True
-        self.stop_serving("the engine was shut down")
 
     # ---- the rest of the front's face (`Engine`), as AsyncEngine drives it ----------------------------
     def prepare(self, request_id, prompt_token_ids, params, export_kv=False, import_kv=None):
@@ -347,11 +346,11 @@ class FakeEngine:
                 if not health.healthy:
                     raise EngineDeadError(health.detail)
             except EngineDeadError as exc:
-                self.stop_serving(str(exc))
+                self._die_with(str(exc))
                 loop.call_soon_threadsafe(on_death, str(exc))
                 return
             except Exception as exc:  # noqa: BLE001 - a crashed fake is a dead engine
-                self.stop_serving(f"the engine core failed: {exc!r}")
+                self._die_with(f"the engine core failed: {exc!r}")
                 loop.call_soon_threadsafe(on_death, f"the engine core failed: {exc!r}")
                 return
             if outputs:

@@ -400,9 +400,9 @@ def test_a_stop_string_ends_the_request_on_the_core_with_reason_stop(llm, monkey
     [free_run] = llm.generate([PROMPTS[0]], greedy(12))
     stop = free_run.text[len(free_run.text) // 2:][:2] or free_run.text
     ended = []
-    real_abort = llm.core.abort
-    monkeypatch.setattr(llm.core, "abort", lambda request_id, reason="abort": (
-        ended.append(reason), real_abort(request_id, reason))[1])
+    real_drop = llm.core.drop_request
+    monkeypatch.setattr(llm.core, "drop_request", lambda request_id, reason="abort": (
+        ended.append(reason), real_drop(request_id, reason))[1])
     [stopped] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                          stop=[stop]))
     assert stopped.finish_reason == "stop" and ended == ["stop"]

@@ -122,7 +122,8 @@ class AsyncEngine(AsyncAdminCommands):
     the engine's request operations for every caller: the server calls `front.abort(id)` (the stream ends with
     its "abort" output before it returns), `front.health()` and `front.stats()` (kept current on the loop as the
     core's messages arrive); none of them is wrapped here. This class adds only what the loop needs: streams,
-    the queue bound, drain and death (which it tells the front: `front.stop_serving`)."""
+    the queue bound, drain and death (a death comes from the front, which keeps it for `health`; a stop this
+    class was asked for is `stopping`, which the server's /health reads)."""
 
     def __init__(self, front: Front, config: AsyncEngineConfig = AsyncEngineConfig()):
         self.front = front
@@ -445,7 +446,6 @@ class AsyncEngine(AsyncAdminCommands):
         with self._lock:
             if self._dead_detail is None:
                 self._dead_detail = detail
-        self.front.stop_serving(detail)   # its health says why from now on
         streams, self._streams = self._streams, {}
         running = _running_loop()
         for stream in streams.values():

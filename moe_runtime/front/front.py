@@ -478,14 +478,7 @@ class Front(FrontAdminCommands, FrontTransfers):
             return EngineHealth(True, f"serving on {serving} of {started} ranks after losing {started - serving}", True)
         return EngineHealth(True)
 
-    def stop_serving(self, reason: str) -> None:
-        """Take nothing more from now on (the server stops, or its loop ended the requests): `admit` refuses,
-        `abort` changes nothing and `health` says `reason` (an earlier death keeps its own). Any thread."""
-        if self._dead is None:
-            self._dead = reason
-
     def shutdown(self) -> None:
-        self.stop_serving("the engine was shut down")
         for front in (self.prefill, self.decode):
             if front is not None:
                 front.close()

@@ -166,9 +166,12 @@ def build_app(
     async def health() -> Response:
         """200 {"status": "ok"} or 503 {"status": "unhealthy"} (why is in the server log: this route is open);
         200 {"status": "degraded"} while the ranks restart after a lost one (requests are taken and wait);
-        503 {"status": "draining"} once SIGTERM came, so load balancers send the requests elsewhere."""
+        503 {"status": "draining"} once SIGTERM came, so load balancers send the requests elsewhere, and
+        503 {"status": "unhealthy"} once the server stops (its requests end)."""
         if async_engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if async_engine.stopping:
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
         health = async_engine.front.health()
         status = "unhealthy" if not health.healthy else "degraded" if health.degraded else "ok"
         return JSONResponse({"status": status}, status_code=200 if health.healthy else 503)
