@@ -44,7 +44,7 @@ def shared_blocks(first_salt: str | None, second_salt: str | None) -> int:
     manager.cache_full_blocks(first, len(PROMPT))
     second = seq("second", second_salt)
     assert manager.admit(second)
-    return len(set(first.block_table) & set(second.block_table))
+    return len(set(first.kv.block_table) & set(second.kv.block_table))
 
 
 # ---- the hash chain and the block manager ------------------------------------------------------------------

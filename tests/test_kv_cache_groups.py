@@ -79,7 +79,7 @@ def test_a_cached_prefix_is_reused_only_as_far_as_its_window_is_cached():
     again = seq(list(range(30)) + [77], "again")
     assert manager.admit(again)
     assert again.num_cached_tokens == 28                        # 7 full blocks, the window before 28 cached
-    assert [i for i, b in enumerate(again.window_tables[0]) if b != FREED] == [5, 6]   # keys 21..27
+    assert [i for i, b in enumerate(again.kv.window_tables[0]) if b != FREED] == [5, 6]   # keys 21..27
     manager.free(again)
     # evict the windowed block 6 (its pool's least recently used idle blocks go first when memory is needed)
     window = manager.windows[0]
@@ -94,7 +94,7 @@ def test_a_cached_prefix_is_reused_only_as_far_as_its_window_is_cached():
 def test_the_full_group_alone_decides_admission():
     manager = BlockManager(4, BLOCK, windows=((AttentionSpan(SLIDING, WINDOW), 3),))
     long = seq(list(range(17)))                                 # 5 full blocks: more than there are
-    assert not manager.admit(long) and long.block_table == [] and long.window_tables == []
+    assert not manager.admit(long) and long.kv.block_table == [] and long.kv.window_tables == []
 
 
 # ---------------------------------------------------------------------------------------- engine parity

@@ -100,10 +100,10 @@ def test_a_device_snapshot_is_copied_into_the_slot_before_another_capture_reuses
     scheduler.add(resumed)
     scheduler.add(other)
     scheduler.schedule()
-    assert scheduler.loading == [resumed] and resumed.state_restore == row
-    assert row in [captured for _, captured in other.state_captures], "the other request's capture takes the row"
+    assert scheduler.loading == [resumed] and resumed.kv.state_restore == row
+    assert row in [captured for _, captured in other.kv.state_captures], "the other request's capture takes the row"
     steps.after_schedule()
-    assert resumed.state_restore == -1, "copied now, not at its first step"
+    assert resumed.kv.state_restore == -1, "copied now, not at its first step"
     cache.conv[slots + 1 + row].fill_(0.0)          # the other request's step writes its snapshot there
-    assert torch.all(cache.conv[resumed.state_slot] == 42.0) and torch.all(cache.ssm[resumed.state_slot] == -3.0)
+    assert torch.all(cache.conv[resumed.kv.state_slot] == 42.0) and torch.all(cache.ssm[resumed.kv.state_slot] == -3.0)
     tiers.close()

@@ -76,12 +76,12 @@ def test_admission_reuses_the_longest_cached_prefix_but_computes_the_last_token(
     manager.cache_full_blocks(first, 12)
     again = seq(list(range(12)), "again")               # the same prompt: all but its last block reused
     assert manager.admit(again)
-    assert again.num_cached_tokens == 8 and again.block_table[:2] == first.block_table[:2]
-    assert again.block_table[2] != first.block_table[2], "the block with the last token is computed again"
+    assert again.num_cached_tokens == 8 and again.kv.block_table[:2] == first.kv.block_table[:2]
+    assert again.kv.block_table[2] != first.kv.block_table[2], "the block with the last token is computed again"
     longer = seq(list(range(10)) + [99, 98, 97], "longer")   # shares two blocks, then differs
     assert manager.admit(longer)
     assert longer.num_cached_tokens == 8
-    assert manager.pool._refs[first.block_table[0]] == 3
+    assert manager.pool._refs[first.kv.block_table[0]] == 3
     assert manager.counters.queries == 12 + 12 + 13 and manager.counters.hits == 8 + 8
     for s in (first, again, longer):
         manager.free(s)
@@ -117,7 +117,7 @@ def test_a_shared_block_is_not_evictable_while_referenced():
     manager.cache_full_blocks(a, 8)
     b = seq(list(range(4)) + [70, 71, 72, 73, 74], "b")   # reuses a's first block, needs two more: one free left
     assert not manager.admit(b), "only one block is free: b must wait"
-    assert b.block_table == [] and manager.pool._refs[a.block_table[0]] == 1, "a refused admission changes nothing"
+    assert b.kv.block_table == [] and manager.pool._refs[a.kv.block_table[0]] == 1, "a refused admission changes nothing"
     manager.free(a)
     assert manager.admit(b) and b.num_cached_tokens == 4
     manager.free(b)
@@ -162,7 +162,7 @@ def test_a_request_reuses_blocks_an_earlier_request_of_the_same_step_computes():
     scheduler.add(second)
     batch = scheduler.schedule()
     assert batch.seqs == [first, second]
-    assert second.num_cached_tokens == 28 and second.block_table[:7] == first.block_table[:7], \
+    assert second.num_cached_tokens == 28 and second.kv.block_table[:7] == first.kv.block_table[:7], \
         "a step writes every token's K/V before any attention read, so the later request reads them"
 
 

@@ -142,7 +142,7 @@ def test_state_slots_follow_admission_and_release():
     manager = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True, state_slots=2)
     seqs = [Sequence(f"r{i}", list(range(6)), greedy(1), arrival=i) for i in range(3)]
     assert manager.admit(seqs[0]) and manager.admit(seqs[1])
-    assert {seqs[0].state_slot, seqs[1].state_slot} == {0, 1}
-    assert not manager.admit(seqs[2]) and seqs[2].state_slot == -1 and not seqs[2].block_table
+    assert {seqs[0].kv.state_slot, seqs[1].kv.state_slot} == {0, 1}
+    assert not manager.admit(seqs[2]) and seqs[2].kv.state_slot == -1 and not seqs[2].kv.block_table
     manager.free(seqs[0])                                  # finished or preempted: its slot goes back
-    assert seqs[0].state_slot == -1 and manager.admit(seqs[2]) and seqs[2].state_slot >= 0
+    assert seqs[0].kv.state_slot == -1 and manager.admit(seqs[2]) and seqs[2].kv.state_slot >= 0

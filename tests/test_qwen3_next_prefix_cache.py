@@ -137,11 +137,11 @@ def test_snapshots_are_readable_only_after_their_step_and_pending_ones_are_not_e
     assert manager.admit(first)
     first.num_scheduled_tokens = 9
     manager.schedule_tokens(first, 9)
-    assert [position for position, _ in first.state_captures] == [4]   # one row: the first boundary only
+    assert [position for position, _ in first.kv.state_captures] == [4]   # one row: the first boundary only
     second = Sequence("b", list(range(9)), greedy(1), arrival=1)
     assert manager._cached_prefix(second).blocks == [], "the snapshot is not written before its step ran"
     first.commit_scheduled_tokens()
     prefix = manager._cached_prefix(second)
-    assert len(prefix.blocks) == 1 and prefix.restore == first.state_captures[0][1] and not prefix.tier_hashes
+    assert len(prefix.blocks) == 1 and prefix.restore == first.kv.state_captures[0][1] and not prefix.tier_hashes
     manager.free(first)
     assert snapshots.num_cached == 1

@@ -42,17 +42,17 @@ def test_a_roll_back_frees_window_blocks_and_marks_the_states_to_restore():
     seq.drafts.token_ids = [51, 52, 53, 54]
     manager.append_slot(seq, 4)
     manager.schedule_tokens(seq, 5)
-    assert len(seq.window_tables[0]) == 4                    # positions up to 13
+    assert len(seq.kv.window_tables[0]) == 4                    # positions up to 13
     seq.num_scheduled_tokens = 5
     seq.commit_scheduled_tokens()
     seq.output_token_ids.extend([51, 60])                    # one draft accepted, three rejected
     seq.drafts.token_ids = []
     manager.roll_back(seq)
-    assert seq.num_cached_tokens == 11 and seq.state_rollback == 3
-    assert len(seq.block_table) == 3 and len(seq.window_tables[0]) == 3
+    assert seq.num_cached_tokens == 11 and seq.kv.state_rollback == 3
+    assert len(seq.kv.block_table) == 3 and len(seq.kv.window_tables[0]) == 3
     manager.free(seq)
     assert manager.windows[0].pool.num_free_blocks == 16 and manager.states.num_free == 2
-    assert seq.state_rollback == -1
+    assert seq.kv.state_rollback == -1
 
 
 def test_a_verify_step_checkpoints_the_states_it_may_go_back_to():

@@ -96,14 +96,14 @@ def test_a_drafting_sequence_schedules_its_drafts_and_rolls_back_what_was_reject
     assert batch.phase == "decode", "a step of decodes verifying drafts is a decode step (drafts within its bound)"
     assert seq.num_scheduled_tokens == 6 and seq.scheduled_token_ids() == [8, 9, 9, 9, 9, 9]
     assert seq.samples_this_step and seq.logit_rows == 6
-    assert len(seq.block_table) == 4                        # positions up to 12 (7 + 1 + 5 drafts)
-    assert seq.num_registered_blocks == 2                   # the drafts' blocks are not cached
+    assert len(seq.kv.block_table) == 4                        # positions up to 12 (7 + 1 + 5 drafts)
+    assert seq.kv.num_registered_blocks == 2                   # the drafts' blocks are not cached
     seq.commit_scheduled_tokens()
     seq.output_token_ids.extend([9, 5])                     # one draft accepted, then the target's own token
     seq.drafts.token_ids = []
     manager.roll_back(seq)
     assert seq.num_cached_tokens == seq.num_tokens - 1 == 9 and seq.is_decoding
-    assert len(seq.block_table) == 3 and manager.num_free_blocks == 5
+    assert len(seq.kv.block_table) == 3 and manager.num_free_blocks == 5
 
 
 def test_drafts_wait_for_free_blocks_rather_than_preempt():

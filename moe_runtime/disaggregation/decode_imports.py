@@ -91,9 +91,9 @@ class DecodeImports:
             if entry.error is not None:
                 entry.result = PullResult(entry.seq.request_id, entry.error, 0, 0.0)
                 continue
-            self.sink.submit(PullJob(entry.seq.request_id, entry.spec.source_request_id, list(entry.seq.block_table),
+            self.sink.submit(PullJob(entry.seq.request_id, entry.spec.source_request_id, list(entry.seq.kv.block_table),
                                      len(entry.seq.prompt_token_ids), sources, self.timeout_s,
-                                     state_sources=state_sources, state_slot=entry.seq.state_slot))
+                                     state_sources=state_sources, state_slot=entry.seq.kv.state_slot))
 
     def take_landed(self) -> list[PullResult]:
         """Outcomes of imports that ended since the last call, each once. Nothing is freed here: a failed

@@ -43,7 +43,7 @@ class PrefillExports:
         token, which the first decode step continues from."""
         num_tokens = len(seq.prompt_token_ids)
         needed = self.block_manager.blocks_needed(num_tokens)
-        self.registry.park(seq.request_id, seq.block_table[:needed], num_tokens, seq.state_slot)
+        self.registry.park(seq.request_id, seq.kv.block_table[:needed], num_tokens, seq.kv.state_slot)
         self._parked[seq.request_id] = seq
         info = KVExportInfo(num_tokens)
         self._drafting.append((seq, info))

@@ -279,7 +279,7 @@ class EngineCore:
         if seq.queue_reported or seq.queue_seconds is None:
             return {}
         seq.queue_reported = True
-        return {"queue_seconds": seq.queue_seconds, "cached_prompt_tokens": seq.prefix_hit_tokens}
+        return {"queue_seconds": seq.queue_seconds, "cached_prompt_tokens": seq.kv.prefix_hit_tokens}
 
     def _fail(self, seq: Sequence, error: str) -> TokenDelta:
         """End a request the engine could not advance: its KV blocks are freed as for an abort, and its

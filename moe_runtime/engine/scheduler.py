@@ -27,7 +27,7 @@ When a decode finds no free block, the most recently admitted request is preempt
 freed (cached ones stay cached) and it goes back to the front of the queue, to be recomputed from
 its prompt plus the tokens it already produced.
 
-With KV tiers, a request whose admission found part of its prefix in a tier (`seq.tier_loads`) holds its blocks in
+With KV tiers, a request whose admission found part of its prefix in a tier (`seq.kv.tier_loads`) holds its blocks in
 `loading`, scheduled nowhere, while the engine brings the entries back (moe_runtime/kv_tiers/engine_tiers.py); then
 it is `ready` (`loaded`), holding its blocks, and starts computing the rest of its prompt at the next prefill
 scheduling, ahead of the waiting queue (which might otherwise hold a request that cannot fit beside it, forever).
@@ -143,7 +143,7 @@ class Scheduler:
         """Their loads are back on every rank: ready, in arrival order, holding their blocks."""
         for seq in sorted(seqs, key=lambda s: s.arrival):
             self.loading.remove(seq)
-            seq.tier_loads = []
+            seq.kv.tier_loads = []
             self.ready.append(seq)
 
     def load_failed(self, seq: Sequence) -> None:
@@ -286,7 +286,7 @@ class Scheduler:
             return None
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING
-        if seq.tier_loads:
+        if seq.kv.tier_loads:
             self.loading.append(seq)
             self._started_loading.append(seq)
             return False

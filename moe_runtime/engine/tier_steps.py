@@ -55,11 +55,11 @@ class TierSteps:
             return
         loaded = []
         for seq, succeeded in self.tiers.finish():
-            if succeeded == len(seq.tier_loads):
+            if succeeded == len(seq.kv.tier_loads):
                 loaded.append(seq)
             else:
                 logger.info("request %s: %d of its %d KV tier entries could not be loaded on every rank; it is "
-                            "admitted again", seq.request_id, len(seq.tier_loads) - succeeded, len(seq.tier_loads))
+                            "admitted again", seq.request_id, len(seq.kv.tier_loads) - succeeded, len(seq.kv.tier_loads))
                 self.scheduler.load_failed(seq)
         self.scheduler.loaded(loaded)
 
@@ -71,13 +71,13 @@ class TierSteps:
         if self.tiers is None:
             return
         started = self.scheduler.take_started_loading()
-        fetched = [self.tiers.fetch(seq.tier_loads) for seq in started]
+        fetched = [self.tiers.fetch(seq.kv.tier_loads) for seq in started]
         self.save_evicted()
         for seq, futures in zip(started, fetched):
-            if seq.state_restore >= 0:
-                self.tiers.contents.restore_row(seq.state_restore, seq.state_slot)
-                seq.state_restore = -1
-            self.tiers.start(seq.request_id, seq, seq.tier_loads, futures)
+            if seq.kv.state_restore >= 0:
+                self.tiers.contents.restore_row(seq.kv.state_restore, seq.kv.state_slot)
+                seq.kv.state_restore = -1
+            self.tiers.start(seq.request_id, seq, seq.kv.tier_loads, futures)
 
     def save_evicted(self) -> None:
         """Cached blocks reused outside a schedule (a P/D import's allocation) go down before a pull writes them."""

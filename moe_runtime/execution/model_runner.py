@@ -151,7 +151,7 @@ class ModelRunner:
             input_ids.extend(seq.scheduled_token_ids())   # a prefill chunk, the whole rest, or the one decode token
             positions.extend(range(start, start + seq.num_scheduled_tokens))
         dev = self.device
-        batch = AttentionBatch.over_ranges([seq.block_table for seq in seqs], [seq.num_cached_tokens for seq in seqs],
+        batch = AttentionBatch.over_ranges([seq.kv.block_table for seq in seqs], [seq.num_cached_tokens for seq in seqs],
                                            [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs],
                                            self.block_size, dev)
         batch.prompt_lens = [len(seq.prompt_token_ids) for seq in seqs]
@@ -172,21 +172,21 @@ class ModelRunner:
         """Each sequence's state slot for the linear layers; those computing their first token start from zero
         states (a new request, or a preempted one recomputed), those resuming a cached prefix from its snapshot
         (copied before the forward, so before any snapshot this step writes), those whose last step verified
-        drafts that were rejected from its checkpoint of the last accepted one (`seq.state_rollback`). The layers
-        write this step's snapshots (`seq.state_captures`) after the tokens that reach each boundary, and a
+        drafts that were rejected from its checkpoint of the last accepted one (`seq.kv.state_rollback`). The layers
+        write this step's snapshots (`seq.kv.state_captures`) after the tokens that reach each boundary, and a
         verifying sequence's checkpoints after each of its drafts but the last (`DraftCheckpoints`)."""
-        batch.state_slots = [seq.state_slot for seq in seqs]
-        fresh = [seq.state_slot for seq in seqs if seq.num_cached_tokens == 0]
+        batch.state_slots = [seq.kv.state_slot for seq in seqs]
+        fresh = [seq.kv.state_slot for seq in seqs if seq.num_cached_tokens == 0]
         base = self.state_slots + 1                                    # snapshot row r is state row base + r
-        prefix_starts = [(seq.state_slot, base + seq.state_restore) for seq in seqs if seq.state_restore >= 0]
-        starts = prefix_starts + [(seq.state_slot, self.draft_checkpoints.row(seq.state_slot, seq.state_rollback))
-                                  for seq in seqs if seq.state_rollback > 0]
-        captures = {seq.state_slot: [(position - seq.num_cached_tokens, base + row)
-                                     for position, row in seq.state_captures]
-                    for seq in seqs if seq.state_captures}
+        prefix_starts = [(seq.kv.state_slot, base + seq.kv.state_restore) for seq in seqs if seq.kv.state_restore >= 0]
+        starts = prefix_starts + [(seq.kv.state_slot, self.draft_checkpoints.row(seq.kv.state_slot, seq.kv.state_rollback))
+                                  for seq in seqs if seq.kv.state_rollback > 0]
+        captures = {seq.kv.state_slot: [(position - seq.num_cached_tokens, base + row)
+                                     for position, row in seq.kv.state_captures]
+                    for seq in seqs if seq.kv.state_captures}
         # recurrent states also keep a checkpoint after each draft (rejected drafts roll back to one); compressed
         # caches (DeepSeek-V4) index their rings by position and need none
-        checkpoints = {seq.state_slot: self.draft_checkpoints.captures(seq.state_slot, len(seq.drafts.token_ids))
+        checkpoints = {seq.kv.state_slot: self.draft_checkpoints.captures(seq.kv.state_slot, len(seq.drafts.token_ids))
                        for seq in seqs if seq.drafts.token_ids}
         states = [cache for cache in self.caches if isinstance(cache, LayerStateCache)]
         compressed = [cache for cache in self.caches if isinstance(cache, LayerCompressedCache)]
@@ -198,7 +198,7 @@ class ModelRunner:
         self._restore(states, starts)
         self._restore(compressed, prefix_starts)
         for seq in seqs:
-            seq.state_restore = seq.state_rollback = -1
+            seq.kv.state_restore = seq.kv.state_rollback = -1
         for cache in states:
             cache.captures = {slot: captures.get(slot, []) + checkpoints.get(slot, [])
                               for slot in set(captures) | set(checkpoints)}
@@ -218,7 +218,7 @@ class ModelRunner:
         """Windowed group `group`'s slots and block tables for this step (its released blocks read as the group's
         scratch block, which every query's window masks)."""
         bs, scratch = self.block_size, self.window_blocks[group - 1]
-        tables = [[block if block >= 0 else scratch for block in seq.window_tables[group - 1]] for seq in seqs]
+        tables = [[block if block >= 0 else scratch for block in seq.kv.window_tables[group - 1]] for seq in seqs]
         slots = [tables[i][p // bs] * bs + p % bs for i, seq in enumerate(seqs)
                  for p in range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens)]
         width = max((len(table) for table in tables), default=1) or 1

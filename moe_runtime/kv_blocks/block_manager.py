@@ -7,7 +7,7 @@ count as free: `num_free_blocks` is what a request can get now. A request's `cac
 chain (`chain_root`): it shares blocks only with requests of the same salt.
 
 A model with windowed layers beside full ones (moe_runtime/kv_blocks/kv_groups.py) has one more group per
-window: `seq.block_table` is the full group's, `seq.window_tables[i]` windowed group i + 1's
+window: `seq.kv.block_table` is the full group's, `seq.kv.window_tables[i]` windowed group i + 1's
 (moe_runtime/kv_blocks/window_blocks.py), prepared for each scheduled step (`schedule_tokens`). A cached
 prefix is reused only as far as every windowed group still holds the window its first new query reads.
 
@@ -15,13 +15,13 @@ A model with linear-attention layers (`state_slots`) gives each admitted sequenc
 (moe_runtime/kv_blocks/state_slots.py), freed with its blocks. With prefix caching it also keeps state snapshots at
 full-block boundaries (moe_runtime/kv_blocks/state_snapshots.py) under the full blocks' hashes: a cached prefix is
 reused only as far as a snapshot of its end is kept, and each scheduled step asks for snapshots of the block
-boundaries it computes (`seq.state_captures`).
+boundaries it computes (`seq.kv.state_captures`).
 
 With KV tiers below the device pool (`attach_tiers`, moe_runtime/kv_tiers/engine_tiers.py) a cached block or snapshot
 the pool reuses is recorded (`take_evictions`: its bytes go down before the step overwrites them), and a prefix is
 looked up past the device's blocks in the tiers too: the full group's blocks, each windowed group's window and the
 state snapshot at its end may each come from either. What comes from a tier gets fresh blocks (its slot, for the
-snapshot) and a `TierLoad` each (`seq.tier_loads`): the scheduler holds the request until they are back.
+snapshot) and a `TierLoad` each (`seq.kv.tier_loads`): the scheduler holds the request until they are back.
 """
 from __future__ import annotations
 
@@ -126,27 +126,27 @@ class BlockManager:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_needed(seq.num_tokens) - len(seq.block_table) <= self.num_free_blocks
+        return self.blocks_needed(seq.num_tokens) - len(seq.kv.block_table) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` fresh blocks for all its tokens (no cache lookup; its windowed groups those its uncomputed
         tokens read and write)."""
-        needed = self.blocks_needed(seq.num_tokens) - len(seq.block_table)
+        needed = self.blocks_needed(seq.num_tokens) - len(seq.kv.block_table)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"request {seq.request_id}: needs {needed} KV blocks, {self.num_free_blocks} free")
-        seq.block_table.extend(self.pool.take() for _ in range(needed))
-        if self.states is not None and seq.state_slot < 0:
-            seq.state_slot = self.states.take()
-        if len(seq.window_tables) != len(self.windows):
-            seq.window_tables = [[] for _ in self.windows]
-        for window, table in zip(self.windows, seq.window_tables):
+        seq.kv.block_table.extend(self.pool.take() for _ in range(needed))
+        if self.states is not None and seq.kv.state_slot < 0:
+            seq.kv.state_slot = self.states.take()
+        if len(seq.kv.window_tables) != len(self.windows):
+            seq.kv.window_tables = [[] for _ in self.windows]
+        for window, table in zip(self.windows, seq.kv.window_tables):
             window.prepare(table, seq.num_cached_tokens, seq.num_tokens)
 
     def admit(self, seq: Sequence, read_cache: bool = True) -> bool:
         """Give a waiting `seq` blocks for all its tokens, reusing its longest cached prefix when `read_cache`
         (then only the rest needs computing: `seq.num_cached_tokens` says how much is there). False, with
         nothing changed, when the blocks do not fit."""
-        if seq.block_table:
+        if seq.kv.block_table:
             raise RuntimeError(f"request {seq.request_id} is admitted while holding KV blocks")
         reuse = read_cache and self.prefix_cache is not None
         prefix = self._cached_prefix(seq) if reuse else CachedPrefix(window_tables=[[] for _ in self.windows])
@@ -156,25 +156,25 @@ class BlockManager:
         if needed > self.num_free_blocks - idle_hits or (self.states is not None and self.states.num_free == 0):
             return False
         if self.states is not None:
-            seq.state_slot = self.states.take()
+            seq.kv.state_slot = self.states.take()
         if prefix.restore >= 0:
             self.snapshots.use(prefix.restore)
-        seq.state_restore = prefix.restore
+        seq.kv.state_restore = prefix.restore
         for block in hits:
             self.pool.reference(block)
-        seq.block_table = hits + [self.pool.take() for _ in range(needed)]
-        loads = [TierLoad(TierKey(FULL_GROUP, block_hash), seq.block_table[len(hits) + i])
+        seq.kv.block_table = hits + [self.pool.take() for _ in range(needed)]
+        loads = [TierLoad(TierKey(FULL_GROUP, block_hash), seq.kv.block_table[len(hits) + i])
                  for i, block_hash in enumerate(prefix.tier_hashes)]
         for group, (window, table) in enumerate(zip(self.windows, prefix.window_tables), start=1):
             loads += [TierLoad(TierKey(group, prefix.hashes[index]), table[index]) for index in window.adopt(table)]
         if prefix.state_from_tier:
-            loads.append(TierLoad(TierKey(STATE_SNAPSHOT, prefix.hashes[prefix.num_blocks - 1]), seq.state_slot))
-        seq.tier_loads = loads
-        seq.window_tables = prefix.window_tables
+            loads.append(TierLoad(TierKey(STATE_SNAPSHOT, prefix.hashes[prefix.num_blocks - 1]), seq.kv.state_slot))
+        seq.kv.tier_loads = loads
+        seq.kv.window_tables = prefix.window_tables
         seq.num_cached_tokens = prefix.num_blocks * self.block_size
-        seq.num_registered_blocks = len(hits)   # blocks loaded from a tier are offered once they are back
+        seq.kv.num_registered_blocks = len(hits)   # blocks loaded from a tier are offered once they are back
         if not seq.output_token_ids:   # its first admission: a preempted request's recompute is not a cache hit
-            seq.prefix_hit_tokens = seq.num_cached_tokens
+            seq.kv.prefix_hit_tokens = seq.num_cached_tokens
         if reuse:
             self.prefix_cache.counters.queries += seq.num_tokens
             self.prefix_cache.counters.hits += seq.num_cached_tokens
@@ -189,7 +189,7 @@ class BlockManager:
         none = CachedPrefix(window_tables=[[] for _ in self.windows])
         if usable == 0:
             return none
-        hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, usable,
+        hashes = extend_block_hashes(seq.kv.block_hashes, seq.all_token_ids, self.block_size, usable,
                                      root=chain_root(seq.params.cache_salt))
         hits = self.pool.lookup(hashes[:usable])
         deepest = len(hits)
@@ -219,27 +219,27 @@ class BlockManager:
 
     def can_append(self, seq: Sequence, drafts: int = 0) -> bool:
         """Room for its next token (a decode step), and `drafts` more after it (speculation)?"""
-        return self.blocks_needed(seq.num_tokens + drafts) - len(seq.block_table) <= self.num_free_blocks
+        return self.blocks_needed(seq.num_tokens + drafts) - len(seq.kv.block_table) <= self.num_free_blocks
 
     def append_slot(self, seq: Sequence, drafts: int = 0) -> None:
-        while self.blocks_needed(seq.num_tokens + drafts) > len(seq.block_table):
-            seq.block_table.append(self.pool.take())
+        while self.blocks_needed(seq.num_tokens + drafts) > len(seq.kv.block_table):
+            seq.kv.block_table.append(self.pool.take())
 
     def roll_back(self, seq: Sequence) -> None:
         """Forget the K/V of its rejected drafts: the cache holds every token but its last (the one it sampled
         last), and the blocks past those are freed, in every group. Their K/V content is simply overwritten
         later; none of them was offered to the prefix cache (`schedule_tokens` registers tokens, never drafts).
         Recurrent states cannot be cut: the sequence's next step starts its slot from the checkpoint before the
-        rejected tokens (`seq.state_rollback`, moe_runtime/records/draft_checkpoints.py)."""
+        rejected tokens (`seq.kv.state_rollback`, moe_runtime/records/draft_checkpoints.py)."""
         rejected = seq.num_cached_tokens - (seq.num_tokens - 1)
         if rejected > 0 and self.states is not None:
-            seq.state_rollback = rejected
+            seq.kv.state_rollback = rejected
         seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
         keep = self.blocks_needed(seq.num_tokens)
-        for block in reversed(seq.block_table[keep:]):
+        for block in reversed(seq.kv.block_table[keep:]):
             self.pool.release(block)
-        del seq.block_table[keep:]
-        for window, table in zip(self.windows, seq.window_tables):
+        del seq.kv.block_table[keep:]
+        for window, table in zip(self.windows, seq.kv.window_tables):
             window.truncate(table, keep)
 
     def schedule_tokens(self, seq: Sequence, num_tokens: int) -> None:
@@ -247,9 +247,9 @@ class BlockManager:
         the step reads and writes (releasing those behind the window), and the full blocks it completes are
         registered for reuse."""
         first = seq.num_cached_tokens
-        if len(seq.window_tables) != len(self.windows):
-            seq.window_tables = [[] for _ in self.windows]
-        for window, table in zip(self.windows, seq.window_tables):
+        if len(seq.kv.window_tables) != len(self.windows):
+            seq.kv.window_tables = [[] for _ in self.windows]
+        for window, table in zip(self.windows, seq.kv.window_tables):
             window.prepare(table, first, first + num_tokens)
         computed = min(first + num_tokens, seq.num_tokens)   # drafts are not cached
         if self._forces_routing(seq):
@@ -266,59 +266,59 @@ class BlockManager:
 
     def _capture_states(self, seq: Sequence, first: int, stop: int) -> None:
         """Snapshot rows for the full-block boundaries in (first, stop] that the step computes (in order, while
-        rows are free or idle): the layers write each there during the step (`seq.state_captures`)."""
+        rows are free or idle): the layers write each there during the step (`seq.kv.state_captures`)."""
         bs = self.block_size
         boundaries = range((first // bs + 1) * bs, stop + 1, bs)
-        seq.state_captures = []
+        seq.kv.state_captures = []
         if not boundaries:
             return
-        hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, bs, stop // bs,
+        hashes = extend_block_hashes(seq.kv.block_hashes, seq.all_token_ids, bs, stop // bs,
                                      root=chain_root(seq.params.cache_salt))
         for position in boundaries:
             row = self.snapshots.capture(seq, position, hashes[position // bs - 1])
             if row is not None:
-                seq.state_captures.append((position, row))
+                seq.kv.state_captures.append((position, row))
 
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Register `seq`'s full blocks among its first `num_computed_tokens` (computed, or computed by the
         step being scheduled, whose cache writes precede every attention read in each layer)."""
         if self.prefix_cache is None or self._forces_routing(seq):
             return
-        full = min(num_computed_tokens // self.block_size, len(seq.block_table))
-        if full <= seq.num_registered_blocks:
+        full = min(num_computed_tokens // self.block_size, len(seq.kv.block_table))
+        if full <= seq.kv.num_registered_blocks:
             return
-        hashes = extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, full,
+        hashes = extend_block_hashes(seq.kv.block_hashes, seq.all_token_ids, self.block_size, full,
                                      root=chain_root(seq.params.cache_salt))
-        for index in range(seq.num_registered_blocks, full):
-            self.pool.store(seq.block_table[index], hashes[index])
-        for window, table in zip(self.windows, seq.window_tables):
-            window.register(table, hashes, seq.num_registered_blocks, min(full, len(table)))
-        seq.num_registered_blocks = full
+        for index in range(seq.kv.num_registered_blocks, full):
+            self.pool.store(seq.kv.block_table[index], hashes[index])
+        for window, table in zip(self.windows, seq.kv.window_tables):
+            window.register(table, hashes, seq.kv.num_registered_blocks, min(full, len(table)))
+        seq.kv.num_registered_blocks = full
 
     def window_blocks_held(self, seq: Sequence) -> list[int]:
         """Blocks `seq` holds in each windowed group."""
-        return [WindowBlocks.held(table) for table in seq.window_tables]
+        return [WindowBlocks.held(table) for table in seq.kv.window_tables]
 
     def free(self, seq: Sequence) -> None:
         # the tail first: idle blocks are evicted least recently parked first, so a prefix outlives its tails
-        for block in reversed(seq.block_table):
+        for block in reversed(seq.kv.block_table):
             self.pool.release(block)
-        for window, table in zip(self.windows, seq.window_tables):
+        for window, table in zip(self.windows, seq.kv.window_tables):
             window.release(table)
-        if self.states is not None and seq.state_slot >= 0:
-            self.states.release(seq.state_slot)
+        if self.states is not None and seq.kv.state_slot >= 0:
+            self.states.release(seq.kv.state_slot)
         if self.snapshots is not None:
             self.snapshots.forget_pending(seq)
-        seq.state_slot = -1
-        seq.state_restore = -1
-        seq.state_rollback = -1
-        seq.state_captures = []
-        seq.tier_loads = []
-        seq.block_table = []
+        seq.kv.state_slot = -1
+        seq.kv.state_restore = -1
+        seq.kv.state_rollback = -1
+        seq.kv.state_captures = []
+        seq.kv.tier_loads = []
+        seq.kv.block_table = []
         seq.drafts.token_ids = []
-        seq.window_tables = []
+        seq.kv.window_tables = []
         seq.num_cached_tokens = 0
-        seq.num_registered_blocks = 0
+        seq.kv.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (idle ones become free; those in use stay with their requests,

@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from moe_runtime.moe.routing_record import SequenceRouting
+from moe_runtime.records.sequence_kv import SequenceKV
 from moe_runtime.sampling.logprobs import PromptLogprobs, TokenLogprob
 from moe_runtime.sampling.params import SamplingParams
 from moe_runtime.sampling.structured_output.grammar_state import GrammarState
@@ -40,9 +41,9 @@ class Sequence:
     - set once at admission (engine/core.py): the request, its params and seed, `export_kv`, `routing`;
     - the scheduler (engine/scheduler.py): `status`, `finish_reason`, `num_scheduled_tokens`, `num_preemptions`,
       the output tokens and logprobs (`Scheduler.advance`); the core times the queue (`queue_*`);
-    - the block manager (kv_blocks/): `block_table`, `window_tables`, the recurrent-state slot and its rows
-      (`state_*`), `num_cached_tokens`, `block_hashes`, `num_registered_blocks`, `prefix_hit_tokens`, `tier_loads`
-      (a decode instance's import sets its cached tokens; the runner consumes the state rows it copies);
+    - the block manager (kv_blocks/): `kv`, where its KV lives (`SequenceKV`: block tables, the recurrent-state
+      slot and its rows, block hashes, tier loads), and `num_cached_tokens` (a decode instance's import sets it,
+      each step commits its scheduled tokens into it: the request's progress, which its properties below read);
     - speculation (speculative/): `drafts`;
     - the model runner (execution/): prompt scoring (`partial_prompt_logprobs`, `prompt_logprobs_done`);
     - structured output: `grammar`, attached once compiled.
@@ -56,17 +57,10 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    block_table: list[int] = field(default_factory=list)          # the full KV group's blocks
-    window_tables: list[list[int]] = field(default_factory=list)  # each windowed group's (-1: out of its window)
-    state_slot: int = -1                           # its recurrent-state slot (linear-attention models; -1: none)
-    state_restore: int = -1                        # snapshot row its slot starts from (a cached prefix; -1: none)
-    state_captures: list[tuple[int, int]] = field(default_factory=list)  # this step's (boundary position, snapshot row)
-    state_rollback: int = -1                       # its last verify step's rejected drafts: the slot goes back so far
+    kv: SequenceKV = field(default_factory=SequenceKV)    # where its KV lives (kv_blocks/ writes it)
     num_cached_tokens: int = 0                     # tokens whose K/V are in the cache
     num_scheduled_tokens: int = 0                  # tokens the current step computes (a prefill chunk, 1, or 1 + drafts)
     drafts: DraftState = field(default_factory=DraftState)   # speculation's (speculative/ writes it)
-    block_hashes: list[int] = field(default_factory=list)  # prefix hashes of its full blocks (prefix caching)
-    num_registered_blocks: int = 0                 # leading blocks of block_table offered to the prefix cache
     partial_prompt_logprobs: PromptLogprobs | None = None  # chunked prefill: the prompt scored so far
     num_preemptions: int = 0
     sampling_seed: int = -1                        # what keys its random draws (the request's seed, else a fresh one)
@@ -76,8 +70,6 @@ class Sequence:
     queued_at: float = 0.0                         # perf_counter when it arrived here (its queue time's start)
     queue_seconds: float | None = None             # arrival to first scheduled step, once known
     queue_reported: bool = False                   # ... and handed out in a delta
-    prefix_hit_tokens: int = 0                     # prompt tokens its first admission found in the prefix cache
-    tier_loads: list = field(default_factory=list)  # its admission's `TierLoad`s: entries of a KV tier it waits for
     routing: SequenceRouting | None = None         # routing replay: its record / forced ids (return_routed_experts,
                                                    # forced_routed_experts), on this rank's MoE layers
 

@@ -118,9 +118,9 @@ class MtpDrafter:
         if not rows.seqs and not self.lock_step:
             return
         dev = self.device
-        batch = AttentionBatch.over_ranges([seq.block_table for seq in rows.seqs], rows.starts, rows.stops,
+        batch = AttentionBatch.over_ranges([seq.kv.block_table for seq in rows.seqs], rows.starts, rows.stops,
                                            self.block_size, dev)
-        batch.state_slots = [seq.state_slot for seq in rows.seqs]
+        batch.state_slots = [seq.kv.state_slot for seq in rows.seqs]
         positions = torch.tensor([p for start, stop in zip(rows.starts, rows.stops) for p in range(start, stop)],
                                  dtype=torch.long, device=dev)                                   # [M]
         previous = step.hidden.index_select(0, torch.tensor(rows.hidden_rows, dtype=torch.long, device=dev))
@@ -156,7 +156,7 @@ class MtpDrafter:
         for j in range(1, self.k):
             # row j writes the layer's cache at last position + j: only where the sequence's blocks reach
             kept = [a for a, i in enumerate(alive)
-                    if last_positions[i] + j < len(seqs[i].block_table) * self.block_size]
+                    if last_positions[i] + j < len(seqs[i].kv.block_table) * self.block_size]
             if not kept and not self.lock_step:
                 break
             if len(kept) < len(alive):
@@ -164,9 +164,9 @@ class MtpDrafter:
                 hidden, token = hidden.index_select(0, keep), token.index_select(0, keep)
                 alive = [alive[a] for a in kept]
             position = [last_positions[i] + j for i in alive]
-            batch = AttentionBatch.over_ranges([seqs[i].block_table for i in alive], position,
+            batch = AttentionBatch.over_ranges([seqs[i].kv.block_table for i in alive], position,
                                                [p + 1 for p in position], self.block_size, dev)
-            batch.state_slots = [seqs[i].state_slot for i in alive]
+            batch.state_slots = [seqs[i].kv.state_slot for i in alive]
             hidden = self.layer.predict(torch.tensor(position, dtype=torch.long, device=dev), token, hidden, batch,
                                         self.cache)                                             # [A, H]
             token = self.layer.logits(hidden).argmax(dim=-1)                                    # [A]
