@@ -13,6 +13,7 @@ from moe_runtime.load_balancer import (
                 save_trace,
             )
 from moe_runtime.load_balancer.replica_choice import replica_table
+from multirank import ranks  # noqa: F401  (fixture)
 
 
 def run_steps(recorder, steps, layers, experts, placement, seed=0):
@@ -108,27 +109,19 @@ def test_recorder_rejects_bad_window_and_placement():
         recorder.set_placement(rebalance(torch.ones(2, 4), 4, 2))
 
 
-def _record_on_rank(rank: int, world: int, store_path: str, out_path: str) -> None:
+def _record_on_rank() -> list[list[int]]:
+    """On each rank of the pool's gloo group: this rank's counts, then the snapshot summed over the group."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    try:
-        recorder = ExpertLoadRecorder(1, 4, 4, 2, window=2)
-        recorder.record(0, torch.tensor([[rank, rank], [3, 3]]))  # rank r: expert r twice, expert 3 twice
-        recorder.end_step()
-        snap = recorder.snapshot(group=dist.group.WORLD)
-        if rank == 0:
-            torch.save(snap.counts, out_path)
-    finally:
-        dist.destroy_process_group()
+    rank = dist.get_rank()
+    recorder = ExpertLoadRecorder(1, 4, 4, 2, window=2)
+    recorder.record(0, torch.tensor([[rank, rank], [3, 3]]))  # rank r: expert r twice, expert 3 twice
+    recorder.end_step()
+    return recorder.snapshot(group=dist.group.WORLD).counts.tolist()
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_snapshot_sums_counts_over_a_process_group(tmp_path):
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "counts.pt"
-    mp.spawn(_record_on_rank, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
-    assert torch.load(out).tolist() == [[2, 2, 0, 4]]
+def test_snapshot_sums_counts_over_a_process_group(ranks):
+    """Two ranks of the session's shared gloo pool (multirank.py: started once, not per test): every rank's
+    snapshot holds the counts of both."""
+    assert ranks(2).run(_record_on_rank) == [[[2, 2, 0, 4]]] * 2
