@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import sys
 
@@ -315,5 +316,17 @@ def _serve_or_join(server_config: ServerConfig, engine_config: EngineConfig) -> 
     return serve(server_config, engine_config)
 
 
+def console_main() -> int:
+    """The `moe-serve` command: `main`, then an exit that does not walk the engine's objects again.
+
+    The interpreter's last collection visits every object still alive (torch's and transformers' modules, the
+    model, the tokenizer: some 450k) only to find nearly all of them reachable: 2-3 s between "stopped" and the
+    process's end, which a restart or a supervisor waits for. Freezing them first skips that walk; nothing else
+    of the shutdown (atexit handlers, flushed streams, finalizers of the objects dropped by then) changes."""
+    code = main()
+    gc.freeze()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())
