@@ -150,7 +150,12 @@ def sample_in_graph(logits: torch.Tensor, positions: torch.Tensor, *sampling: to
 
 def _penalized(logits: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
                output_counts: torch.Tensor, prompt_counts: torch.Tensor) -> torch.Tensor:
-    """`apply_penalties`' arithmetic with [B] parameters (neutral rows unchanged: / 1, * 1, - 0)."""
+    """`apply_penalties`' arithmetic with [B] parameters (neutral rows unchanged: / 1, * 1, - 0). The counts are
+    [B, vocab]; an LM head with more rows than the vocabulary (padded) gets zero counts for the extra ones."""
+    extra = logits.shape[-1] - output_counts.shape[-1]    # known when traced: the graph's shapes are static
+    if extra > 0:
+        output_counts = torch.nn.functional.pad(output_counts, (0, extra))
+        prompt_counts = torch.nn.functional.pad(prompt_counts, (0, extra))
     repetition = repetition[:, None]                                                         # [B, 1]
     seen = (prompt_counts + output_counts) > 0                                               # [B, V]
     penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
