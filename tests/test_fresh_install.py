@@ -47,7 +47,8 @@ print(json.dumps({
 }))
 """
 
-# A transformers model in the same environment: a tiny random Llama, generated greedily.
+# A transformers model in the same environment: a tiny random Llama, generated greedily (run after the report, in
+# the same process: torch and transformers are imported once).
 TRANSFORMERS_RUN = """
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -121,13 +122,15 @@ def scratch(tmp_path_factory):
 def test_the_wheel_serves_beside_hf_kernels_and_transformers_still_runs(scratch):
     venv, _, outside = scratch
     python = str(venv / "bin" / "python")
-    report = json.loads(run([python, "-c", ENVIRONMENT_REPORT], outside, 120))
+    report_line, generated_length = run([python, "-c", ENVIRONMENT_REPORT + TRANSFORMERS_RUN], outside,
+                                        300).splitlines()
+    report = json.loads(report_line)
     assert report["hub_has_get_kernel"], report                       # `import kernels` is Hugging Face's
     assert "site-packages/moe_runtime/kernels" in report["our_kernels_file"], report   # ours, from the wheel
     assert all(report["cpu_sources"]), report                         # the C++ sources travelled as package data
     assert {"index.html", "dashboard.js", "plan.js", "dashboard.css"} <= set(report["static_files"]), report
+    assert generated_length == "8"                                    # transformers runs a model beside us
     completes(InstalledMoeServe(venv / "bin" / "moe-serve", outside))
-    assert run([python, "-c", TRANSFORMERS_RUN], outside, 300).strip() == "8"
 
 
 def test_an_editable_install_serves_from_another_directory(scratch):
