@@ -13,7 +13,7 @@ ADMIN_POLL_S = 0.01   # how often a draining weight update looks whether the run
 
 
 class AsyncAdminCommands:
-    """Mixed into `AsyncEngine` (its engine, streams, abort and liveness checks; `_admin_lock` and
+    """Mixed into `AsyncEngine` (its front, whose `abort` ends a stream, its streams and liveness checks; `_admin_lock` and
     `_admission_resumes`, set in its constructor)."""
 
     async def update_weights(self, path: str, policy: str = "drain", checksums: bool = False) -> AdminResult:

@@ -6,8 +6,10 @@
 Either way the front sends the control plane's commands (`attention_dp.messages`: `AddRequest`,
 `AbortRequest`, ...) and takes in the same rank messages (`StepOutputs`, `KVImported`,
 `ExpertLoadReport`, `RebalanceReport`), so admission, output processing, routing and the P/D halves
-exist once, in `Front`. A client is driven one of two ways, never both: `receive` (a caller that
-blocks: `LLM`, tests, benchmarks) or `attach` (an asyncio loop: the server).
+exist once, in `Front`; so do the request operations (`Front.abort`, `health`, `stats`: an abort reaches
+the ranks as an `AbortRequest`, the stats come in `StepOutputs`), which no client declares. A client is driven
+one of two ways, never both: `receive` (a caller that blocks: `LLM`, tests, benchmarks) or `attach` (an asyncio
+loop: the server).
 """
 from __future__ import annotations
 
