@@ -6,6 +6,12 @@ request then the traced one: a non-streamed `/v1/completions`, greedy, 4 tokens.
 `moe_runtime` file counts, on every thread (the loop, the conversion worker, the engine-core thread); the calls
 inside `EngineCore.schedule` and `execute` are the steps', and the last step (a decode) is the decode step's list.
 A file that runs and is not listed, or is listed and does not run, fails the test with its name.
+
+The section also names each one's *path*: the files that hand it along, each calling the next, without the leaves
+they call on the way (gates, counters, checks). A path is the project files on the call stack at its hand-offs
+(`REQUEST_HANDOFFS`, `STEP_HANDOFFS`), read from the same traced run: each stack from its root down (the route
+handler on the loop, the core thread's or a loop callback's first frame, `EngineCore.schedule` / `execute` for a
+step), the files in the order they first appear, hand-off after hand-off. The lists written there must be these.
 """
 from __future__ import annotations
 
@@ -30,6 +36,28 @@ PACKAGE = str(REPO / "moe_runtime") + "/"
 SECTION = "## A request and a step, file by file"
 STEP_LIST = "A decode step, on every rank"
 STEP_CALLS = {("engine/core.py", "schedule"), ("engine/core.py", "execute")}
+REQUEST_PATH = "**A request's path: "
+STEP_PATH = "**A decode step's path: "
+# Where a request is handed on, in order: the way in, then the way back (token ids to the response's text).
+REQUEST_HANDOFFS = [
+    ("front/inprocess_client.py", "send"),            # the loop sends the AddRequest to the core
+    ("engine/scheduler.py", "add"),                   # the core thread applies it: the request enters the scheduler
+    ("attention_dp/core_commands.py", "report_step"),  # a step's token ids leave the core (StepOutputs)
+    ("front/detokenizer.py", "increment"),            # the front's output processing: token ids to text
+    ("front/async_engine.py", "_put"),                # the output on the request's stream
+    ("server/deltas.py", "advance"),                  # the route reads it: what the choice adds
+    ("server/completions.py", "response"),            # the API's response built
+]
+# The deepest points of a step: where the batch is chosen, then the kernels and the draw.
+STEP_HANDOFFS = [
+    ("engine/scheduler.py", "schedule"),
+    ("kernels/paged_attention.py", "paged_decode_attention"),
+    ("kernels/expert_mlp.py", "expert_mlp"),
+    ("sampling/sampler.py", "draw"),
+]
+HANDOFFS = set(REQUEST_HANDOFFS) | set(STEP_HANDOFFS)
+# A stack is read from the hand-off down to the first of these (kept); a stack without one goes to its bottom.
+STACK_ROOTS = {("server/app.py", "completions"), ("engine/core.py", "schedule"), ("engine/core.py", "execute")}
 
 
 class CallTrace:
@@ -39,6 +67,8 @@ class CallTrace:
         self.on = False
         self.request: set[str] = set()
         self.steps: list[set[str]] = []
+        self.request_stacks: dict[tuple[str, str], list[str]] = {}
+        self.step_stacks: list[dict[tuple[str, str], list[str]]] = []   # per step
         self._depth = threading.local()
 
     def __call__(self, frame, event, arg) -> None:
@@ -52,11 +82,38 @@ class CallTrace:
         if (where, frame.f_code.co_name) in STEP_CALLS:
             if event == "call" and frame.f_code.co_name == "schedule":
                 self.steps.append(set())
+                self.step_stacks.append({})
             self._depth.value = depth + (1 if event == "call" else -1)
             depth = max(depth, self._depth.value)
         if event != "call":
             return
         (self.steps[-1] if depth > 0 else self.request).add("moe_runtime/" + where)
+        call = (where, frame.f_code.co_name)
+        stacks = self.step_stacks[-1] if depth > 0 else self.request_stacks
+        if call in HANDOFFS and call not in stacks:
+            stacks[call] = project_stack(frame)
+
+
+def project_stack(frame) -> list[str]:
+    """The `moe_runtime` files on the stack, root first: from the nearest `STACK_ROOTS` frame (else the bottom)
+    up to `frame`."""
+    files = []
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(PACKAGE):
+            where = filename[len(PACKAGE):]
+            files.append("moe_runtime/" + where)
+            if (where, frame.f_code.co_name) in STACK_ROOTS:
+                break
+        frame = frame.f_back
+    return files[::-1]
+
+
+def spine(stacks: dict[tuple[str, str], list[str]], handoffs: list[tuple[str, str]]) -> list[str]:
+    """The files of the hand-offs' stacks, each once, in the order they first appear."""
+    missing = [call for call in handoffs if call not in stacks]
+    assert not missing, f"these hand-offs did not run: {missing}"
+    return list(dict.fromkeys(path for call in handoffs for path in stacks[call]))
 
 
 def documented() -> tuple[set[str], set[str]]:
@@ -69,6 +126,17 @@ def documented() -> tuple[set[str], set[str]]:
     def files(part: str) -> set[str]:
         return {path for item in listed.findall(part) for path in re.findall(r"`(moe_runtime/[\w/]+\.py)`", item)}
     return files(request_part), files(step_part)
+
+
+def documented_path(heading: str) -> list[str]:
+    """The files a path's paragraph names, in order; its heading's count must be theirs."""
+    text = (REPO / "docs" / "design.md").read_text()
+    start = text.index(heading)
+    paragraph = text[start:text.index("\n\n", start)]
+    count = int(re.match(r"\d+", paragraph[len(heading):]).group())
+    paths = re.findall(r"`(moe_runtime/[\w/]+\.py)`", paragraph)
+    assert count == len(paths), f"design.md's {heading!r} says {count} files and names {len(paths)}"
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +186,13 @@ def test_the_decode_step_lists_every_file_that_runs(traced):
     decode = traced.steps[-1]
     assert not decode - listed, f"ran in the decode step, not in design.md: {sorted(decode - listed)}"
     assert not listed - decode, f"in design.md's decode step, did not run: {sorted(listed - decode)}"
+
+
+def test_the_request_path_is_the_files_at_its_hand_offs(traced):
+    traced_path = spine(traced.request_stacks, REQUEST_HANDOFFS)
+    assert documented_path(REQUEST_PATH) == traced_path, f"traced: {traced_path}"
+
+
+def test_the_decode_step_path_is_the_files_at_its_deepest_calls(traced):
+    traced_path = spine(traced.step_stacks[-1], STEP_HANDOFFS)
+    assert documented_path(STEP_PATH) == traced_path, f"traced: {traced_path}"
