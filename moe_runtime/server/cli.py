@@ -15,9 +15,10 @@ processes), and `moe-serve: starting` is printed before that import, so the wait
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
-import gc
 import logging
+import os
 import sys
 
 from moe_runtime.security.control_key import CONTROL_KEY_ENV
@@ -316,17 +317,21 @@ def _serve_or_join(server_config: ServerConfig, engine_config: EngineConfig) -> 
     return serve(server_config, engine_config)
 
 
-def console_main() -> int:
-    """The `moe-serve` command: `main`, then an exit that does not walk the engine's objects again.
+def console_main() -> None:
+    """The `moe-serve` command: `main`, then the exit handlers, then the process's end without the interpreter's
+    teardown.
 
-    The interpreter's last collection visits every object still alive (torch's and transformers' modules, the
+    The teardown's last collection visits every object still alive (torch's and transformers' modules, the
     model, the tokenizer: some 450k) only to find nearly all of them reachable: 2-3 s between "stopped" and the
-    process's end, which a restart or a supervisor waits for. Freezing them first skips that walk; nothing else
-    of the shutdown (atexit handlers, flushed streams, finalizers of the objects dropped by then) changes."""
+    process's end, which a restart or a supervisor waits for (freezing them instead makes triton's bindings
+    report their objects as leaked at the end). The atexit handlers still run (logging's flush, multiprocessing's
+    clean-up of its children), and the standard streams are flushed."""
     code = main()
-    gc.freeze()
-    return code
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":
-    sys.exit(console_main())
+    console_main()
