@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -166,16 +167,18 @@ def test_a_request_whose_sampling_raises_fails_alone(llm, monkeypatch):
 
 def test_a_request_with_non_finite_probabilities_fails_alone(llm, monkeypatch):
     runner = llm.core.runner
-    real_execute = runner.execute
+    real_execute = runner._execute   # the forward under execute and execute_and_sample, whichever the step calls
 
-    def nan_for_poison(seqs):
-        logits = real_execute(seqs).clone()                                # [B, V]
+    def nan_for_poison(seqs, graph_sampling):
+        step = real_execute(seqs, graph_sampling)
+        assert step.draw is None   # this engine samples on the host: the poisoned logits reach its sampler
+        logits = step.logits.clone()                                        # [B, V]
         for row, seq in enumerate(seqs):
             if seq.prompt_token_ids == POISON:
                 logits[row] = math.nan
-        return logits
+        return dataclasses.replace(step, logits=logits)
 
-    monkeypatch.setattr(runner, "execute", nan_for_poison)
+    monkeypatch.setattr(runner, "_execute", nan_for_poison)
     sampled = SamplingParams(max_tokens=4, seed=1, ignore_eos=True)
     healthy, poisoned = llm.generate([PROMPTS[0], POISON], [sampled, sampled])
     assert poisoned.finish_reason == "error" and "not finite" in poisoned.error
