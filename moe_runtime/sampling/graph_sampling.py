@@ -25,7 +25,6 @@ forward; the eager sampler then samples its logits.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence as Seq
@@ -34,7 +33,7 @@ import torch
 
 from moe_runtime.sampling.counter_noise import exponential_race
 from moe_runtime.sampling.device_draw import DeviceDraw, DrawStatus
-from moe_runtime.sampling.logits_processors import token_counts
+from moe_runtime.sampling.logits_processors import min_p_masked, penalize, penalty_counts
 from moe_runtime.sampling.sampler import apply_top_k_top_p
 from moe_runtime.sampling.sampling_row import SamplingRow
 
@@ -78,8 +77,7 @@ class GraphSampling:
     @classmethod
     def kind_of(cls, seqs: Seq[SamplingRow]) -> GraphSamplingKind:
         params = [seq.params for seq in seqs]
-        if any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-               for p in params):
+        if any(p.penalized for p in params):
             return GraphSamplingKind.PENALIZED
         if any(not p.greedy for p in params):
             return GraphSamplingKind.SAMPLED
@@ -105,15 +103,12 @@ class GraphSampling:
                    column([float(p.min_p) for p in params], 0.0, torch.float32),
                    column([seq.sampling_seed for seq in seqs], 0, torch.int64))
         if kind is GraphSamplingKind.PENALIZED:
-            penalized = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-                         for p in params]
-            outputs = [seq.output_token_ids if wanted else [] for seq, wanted in zip(seqs, penalized)]
-            prompts = [seq.prompt_token_ids if seq.params.repetition_penalty != 1.0 else [] for seq in seqs]
+            output_counts, prompt_counts = penalty_counts(seqs, vocab, device)                 # [B, V] each
             tensors += (column([float(p.repetition_penalty) for p in params], 1.0, torch.float32),
                         column([float(p.frequency_penalty) for p in params], 0.0, torch.float32),
                         column([float(p.presence_penalty) for p in params], 0.0, torch.float32),
-                        token_counts(outputs + [[]] * pad, vocab, device),                     # [rows, V]
-                        token_counts(prompts + [[]] * pad, vocab, device))                     # [rows, V]
+                        torch.nn.functional.pad(output_counts, (0, 0, 0, pad)),                # [rows, V]
+                        torch.nn.functional.pad(prompt_counts, (0, 0, 0, pad)))                # [rows, V]
         return cls(kind, tensors)
 
     @staticmethod
@@ -136,9 +131,7 @@ def sample_in_graph(logits: torch.Tensor, positions: torch.Tensor, *sampling: to
     if sampling:
         greedy, temperature, top_k, top_p, min_p, seeds = sampling[:6]
         scaled = logits / temperature[:, None]                                               # [B, V]
-        # min-p as `apply_min_p` (min_p 0: a -inf threshold drops nothing)
-        threshold = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]     # [B, 1]
-        scaled = scaled.masked_fill(scaled < threshold, -math.inf)
+        scaled = min_p_masked(scaled, min_p)
         probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)                      # [B, V]
         usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)                # [B]
         drawn = exponential_race(probs.nan_to_num(0.0), seeds, positions + 1)                # [B]
@@ -150,14 +143,10 @@ def sample_in_graph(logits: torch.Tensor, positions: torch.Tensor, *sampling: to
 
 def _penalized(logits: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
                output_counts: torch.Tensor, prompt_counts: torch.Tensor) -> torch.Tensor:
-    """`apply_penalties`' arithmetic with [B] parameters (neutral rows unchanged: / 1, * 1, - 0). The counts are
-    [B, vocab]; an LM head with more rows than the vocabulary (padded) gets zero counts for the extra ones."""
+    """`penalize`, the eager sampler's arithmetic; the counts are [B, vocab], and an LM head with more rows than
+    the vocabulary (padded) gets zero counts for the extra ones."""
     extra = logits.shape[-1] - output_counts.shape[-1]    # known when traced: the graph's shapes are static
     if extra > 0:
         output_counts = torch.nn.functional.pad(output_counts, (0, extra))
         prompt_counts = torch.nn.functional.pad(prompt_counts, (0, extra))
-    repetition = repetition[:, None]                                                         # [B, 1]
-    seen = (prompt_counts + output_counts) > 0                                               # [B, V]
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalized, logits)
-    return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0).float()
+    return penalize(logits, repetition, frequency, presence, output_counts, prompt_counts)

@@ -72,36 +72,45 @@ def add_logit_bias(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tenso
                             torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
+def penalty_counts(seqs: list[SamplingRow], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, V] output counts, [B, V] prompt counts) the penalties read: outputs of rows with any penalty, prompts
+    of rows with a repetition penalty (empty rows elsewhere)."""
+    outputs = [seq.output_token_ids if seq.params.penalized else [] for seq in seqs]
+    prompts = [seq.prompt_token_ids if seq.params.repetition_penalty != 1.0 else [] for seq in seqs]
+    return token_counts(outputs, vocab, device), token_counts(prompts, vocab, device)
+
+
+def penalize(logits: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+             output_counts: torch.Tensor, prompt_counts: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] after repetition (tokens in prompt or output), frequency and presence (output) penalties,
+    each [B]; neutral values (1, 0, 0) leave a row exactly as it was. No data-dependent branch: traceable."""
+    seen = (prompt_counts + output_counts) > 0                                                   # [B, V]
+    repetition = repetition[:, None]                                                             # [B, 1]
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0).float()
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
-    """logits [B, V] after repetition (prompt + output), frequency and presence (output) penalties."""
-    params = [seq.params for seq in seqs]
-    wants_repetition = any(p.repetition_penalty != 1.0 for p in params)
-    wants_output = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
-    if not (wants_repetition or wants_output):
+    """logits [B, V] after the rows' penalties (unchanged when no row has one)."""
+    if not any(seq.params.penalized for seq in seqs):
         return logits
-    vocab = logits.shape[-1]
     device = logits.device
-    penalized_rows = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-                      for p in params]
-    outputs = [seq.output_token_ids if wanted else [] for seq, wanted in zip(seqs, penalized_rows)]
-    output_counts = token_counts(outputs, vocab, device)                                         # [B, V]
-    if wants_repetition:
-        repetition = row_tensor(seqs, lambda s: s.params.repetition_penalty, device)[:, None]    # [B, 1]
-        prompts = [seq.prompt_token_ids if seq.params.repetition_penalty != 1.0 else [] for seq in seqs]
-        seen = (token_counts(prompts, vocab, device) + output_counts) > 0                        # [B, V]
-        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(seen, penalized, logits)
-    if wants_output:
-        frequency = row_tensor(seqs, lambda s: s.params.frequency_penalty, device)[:, None]      # [B, 1]
-        presence = row_tensor(seqs, lambda s: s.params.presence_penalty, device)[:, None]        # [B, 1]
-        logits = logits - frequency * output_counts - presence * (output_counts > 0).float()
-    return logits
+    return penalize(logits, row_tensor(seqs, lambda s: s.params.repetition_penalty, device),
+                    row_tensor(seqs, lambda s: s.params.frequency_penalty, device),
+                    row_tensor(seqs, lambda s: s.params.presence_penalty, device),
+                    *penalty_counts(seqs, logits.shape[-1], device))
 
 
 def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """scaled logits [S, V] (after temperature) without the tokens below min_p [S] x the top probability."""
     if not bool((min_p > 0).any()):
         return scaled
-    # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); min_p = 0 gives -inf: nothing dropped
+    return min_p_masked(scaled, min_p)
+
+
+def min_p_masked(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """`apply_min_p` without the host check (traceable): min_p 0 gives a -inf threshold, nothing dropped."""
+    # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
     threshold = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]               # [S, 1]
     return scaled.masked_fill(scaled < threshold, -math.inf)

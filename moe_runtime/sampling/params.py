@@ -123,6 +123,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < self.MIN_TEMPERATURE
 
+    @property
+    def penalized(self) -> bool:
+        """Any of the repetition, frequency or presence penalties set."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
 
 def _shown(value: object, limit: int = 80) -> str:
     """`repr(value)`, shortened: an error message must not echo a megabyte of stop strings back. An integer
