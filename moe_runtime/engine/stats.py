@@ -34,6 +34,7 @@ class WorkerStats:
     spec_verify_steps: int = 0      # sequence-steps that verified drafts (acceptance length: 1 + accepted / these)
     captured_decode_steps: int = 0  # decode steps run as the compiled graph (--enable-torch-compile)
     captured_verify_steps: int = 0  # ... of which verified drafts (speculative decoding)
+    carried_decode_steps: int = 0   # ... whose inputs the previous step's graph computed (no host preparation)
     decode_steps_counted: int = 0
     decode_host_reads: int = 0
     decode_host_read_sites: dict[str, int] = field(default_factory=dict)

@@ -60,7 +60,8 @@ class _StepModule(torch.nn.Module):
 @dataclass
 class AotBucket:
     """A loaded library: `run` takes the step's tensors (the forward's five, then the sampling parameters) and
-    returns (drafter hidden [B, H'], logits [B, V], tokens and statuses [2, B])."""
+    returns (drafter hidden [B, H'], logits [B, V], tokens and statuses [2, B], then the next step's input ids,
+    positions, slots and context lengths [B]: `DecodeCapture._next_inputs`)."""
     runner: Callable
     caches: list[LayerKVCache]
     constants: dict[str, torch.Tensor]   # what the library reads as its weights (held: it keeps their addresses)

@@ -57,6 +57,7 @@ import torch
 
 from moe_runtime.dispatch.backends import PHASE_DECODE
 from moe_runtime.execution.aot_step import AotBucket, compile_bucket
+from moe_runtime.execution.decode_carry import PaddedStep
 from moe_runtime.layers.attention_batch import AttentionBatch
 from moe_runtime.layers.kv_cache import LayerKVCache
 from moe_runtime.sampling.graph_sampling import GraphSampling, GraphSamplingKind, sample_in_graph
@@ -143,6 +144,7 @@ class CaptureStats:
     buckets_compiled: list[int] = field(default_factory=list)  # batch buckets whose first step compiled
     graphs_compiled: list[tuple[int, str]] = field(default_factory=list)  # (bucket, GraphSamplingKind value) compiled
     graph_sampled_steps: int = 0                     # captured steps whose tokens the graph drew (graph_sampling.py)
+    carried_steps: int = 0                           # ... whose inputs the previous step's graph computed (decode_carry.py)
     buckets_loaded: list[int] = field(default_factory=list)    # ... of which AOT libraries found on disk, not built
     disabled_reason: str | None = None               # set when capture gave up; every step then runs eagerly
 
@@ -152,7 +154,8 @@ class CaptureStats:
         if capture is None:
             return {}
         return {"captured_decode_steps": capture.stats.captured_steps,
-                "captured_verify_steps": capture.stats.captured_verify_steps}
+                "captured_verify_steps": capture.stats.captured_verify_steps,
+                "carried_decode_steps": capture.stats.carried_steps}
 
 
 def cpu_compiler_missing() -> str | None:
@@ -174,10 +177,15 @@ class CapturedStep:
     hidden: torch.Tensor           # [R, H'] what a drafter reads (`CausalLM.drafter_hidden`): the final hidden
                                    # states [R, H], or the EAGLE-3 aux layers' inputs [R, 3H]
     sampled: torch.Tensor | None = None   # [2, R] int64 each row's token and DrawStatus, when the graph sampled
+    carry: PaddedStep | None = None       # ... and the next step's inputs it computed, padded (decode_carry.py)
 
     def copied(self) -> "CapturedStep":
+        carry = self.carry
+        if carry is not None:
+            carry = carry.advanced((carry.input_ids.clone(), carry.positions.clone(), carry.slot_mapping.clone(),
+                                    carry.context_lens.clone()))
         return CapturedStep(self.logits.clone(), self.hidden.clone(),
-                            None if self.sampled is None else self.sampled.clone())
+                            None if self.sampled is None else self.sampled.clone(), carry)
 
 
 class DecodeCapture:
@@ -244,6 +252,18 @@ class DecodeCapture:
         padded = self._pad(self._single_query_rows(inputs) if verifying else inputs, bucket)
         graph = GraphSampling.of(sampling if sampling is not None and not verifying else [], bucket,
                                  self.model.hf_config.vocab_size, inputs.input_ids.device)
+        return self._run(PaddedStep(*padded, graph), num_rows, verifying, sampling is not None and not verifying)
+
+    def run_carried(self, seqs: list[Sequence], step: PaddedStep) -> CapturedStep:
+        """A covered step (`covers`) of one token per sequence, sampled in the graph, whose padded inputs the
+        previous step's graph computed (`DecodeCarry.take`): no host preparation."""
+        self.stats.carried_steps += 1
+        return self._run(step, len(seqs), verifying=False, drew=True)
+
+    def _run(self, padded: PaddedStep, num_rows: int, verifying: bool, drew: bool) -> CapturedStep:
+        """Run the bucket's graph over `padded` (compiling it on its first step) for the step's `num_rows` rows;
+        `drew`: the graph's tokens are the step's (and its next inputs are carried)."""
+        bucket, graph = padded.bucket, padded.sampling
         first = (bucket, graph.kind.value) not in self.stats.graphs_compiled
         if first:
             logger.info("compiling the decode step for batch bucket %d, %s sampling (backend %s)", bucket,
@@ -251,20 +271,13 @@ class DecodeCapture:
         try:
             if self.settings.cuda_graphs:   # the previous step's outputs are consumed: their memory may be reused
                 torch.compiler.cudagraph_mark_step_begin()
-            # A bucket's graph, once compiled, is only told apart from the others (other buckets, other engines'
-            # graphs of this code) by the guards that differ between them: the full guard check (every weight's
-            # shape, dtype and strides, about 1 ms of a 12 ms batch-1 step) runs only on a bucket's first call. A
-            # tensor that changed shape behind it still trips the compiled code's own input asserts: that step
-            # then reruns eagerly below and the capture turns off.
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=not first), \
-                    torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                hidden, logits, sampled = self._step(bucket, graph, padded + graph.tensors)  # [bucket, H'], [bucket, V]
+            hidden, logits, sampled, *next_inputs = self._step(bucket, graph, padded.tensors(), first)
         except Exception as failure:
             # A compile (first call of a bucket, or a recompile later) that fails must not fail the step: this step
             # and every later one run eagerly. An error of the model itself raises again there.
             self._disable(f"the compiled decode step failed ({failure.__class__.__name__}: {failure})")
             self.stats.eager_steps += 1
-            hidden, logits, _ = self._decode_step(*padded)
+            hidden, logits, *_ = self._decode_step(*padded.tensors()[:5])
             return CapturedStep(logits[:num_rows], hidden[:num_rows])
         if first:
             self.stats.graphs_compiled.append((bucket, graph.kind.value))
@@ -272,17 +285,25 @@ class DecodeCapture:
                 self.stats.buckets_compiled.append(bucket)
         self.stats.captured_steps += 1
         self.stats.captured_verify_steps += verifying
-        drew = sampling is not None and not verifying
         self.stats.graph_sampled_steps += drew
-        step = CapturedStep(logits[:num_rows], hidden[:num_rows], sampled[:, :num_rows] if drew else None)
+        step = CapturedStep(logits[:num_rows], hidden[:num_rows], sampled[:, :num_rows] if drew else None,
+                            padded.advanced(tuple(next_inputs)) if drew else None)
         # A CUDA graph's output lives in its pool and the next replay overwrites it: the caller gets its own copy.
         return step.copied() if self.settings.cuda_graphs else step
 
-    def _step(self, bucket: int, graph: GraphSampling, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def _step(self, bucket: int, graph: GraphSampling, inputs: tuple[torch.Tensor, ...],
+              first: bool) -> tuple[torch.Tensor, ...]:
         """The bucket's compiled step for `graph`'s sampling kind: AOTInductor's library (compiled or loaded on the
         first step of the bucket and kind), or the graph dynamo runs (one per bucket and kind: their inputs differ)."""
         if not self.settings.aot:
-            return self._compiled(*inputs)
+            # A bucket's graph, once compiled, is only told apart from the others (other buckets, other engines'
+            # graphs of this code) by the guards that differ between them: the full guard check (every weight's
+            # shape, dtype and strides, about 1 ms of a 12 ms batch-1 step) runs only on a bucket's first call. A
+            # tensor that changed shape behind it still trips the compiled code's own input asserts: that step
+            # then reruns eagerly and the capture turns off.
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=not first), \
+                    torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return self._compiled(*inputs)
         key = (bucket, graph.kind)
         if key not in self._aot:
             self._aot[key] = compile_bucket(self.model, self.caches, self._decode_step, inputs)
@@ -324,17 +345,36 @@ class DecodeCapture:
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     *sampling: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     *sampling: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The traced step: one new token per row through every layer, then the LM head, then sampling: [B] -> the
         hidden rows a drafter reads (`CausalLM.drafter_hidden`: the final hidden states [B, H] for MTP, the aux
         layers' inputs [B, 3H] for an EAGLE-3 head), the logits [B, V] and each row's token and status [2, B]
-        (`sample_in_graph`; `sampling`: the rows' parameters, `GraphSampling.tensors`)."""
+        (`sample_in_graph`; `sampling`: the rows' parameters, `GraphSampling.tensors`), then the next step's
+        input ids, positions, slots and context lengths [B] (`_next_inputs`)."""
         batch = AttentionBatch(query_lens=[], context_lens=[], query_start=[0], slot_mapping=slot_mapping,
                                block_tables=block_tables, context_lens_tensor=context_lens,
                                block_size=self.block_size, static_decode=True)
         hidden = self.model(input_ids, positions, batch, self.caches)                # [B, H]
         logits = self.model.logits(hidden)                                           # [B, V] fp32
-        return self.model.drafter_hidden(hidden), logits, sample_in_graph(logits, positions, *sampling)
+        sampled = sample_in_graph(logits, positions, *sampling)                      # [2, B]
+        return (self.model.drafter_hidden(hidden), logits, sampled,
+                *self._next_inputs(sampled[0], positions, block_tables, context_lens))
+
+    def _next_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Traced: the inputs of the same rows' next decode step, each computing the token it drew here
+        (decode_carry.py): the token, position + 1, context + 1 and that position's slot in the row's table (the
+        scratch slot where the table has no block there yet: the host writes the block it gains, and the slot).
+        Pad rows (context 0) stay pad rows."""
+        live = context_lens > 0                                                      # [B]
+        next_positions = torch.where(live, positions + 1, positions)                 # [B]
+        column = torch.div(next_positions, self.block_size, rounding_mode="floor")   # [B]
+        inside = column < block_tables.shape[1]
+        blocks = block_tables.gather(1, column.clamp(max=block_tables.shape[1] - 1).unsqueeze(1)).squeeze(1).long()
+        slots = torch.where(live & inside & (blocks >= 0),
+                            blocks * self.block_size + next_positions % self.block_size, self.scratch_slot)
+        return (torch.where(live, tokens, 0), next_positions, slots,                 # [B] each
+                torch.where(live, context_lens + 1, context_lens))
 
     def _disable(self, reason: str | None) -> None:
         if reason is None or self.stats.disabled_reason is not None:

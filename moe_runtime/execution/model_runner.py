@@ -15,7 +15,8 @@ from moe_runtime.sampling.graph_sampling import GraphSampling
 from moe_runtime.sampling.host_reads import step_result_transfer
 from moe_runtime.sampling.logprobs import PromptLogprobs
 from moe_runtime.layers.attention_batch import AttentionBatch
-from moe_runtime.execution.decode_capture import CaptureSettings, CaptureStats, DecodeCapture
+from moe_runtime.execution.decode_capture import CaptureSettings, CaptureStats, CapturedStep, DecodeCapture
+from moe_runtime.execution.decode_carry import DecodeCarry, PaddedStep
 from moe_runtime.execution.step_inputs import StepInputs, TargetHidden
 from moe_runtime.kv_blocks.kv_groups import KVCacheLayout
 from moe_runtime.kv_blocks.state_snapshots import SnapshotPoolSize
@@ -81,6 +82,7 @@ def draft_checkpoint_rows(state_slots: int, per_slot: int) -> DraftCheckpoints:
 class ExecutedStep:
     logits: torch.Tensor               # [R, V] fp32 next-token logits of the sequences that sample
     draw: DeviceDraw | None = None     # their tokens, when the captured graph sampled them
+    carry: PaddedStep | None = None    # ... and the next step's inputs it computed (decode_carry.py)
 
 
 class ModelRunner:
@@ -117,6 +119,8 @@ class ModelRunner:
                 "not take yet (front/model_options.py)")
         self.capture = None if capture is None else DecodeCapture(model, self.caches, block_size, num_blocks,
                                                                    device, capture)
+        # a steady captured batch's next inputs, computed by its previous step's graph
+        self.carry = DecodeCarry(block_size, dynamic_width=capture is not None and capture.table_width is None)
         self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)
         self._scored_prompts: dict[str, PromptLogprobs] = {}   # request id -> prompt logprobs not yet taken
         # a drafter layer keeping per-sequence state (DeepSeek-V4's MTP layer): restored from a cached prefix's
@@ -247,21 +251,30 @@ class ModelRunner:
             return SampleResult.empty()
         if step.draw is not None:
             with step_result_transfer():
-                return step.draw.to_host()
+                result = step.draw.to_host()
+            if step.carry is not None:
+                self.carry.keep(seqs, step.carry, result.token_ids)
+            return result
         return sample(step.logits, sampling)
 
     @torch.inference_mode()
     def _execute(self, seqs: list[Sequence], graph_sampling: bool) -> ExecutedStep:
+        # A steady batch sampled in the graph (and no drafter reading its hidden states) takes its inputs from the
+        # previous step's graph; any other step drops them (decode_carry.py).
+        carried = None
+        if graph_sampling and not self.keep_hidden:
+            carried = self.carry.take(seqs)
+        else:
+            self.carry.drop()
+        if carried is not None and self.capture.covers(seqs):
+            self.model.executor.routing = None
+            return self._captured(seqs, self.capture.run_carried(seqs, carried), None)
         inputs = self.prepare(seqs)
         routing = self.arm_routing(seqs, inputs)   # routing replay: such a step runs eagerly
         captured = None if self.capture is None or routing is not None else self.capture.run(
             seqs, inputs, seqs if graph_sampling else None)
         if captured is not None:
-            self.last_hidden = self._kept(seqs, inputs, captured.hidden) if self.keep_hidden else None
-            for seq in seqs:
-                seq.commit_scheduled_tokens()
-            draw = None if captured.sampled is None else GraphSampling.draw(captured.sampled, len(seqs))
-            return ExecutedStep(captured.logits, draw)
+            return self._captured(seqs, captured, inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.caches)  # [T, H]
         self.disarm_routing(routing, seqs, inputs)
         if self.keep_hidden:   # the final hidden states, or the aux layers' inputs where an EAGLE-3 head asks
@@ -270,6 +283,15 @@ class ModelRunner:
         for seq in seqs:
             seq.commit_scheduled_tokens()
         return ExecutedStep(self.model.logits(hidden[inputs.last_token_index]))
+
+    def _captured(self, seqs: list[Sequence], captured: CapturedStep, inputs: StepInputs | None) -> ExecutedStep:
+        """A step the capture ran: its tokens committed, its hidden rows kept when a drafter reads them (`inputs`
+        then the step's prepared ones: a carried step has none and no drafter)."""
+        self.last_hidden = self._kept(seqs, inputs, captured.hidden) if self.keep_hidden else None
+        for seq in seqs:
+            seq.commit_scheduled_tokens()
+        draw = None if captured.sampled is None else GraphSampling.draw(captured.sampled, len(seqs))
+        return ExecutedStep(captured.logits, draw, captured.carry if draw is not None else None)
 
     def arm_routing(self, seqs: list[Sequence], inputs: StepInputs) -> StepRouting | None:
         """Arm routing replay on the model's MoE executor for this forward when a sequence of it records or

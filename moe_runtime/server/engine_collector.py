@@ -68,6 +68,8 @@ WORKER_FIGURES = (
                  lambda w: w.captured_decode_steps, is_counter=True),
     WorkerFigure("captured_verify_steps", "Of the captured steps, those that verified drafts (speculative decoding).",
                  lambda w: w.captured_verify_steps, is_counter=True),
+    WorkerFigure("carried_decode_steps", "Of the captured steps, those whose inputs the previous step's graph computed.",
+                 lambda w: w.carried_decode_steps, is_counter=True),
     WorkerFigure("prefix_cache_hits", "Tokens found in a DP worker's prefix cache at admission (not recomputed).",
                  lambda w: w.prefix_cache_hits, is_counter=True),
 )
