@@ -48,6 +48,12 @@ class GraphSamplingKind(Enum):
         """Tensors the kind's graph takes after the forward's five."""
         return {GraphSamplingKind.GREEDY: 0, GraphSamplingKind.SAMPLED: 6, GraphSamplingKind.PENALIZED: 11}[self]
 
+    @property
+    def carried(self) -> bool:
+        """Whether the next step may reuse this step's parameter tensors (execution/decode_carry.py): not the
+        penalized kind's, whose token counts change with every token drawn."""
+        return self is not GraphSamplingKind.PENALIZED
+
 
 @dataclass
 class GraphSampling:
