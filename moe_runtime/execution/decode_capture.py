@@ -17,6 +17,9 @@ grouped kernels whose sizes depend on the routing. The capture removes both (SGL
   streaming each chosen expert's weights.
 - **Whole step, no graph breaks** (`fullgraph=True`): the layers' plain `forward` (not the staged
   generators of two-batch overlap) from embedding to logits.
+- **The next step's inputs too**: the tokens it drew, positions and context lengths one more, the next slots
+  (`_next_inputs`), which a steady batch's next step takes instead of the host's preparation
+  (moe_runtime/execution/decode_carry.py).
 
 On the CPU the bucket's graph runs, by default, as an AOTInductor library (moe_runtime/execution/aot_step.py:
 exported once, compiled once and cached on disk, no dynamo frame or Python wrapper in the step: 0.75-0.82x the
