@@ -1,6 +1,8 @@
 """Session fixtures shared by the test suite: the tiny tokenizer, tiny checkpoints, the demo model (each built once
 per run, whatever the number of pytest-xdist workers: shared_builds.py)."""
 
+import os
+
 import pytest
 import torch
 from shared_builds import build_once, shared_root
@@ -51,6 +53,7 @@ def demo_model(tmp_path_factory):
 
 
 def pytest_configure(config):
+    share_cores_between_workers()
     config.addinivalue_line("markers", f"{MARKER}(*case_files): the test holds these Triton case files to the run's "
                                        "one interpreter child (triton_interpreter_child.py)")
 
@@ -82,3 +85,13 @@ def pytest_collection_modifyitems(session, config, items):
         sizes[item.path.name] = sizes.get(item.path.name, 0) + 1
     first = {name: rank for rank, name in enumerate(LONGEST_MODULES)}
     items.sort(key=lambda item: (first.get(item.path.name, len(first)), -sizes[item.path.name], str(item.path)))
+
+
+def share_cores_between_workers() -> None:
+    """Each pytest-xdist worker takes its share of the cores as torch's intra-op threads (it would take them all:
+    two workers on two cores then run four OpenMP threads, which spin against each other; on this machine a small
+    matmul took 8x longer and the speculative tests' CPU time was 2.7x). Engines a test starts in other processes
+    (servers, ranks) set their own."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
