@@ -172,7 +172,7 @@ def _seq(index: int, cached: int, table: list[int], token: int) -> Sequence:
 
 def _kept(seqs: list[Sequence], tokens: list[int], bucket: int = 4) -> tuple[DecodeCarry, PaddedStep]:
     """A carry holding the next inputs of `seqs` (padded to `bucket`) as a graph would have computed them."""
-    rows, pad = len(seqs), bucket - len(seqs)
+    pad = bucket - len(seqs)
     positions = [seq.num_cached_tokens for seq in seqs]
     width = max(len(seq.kv.block_table) for seq in seqs)
     tables = torch.full((bucket, width), -1, dtype=torch.int32)

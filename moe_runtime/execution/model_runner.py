@@ -120,7 +120,7 @@ class ModelRunner:
         self.capture = None if capture is None else DecodeCapture(model, self.caches, block_size, num_blocks,
                                                                    device, capture)
         # a steady captured batch's next inputs, computed by its previous step's graph
-        self.carry = DecodeCarry(block_size, dynamic_width=capture is not None and capture.table_width is None)
+        self.carry = None if capture is None else DecodeCarry(block_size, dynamic_width=capture.table_width is None)
         self.prompt_logprobs_chunk_tokens = chunk_tokens_for(model.hf_config.vocab_size)
         self._scored_prompts: dict[str, PromptLogprobs] = {}   # request id -> prompt logprobs not yet taken
         # a drafter layer keeping per-sequence state (DeepSeek-V4's MTP layer): restored from a cached prefix's
@@ -259,13 +259,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, seqs: list[Sequence], graph_sampling: bool) -> ExecutedStep:
-        # A steady batch sampled in the graph (and no drafter reading its hidden states) takes its inputs from the
-        # previous step's graph; any other step drops them (decode_carry.py).
-        carried = None
-        if graph_sampling and not self.keep_hidden:
-            carried = self.carry.take(seqs)
-        else:
-            self.carry.drop()
+        carried = self._carried(seqs, graph_sampling)
         if carried is not None and self.capture.covers(seqs):
             self.model.executor.routing = None
             return self._captured(seqs, self.capture.run_carried(seqs, carried), None)
@@ -283,6 +277,17 @@ class ModelRunner:
         for seq in seqs:
             seq.commit_scheduled_tokens()
         return ExecutedStep(self.model.logits(hidden[inputs.last_token_index]))
+
+    def _carried(self, seqs: list[Sequence], graph_sampling: bool) -> PaddedStep | None:
+        """This step's inputs as the previous captured step's graph computed them, when `seqs` is that batch one
+        token on, sampled in the graph, and no drafter reads its hidden states; any other step drops them
+        (decode_carry.py)."""
+        if self.carry is None:
+            return None
+        if graph_sampling and not self.keep_hidden:
+            return self.carry.take(seqs)
+        self.carry.drop()
+        return None
 
     def _captured(self, seqs: list[Sequence], captured: CapturedStep, inputs: StepInputs | None) -> ExecutedStep:
         """A step the capture ran: its tokens committed, its hidden rows kept when a drafter reads them (`inputs`
