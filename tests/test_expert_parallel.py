@@ -7,7 +7,7 @@ import pytest
 from engine_helpers import PROMPTS, greedy
 from moe_runtime import LLM
 
-NEW_TOKENS = 16
+NEW_TOKENS = 10   # PROMPTS[1] prefills across a 16-token KV block, PROMPTS[3] decodes across one
 LAYOUTS = [  # (arch, ep, dp_attn): attention TP = ep / dp_attn; every valid pair of ep {2, 4}, dp_attn {1, 2, 4}
     (arch, ep, dp)
     for arch in ("mixtral", "qwen3_moe", "deepseek_v3")
@@ -31,7 +31,7 @@ def test_layout_matches_one_rank(arch, ep, dp_attn, tiny_checkpoint_factory, ora
         [single] = llm.generate([PROMPTS[1]], greedy(NEW_TOKENS))
         assert single.token_ids == oracle(arch, [PROMPTS[1]])[0]
         # requests ending at different steps never hang the others
-        lengths = [3, 16, 1, 9]
+        lengths = [3, NEW_TOKENS, 1, 7]
         mixed = llm.generate(PROMPTS, [greedy(n) for n in lengths])
         assert [o.token_ids for o in mixed] == [tokens[:n] for tokens, n in zip(oracle(arch, PROMPTS), lengths)]
         # each rank holds ~1/ep of the routed-expert bytes
