@@ -6,7 +6,7 @@ from tiny_checkpoints import hf_greedy
 from moe_runtime import LLM
 from moe_runtime.errors import InvalidRequestError
 
-NEW_TOKENS = 16
+NEW_TOKENS = 10   # PROMPTS[1] prefills across a 16-token KV block, PROMPTS[3] decodes across one
 FOUR_LAYERS = dict(num_hidden_layers=4)
 DENSE_LAYOUTS = [dict(tp=2), dict(tp=4), dict(pp=2), dict(pp=4), dict(tp=2, pp=2)]
 
