@@ -95,14 +95,19 @@ def test_seeded_sampling_carries_and_draws_the_eager_samplers_tokens(compiled, e
     assert stats(compiled).carried_steps == before
 
 
-def test_penalized_sampling_is_sampled_in_the_graph_but_never_carried(compiled, eager):
-    """The penalized kind's token counts change with every token: each step builds its parameters again."""
-    params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=seed, repetition_penalty=1.3,
-                             frequency_penalty=0.5) for seed in range(len(PROMPTS))]
+def test_penalized_sampling_carries_its_token_counts_one_token_on(compiled, eager):
+    """The penalized kind's output counts change with every token: a carried step adds each penalized row's drawn
+    token to the kept counts (a row without penalties keeps zero counts), and the draws stay the eager sampler's,
+    which counts the outputs again every step. Frequency penalties make every repeated token count."""
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.5, seed=seed, repetition_penalty=1.3,
+                             frequency_penalty=2.0) for seed in range(len(PROMPTS) - 2)]
+    params.append(SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, presence_penalty=2.0))
+    params.append(SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
     expected = [o.token_ids for o in eager.generate(PROMPTS, params)]
     before = (stats(compiled).graph_sampled_steps, stats(compiled).carried_steps)
     assert [o.token_ids for o in compiled.generate(PROMPTS, params)] == expected
-    assert stats(compiled).graph_sampled_steps - before[0] == 8 - 1 and stats(compiled).carried_steps == before[1]
+    assert stats(compiled).graph_sampled_steps - before[0] == 12 - 1
+    assert stats(compiled).carried_steps - before[1] == 12 - 2
 
 
 def test_a_changing_batch_restarts_the_carry_and_keeps_the_oracle_tokens(compiled, greedy_oracle, monkeypatch):

@@ -265,8 +265,7 @@ class DecodeCapture:
 
     def _run(self, padded: PaddedStep, num_rows: int, verifying: bool, drew: bool) -> CapturedStep:
         """Run the bucket's graph over `padded` (compiling it on its first step) for the step's `num_rows` rows;
-        `drew`: the graph's tokens are the step's (and its next inputs are carried, where its sampling kind lets
-        them: `GraphSamplingKind.carried`)."""
+        `drew`: the graph's tokens are the step's (and its next inputs are carried)."""
         bucket, graph = padded.bucket, padded.sampling
         first = (bucket, graph.kind.value) not in self.stats.graphs_compiled
         if first:
@@ -291,7 +290,7 @@ class DecodeCapture:
         self.stats.captured_verify_steps += verifying
         self.stats.graph_sampled_steps += drew
         step = CapturedStep(logits[:num_rows], hidden[:num_rows], sampled[:, :num_rows] if drew else None,
-                            padded.advanced(tuple(next_inputs)) if drew and graph.kind.carried else None)
+                            padded.advanced(tuple(next_inputs)) if drew else None)
         # A CUDA graph's output lives in its pool and the next replay overwrites it: the caller gets its own copy.
         return step.copied() if self.settings.cuda_graphs else step
 

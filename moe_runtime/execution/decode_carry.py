@@ -4,8 +4,8 @@ A steady decode batch (the same sequences, each computing the one token it sampl
 one step to the next: every row's input id is the token the graph just drew, its position and context length one
 more, its slot the next one of its table. The captured step (`DecodeCapture._decode_step`) computes those next
 inputs itself, beside its logits and tokens; this record keeps them, already padded to the bucket, with the
-step's block table and sampling parameters, and hands them to the next step instead of the host building them
-again (`ModelRunner.prepare`, `DecodeCapture._pad`, `GraphSampling.of`): vLLM's persistent batch, SGLang's
+step's block table and sampling parameters (penalty counts one token on: `GraphSampling.after_drawing`), and hands
+them to the next step instead of the host building them again (`ModelRunner.prepare`, `DecodeCapture._pad`, `GraphSampling.of`): vLLM's persistent batch, SGLang's
 carried decode state. The host still reads one token and status per sequence per step.
 
 The carry is taken only when the next step is provably the same batch one token on (`DecodeCarry.take`): the same
@@ -104,6 +104,7 @@ class DecodeCarry:
                 return None
             if len(seq.kv.block_table) != len(row.table):
                 grown.append((index, row))
+        kept.step.sampling.after_drawing([row.token for row in kept.rows], [row.params.penalized for row in kept.rows])
         return self._with_blocks(kept.step, grown) if grown else kept.step
 
     def _same_row(self, seq: Sequence, row: _KeptRow) -> bool:

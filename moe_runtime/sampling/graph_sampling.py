@@ -16,7 +16,8 @@ Three graph kinds (`GraphSamplingKind`), because the ops a batch needs differ a 
 graph runs all it holds: GREEDY (an argmax; every batch that samples nothing at random, and the kind whose
 logits a fallback batch samples eagerly), SAMPLED (temperature, min-p, top-k, top-p, the seeded draw:
 a sort of every row's vocabulary) and PENALIZED (SAMPLED after repetition / frequency / presence penalties,
-from count tensors [B, V] built on the host as the eager sampler builds them).
+from count tensors [B, V] built on the host as the eager sampler builds them; a carried step adds its rows'
+drawn tokens to the kept counts instead, `GraphSampling.after_drawing`).
 
 What stays with the eager sampler, for the whole batch (`GraphSampling.refusal` names why): structured
 output (the grammar's bitmask is filled on the host, per step), logit_bias, an active min_tokens ban,
@@ -35,6 +36,8 @@ from moe_runtime.sampling.counter_noise import exponential_race
 from moe_runtime.sampling.device_draw import DeviceDraw, DrawStatus
 from moe_runtime.sampling.logits_processors import min_p_masked, penalize, penalty_counts
 from moe_runtime.sampling.sampler import apply_top_k_top_p
+
+PENALIZED_OUTPUT_COUNTS = 9   # where the penalized kind's [rows, V] output counts are in `GraphSampling.tensors`
 from moe_runtime.sampling.sampling_row import SamplingRow
 
 
@@ -48,11 +51,6 @@ class GraphSamplingKind(Enum):
         """Tensors the kind's graph takes after the forward's five."""
         return {GraphSamplingKind.GREEDY: 0, GraphSamplingKind.SAMPLED: 6, GraphSamplingKind.PENALIZED: 11}[self]
 
-    @property
-    def carried(self) -> bool:
-        """Whether the next step may reuse this step's parameter tensors (execution/decode_carry.py): not the
-        penalized kind's, whose token counts change with every token drawn."""
-        return self is not GraphSamplingKind.PENALIZED
 
 
 @dataclass
@@ -116,6 +114,16 @@ class GraphSampling:
                         torch.nn.functional.pad(output_counts, (0, 0, 0, pad)),                # [rows, V]
                         torch.nn.functional.pad(prompt_counts, (0, 0, 0, pad)))                # [rows, V]
         return cls(kind, tensors)
+
+    def after_drawing(self, tokens: list[int], counted: list[bool]) -> "GraphSampling":
+        """The same rows' parameters for their next step, each having drawn `tokens[i]` (execution/decode_carry.py):
+        unchanged, but the penalized kind's output counts one more at the token of every `counted` row (a row with
+        an output penalty): what `penalty_counts` gives over the outputs one token longer. Updated in place."""
+        rows = [row for row, count in enumerate(counted) if count]
+        if self.kind is GraphSamplingKind.PENALIZED and rows:
+            output_counts = self.tensors[PENALIZED_OUTPUT_COUNTS]                                  # [rows, V]
+            output_counts[rows, [tokens[row] for row in rows]] += 1.0
+        return self
 
     @staticmethod
     def draw(tokens_status: torch.Tensor, rows: int) -> DeviceDraw:
