@@ -337,6 +337,7 @@ def main() -> None:
     if int8_rows:
         written.append(RESULTS / "offline_int8.json")
         written[-1].write_text(json.dumps(dict(benchmark="offline_int8", **common, rows=int8_rows, **extra), indent=2))
+    (RESULTS / f"{Path(args.out).stem}.rounds_so_far.json").unlink(missing_ok=True)   # the whole run is written
     out = ", ".join(str(path) for path in written)
     print(f"\nwrote {out}")
 

@@ -99,6 +99,9 @@ def test_inductor_generated_code_gives_eager_tokens(tiny_checkpoint_factory, gre
         assert [o.token_ids for o in sampled] == expected_seeded
         assert stats.disabled_reason is None and stats.captured_steps == NEW_TOKENS - 1 + 7
         assert stats.graph_sampled_steps == stats.captured_steps   # every step's tokens came out of the library
+        # ... and every step after each batch's first took its inputs from the library's outputs (decode_carry.py),
+        # every sequence crossing a KV block on the way (16-token blocks)
+        assert stats.carried_steps == NEW_TOKENS - 2 + 8 - 2
         assert stats.graphs_compiled == [(4, "greedy"), (4, "sampled")]
         assert len(hits) == 2 and stats.buckets_loaded == ([4] if any(hits) else [])
         if run == "loads":
