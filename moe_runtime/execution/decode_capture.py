@@ -147,7 +147,7 @@ class CaptureStats:
     buckets_compiled: list[int] = field(default_factory=list)  # batch buckets whose first step compiled
     graphs_compiled: list[tuple[int, str]] = field(default_factory=list)  # (bucket, GraphSamplingKind value) compiled
     graph_sampled_steps: int = 0                     # captured steps whose tokens the graph drew (graph_sampling.py)
-    carried_steps: int = 0                           # ... whose inputs the previous step's graph computed (decode_carry.py)
+    carried_steps: int = 0                           # ... whose inputs the previous step's graph computed
     buckets_loaded: list[int] = field(default_factory=list)    # ... of which AOT libraries found on disk, not built
     disabled_reason: str | None = None               # set when capture gave up; every step then runs eagerly
 

@@ -4,9 +4,10 @@ A steady decode batch (the same sequences, each computing the one token it sampl
 one step to the next: every row's input id is the token the graph just drew, its position and context length one
 more, its slot the next one of its table. The captured step (`DecodeCapture._decode_step`) computes those next
 inputs itself, beside its logits and tokens; this record keeps them, already padded to the bucket, with the
-step's block table and sampling parameters (penalty counts one token on: `GraphSampling.after_drawing`), and hands
-them to the next step instead of the host building them again (`ModelRunner.prepare`, `DecodeCapture._pad`, `GraphSampling.of`): vLLM's persistent batch, SGLang's
-carried decode state. The host still reads one token and status per sequence per step.
+step's block table and sampling parameters (penalty counts one token on: `GraphSampling.after_drawing`), and
+hands them to the next step instead of the host building them again (`ModelRunner.prepare`, `DecodeCapture._pad`,
+`GraphSampling.of`): vLLM's persistent batch, SGLang's carried decode state. The host still reads one token and
+status per sequence per step.
 
 The carry is taken only when the next step is provably the same batch one token on (`DecodeCarry.take`): the same
 `Sequence` objects in the same order, each scheduling one token with no drafts, its cached tokens one more than

@@ -260,8 +260,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, seqs: list[Sequence], graph_sampling: bool) -> ExecutedStep:
         carried = self._carried(seqs, graph_sampling)
-        if carried is not None and self.capture.covers(seqs):
-            self.model.executor.routing = None
+        if carried is not None and self.capture.covers(seqs):   # routing unarmed: the kept step was captured
             return self._captured(seqs, self.capture.run_carried(seqs, carried), None)
         inputs = self.prepare(seqs)
         routing = self.arm_routing(seqs, inputs)   # routing replay: such a step runs eagerly

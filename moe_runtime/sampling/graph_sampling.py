@@ -52,7 +52,6 @@ class GraphSamplingKind(Enum):
         return {GraphSamplingKind.GREEDY: 0, GraphSamplingKind.SAMPLED: 6, GraphSamplingKind.PENALIZED: 11}[self]
 
 
-
 @dataclass
 class GraphSampling:
     """One batch's sampling parameters as the graph takes them, padded to the bucket's rows."""
@@ -115,15 +114,15 @@ class GraphSampling:
                         torch.nn.functional.pad(prompt_counts, (0, 0, 0, pad)))                # [rows, V]
         return cls(kind, tensors)
 
-    def after_drawing(self, tokens: list[int], counted: list[bool]) -> "GraphSampling":
-        """The same rows' parameters for their next step, each having drawn `tokens[i]` (execution/decode_carry.py):
-        unchanged, but the penalized kind's output counts one more at the token of every `counted` row (a row with
-        an output penalty): what `penalty_counts` gives over the outputs one token longer. Updated in place."""
+    def after_drawing(self, tokens: list[int], counted: list[bool]) -> None:
+        """Make these the same rows' parameters for their next step, each having drawn `tokens[i]`
+        (execution/decode_carry.py): the penalized kind's output counts one more, in place, at the token of every
+        `counted` row (a row with a penalty): what `penalty_counts` gives over the outputs one token longer. The
+        other kinds' parameters do not change with the tokens."""
         rows = [row for row, count in enumerate(counted) if count]
         if self.kind is GraphSamplingKind.PENALIZED and rows:
             output_counts = self.tensors[PENALIZED_OUTPUT_COUNTS]                                  # [rows, V]
             output_counts[rows, [tokens[row] for row in rows]] += 1.0
-        return self
 
     @staticmethod
     def draw(tokens_status: torch.Tensor, rows: int) -> DeviceDraw:
