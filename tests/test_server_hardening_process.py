@@ -27,6 +27,10 @@ BEARER = {"Authorization": f"Bearer {KEY}"}
 UPLOAD_BYTES = 100 * 2**20
 MAX_RSS_GROWTH_BYTES = 64 * 2**20
 REFUSAL_BOUND_S = 3.0
+# The stall the streams guard against, a front tokenizing one of these prompts whole on its loop, lasts 6-17 s; the
+# uploads themselves (8 x 3.9 MB at once) beside the suite's other worker on 2 cores made gaps of 0.52-0.70 s in 2 of
+# 5 full runs: a 0.5 s bound failed on that noise, while the stall it guards against stays far above 2 s
+STREAM_GAP_BOUND_S = 2.0
 
 
 @dataclass
@@ -272,7 +276,7 @@ class StreamGaps:
 def test_oversized_prompts_are_refused_at_once_with_the_front_flat_and_streams_flowing(server):
     """8 concurrent 3.9 MB prompts ("a " * 1,950,000: 27-34 s of tokenizing each, +2.4 GB before) and a body
     with two 1 MB stop strings: each a 400 naming its field in under a second, the front's memory flat, and a
-    stream running meanwhile never waits 0.5 s for a chunk."""
+    stream running meanwhile never waits STREAM_GAP_BOUND_S for a chunk."""
     streams = StreamGaps(server.base_url)
     streamer = threading.Thread(target=streams.run, daemon=True)
     streamer.start()
@@ -307,6 +311,6 @@ def test_oversized_prompts_are_refused_at_once_with_the_front_flat_and_streams_f
     # the suite's other worker: tokenizing these prompts whole took 6-17 s each
     assert all(status == 400 and seconds < REFUSAL_BOUND_S for status, _, seconds in answers), answers
     during = streams.gaps[gaps_before:]
-    assert during and max(during) < 0.5, f"a stream waited {max(during):.2f}s for a chunk"
+    assert during and max(during) < STREAM_GAP_BOUND_S, f"a stream waited {max(during):.2f}s for a chunk"
     growth = watch.peak_rss - rss_before
     assert growth < 2 * MAX_RSS_GROWTH_BYTES, f"the front grew by {growth / 2**20:.0f} MiB"
